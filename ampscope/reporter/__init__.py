@@ -1,0 +1,1 @@
+"""Rank-side transport: the record schema and the sinks records go to."""

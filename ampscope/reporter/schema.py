@@ -1,0 +1,160 @@
+"""The telemetry record schema, defined once.
+
+The scalers build these records, the reporter sends them as JSON, and the exporter
+validates every batch against the same models in strict mode. Limits that bound the
+exporter's memory live here too, so both sides agree on them.
+
+Only pydantic is imported: the rank side never pulls in the server stack.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+
+SCHEMA_VERSION = 1
+"""Bumped on any incompatible change; the exporter rejects other versions with 422."""
+
+DEFAULT_PORT = 9478
+"""The exporter's default port (one exporter per node)."""
+
+DEFAULT_URL = f"http://127.0.0.1:{DEFAULT_PORT}"
+"""Where a rank's reporter sends when ``AMPSCOPE_URL`` is unset."""
+
+INGEST_PATH = "/api/v1/ingest"
+
+# Limits of one record and one batch. The exporter applies further, configurable limits
+# (body size, runs, ranks, series) on top of these.
+MAX_LABEL_LENGTH = 128
+"""run ids, node names, device strings and optimizer names."""
+MAX_PARAM_NAME_LENGTH = 512
+"""Fully qualified parameter names, e.g. ``layers.3.attn.wo.weight``."""
+MAX_DEVICES = 64
+"""Devices one rank may report in one record."""
+MAX_OPTIMIZERS = 64
+MAX_NONFINITE_PARAMS = 64
+"""Upper bound on top-K non-finite parameters per record and per rank's cumulative totals."""
+MAX_RECORDS_PER_BATCH = 2048
+
+Label = Annotated[
+    str,
+    StringConstraints(min_length=1, max_length=MAX_LABEL_LENGTH, pattern=r"^[A-Za-z0-9_.:/@+=-]+$"),
+]
+"""A label value: printable, no whitespace or quotes, bounded."""
+ParamName = Annotated[
+    str,
+    StringConstraints(min_length=1, max_length=MAX_PARAM_NAME_LENGTH, pattern=r"^[^\s\"\\]+$"),
+]
+Count = Annotated[int, Field(ge=0)]
+Scale = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+UnixTime = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+
+ScaleEvent = Literal["growth", "backoff", "none", "manual"]
+
+
+class _Model(BaseModel):
+    # Strict: no coercion ("1" is not 1), unknown fields rejected, records immutable.
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+
+class Identity(_Model):
+    """Who produced a record."""
+
+    run: Label
+    """Run id: AMPSCOPE_RUN_ID, else TORCHELASTIC_RUN_ID, else generated and shared by all ranks."""
+    node: Label
+    """Host name of the rank's machine."""
+    rank: Annotated[int, Field(ge=0, lt=1_000_000)]
+    local_rank: Annotated[int, Field(ge=0, lt=1_000_000)]
+    world_size: Annotated[int, Field(ge=1, le=1_000_000)]
+
+
+class NonfiniteParam(_Model):
+    """A parameter whose local gradient shard held inf/NaN values."""
+
+    name: ParamName
+    """Fully qualified name, or ``group{g}.param{i}`` when the model was not attached."""
+    count: Count
+    """Number of non-finite elements (in a record: this iteration; in totals: cumulative)."""
+
+
+class OptimizerDetail(_Model):
+    """One optimizer's part of an iteration."""
+
+    index: Count
+    """Order in which the scaler first saw this optimizer (0-based)."""
+    name: Label
+    """Optimizer class name, e.g. ``AdamW``."""
+    found_inf: bool
+    """Non-finite gradients after the cross-rank reduction: its step was skipped."""
+    fused: bool
+    """Took torch's ``_step_supports_amp_scaling`` path (the optimizer skips itself)."""
+
+
+class RankTotals(_Model):
+    """Cumulative counters of one rank since its scaler was created.
+
+    Every record carries them, so the exporter's counters are exact even after
+    dropped batches or an exporter restart.
+    """
+
+    steps: Count
+    """update() calls."""
+    skipped_steps: Count
+    """Iterations whose optimizer step(s) were skipped for non-finite gradients."""
+    backoffs: Count
+    growths: Count
+    found_inf_local: dict[Label, Count] = Field(max_length=MAX_DEVICES)
+    """Per device: iterations whose local gradient shards held inf/NaN."""
+    found_inf_origin: dict[Label, Count] = Field(max_length=MAX_DEVICES)
+    """Per device: iterations whose pre-reduction gradients held inf/NaN (origin tracking)."""
+    nonfinite_params: list[NonfiniteParam] = Field(max_length=MAX_NONFINITE_PARAMS)
+    """Top-K parameters by cumulative non-finite element count on this rank."""
+    min_scale: Scale | None
+    max_scale: Scale | None
+
+
+class StepRecord(_Model):
+    """One iteration: everything one update() call saw and did on one rank."""
+
+    identity: Identity
+    step: Annotated[int, Field(ge=1)]
+    """1-based count of update() calls on this rank."""
+    time: UnixTime
+    """Wall-clock time of the update() call (seconds since the epoch)."""
+    found_inf_local: dict[Label, bool] = Field(max_length=MAX_DEVICES)
+    """Per device: inf/NaN in this rank's local gradient shards, before the found-inf reduction."""
+    found_inf_origin: dict[Label, bool] = Field(max_length=MAX_DEVICES)
+    """Per device: inf/NaN in this rank's own gradients before the gradient collective.
+    Empty when origin tracking is off."""
+    found_inf_global: bool
+    """Any optimizer saw inf/NaN after the cross-rank reduction."""
+    skipped: bool
+    """At least one optimizer.step() was skipped this iteration."""
+    scale_before: Scale
+    scale_after: Scale
+    growth_tracker: Count
+    event: ScaleEvent
+    optimizers: list[OptimizerDetail] = Field(max_length=MAX_OPTIMIZERS)
+    nonfinite_params: list[NonfiniteParam] = Field(max_length=MAX_NONFINITE_PARAMS)
+    """Top-K local parameters holding non-finite gradients; only on overflow iterations."""
+    totals: RankTotals
+
+
+class IngestBatch(_Model):
+    """What a reporter POSTs to the exporter's ingest endpoint."""
+
+    schema_version: Literal[1]
+    records: list[StepRecord] = Field(min_length=1, max_length=MAX_RECORDS_PER_BATCH)
+    """Oldest first; all from one rank (same run and rank)."""
+    dropped_records: Count
+    """Records this rank's reporter has dropped so far (cumulative)."""
+
+    @model_validator(mode="after")
+    def _one_rank(self) -> IngestBatch:
+        first = self.records[0].identity
+        for record in self.records[1:]:
+            if (record.identity.run, record.identity.rank) != (first.run, first.rank):
+                raise ValueError("all records of a batch must come from one rank of one run")
+        return self

@@ -1,0 +1,1 @@
+"""The per-node exporter: ingest, store, Prometheus collector, JSON API, health verdicts."""

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Prepare this checkout: a virtual environment in .venv with ampscope installed
+# (editable) and, for the test suite, Debian's prometheus/promtool/pushgateway.
+# Safe to run again: every step checks before it acts.
+#
+#   scripts/setup.sh demo   -> ampscope + the exporter's dependencies
+#   scripts/setup.sh test   -> the above + test and lint tools + Prometheus binaries
+set -euo pipefail
+
+mode=${1:-test}
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+
+python=${PYTHON:-python3}
+if ! command -v "$python" >/dev/null; then
+    echo "ampscope setup: $python not found; install Python 3.10 or newer" >&2
+    exit 1
+fi
+
+if [ ! -x .venv/bin/python ]; then
+    echo "==> creating .venv"
+    "$python" -m venv .venv
+fi
+
+extra=service
+[ "$mode" = test ] && extra=dev
+# The constraints pin torch to the CPU build; an unpinned torch pulls GBs of CUDA wheels.
+stamp=.venv/.ampscope-$extra-$(cat pyproject.toml constraints/pins.txt | cksum | cut -d' ' -f1)
+if [ ! -f "$stamp" ]; then
+    echo "==> installing ampscope[$extra] into .venv"
+    .venv/bin/python -m pip install --quiet --upgrade pip
+    .venv/bin/python -m pip install --quiet -c constraints/pins.txt -e ".[$extra]"
+    touch "$stamp"
+fi
+
+if [ "$mode" = test ]; then
+    need=()
+    command -v promtool >/dev/null || need+=(prometheus)
+    command -v prometheus-pushgateway >/dev/null || need+=(prometheus-pushgateway)
+    if [ ${#need[@]} -gt 0 ]; then
+        sudo=""
+        [ "$(id -u)" -eq 0 ] || sudo=sudo
+        if command -v apt-get >/dev/null && { [ -z "$sudo" ] || command -v sudo >/dev/null; }; then
+            echo "==> installing Debian packages: ${need[*]}"
+            $sudo apt-get update -qq
+            DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
+        elif [ "${CI:-}" = true ]; then
+            echo "ampscope setup: cannot install ${need[*]} (no apt-get/sudo) and CI needs them" >&2
+            exit 1
+        else
+            echo "ampscope setup: ${need[*]} not installed; the tests that need them will skip" >&2
+        fi
+    fi
+fi

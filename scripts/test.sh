@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The whole test suite on a fresh machine: installs what it needs, then lint, types, tests
+# and the quick benchmark smoke run. Safe to run twice.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+bash scripts/setup.sh test
+. .venv/bin/activate
+
+echo "==> ruff"
+ruff check ampscope tests bench
+ruff format --check ampscope tests bench
+echo "==> mypy"
+mypy
+echo "==> pytest"
+set +e
+python -m pytest "$@"
+rc=$?
+set -e
+if [ $rc -eq 5 ]; then
+    echo "pytest collected no tests: treating as a failure" >&2
+    exit 1
+fi
+exit $rc

@@ -1,0 +1,112 @@
+"""Test plumbing shared by the whole suite: real gloo process groups, free ports, tools."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch.multiprocessing as mp
+
+IN_CI = os.environ.get("CI") == "true"
+
+
+def free_port() -> int:
+    """A TCP port on loopback that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def need_tool(name: str) -> str:
+    """Path of an external program; skips the test without it, but fails under CI=true."""
+    path = shutil.which(name)
+    if path is None:
+        message = f"{name} is not installed (scripts/setup.sh test installs it)"
+        if IN_CI:
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    env: dict[str, str],
+    results: Any,
+) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(env)
+    os.environ.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+        }
+    )
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        try:
+            results.put((rank, "ok", fn(rank, world_size, *args)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    args: tuple[Any, ...] = (),
+    env: dict[str, str] | None = None,
+    timeout: float = 180.0,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` real processes on gloo.
+
+    ``fn`` must be a module-level function and its return value picklable. Returns the
+    results ordered by rank; any rank's exception fails the calling test with its traceback.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(rank, world_size, port, fn, args, dict(env or {}), results),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    collected: dict[int, Any] = {}
+    errors: list[str] = []
+    try:
+        for _ in range(world_size):
+            rank, status, value = results.get(timeout=timeout)
+            if status == "ok":
+                collected[rank] = value
+            else:
+                errors.append(f"rank {rank} failed:\n{value}")
+                break
+    except Exception as exc:  # queue.Empty: a rank hung or died without reporting
+        errors.append(f"ranks did not finish within {timeout:.0f}s: {exc!r}")
+    finally:
+        for p in procs:
+            p.join(timeout=10 if not errors else 1)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        pytest.fail("\n".join(errors))
+    return [collected[r] for r in range(world_size)]
