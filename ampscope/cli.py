@@ -1,0 +1,38 @@
+"""`ampscope` command line: each subcommand lives in its own module, imported on use."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# name -> (module, one-line help). A module provides add_arguments(parser) and run(args) -> int.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("ampscope.service.main", "run the per-node exporter (Prometheus /metrics + JSON API)"),
+    "demo": ("ampscope.demo.main", "train a small FSDP2 model into instability and watch ampscope"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ampscope import __version__
+
+    parser = argparse.ArgumentParser(prog="ampscope", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"ampscope {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module, help_) in SUBCOMMANDS.items():
+        cmd = sub.add_parser(name, help=help_, description=help_)
+        cmd.set_defaults(_module=module)
+        # Argument definitions are cheap to import; the heavy imports happen in run().
+        importlib.import_module(module).add_arguments(cmd)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    result: int = importlib.import_module(args._module).run(args)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())

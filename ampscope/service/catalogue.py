@@ -1,0 +1,119 @@
+"""Every metric the exporter serves, kept as data in one place.
+
+The collector builds its families from this table, the README's metric reference and
+the dashboard/alert tests read it, so a name cannot drift between them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+RANK_LABELS = ("run", "node", "rank", "local_rank")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MetricSpec:
+    """One metric family as exposed on /metrics."""
+
+    name: str
+    """Full exposed name; counters end in ``_total``."""
+    type: Literal["gauge", "counter"]
+    help: str
+    labels: tuple[str, ...]
+
+
+def _rank(name: str, type_: Literal["gauge", "counter"], help_: str, *extra: str) -> MetricSpec:
+    return MetricSpec(name=name, type=type_, help=help_, labels=(*RANK_LABELS, *extra))
+
+
+CATALOGUE: tuple[MetricSpec, ...] = (
+    # Per rank, from the newest record the rank reported.
+    _rank("ampscope_loss_scale", "gauge", "Current loss scale of the rank's scaler."),
+    _rank(
+        "ampscope_growth_tracker",
+        "gauge",
+        "Consecutive unskipped iterations since the scale last changed.",
+    ),
+    _rank("ampscope_last_step", "gauge", "Newest iteration (update() count) the rank reported."),
+    _rank(
+        "ampscope_last_report_timestamp_seconds",
+        "gauge",
+        "Unix time at which the exporter last received a report from the rank.",
+    ),
+    _rank("ampscope_rank_up", "gauge", "1 while the rank reports within the stale TTL, else 0."),
+    # Per rank, cumulative: exact even across dropped batches and exporter restarts.
+    _rank("ampscope_steps_total", "counter", "Iterations (update() calls) of the rank's scaler."),
+    _rank(
+        "ampscope_skipped_steps_total",
+        "counter",
+        "Iterations whose optimizer step was skipped for inf/NaN gradients.",
+    ),
+    _rank("ampscope_scale_backoffs_total", "counter", "Times the loss scale was backed off."),
+    _rank("ampscope_scale_growths_total", "counter", "Times the loss scale was grown."),
+    _rank(
+        "ampscope_found_inf_total",
+        "counter",
+        "Iterations with inf/NaN in this rank's local gradient shards (before the found-inf "
+        "all-reduce).",
+        "device",
+    ),
+    _rank(
+        "ampscope_found_inf_origin_total",
+        "counter",
+        "Iterations with inf/NaN in this rank's own gradients before the cross-rank gradient "
+        "reduction (origin tracking).",
+        "device",
+    ),
+    _rank(
+        "ampscope_nonfinite_grads_total",
+        "counter",
+        "Non-finite gradient elements seen in a parameter's local shard (top K per rank).",
+        "param",
+    ),
+    _rank(
+        "ampscope_reporter_dropped_records_total",
+        "counter",
+        "Records the rank's reporter dropped because its queue was full or the exporter "
+        "was unreachable.",
+    ),
+    # The exporter's own health.
+    MetricSpec(
+        name="ampscope_exporter_ingest_batches_total",
+        type="counter",
+        help="Ingest batches accepted.",
+        labels=(),
+    ),
+    MetricSpec(
+        name="ampscope_exporter_ingest_records_total",
+        type="counter",
+        help="Records accepted.",
+        labels=(),
+    ),
+    MetricSpec(
+        name="ampscope_exporter_ingest_rejections_total",
+        type="counter",
+        help="Ingest requests rejected, by reason.",
+        labels=("reason",),
+    ),
+    MetricSpec(
+        name="ampscope_exporter_tracked_runs",
+        type="gauge",
+        help="Runs held in memory.",
+        labels=(),
+    ),
+    MetricSpec(
+        name="ampscope_exporter_tracked_ranks",
+        type="gauge",
+        help="Ranks held in memory, stale ones included until retention drops them.",
+        labels=(),
+    ),
+    MetricSpec(
+        name="ampscope_exporter_tracked_series",
+        type="gauge",
+        help="Label sets the exporter's per-rank families expose.",
+        labels=(),
+    ),
+)
+
+BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in CATALOGUE}
