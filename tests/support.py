@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 IN_CI = os.environ.get("CI") == "true"
@@ -42,8 +43,6 @@ def _worker(
     env: dict[str, str],
     results: Any,
 ) -> None:
-    import torch.distributed as dist
-
     os.environ.update(env)
     os.environ.update(
         {
