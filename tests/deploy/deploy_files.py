@@ -1,0 +1,105 @@
+"""Readers for the deployment files the deploy tests check: dashboards and Prometheus rules.
+
+Also a small PromQL scanner that pulls metric names out of an expression, so the tests can
+hold every name used anywhere against the metric catalogue.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DASHBOARD_DIR = ROOT / "dashboards"
+PROMETHEUS_DIR = ROOT / "deploy" / "prometheus"
+RULES_FILE = PROMETHEUS_DIR / "rules" / "ampscope-alerts.yml"
+
+# Values the e2e test gives Grafana's variables: every run/node/rank, short windows.
+TEMPLATE_VALUES = {
+    "$__rate_interval": "1m",
+    "$__interval": "15s",
+    "$__range": "5m",
+    "$run": ".*",
+    "$node": ".*",
+    "$rank": ".*",
+}
+
+_PROMQL_KEYWORDS = {
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "and",
+    "or",
+    "unless",
+    "bool",
+    "offset",
+    "inf",
+    "nan",
+}
+
+
+def dashboards() -> dict[str, dict[str, Any]]:
+    """Every dashboard JSON under dashboards/, by file name."""
+    return {
+        path.name: json.loads(path.read_text()) for path in sorted(DASHBOARD_DIR.glob("*.json"))
+    }
+
+
+def panels(dashboard: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Every panel that queries data (rows, and panels nested in collapsed rows, unpacked)."""
+    for panel in dashboard["panels"]:
+        if panel["type"] == "row":
+            yield from panel.get("panels", [])
+        else:
+            yield panel
+
+
+def dashboard_expressions(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
+    """(panel title, PromQL) for every target of every panel."""
+    return [(p["title"], t["expr"]) for p in panels(dashboard) for t in p["targets"]]
+
+
+def rules() -> list[dict[str, Any]]:
+    """Every rule of every group in the alert rules file."""
+    groups = yaml.safe_load(RULES_FILE.read_text())["groups"]
+    return [rule for group in groups for rule in group["rules"]]
+
+
+def alert_rules() -> dict[str, dict[str, Any]]:
+    return {rule["alert"]: rule for rule in rules() if "alert" in rule}
+
+
+def recording_rules() -> dict[str, dict[str, Any]]:
+    return {rule["record"]: rule for rule in rules() if "record" in rule}
+
+
+def substitute(expr: str) -> str:
+    """The expression with Grafana's template variables replaced by TEMPLATE_VALUES."""
+    # Longest names first, so that a short name never replaces the prefix of a longer one.
+    for name in sorted(TEMPLATE_VALUES, key=len, reverse=True):
+        expr = expr.replace(name, TEMPLATE_VALUES[name])
+    return expr
+
+
+def metric_names(expr: str) -> set[str]:
+    """Metric names an expression selects (functions, keywords and label names excluded)."""
+    text = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)  # string literals: label values
+    text = re.sub(r"\{[^}]*\}", " ", text)  # label matchers
+    text = re.sub(r"\[[^\]]*\]", " ", text)  # range and subquery windows
+    # Label lists of aggregations and vector matching.
+    text = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", text)
+    names = set()
+    for match in re.finditer(r"(?<![\w.])([A-Za-z_:][\w:]*)\s*(\()?", text):
+        name, call = match.group(1), match.group(2)
+        if call or name.lower() in _PROMQL_KEYWORDS:
+            continue
+        names.add(name)
+    return names

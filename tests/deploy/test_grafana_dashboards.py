@@ -1,0 +1,100 @@
+"""The Grafana dashboard JSON and provisioning files."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+import yaml
+from deploy_files import DASHBOARD_DIR, dashboard_expressions, dashboards, metric_names, panels
+
+from ampscope.service.catalogue import BY_NAME, RANK_LABELS
+
+DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+RANK_FAMILIES = {spec.name for spec in BY_NAME.values() if spec.labels[:4] == RANK_LABELS}
+
+
+@pytest.fixture(scope="module")
+def dashboard() -> dict[str, Any]:
+    found = dashboards()
+    assert list(found) == ["ampscope.json"]
+    return found["ampscope.json"]
+
+
+def test_dashboard_identity_and_schema(dashboard: dict[str, Any]) -> None:
+    assert dashboard["uid"] == "ampscope-loss-scaling"
+    assert dashboard["schemaVersion"] >= 39
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    kinds = {p["type"] for p in panels(dashboard)}
+    assert "timeseries" in kinds
+    assert "graph" not in kinds  # the pre-8.0 panel type
+
+
+def test_variables_are_chained(dashboard: dict[str, Any]) -> None:
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert set(variables) == {"datasource", "run", "node", "rank"}
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+    assert variables["run"]["definition"] == "label_values(ampscope_loss_scale, run)"
+    assert variables["node"]["definition"] == 'label_values(ampscope_loss_scale{run=~"$run"}, node)'
+    assert (
+        variables["rank"]["definition"]
+        == 'label_values(ampscope_loss_scale{run=~"$run", node=~"$node"}, rank)'
+    )
+    for name in ("run", "node", "rank"):
+        assert variables[name]["datasource"] == DATASOURCE
+        assert variables[name]["includeAll"]
+        assert variables[name]["allValue"] == ".*"
+
+
+def test_every_panel_and_target_uses_the_datasource_variable(dashboard: dict[str, Any]) -> None:
+    for panel in panels(dashboard):
+        assert panel["datasource"] == DATASOURCE, panel["title"]
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            assert target["datasource"] == DATASOURCE, panel["title"]
+
+
+def test_expressions_use_catalogued_metrics_and_cover_the_catalogue(
+    dashboard: dict[str, Any],
+) -> None:
+    used: set[str] = set()
+    for title, expr in dashboard_expressions(dashboard):
+        names = metric_names(expr)
+        assert names, (title, expr)
+        # Dashboards stay self-contained: raw families only, no recording rules.
+        assert names <= set(BY_NAME), (title, names - set(BY_NAME))
+        used |= names
+    # Every family, per-rank and exporter self-metrics alike, is on some panel.
+    assert used == set(BY_NAME)
+
+
+def test_per_rank_selectors_follow_the_variables(dashboard: dict[str, Any]) -> None:
+    for title, expr in dashboard_expressions(dashboard):
+        for name in metric_names(expr) & RANK_FAMILIES:
+            for selector in re.findall(rf"\b{name}\{{([^}}]*)\}}", expr) or [""]:
+                assert 'run=~"$run"' in selector, (title, expr)
+    # The panels that show individual ranks filter on all three variables.
+    selector = 'run=~"$run", node=~"$node", rank=~"$rank"'
+    by_title = dict(dashboard_expressions(dashboard))
+    assert selector in by_title["Loss scale per rank"]
+
+
+def test_loss_scale_axis_is_log2(dashboard: dict[str, Any]) -> None:
+    (panel,) = [p for p in panels(dashboard) if p["title"] == "Loss scale per rank"]
+    distribution = panel["fieldConfig"]["defaults"]["custom"]["scaleDistribution"]
+    assert distribution == {"type": "log", "log": 2}
+
+
+def test_provisioning_points_grafana_at_prometheus_and_the_dashboards() -> None:
+    (datasources,) = (DASHBOARD_DIR / "provisioning" / "datasources").glob("*.yml")
+    (source,) = yaml.safe_load(datasources.read_text())["datasources"]
+    assert source["type"] == "prometheus"
+    assert source["url"] == "http://prometheus:9090"
+    (providers,) = (DASHBOARD_DIR / "provisioning" / "dashboards").glob("*.yml")
+    (provider,) = yaml.safe_load(providers.read_text())["providers"]
+    assert provider["type"] == "file"
+    # docker-compose.yml mounts ./dashboards at this path.
+    assert provider["options"]["path"] == "/var/lib/grafana/dashboards"

@@ -1,0 +1,103 @@
+"""The Prometheus config and alert rules: promtool's checks and unit tests, and house rules."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+import yaml
+from deploy_files import PROMETHEUS_DIR, RULES_FILE, alert_rules, metric_names, recording_rules
+from support import need_tool
+
+from ampscope.service.catalogue import BY_NAME
+
+ALERTS = {
+    "AmpscopeScaleCollapse",
+    "AmpscopeSkipStorm",
+    "AmpscopeScaleDesync",
+    "AmpscopeRankStale",
+    "AmpscopeInfHotspot",
+}
+UNIT_TESTS = sorted((PROMETHEUS_DIR / "tests").glob("*.yml"))
+
+
+def _promtool(*args: str) -> subprocess.CompletedProcess[str]:
+    promtool = need_tool("promtool")
+    return subprocess.run(
+        [promtool, *args],
+        check=False,
+        cwd=PROMETHEUS_DIR,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.prometheus
+def test_promtool_accepts_config_and_rules() -> None:
+    config = _promtool("check", "config", "prometheus.yml")
+    assert config.returncode == 0, config.stdout + config.stderr
+    # check config loads rule_files too; make sure the glob actually found our file.
+    assert "1 rule files found" in config.stdout
+    checked = _promtool("check", "rules", str(RULES_FILE.relative_to(PROMETHEUS_DIR)))
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert f"{len(alert_rules()) + len(recording_rules())} rules found" in checked.stdout
+
+
+@pytest.mark.prometheus
+def test_promtool_unit_tests_pass() -> None:
+    assert UNIT_TESTS, "no promtool unit tests in deploy/prometheus/tests"
+    result = _promtool("test", "rules", *(str(p.relative_to(PROMETHEUS_DIR)) for p in UNIT_TESTS))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "FAILED" not in result.stdout
+
+
+def test_every_alert_is_unit_tested_firing_and_not_firing() -> None:
+    firing: set[str] = set()
+    silent: set[str] = set()
+    for path in UNIT_TESTS:
+        for case in yaml.safe_load(path.read_text())["tests"]:
+            for check in case.get("alert_rule_test", []):
+                (firing if check["exp_alerts"] else silent).add(check["alertname"])
+    assert firing == ALERTS
+    assert silent == ALERTS
+
+
+def test_alerts_carry_for_severity_summary_description() -> None:
+    alerts = alert_rules()
+    assert set(alerts) == ALERTS
+    for name, rule in alerts.items():
+        assert rule["for"], name
+        assert rule["labels"]["severity"] in {"critical", "warning", "info"}, name
+        assert "$labels.run" in rule["annotations"]["summary"], name
+        description = rule["annotations"]["description"]
+        assert "$labels" in description, name
+        assert "$value" in description or "$labels.instance" in description, name
+
+
+def test_rules_use_only_catalogued_or_recorded_metrics() -> None:
+    known = set(BY_NAME) | set(recording_rules())
+    for rule in [*alert_rules().values(), *recording_rules().values()]:
+        names = metric_names(rule["expr"])
+        assert names, rule
+        assert names <= known, (rule.get("alert") or rule.get("record"), names - known)
+
+
+def test_alert_thresholds_are_the_shared_defaults() -> None:
+    alerts = alert_rules()
+    recorded = recording_rules()
+    collapse = alerts["AmpscopeScaleCollapse"]["expr"]
+    assert "ampscope_loss_scale < 1" in collapse
+    assert "[10m]" in collapse
+    assert ">= 256" in collapse
+    storm = alerts["AmpscopeSkipStorm"]["expr"]
+    assert "> 0.25" in storm
+    assert ">= 10" in storm
+    assert "[5m]" in recorded["ampscope_rank:skipped_steps:ratio_5m"]["expr"]
+    assert alerts["AmpscopeScaleDesync"]["for"] == "2m"
+    assert "> 1" in alerts["AmpscopeScaleDesync"]["expr"]
+    assert alerts["AmpscopeRankStale"]["for"] == "1m"
+    hotspot = alerts["AmpscopeInfHotspot"]["expr"]
+    assert ">= 0.8" in hotspot
+    assert ">= 5" in hotspot
+    assert "[10m]" in recorded["ampscope_rank_device:found_inf_source:increase_10m"]["expr"]
