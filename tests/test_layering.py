@@ -1,0 +1,57 @@
+"""The rank side never imports the server stack, and the exporter never imports torch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import ampscope
+
+SERVER_STACK = ("fastapi", "starlette", "uvicorn", "prometheus_client")
+PACKAGE = Path(ampscope.__file__).parent
+
+
+def _imported_after(modules: list[str]) -> set[str]:
+    """Top-level packages in sys.modules after importing ``modules`` in a fresh interpreter."""
+    script = (
+        "import importlib, json, sys\n"
+        f"for name in {modules!r}: importlib.import_module(name)\n"
+        "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], check=True, capture_output=True, text=True, timeout=120
+    ).stdout
+    return set(json.loads(out.splitlines()[-1]))
+
+
+def _rank_side_modules() -> list[str]:
+    modules = ["ampscope", "ampscope.reporter", "ampscope.reporter.http", "ampscope.reporter.sinks"]
+    # The scaler package lands separately; check it as soon as it provides the scalers.
+    scaler_init = PACKAGE / "scaler" / "__init__.py"
+    if scaler_init.exists() and "GradScaler" in scaler_init.read_text():
+        modules += ["ampscope.scaler"]
+    return modules
+
+
+def test_rank_side_does_not_import_the_server_stack():
+    modules = _rank_side_modules()
+    loaded = _imported_after(modules)
+    assert "ampscope" in loaded
+    assert "pydantic" in loaded  # proof the reporter really was imported
+    leaked = sorted(loaded.intersection(SERVER_STACK))
+    assert not leaked, f"importing {modules} pulled in {leaked}"
+
+
+def test_exporter_does_not_import_torch():
+    if not (PACKAGE / "service" / "app.py").exists():
+        pytest.skip("ampscope.service has no app yet")
+    modules = ["ampscope.service", "ampscope.service.app", "ampscope.cli"]
+    if (PACKAGE / "service" / "main.py").exists():
+        modules.append("ampscope.service.main")  # what `ampscope serve` runs
+    loaded = _imported_after(modules)
+    assert "fastapi" in loaded  # proof the app really was imported
+    assert "torch" not in loaded, f"importing {modules} pulled in torch"
