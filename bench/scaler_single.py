@@ -1,0 +1,185 @@
+"""Scaler overhead in one process: step-time A/B, per-update cost, overflow attribution.
+
+All three interleave the contenders block by block (:mod:`bench.ab`), so machine drift
+and other load on the host spread evenly over them.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from bench.ab import compare_groups, run_interleaved
+from bench.config import ScalerBenchConfig
+from bench.workload import (
+    Variant,
+    ampscope_scaler,
+    build_model,
+    make_variant,
+    stock_scaler,
+    train_step,
+)
+
+
+def autocast_dtype(device: str) -> torch.dtype | None:
+    """fp16 autocast on CUDA, what loss scaling exists for; fp32 on the CPU.
+
+    CPU fp16 matmuls are emulated and slow; the scaler does the same work either way.
+    """
+    return torch.float16 if device == "cuda" else None
+
+
+def _close_all(variants: list[Variant]) -> None:
+    for v in variants:
+        v.close()
+
+
+def step_time_ab(config: ScalerBenchConfig, *, device: str, url: str) -> dict[str, Any]:
+    """Full training steps: torch's stock scaler vs ampscope with its HTTP reporter on.
+
+    Cost: ``2 * groups * steps_per_block`` training steps plus warm-up.
+    """
+    model = build_model(width=config.width, depth=config.depth).to(device)
+    inputs = torch.randn(config.batch, config.width, device=device)
+    targets = torch.randn(config.batch, config.width, device=device)
+    variants = [
+        make_variant("stock", model, stock_scaler(device)),
+        make_variant("ampscope", model, ampscope_scaler(device, url=url, run_id="bench-single")),
+    ]
+    variants[1].scaler.attach(variants[1].model)
+    dtype = autocast_dtype(device)
+
+    def block(variant: Variant) -> list[float]:
+        return [
+            train_step(variant, inputs, targets, autocast_dtype=dtype)
+            for _ in range(config.steps_per_block)
+        ]
+
+    try:
+        for v in variants:
+            for _ in range(config.warmup_steps):
+                train_step(v, inputs, targets, autocast_dtype=dtype)
+        blocks = run_interleaved({v.name: v for v in variants}, block, groups=config.groups)
+    finally:
+        _close_all(variants)
+    result = compare_groups(blocks, baseline="stock")
+    result["parameters"] = sum(p.numel() for p in model.parameters())
+    result["parameter_tensors"] = len(list(model.parameters()))
+    return result
+
+
+def _timed_step_update(variant: Variant) -> float:
+    start = time.perf_counter()
+    variant.scaler.step(variant.optimizer)
+    variant.scaler.update()
+    return time.perf_counter() - start
+
+
+def update_cost(config: ScalerBenchConfig, *, device: str, url: str) -> dict[str, Any]:
+    """The scaler's own cost per iteration: ``step()`` + ``update()`` on a tiny model.
+
+    The tiny model (one 16x16 Linear) makes the optimizer's share negligible, so the
+    difference to the stock scaler is ampscope's extra work on the training thread. Work
+    on ampscope's background thread (records, HTTP) reaches this clock only through the
+    GIL; the ``ampscope_reporter`` contender includes that at an unrealistically high
+    record rate (one record per ~100 us instead of one per training step).
+    """
+    model = nn.Linear(16, 16).to(device)
+    inputs = torch.randn(4, 16, device=device)
+    variants = [
+        make_variant("stock", model, stock_scaler(device)),
+        make_variant(
+            "ampscope_no_reporter", model, ampscope_scaler(device, url=None, run_id="bench-micro")
+        ),
+        make_variant(
+            "ampscope_reporter", model, ampscope_scaler(device, url=url, run_id="bench-micro")
+        ),
+    ]
+    groups = 2 * len(variants)
+    per_block = max(5, config.micro_iterations // groups)
+
+    def block(variant: Variant) -> list[float]:
+        times = []
+        for _ in range(per_block):
+            variant.optimizer.zero_grad(set_to_none=True)
+            variant.scaler.scale(variant.model(inputs).square().mean()).backward()
+            times.append(_timed_step_update(variant))
+        return times
+
+    try:
+        for v in variants:
+            block(v)  # warm-up
+        blocks = run_interleaved({v.name: v for v in variants}, block, groups=groups)
+    finally:
+        _close_all(variants)
+    result = compare_groups(blocks, baseline="stock", unit_scale=1e6)
+    return {
+        "step_update_us": {n: s["median"] for n, s in result["samples"].items()},
+        "extra_us": {n: r["delta"] for n, r in result["ratio"].items()},
+        "ratio": {n: r["median"] for n, r in result["ratio"].items()},
+        "iterations_per_contender": result["samples"]["stock"]["n"],
+    }
+
+
+def overflow_cost(config: ScalerBenchConfig, *, device: str) -> dict[str, Any]:
+    """``step()`` + ``update()`` on overflow iterations: attribution on vs off, and stock.
+
+    Gradients of the benchmark model are computed once, with inf and NaN planted in two
+    parameters, and restored (untimed) before each timed iteration, so every iteration
+    overflows the same way. The scale halves each time (2**16 down to about 2**-60 in
+    the full preset), far from float32 underflow. No reporter: this isolates attribution.
+    """
+    model = build_model(width=config.width, depth=config.depth).to(device)
+    inputs = torch.randn(config.batch, config.width, device=device)
+    nn.functional.mse_loss(model(inputs), inputs).backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    params = [p for p in model.parameters() if p.grad is not None]
+    grads[0].view(-1)[0] = math.inf
+    grads[-1].view(-1)[-1] = math.nan
+    saved = [g.detach().clone() for g in grads]
+
+    def make(name: str, scaler: Any) -> Variant:
+        # The contenders share the model: overflow iterations never change the weights.
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        return Variant(name=name, model=model, optimizer=opt, scaler=scaler)
+
+    variants = [
+        make("stock", stock_scaler(device)),
+        make("attribution_off", ampscope_scaler(device, url=None, run_id="b", attribution=False)),
+        make("attribution_on", ampscope_scaler(device, url=None, run_id="b", attribution=True)),
+    ]
+    variants[2].scaler.attach(model)
+    groups = 2 * len(variants)
+    per_block = max(2, config.overflow_iterations // groups)
+    backoffs = {v.name: 0 for v in variants}
+
+    def block(variant: Variant) -> list[float]:
+        times = []
+        for _ in range(per_block):
+            with torch.no_grad():
+                for p, g in zip(params, saved, strict=True):
+                    p.grad = g.clone()
+            before = variant.scaler.get_scale()
+            times.append(_timed_step_update(variant))
+            backoffs[variant.name] += int(variant.scaler.get_scale() < before)
+        return times
+
+    try:
+        for v in variants:
+            block(v)
+        blocks = run_interleaved({v.name: v for v in variants}, block, groups=groups)
+    finally:
+        _close_all(variants)
+    result = compare_groups(blocks, baseline="stock")
+    medians = {n: s["median"] for n, s in result["samples"].items()}
+    return {
+        "step_update_ms": medians,
+        "attribution_extra_ms": medians["attribution_on"] - medians["attribution_off"],
+        "ampscope_extra_ms": medians["attribution_on"] - medians["stock"],
+        "backoffs": backoffs,
+        "iterations_per_contender": result["samples"]["stock"]["n"],
+    }
