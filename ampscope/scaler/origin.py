@@ -14,7 +14,7 @@ Call order, per iteration::
 
 Cost: per gradient collective, one extra read-only pass over the bucket (an inf-norm,
 i.e. a max-abs reduction) plus three one-element kernels; no host-device sync and no
-extra memory beyond a scalar. ``bench/`` measures it.
+extra memory beyond a scalar. ``bench/scaler_distributed.py`` measures it on DDP.
 """
 
 import math

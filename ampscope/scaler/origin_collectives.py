@@ -134,7 +134,9 @@ def _ddp_origin_hook(
         state.flags.mark(buffer)
     # DDP without a hook multiplies by 1/world_size while copying gradients into the
     # bucket. Multiplying here (not div_, as torch's allreduce_hook does) rounds the same
-    # way for any world size; division differs in the last bit when it is not a power of 2.
+    # way for any world size; on CPU division differs in the last bit when the size is not
+    # a power of 2. (DDP itself divides instead when gradient_as_bucket_view=True and the
+    # grads were kept between steps; there only power-of-2 sizes match on CPU.)
     buffer.mul_(1.0 / state.world_size)
     future = dist.all_reduce(buffer, group=state.process_group, async_op=True).get_future()
     return future.then(lambda done: done.value()[0])
