@@ -16,8 +16,6 @@ import torch.distributed as dist
 from torch.distributed.algorithms._comm_hooks import default_hooks as fsdp_default_hooks
 from torch.distributed.fsdp import FSDPModule, ShardingStrategy
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-# Private modules (see the section below): FSDP2's comm base class and mesh info.
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -25,9 +23,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ampscope.scaler.origin import OriginFlags
 
 # --- torch private internals ------------------------------------------------------
-# Everything up to the next marker reads torch state that has no public accessor
-# (plus the two private imports above). tests/scaler/test_origin.py exercises each of
-# them, so a torch release that renames one fails the suite instead of silently
+# Everything up to the next marker reads torch state that has no public accessor, as
+# do three imports above: FSDP1's default comm hooks (algorithms._comm_hooks), FSDP2's
+# ReduceScatter base class and FSDPMeshInfo. tests/scaler/test_origin.py exercises each
+# of them, so a torch release that renames one fails the suite instead of silently
 # disabling origin tracking.
 
 
@@ -38,7 +37,7 @@ def _ddp_comm_hooks(ddp: DDP) -> list[tuple[Callable[..., object], object]]:
 
 def _ddp_uses_python_reducer(ddp: DDP) -> bool:
     """DDP's compiled-autograd mode calls comm hooks with (grad, param), not buckets."""
-    return bool(getattr(ddp, "_use_python_reducer", False))
+    return bool(ddp._use_python_reducer)
 
 
 def _fsdp1_comm_hook(unit: FSDP) -> tuple[object, object]:
