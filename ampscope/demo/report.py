@@ -1,0 +1,120 @@
+"""What the demo prints: progress lines while it trains, then the exporter's view of each run.
+
+Pure formatting over plain data (the trainer's ``Progress`` reports and the exporter's JSON),
+so it is tested without training anything.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ampscope.demo.scenarios import Scenario
+
+_MARK = {"ok": "ok  ", "warning": "WARN", "critical": "CRIT"}
+
+
+def scale_text(scale: float) -> str:
+    """A loss scale as ``2^k`` when it is a power of two (they nearly always are)."""
+    if scale > 0 and math.isfinite(scale):
+        exponent = math.log2(scale)
+        if exponent.is_integer():
+            return f"2^{int(exponent)}"
+    return f"{scale:g}"
+
+
+def ranks_text(scales: Sequence[float]) -> str:
+    """Per-rank scales in rank order; condensed when there are many ranks."""
+    if len(scales) <= 4:
+        return " ".join(scale_text(s) for s in scales)
+    if len(set(scales)) == 1:
+        return f"{scale_text(scales[0])} (all {len(scales)})"
+    return f"{scale_text(min(scales))}..{scale_text(max(scales))}"
+
+
+def progress_lines(
+    step: int, steps: int, scenarios: Sequence[Scenario], reports: Sequence[Any]
+) -> list[str]:
+    """One line per scenario for ``step``, from every rank's ``Progress`` report."""
+    ordered = sorted(reports, key=lambda report: report.rank)
+    head = f"step {step:>4}/{steps}"
+    lines = []
+    for index, scenario in enumerate(scenarios):
+        scales = [report.scales[index] for report in ordered]
+        skipped = max(report.skipped[index] for report in ordered)
+        prefix = head if index == 0 else " " * len(head)
+        line = f"{prefix}  {scenario.name:<9} scale {ranks_text(scales):<22} skipped {skipped:>3}"
+        if len(set(scales)) > 1:
+            line += "   <- ranks disagree"
+        lines.append(line.rstrip())
+    return lines
+
+
+def _top_param(totals: Mapping[str, Any]) -> str:
+    params = sorted(totals["nonfinite_params"], key=lambda p: p["count"], reverse=True)
+    if not params:
+        return "-"
+    return f"{params[0]['name']} ({params[0]['count']})"
+
+
+def rank_table(ranks: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The exporter's ``GET /api/v1/runs/{run}/ranks`` as a table, one row per rank."""
+    header = (
+        f"  {'rank':>4}  {'step':>5}  {'scale':>7}  {'skipped':>8}  {'backoffs':>8}  "
+        f"{'growths':>7}  {'inf local':>9}  {'inf origin':>10}  top non-finite param"
+    )
+    rows = [header]
+    for rank in sorted(ranks, key=lambda r: r["rank"]):
+        totals = rank["totals"]
+        local = sum(totals["found_inf_local"].values())
+        origin = sum(totals["found_inf_origin"].values())
+        skipped = f"{totals['skipped_steps']}/{totals['steps']}"
+        rows.append(
+            f"  {rank['rank']:>4}  {rank['step']:>5}  {scale_text(rank['scale']):>7}  "
+            f"{skipped:>8}  {totals['backoffs']:>8}  {totals['growths']:>7}  {local:>9}  "
+            f"{origin:>10}  {_top_param(totals)}"
+        )
+    return rows
+
+
+def health_lines(health: Mapping[str, Any], expected: Sequence[str]) -> list[str]:
+    """The exporter's verdicts for a run: the flagged ones in full, the rest in one line."""
+    lines = [f"  health: {health['status'].upper()}"]
+    quiet = []
+    for verdict in health["verdicts"]:
+        if verdict["status"] == "ok":
+            quiet.append(verdict["rule"])
+            continue
+        note = "  (expected)" if verdict["rule"] in expected else ""
+        lines.append(
+            f"    {_MARK[verdict['status']]} {verdict['rule']:<15} {verdict['summary']}{note}"
+        )
+    if quiet:
+        lines.append(f"    ok   {', '.join(quiet)}")
+    return lines
+
+
+def missing_verdicts(health: Mapping[str, Any], expected: Sequence[str]) -> list[str]:
+    """Rules the scenario expects to fire that the exporter did not flag."""
+    flagged = {v["rule"] for v in health["verdicts"] if v["status"] != "ok"}
+    return [rule for rule in expected if rule not in flagged]
+
+
+def where_to_look(base_url: str, run_ids: Sequence[str], hotspot_run: str | None) -> list[str]:
+    """Links into the exporter, and PromQL to try once Prometheus scrapes it."""
+    example = hotspot_run or run_ids[0]
+    return [
+        "Where to look",
+        f"  metrics       {base_url}/metrics",
+        f"  API docs      {base_url}/docs",
+        f"  runs          {base_url}/api/v1/runs",
+        f"  health        {base_url}/api/v1/runs/{example}/health",
+        f"  ranks         {base_url}/api/v1/runs/{example}/ranks",
+        f"  history       {base_url}/api/v1/runs/{example}/ranks/0/history?limit=20",
+        "  PromQL, with Prometheus scraping the exporter (deploy/prometheus/prometheus.yml):",
+        '    ampscope_loss_scale{run=~"demo.*"}',
+        "    max by (run) (ampscope_loss_scale) / min by (run) (ampscope_loss_scale)",
+        "    increase(ampscope_found_inf_origin_total[5m])",
+        "    topk(5, ampscope_nonfinite_grads_total)",
+    ]

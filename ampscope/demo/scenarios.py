@@ -1,0 +1,107 @@
+"""What goes wrong in each demo run, kept as data so the CLI can list it without torch.
+
+Every scenario is a separate run (its own model, scaler and run id) trained side by side
+on the same ranks. Steps are 1-based ``update()`` counts, as in the records.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scenario:
+    """One way for mixed-precision training to go wrong, and what ampscope should say."""
+
+    name: str
+    """Short id; also the last part of the run id."""
+    story: str
+    """One line for people: what happens in this run."""
+    expect: tuple[str, ...]
+    """Health rules of the exporter that should flag the run by the end."""
+    init_scale: float = 2.0**16
+    growth_interval: int = 2000
+    outlier_rank: int | None = None
+    """Rank whose data holds outlier samples every ``outlier_every`` steps (``-1``: the last)."""
+    outlier_every: int = 0
+    outlier_factor: float = 1.0
+    """Outlier samples are this many times larger than the rest."""
+    corrupt_from: float | None = None
+    """From this fraction of the run on, every rank's inputs are ``corrupt_factor`` too
+    large: the fp16 forward pass overflows whatever the loss scale."""
+    corrupt_factor: float = 1e5
+    stale_restore_at: float | None = None
+    """At this fraction of the run, the last rank reloads the scaler state it saved after
+    step 1, as a rank restarted from a stale checkpoint would."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.init_scale) and self.init_scale > 0):
+            raise ValueError(f"{self.name}: init_scale must be positive and finite")
+        if self.growth_interval < 1:
+            raise ValueError(f"{self.name}: growth_interval must be at least 1")
+        if self.outlier_rank is not None and self.outlier_every < 1:
+            raise ValueError(f"{self.name}: outlier_every must be at least 1 with an outlier_rank")
+        for name in ("corrupt_from", "stale_restore_at"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value < 1:
+                raise ValueError(f"{self.name}: {name} must be a fraction within (0, 1)")
+
+    def outliers_at(self, step: int, rank: int, world_size: int) -> bool:
+        """Whether ``rank``'s batch of ``step`` holds outlier samples."""
+        if self.outlier_rank is None:
+            return False
+        target = self.outlier_rank % world_size
+        return rank == target and step % self.outlier_every == 0
+
+    def corrupt_at(self, step: int, steps: int) -> bool:
+        """Whether every rank's inputs of ``step`` (of ``steps``) are corrupt."""
+        return self.corrupt_from is not None and step > math.floor(self.corrupt_from * steps)
+
+    def restore_step(self, steps: int) -> int | None:
+        """The step after which the last rank reloads its stale scaler state, if any."""
+        if self.stale_restore_at is None:
+            return None
+        return max(2, math.floor(self.stale_restore_at * steps))
+
+
+SCENARIOS: dict[str, Scenario] = {
+    scenario.name: scenario
+    for scenario in (
+        Scenario(
+            name="overflow",
+            story="initial scale 2^20 is far too high: real fp16 gradient overflows back it "
+            "off, then it keeps probing upwards every 10 steps",
+            expect=(),
+            init_scale=2.0**20,
+            growth_interval=10,
+        ),
+        Scenario(
+            name="hotspot",
+            story="the last rank's data holds outlier samples every 5th step: only that rank's "
+            "gradients overflow, and the all-reduce makes every rank skip",
+            expect=("inf_hotspot",),
+            init_scale=2.0**15,
+            growth_interval=4,
+            outlier_rank=-1,
+            outlier_every=5,
+            outlier_factor=20.0,
+        ),
+        Scenario(
+            name="collapse",
+            story="halfway through, the inputs arrive unnormalized: the fp16 forward pass "
+            "overflows, every step is skipped and the scale halves towards zero",
+            expect=("scale_collapse", "skip_storm"),
+            corrupt_from=0.5,
+        ),
+        Scenario(
+            name="desync",
+            story="at 40% of the run the last rank reloads a stale GradScaler state_dict: "
+            "its scale no longer matches the other ranks'",
+            expect=("scale_desync",),
+            init_scale=2.0**10,
+            growth_interval=4,
+            stale_restore_at=0.4,
+        ),
+    )
+}

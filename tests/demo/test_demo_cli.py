@@ -1,0 +1,160 @@
+"""`ampscope demo` run for real: exporter subprocess, spawned FSDP2 ranks, verdicts."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+import pytest
+from support import free_port
+
+STEPS = 30
+PREFIX = "t"
+
+
+def _demo(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "ampscope.cli", "demo", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+def _get(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return json.load(response)
+
+
+def _lines_until(process: subprocess.Popen[str], marker: str, timeout: float) -> list[str]:
+    """stdout lines up to and including the first holding ``marker``."""
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            lines.put(line.rstrip("\n"))
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=1.0)
+        except queue.Empty:
+            continue
+        if line is None:
+            break
+        seen.append(line)
+        if marker in line:
+            return seen
+    process.kill()
+    pytest.fail(f"no {marker!r} in the demo's output:\n" + "\n".join(seen))
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no {name} {labels} on /metrics")
+
+
+@pytest.mark.distributed
+def test_demo_trains_into_every_expected_verdict_and_keeps_serving() -> None:
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    process = _demo(
+        "--steps", str(STEPS), "--port", str(port), "--run-prefix", PREFIX, "--keep-serving"
+    )
+    try:
+        output = _lines_until(process, "Ctrl-C stops it", timeout=240)
+        text = "\n".join(output)
+        assert f"step   {STEPS}/{STEPS}" in text
+        assert "<- ranks disagree" in text  # the desync run, live
+        assert "Every scenario drew the verdicts it was built to provoke." in text
+        for rule in ("inf_hotspot", "scale_collapse", "skip_storm", "scale_desync"):
+            assert re.search(rf"(CRIT|WARN) {rule} .*\(expected\)", text), rule
+
+        # The exporter the demo started still serves everything it was told.
+        runs = {run["run"]: run for run in _get(f"{base}/api/v1/runs")}
+        names = ["overflow", "hotspot", "collapse", "desync"]
+        assert set(runs) == {f"{PREFIX}-{name}" for name in names}
+        for run in runs.values():
+            assert (run["ranks"], run["up"], run["newest_step"]) == (2, 2, STEPS)
+
+        health = {name: _get(f"{base}/api/v1/runs/{PREFIX}-{name}/health") for name in names}
+        verdicts = {
+            name: {v["rule"]: v for v in report["verdicts"]} for name, report in health.items()
+        }
+        assert health["overflow"]["status"] == "ok"
+        assert verdicts["hotspot"]["inf_hotspot"]["status"] == "warning"
+        assert verdicts["hotspot"]["inf_hotspot"]["evidence"]["source"] == "origin"
+        assert verdicts["collapse"]["scale_collapse"]["status"] == "critical"
+        assert verdicts["collapse"]["skip_storm"]["status"] == "warning"
+        assert verdicts["desync"]["scale_desync"]["status"] == "critical"
+        assert verdicts["desync"]["scale_collapse"]["status"] == "ok"
+
+        ranks = _get(f"{base}/api/v1/runs/{PREFIX}-hotspot/ranks")
+        origin = [sum(r["totals"]["found_inf_origin"].values()) for r in ranks]
+        local = [sum(r["totals"]["found_inf_local"].values()) for r in ranks]
+        skipped = [r["totals"]["skipped_steps"] for r in ranks]
+        # Outliers every 5th step on rank 1 only: its own gradients overflow, and every
+        # rank skips those steps (the found-inf all-reduce); rank 0's own gradients stay clean.
+        assert origin == [0, STEPS // 5]
+        assert skipped == [STEPS // 5, STEPS // 5]
+        assert local[1] >= 1
+        assert ranks[1]["totals"]["nonfinite_params"]
+
+        metrics = urllib.request.urlopen(f"{base}/metrics", timeout=5).read().decode()
+        # Half the run's forward passes overflowed: 15 halvings from 2^16.
+        assert _metric(metrics, "ampscope_loss_scale", run=f"{PREFIX}-collapse", rank="0") == 2.0
+        desync = [
+            _metric(metrics, "ampscope_loss_scale", run=f"{PREFIX}-desync", rank=str(rank))
+            for rank in (0, 1)
+        ]
+        assert desync[0] != desync[1]
+        assert (
+            _metric(metrics, "ampscope_found_inf_origin_total", run=f"{PREFIX}-hotspot", rank="1")
+            == STEPS // 5
+        )
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            rest, _ = process.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            raise
+    assert process.returncode == 0, rest
+    with pytest.raises(urllib.error.URLError):  # Ctrl-C stopped the exporter too
+        urllib.request.urlopen(f"{base}/healthz", timeout=2)
+
+
+def test_taken_port_and_missing_exporter_are_explained() -> None:
+    with socket.socket() as blocker:
+        blocker.bind(("127.0.0.1", 0))
+        blocker.listen()
+        port = blocker.getsockname()[1]
+        taken = _demo("--port", str(port))
+        out, _ = taken.communicate(timeout=60)
+    assert taken.returncode == 2
+    assert f"port {port} on 127.0.0.1 is taken (another program uses it)" in out
+    assert "--exporter-url" in out
+
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    missing = _demo("--exporter-url", nowhere)
+    out, _ = missing.communicate(timeout=60)
+    assert missing.returncode == 2
+    assert f"no exporter answers {nowhere}/healthz" in out

@@ -1,0 +1,99 @@
+"""The demo's printed output, from hand-made progress reports and exporter JSON."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ampscope.demo.report import (
+    health_lines,
+    missing_verdicts,
+    progress_lines,
+    rank_table,
+    ranks_text,
+    scale_text,
+)
+from ampscope.demo.scenarios import SCENARIOS
+from ampscope.demo.trainer import Progress
+
+
+def test_scales_print_as_powers_of_two() -> None:
+    assert scale_text(65536.0) == "2^16"
+    assert scale_text(0.25) == "2^-2"
+    assert scale_text(3.0) == "3"
+    assert scale_text(0.0) == "0"
+    assert ranks_text([1024.0, 2048.0]) == "2^10 2^11"
+    assert ranks_text([8.0] * 8) == "2^3 (all 8)"
+    assert ranks_text([8.0] * 7 + [2.0]) == "2^1..2^3"
+
+
+def test_progress_lines_flag_disagreeing_ranks() -> None:
+    scenarios = (SCENARIOS["overflow"], SCENARIOS["desync"])
+    reports = [
+        Progress(rank=1, step=20, scales=(65536.0, 4096.0), skipped=(4, 0)),
+        Progress(rank=0, step=20, scales=(65536.0, 32768.0), skipped=(4, 0)),
+    ]
+    lines = progress_lines(20, 60, scenarios, reports)
+    assert lines[0].startswith("step   20/60  overflow  scale 2^16 2^16")
+    assert lines[0].endswith("skipped   4")
+    assert "ranks disagree" not in lines[0]
+    # Rank order, not arrival order.
+    assert "scale 2^15 2^12" in lines[1]
+    assert lines[1].endswith("<- ranks disagree")
+
+
+def _rank(rank: int, scale: float, origin: int, params: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "rank": rank,
+        "step": 30,
+        "scale": scale,
+        "totals": {
+            "steps": 30,
+            "skipped_steps": 6,
+            "backoffs": 6,
+            "growths": 5,
+            "found_inf_local": {"cpu": 6},
+            "found_inf_origin": {"cpu": origin},
+            "nonfinite_params": params,
+        },
+    }
+
+
+def test_rank_table_shows_totals_and_top_parameter() -> None:
+    rows = rank_table(
+        [
+            _rank(1, 32768.0, 6, [{"name": "a", "count": 3}, {"name": "head.weight", "count": 9}]),
+            _rank(0, 32768.0, 0, []),
+        ]
+    )
+    assert rows[0].split()[:3] == ["rank", "step", "scale"]
+    assert rows[1].split() == ["0", "30", "2^15", "6/30", "6", "5", "6", "0", "-"]
+    assert rows[2].split() == ["1", "30", "2^15", "6/30", "6", "5", "6", "6", "head.weight", "(9)"]
+
+
+HEALTH = {
+    "status": "critical",
+    "verdicts": [
+        {"rule": "scale_collapse", "status": "critical", "summary": "collapsed on 2 rank(s)"},
+        {"rule": "skip_storm", "status": "ok", "summary": ""},
+        {"rule": "scale_desync", "status": "ok", "summary": ""},
+        {"rule": "inf_hotspot", "status": "warning", "summary": "rank 1 holds 100%"},
+    ],
+}
+
+
+def test_health_lines_and_missing_verdicts() -> None:
+    lines = health_lines(HEALTH, expected=("scale_collapse", "skip_storm"))
+    assert lines[0] == "  health: CRITICAL"
+    assert lines[1].split() == [
+        "CRIT",
+        "scale_collapse",
+        "collapsed",
+        "on",
+        "2",
+        "rank(s)",
+        "(expected)",
+    ]
+    assert lines[2].split() == ["WARN", "inf_hotspot", "rank", "1", "holds", "100%"]
+    assert lines[3].split() == ["ok", "skip_storm,", "scale_desync"]
+    assert missing_verdicts(HEALTH, ("scale_collapse", "skip_storm")) == ["skip_storm"]
+    assert missing_verdicts(HEALTH, ("inf_hotspot",)) == []

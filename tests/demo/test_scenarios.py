@@ -1,0 +1,56 @@
+"""Scenario definitions: when outliers, corruption and the stale restore happen."""
+
+from __future__ import annotations
+
+import pytest
+
+from ampscope.demo.scenarios import SCENARIOS, Scenario
+
+
+def test_the_default_mix_provokes_every_verdict_but_stale_rank() -> None:
+    expected = {rule for scenario in SCENARIOS.values() for rule in scenario.expect}
+    # stale_rank needs ranks that stop reporting: the demo's --keep-serving shows it after
+    # the run, and the Prometheus e2e test checks it with a short --stale-after.
+    assert expected == {"inf_hotspot", "scale_collapse", "skip_storm", "scale_desync"}
+    assert list(SCENARIOS) == ["overflow", "hotspot", "collapse", "desync"]
+
+
+def test_outliers_only_on_the_chosen_rank_and_period() -> None:
+    hotspot = SCENARIOS["hotspot"]
+    hits = [
+        (rank, step)
+        for rank in range(4)
+        for step in range(1, 21)
+        if hotspot.outliers_at(step, rank, 4)
+    ]
+    assert hits == [(3, 5), (3, 10), (3, 15), (3, 20)]  # -1: the last rank
+    assert not SCENARIOS["overflow"].outliers_at(5, 1, 2)
+
+
+def test_corruption_starts_after_its_fraction_of_the_run() -> None:
+    collapse = SCENARIOS["collapse"]
+    corrupt = [step for step in range(1, 31) if collapse.corrupt_at(step, 30)]
+    assert corrupt == list(range(16, 31))
+    assert not SCENARIOS["desync"].corrupt_at(30, 30)
+
+
+def test_stale_restore_step() -> None:
+    assert SCENARIOS["desync"].restore_step(60) == 24
+    assert SCENARIOS["desync"].restore_step(5) == 2  # never step 1, when the state is saved
+    assert SCENARIOS["hotspot"].restore_step(60) is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"init_scale": 0.0}, "init_scale"),
+        ({"init_scale": float("inf")}, "init_scale"),
+        ({"growth_interval": 0}, "growth_interval"),
+        ({"outlier_rank": 1}, "outlier_every"),
+        ({"corrupt_from": 1.0}, "corrupt_from"),
+        ({"stale_restore_at": 0.0}, "stale_restore_at"),
+    ],
+)
+def test_invalid_scenarios_are_rejected(kwargs: dict[str, float], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Scenario(name="bad", story="", expect=(), **kwargs)  # type: ignore[arg-type]
