@@ -1,0 +1,110 @@
+"""The exporter's app factory: ``create_app(settings)`` wires store, collector and routes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from prometheus_client import CollectorRegistry
+
+from ampscope import __version__
+from ampscope.reporter.schema import IngestBatch
+from ampscope.service.collector import StoreCollector
+from ampscope.service.errors import install_error_handlers
+from ampscope.service.routes import ingest, metrics, probes, runs
+from ampscope.service.settings import Settings
+from ampscope.service.stats import IngestStats
+from ampscope.service.store import Store, StoreLimits
+
+log = logging.getLogger("ampscope.service")
+
+
+async def _prune_forever(app: FastAPI) -> None:
+    settings: Settings = app.state.settings
+    while True:
+        await asyncio.sleep(settings.prune_interval_s)
+        dropped = app.state.store.prune(app.state.clock(), settings.retention_s)
+        if dropped:
+            log.info("dropped %d rank(s) silent for over %.0f s", dropped, settings.retention_s)
+
+
+def _openapi_with_ingest_schema(app: FastAPI) -> dict[str, Any]:
+    # The ingest route reads its body by hand (size-capped), so FastAPI cannot derive the
+    # IngestBatch schema from a parameter; add it to the components its route refers to.
+    if app.openapi_schema is None:
+        schema = get_openapi(
+            title=app.title, version=app.version, summary=app.summary, routes=app.routes
+        )
+        batch = IngestBatch.model_json_schema(ref_template="#/components/schemas/{model}")
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for name, definition in batch.pop("$defs", {}).items():
+            components.setdefault(name, definition)
+        components["IngestBatch"] = batch
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def _build_state(app: FastAPI, settings: Settings, clock: Callable[[], float]) -> None:
+    store = Store(
+        StoreLimits(
+            max_runs=settings.max_runs,
+            max_ranks_per_run=settings.max_ranks_per_run,
+            max_series=settings.max_series,
+            history_length=settings.history_length,
+            window_s=settings.window_s,
+        )
+    )
+    stats = IngestStats()
+    # One registry per app, never prometheus_client's global one: two apps in one process
+    # (tests) must not see each other's series.
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StoreCollector(store, stats, clock, settings.stale_after_s))
+    app.state.store = store
+    app.state.stats = stats
+    app.state.registry = registry
+
+
+def create_app(settings: Settings, *, clock: Callable[[], float] = time.time) -> FastAPI:
+    """Build the exporter app.
+
+    Its lifespan creates the store, the ingest counters and a per-app Prometheus
+    registry on ``app.state`` at start-up, and runs a background task that drops ranks
+    silent for longer than ``settings.retention_s`` every ``prune_interval_s``. Requests
+    need the lifespan to have run: use ``with TestClient(app)`` in tests.
+
+    Args:
+        settings: Limits, thresholds and the ingest token.
+        clock: Current Unix time; tests pass a fake one to age ranks without sleeping.
+    """
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        _build_state(app, settings, clock)
+        pruner = asyncio.create_task(_prune_forever(app))
+        try:
+            yield
+        finally:
+            pruner.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await pruner
+
+    app = FastAPI(
+        title="ampscope exporter",
+        version=__version__,
+        summary="Loss-scaler telemetry of every rank on this node: Prometheus metrics, "
+        "a JSON API and health verdicts.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.clock = clock
+    app.openapi = lambda: _openapi_with_ingest_schema(app)  # type: ignore[method-assign]
+    install_error_handlers(app)
+    for module in (ingest, metrics, runs, probes):
+        app.include_router(module.router)
+    return app

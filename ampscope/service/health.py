@@ -1,0 +1,343 @@
+"""Instability verdicts for one run, computed from rank snapshots.
+
+Pure functions of (snapshots, now, thresholds): no lock, no I/O, no clock of their own,
+so tests drive them with hand-made times. Windowed rules difference the cumulative
+totals of a rank's window samples (one per accepted batch) against the sample at the
+window's start, as Prometheus' ``increase()`` does, so they stay exact however long
+the window and however small the record history.
+
+A rank takes part in a windowed rule while its last report lies within that rule's
+window (scale desync: the collapse window), so a run that just died still shows what
+killed it, and a rank that left long ago stops counting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ampscope.reporter.schema import RankTotals
+from ampscope.service.models import HealthReport, Status, Verdict
+from ampscope.service.ranks import RankSnapshot
+
+_SEVERITY: dict[Status, int] = {"ok": 0, "warning": 1, "critical": 2}
+MAX_EVIDENCE_RANKS = 16
+"""Ranks listed in one verdict's evidence at most (the count is always given)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Thresholds:
+    """Health-rule thresholds; the defaults are the ones the Prometheus alert rules use."""
+
+    scale_floor: float = 1.0
+    """Scale collapse (critical): scale below this."""
+    collapse_factor: float = 2.0**8
+    """Scale collapse (critical): the window's peak scale / current scale at least this."""
+    collapse_window_s: float = 600.0
+    skip_storm_ratio: float = 0.25
+    """Skip storm (warning): skipped / steps over the window above this."""
+    skip_storm_window_s: float = 300.0
+    skip_storm_min_steps: int = 10
+    """Skip storm: fewer steps in the window say nothing."""
+    stale_after_s: float = 60.0
+    """Stale rank (warning): no report for this long."""
+    hotspot_share: float = 0.8
+    """Inf hotspot (warning): one rank/device holds at least this share of detections."""
+    hotspot_window_s: float = 600.0
+    hotspot_min_detections: int = 5
+
+    def __post_init__(self) -> None:
+        for name in ("collapse_window_s", "skip_storm_window_s", "stale_after_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive")
+        if not self.hotspot_window_s > 0:
+            raise ValueError("hotspot_window_s must be positive")
+        if self.scale_floor < 0:
+            raise ValueError("scale_floor must be >= 0")
+        if not self.collapse_factor > 1:
+            raise ValueError("collapse_factor must be > 1")
+        if not 0 <= self.skip_storm_ratio <= 1:
+            raise ValueError("skip_storm_ratio must be within [0, 1]")
+        if not 0 < self.hotspot_share <= 1:
+            raise ValueError("hotspot_share must be within (0, 1]")
+        if self.skip_storm_min_steps < 1 or self.hotspot_min_detections < 1:
+            raise ValueError("minimum counts must be at least 1")
+
+
+@dataclass(frozen=True)
+class _Window:
+    """A rank's change over a window: its baseline totals (``None``: zero) and the
+    highest scale seen in it."""
+
+    baseline: RankTotals | None
+    peak_scale: float
+
+
+def _window(snap: RankSnapshot, start: float) -> _Window:
+    anchor = None
+    peak = snap.newest.scale_after
+    for sample in snap.samples:
+        if sample.received <= start:
+            anchor = sample  # the newest sample at or before the start is the baseline
+        else:
+            peak = max(peak, sample.peak_scale)
+    if anchor is not None:
+        return _Window(baseline=anchor.totals, peak_scale=max(peak, anchor.scale))
+    if snap.first_step != 1 and snap.samples:
+        # Heard mid-run (the exporter restarted): count from the first batch heard.
+        return _Window(baseline=snap.samples[0].totals, peak_scale=peak)
+    # Heard from its first step on: the baseline is zero.
+    return _Window(baseline=None, peak_scale=peak)
+
+
+def _delta(now: Mapping[str, int], base: Mapping[str, int] | None) -> dict[str, int]:
+    base = base or {}
+    return {key: count - base.get(key, 0) for key, count in now.items()}
+
+
+def _who(snap: RankSnapshot) -> dict[str, Any]:
+    return {"rank": snap.identity.rank, "node": snap.identity.node}
+
+
+def scale_collapse(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
+    """Critical when a rank's scale is below the floor or fell by ``collapse_factor``."""
+    thresholds = {
+        "scale_floor": t.scale_floor,
+        "collapse_factor": t.collapse_factor,
+        "window_s": t.collapse_window_s,
+    }
+    hits = []
+    lowest = None
+    for snap in ranks:
+        scale = snap.newest.scale_after
+        peak = _window(snap, now - t.collapse_window_s).peak_scale
+        fall = peak / scale if scale > 0 else float("inf")
+        lowest = scale if lowest is None else min(lowest, scale)
+        reasons = []
+        if scale < t.scale_floor:
+            reasons.append("below_floor")
+        if fall >= t.collapse_factor:
+            reasons.append("fell")
+        if reasons:
+            hits.append(
+                {
+                    **_who(snap),
+                    "scale": scale,
+                    "window_peak_scale": peak,
+                    "fall_factor": fall if scale > 0 else None,
+                    "reasons": reasons,
+                }
+            )
+    if not hits:
+        return Verdict(
+            rule="scale_collapse",
+            status="ok",
+            summary="no rank's loss scale collapsed",
+            evidence={"lowest_scale": lowest},
+            thresholds=thresholds,
+        )
+    worst = min(hits, key=lambda h: h["scale"])
+    return Verdict(
+        rule="scale_collapse",
+        status="critical",
+        summary=f"loss scale collapsed on {len(hits)} rank(s): rank {worst['rank']} is at "
+        f"{worst['scale']:g} (window peak {worst['window_peak_scale']:g})",
+        evidence={"ranks_affected": len(hits), "ranks": hits[:MAX_EVIDENCE_RANKS]},
+        thresholds=thresholds,
+    )
+
+
+def skip_storm(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
+    """Warning when a rank skipped more than ``skip_storm_ratio`` of its window's steps."""
+    thresholds = {
+        "ratio": t.skip_storm_ratio,
+        "window_s": t.skip_storm_window_s,
+        "min_steps": t.skip_storm_min_steps,
+    }
+    hits = []
+    worst_ratio = 0.0
+    for snap in ranks:
+        base = _window(snap, now - t.skip_storm_window_s).baseline
+        totals = snap.newest.totals
+        steps = totals.steps - (base.steps if base else 0)
+        skipped = totals.skipped_steps - (base.skipped_steps if base else 0)
+        if steps < t.skip_storm_min_steps:
+            continue
+        ratio = skipped / steps
+        worst_ratio = max(worst_ratio, ratio)
+        if ratio > t.skip_storm_ratio:
+            hits.append({**_who(snap), "steps": steps, "skipped": skipped, "ratio": ratio})
+    if not hits:
+        return Verdict(
+            rule="skip_storm",
+            status="ok",
+            summary="skipped steps within bounds",
+            evidence={"worst_ratio": worst_ratio},
+            thresholds=thresholds,
+        )
+    worst = max(hits, key=lambda h: h["ratio"])
+    return Verdict(
+        rule="skip_storm",
+        status="warning",
+        summary=f"{worst['skipped']} of rank {worst['rank']}'s last {worst['steps']} steps "
+        f"were skipped ({worst['ratio']:.0%}) on {len(hits)} rank(s)",
+        evidence={"ranks_affected": len(hits), "ranks": hits[:MAX_EVIDENCE_RANKS]},
+        thresholds=thresholds,
+    )
+
+
+def scale_desync(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
+    """Critical when ranks report different ``scale_after`` for the same step.
+
+    Compares the held histories: O(ranks x history_length).
+    """
+    del now, t
+    by_step: dict[int, set[float]] = {}
+    seen: dict[int, int] = {}
+    for snap in ranks:
+        for record in snap.history:
+            by_step.setdefault(record.step, set()).add(record.scale_after)
+            seen[record.step] = seen.get(record.step, 0) + 1
+    compared = sum(1 for count in seen.values() if count > 1)
+    mismatched = sorted(step for step, scales in by_step.items() if len(scales) > 1)
+    if not mismatched:
+        return Verdict(
+            rule="scale_desync",
+            status="ok",
+            summary=f"ranks agree on the scale at {compared} shared step(s)",
+            evidence={"compared_steps": compared},
+            thresholds={},
+        )
+    step = mismatched[-1]
+    scales = {}
+    for snap in ranks:
+        for record in snap.history:
+            if record.step == step:
+                scales[str(snap.identity.rank)] = record.scale_after
+                break
+        if len(scales) >= MAX_EVIDENCE_RANKS:
+            break
+    return Verdict(
+        rule="scale_desync",
+        status="critical",
+        summary=f"ranks disagree on the loss scale at {len(mismatched)} of {compared} shared "
+        f"step(s); newest: step {step}",
+        evidence={
+            "compared_steps": compared,
+            "mismatched_steps": len(mismatched),
+            "first_mismatched_step": mismatched[0],
+            "newest_mismatched_step": step,
+            "scales_at_newest": scales,
+        },
+        thresholds={},
+    )
+
+
+def stale_rank(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
+    """Warning when a rank has not reported within ``stale_after_s``."""
+    thresholds = {"stale_after_s": t.stale_after_s}
+    stale = [
+        {
+            **_who(snap),
+            "seconds_since_report": now - snap.last_report,
+            "last_step": snap.newest.step,
+        }
+        for snap in ranks
+        if now - snap.last_report > t.stale_after_s
+    ]
+    if not stale:
+        return Verdict(
+            rule="stale_rank",
+            status="ok",
+            summary=f"all {len(ranks)} rank(s) up",
+            evidence={"stale": 0},
+            thresholds=thresholds,
+        )
+    return Verdict(
+        rule="stale_rank",
+        status="warning",
+        summary=f"{len(stale)} of {len(ranks)} rank(s) stopped reporting",
+        evidence={"stale": len(stale), "ranks": stale[:MAX_EVIDENCE_RANKS]},
+        thresholds=thresholds,
+    )
+
+
+def inf_hotspot(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
+    """Warning when one rank/device holds ``hotspot_share`` of the window's detections.
+
+    Counts origin detections (pre-reduction gradients) when any rank tracks origin in
+    the window, else local found-inf. Needs at least two rank/device series: a single
+    device is trivially 100% of its own detections.
+    """
+    thresholds = {
+        "share": t.hotspot_share,
+        "window_s": t.hotspot_window_s,
+        "min_detections": t.hotspot_min_detections,
+    }
+    origin: list[tuple[RankSnapshot, str, int]] = []
+    local: list[tuple[RankSnapshot, str, int]] = []
+    for snap in ranks:
+        base = _window(snap, now - t.hotspot_window_s).baseline
+        totals = snap.newest.totals
+        origin_base = base.found_inf_origin if base is not None else None
+        local_base = base.found_inf_local if base is not None else None
+        for device, n in _delta(totals.found_inf_origin, origin_base).items():
+            origin.append((snap, device, n))
+        for device, n in _delta(totals.found_inf_local, local_base).items():
+            local.append((snap, device, n))
+    source, series = ("origin", origin) if sum(n for *_, n in origin) > 0 else ("local", local)
+    total = sum(n for *_, n in series)
+    evidence: dict[str, Any] = {"source": source, "detections": total, "series": len(series)}
+    if total == 0 or len(series) < 2:
+        return Verdict(
+            rule="inf_hotspot",
+            status="ok",
+            summary="no rank/device dominates the found-inf detections",
+            evidence=evidence,
+            thresholds=thresholds,
+        )
+    ordered = sorted(series, key=lambda item: -item[2])
+    top = [
+        {**_who(s), "device": d, "detections": n, "share": n / total}
+        for s, d, n in ordered[:5]
+        if n > 0
+    ]
+    evidence["top"] = top
+    lead = top[0]
+    if total >= t.hotspot_min_detections and lead["share"] >= t.hotspot_share:
+        return Verdict(
+            rule="inf_hotspot",
+            status="warning",
+            summary=f"rank {lead['rank']} device {lead['device']} holds {lead['share']:.0%} "
+            f"of {total} {source} found-inf detections",
+            evidence=evidence,
+            thresholds=thresholds,
+        )
+    return Verdict(
+        rule="inf_hotspot",
+        status="ok",
+        summary="no rank/device dominates the found-inf detections",
+        evidence=evidence,
+        thresholds=thresholds,
+    )
+
+
+def evaluate(run: str, ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> HealthReport:
+    """Every rule over one run's ranks. Cost: O(ranks x (samples + history_length))."""
+
+    def recent(window_s: float) -> list[RankSnapshot]:
+        return [snap for snap in ranks if now - snap.last_report <= window_s]
+
+    verdicts = [
+        scale_collapse(recent(t.collapse_window_s), now, t),
+        skip_storm(recent(t.skip_storm_window_s), now, t),
+        scale_desync(recent(t.collapse_window_s), now, t),
+        stale_rank(ranks, now, t),
+        inf_hotspot(recent(t.hotspot_window_s), now, t),
+    ]
+    up = recent(t.stale_after_s)
+    status = max((v.status for v in verdicts), key=_SEVERITY.__getitem__)
+    return HealthReport(
+        run=run, status=status, evaluated_at=now, ranks=len(ranks), up=len(up), verdicts=verdicts
+    )

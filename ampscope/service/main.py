@@ -1,0 +1,107 @@
+"""``ampscope serve``: run the per-node exporter.
+
+Flags override ``AMPSCOPE_*`` environment variables, which override the defaults of
+``ampscope.service.settings.Settings``. Only argparse is imported until ``run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import sys
+
+# flag -> (Settings field, type, help). Defaults live in Settings alone; the help text
+# states them and a test checks it does so truthfully.
+_OPTIONS: dict[str, tuple[str, type, str]] = {
+    "--host": ("host", str, "bind address (default 127.0.0.1: loopback only)"),
+    "--port": ("port", int, "TCP port (default 9478)"),
+    "--token-file": (
+        "token_file",
+        str,
+        "file holding the bearer token ingest requires (default: none, or AMPSCOPE_TOKEN)",
+    ),
+    "--stale-after": (
+        "stale_after_s",
+        float,
+        "seconds without a report before a rank is stale (default 60)",
+    ),
+    "--retention": (
+        "retention_s",
+        float,
+        "seconds without a report before a rank's series are dropped (default 3600)",
+    ),
+    "--history-length": ("history_length", int, "step records kept per rank (default 1024)"),
+    "--max-body-bytes": ("max_body_bytes", int, "largest ingest body (default 8388608)"),
+    "--max-runs": ("max_runs", int, "runs held at once (default 64)"),
+    "--max-ranks-per-run": ("max_ranks_per_run", int, "ranks per run (default 4096)"),
+    "--log-level": ("log_level", str, "critical|error|warning|info|debug (default info)"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Define ``ampscope serve``'s flags. Every setting also reads ``AMPSCOPE_<FIELD>``."""
+    for flag, (field, type_, help_) in _OPTIONS.items():
+        parser.add_argument(flag, dest=field, type=type_, default=None, help=help_)
+    parser.add_argument(
+        "--access-log",
+        dest="access_log",
+        action="store_true",
+        default=None,
+        help="log every request (default off)",
+    )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build the settings, then serve until SIGINT/SIGTERM. Returns the exit status."""
+    import logging
+
+    import uvicorn
+    from pydantic import ValidationError
+
+    from ampscope.service.app import create_app
+    from ampscope.service.settings import Settings
+
+    fields = [field for field, _, _ in _OPTIONS.values()] + ["access_log"]
+    overrides = {f: getattr(args, f) for f in fields if getattr(args, f, None) is not None}
+    try:
+        settings = Settings(**overrides)
+    except ValidationError as exc:
+        for error in exc.errors(include_url=False):
+            where = ".".join(map(str, error["loc"])) or "settings"
+            print(f"ampscope serve: {where}: {error['msg']}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(levelname)s %(name)s: %(message)s"
+    )
+    log = logging.getLogger("ampscope.service")
+    if not _is_loopback(settings.host) and settings.token is None:
+        log.warning(
+            "listening on %s without a token: anyone who reaches the port can post records "
+            "(use --token-file)",
+            settings.host,
+        )
+    log.info(
+        "ampscope exporter on http://%s:%d (ingest %s)",
+        settings.host,
+        settings.port,
+        "needs a bearer token" if settings.token else "open",
+    )
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        access_log=settings.access_log,
+        # Reporters post every ~0.5 s over one kept-alive connection; keep it open between.
+        timeout_keep_alive=30,
+    )
+    return 0

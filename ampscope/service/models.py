@@ -1,0 +1,101 @@
+"""Response models of the JSON API (what /docs shows). Requests use the record schema."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from ampscope.reporter.schema import RankTotals, ScaleEvent, StepRecord
+
+Status = Literal["ok", "warning", "critical"]
+
+
+class IngestResult(BaseModel):
+    """Answer to an accepted ingest batch."""
+
+    accepted: int = Field(description="Records that changed the rank's state.")
+    ignored: int = Field(
+        description="Duplicates of records already held (retries) and records from a "
+        "process of this rank that has since restarted."
+    )
+
+
+class ErrorBody(BaseModel):
+    """Every 4xx answer of the ingest endpoint and the API's 404s."""
+
+    error: str = Field(
+        description="Machine-readable reason: unauthorized, too_large, malformed, invalid, "
+        "cardinality, not_found."
+    )
+    detail: str = Field(description="What was wrong, for people.")
+    limit: str | None = Field(default=None, description="The setting a 413/429 hit.")
+    value: int | None = Field(default=None, description="That setting's value.")
+    errors: list[dict[str, Any]] | None = Field(
+        default=None, description="422: schema violations (location, message, type), trimmed."
+    )
+
+
+class RunSummary(BaseModel):
+    run: str
+    ranks: int = Field(description="Ranks held (stale ones included until retention).")
+    up: int = Field(description="Ranks that reported within the stale TTL.")
+    stale: int
+    world_size: int = Field(description="world_size the newest-reporting rank declared.")
+    newest_step: int = Field(description="Highest step any rank reported.")
+    last_report_time: float = Field(description="Unix time of the newest report received.")
+
+
+class RankView(BaseModel):
+    """A rank's current state, from its newest record."""
+
+    run: str
+    node: str
+    rank: int
+    local_rank: int
+    world_size: int
+    step: int
+    step_time: float = Field(description="Rank's wall-clock time of that step.")
+    scale: float = Field(description="scale_after of the newest step.")
+    growth_tracker: int
+    last_event: ScaleEvent
+    last_skipped: bool
+    totals: RankTotals
+    dropped_records: int = Field(description="Records the rank's reporter dropped (cumulative).")
+    up: bool
+    last_report_time: float = Field(description="Unix time the exporter last heard from it.")
+    seconds_since_report: float
+    restarts: int = Field(description="Times the exporter saw this rank's process restart.")
+
+
+class History(BaseModel):
+    """A page of a rank's bounded record history, oldest first."""
+
+    run: str
+    rank: int
+    records: list[StepRecord]
+    oldest_held_step: int | None = Field(description="Oldest step the exporter still holds.")
+    newest_held_step: int | None
+    capacity: int = Field(description="Records held per rank at most (history_length).")
+    next_since_step: int | None = Field(
+        description="Pass as since_step for the next page; null when this page reached the end."
+    )
+
+
+class Verdict(BaseModel):
+    """One health rule's result, with the numbers behind it."""
+
+    rule: Literal["scale_collapse", "skip_storm", "scale_desync", "stale_rank", "inf_hotspot"]
+    status: Status
+    summary: str
+    evidence: dict[str, Any]
+    thresholds: dict[str, float | int]
+
+
+class HealthReport(BaseModel):
+    run: str
+    status: Status = Field(description="The worst verdict.")
+    evaluated_at: float
+    ranks: int
+    up: int
+    verdicts: list[Verdict]

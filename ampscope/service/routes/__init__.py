@@ -1,0 +1,1 @@
+"""HTTP routes, one router per concern; each owns its prefix and tags."""

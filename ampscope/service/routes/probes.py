@@ -1,0 +1,19 @@
+"""``GET /healthz``: liveness of the exporter process itself."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from pydantic import BaseModel
+
+router = APIRouter(tags=["probes"])
+
+
+class Liveness(BaseModel):
+    status: str = "ok"
+
+
+@router.get("/healthz", response_model=Liveness, summary="Liveness probe")
+def healthz() -> Liveness:
+    """Answers 200 while the process serves requests. Says nothing about training runs:
+    see ``/api/v1/runs/{run}/health``."""
+    return Liveness()

@@ -1,0 +1,128 @@
+"""The exporter's settings: every limit and threshold in one typed, validated place.
+
+Read from ``AMPSCOPE_*`` environment variables (``AMPSCOPE_PORT=9500``), overridden by
+``ampscope serve`` flags, and injected into the app by ``create_app(settings)``: nothing
+reads them from a module-level global.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from ampscope.reporter.schema import (
+    DEFAULT_PORT,
+    MAX_DEVICES,
+    MAX_NONFINITE_PARAMS,
+    MAX_RECORDS_PER_BATCH,
+)
+from ampscope.service.health import Thresholds
+
+Seconds = Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
+Positive = Annotated[int, Field(ge=1)]
+
+
+class Settings(BaseSettings):
+    """Configuration of one exporter process.
+
+    Cardinality limits bound memory: the exporter answers 429 naming the limit instead of
+    growing without bound. Defaults fit a node of up to a few hundred ranks.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="AMPSCOPE_", extra="ignore", frozen=True)
+
+    host: str = "127.0.0.1"
+    """Bind address. Loopback by default: ranks report from the same node."""
+    port: Annotated[int, Field(ge=0, le=65535)] = DEFAULT_PORT
+    token: SecretStr | None = None
+    """Bearer token ingest requires (env ``AMPSCOPE_TOKEN``, the variable ranks send), with
+    surrounding whitespace stripped. ``None``: ingest is open. Reads (/metrics, the JSON
+    API) never need it."""
+    token_file: Path | None = None
+    """File holding the token (surrounding whitespace stripped); wins over ``token``."""
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    access_log: bool = False
+    """Log every request; off because every rank posts twice a second."""
+
+    max_body_bytes: Positive = 8 * 1024 * 1024
+    """Largest ingest body; larger ones get 413 before (Content-Length) or while reading."""
+    max_records_per_batch: Annotated[int, Field(ge=1, le=MAX_RECORDS_PER_BATCH)] = (
+        MAX_RECORDS_PER_BATCH
+    )
+    """More records in one batch get 413 (the reporter then sends smaller batches)."""
+    max_runs: Positive = 64
+    """Distinct run ids held at once (stale ones count until retention drops them)."""
+    max_ranks_per_run: Positive = 4096
+    max_devices_per_rank: Annotated[int, Field(ge=1, le=MAX_DEVICES)] = 16
+    """Distinct device labels one rank may report (each is a series per found-inf family)."""
+    max_params_per_rank: Annotated[int, Field(ge=1, le=MAX_NONFINITE_PARAMS)] = 32
+    """Non-finite parameters one rank may report (top K; each is a series)."""
+    max_series: Positive = 500_000
+    """Label sets across all per-rank families of all runs."""
+
+    history_length: Positive = 1024
+    """StepRecords kept per rank for /history and the scale-desync rule."""
+    history_limit_max: Positive = 1000
+    """Most records one /history response returns; larger ``limit`` values are capped."""
+    stale_after_s: Seconds = 60.0
+    """A rank with no report for this long is stale: ``ampscope_rank_up`` 0."""
+    retention_s: Seconds = 3600.0
+    """A rank with no report for this long is dropped with its series; then empty runs."""
+    prune_interval_s: Seconds = 10.0
+    """How often the background task drops expired ranks and runs."""
+
+    scale_floor: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 1.0
+    """Scale collapse: a scale below this is critical."""
+    collapse_factor: Annotated[float, Field(gt=1.0, allow_inf_nan=False)] = 2.0**8
+    """Scale collapse: the scale fell by at least this factor within ``collapse_window_s``."""
+    collapse_window_s: Seconds = 600.0
+    skip_storm_ratio: Annotated[float, Field(ge=0.0, le=1.0)] = 0.25
+    """Skip storm: skipped / steps over ``skip_storm_window_s`` above this."""
+    skip_storm_window_s: Seconds = 300.0
+    skip_storm_min_steps: Positive = 10
+    hotspot_share: Annotated[float, Field(gt=0.0, le=1.0)] = 0.8
+    """Inf hotspot: one rank/device holds at least this share of the run's detections."""
+    hotspot_window_s: Seconds = 600.0
+    hotspot_min_detections: Positive = 5
+
+    @model_validator(mode="after")
+    def _check(self) -> Settings:
+        if self.retention_s < self.stale_after_s:
+            raise ValueError("retention_s must be at least stale_after_s")
+        if self.token_file is not None:
+            try:
+                text = self.token_file.read_text(encoding="utf-8").strip()
+            except OSError as exc:
+                raise ValueError(f"cannot read token_file {self.token_file}: {exc}") from exc
+            if not text:
+                raise ValueError(f"token_file {self.token_file} is empty")
+            # frozen model: set through object.__setattr__ once, during validation.
+            object.__setattr__(self, "token", SecretStr(text))
+        elif self.token is not None:
+            # Headers lose surrounding whitespace; an all-blank token means none.
+            text = self.token.get_secret_value().strip()
+            object.__setattr__(self, "token", SecretStr(text) if text else None)
+        return self
+
+    def thresholds(self) -> Thresholds:
+        """The health rules' thresholds (the same numbers as the Prometheus alert rules)."""
+        return Thresholds(
+            scale_floor=self.scale_floor,
+            collapse_factor=self.collapse_factor,
+            collapse_window_s=self.collapse_window_s,
+            skip_storm_ratio=self.skip_storm_ratio,
+            skip_storm_window_s=self.skip_storm_window_s,
+            skip_storm_min_steps=self.skip_storm_min_steps,
+            stale_after_s=self.stale_after_s,
+            hotspot_share=self.hotspot_share,
+            hotspot_window_s=self.hotspot_window_s,
+            hotspot_min_detections=self.hotspot_min_detections,
+        )
+
+    @property
+    def window_s(self) -> float:
+        """The longest health window: how much per-rank sample history the store keeps."""
+        return max(self.collapse_window_s, self.skip_storm_window_s, self.hotspot_window_s)

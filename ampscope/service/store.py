@@ -1,0 +1,198 @@
+"""The exporter's in-memory store: runs → ranks → ``RankState``, under one lock.
+
+Every public method states its contract: what it takes, what it guarantees, what it
+costs. The lock is held only for the O(records) or O(ranks) bookkeeping itself; callers
+build metric families, JSON and health verdicts from snapshots outside it.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from ampscope.reporter.schema import IngestBatch
+from ampscope.service.ranks import RankSnapshot, RankState, series_of
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreLimits:
+    """Cardinality limits; exceeding one rejects the whole batch with ``LimitExceeded``."""
+
+    max_runs: int
+    max_ranks_per_run: int
+    max_series: int
+    history_length: int
+    window_s: float
+    """Longest health window: per-rank window samples older than this are trimmed."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_runs", "max_ranks_per_run", "max_series", "history_length"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        if not self.window_s > 0:
+            raise ValueError("window_s must be positive")
+
+
+class LimitExceeded(Exception):
+    """A batch would push the store past a cardinality limit; nothing was changed."""
+
+    def __init__(self, limit: str, value: int, detail: str) -> None:
+        super().__init__(detail)
+        self.limit = limit
+        """The setting's name, e.g. ``max_runs``."""
+        self.value = value
+        """The setting's value."""
+        self.detail = detail
+
+
+@dataclass(frozen=True, kw_only=True)
+class IngestOutcome:
+    """What ``Store.ingest`` did with a batch."""
+
+    accepted: int
+    """Records that changed the state (newest, history or a restart)."""
+    ignored: int
+    """Duplicates (retried records) and records from a process that has since restarted."""
+
+
+class Store:
+    """Thread-safe state of every run and rank the exporter has heard from.
+
+    Args:
+        limits: Cardinality limits and sizes.
+    """
+
+    def __init__(self, limits: StoreLimits) -> None:
+        self.limits = limits
+        self._lock = threading.Lock()
+        self._runs: dict[str, dict[int, RankState]] = {}
+        self._series = 0
+
+    def ingest(self, batch: IngestBatch, now: float) -> IngestOutcome:
+        """Apply a validated batch received at exporter time ``now``.
+
+        Contract: ``batch`` passed ``IngestBatch`` validation (one rank of one run) and the
+        per-record limits (devices, parameters). Either the whole batch is applied or, when
+        it would exceed ``max_runs``, ``max_ranks_per_run`` or ``max_series``, nothing is
+        and ``LimitExceeded`` names the limit. Cost: O(records) under the lock.
+        """
+        first = batch.records[0].identity
+        run_id, rank = first.run, first.rank
+        # Newest record of the batch bounds the rank's series count after applying it.
+        candidate = max(batch.records, key=lambda r: r.step)
+        with self._lock:
+            ranks = self._runs.get(run_id)
+            state = ranks.get(rank) if ranks is not None else None
+            if ranks is None and len(self._runs) >= self.limits.max_runs:
+                raise LimitExceeded(
+                    "max_runs",
+                    self.limits.max_runs,
+                    f"the exporter already tracks {len(self._runs)} runs "
+                    f"(max_runs={self.limits.max_runs}); run {run_id!r} is not accepted "
+                    "until retention drops an old run",
+                )
+            if state is None and ranks is not None and len(ranks) >= self.limits.max_ranks_per_run:
+                raise LimitExceeded(
+                    "max_ranks_per_run",
+                    self.limits.max_ranks_per_run,
+                    f"run {run_id!r} already has {len(ranks)} ranks "
+                    f"(max_ranks_per_run={self.limits.max_ranks_per_run}); rank {rank} "
+                    "is not accepted",
+                )
+            before = 0 if state is None or state.newest is None else series_of(state.newest)
+            growth = series_of(candidate) - before
+            if growth > 0 and self._series + growth > self.limits.max_series:
+                raise LimitExceeded(
+                    "max_series",
+                    self.limits.max_series,
+                    f"accepting rank {rank} of run {run_id!r} would expose "
+                    f"{self._series + growth} series (max_series={self.limits.max_series})",
+                )
+            if ranks is None:
+                ranks = self._runs[run_id] = {}
+            if state is None:
+                state = ranks[rank] = RankState(history_length=self.limits.history_length)
+            accepted, ignored = state.apply_batch(batch.records, batch.dropped_records, now)
+            # A fresh RankState takes any first record, so newest is set from here on.
+            assert state.newest is not None
+            self._series += series_of(state.newest) - before
+            state.trim_samples(now - self.limits.window_s)
+        return IngestOutcome(accepted=accepted, ignored=ignored)
+
+    def prune(self, now: float, retention_s: float) -> int:
+        """Drop ranks whose last report is more than ``retention_s`` before ``now``, then
+        runs left without ranks, and trim every rank's window samples.
+
+        Contract: a dropped rank's series disappear from the next scrape; a rank that
+        reports again later starts afresh. Cost: O(ranks) under the lock.
+
+        Returns:
+            How many ranks were dropped.
+        """
+        dropped = 0
+        with self._lock:
+            for run_id in list(self._runs):
+                ranks = self._runs[run_id]
+                for rank in list(ranks):
+                    state = ranks[rank]
+                    if now - state.last_report > retention_s:
+                        if state.newest is not None:
+                            self._series -= series_of(state.newest)
+                        del ranks[rank]
+                        dropped += 1
+                    else:
+                        state.trim_samples(now - self.limits.window_s)
+                if not ranks:
+                    del self._runs[run_id]
+        return dropped
+
+    def runs(self) -> list[str]:
+        """Run ids held, sorted. O(runs log runs)."""
+        with self._lock:
+            return sorted(self._runs)
+
+    def ranks(self, run_id: str) -> list[RankSnapshot] | None:
+        """Snapshots of every rank of ``run_id`` sorted by rank, or ``None`` for an unknown
+        run. Cost: O(ranks x (history + samples)) copying under the lock."""
+        with self._lock:
+            ranks = self._runs.get(run_id)
+            if ranks is None:
+                return None
+            return [ranks[r].snapshot() for r in sorted(ranks)]
+
+    def rank(self, run_id: str, rank: int) -> RankSnapshot | None:
+        """Snapshot of one rank, or ``None`` when the run or rank is unknown. O(history)."""
+        with self._lock:
+            state = self._runs.get(run_id, {}).get(rank)
+            return state.snapshot() if state is not None else None
+
+    def latest(self) -> list[tuple[str, int, RankSnapshot]]:
+        """Every rank's newest state without history or samples, for the collector and the
+        run listing: (run, rank, snapshot) sorted. O(ranks) under the lock."""
+        with self._lock:
+            out = []
+            for run_id, ranks in self._runs.items():
+                for rank, state in ranks.items():
+                    assert state.newest is not None
+                    out.append(
+                        (
+                            run_id,
+                            rank,
+                            RankSnapshot(
+                                newest=state.newest,
+                                last_report=state.last_report,
+                                dropped_records=state.dropped_records,
+                                restarts=state.restarts,
+                                first_step=state.first_step,
+                                history=(),
+                                samples=(),
+                            ),
+                        )
+                    )
+        out.sort(key=lambda item: (item[0], item[1]))
+        return out
+
+    def counts(self) -> tuple[int, int, int]:
+        """(runs, ranks, series) held now. O(runs)."""
+        with self._lock:
+            return len(self._runs), sum(len(r) for r in self._runs.values()), self._series

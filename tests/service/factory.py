@@ -1,0 +1,102 @@
+"""Valid records and batches for the service tests, built from the real schema models."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ampscope.reporter.schema import (
+    Identity,
+    IngestBatch,
+    NonfiniteParam,
+    RankTotals,
+    StepRecord,
+)
+
+T0 = 1_700_000_000.0
+"""Start of the tests' fake time (record times and the exporter's fake clock)."""
+
+
+class FakeClock:
+    """An exporter clock the test moves by hand."""
+
+    def __init__(self, now: float = T0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def totals(
+    steps: int,
+    *,
+    skipped: int = 0,
+    backoffs: int = 0,
+    growths: int = 0,
+    local: dict[str, int] | None = None,
+    origin: dict[str, int] | None = None,
+    params: dict[str, int] | None = None,
+) -> RankTotals:
+    return RankTotals(
+        steps=steps,
+        skipped_steps=skipped,
+        backoffs=backoffs,
+        growths=growths,
+        found_inf_local=local if local is not None else {"cuda:0": skipped},
+        found_inf_origin=origin or {},
+        nonfinite_params=[NonfiniteParam(name=n, count=c) for n, c in (params or {}).items()],
+        min_scale=None,
+        max_scale=None,
+    )
+
+
+def record(
+    step: int,
+    *,
+    run: str = "run-a",
+    rank: int = 0,
+    node: str = "node0",
+    world_size: int = 2,
+    time: float | None = None,
+    scale: float = 65536.0,
+    scale_before: float | None = None,
+    skipped: bool = False,
+    growth_tracker: int = 0,
+    total: RankTotals | None = None,
+    **extra: Any,
+) -> StepRecord:
+    """Step ``step`` of a rank; its time defaults to T0 + step seconds."""
+    return StepRecord(
+        identity=Identity(
+            run=run, node=node, rank=rank, local_rank=rank % 8, world_size=world_size
+        ),
+        step=step,
+        time=T0 + step if time is None else time,
+        found_inf_local={"cuda:0": skipped},
+        found_inf_origin={},
+        found_inf_global=skipped,
+        skipped=skipped,
+        scale_before=scale if scale_before is None else scale_before,
+        scale_after=scale,
+        growth_tracker=growth_tracker,
+        event="backoff" if skipped else "none",
+        optimizers=[],
+        nonfinite_params=[],
+        totals=total if total is not None else totals(step),
+        **extra,
+    )
+
+
+def batch(*records: StepRecord, dropped: int = 0) -> IngestBatch:
+    return IngestBatch(schema_version=1, records=list(records), dropped_records=dropped)
+
+
+def steps(first: int, last: int, **kwargs: Any) -> list[StepRecord]:
+    """Clean steps ``first..last`` of one rank with consistent totals."""
+    return [record(s, **kwargs) for s in range(first, last + 1)]
+
+
+def body(*records: StepRecord, dropped: int = 0) -> bytes:
+    return batch(*records, dropped=dropped).model_dump_json().encode()

@@ -1,0 +1,126 @@
+"""/metrics: every catalogue family, values equal to the posted records, promtool-clean."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+from support import need_tool
+
+from ampscope.service.catalogue import CATALOGUE
+from service.conftest import MakeClient
+from service.factory import T0, body, record, totals
+
+URL = "/api/v1/ingest"
+
+
+def _samples(client: TestClient) -> dict[tuple[str, frozenset], float]:
+    """{(sample name, labels): value} of one scrape."""
+    out = {}
+    for family in text_string_to_metric_families(client.get("/metrics").text):
+        for sample in family.samples:
+            out[(sample.name, frozenset(sample.labels.items()))] = sample.value
+    return out
+
+
+def _labels(rank: int = 0, node: str = "node0", **extra: str) -> frozenset:
+    return frozenset(
+        {"run": "run-a", "node": node, "rank": str(rank), "local_rank": str(rank), **extra}.items()
+    )
+
+
+def _post(client: TestClient, *records, dropped: int = 0) -> None:
+    response = client.post(URL, content=body(*records, dropped=dropped))
+    assert response.status_code == 200, response.text
+
+
+def _rich_totals(steps: int) -> object:
+    return totals(
+        steps,
+        skipped=3,
+        backoffs=3,
+        growths=1,
+        local={"cuda:0": 2, "cuda:1": 1},
+        origin={"cuda:0": 1},
+        params={"layers.0.attn.wo.weight": 4096, "blocks.0.ff[1].w{a=b,c}": 7},
+    )
+
+
+def test_values_match_the_newest_record(make_client: MakeClient) -> None:
+    client, clock = make_client()
+    _post(client, record(1), dropped=1)
+    newest = record(9, scale=8192.0, growth_tracker=5, total=_rich_totals(9))
+    _post(client, newest, dropped=4)
+    _post(client, record(5, time=T0 + 5), dropped=2)  # a late retry: no effect
+    got = _samples(client)
+    me = _labels()
+    assert got[("ampscope_loss_scale", me)] == 8192.0
+    assert got[("ampscope_growth_tracker", me)] == 5
+    assert got[("ampscope_last_step", me)] == 9
+    assert got[("ampscope_last_report_timestamp_seconds", me)] == clock.now
+    assert got[("ampscope_rank_up", me)] == 1
+    assert got[("ampscope_steps_total", me)] == 9
+    assert got[("ampscope_skipped_steps_total", me)] == 3
+    assert got[("ampscope_scale_backoffs_total", me)] == 3
+    assert got[("ampscope_scale_growths_total", me)] == 1
+    assert got[("ampscope_reporter_dropped_records_total", me)] == 4
+    assert got[("ampscope_found_inf_total", _labels(device="cuda:0"))] == 2
+    assert got[("ampscope_found_inf_total", _labels(device="cuda:1"))] == 1
+    assert got[("ampscope_found_inf_origin_total", _labels(device="cuda:0"))] == 1
+    assert got[("ampscope_nonfinite_grads_total", _labels(param="layers.0.attn.wo.weight"))] == 4096
+    assert got[("ampscope_nonfinite_grads_total", _labels(param="blocks.0.ff[1].w{a=b,c}"))] == 7
+    assert got[("ampscope_exporter_tracked_runs", frozenset())] == 1
+    assert got[("ampscope_exporter_tracked_ranks", frozenset())] == 1
+    assert got[("ampscope_exporter_tracked_series", frozenset())] == 10 + 2 + 1 + 2
+    assert got[("ampscope_exporter_ingest_records_total", frozenset())] == 3
+
+
+def test_every_catalogue_family_is_exposed_as_specified(client: TestClient) -> None:
+    _post(client, record(2, total=_rich_totals(2)))
+    families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
+    for spec in CATALOGUE:
+        # The parser strips _total from counter family names.
+        name = spec.name.removesuffix("_total") if spec.type == "counter" else spec.name
+        family = families[name]
+        assert family.type == spec.type, spec.name
+        assert family.documentation == spec.help, spec.name
+        for sample in family.samples:
+            if not sample.name.endswith("_created"):
+                assert sorted(sample.labels) == sorted(spec.labels), spec.name
+    assert len(families) == len(CATALOGUE)
+
+
+def test_restart_resets_counters_and_silence_marks_rank_down(make_client: MakeClient) -> None:
+    client, clock = make_client(stale_after_s=60)
+    _post(client, record(40, total=totals(40, skipped=10)), dropped=7)
+    _post(client, record(2, time=T0 + 500, total=totals(2, skipped=1)))  # the process restarted
+    got = _samples(client)
+    assert got[("ampscope_steps_total", _labels())] == 2
+    assert got[("ampscope_skipped_steps_total", _labels())] == 1
+    assert got[("ampscope_reporter_dropped_records_total", _labels())] == 0
+    clock.advance(60)
+    assert _samples(client)[("ampscope_rank_up", _labels())] == 1
+    clock.advance(1)
+    assert _samples(client)[("ampscope_rank_up", _labels())] == 0
+
+
+@pytest.mark.prometheus
+def test_promtool_accepts_the_exposition(make_client: MakeClient) -> None:
+    promtool = need_tool("promtool")
+    client, _ = make_client()
+    for rank in range(3):
+        _post(client, record(7, rank=rank, node=f"n{rank}", total=_rich_totals(7)), dropped=rank)
+    text = client.get("/metrics").text
+    result = subprocess.run(
+        [promtool, "check", "metrics"],
+        input=text,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip() == "", result.stdout  # no lint warnings either
+    assert result.stderr.strip() == "", result.stderr

@@ -1,0 +1,228 @@
+"""Every health rule firing and staying quiet, driven by hand-made times."""
+
+from __future__ import annotations
+
+import pytest
+
+from ampscope.reporter.schema import StepRecord
+from ampscope.service.health import Thresholds, evaluate
+from ampscope.service.ranks import RankSnapshot, RankState
+from service.factory import T0, record, totals
+
+T = Thresholds()
+
+
+def _rank(*batches: tuple[float, list[StepRecord]]) -> RankSnapshot:
+    """A rank that received each (exporter time, records) batch in turn."""
+    state = RankState(history_length=1024)
+    for now, records in batches:
+        state.apply_batch(records, 0, now)
+    return state.snapshot()
+
+
+def _run(rank: int, step_scales: list[float], *, now: float, skipped: int = 0) -> RankSnapshot:
+    """One batch, received at ``now``, of steps 1..n with the given scales."""
+    records = [
+        record(i + 1, rank=rank, scale=s, total=totals(i + 1, skipped=min(skipped, i + 1)))
+        for i, s in enumerate(step_scales)
+    ]
+    return _rank((now, records))
+
+
+def _verdict(ranks: list[RankSnapshot], rule: str, now: float = T0) -> dict:
+    report = evaluate("run-a", ranks, now, T)
+    (verdict,) = [v for v in report.verdicts if v.rule == rule]
+    return verdict.model_dump()
+
+
+def test_scale_below_floor_is_critical() -> None:
+    v = _verdict([_run(0, [2.0, 1.0, 0.5], now=T0)], "scale_collapse")
+    assert v["status"] == "critical"
+    (hit,) = v["evidence"]["ranks"]
+    assert hit["scale"] == 0.5
+    assert "below_floor" in hit["reasons"]
+    assert v["thresholds"] == {"scale_floor": 1.0, "collapse_factor": 256.0, "window_s": 600.0}
+
+
+def test_scale_fall_within_window() -> None:
+    fell = _verdict([_run(0, [65536.0, 1024.0, 256.0], now=T0)], "scale_collapse")
+    assert fell["status"] == "critical"
+    assert fell["evidence"]["ranks"][0]["fall_factor"] == 256.0
+    assert fell["evidence"]["ranks"][0]["reasons"] == ["fell"]
+    # A fall by 128 is not a collapse.
+    assert _verdict([_run(0, [65536.0, 512.0], now=T0)], "scale_collapse")["status"] == "ok"
+
+
+def test_scale_fall_older_than_window_is_ok() -> None:
+    old_peak = _rank(
+        (T0, [record(1, scale=65536.0)]),
+        (T0 + 10, [record(2, scale=256.0)]),
+        (T0 + 700, [record(3, scale=256.0)]),
+    )
+    v = _verdict([old_peak], "scale_collapse", now=T0 + 700)
+    assert v["status"] == "ok"
+    assert v["evidence"]["lowest_scale"] == 256.0
+
+
+def test_skip_storm_fires_on_ratio_within_window() -> None:
+    storm = _run(0, [65536.0] * 20, now=T0, skipped=6)  # 6 of 20 = 30%
+    v = _verdict([storm], "skip_storm")
+    assert v["status"] == "warning"
+    assert v["evidence"]["ranks"][0] | {} == {
+        "rank": 0,
+        "node": "node0",
+        "steps": 20,
+        "skipped": 6,
+        "ratio": 0.3,
+    }
+    calm = _run(0, [65536.0] * 20, now=T0, skipped=5)  # exactly 25%: not above
+    assert _verdict([calm], "skip_storm")["status"] == "ok"
+    few = _run(0, [65536.0] * 9, now=T0, skipped=9)  # 100% but under min_steps
+    assert _verdict([few], "skip_storm")["status"] == "ok"
+
+
+def test_skip_storm_counts_only_the_window() -> None:
+    # 8 skips long ago, then 40 clean steps: the window (last 300 s) holds 0 of 40.
+    snap = _rank(
+        (T0, [record(10, total=totals(10, skipped=8))]),
+        (T0 + 400, [record(50, total=totals(50, skipped=8))]),
+    )
+    v = _verdict([snap], "skip_storm", now=T0 + 430)
+    assert v["status"] == "ok"
+    assert v["evidence"]["worst_ratio"] == 0.0
+    # Same history seen from within 300 s of the skips: 8 of 50 steps since start = 16%;
+    # 20 more skips in the window make it fire.
+    burst = _rank(
+        (T0, [record(10, total=totals(10, skipped=8))]),
+        (T0 + 400, [record(50, total=totals(50, skipped=28))]),
+    )
+    v = _verdict([burst], "skip_storm", now=T0 + 430)
+    assert v["status"] == "warning"
+    assert v["evidence"]["ranks"][0]["steps"] == 40
+    assert v["evidence"]["ranks"][0]["skipped"] == 20
+
+
+def test_skip_storm_after_an_exporter_restart_counts_from_the_first_batch() -> None:
+    # Heard first at step 1000 (900 skipped long ago), then 20 steps with 10 skipped.
+    snap = _rank(
+        (T0, [record(1000, total=totals(1000, skipped=900))]),
+        (T0 + 30, [record(1020, total=totals(1020, skipped=910))]),
+    )
+    v = _verdict([snap], "skip_storm", now=T0 + 30)
+    assert v["status"] == "warning"
+    assert v["evidence"]["ranks"][0]["steps"] == 20
+    assert v["evidence"]["ranks"][0]["skipped"] == 10
+
+
+def test_scale_desync_compares_steps_across_ranks() -> None:
+    agree = [_run(r, [65536.0, 32768.0, 32768.0], now=T0) for r in (0, 1)]
+    v = _verdict(agree, "scale_desync")
+    assert v["status"] == "ok"
+    assert v["evidence"]["compared_steps"] == 3
+    differ = [
+        _run(0, [65536.0, 32768.0, 32768.0], now=T0),
+        _run(1, [65536.0, 65536.0, 131072.0], now=T0),
+    ]
+    v = _verdict(differ, "scale_desync")
+    assert v["status"] == "critical"
+    assert v["evidence"]["mismatched_steps"] == 2
+    assert v["evidence"]["first_mismatched_step"] == 2
+    assert v["evidence"]["scales_at_newest"] == {"0": 32768.0, "1": 131072.0}
+
+
+def test_stale_rank_after_ttl() -> None:
+    fresh = _run(0, [65536.0, 65536.0], now=T0 + 100)
+    silent = _run(1, [65536.0, 65536.0], now=T0)
+    v = _verdict([fresh, silent], "stale_rank", now=T0 + 61)
+    assert v["status"] == "warning"
+    assert v["evidence"]["ranks"] == [
+        {"rank": 1, "node": "node0", "seconds_since_report": 61, "last_step": 2}
+    ]
+    assert evaluate("run-a", [fresh, silent], T0 + 61, T).up == 1
+    assert _verdict([fresh, silent], "stale_rank", now=T0 + 60)["status"] == "ok"
+
+
+def test_ranks_count_while_their_last_report_is_within_the_window() -> None:
+    fresh = _run(0, [65536.0, 65536.0], now=T0 + 500)
+    gone = _run(1, [65536.0, 8.0], now=T0)  # collapsed and disagrees, then went quiet
+    # Quiet for 500 s: stale, but what killed it still shows.
+    report = evaluate("run-a", [fresh, gone], T0 + 500, T)
+    statuses = {v.rule: v.status for v in report.verdicts}
+    assert statuses["scale_collapse"] == "critical"
+    assert statuses["scale_desync"] == "critical"
+    # Quiet for longer than the 600 s window: only the stale verdict remains.
+    report = evaluate("run-a", [fresh, gone], T0 + 601, T)
+    statuses = {v.rule: v.status for v in report.verdicts}
+    assert statuses == {
+        "scale_collapse": "ok",
+        "skip_storm": "ok",
+        "scale_desync": "ok",
+        "stale_rank": "warning",
+        "inf_hotspot": "ok",
+    }
+    assert report.status == "warning"
+
+
+def _infs(rank: int, *, local: dict[str, int], origin: dict[str, int]) -> RankSnapshot:
+    """A rank heard from step 1 whose found-inf totals reached ``local``/``origin``."""
+    clean = totals(1, local=dict.fromkeys(local, 0), origin=dict.fromkeys(origin, 0))
+    return _rank(
+        (T0 - 100, [record(1, rank=rank, total=clean)]),
+        (T0, [record(20, rank=rank, total=totals(20, local=local, origin=origin))]),
+    )
+
+
+def test_inf_hotspot_prefers_origin_detections() -> None:
+    ranks = [
+        _infs(0, local={"cuda:0": 9}, origin={"cuda:0": 0}),
+        _infs(1, local={"cuda:1": 9}, origin={"cuda:1": 9}),
+        _infs(2, local={"cuda:2": 9}, origin={"cuda:2": 1}),
+    ]
+    v = _verdict(ranks, "inf_hotspot")
+    assert v["status"] == "warning"
+    assert v["evidence"]["source"] == "origin"
+    assert v["evidence"]["detections"] == 10
+    assert v["evidence"]["top"][0] == {
+        "rank": 1,
+        "node": "node0",
+        "device": "cuda:1",
+        "detections": 9,
+        "share": 0.9,
+    }
+
+
+def test_inf_hotspot_quiet_cases() -> None:
+    even = [_infs(r, local={f"cuda:{r}": 5}, origin={}) for r in (0, 1)]
+    v = _verdict(even, "inf_hotspot")
+    assert (v["status"], v["evidence"]["source"], v["evidence"]["detections"]) == (
+        "ok",
+        "local",
+        10,
+    )
+    few = [_infs(0, local={"cuda:0": 4}, origin={}), _infs(1, local={"cuda:1": 0}, origin={})]
+    assert _verdict(few, "inf_hotspot")["status"] == "ok"  # 100% but under 5 detections
+    alone = [_infs(0, local={"cuda:0": 50}, origin={})]
+    assert _verdict(alone, "inf_hotspot")["status"] == "ok"  # one device is no hotspot
+
+
+def test_overall_status_is_the_worst_verdict() -> None:
+    report = evaluate("run-a", [_run(0, [65536.0] * 3, now=T0)], T0, T)
+    assert report.status == "ok"
+    assert [v.rule for v in report.verdicts] == [
+        "scale_collapse",
+        "skip_storm",
+        "scale_desync",
+        "stale_rank",
+        "inf_hotspot",
+    ]
+    report = evaluate("run-a", [_run(0, [65536.0, 65536.0], now=T0)], T0 + 61, T)
+    assert report.status == "warning"  # stale
+    report = evaluate("run-a", [_run(0, [65536.0, 0.5], now=T0)], T0 + 61, T)
+    assert report.status == "critical"  # stale and collapsed: the worst wins
+
+
+def test_thresholds_validate() -> None:
+    with pytest.raises(ValueError, match="collapse_factor"):
+        Thresholds(collapse_factor=1.0)
+    with pytest.raises(ValueError, match="hotspot_share"):
+        Thresholds(hotspot_share=0.0)

@@ -1,0 +1,79 @@
+"""The store's cardinality limits, pruning and snapshots."""
+
+from __future__ import annotations
+
+import pytest
+
+from ampscope.service.store import LimitExceeded, Store, StoreLimits
+from service.factory import batch, record, steps, totals
+
+
+def _store(**overrides: int) -> Store:
+    limits = {"max_runs": 2, "max_ranks_per_run": 2, "max_series": 1000, "history_length": 16}
+    limits.update(overrides)
+    return Store(StoreLimits(window_s=600.0, **limits))
+
+
+def test_limits_reject_whole_batches_and_name_the_limit() -> None:
+    store = _store()
+    store.ingest(batch(*steps(1, 2, run="a")), now=1.0)
+    store.ingest(batch(*steps(1, 2, run="b")), now=1.0)
+    with pytest.raises(LimitExceeded) as exc:
+        store.ingest(batch(record(1, run="c")), now=1.0)
+    assert (exc.value.limit, exc.value.value) == ("max_runs", 2)
+    store.ingest(batch(record(1, run="a", rank=1)), now=1.0)
+    with pytest.raises(LimitExceeded) as exc:
+        store.ingest(batch(record(1, run="a", rank=2)), now=1.0)
+    assert exc.value.limit == "max_ranks_per_run"
+    assert store.runs() == ["a", "b"]
+    assert store.counts() == (2, 3, 3 * 11)
+    # Known ranks keep reporting at the limit.
+    store.ingest(batch(record(3, run="a")), now=2.0)
+    assert store.counts()[1] == 3
+
+
+def test_series_limit_counts_devices_and_params() -> None:
+    store = _store(max_series=25)
+    store.ingest(batch(record(1, run="a")), now=1.0)  # 11 series
+    wide = totals(2, local={f"cuda:{i}": 0 for i in range(4)}, params={"w": 1})
+    store.ingest(batch(record(2, run="a", total=wide)), now=1.0)  # grows to 15
+    assert store.counts()[2] == 15
+    with pytest.raises(LimitExceeded) as exc:
+        store.ingest(batch(record(1, run="b")), now=1.0)  # would be 26
+    assert exc.value.limit == "max_series"
+    assert store.runs() == ["a"]
+
+
+def test_prune_drops_silent_ranks_then_empty_runs() -> None:
+    store = _store()
+    store.ingest(batch(record(1, run="a", rank=0)), now=0.0)
+    store.ingest(batch(record(1, run="a", rank=1)), now=3000.0)
+    store.ingest(batch(record(1, run="b", rank=0)), now=0.0)
+    assert store.prune(now=3600.0, retention_s=3600.0) == 0  # exactly at retention: kept
+    assert store.prune(now=3601.0, retention_s=3600.0) == 2
+    assert store.runs() == ["a"]
+    assert [snap.identity.rank for snap in store.ranks("a") or []] == [1]
+    assert store.counts() == (1, 1, 11)
+    # A dropped run frees its slot for a new one.
+    store.ingest(batch(record(1, run="c")), now=3601.0)
+    assert store.runs() == ["a", "c"]
+
+
+def test_snapshots_are_copies_and_unknowns_are_none() -> None:
+    store = _store()
+    store.ingest(batch(*steps(1, 3, run="a")), now=5.0)
+    snap = store.rank("a", 0)
+    assert snap is not None
+    store.ingest(batch(*steps(4, 5, run="a")), now=6.0)
+    assert [r.step for r in snap.history] == [1, 2, 3]
+    assert snap.last_report == 5.0
+    assert store.rank("a", 7) is None
+    assert store.rank("zzz", 0) is None
+    assert store.ranks("zzz") is None
+    ((run, rank, latest),) = store.latest()
+    assert (run, rank, latest.newest.step, latest.history) == ("a", 0, 5, ())
+
+
+def test_limits_validate() -> None:
+    with pytest.raises(ValueError, match="max_runs"):
+        StoreLimits(max_runs=0, max_ranks_per_run=1, max_series=1, history_length=1, window_s=1)
