@@ -190,9 +190,11 @@ def skip_storm(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verd
 def scale_desync(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
     """Critical when ranks report different ``scale_after`` for the same step.
 
-    Compares the held histories: O(ranks x history_length).
+    Compares the held histories of ranks that reported within the collapse window:
+    O(ranks x history_length).
     """
-    del now, t
+    del now
+    thresholds = {"window_s": t.collapse_window_s}
     by_step: dict[int, set[float]] = {}
     seen: dict[int, int] = {}
     for snap in ranks:
@@ -207,7 +209,7 @@ def scale_desync(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Ve
             status="ok",
             summary=f"ranks agree on the scale at {compared} shared step(s)",
             evidence={"compared_steps": compared},
-            thresholds={},
+            thresholds=thresholds,
         )
     step = mismatched[-1]
     scales = {}
@@ -230,7 +232,7 @@ def scale_desync(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Ve
             "newest_mismatched_step": step,
             "scales_at_newest": scales,
         },
-        thresholds={},
+        thresholds=thresholds,
     )
 
 

@@ -40,14 +40,21 @@ _OPTIONS: dict[str, tuple[str, type, str]] = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Define ``ampscope serve``'s flags. Every setting also reads ``AMPSCOPE_<FIELD>``."""
+    metavars = {str: "TEXT", int: "N", float: "SECONDS"}
     for flag, (field, type_, help_) in _OPTIONS.items():
-        parser.add_argument(flag, dest=field, type=type_, default=None, help=help_)
+        metavar = "PATH" if field == "token_file" else metavars[type_]
+        parser.add_argument(flag, dest=field, type=type_, default=None, metavar=metavar, help=help_)
     parser.add_argument(
         "--access-log",
         dest="access_log",
         action="store_true",
         default=None,
         help="log every request (default off)",
+    )
+    parser.epilog = (
+        "Every setting, including limits and health thresholds without a flag, also reads "
+        "AMPSCOPE_<NAME> from the environment, e.g. AMPSCOPE_MAX_SERIES=100000 or "
+        "AMPSCOPE_SKIP_STORM_RATIO=0.5; flags win over the environment."
     )
 
 
