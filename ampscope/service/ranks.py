@@ -25,13 +25,15 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 from ampscope.reporter.schema import Identity, RankTotals, StepRecord
 
 PER_RANK_SERIES = 10
 """Per-rank families without an extra label (scale, growth tracker, last step, last
 report time, up, steps, skipped, backoffs, growths, reporter drops)."""
+
+_Outcome = Literal["newest", "restart", "late", "ignored"]
 
 MAX_SAMPLES = 8192
 """Window samples kept per rank at most, whatever the batch rate (one per batch)."""
@@ -69,9 +71,6 @@ class RankSnapshot:
     @property
     def identity(self) -> Identity:
         return self.newest.identity
-
-    def series(self) -> int:
-        return series_of(self.newest)
 
 
 def series_of(record: StepRecord) -> int:
@@ -157,7 +156,7 @@ class RankState:
             )
         return accepted, ignored
 
-    def _apply(self, record: StepRecord) -> str:
+    def _apply(self, record: StepRecord) -> _Outcome:
         newest = self.newest
         if record.time < self._process_start:
             return "ignored"
