@@ -1,0 +1,188 @@
+"""End to end with a real Prometheus: the demo trains, Prometheus scrapes the exporter every
+second and evaluates the real rules, then every dashboard and alert expression must return data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from deploy_files import (
+    RULES_FILE,
+    alert_rules,
+    dashboard_expressions,
+    dashboards,
+    recording_rules,
+    substitute,
+)
+from support import free_port, need_tool
+
+PREFIX = "e2e"
+STEPS = 40
+STALE_AFTER_S = 6.0
+"""Long enough for the ranks to stay up until the demo has exited."""
+
+pytestmark = [pytest.mark.prometheus, pytest.mark.distributed]
+
+
+def _get(url: str, timeout: float = 5.0) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return json.load(response)
+
+
+def _wait_for(url: str, what: str, process: subprocess.Popen[bytes], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"{what} exited with status {process.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    pytest.fail(f"{what} did not answer {url} within {timeout:.0f}s")
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+class Prometheus:
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def query(self, expr: str, at: float) -> list[dict[str, Any]]:
+        params = urllib.parse.urlencode({"query": expr, "time": f"{at:.3f}"})
+        answer = _get(f"{self.url}/api/v1/query?{params}")
+        assert answer["status"] == "success", (expr, answer)
+        result: list[dict[str, Any]] = answer["data"]["result"]
+        return result
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[tuple[str, Prometheus, Path]]:
+    prometheus_bin = need_tool("prometheus")
+    workdir = Path(tempfile.mkdtemp(prefix="ampscope-e2e-"))
+    exporter_port, prometheus_port = free_port(), free_port()
+    exporter_url = f"http://127.0.0.1:{exporter_port}"
+    exporter = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "ampscope.cli", "serve", "--port", str(exporter_port)),
+            *("--stale-after", str(STALE_AFTER_S), "--log-level", "warning"),
+        ],
+        stdout=(workdir / "exporter.log").open("wb"),
+        stderr=subprocess.STDOUT,
+    )
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(RULES_FILE)],
+        "scrape_configs": [
+            {
+                "job_name": "ampscope",
+                "static_configs": [{"targets": [f"127.0.0.1:{exporter_port}"]}],
+            }
+        ],
+    }
+    (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
+    prometheus = subprocess.Popen(
+        [
+            prometheus_bin,
+            f"--config.file={workdir / 'prometheus.yml'}",
+            f"--storage.tsdb.path={workdir / 'data'}",
+            f"--web.listen-address=127.0.0.1:{prometheus_port}",
+        ],
+        stdout=(workdir / "prometheus.log").open("wb"),
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        _wait_for(f"{exporter_url}/healthz", "the exporter", exporter, 30)
+        prometheus_url = f"http://127.0.0.1:{prometheus_port}"
+        _wait_for(f"{prometheus_url}/-/ready", "prometheus", prometheus, 30)
+        yield exporter_url, Prometheus(prometheus_url), workdir
+    finally:
+        _stop(prometheus)
+        _stop(exporter)
+
+
+def test_every_dashboard_and_alert_expression_returns_data(
+    stack: tuple[str, Prometheus, Path],
+) -> None:
+    exporter_url, prometheus, workdir = stack
+    demo = subprocess.run(
+        [
+            *(sys.executable, "-m", "ampscope.cli", "demo", "--exporter-url", exporter_url),
+            *("--steps", str(STEPS), "--run-prefix", PREFIX, "--step-delay", "0.05"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    live = time.time()  # ranks still up: they reported under STALE_AFTER_S ago
+
+    # Then the ranks, done training, go stale on the exporter.
+    deadline = time.monotonic() + 20
+    while not prometheus.query("ampscope_rank_up == 0", time.time()):
+        assert time.monotonic() < deadline, "no rank went stale"
+        time.sleep(0.5)
+    stale = time.time()
+
+    def evaluate(expr: str) -> list[dict[str, Any]]:
+        # Rank-level state is checked while the ranks were up, staleness once they were not.
+        return prometheus.query(expr, live) or prometheus.query(expr, stale)
+
+    (dashboard,) = dashboards().values()
+    empty = [
+        (title, expr)
+        for title, expr in dashboard_expressions(dashboard)
+        if not evaluate(substitute(expr))
+    ]
+    assert not empty, f"dashboard queries without data: {empty}"
+    empty = [name for name, rule in recording_rules().items() if not evaluate(rule["expr"])]
+    assert not empty, f"recording rules without data: {empty}"
+
+    # The demo is built so that every alert's condition holds, each on the run meant to.
+    alerts = alert_rules()
+    hits = {name: evaluate(rule["expr"]) for name, rule in alerts.items()}
+
+    def runs(name: str) -> set[str]:
+        return {sample["metric"]["run"] for sample in hits[name]}
+
+    assert runs("AmpscopeScaleCollapse") == {f"{PREFIX}-collapse"}
+    assert f"{PREFIX}-collapse" in runs("AmpscopeSkipStorm")
+    assert runs("AmpscopeScaleDesync") == {f"{PREFIX}-desync"}
+    assert runs("AmpscopeRankStale") == {
+        f"{PREFIX}-{n}" for n in ("overflow", "hotspot", "collapse", "desync")
+    }
+    hotspot = [s["metric"] for s in hits["AmpscopeInfHotspot"]]
+    assert [(m["run"], m["rank"]) for m in hotspot] == [(f"{PREFIX}-hotspot", "1")]
+
+    # Prometheus itself loaded the rules and started the collapse alert's `for:` clock.
+    groups = _get(f"{prometheus.url}/api/v1/rules")["data"]["groups"]
+    loaded = {rule["name"] for group in groups for rule in group["rules"]}
+    assert set(alerts) | set(recording_rules()) <= loaded
+    active = {
+        a["labels"]["alertname"] for a in _get(f"{prometheus.url}/api/v1/alerts")["data"]["alerts"]
+    }
+    assert "AmpscopeScaleCollapse" in active, (workdir / "prometheus.log").read_text()[-2000:]
