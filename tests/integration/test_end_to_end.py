@@ -1,9 +1,13 @@
 """Two real ranks report through HttpReporter to a real exporter process, which is killed
 and restarted mid-run; /metrics must still equal each rank's own ground truth.
 
-One launch does every check (the whole file takes ~20 s on 2 cores):
-* steps, skipped steps, backoffs, growths, found-inf per device and the loss scale on
-  /metrics equal ``scaler.telemetry.snapshot()`` of each rank after the run;
+The ranks train a DDP model with origin tracking; each rank injects an inf into its own
+input on different steps, so DDP's all-reduce spreads it (both ranks skip, their local
+found-inf counts agree) while the origin counts say which rank produced it.
+
+One launch does every check (~10 s on 2 cores):
+* steps, skipped steps, backoffs, growths, found-inf (local and origin) per device and
+  the loss scale on /metrics equal ``scaler.telemetry.snapshot()`` of each rank;
 * the first exporter had the pre-kill counts; after SIGKILL and a restart on the same
   port the counters are exact again (every record carries cumulative totals);
 * ``ampscope_reporter_dropped_records_total`` equals the drops of rank 0's deliberately
@@ -38,7 +42,8 @@ WHILE_DOWN = 10
 """Steps taken while no exporter listens."""
 AFTER_RESTART = 6
 OVERFLOW_STEPS = {0: {2, 9, 17}, 1: {4, 5, 8, 12, 13, 20}}
-"""Steps whose input holds an inf, per rank (ranks train independent models)."""
+"""Steps whose input holds an inf, per rank."""
+ALL_OVERFLOWS = len(OVERFLOW_STEPS[0] | OVERFLOW_STEPS[1])
 
 
 def _wait_for(flag: Path, timeout: float = 60.0) -> None:
@@ -50,7 +55,7 @@ def _wait_for(flag: Path, timeout: float = 60.0) -> None:
 
 
 def _train(rank: int, world_size: int, url: str, flags: str) -> dict[str, Any]:
-    """One rank: a tiny independent model (so the ranks' counts differ) and a scaler."""
+    """One rank: a tiny DDP model, an ampscope scaler with origin tracking."""
     import torch
     import torch.distributed as dist
 
@@ -58,8 +63,10 @@ def _train(rank: int, world_size: int, url: str, flags: str) -> dict[str, Any]:
     from ampscope.reporter.http import HttpReporter
 
     flag_dir = Path(flags)
-    torch.manual_seed(rank)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(
+        torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     reporter: Any = "auto"  # rank 1: HttpReporter() to AMPSCOPE_URL with AMPSCOPE_TOKEN
     if rank == 0:
@@ -68,8 +75,8 @@ def _train(rank: int, world_size: int, url: str, flags: str) -> dict[str, Any]:
             url, flush_interval=0.05, max_batch=2, max_queue=4, retry_initial=0.05, retry_max=0.2
         )
     scaler = ampscope.GradScaler("cpu", init_scale=2.0**10, growth_interval=3, reporter=reporter)
-    scaler.attach(model)
-    data = torch.randn(16, 8)
+    scaler.attach(model, track_origin=True)
+    data = torch.randn(16, 8, generator=torch.Generator().manual_seed(rank))
 
     def train(first: int, count: int) -> None:
         for step in range(first, first + count):
@@ -109,6 +116,7 @@ def _train(rank: int, world_size: int, url: str, flags: str) -> dict[str, Any]:
         "scale": snap.scale,
         "growth_tracker": snap.growth_tracker,
         "found_inf_local": dict(snap.found_inf_local),
+        "found_inf_origin": dict(snap.found_inf_origin),
         "node": last.identity.node,
         "last_record": last,
     }
@@ -180,11 +188,12 @@ def test_counters_equal_ground_truth_across_an_exporter_kill(tmp_path, caplog):
         total_steps = BEFORE_KILL + WHILE_DOWN + AFTER_RESTART
         for rank, truth in enumerate(results):
             labels = {"run": RUN, "node": truth["node"], "rank": str(rank), "local_rank": str(rank)}
-            overflows = len(OVERFLOW_STEPS[rank])
+            own = len(OVERFLOW_STEPS[rank])
             # Ground truth is what we injected, and the exporter says the same.
             assert truth["steps"] == total_steps
-            assert truth["skipped_steps"] == overflows
-            assert truth["found_inf_local"] == {"cpu": overflows}
+            assert truth["skipped_steps"] == ALL_OVERFLOWS
+            assert truth["found_inf_local"] == {"cpu": ALL_OVERFLOWS}
+            assert truth["found_inf_origin"] == {"cpu": own}
             expected = {
                 "ampscope_steps_total": truth["steps"],
                 "ampscope_skipped_steps_total": truth["skipped_steps"],
@@ -197,9 +206,11 @@ def test_counters_equal_ground_truth_across_an_exporter_kill(tmp_path, caplog):
             }
             actual = {name: _value(samples, name, **labels) for name in expected}
             assert actual == expected, f"rank {rank}"
-            assert truth["backoffs"] == overflows
+            assert truth["backoffs"] == ALL_OVERFLOWS
             assert truth["growths"] > 0
-            assert _value(samples, "ampscope_found_inf_total", device="cpu", **labels) == overflows
+            found_inf = _value(samples, "ampscope_found_inf_total", device="cpu", **labels)
+            origin = _value(samples, "ampscope_found_inf_origin_total", device="cpu", **labels)
+            assert (found_inf, origin) == (ALL_OVERFLOWS, own), f"rank {rank}"
             # The first exporter had counted the pre-kill steps before it died.
             before = _value(seen["before_kill"], "ampscope_steps_total", **labels)
             assert before == BEFORE_KILL, f"rank {rank}"
