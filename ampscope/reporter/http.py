@@ -192,7 +192,7 @@ class _Pipeline:
         if self.thread.is_alive():
             # Blocked in a socket call whose timeout outlives the deadline: cut it short.
             self.transport.abort()
-            self.thread.join(0.5)
+            self.thread.join(0.2)
 
     # ---- the sender thread ----
 
