@@ -159,8 +159,8 @@ def test_every_dashboard_and_alert_expression_returns_data(
         if not evaluate(substitute(expr))
     ]
     assert not empty, f"dashboard queries without data: {empty}"
-    empty = [name for name, rule in recording_rules().items() if not evaluate(rule["expr"])]
-    assert not empty, f"recording rules without data: {empty}"
+    unrecorded = [name for name, rule in recording_rules().items() if not evaluate(rule["expr"])]
+    assert not unrecorded, f"recording rules without data: {unrecorded}"
 
     # The demo is built so that every alert's condition holds, each on the run meant to.
     alerts = alert_rules()
