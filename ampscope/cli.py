@@ -14,22 +14,32 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
+    """The parser, with the arguments of only the subcommand named in ``argv``.
+
+    Importing just that module keeps ``ampscope serve`` independent of the demo (and of
+    torch), and an import problem in one subcommand from breaking the others.
+    """
     from ampscope import __version__
 
-    parser = argparse.ArgumentParser(prog="ampscope", description=__doc__)
+    chosen = next((arg for arg in argv if not arg.startswith("-")), None)
+    parser = argparse.ArgumentParser(
+        prog="ampscope", description="Make mixed-precision loss scaling visible."
+    )
     parser.add_argument("--version", action="version", version=f"ampscope {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_) in SUBCOMMANDS.items():
         cmd = sub.add_parser(name, help=help_, description=help_)
         cmd.set_defaults(_module=module)
-        # Argument definitions are cheap to import; the heavy imports happen in run().
-        importlib.import_module(module).add_arguments(cmd)
+        if name == chosen:
+            # Argument definitions are cheap to import; the heavy imports happen in run().
+            importlib.import_module(module).add_arguments(cmd)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(argv).parse_args(argv)
     result: int = importlib.import_module(args._module).run(args)
     return result
 
