@@ -99,9 +99,6 @@ def run_demo(options: DemoOptions, emit: Callable[[str], None] | None = None) ->
     Raises:
         DemoError: the exporter could not start or be reached, or a rank failed.
     """
-    from ampscope.demo.runner import run_ranks
-    from ampscope.demo.trainer import Plan
-
     out = emit or (lambda line: print(line, flush=True))
     exporter = None
     if options.exporter_url is not None:
@@ -121,6 +118,10 @@ def run_demo(options: DemoOptions, emit: Callable[[str], None] | None = None) ->
         for name, run_id in zip(options.scenarios, run_ids, strict=True):
             out(f"  {run_id:<28} {SCENARIOS[name].story}")
         out("")
+        # torch loads here, after the exporter is known to be there.
+        from ampscope.demo.runner import run_ranks
+        from ampscope.demo.trainer import Plan
+
         plan = Plan(
             scenarios=tuple(SCENARIOS[name] for name in options.scenarios),
             run_ids=run_ids,
