@@ -437,3 +437,54 @@ def test_fully_shard_origin_names_only_the_bad_rank_and_keeps_numerics():
         assert out["after_remove"] == [{"cpu": 0.0}]
         assert out["user_comm_steps"] == [{"cpu": 0.0}, {"cpu": 1.0 - other}]
         assert out["user_comm_calls"] == 4  # 2 modules x 2 backward passes
+
+
+# --- end to end through the scalers --------------------------------------------------
+
+
+def _scaler_records(scaler: Any, model: nn.Module, rank: int, plan: list[Any]) -> list[Any]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler.attach(model, track_origin=True)
+    for step, bad_rank in enumerate(plan):
+        scaler.scale(model(_batch(rank, step, bad_rank)).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+    records = scaler.telemetry.history()
+    scaler.close()
+    return [
+        (r.found_inf_origin, r.found_inf_global, r.skipped, r.totals.found_inf_origin)
+        for r in records
+    ]
+
+
+def _scaler_checks(rank: int, world_size: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ampscope import GradScaler, ShardedGradScaler
+
+    plan = [None, 1, None, 0]
+    options: dict[str, Any] = {"reporter": None, "run_id": "origin-e2e", "init_scale": 2.0**4}
+    fully = _net()
+    fully_shard(fully, mesh=init_device_mesh("cpu", (world_size,)))
+    models = {
+        "ddp": (GradScaler("cpu", **options), DDP(_net())),
+        "fsdp": (ShardedGradScaler("cpu", **options), FSDP(_net(), device_id=torch.device("cpu"))),
+        "fully_shard": (GradScaler("cpu", **options), fully),
+    }
+    return {name: _scaler_records(s, m, rank, plan) for name, (s, m) in models.items()}
+
+
+@pytest.mark.distributed
+def test_scaler_records_name_only_the_bad_rank_as_origin():
+    results = run_distributed(_scaler_checks)
+    for rank, out in enumerate(results):
+        mine = [False, rank == 1, False, rank == 0]
+        for name, records in out.items():
+            assert [origin for origin, *_ in records] == [{"cpu": bad} for bad in mine], name
+            # Every rank skipped the bad steps: the reduction spread the inf everywhere.
+            assert [(g, s) for _, g, s, _ in records] == [(b, b) for b in (False, True) * 2], name
+            assert records[-1][3] == {"cpu": 1}, name
