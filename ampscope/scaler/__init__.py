@@ -1,0 +1,26 @@
+"""Instrumented loss scalers: torch's ``GradScaler``/``ShardedGradScaler`` plus telemetry.
+
+Change one import and keep the training loop::
+
+    from ampscope import GradScaler           # torch.amp.GradScaler: FSDP2, DDP, single
+    from ampscope import ShardedGradScaler    # FSDP1 FullyShardedDataParallel
+
+    scaler = GradScaler("cuda", run_id="exp-42")
+    scaler.attach(model)                      # parameter names in overflow records
+    for batch in loader:
+        scaler.scale(loss_fn(model(batch))).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        if not scaler.last_step_skipped:
+            lr_scheduler.step()
+    print(scaler.telemetry.snapshot())
+
+Every update() produces one :class:`~ampscope.reporter.schema.StepRecord`, built on a
+background thread and sent to the reporter and sinks.
+"""
+
+from ampscope.scaler.config import TelemetryConfig
+from ampscope.scaler.scalers import GradScaler, ShardedGradScaler
+from ampscope.scaler.telemetry import Telemetry, TelemetrySnapshot
+
+__all__ = ["GradScaler", "ShardedGradScaler", "Telemetry", "TelemetryConfig", "TelemetrySnapshot"]

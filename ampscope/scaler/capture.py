@@ -1,0 +1,253 @@
+"""What one iteration saw, captured on the training thread with device ops only.
+
+Between two update() calls a :class:`StepCapture` collects, per device, this rank's
+local found-inf (cheap clones taken from the unscale kernel's output), which optimizers
+stepped and whether the host already knows they skipped, and, on overflow iterations
+only, the non-finite parameter counts. update() then stacks every scalar of the step
+into one small tensor and starts its copy to the host (:class:`PendingStep`); the
+telemetry thread reads it later.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from ampscope.reporter.schema import Identity
+from ampscope.scaler import compat
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerSlot:
+    """One optimizer's part of a pending step; its found-inf values sit in the step tensor."""
+
+    index: int
+    name: str
+    fused: bool
+    stepped: bool
+    num_flags: int
+    """How many per-device found-inf values of this optimizer the step tensor holds."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PendingStep:
+    """One update()'s scalars on their way to the host, plus what the host already knows.
+
+    ``values`` layout: ``[scale_before, *optimizer flags, scale_after, growth_tracker,
+    *local flags, *origin flags]``.
+    """
+
+    identity: Identity
+    step: int
+    time: float
+    manual: bool
+    optimizers: tuple[OptimizerSlot, ...]
+    local_devices: tuple[str, ...]
+    origin_devices: tuple[str, ...]
+    nonfinite: Mapping[str, int]
+    values: torch.Tensor
+    ready: torch.cuda.Event | None = None
+    """Recorded after the non-blocking copy into pinned ``values``; ``None`` on CPU."""
+
+    def read(self) -> list[float]:
+        """The step's scalars on the host; waits for the device copy (telemetry thread)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        values: list[float] = self.values.tolist()
+        return values
+
+
+def to_host_async(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """Start copying a small device tensor to the host without blocking the caller."""
+    if values.device.type == "cpu":
+        return values, None
+    if values.device.type == "cuda":
+        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        host.copy_(values, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+    # Other accelerators: a plain copy (may synchronise on some backends).
+    return values.to("cpu"), None
+
+
+def _scalar(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return tensor.detach().to(device=device, dtype=torch.float32, non_blocking=True).reshape(())
+
+
+@dataclass
+class _Iteration:
+    local: dict[str, torch.Tensor] = field(default_factory=dict)
+    optimizers: dict[int, tuple[torch.optim.Optimizer, bool, bool]] = field(default_factory=dict)
+    """id → (optimizer, fused, stepped)."""
+    skipped_on_host: bool = False
+    unknown_skip: list[torch.Tensor] = field(default_factory=list)
+    """Found-inf tensors of fused steps whose outcome the host has not read (accelerators)."""
+    nonfinite: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class BeforeUpdate:
+    """Scalars that update() is about to change, and which optimizers they belong to."""
+
+    values: torch.Tensor
+    slots: tuple[tuple[int, int], ...]
+    """(id(optimizer), number of flags) in the order of ``values[1:]``."""
+
+
+class StepCapture:
+    """Per-iteration capture for one scaler; training thread only."""
+
+    def __init__(self) -> None:
+        self._iteration = _Iteration()
+        self._indices: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._step = 0
+        self._last_skipped: bool | PendingStep | None = None
+
+    # -- during the iteration ------------------------------------------------------------
+
+    def record_local(
+        self,
+        optimizer: torch.optim.Optimizer,
+        found_inf: Mapping[torch.device, torch.Tensor],
+        *,
+        fresh: bool = False,
+    ) -> None:
+        """Keep this rank's pre-reduction found-inf per device (one small op per device).
+
+        ``fresh`` says the tensors are the caller's own copies, not torch's (which the
+        sharded scaler all-reduces in place right after).
+        """
+        self._seen(optimizer, fused=compat.steps_itself(optimizer), stepped=False)
+        local = self._iteration.local
+        for device, flag in found_inf.items():
+            key = str(device)
+            previous = local.get(key)
+            if previous is None:
+                local[key] = flag if fresh else flag.detach().clone()
+            else:
+                local[key] = torch.maximum(previous, flag.to(previous.device))
+
+    def record_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        fused: bool,
+        skipped: bool | None,
+        found_inf: Mapping[torch.device, torch.Tensor] | None = None,
+    ) -> None:
+        """Note that ``optimizer`` went through step(); ``skipped=None``: host does not know
+        (then ``found_inf`` says it, read only if someone asks)."""
+        self._seen(optimizer, fused=fused, stepped=True)
+        if skipped:
+            self._iteration.skipped_on_host = True
+        elif skipped is None and found_inf:
+            self._iteration.unknown_skip.extend(found_inf.values())
+
+    def add_nonfinite(self, counts: Mapping[str, int]) -> None:
+        for name, count in counts.items():
+            self._iteration.nonfinite[name] = self._iteration.nonfinite.get(name, 0) + count
+
+    def _seen(self, optimizer: torch.optim.Optimizer, *, fused: bool, stepped: bool) -> None:
+        if optimizer not in self._indices:
+            self._indices[optimizer] = len(self._indices)
+        previous = self._iteration.optimizers.get(id(optimizer))
+        stepped = stepped or (previous is not None and previous[2])
+        self._iteration.optimizers[id(optimizer)] = (optimizer, fused, stepped)
+
+    def last_step_skipped(self) -> bool:
+        """Whether the newest iteration skipped a step: the open one if it has stepped,
+        else the one the last update() closed. Free when the host knows (the usual case);
+        otherwise reads device flags (a sync) or waits for the pending step."""
+        iteration = self._iteration
+        if any(stepped for _, _, stepped in iteration.optimizers.values()):
+            if iteration.skipped_on_host:
+                return True
+            return any(bool(flag.item()) for flag in iteration.unknown_skip)
+        last = self._last_skipped
+        if isinstance(last, PendingStep):
+            values = last.read()
+            offset, skipped = 1, False
+            for slot in last.optimizers:
+                found = any(v > 0 for v in values[offset : offset + slot.num_flags])
+                skipped = skipped or (slot.stepped and found)
+                offset += slot.num_flags
+            self._last_skipped = skipped
+            return skipped
+        return bool(last)
+
+    # -- update() ------------------------------------------------------------------------
+
+    def before_update(self, scaler: torch.amp.GradScaler) -> BeforeUpdate | None:
+        """Snapshot the scale and every optimizer's found-inf before update() consumes them."""
+        scale = compat.scale_tensor(scaler)
+        if scale is None:
+            return None
+        parts = [_scalar(scale, scale.device)]
+        slots = []
+        for key, flags in compat.per_optimizer_found_infs(scaler):
+            parts.extend(_scalar(flag, scale.device) for flag in flags)
+            slots.append((key, len(flags)))
+        return BeforeUpdate(values=torch.stack(parts), slots=tuple(slots))
+
+    def after_update(
+        self,
+        scaler: torch.amp.GradScaler,
+        before: BeforeUpdate | None,
+        *,
+        identity: Identity,
+        manual: bool,
+        origin: Mapping[str, torch.Tensor],
+        update_time: float | None = None,
+    ) -> PendingStep | None:
+        """Close the iteration: stack the step's scalars and start their host copy."""
+        iteration, self._iteration = self._iteration, _Iteration()
+        scale, tracker = compat.scale_tensor(scaler), compat.growth_tracker(scaler)
+        if before is None or scale is None or tracker is None:
+            return None
+        self._step += 1
+        device = scale.device
+        post = [_scalar(scale, device), _scalar(tracker, device)]
+        post.extend(iteration.local[d].to(device).reshape(()).float() for d in iteration.local)
+        post.extend(_scalar(origin[d], device) for d in origin)
+        values, ready = to_host_async(torch.cat([before.values, torch.stack(post)]))
+        slots = []
+        for key, num_flags in before.slots:
+            optimizer, fused, stepped = iteration.optimizers.get(key, (None, False, False))
+            index = self._indices.get(optimizer, -1) if optimizer is not None else -1
+            name = type(optimizer).__name__ if optimizer is not None else "unknown"
+            slots.append(
+                OptimizerSlot(
+                    index=max(index, 0),
+                    name=name,
+                    fused=fused,
+                    stepped=stepped,
+                    num_flags=num_flags,
+                )
+            )
+        pending = PendingStep(
+            identity=identity,
+            step=self._step,
+            time=update_time if update_time is not None else time.time(),
+            manual=manual,
+            optimizers=tuple(slots),
+            local_devices=tuple(iteration.local),
+            origin_devices=tuple(origin),
+            nonfinite=dict(iteration.nonfinite),
+            values=values,
+            ready=ready,
+        )
+        stepped = any(s for _, _, s in iteration.optimizers.values())
+        if iteration.skipped_on_host:
+            self._last_skipped = True
+        elif not stepped or not iteration.unknown_skip:
+            self._last_skipped = False
+        else:
+            self._last_skipped = pending
+        return pending

@@ -1,0 +1,276 @@
+"""Every touch of torch's private scaler, DTensor and FSDP state, in one place.
+
+The instrumented scalers subclass torch's and must read a few things torch does not
+expose publicly: the per-optimizer found-inf tensors, the scale and growth-tracker
+tensors, the ``_unscale_grads_``/``_maybe_opt_step`` hook points, DTensor local shards
+and the found-inf reduction rule of DTensor's dispatch, and FSDP1 FlatParameter shard
+metadata. Nothing else in ampscope reads private torch attributes.
+
+:func:`check_torch` verifies each assumption and names what changed;
+``tests/scaler/test_compat.py`` fails loudly on any problem, and the scalers log a
+warning once per process when running on a torch that breaks one.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.amp.grad_scaler import GradScaler as _TorchGradScaler
+from torch.amp.grad_scaler import OptState
+
+logger = logging.getLogger("ampscope")
+
+__all__ = [
+    "FlatSegment",
+    "OptState",
+    "check_torch",
+    "clean_param_name",
+    "flat_param_segments",
+    "found_inf_per_device",
+    "found_inf_reduction",
+    "growth_tracker",
+    "is_dtensor",
+    "local_tensor",
+    "optimizer_stage",
+    "per_optimizer_found_infs",
+    "reduce_found_inf",
+    "scale_tensor",
+    "steps_itself",
+]
+
+# Prefixes module wrappers insert into parameter names (FSDP1, activation checkpointing,
+# torch.compile). FSDP1 spells them in torch.distributed.fsdp._common_utils.
+_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+_FLAT_PARAM_NAME = "_flat_param"
+
+
+# -- GradScaler internals ---------------------------------------------------------------
+
+
+def scale_tensor(scaler: _TorchGradScaler) -> torch.Tensor | None:
+    """The scale tensor (``None`` until the first ``scale()``)."""
+    scale: torch.Tensor | None = scaler._scale
+    return scale
+
+
+def growth_tracker(scaler: _TorchGradScaler) -> torch.Tensor | None:
+    """The growth-tracker tensor. ShardedGradScaler on CPU replaces it on each update()."""
+    tracker: torch.Tensor | None = scaler._growth_tracker
+    return tracker
+
+
+def found_inf_per_device(
+    scaler: _TorchGradScaler, optimizer: torch.optim.Optimizer
+) -> Mapping[torch.device, torch.Tensor]:
+    """This iteration's found-inf tensors of one optimizer (after any cross-rank reduction)."""
+    state = scaler._per_optimizer_states.get(id(optimizer))
+    if state is None:
+        return {}
+    found: Mapping[torch.device, torch.Tensor] = state["found_inf_per_device"]
+    return found
+
+
+def optimizer_stage(scaler: _TorchGradScaler, optimizer: torch.optim.Optimizer) -> OptState:
+    """READY, UNSCALED or STEPPED for this iteration."""
+    state = scaler._per_optimizer_states.get(id(optimizer))
+    return OptState.READY if state is None else state["stage"]
+
+
+def steps_itself(optimizer: object) -> bool:
+    """Whether torch's step() hands ``optimizer`` the scale and found-inf and lets it skip
+    itself (fused/capturable optimizers) instead of calling ``_maybe_opt_step``."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def per_optimizer_found_infs(
+    scaler: _TorchGradScaler,
+) -> Iterator[tuple[int, list[torch.Tensor]]]:
+    """``(id(optimizer), found-inf tensors)`` for every optimizer of this iteration, in the
+    order update() consumes them. Call before update(): it adds the tensors into the first
+    one in place."""
+    for key, state in scaler._per_optimizer_states.items():
+        yield key, list(state["found_inf_per_device"].values())
+
+
+# -- DTensor ----------------------------------------------------------------------------
+
+
+def is_dtensor(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a DTensor (FSDP2 ``fully_shard`` or tensor-parallel grads)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return False
+    return isinstance(tensor, DTensor)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The rank-local shard of a DTensor, the tensor itself otherwise. No copy."""
+    if is_dtensor(tensor):
+        local: torch.Tensor = tensor._local_tensor  # type: ignore[attr-defined]
+        return local
+    return tensor
+
+
+@dataclass(frozen=True)
+class FoundInfReduction:
+    """How DTensor's dispatch reduces found-inf for a group of grads: over ``mesh``, with
+    ``Partial("max")`` on every mesh dimension the grad is not replicated on."""
+
+    mesh: Any
+    placements: tuple[Any, ...]
+
+
+def found_inf_reduction(grad: torch.Tensor) -> FoundInfReduction:
+    """The reduction torch's ``found_inf_reduce_handler`` applies for a group whose first
+    grad is ``grad`` (torch/distributed/tensor/_dispatch.py)."""
+    from torch.distributed.tensor import Partial, Replicate
+
+    placements = tuple(
+        p if isinstance(p, Replicate) else Partial("max")
+        for p in grad.placements  # type: ignore[attr-defined]
+    )
+    return FoundInfReduction(mesh=grad.device_mesh, placements=placements)  # type: ignore[attr-defined]
+
+
+def reduce_found_inf(found_inf: torch.Tensor, reduction: FoundInfReduction) -> None:
+    """Max-reduce ``found_inf`` in place exactly as DTensor's dispatch does (a collective)."""
+    from torch.distributed.tensor import DTensor
+
+    reduced = DTensor.from_local(
+        found_inf, reduction.mesh, reduction.placements, run_check=False
+    ).full_tensor()
+    found_inf.copy_(reduced)
+
+
+# -- FSDP1 ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FlatSegment:
+    """An original parameter's slice of this rank's FlatParameter shard."""
+
+    relative_name: str
+    """Name relative to the module whose FSDP handle owns the FlatParameter."""
+    offset: int
+    numel: int
+
+
+def flat_param_segments(param: torch.Tensor) -> list[FlatSegment] | None:
+    """The original parameters inside this rank's shard of an FSDP1 FlatParameter
+    (``use_orig_params=False``), or ``None`` if ``param`` is not one."""
+    infos = getattr(param, "_shard_param_infos", None)
+    fqns = getattr(param, "_fqns", None)
+    if infos is None or fqns is None:
+        return None
+    return [
+        FlatSegment(
+            relative_name=fqn, offset=int(info.offset_in_shard), numel=int(info.numel_in_shard)
+        )
+        for fqn, info in zip(fqns, infos, strict=True)
+        if info.in_shard
+    ]
+
+
+def clean_param_name(name: str) -> tuple[str, bool]:
+    """A parameter name without wrapper prefixes, and whether it named a FlatParameter.
+
+    For a FlatParameter the result is the prefix of the owning module (``""`` at the root,
+    else ending in ``.``) to which its segments' relative names are appended.
+    """
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    if name == _FLAT_PARAM_NAME or name.endswith("." + _FLAT_PARAM_NAME):
+        return name[: -len(_FLAT_PARAM_NAME)], True
+    return name, False
+
+
+# -- self-check -------------------------------------------------------------------------
+
+
+def _signature_names(fn: Callable[..., Any]) -> list[str]:
+    return list(inspect.signature(fn).parameters)
+
+
+@functools.lru_cache(maxsize=1)
+def check_torch() -> tuple[str, ...]:
+    """Every assumption above that this torch breaks, each naming what changed. Cheap;
+    cached per process."""
+    problems: list[str] = []
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    expected = {
+        "_unscale_grads_": ["self", "optimizer", "inv_scale", "found_inf", "allow_fp16"],
+        "_maybe_opt_step": ["self", "optimizer", "optimizer_state", "args", "kwargs"],
+        "_check_inf_per_device": ["self", "optimizer"],
+    }
+    for cls in (_TorchGradScaler, ShardedGradScaler):
+        for method, params in expected.items():
+            fn = getattr(cls, method, None)
+            if fn is None:
+                problems.append(f"{cls.__qualname__}.{method} no longer exists")
+            elif _signature_names(fn) != params:
+                problems.append(
+                    f"{cls.__qualname__}.{method} signature changed: "
+                    f"{_signature_names(fn)} != {params}"
+                )
+    probe = _TorchGradScaler("cpu", init_scale=2.0)
+    probe.scale(torch.ones(()))
+    for attr in ("_scale", "_growth_tracker", "_per_optimizer_states"):
+        if not hasattr(probe, attr):
+            problems.append(f"GradScaler no longer has attribute {attr}")
+    states = getattr(probe, "_per_optimizer_states", {})
+    fresh = states[0] if hasattr(states, "default_factory") else {}
+    if set(fresh) != {"stage", "found_inf_per_device"}:
+        problems.append(f"GradScaler per-optimizer state keys changed: {sorted(fresh)}")
+    if {s.name for s in OptState} != {"READY", "UNSCALED", "STEPPED"}:
+        problems.append("torch.amp.grad_scaler.OptState members changed")
+    problems.extend(_check_dtensor())
+    problems.extend(_check_flat_param())
+    return tuple(problems)
+
+
+def _check_dtensor() -> list[str]:
+    try:
+        from torch.distributed.tensor import DTensor, Partial
+        from torch.distributed.tensor._dispatch import found_inf_reduce_handler
+    except ImportError as exc:
+        return [f"DTensor found-inf handling moved: {exc}"]
+    problems = []
+    handlers = getattr(DTensor._op_dispatcher, "_custom_op_handlers", {})
+    op = torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default
+    if handlers.get(op) is not found_inf_reduce_handler:
+        problems.append(
+            "DTensor no longer reduces found-inf in found_inf_reduce_handler; "
+            "ampscope's replica of that reduction (compat.reduce_found_inf) must be revisited"
+        )
+    source = inspect.getsource(found_inf_reduce_handler)
+    if 'Partial("max")' not in source or "full_tensor()" not in source:
+        problems.append("found_inf_reduce_handler no longer max-reduces with full_tensor()")
+    if "_local_tensor" not in getattr(DTensor, "__annotations__", {}):
+        problems.append("DTensor no longer stores its shard in _local_tensor")
+    if Partial("max").reduce_op != "max":
+        problems.append("torch.distributed.tensor.Partial no longer takes a reduce op")
+    return problems
+
+
+def _check_flat_param() -> list[str]:
+    try:
+        from torch.distributed.fsdp._flat_param import FlatParameter, _ShardParamInfo
+    except ImportError as exc:
+        return [f"FSDP1 FlatParameter moved: {exc}"]
+    problems = []
+    fields = set(getattr(_ShardParamInfo, "_fields", ()))
+    if not {"in_shard", "offset_in_shard", "numel_in_shard"} <= fields:
+        problems.append(f"FSDP1 _ShardParamInfo fields changed: {sorted(fields)}")
+    annotations = getattr(FlatParameter, "__annotations__", {})
+    for attr in ("_fqns", "_shard_param_infos"):
+        if attr not in annotations:
+            problems.append(f"FSDP1 FlatParameter no longer declares {attr}")
+    return problems

@@ -1,0 +1,76 @@
+"""The scalers' telemetry options, validated once at construction."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ampscope.reporter.schema import MAX_LABEL_LENGTH, MAX_NONFINITE_PARAMS
+from ampscope.reporter.sink import Sink
+
+LABEL_PATTERN = re.compile(r"^[A-Za-z0-9_.:/@+=-]+$")
+"""The schema's label pattern (run ids, node names, devices)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TelemetryConfig:
+    """Telemetry options of :class:`ampscope.GradScaler` and :class:`ampscope.ShardedGradScaler`.
+
+    The scalers take these as keyword-only constructor arguments of the same names.
+    """
+
+    reporter: Sink | Literal["auto"] | None = "auto"
+    """``"auto"``: an ``HttpReporter`` to ``AMPSCOPE_URL`` (default the local exporter);
+    ``AMPSCOPE_URL=off`` disables it. ``None``: no reporter. Or any :class:`Sink`."""
+    sinks: Sequence[Sink] = field(default=())
+    """Further destinations for every record, called after the reporter, in step order."""
+    run_id: str | None = None
+    """Overrides ``AMPSCOPE_RUN_ID``/``TORCHELASTIC_RUN_ID``; must be the same on every rank."""
+    attribution: bool = True
+    """Name the parameters holding non-finite gradients on overflow iterations."""
+    top_k: int = 8
+    """How many parameters a record (and the cumulative totals) name at most."""
+    history: int = 1024
+    """Length of the in-process ring buffer behind ``scaler.telemetry.history()``."""
+    min_scale: float | None = None
+    """Clamp the scale from below after each automatic update(); ``None``: torch's behaviour."""
+    max_scale: float | None = None
+    """Clamp the scale from above after each automatic update(); ``None``: torch's behaviour."""
+
+    def __post_init__(self) -> None:
+        if not (
+            self.reporter is None or self.reporter == "auto" or isinstance(self.reporter, Sink)
+        ):
+            raise TypeError(f"reporter must be 'auto', None or a Sink, not {self.reporter!r}")
+        if isinstance(self.sinks, (str, bytes)) or not isinstance(self.sinks, Sequence):
+            raise TypeError("sinks must be a sequence of Sink objects")
+        for sink in self.sinks:
+            if not isinstance(sink, Sink):
+                raise TypeError(f"{sink!r} does not implement emit(record) and close(timeout)")
+        object.__setattr__(self, "sinks", tuple(self.sinks))
+        if self.run_id is not None and (
+            len(self.run_id) > MAX_LABEL_LENGTH or not LABEL_PATTERN.match(self.run_id)
+        ):
+            raise ValueError(
+                f"run_id {self.run_id!r} must be 1-{MAX_LABEL_LENGTH} characters of "
+                "letters, digits and _.:/@+=-"
+            )
+        if not 1 <= self.top_k <= MAX_NONFINITE_PARAMS:
+            raise ValueError(
+                f"top_k must be between 1 and {MAX_NONFINITE_PARAMS}, not {self.top_k}"
+            )
+        if self.history < 1:
+            raise ValueError(f"history must be at least 1, not {self.history}")
+        for name in ("min_scale", "max_scale"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive finite number, not {value}")
+        if (
+            self.min_scale is not None
+            and self.max_scale is not None
+            and self.min_scale > self.max_scale
+        ):
+            raise ValueError(f"min_scale {self.min_scale} exceeds max_scale {self.max_scale}")

@@ -1,0 +1,91 @@
+"""Who a rank is: run id, node, rank, local rank and world size for every record."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import time
+import uuid
+
+import torch
+import torch.distributed as dist
+
+from ampscope.reporter.schema import MAX_LABEL_LENGTH, Identity
+
+# torchrun sets TORCHELASTIC_RUN_ID to "none" unless --rdzv-id/--standalone gives one: it
+# then says nothing about the run, so ampscope generates an id instead.
+_UNSET_ELASTIC_RUN_ID = "none"
+_NOT_LABEL_CHARS = re.compile(r"[^A-Za-z0-9_.:/@+=-]")
+
+
+def sanitize_label(value: str, fallback: str = "unknown") -> str:
+    """``value`` made a valid schema label: other characters become ``_``, cut to length."""
+    cleaned = _NOT_LABEL_CHARS.sub("_", value.strip())[:MAX_LABEL_LENGTH]
+    return cleaned or fallback
+
+
+def _generated_run_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:8]
+
+
+def _collective_device() -> torch.device:
+    backend = str(dist.get_backend())
+    if "gloo" in backend or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _shared_generated_run_id() -> str:
+    """A fresh id from rank 0, broadcast to all ranks of the default group (a collective).
+
+    A fixed-size byte tensor rather than ``broadcast_object_list``, which needs NumPy
+    and pickles.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return _generated_run_id()
+    buffer = torch.zeros(MAX_LABEL_LENGTH, dtype=torch.uint8, device=_collective_device())
+    if dist.get_rank() == 0:
+        encoded = sanitize_label(_generated_run_id()).encode("ascii")
+        buffer[: len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
+    dist.broadcast(buffer, src=0)
+    return bytes(b for b in buffer.tolist() if b).decode("ascii")
+
+
+def resolve_run_id(explicit: str | None = None, *, collective: bool = True) -> str:
+    """The run id: ``explicit``, else ``AMPSCOPE_RUN_ID``, else ``TORCHELASTIC_RUN_ID``, else
+    generated on rank 0 and broadcast.
+
+    The broadcast is a collective over the default process group: call this at a point
+    every rank reaches in lockstep (the scalers do it in their first ``update()``).
+    ``collective=False`` generates a local id instead.
+    """
+    if explicit:
+        return sanitize_label(explicit)
+    for variable in ("AMPSCOPE_RUN_ID", "TORCHELASTIC_RUN_ID"):
+        value = os.environ.get(variable, "").strip()
+        if value and value != _UNSET_ELASTIC_RUN_ID:
+            return sanitize_label(value)
+    return sanitize_label(_shared_generated_run_id() if collective else _generated_run_id())
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ[name])
+    except (KeyError, ValueError):
+        return default
+
+
+def resolve_identity(explicit_run_id: str | None = None, *, collective: bool = True) -> Identity:
+    """This rank's identity; may run one collective (see :func:`resolve_run_id`)."""
+    if dist.is_available() and dist.is_initialized():
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+    else:
+        rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    return Identity(
+        run=resolve_run_id(explicit_run_id, collective=collective),
+        node=sanitize_label(socket.gethostname(), fallback="localhost"),
+        rank=rank,
+        local_rank=_env_int("LOCAL_RANK", 0),
+        world_size=max(world_size, 1),
+    )

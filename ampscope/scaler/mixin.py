@@ -1,0 +1,306 @@
+"""The one mixin that turns torch's scalers into instrumented ones.
+
+It overrides four hook points and calls torch for all the work: ``_unscale_grads_``
+(keeps this rank's pre-reduction found-inf), ``_maybe_opt_step`` (learns from the step
+whether the host-side check skipped it), ``step`` (fused optimizers) and ``update``
+(snapshots the step's scalars). Numerics are torch's: nothing here writes to gradients,
+parameters or found-inf, except the optional scale clamp.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ampscope.reporter.schema import Identity
+from ampscope.scaler import compat
+from ampscope.scaler.attribution import count_nonfinite
+from ampscope.scaler.capture import BeforeUpdate, StepCapture
+from ampscope.scaler.config import TelemetryConfig
+from ampscope.scaler.identity import resolve_identity
+from ampscope.scaler.local_unscale import has_dtensor_grads, unscale_local_shards
+from ampscope.scaler.names import ParamNames
+from ampscope.scaler.outputs import build_sinks
+from ampscope.scaler.probe import StepProbe
+from ampscope.scaler.telemetry import Telemetry
+
+logger = logging.getLogger("ampscope")
+
+# Attributes this mixin adds; dropped when the scaler is pickled (threads, hooks, sinks).
+_OWN_ATTRIBUTES = (
+    "_ampscope_config",
+    "_ampscope_telemetry",
+    "_ampscope_capture",
+    "_ampscope_names",
+    "_ampscope_probe",
+    "_ampscope_identity",
+    "_ampscope_origin",
+    "_ampscope_origin_handles",
+    "_ampscope_errors",
+)
+
+
+def _warn_if_torch_changed() -> None:
+    problems = compat.check_torch()
+    if problems:
+        warnings.warn(
+            "ampscope: this torch differs from what the instrumented scalers expect; "
+            "telemetry may be wrong: " + "; ".join(problems),
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+class TelemetryMixin:
+    """Adds telemetry to a subclass of ``torch.amp.GradScaler``. See :mod:`ampscope.scaler`."""
+
+    _ampscope_config: TelemetryConfig
+    _ampscope_telemetry: Telemetry
+    _ampscope_capture: StepCapture | None
+    _ampscope_names: ParamNames
+    _ampscope_probe: StepProbe
+    _ampscope_identity: Identity | None
+    _ampscope_origin: Any
+    _ampscope_origin_handles: list[Any]
+    _ampscope_errors: int
+
+    def _ampscope_init(self, config: TelemetryConfig) -> None:
+        """Called at the end of ``__init__``, after torch's constructor."""
+        _warn_if_torch_changed()
+        enabled = self.is_enabled()  # type: ignore[attr-defined]
+        self._ampscope_config = config
+        # A disabled scaler is a pure pass-through: no reporter, no thread, no records.
+        self._ampscope_telemetry = Telemetry(
+            sinks=build_sinks(config) if enabled else (),
+            history=config.history,
+            top_k=config.top_k,
+        )
+        self._ampscope_capture = StepCapture() if enabled else None
+        self._ampscope_names = ParamNames()
+        self._ampscope_probe = StepProbe()
+        self._ampscope_identity = None
+        self._ampscope_origin = None
+        self._ampscope_origin_handles = []
+        self._ampscope_errors = 0
+
+    # -- public API ----------------------------------------------------------------------
+
+    @property
+    def telemetry(self) -> Telemetry:
+        """This scaler's telemetry: ``snapshot()``, ``history(n)``."""
+        return self._ampscope_telemetry
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the newest iteration skipped its optimizer step for inf/NaN gradients.
+
+        After ``update()``: the iteration it closed; between ``step()`` and ``update()``:
+        the current one. Free for ordinary optimizers (torch's ``step()`` already read
+        found-inf on the host) and on CPU. For fused optimizers on an accelerator it reads
+        the device flag, i.e. one host-device sync. ``False`` when disabled.
+        """
+        capture = self._ampscope_capture
+        return False if capture is None else capture.last_step_skipped()
+
+    def attach(self, model: nn.Module, track_origin: bool = False) -> None:
+        """Name ``model``'s parameters in records; optionally track found-inf origin.
+
+        Call once, after wrapping the model (FSDP1, ``fully_shard``, DDP) and before the
+        first backward. Costs one walk over ``named_parameters()``.
+
+        Args:
+            model: The wrapped model whose parameters the optimizer(s) hold.
+            track_origin: Install origin hooks on the model's gradient collectives, so
+                records say which rank's own gradients overflowed before the reduction
+                (``found_inf_origin``). Costs one read-only pass per gradient bucket.
+
+        Raises:
+            TypeError, ValueError: from ``install_origin_hooks`` when the model runs no
+                supported gradient collective.
+        """
+        self._ampscope_names.attach(model)
+        if track_origin and self._ampscope_capture is not None:
+            from ampscope.scaler.origin import OriginFlags, install_origin_hooks
+
+            if self._ampscope_origin is None:
+                self._ampscope_origin = OriginFlags()
+            self._ampscope_origin_handles.append(install_origin_hooks(model, self._ampscope_origin))
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Flush pending records, close the sinks and remove hooks. Idempotent.
+
+        The scaler keeps working as torch's afterwards, without telemetry. Also runs at
+        interpreter exit. Waits at most about ``timeout`` seconds.
+        """
+        self._ampscope_capture = None
+        for handle in self._ampscope_origin_handles:
+            handle.remove()
+        self._ampscope_origin_handles = []
+        self._ampscope_probe.remove()
+        self._ampscope_telemetry.close(timeout)
+
+    # -- torch hook points ---------------------------------------------------------------
+
+    def _unscale_grads_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor,
+        allow_fp16: bool = True,
+    ) -> dict[torch.device, torch.Tensor]:
+        parent: Any = super()
+        capture = self._ampscope_capture
+        if capture is None or not has_dtensor_grads(optimizer):
+            result: dict[torch.device, torch.Tensor] = parent._unscale_grads_(
+                optimizer, inv_scale, found_inf, allow_fp16
+            )
+            if capture is not None:
+                self._ampscope_guard(capture.record_local, optimizer, result)
+            return result
+        result, local = unscale_local_shards(
+            parent._unscale_grads_, optimizer, inv_scale, found_inf, allow_fp16
+        )
+        self._ampscope_guard(capture.record_local, optimizer, local, fresh=True)
+        return result
+
+    def _maybe_opt_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        optimizer_state: dict[str, Any],
+        *args: Any,
+        **kwargs: Any,
+    ) -> float | None:
+        parent: Any = super()
+        capture = self._ampscope_capture
+        if capture is None:
+            return parent._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)
+        watching = self._ampscope_guard(self._ampscope_probe.arm, optimizer)
+        retval = parent._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)
+        # torch's own .item() decided; the probe saw whether optimizer.step() ran.
+        skipped = not self._ampscope_probe.fired(optimizer) if watching else None
+        self._ampscope_guard(self._ampscope_after_step, optimizer, False, skipped)
+        return retval
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> float | None:
+        """As torch's ``step()``. Adds nothing on clean iterations; after a skipped
+        step (and, for fused optimizers, only when found-inf is on the CPU) counts the
+        non-finite elements per local gradient: one pass over gradients, one host read."""
+        parent: Any = super()
+        retval = parent.step(optimizer, *args, **kwargs)
+        capture = self._ampscope_capture
+        if capture is not None and compat.steps_itself(optimizer):
+            self._ampscope_guard(self._ampscope_after_fused_step, optimizer)
+        return retval
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """As torch's ``update()``, then records the step: a few scalar device ops and,
+        on CUDA, one non-blocking copy to pinned memory; no sync. The first call also
+        resolves the run id, which may broadcast it from rank 0 (a collective every
+        rank reaches in its first update())."""
+        parent: Any = super()
+        capture = self._ampscope_capture
+        if capture is None or compat.scale_tensor(self) is None:  # type: ignore[arg-type]
+            parent.update(new_scale)
+            return
+        update_time = time.time()
+        before = self._ampscope_guard(capture.before_update, self)
+        parent.update(new_scale)
+        config = self._ampscope_config
+        scale = compat.scale_tensor(self)  # type: ignore[arg-type]
+        if new_scale is None and scale is not None and (config.min_scale or config.max_scale):
+            scale.clamp_(min=config.min_scale, max=config.max_scale)
+        self._ampscope_guard(self._ampscope_after_update, capture, before, new_scale, update_time)
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _ampscope_after_step(
+        self, optimizer: torch.optim.Optimizer, fused: bool, skipped: bool | None
+    ) -> None:
+        capture = self._ampscope_capture
+        if capture is None:
+            return
+        capture.record_step(
+            optimizer,
+            fused=fused,
+            skipped=skipped,
+            found_inf=compat.found_inf_per_device(self, optimizer) if skipped is None else None,  # type: ignore[arg-type]
+        )
+        if skipped and self._ampscope_config.attribution:
+            capture.add_nonfinite(count_nonfinite(optimizer, self._ampscope_names))
+
+    def _ampscope_after_fused_step(self, optimizer: torch.optim.Optimizer) -> None:
+        found = compat.found_inf_per_device(self, optimizer)  # type: ignore[arg-type]
+        skipped: bool | None = None
+        if found and all(t.device.type == "cpu" for t in found.values()):
+            # On the CPU reading the flag is free; on accelerators torch never reads it
+            # for fused optimizers and neither does ampscope (no sync added).
+            skipped = any(bool(t.item()) for t in found.values())
+        self._ampscope_after_step(optimizer, True, skipped)
+
+    def _ampscope_after_update(
+        self,
+        capture: StepCapture,
+        before: BeforeUpdate | None,
+        new_scale: object,
+        update_time: float,
+    ) -> None:
+        if self._ampscope_identity is None:
+            self._ampscope_identity = self._ampscope_resolve_identity()
+        origin: Mapping[str, torch.Tensor] = (
+            self._ampscope_origin.take() if self._ampscope_origin is not None else {}
+        )
+        pending = capture.after_update(
+            self,  # type: ignore[arg-type]
+            before,
+            identity=self._ampscope_identity,
+            manual=new_scale is not None,
+            origin=origin,
+            update_time=update_time,
+        )
+        if pending is not None:
+            self._ampscope_telemetry.submit(pending)
+
+    def _ampscope_resolve_identity(self) -> Identity:
+        # Attempted exactly once per scaler: a retry on a later update() could pair this
+        # rank's broadcast with a different collective on the other ranks.
+        try:
+            return resolve_identity(self._ampscope_config.run_id)
+        except Exception:
+            logger.warning(
+                "ampscope: could not agree on a run id with the other ranks; using a local one",
+                exc_info=True,
+            )
+            return resolve_identity(self._ampscope_config.run_id, collective=False)
+
+    def _ampscope_guard(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run telemetry work; an exception is counted and logged once, never raised."""
+        try:
+            return fn(*args, **kwargs)
+        except Exception:
+            self._ampscope_errors += 1
+            if self._ampscope_errors == 1:
+                logger.warning(
+                    "ampscope: telemetry error, training continues (logged once)", exc_info=True
+                )
+            return None
+
+    def __getstate__(self) -> dict[str, Any]:
+        parent: Any = super()
+        state: dict[str, Any] = parent.__getstate__()
+        for name in _OWN_ATTRIBUTES:
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        parent: Any = super()
+        parent.__setstate__(state)
+        # An unpickled copy keeps torch's behaviour and state but has telemetry off:
+        # sinks, threads and hooks do not travel.
+        self._ampscope_init(TelemetryConfig(reporter=None))
+        self._ampscope_capture = None

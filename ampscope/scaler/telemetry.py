@@ -1,0 +1,227 @@
+"""The scaler's telemetry pipeline: pending steps → records → history, totals and sinks.
+
+The training thread only appends :class:`PendingStep` objects (``submit``). One daemon
+thread, started by the first submit, waits for each step's host copy, builds its
+:class:`StepRecord`, updates the running totals and the history ring buffer, and hands
+records to the sinks in step order. A sink that raises is counted and logged once; it
+never reaches the training thread.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from ampscope.reporter.schema import NonfiniteParam, StepRecord
+from ampscope.reporter.sink import Sink
+from ampscope.scaler.attribution import top_k
+from ampscope.scaler.capture import PendingStep
+from ampscope.scaler.records import RunningTotals, build_record
+
+logger = logging.getLogger("ampscope")
+
+_LIVE: weakref.WeakSet[Telemetry] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all_at_exit() -> None:
+    for telemetry in list(_LIVE):
+        telemetry.close(timeout=2.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TelemetrySnapshot:
+    """An immutable view of one scaler's telemetry at the time of ``snapshot()``."""
+
+    steps: int
+    """update() calls recorded."""
+    skipped_steps: int
+    """Iterations whose optimizer step was skipped for inf/NaN gradients."""
+    backoffs: int
+    growths: int
+    scale: float | None
+    """Scale after the newest update(); ``None`` before the first."""
+    growth_tracker: int | None
+    min_scale: float | None
+    max_scale: float | None
+    found_inf_local: Mapping[str, int]
+    """Per device: iterations whose local gradient shards held inf/NaN."""
+    found_inf_origin: Mapping[str, int]
+    """Per device: iterations whose pre-reduction gradients held inf/NaN (origin tracking)."""
+    nonfinite_params: tuple[NonfiniteParam, ...]
+    """Top-K parameters by cumulative non-finite element count on this rank."""
+    last: StepRecord | None
+    """The newest record."""
+    sink_errors: int
+    """Exceptions raised by sinks so far."""
+    dropped: int
+    """Steps whose record could not be built (counted and logged, never raised)."""
+
+
+class Telemetry:
+    """Pending steps in, records out. Thread-safe; see the module docstring."""
+
+    def __init__(self, *, sinks: Sequence[Sink], history: int, top_k: int) -> None:
+        self._sinks = tuple(sinks)
+        self._top_k = top_k
+        self._pending: deque[PendingStep] = deque()
+        self._outbox: deque[StepRecord] = deque()
+        self._history: deque[StepRecord] = deque(maxlen=history)
+        self._totals = RunningTotals()
+        self._last: StepRecord | None = None
+        self._dropped = 0
+        self._sink_errors = 0
+        self._failed_sinks: set[int] = set()
+        self._resolve_lock = threading.RLock()
+        self._deliver_lock = threading.Lock()
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        _LIVE.add(self)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def submit(self, pending: PendingStep) -> None:
+        """Queue one step (training thread: an append and a notify, nothing more)."""
+        if self._stopping:
+            return
+        self._pending.append(pending)
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name="ampscope-telemetry", daemon=True
+            )
+            self._thread.start()
+        with self._wake:
+            self._wake.notify()
+
+    def snapshot(self) -> TelemetrySnapshot:
+        """Counters covering every update() already called.
+
+        Cost: resolves pending steps first, which waits for their device-to-host copies
+        (on CUDA, for the work queued before them). Call it off the hot path.
+        """
+        self._resolve_and_wake()
+        with self._resolve_lock:
+            totals, last = self._totals, self._last
+            return TelemetrySnapshot(
+                steps=totals.steps,
+                skipped_steps=totals.skipped_steps,
+                backoffs=totals.backoffs,
+                growths=totals.growths,
+                scale=last.scale_after if last is not None else None,
+                growth_tracker=last.growth_tracker if last is not None else None,
+                min_scale=totals.min_scale,
+                max_scale=totals.max_scale,
+                found_inf_local=MappingProxyType(dict(totals.found_inf_local)),
+                found_inf_origin=MappingProxyType(dict(totals.found_inf_origin)),
+                nonfinite_params=tuple(
+                    NonfiniteParam(name=n, count=c) for n, c in top_k(totals.nonfinite, self._top_k)
+                ),
+                last=last,
+                sink_errors=self._sink_errors,
+                dropped=self._dropped,
+            )
+
+    def history(self, n: int | None = None) -> list[StepRecord]:
+        """The newest ``n`` records (all kept when ``None``), oldest first. Same cost as
+        :meth:`snapshot`."""
+        self._resolve_and_wake()
+        with self._resolve_lock:
+            records = list(self._history)
+        return records if n is None else records[-n:] if n > 0 else []
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Deliver what is pending, then close the sinks. Idempotent; waits at most about
+        ``timeout`` seconds in total."""
+        with self._wake:
+            if self._closed:
+                return
+            self._closed = True
+            self._stopping = True
+            self._wake.notify()
+        deadline = time.monotonic() + timeout
+        if self._thread is not None:
+            self._thread.join(max(deadline - time.monotonic(), 0.0))
+        if self._thread is None or not self._thread.is_alive():
+            self._resolve()
+            self._deliver()
+        for sink in self._sinks:
+            try:
+                sink.close(max(deadline - time.monotonic(), 0.0))
+            except Exception:
+                logger.warning("ampscope: closing sink %r failed", sink, exc_info=True)
+        _LIVE.discard(self)
+
+    # -- telemetry thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not (self._pending or self._outbox or self._stopping):
+                    self._wake.wait()
+                stopping = self._stopping
+            try:
+                self._resolve()
+                self._deliver()
+            except Exception:  # pragma: no cover - _resolve/_deliver catch their own
+                logger.exception("ampscope: telemetry thread error")
+            if stopping and not self._pending and not self._outbox:
+                return
+
+    def _resolve_and_wake(self) -> None:
+        self._resolve()
+        if self._outbox:
+            with self._wake:
+                self._wake.notify()
+
+    def _resolve(self) -> None:
+        with self._resolve_lock:
+            while self._pending:
+                pending = self._pending[0]
+                try:
+                    record, totals = build_record(
+                        pending, pending.read(), self._totals, self._top_k
+                    )
+                except Exception:
+                    self._dropped += 1
+                    if self._dropped == 1:
+                        logger.warning(
+                            "ampscope: could not build the record of step %d; dropping it "
+                            "(logged once)",
+                            pending.step,
+                            exc_info=True,
+                        )
+                else:
+                    self._totals, self._last = totals, record
+                    self._history.append(record)
+                    if self._sinks:
+                        self._outbox.append(record)
+                self._pending.popleft()
+
+    def _deliver(self) -> None:
+        with self._deliver_lock:
+            while self._outbox:
+                record = self._outbox.popleft()
+                for sink in self._sinks:
+                    try:
+                        sink.emit(record)
+                    except Exception:
+                        self._sink_errors += 1
+                        if id(sink) not in self._failed_sinks:
+                            self._failed_sinks.add(id(sink))
+                            logger.warning(
+                                "ampscope: sink %r raised; counting its errors and going on "
+                                "(logged once per sink)",
+                                sink,
+                                exc_info=True,
+                            )
