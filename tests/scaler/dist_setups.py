@@ -45,10 +45,16 @@ def train_side_by_side(
     inject: Callable[[nn.Module, int], None],
     *,
     input_transform: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
+    fused: bool = False,
 ) -> dict[str, Any]:
     """Train both; return skip patterns, scale trajectories and parameter equality."""
-    ours_opt = torch.optim.SGD(ours_model.parameters(), lr=0.05)
-    torch_opt = torch.optim.SGD(torch_model.parameters(), lr=0.05)
+
+    def make_opt(model: nn.Module) -> torch.optim.Optimizer:
+        if fused:
+            return torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
+        return torch.optim.SGD(model.parameters(), lr=0.05)
+
+    ours_opt, torch_opt = make_opt(ours_model), make_opt(torch_model)
     initial = [local_view(p.detach()).clone() for p in ours_model.parameters()]
     ours_scales, torch_scales, ours_skips, torch_skips = [], [], [], []
     for step in range(STEPS):
@@ -68,9 +74,7 @@ def train_side_by_side(
             opt.zero_grad()
             scales.append(scaler.get_scale())
             # torch's scale only ever shrinks on found-inf: that is torch's skip pattern.
-            skips.append(
-                scaler.last_step_skipped if scaler is ours_scaler else scales[-1] < before
-            )
+            skips.append(scaler.last_step_skipped if scaler is ours_scaler else scales[-1] < before)
     ours_params = [local_view(p.detach()).clone() for p in ours_model.parameters()]
     torch_params = [local_view(p.detach()).clone() for p in torch_model.parameters()]
     records = ours_scaler.telemetry.history()
@@ -110,10 +114,14 @@ def fsdp1_worker(rank: int, world_size: int) -> dict[str, Any]:
     import ampscope
 
     results: dict[str, Any] = {}
+    # CPUOffload is not exercised: FSDP1 pins the offloaded shards, which needs an
+    # accelerator. On CPU the gradients already live on the CPU, as with offloading.
     for use_orig_params in (False, True):
 
         def wrap(use_orig_params: bool = use_orig_params) -> nn.Module:
-            return FSDP(make_model(), device_id=torch.device("cpu"), use_orig_params=use_orig_params)
+            return FSDP(
+                make_model(), device_id=torch.device("cpu"), use_orig_params=use_orig_params
+            )
 
         def inject(model: nn.Module, step: int, use_orig_params: bool = use_orig_params) -> None:
             if rank != 1:
@@ -172,6 +180,16 @@ def fsdp2_worker(rank: int, world_size: int) -> dict[str, Any]:
     stock = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=GROWTH_INTERVAL)
     result = train_side_by_side(rank, ours_model, ours, _fully_shard(mesh), stock, inject)
     result["grad_type"] = type(ours_model[2].weight).__name__
+    # Fused Adam: torch's _step_supports_amp_scaling path (_check_inf_per_device).
+    ours_fused = ampscope.GradScaler(
+        "cpu", init_scale=2.0**10, growth_interval=GROWTH_INTERVAL, reporter=None
+    )
+    stock_fused = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=GROWTH_INTERVAL)
+    fused_model = _fully_shard(mesh)
+    ours_fused.attach(fused_model)
+    result["fused"] = train_side_by_side(
+        rank, fused_model, ours_fused, _fully_shard(mesh), stock_fused, inject, fused=True
+    )
     result["tp"] = _tensor_parallel_2d(rank, world_size)
     return result
 

@@ -71,7 +71,10 @@ def test_fsdp2_parity_and_attribution() -> None:
         assert result["grad_type"] == "DTensor"
         _assert_parity(result)
         _assert_parity(result["tp"])
+        _assert_parity(result["fused"])
     _assert_local_on_rank1_only(results)
+    _assert_local_on_rank1_only([r["fused"] for r in results])
+    _named_at_injections(results[1]["fused"], "2.weight")
     _named_at_injections(results[1], "2.weight")
     assert all(n == {} for n in results[0]["nonfinite"])
     _assert_shared_identity(results)

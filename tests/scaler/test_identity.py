@@ -1,0 +1,42 @@
+"""Run id precedence and label sanitising (the collective path runs in test_distributed)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from ampscope.scaler.identity import resolve_identity, resolve_run_id, sanitize_label
+
+
+def test_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AMPSCOPE_RUN_ID", "from ampscope")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "elastic-7")
+    assert resolve_run_id("explicit") == "explicit"
+    assert resolve_run_id() == "from_ampscope"
+    monkeypatch.delenv("AMPSCOPE_RUN_ID")
+    assert resolve_run_id() == "elastic-7"
+    # torchrun's placeholder says nothing about the run: generate one instead.
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    generated = resolve_run_id()
+    assert re.fullmatch(r"\d{8}-\d{6}-[0-9a-f]{8}", generated)
+
+
+def test_identity_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    identity = resolve_identity("r1")
+    assert (identity.run, identity.rank, identity.world_size, identity.local_rank) == (
+        "r1",
+        3,
+        8,
+        1,
+    )
+    assert identity.node
+
+
+def test_sanitize() -> None:
+    assert sanitize_label(' a"b c\n') == "a_b_c"
+    assert sanitize_label("") == "unknown"
+    assert len(sanitize_label("x" * 500)) == 128

@@ -1,0 +1,307 @@
+"""Single-process behaviour: numerics equal torch's, torch's API and errors preserved."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+from collections.abc import Callable
+
+import pytest
+import torch
+from helpers import ListSink, Net, batch, poison, run
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as TorchSharded
+
+import ampscope
+
+INJECT = {3, 7, 8}
+Factory = Callable[[Net], list[torch.optim.Optimizer]]
+
+
+def _sgd(model: Net) -> list[torch.optim.Optimizer]:
+    return [torch.optim.SGD(model.parameters(), lr=0.1)]
+
+
+def _fused_adam(model: Net) -> list[torch.optim.Optimizer]:
+    return [torch.optim.Adam(model.parameters(), lr=0.01, fused=True)]
+
+
+def _two(model: Net) -> list[torch.optim.Optimizer]:
+    return [
+        torch.optim.SGD([*model.emb.parameters(), *model.body.parameters()], lr=0.1),
+        torch.optim.AdamW(model.head.parameters(), lr=0.01),
+    ]
+
+
+def _inject_head(model: Net, step: int) -> None:
+    if step in INJECT:
+        poison(model.head.weight)
+
+
+def _side_by_side(
+    factory: Factory,
+    *,
+    dtype: torch.dtype = torch.float32,
+    sparse: bool = False,
+    clip: bool = False,
+    steps: int = 12,
+) -> tuple[ampscope.GradScaler, ListSink, list[float]]:
+    """Train ours and torch's side by side; assert equal params and scales."""
+    sink = ListSink()
+    ours = ampscope.GradScaler(
+        "cpu", init_scale=256.0, growth_interval=2, reporter=None, sinks=[sink]
+    )
+    stock = torch.amp.GradScaler("cpu", init_scale=256.0, growth_interval=2)
+    ours_model, stock_model = Net(dtype, sparse), Net(dtype, sparse)
+    ours.attach(ours_model)
+    ours_scales = run(ours, ours_model, factory(ours_model), steps, inject=_inject_head, clip=clip)
+    stock_scales = run(
+        stock, stock_model, factory(stock_model), steps, inject=_inject_head, clip=clip
+    )
+    assert ours_scales == stock_scales
+    for a, b in zip(ours_model.parameters(), stock_model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert any(
+        not torch.equal(a, b)
+        for a, b in zip(ours_model.parameters(), Net(dtype).parameters(), strict=True)
+    )
+    ours.close()
+    return ours, sink, ours_scales
+
+
+@pytest.mark.parametrize(
+    ("factory", "dtype", "sparse", "clip"),
+    [
+        pytest.param(_sgd, torch.float32, False, False, id="sgd-fp32"),
+        pytest.param(_sgd, torch.bfloat16, False, False, id="sgd-bf16-grads"),
+        pytest.param(_sgd, torch.float32, True, False, id="sparse-embedding"),
+        pytest.param(_sgd, torch.float32, False, True, id="unscale-then-clip"),
+        pytest.param(_fused_adam, torch.float32, False, False, id="fused-adam"),
+        pytest.param(_fused_adam, torch.float16, False, False, id="fused-adam-fp16-grads"),
+        pytest.param(_two, torch.float32, False, False, id="two-optimizers"),
+    ],
+)
+def test_parity_and_records(factory: Factory, dtype: torch.dtype, sparse: bool, clip: bool) -> None:
+    ours, sink, scales = _side_by_side(factory, dtype=dtype, sparse=sparse, clip=clip)
+    records = sink.records
+    # torch's scale shrinks exactly on the iterations it skipped: the injected ones, and
+    # with fp16 gradients also natural overflows.
+    pairs = list(zip([256.0, *scales], scales, strict=False))
+    skips = [after < before for before, after in pairs]
+    growths = sum(after > before for before, after in pairs)
+    assert {step for step, skipped in enumerate(skips) if skipped} >= INJECT
+    assert (sum(skips) == len(INJECT)) == (dtype != torch.float16)
+    assert [r.step for r in records] == list(range(1, 13))
+    assert [r.skipped for r in records] == skips
+    assert [r.scale_after for r in records] == scales
+    assert [r.event == "backoff" for r in records] == skips
+    assert [r.event == "growth" for r in records] == [a > b for b, a in pairs]
+    snap = ours.telemetry.snapshot()
+    assert (snap.steps, snap.skipped_steps, snap.backoffs) == (12, sum(skips), sum(skips))
+    assert snap.growths == growths > 0
+    assert snap.found_inf_local == {"cpu": sum(skips)}
+    assert snap.scale == scales[-1]
+    assert snap.last == records[-1]
+    assert records[-1].totals.skipped_steps == sum(skips)
+    fused = factory is _fused_adam
+    assert all(d.fused == fused for r in records for d in r.optimizers if d.name == "Adam")
+    for step, record in enumerate(records):
+        named = {p.name: p.count for p in record.nonfinite_params}
+        if step in INJECT and dtype != torch.float16:
+            assert named == {"head.weight": 1}
+        elif step in INJECT:
+            assert named["head.weight"] >= 1
+        assert bool(named) == record.skipped
+    assert sink.threads == {"ampscope-telemetry"}, "sinks run on ampscope's thread"
+    if factory is _two:
+        # Only the optimizer owning the poisoned grad skipped; update() still backs off.
+        assert [(d.name, d.found_inf) for d in records[3].optimizers] == [
+            ("SGD", False),
+            ("AdamW", True),
+        ]
+
+
+def test_fp16_grads_rejected_like_torch() -> None:
+    """torch.amp.GradScaler refuses to unscale fp16 gradients for ordinary optimizers."""
+    for scaler in (torch.amp.GradScaler("cpu"), ampscope.GradScaler("cpu", reporter=None)):
+        model = Net(torch.float16)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler.scale(model(batch(0))).backward()
+        with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):
+            scaler.step(opt)
+
+
+def test_last_step_skipped_and_attribution_off() -> None:
+    scaler = ampscope.GradScaler("cpu", reporter=None, attribution=False)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = []
+    for step in range(4):
+        scaler.scale(model(batch(step))).backward()
+        if step == 2:
+            poison(model.body.bias, float("nan"))
+        scaler.step(opt)
+        seen.append(scaler.last_step_skipped)  # between step() and update()
+        scaler.update()
+        seen.append(scaler.last_step_skipped)  # after update()
+        opt.zero_grad()
+    assert seen == [False, False, False, False, True, True, False, False]
+    history = scaler.telemetry.history()
+    assert history[2].skipped
+    assert history[2].nonfinite_params == []
+    scaler.close()
+
+
+def _misuse(scaler: torch.amp.GradScaler) -> list[str]:
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    messages = []
+
+    def attempt(fn: Callable[[], object]) -> None:
+        try:
+            fn()
+            messages.append("no error")
+        except (RuntimeError, AssertionError) as exc:
+            messages.append(f"{type(exc).__name__}: {exc}")
+
+    attempt(scaler.update)  # before any scale()
+    scaler.scale(model(batch(0))).backward()
+    attempt(scaler.update)  # no inf checks recorded
+    scaler.unscale_(opt)
+    attempt(lambda: scaler.unscale_(opt))
+    attempt(lambda: scaler.step(opt, closure=lambda: 0.0))
+    scaler.step(opt)
+    attempt(lambda: scaler.step(opt))
+    attempt(lambda: scaler.unscale_(opt))
+    scaler.update()
+    return messages
+
+
+def test_misuse_raises_like_torch() -> None:
+    ours = _misuse(ampscope.GradScaler("cpu", reporter=None))
+    assert ours == _misuse(torch.amp.GradScaler("cpu"))
+    assert ours[0].startswith("AssertionError: Attempted update but _scale is None")
+    assert ours[1] == "AssertionError: No inf checks were recorded prior to update."
+    assert "unscale_() has already been called" in ours[2]
+    assert "Closure use is not currently supported" in ours[3]
+    assert "step() has already been called" in ours[4]
+    assert "after step" in ours[5]
+
+
+def test_state_dict_both_ways() -> None:
+    ours = ampscope.GradScaler("cpu", init_scale=64.0, growth_interval=2, reporter=None)
+    model = Net()
+    run(ours, model, _sgd(model), 5, inject=lambda m, s: poison(m.head.bias) if s == 1 else None)
+    stock = torch.amp.GradScaler("cpu")
+    stock.load_state_dict(ours.state_dict())
+    assert stock.state_dict() == ours.state_dict()
+    assert ours.state_dict()["_growth_tracker"] == 1
+
+    back = ampscope.GradScaler("cpu", reporter=None)
+    back.load_state_dict(stock.state_dict())
+    assert back.state_dict() == stock.state_dict()
+    a, b = Net(), Net()
+    assert run(back, a, _sgd(a), 4) == run(stock, b, _sgd(b), 4)
+    ours.close()
+    back.close()
+
+
+def test_disabled_is_pass_through() -> None:
+    sink = ListSink()
+    before = {t.name for t in threading.enumerate()}
+    scaler = ampscope.GradScaler("cpu", enabled=False, sinks=[sink])
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = model(batch(0))
+    assert scaler.scale(loss) is loss
+    loss.backward()
+    assert scaler.step(opt) is None
+    scaler.update()
+    assert not scaler.is_enabled()
+    assert scaler.state_dict() == {}
+    assert scaler.get_scale() == 1.0
+    assert not scaler.last_step_skipped
+    assert scaler.telemetry.snapshot().steps == 0
+    scaler.close()
+    assert sink.records == []
+    assert {t.name for t in threading.enumerate()} == before, "no threads when disabled"
+
+
+def test_factor_accessors_and_pickle() -> None:
+    scaler = ampscope.GradScaler("cpu", init_scale=8.0, growth_interval=3, reporter=None)
+    scaler.set_growth_factor(4.0)
+    scaler.set_backoff_factor(0.25)
+    scaler.set_growth_interval(5)
+    assert (scaler.get_growth_factor(), scaler.get_backoff_factor()) == (4.0, 0.25)
+    assert scaler.get_growth_interval() == 5
+    model = Net()
+    run(scaler, model, _sgd(model), 2)
+    clone = pickle.loads(pickle.dumps(scaler))
+    assert clone.state_dict() == scaler.state_dict()
+    assert clone.telemetry.snapshot().steps == 0, "telemetry does not travel in a pickle"
+    run(clone, model, _sgd(model), 1)
+    scaler.close()
+
+
+def test_manual_update_and_clamp() -> None:
+    scaler = ampscope.GradScaler(
+        "cpu", init_scale=4.0, growth_interval=1, reporter=None, max_scale=16.0, min_scale=2.0
+    )
+    model = Net()
+    opt = _sgd(model)
+    scales = run(scaler, model, opt, 4)
+    assert scales == [8.0, 16.0, 16.0, 16.0], "max_scale holds the scale"
+    scaler.scale(model(batch(9))).backward()
+    scaler.step(opt[0])
+    scaler.update(1024.0)
+    assert scaler.get_scale() == 1024.0, "a manual scale is taken as given"
+    inject = lambda m, s: poison(m.head.weight)  # noqa: E731
+    scales = run(scaler, model, opt, 12, inject=inject)
+    assert scales[-1] == 2.0, "min_scale holds the scale"
+    events = [r.event for r in scaler.telemetry.history()]
+    assert events[:5] == ["growth", "growth", "growth", "growth", "manual"]
+    assert set(events[5:]) == {"backoff"}
+    scaler.close()
+
+
+def test_no_extra_host_reads_on_clean_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The training thread reads the device exactly as often as torch's scaler does."""
+    main = threading.current_thread()
+    reads = {"n": 0}
+    for method in ("item", "tolist", "__bool__", "__float__", "__int__"):
+        original = getattr(torch.Tensor, method)
+
+        def counted(self: torch.Tensor, *a: object, _original: object = original) -> object:
+            if threading.current_thread() is main:
+                reads["n"] += 1
+            return _original(self, *a)  # type: ignore[operator]
+
+        monkeypatch.setattr(torch.Tensor, method, counted)
+
+    def reads_in(scaler: torch.amp.GradScaler, factory: Factory) -> int:
+        model = Net()
+        opts = factory(model)
+        run(scaler, model, opts, 1)  # warm-up: first update() resolves the identity
+        reads["n"] = 0
+        for step in range(1, 4):
+            scaler.scale(model(batch(step))).backward()
+            for opt in opts:
+                scaler.step(opt)
+            scaler.update()
+        return reads["n"]
+
+    for factory in (_sgd, _two):
+        stock = reads_in(torch.amp.GradScaler("cpu"), factory)
+        ours_scaler = ampscope.GradScaler("cpu", reporter=None)
+        assert reads_in(ours_scaler, factory) == stock > 0
+        ours_scaler.close()
+
+
+def test_sharded_scaler_single_process_without_group() -> None:
+    """Constructor order and defaults match torch's ShardedGradScaler."""
+    ours = ampscope.ShardedGradScaler("cpu", 32.0, 0.25, 4.0, 7, reporter=None)
+    stock = TorchSharded("cpu", 32.0, 0.25, 4.0, 7)
+    assert isinstance(ours, TorchSharded)
+    for getter in ("get_growth_factor", "get_backoff_factor", "get_growth_interval", "get_scale"):
+        assert getattr(ours, getter)() == getattr(stock, getter)()
+    assert isinstance(ampscope.GradScaler("cpu", reporter=None), torch.amp.GradScaler)
+    ours.close()

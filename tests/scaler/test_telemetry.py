@@ -1,0 +1,87 @@
+"""The telemetry pipeline: sinks, history, snapshots, closing, the auto reporter."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from helpers import ListSink, Net, poison, run
+
+import ampscope
+from ampscope.reporter.schema import StepRecord
+from ampscope.scaler.config import TelemetryConfig
+from ampscope.scaler.outputs import build_sinks
+
+
+class RaisingSink:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def emit(self, record: StepRecord) -> None:
+        self.calls += 1
+        raise OSError("disk full")
+
+    def close(self, timeout: float) -> None:
+        raise OSError("still full")
+
+
+def _train(scaler: ampscope.GradScaler, steps: int) -> list[float]:
+    model = Net()
+    return run(
+        scaler,
+        model,
+        [torch.optim.SGD(model.parameters(), lr=0.1)],
+        steps,
+        inject=lambda m, s: poison(m.body.weight) if s == 2 else None,
+    )
+
+
+def test_raising_sink_never_breaks_training(caplog: pytest.LogCaptureFixture) -> None:
+    bad, good = RaisingSink(), ListSink()
+    scaler = ampscope.GradScaler("cpu", reporter=bad, sinks=[good])
+    with caplog.at_level(logging.WARNING, logger="ampscope"):
+        _train(scaler, 6)
+        scaler.close()
+    assert bad.calls == 6
+    assert [r.step for r in good.records] == [1, 2, 3, 4, 5, 6], "other sinks still get all"
+    assert good.closed_with is not None
+    assert scaler.telemetry.snapshot().sink_errors == 6
+    raised = [r for r in caplog.records if "raised" in r.getMessage()]
+    assert len(raised) == 1, "logged once per sink"
+
+
+def test_history_is_a_bounded_ring_and_close_flushes() -> None:
+    sink = ListSink()
+    scaler = ampscope.GradScaler("cpu", reporter=None, sinks=[sink], history=4, run_id="exp-1")
+    _train(scaler, 9)
+    # snapshot()/history() reflect every update() already called, without close().
+    assert [r.step for r in scaler.telemetry.history()] == [6, 7, 8, 9]
+    assert [r.step for r in scaler.telemetry.history(2)] == [8, 9]
+    assert scaler.telemetry.history(0) == []
+    assert scaler.telemetry.snapshot().steps == 9
+    scaler.close()
+    scaler.close()  # idempotent
+    assert [r.step for r in sink.records] == list(range(1, 10))
+    assert {r.identity.run for r in sink.records} == {"exp-1"}
+    totals = sink.records[-1].totals
+    assert (totals.steps, totals.skipped_steps, totals.backoffs) == (9, 1, 1)
+    # Not attached: the parameter is named by its optimizer position (body.weight is 2nd).
+    assert [(p.name, p.count) for p in totals.nonfinite_params] == [("group0.param1", 1)]
+    # After close() the scaler keeps training as torch's, without telemetry.
+    _train(scaler, 2)
+    assert scaler.telemetry.snapshot().steps == 9
+
+
+def test_reporter_auto_follows_ampscope_url(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AMPSCOPE_URL", "off")
+    assert build_sinks(TelemetryConfig()) == []
+    monkeypatch.setenv("AMPSCOPE_URL", "http://127.0.0.1:9")
+    extra = ListSink()
+    sinks = build_sinks(TelemetryConfig(sinks=[extra]))
+    try:
+        assert type(sinks[0]).__name__ == "HttpReporter"
+        assert sinks[1:] == [extra]
+    finally:
+        sinks[0].close(0.1)
+    assert build_sinks(TelemetryConfig(reporter=None)) == []
