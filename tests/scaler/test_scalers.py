@@ -305,3 +305,36 @@ def test_sharded_scaler_single_process_without_group() -> None:
         assert getattr(ours, getter)() == getattr(stock, getter)()
     assert isinstance(ampscope.GradScaler("cpu", reporter=None), torch.amp.GradScaler)
     ours.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_parity_and_records() -> None:
+    """On CUDA the step's scalars travel through pinned memory and an event."""
+    sink = ListSink()
+    ours = ampscope.GradScaler(
+        "cuda", init_scale=256.0, growth_interval=2, reporter=None, sinks=[sink]
+    )
+    stock = torch.amp.GradScaler("cuda", init_scale=256.0, growth_interval=2)
+    models = [Net().cuda(), Net().cuda()]
+    ours.attach(models[0])
+    scales = []
+    for scaler, model in zip((ours, stock), models, strict=True):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        trajectory = []
+        for step in range(8):
+            loss = model(batch(step).cuda())
+            scaler.scale(loss).backward()
+            _inject_head(model, step)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            trajectory.append(scaler.get_scale())
+        scales.append(trajectory)
+    assert scales[0] == scales[1]
+    for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        assert torch.equal(a, b)
+    ours.close()
+    assert [r.skipped for r in sink.records] == [s in INJECT for s in range(8)]
+    assert [r.scale_after for r in sink.records] == scales[0]
+    assert sink.records[3].found_inf_local == {"cuda:0": True}
+    assert [p.name for p in sink.records[3].nonfinite_params] == ["head.weight"]
