@@ -1,10 +1,12 @@
-"""Every touch of torch's private scaler, DTensor and FSDP state, in one place.
+"""Every touch of torch's private scaler, DTensor, FSDP and DDP state, in one place.
 
 The instrumented scalers subclass torch's and must read a few things torch does not
 expose publicly: the per-optimizer found-inf tensors, the scale and growth-tracker
 tensors, the ``_unscale_grads_``/``_maybe_opt_step`` hook points, DTensor local shards
-and the found-inf reduction rule of DTensor's dispatch, and FSDP1 FlatParameter shard
-metadata. Nothing else in ampscope reads private torch attributes.
+and the found-inf reduction rule of DTensor's dispatch, FSDP1 FlatParameter shard
+metadata, and, for origin tracking, the comm hooks DDP and FSDP1 hold, FSDP1's default
+comm hooks and FSDP2's reduce-scatter comm objects. Nothing else in ampscope reads
+private torch attributes.
 
 :func:`check_torch` verifies each assumption and names what changed;
 ``tests/scaler/test_compat.py`` fails loudly on any problem, and the scalers log a
@@ -23,21 +25,35 @@ from typing import Any
 import torch
 from torch.amp.grad_scaler import GradScaler as _TorchGradScaler
 from torch.amp.grad_scaler import OptState
+from torch.distributed.algorithms._comm_hooks import default_hooks as fsdp_default_hooks
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 logger = logging.getLogger("ampscope")
 
 __all__ = [
     "FlatSegment",
     "OptState",
+    "ReduceScatter",
     "check_torch",
     "clean_param_name",
+    "ddp_comm_hooks",
+    "ddp_uses_python_reducer",
     "flat_param_segments",
     "found_inf_per_device",
     "found_inf_reduction",
+    "fsdp1_comm_hook",
+    "fsdp_default_hooks",
+    "fully_shard_param_groups",
     "growth_tracker",
     "is_dtensor",
     "local_tensor",
     "optimizer_stage",
+    "param_group_reduce_scatter",
+    "param_group_reduce_scatter_size",
     "per_optimizer_found_infs",
     "reduce_found_inf",
     "scale_tensor",
@@ -191,6 +207,46 @@ def clean_param_name(name: str) -> tuple[str, bool]:
     return name, False
 
 
+# -- gradient collectives (origin tracking) ----------------------------------------------
+# FSDP1's default comm hooks (``fsdp_default_hooks``), FSDP2's ``ReduceScatter`` comm base
+# class and ``FSDPMeshInfo`` are private imports above; these read state with no accessor.
+
+
+def ddp_comm_hooks(ddp: DDP) -> list[tuple[Callable[..., object], object]]:
+    """(hook, state) pairs registered through ``DDP.register_comm_hook``."""
+    return list(ddp._comm_hooks)
+
+
+def ddp_uses_python_reducer(ddp: DDP) -> bool:
+    """DDP's compiled-autograd mode calls comm hooks with (grad, param), not buckets."""
+    return bool(ddp._use_python_reducer)
+
+
+def fsdp1_comm_hook(unit: FSDP) -> tuple[object, object]:
+    """(hook, state) FSDP1 calls for this unit's gradient reduction; (None, None) is the
+    default."""
+    return unit._comm_hook, unit._comm_hook_state
+
+
+def fully_shard_param_groups(module: FSDPModule) -> list[object]:
+    """The FSDP2 parameter groups of one ``fully_shard`` module."""
+    return list(module._get_fsdp_state()._fsdp_param_groups)
+
+
+def param_group_reduce_scatter(group: object) -> ReduceScatter:
+    """The reduce-scatter comm an FSDP2 parameter group uses (default or custom)."""
+    comm: ReduceScatter = group._reduce_scatter_comm  # type: ignore[attr-defined]
+    return comm
+
+
+def param_group_reduce_scatter_size(group: object) -> int:
+    """Ranks in the group's reduce-scatter; FSDP2 skips the collective below 2."""
+    mesh_info = group.mesh_info  # type: ignore[attr-defined]
+    if not isinstance(mesh_info, FSDPMeshInfo):  # replicate(): all-reduce only
+        return 0
+    return int(mesh_info.shard_mesh_size)
+
+
 # -- self-check -------------------------------------------------------------------------
 
 
@@ -233,6 +289,7 @@ def check_torch() -> tuple[str, ...]:
         problems.append("torch.amp.grad_scaler.OptState members changed")
     problems.extend(_check_dtensor())
     problems.extend(_check_flat_param())
+    problems.extend(_check_collectives())
     return tuple(problems)
 
 
@@ -273,4 +330,29 @@ def _check_flat_param() -> list[str]:
     for attr in ("_fqns", "_shard_param_infos"):
         if attr not in annotations:
             problems.append(f"FSDP1 FlatParameter no longer declares {attr}")
+    return problems
+
+
+def _check_collectives() -> list[str]:
+    problems = []
+    for hook in ("allreduce_hook", "reduce_scatter_hook", "DefaultState"):
+        if not hasattr(fsdp_default_hooks, hook):
+            problems.append(f"FSDP1 default comm hooks no longer define {hook}")
+    if not callable(getattr(FSDPModule, "set_custom_reduce_scatter", None)):
+        problems.append("FSDPModule.set_custom_reduce_scatter no longer exists")
+    if not callable(getattr(FSDPModule, "_get_fsdp_state", None)):
+        problems.append("FSDPModule._get_fsdp_state no longer exists")
+    for method in ("allocate", "__call__"):
+        if not hasattr(ReduceScatter, method):
+            problems.append(f"FSDP2 ReduceScatter comm no longer has {method}")
+    if "shard_mesh_size" not in inspect.getsource(FSDPMeshInfo):
+        problems.append("FSDPMeshInfo no longer has shard_mesh_size")
+    ddp_init = inspect.getsource(DDP.__init__) + inspect.getsource(DDP.register_comm_hook)
+    for attr in ("_comm_hooks", "_use_python_reducer"):
+        if attr not in ddp_init and attr not in inspect.getsource(DDP):
+            problems.append(f"DistributedDataParallel no longer keeps {attr}")
+    fsdp_source = inspect.getsource(FSDP)
+    for attr in ("_comm_hook", "_comm_hook_state"):
+        if attr not in fsdp_source:
+            problems.append(f"FullyShardedDataParallel no longer keeps {attr}")
     return problems

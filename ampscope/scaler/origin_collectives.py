@@ -13,56 +13,21 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms._comm_hooks import default_hooks as fsdp_default_hooks
 from torch.distributed.fsdp import FSDPModule, ShardingStrategy
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
-from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ampscope.scaler.compat import (
+    ReduceScatter,
+    ddp_comm_hooks,
+    ddp_uses_python_reducer,
+    fsdp1_comm_hook,
+    fsdp_default_hooks,
+    fully_shard_param_groups,
+    param_group_reduce_scatter,
+    param_group_reduce_scatter_size,
+)
 from ampscope.scaler.origin import OriginFlags
-
-# --- torch private internals ------------------------------------------------------
-# Everything up to the next marker reads torch state that has no public accessor, as
-# do three imports above: FSDP1's default comm hooks (algorithms._comm_hooks), FSDP2's
-# ReduceScatter base class and FSDPMeshInfo. tests/scaler/test_origin.py exercises each
-# of them, so a torch release that renames one fails the suite instead of silently
-# disabling origin tracking.
-
-
-def _ddp_comm_hooks(ddp: DDP) -> list[tuple[Callable[..., object], object]]:
-    """(hook, state) pairs registered through ``DDP.register_comm_hook``."""
-    return list(ddp._comm_hooks)
-
-
-def _ddp_uses_python_reducer(ddp: DDP) -> bool:
-    """DDP's compiled-autograd mode calls comm hooks with (grad, param), not buckets."""
-    return bool(ddp._use_python_reducer)
-
-
-def _fsdp1_comm_hook(unit: FSDP) -> tuple[object, object]:
-    """(hook, state) FSDP1 calls for this unit's gradient reduction; (None, None) is the default."""
-    return unit._comm_hook, unit._comm_hook_state
-
-
-def _fully_shard_param_groups(module: FSDPModule) -> list[object]:
-    return list(module._get_fsdp_state()._fsdp_param_groups)
-
-
-def _param_group_reduce_scatter(group: object) -> ReduceScatter:
-    comm: ReduceScatter = group._reduce_scatter_comm  # type: ignore[attr-defined]
-    return comm
-
-
-def _param_group_reduce_scatter_size(group: object) -> int:
-    """Ranks in the group's reduce-scatter; FSDP2 skips the collective below 2."""
-    mesh_info = group.mesh_info  # type: ignore[attr-defined]
-    if not isinstance(mesh_info, FSDPMeshInfo):  # replicate(): all-reduce only
-        return 0
-    return int(mesh_info.shard_mesh_size)
-
-
-# --- end of torch private internals -----------------------------------------------
 
 
 def find_ddp(model: torch.nn.Module) -> DDP | None:
@@ -143,7 +108,7 @@ def _ddp_origin_hook(
 
 def install_ddp(ddp: DDP, flags: OriginFlags) -> Callable[[], None]:
     """Register the origin comm hook on ``ddp``; returns the undo."""
-    hooks = _ddp_comm_hooks(ddp)
+    hooks = ddp_comm_hooks(ddp)
     for hook, state in hooks:
         if hook is _ddp_origin_hook:
             return _reattach(state, flags, "DistributedDataParallel")
@@ -155,7 +120,7 @@ def install_ddp(ddp: DDP, flags: OriginFlags) -> Callable[[], None]:
             "OriginFlags.mark(bucket.buffer()) inside your own hook before its collective "
             "(DDP's mixed_precision= option registers such a hook too)"
         )
-    if _ddp_uses_python_reducer(ddp):
+    if ddp_uses_python_reducer(ddp):
         raise ValueError(
             "DistributedDataParallel runs its Python reducer (compiled autograd), which "
             "passes single gradients, not buckets, to comm hooks; origin tracking needs "
@@ -200,7 +165,7 @@ def install_fsdp1(root: FSDP, flags: OriginFlags) -> Callable[[], None]:
             "FullyShardedDataParallel units use different process groups; FSDP1 shares one "
             "comm hook state among them, so origin tracking cannot reduce correctly"
         )
-    hooks = [_fsdp1_comm_hook(unit) for unit in units]
+    hooks = [fsdp1_comm_hook(unit) for unit in units]
     if all(hook is _fsdp1_origin_hook for hook, _ in hooks):
         return _reattach(hooks[0][1], flags, "FullyShardedDataParallel")
     others = [h for h, _ in hooks if h is not None and h is not _fsdp1_origin_hook]
@@ -257,7 +222,7 @@ def install_fully_shard(modules: list[FSDPModule], flags: OriginFlags) -> Callab
     """Wrap the reduce-scatter of every FSDP2 module; returns the undo."""
     previous: list[tuple[FSDPModule, ReduceScatter]] = []
     for module in modules:
-        groups = _fully_shard_param_groups(module)
+        groups = fully_shard_param_groups(module)
         if not groups:
             continue  # manages no parameters: no reduce-scatter of its own
         if len(groups) > 1:
@@ -266,13 +231,13 @@ def install_fully_shard(modules: list[FSDPModule], flags: OriginFlags) -> Callab
                 "(shard_placement_fn with per-parameter meshes); torch allows no custom "
                 "reduce-scatter there, so origin tracking cannot be installed"
             )
-        if _param_group_reduce_scatter_size(groups[0]) < 2:
+        if param_group_reduce_scatter_size(groups[0]) < 2:
             raise ValueError(
                 f"{type(module).__name__} runs no reduce-scatter over 2 or more ranks "
                 "(replicate-only or a shard mesh of size 1), so no collective sees this "
                 "rank's unreduced gradients; origin tracking needs a shard group of 2+ ranks"
             )
-        inner = _param_group_reduce_scatter(groups[0])
+        inner = param_group_reduce_scatter(groups[0])
         if isinstance(inner, OriginReduceScatter):
             raise ValueError(
                 "origin tracking is already installed on this fully_shard model; call "

@@ -357,11 +357,8 @@ def _fully_shard_checks(rank: int, world_size: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from ampscope.scaler.origin_collectives import (
-        OriginReduceScatter,
-        _fully_shard_param_groups,
-        _param_group_reduce_scatter,
-    )
+    from ampscope.scaler.compat import fully_shard_param_groups, param_group_reduce_scatter
+    from ampscope.scaler.origin_collectives import OriginReduceScatter
 
     mesh = init_device_mesh("cpu", (world_size,))
 
@@ -375,7 +372,7 @@ def _fully_shard_checks(rank: int, world_size: int) -> dict[str, Any]:
         return net
 
     def comms(net: nn.Module) -> list[Any]:
-        return [_param_group_reduce_scatter(g) for g in _fully_shard_param_groups(net)]  # type: ignore[arg-type]
+        return [param_group_reduce_scatter(g) for g in fully_shard_param_groups(net)]  # type: ignore[arg-type]
 
     out: dict[str, Any] = {}
     for name, mp in (
