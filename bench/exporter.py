@@ -54,6 +54,7 @@ def _ingest_summary(result: LoadResult, records_per_request: int) -> dict[str, A
         "seconds": result.seconds,
         "requests_per_second": result.requests_per_second,
         "records_per_second": result.requests_per_second * records_per_request,
+        "mean_body_bytes": result.body_bytes / result.requests if result.requests else 0.0,
         "latency_ms": _ms(result.latencies),
     }
 
@@ -62,7 +63,7 @@ def _measure_server(
     server: ServerFactory, request_for: FactoryFor, config: ExporterBenchConfig
 ) -> dict[str, Any]:
     ranks = _ranks(config, RUN)
-    out: dict[str, Any] = {"ingest": {}}
+    out: dict[str, Any] = {"records_per_request": config.records_per_batch, "ingest": {}}
     with server() as proc:
         out["rss_idle_bytes"] = proc.rss_bytes()
         # Warm-up: every rank registers and every connection path is hot before timing.

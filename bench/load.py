@@ -58,6 +58,8 @@ class LoadResult:
     """Per-request seconds, request sent to response read."""
     errors: list[str]
     """One line per non-2xx response or connection error (empty on a clean run)."""
+    body_bytes: int
+    """Request bodies sent, in total."""
 
     @property
     def requests_per_second(self) -> float:
@@ -87,6 +89,7 @@ def push_concurrently(
     """
     barrier = threading.Barrier(len(ranks) + 1)
     latencies: list[list[float]] = [[] for _ in ranks]
+    sent = [0 for _ in ranks]
     errors: list[str] = []
     lock = threading.Lock()
 
@@ -111,6 +114,7 @@ def push_concurrently(
                     conn = http.client.HTTPConnection(host, port, timeout=timeout)
                     continue
                 mine.append(time.perf_counter() - start)
+                sent[index] += len(body)
                 if not 200 <= response.status < 300:
                     with lock:
                         errors.append(f"rank {rank.rank}: HTTP {response.status} {detail[:200]!r}")
@@ -126,7 +130,9 @@ def push_concurrently(
         thread.join()
     seconds = time.perf_counter() - start
     flat = [x for per_rank in latencies for x in per_rank]
-    return LoadResult(requests=len(flat), seconds=seconds, latencies=flat, errors=errors)
+    return LoadResult(
+        requests=len(flat), seconds=seconds, latencies=flat, errors=errors, body_bytes=sum(sent)
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

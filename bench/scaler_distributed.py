@@ -10,6 +10,8 @@ match; a barrier starts each block. A step's time is the slowest rank's.
 from __future__ import annotations
 
 import os
+import queue
+import time
 import traceback
 from typing import Any
 
@@ -133,9 +135,21 @@ def run_distributed_bench(
     for p in procs:
         p.start()
     per_rank: dict[int, dict[str, list[list[float]]]] = {}
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world_size):
-            rank, status, value = results.get(timeout=timeout)
+        while len(per_rank) < world_size:
+            try:
+                rank, status, value = results.get(timeout=1.0)
+            except queue.Empty:
+                # A rank killed outright (or failing to start) never reports: notice it
+                # instead of waiting out the whole timeout.
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"ranks did not report (exit codes {[p.exitcode for p in procs]}, "
+                        f"{len(per_rank)}/{world_size} results)"
+                    ) from None
+                continue
             if status != "ok":
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             per_rank[rank] = value["times"]
@@ -160,6 +174,10 @@ def run_distributed_bench(
     )
     result["origin_vs_ampscope"] = origin_vs_plain["ratio"]["ampscope_origin"]
     result["world_size"] = world_size
+    # Two contenders report, on every rank.
+    result["reported_updates"] = (
+        2 * world_size * (config.warmup_steps + config.groups * config.steps_per_block)
+    )
     result["backend"] = "nccl" if device == "cuda" else "gloo"
     result["wrapper"] = "DistributedDataParallel"
     return result

@@ -67,6 +67,7 @@ def step_time_ab(config: ScalerBenchConfig, *, device: str, url: str) -> dict[st
     finally:
         _close_all(variants)
     result = compare_groups(blocks, baseline="stock")
+    result["reported_updates"] = config.warmup_steps + config.groups * config.steps_per_block
     result["parameters"] = sum(p.numel() for p in model.parameters())
     result["parameter_tensors"] = len(list(model.parameters()))
     return result
@@ -122,6 +123,8 @@ def update_cost(config: ScalerBenchConfig, *, device: str, url: str) -> dict[str
         "extra_us": {n: r["delta"] for n, r in result["ratio"].items()},
         "ratio": {n: r["median"] for n, r in result["ratio"].items()},
         "iterations_per_contender": result["samples"]["stock"]["n"],
+        # warm-up block + timed blocks of the one contender with a reporter
+        "reported_updates": per_block * (1 + groups),
     }
 
 
@@ -130,7 +133,8 @@ def overflow_cost(config: ScalerBenchConfig, *, device: str) -> dict[str, Any]:
 
     Gradients of the benchmark model are computed once, with inf and NaN planted in two
     parameters, and restored (untimed) before each timed iteration, so every iteration
-    overflows the same way. The scale halves each time (2**16 down to about 2**-60 in
+    overflows the same way; ``scale(loss)`` is called (untimed) as a real iteration
+    would before its backward. The scale halves each time (2**16 down to about 2**-60 in
     the full preset), far from float32 underflow. No reporter: this isolates attribution.
     """
     model = build_model(width=config.width, depth=config.depth).to(device)
@@ -141,6 +145,7 @@ def overflow_cost(config: ScalerBenchConfig, *, device: str) -> dict[str, Any]:
     grads[0].view(-1)[0] = math.inf
     grads[-1].view(-1)[-1] = math.nan
     saved = [g.detach().clone() for g in grads]
+    loss = torch.ones((), device=device)
 
     def make(name: str, scaler: Any) -> Variant:
         # The contenders share the model: overflow iterations never change the weights.
@@ -163,6 +168,7 @@ def overflow_cost(config: ScalerBenchConfig, *, device: str) -> dict[str, Any]:
             with torch.no_grad():
                 for p, g in zip(params, saved, strict=True):
                     p.grad = g.clone()
+            variant.scaler.scale(loss)  # as in a real iteration, before the backward
             before = variant.scaler.get_scale()
             times.append(_timed_step_update(variant))
             backoffs[variant.name] += int(variant.scaler.get_scale() < before)

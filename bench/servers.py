@@ -8,6 +8,7 @@ less for the Pushgateway.
 from __future__ import annotations
 
 import http.client
+import os
 import shutil
 import socket
 import subprocess
@@ -42,17 +43,25 @@ class ServerProcess:
         name: Label used in results and error messages.
         argv: Command line; ``{port}`` is replaced by the chosen port.
         ready_path: GET path polled until it answers 200.
+        env: Environment of the process (default: this process's).
         start_timeout: Seconds to wait for readiness before giving up.
     """
 
     def __init__(
-        self, *, name: str, argv: list[str], ready_path: str, start_timeout: float = 60.0
+        self,
+        *,
+        name: str,
+        argv: list[str],
+        ready_path: str,
+        env: dict[str, str] | None = None,
+        start_timeout: float = 60.0,
     ) -> None:
         self.name = name
         self.port = free_port()
         self.host = "127.0.0.1"
         self._argv = [a.replace("{port}", str(self.port)) for a in argv]
         self._ready_path = ready_path
+        self._env = env
         self._start_timeout = start_timeout
         # Held open for the process's lifetime and closed in __exit__; a with-block
         # cannot span __enter__ and __exit__.
@@ -73,7 +82,9 @@ class ServerProcess:
         return self._log.read().decode(errors="replace")[-4000:]
 
     def __enter__(self) -> ServerProcess:
-        self._proc = subprocess.Popen(self._argv, stdout=self._log, stderr=subprocess.STDOUT)
+        self._proc = subprocess.Popen(
+            self._argv, stdout=self._log, stderr=subprocess.STDOUT, env=self._env
+        )
         deadline = time.monotonic() + self._start_timeout
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
@@ -110,12 +121,18 @@ class ServerProcess:
 
 
 def ampscope_exporter(*extra_args: str) -> ServerProcess:
-    """``ampscope serve`` on a free loopback port (the same interpreter as the benchmark)."""
+    """``ampscope serve`` with default settings on a free loopback port.
+
+    Runs under the benchmark's own interpreter; ``AMPSCOPE_*`` variables are removed from
+    its environment so that a token or limits set in the shell cannot change the numbers.
+    """
     argv = [sys.executable, "-m", "ampscope.cli", "serve", "--host", "127.0.0.1"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AMPSCOPE_")}
     return ServerProcess(
         name="ampscope-exporter",
-        argv=[*argv, "--port", "{port}", *extra_args],
+        argv=[*argv, "--port", "{port}", "--log-level", "warning", *extra_args],
         ready_path="/healthz",
+        env=env,
     )
 
 

@@ -1,0 +1,174 @@
+"""The Markdown summary of a results document (``python -m bench`` writes it beside the JSON)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+MiB = 1024 * 1024
+
+
+def _f(value: float, digits: int = 2) -> str:
+    return f"{value:,.{digits}f}"
+
+
+def _ratio(r: dict[str, Any]) -> str:
+    return (
+        f"{r['median']:.3f} (IQR {r['p25']:.3f}-{r['p75']:.3f}; "
+        f"95% CI {r['ci_low']:.3f}-{r['ci_high']:.3f}; {r['groups']} groups)"
+    )
+
+
+def _machine(m: dict[str, Any]) -> list[str]:
+    memory = f"{m['memory_bytes'] / 2**30:.0f} GiB" if m.get("memory_bytes") else "?"
+    commit = (m.get("git_commit") or "?")[:12] + (" (dirty)" if m.get("git_dirty") else "")
+    load = ", ".join(f"{x:.2f}" for x in m["load_average"]) if m.get("load_average") else "?"
+    return [
+        f"- Date: {m['date']}; git commit {commit}",
+        f"- CPU: {m['cpu_model']}, {m['cpu_cores']} cores ({m['cpu_cores_usable']} usable); "
+        f"memory {memory}; load average at start {load}",
+        f"- OS: {m['os']} (kernel {m['kernel']}); Python {m['python']}; torch {m['torch']}; "
+        f"ampscope {m['ampscope']}; Pushgateway: {m.get('pushgateway') or 'not installed'}",
+    ]
+
+
+def _scaler(s: dict[str, Any]) -> list[str]:
+    single, dist = s["single_process"], s["distributed"]
+    ss, ds = single["samples"], dist["samples"]
+    micro, over = s["update_cost"], s["overflow"]
+    lines = [
+        f"## Scaler overhead ({s['device']})",
+        "",
+        "Step time: median ms per training step (forward, scaled backward, step, update); "
+        "ratio: median over block groups of (ampscope block median / stock block median in "
+        "the same group), contenders interleaved.",
+        "",
+        "| Setup | stock ms | ampscope ms | ratio ampscope/stock |",
+        "|---|---:|---:|---|",
+        f"| 1 process, reporter on ({single['parameters']:,} params in "
+        f"{single['parameter_tensors']} tensors) | {_f(ss['stock']['median'])} | "
+        f"{_f(ss['ampscope']['median'])} | {_ratio(single['ratio']['ampscope'])} |",
+        f"| {dist['world_size']} ranks, {dist['wrapper']} on {dist['backend']}, reporter on | "
+        f"{_f(ds['stock']['median'])} | {_f(ds['ampscope']['median'])} | "
+        f"{_ratio(dist['ratio']['ampscope'])} |",
+        f"| {dist['world_size']} ranks, plus origin tracking | {_f(ds['stock']['median'])} | "
+        f"{_f(ds['ampscope_origin']['median'])} | {_ratio(dist['ratio']['ampscope_origin'])} |",
+        "",
+        f"Origin tracking alone (vs ampscope without it): "
+        f"{_ratio(dist['origin_vs_ampscope'])}, "
+        f"{dist['origin_vs_ampscope']['delta']:+.3f} ms per step.",
+        "",
+        "Per-update cost: median us of `scaler.step(opt)` + `scaler.update()` on a 16x16 "
+        f"Linear ({micro['iterations_per_contender']} iterations each):",
+        "",
+        "| stock | ampscope, no reporter | ampscope, HTTP reporter |",
+        "|---:|---:|---:|",
+        f"| {_f(micro['step_update_us']['stock'], 1)} | "
+        f"{_f(micro['step_update_us']['ampscope_no_reporter'], 1)} "
+        f"({micro['extra_us']['ampscope_no_reporter']:+.1f}) | "
+        f"{_f(micro['step_update_us']['ampscope_reporter'], 1)} "
+        f"({micro['extra_us']['ampscope_reporter']:+.1f}) |",
+        "",
+        "Overflow iteration (inf/NaN in two parameters): median ms of `step()` + `update()` "
+        f"on the benchmark model ({over['iterations_per_contender']} iterations each):",
+        "",
+        "| stock | ampscope, attribution off | ampscope, attribution on |",
+        "|---:|---:|---:|",
+        f"| {_f(over['step_update_ms']['stock'], 3)} | "
+        f"{_f(over['step_update_ms']['attribution_off'], 3)} | "
+        f"{_f(over['step_update_ms']['attribution_on'], 3)} "
+        f"({over['attribution_extra_ms']:+.3f} for attribution) |",
+        "",
+        f"The exporter accepted {s['exporter_records_received']:,.0f} records from the "
+        f"reporters during these runs ({s['exporter_records_expected']:,} update() calls "
+        "reported).",
+        "",
+    ]
+    return lines
+
+
+def _exporter(e: dict[str, Any]) -> list[str]:
+    ours, theirs = e["ampscope"], e["pushgateway"]
+    both = "ingest" in theirs
+    lines = ["## Exporter vs Pushgateway", ""]
+    if not both:
+        lines += [f"Pushgateway: {theirs.get('status', 'not run')}.", ""]
+    biggest = str(max(int(k) for k in ours["ingest"]))
+    body = ours["ingest"][biggest]["mean_body_bytes"] / 1024
+    push = theirs["ingest"][biggest]["mean_body_bytes"] / 1024 if both else 0.0
+    lines += [
+        "Ingest: every simulated rank pushes back to back on its own keep-alive connection. "
+        f"ampscope: POST of an IngestBatch of {ours['records_per_request']} records "
+        f"(~{body:.1f} KiB); Pushgateway: PUT of the same rank's state as text exposition "
+        f"(~{push:.1f} KiB; same families and label sets; it keeps only the newest values, "
+        "so one push stands for one batch, and its records/s counts the records it stands "
+        "for).",
+        "",
+        "| Ranks | Server | requests/s | records/s | p50 ms | p99 ms |",
+        "|---:|---|---:|---:|---:|---:|",
+    ]
+    for count in sorted(ours["ingest"], key=int):
+        targets = [("ampscope", ours)] + ([("Pushgateway", theirs)] if both else [])
+        for name, data in targets:
+            i = data["ingest"][count]
+            lines.append(
+                f"| {count} | {name} | {_f(i['requests_per_second'], 0)} | "
+                f"{_f(i['records_per_second'], 0)} | {_f(i['latency_ms']['p50'])} | "
+                f"{_f(i['latency_ms']['p99'])} |"
+            )
+    sc = ours["scrape"]
+    lines += [
+        "",
+        f"Scrape of /metrics with {sc['ranks']} ranks x {sc['devices_per_rank']} devices x "
+        f"{sc['params_per_rank']} parameters:",
+        "",
+        "| Server | samples | bytes | p50 ms | p99 ms |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, data in [("ampscope", ours)] + ([("Pushgateway", theirs)] if both else []):
+        s = data["scrape"]
+        lines.append(
+            f"| {name} | {s['samples']:,} | {s['size_bytes']:,} | "
+            f"{_f(s['latency_ms']['p50'])} | {_f(s['latency_ms']['p99'])} |"
+        )
+    lines += ["", "Resident memory (RSS) of the server process:", ""]
+    checkpoints = ours["memory"]["checkpoints"]
+    header = " | ".join(f"after {c['records']:,} records" for c in checkpoints)
+    lines += [
+        f"| Server | idle | {header} |",
+        "|---|---:|" + "---:|" * len(checkpoints),
+    ]
+    for name, data in [("ampscope", ours)] + ([("Pushgateway", theirs)] if both else []):
+        mem = data["memory"]
+        cells = " | ".join(f"{c['rss_bytes'] / MiB:.1f} MiB" for c in mem["checkpoints"])
+        lines.append(f"| {name} | {mem['rss_start_bytes'] / MiB:.1f} MiB | {cells} |")
+    if both:
+        r = e["ratio"]
+        lines += [
+            "",
+            f"Ratios ampscope / Pushgateway: requests/s at {biggest} ranks "
+            f"{r['ingest'][biggest]['requests_per_second']:.2f}, p99 latency "
+            f"{r['ingest'][biggest]['latency_p99']:.2f}; scrape p50 "
+            f"{r['scrape']['latency_p50']:.2f}, scrape size {r['scrape']['size_bytes']:.2f}; "
+            f"final RSS {r['rss_final']:.2f}.",
+        ]
+    return [*lines, ""]
+
+
+def render_markdown(results: dict[str, Any]) -> str:
+    """A human summary of ``results``; every figure comes from the JSON beside it."""
+    lines = [
+        f"# ampscope benchmark ({results['mode']} mode)",
+        "",
+        f"Command: `{results['command']}` ({results['duration_s']:.0f} s)",
+        "",
+        *_machine(results["machine"]),
+        "",
+    ]
+    if "scaler" in results:
+        lines += _scaler(results["scaler"])
+    gpu = results["gpu"]
+    if gpu["status"] != "run":
+        lines += [f"GPU (`--device cuda`): {gpu['status']}.", ""]
+    if "exporter" in results:
+        lines += _exporter(results["exporter"])
+    return "\n".join(lines)
