@@ -145,6 +145,11 @@ def run_demo(options: DemoOptions, emit: Callable[[str], None] | None = None) ->
             out("Expected verdicts that did not appear: " + "; ".join(missing))
         else:
             out("Every scenario drew the verdicts it was built to provoke.")
+        if exporter is not None and not options.keep_serving:
+            out(
+                "The exporter stops with the demo: rerun with --keep-serving to open these "
+                "links (and point Prometheus or Grafana at it)."
+            )
         if exporter is not None and options.keep_serving:
             out(
                 f"The exporter keeps serving at {base_url} (log: {exporter.log_path}); "
