@@ -36,7 +36,7 @@ def _scaler(s: dict[str, Any]) -> list[str]:
     ss, ds = single["samples"], dist["samples"]
     micro, over = s["update_cost"], s["overflow"]
     lines = [
-        f"## Scaler overhead ({s['device']})",
+        f"## Scaler overhead ({s['device']}, {s['torch_threads']} intra-op thread per process)",
         "",
         "Step time: median ms per training step (forward, scaled backward, step, update); "
         "ratio: median over block groups of (ampscope block median / stock block median in "

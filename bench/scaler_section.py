@@ -35,7 +35,20 @@ def run_scaler_bench(config: ScalerBenchConfig, *, device: str) -> dict[str, Any
     """
     import torch
 
-    results: dict[str, Any] = {"device": device, "torch_threads": torch.get_num_threads()}
+    # One intra-op thread, as in each spawned rank: the exporter and ampscope's background
+    # thread then find a free core, as they would on a real many-core node, and step
+    # times vary less with other load on the host.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    results: dict[str, Any] = {"device": device, "torch_threads": 1}
+    try:
+        _run_all(config, device=device, results=results)
+    finally:
+        torch.set_num_threads(threads)
+    return results
+
+
+def _run_all(config: ScalerBenchConfig, *, device: str, results: dict[str, Any]) -> None:
     with ampscope_exporter() as exporter:
         url = f"http://{exporter.host}:{exporter.port}"
         log.info("scaler: single-process step time A/B")
@@ -53,4 +66,3 @@ def run_scaler_bench(config: ScalerBenchConfig, *, device: str) -> dict[str, Any
             results[part]["reported_updates"]
             for part in ("single_process", "update_cost", "distributed")
         )
-    return results
