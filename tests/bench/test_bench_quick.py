@@ -86,7 +86,7 @@ def test_machine_and_run_description(results: tuple[dict[str, Any], str]) -> Non
     assert machine["pushgateway"].startswith("pushgateway")
     assert data["gpu"]["status"].startswith("not run")
     assert _positive(data["duration_s"])
-    assert "## Scaler overhead (cpu)" in markdown
+    assert "## Scaler overhead (cpu, 1 intra-op thread per process)" in markdown
     assert "## Exporter vs Pushgateway" in markdown
 
 
