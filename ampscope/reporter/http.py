@@ -27,344 +27,14 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import random
-import threading
 import time
 import weakref
-from collections import deque
-from dataclasses import dataclass
 
-from ampscope.reporter.schema import MAX_RECORDS_PER_BATCH, SCHEMA_VERSION, StepRecord
-from ampscope.reporter.transport import (
-    TOKEN_ENV,
-    URL_ENV,
-    IngestTransport,
-    Outcome,
-    PostResult,
-    url_from_env,
-)
-
-logger = logging.getLogger("ampscope")
+from ampscope.reporter.pipeline import HttpReporterConfig, Pipeline
+from ampscope.reporter.schema import StepRecord
+from ampscope.reporter.transport import TOKEN_ENV, URL_ENV, url_from_env
 
 __all__ = ["HttpReporter", "HttpReporterConfig"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class HttpReporterConfig:
-    """Validated settings of one HttpReporter."""
-
-    url: str
-    """Exporter base URL; batches go to ``{url}/api/v1/ingest``."""
-    token: str | None = None
-    """Bearer token sent as ``Authorization: Bearer <token>``; ``None`` sends none."""
-    flush_interval: float = 0.5
-    """Seconds between sends while fewer than ``max_batch`` records are waiting."""
-    max_batch: int = 512
-    """Most records per POST (at most the schema's ``MAX_RECORDS_PER_BATCH``)."""
-    max_queue: int = 10_000
-    """Most records waiting to be sent; beyond it the oldest are dropped and counted."""
-    timeout: float = 5.0
-    """Socket timeout in seconds for connecting and for each request."""
-    retry_initial: float = 0.25
-    """First retry delay in seconds after a failed POST; doubles per failure."""
-    retry_max: float = 5.0
-    """Cap on the retry delay (also on a server's ``Retry-After``)."""
-    exit_timeout: float = 2.0
-    """Seconds the interpreter-exit flush may take, across all reporters of the process."""
-
-    def __post_init__(self) -> None:
-        positive = {
-            "flush_interval": self.flush_interval,
-            "timeout": self.timeout,
-            "retry_initial": self.retry_initial,
-            "retry_max": self.retry_max,
-        }
-        for name, value in positive.items():
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-        if not self.exit_timeout >= 0:
-            raise ValueError(f"exit_timeout must be >= 0 seconds, got {self.exit_timeout!r}")
-        if self.retry_max < self.retry_initial:
-            raise ValueError(
-                f"retry_max ({self.retry_max}) must be >= retry_initial ({self.retry_initial})"
-            )
-        for name, value in (("max_batch", self.max_batch), ("max_queue", self.max_queue)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.max_batch > MAX_RECORDS_PER_BATCH:
-            raise ValueError(
-                f"max_batch must be <= {MAX_RECORDS_PER_BATCH} (the exporter's limit per "
-                f"batch), got {self.max_batch}"
-            )
-
-
-@dataclass(frozen=True)
-class _Encoded:
-    seq: int
-    key: tuple[str, int]
-    """(run, rank): one batch holds records of one rank only."""
-    json: bytes
-
-
-class _Pipeline:
-    """Queue and sender thread state; holds no reference to its HttpReporter.
-
-    That lets a reporter that was never closed be garbage collected, which then stops
-    the thread (``weakref.finalize``).
-    """
-
-    def __init__(self, config: HttpReporterConfig) -> None:
-        self.config = config
-        self.transport = IngestTransport(config.url, token=config.token, timeout=config.timeout)
-        self.cond = threading.Condition()
-        self.waiting: deque[tuple[int, StepRecord]] = deque()
-        self.next_seq = 0
-        self.inflight_head: int | None = None
-        self.inflight_count = 0
-        self.flush_until = 0
-        self.closing = False
-        self.deadline = float("inf")
-        self.dropped = 0
-        self.sent = 0
-        self.batch_limit = config.max_batch
-        self.failures = 0
-        self.failing_since = 0.0
-        self.last_error = ""
-        self._logged: set[str] = set()
-        self.thread = threading.Thread(target=self._run, name="ampscope-reporter", daemon=True)
-
-    # ---- called by HttpReporter (any thread) ----
-
-    def put(self, record: StepRecord) -> None:
-        overflow = False
-        with self.cond:
-            if self.closing:
-                self.dropped += 1
-                return
-            self.waiting.append((self.next_seq, record))
-            self.next_seq += 1
-            if len(self.waiting) > self.config.max_queue:
-                self.waiting.popleft()
-                self.dropped += 1
-                overflow = True
-            if len(self.waiting) >= min(self.batch_limit, self.config.max_queue):
-                self.cond.notify_all()
-        if overflow:
-            self._log_once(
-                "overflow",
-                logging.WARNING,
-                "ampscope reporter: queue full (max_queue=%d), dropping the oldest records; "
-                "the newest cumulative totals still reach %s",
-                self.config.max_queue,
-                self.config.url,
-            )
-
-    def unresolved_head(self) -> int:
-        """Sequence number of the oldest record not yet delivered or given up. Lock held."""
-        if self.inflight_head is not None:
-            return self.inflight_head
-        return self.waiting[0][0] if self.waiting else self.next_seq
-
-    def flush(self, timeout: float) -> bool:
-        end = time.monotonic() + timeout
-        with self.cond:
-            target = self.next_seq
-            self.flush_until = max(self.flush_until, target)
-            self.cond.notify_all()
-            while self.unresolved_head() < target:
-                remaining = end - time.monotonic()
-                if remaining <= 0 or not self.thread.is_alive():
-                    return False
-                self.cond.wait(remaining)
-            return True
-
-    def begin_close(self, deadline: float) -> None:
-        with self.cond:
-            if not self.closing:
-                self.closing = True
-                self.deadline = deadline
-            self.cond.notify_all()
-
-    def join(self, deadline: float) -> None:
-        if not self.thread.is_alive():
-            return
-        self.thread.join(max(0.0, deadline - time.monotonic()))
-        if self.thread.is_alive():
-            # Blocked in a socket call whose timeout outlives the deadline: cut it short.
-            self.transport.abort()
-            self.thread.join(0.2)
-
-    # ---- the sender thread ----
-
-    def _run(self) -> None:
-        try:
-            while self._send_next():
-                pass
-        except Exception:  # a bug here must not take the process down; say so once
-            logger.exception("ampscope reporter: sender thread failed; records are dropped")
-        finally:
-            with self.cond:
-                abandoned = len(self.waiting) + self.inflight_count
-                self.dropped += abandoned
-                self.waiting.clear()
-                self.inflight_head = None
-                self.inflight_count = 0
-                self.closing = True
-                self.cond.notify_all()
-            self.transport.close()
-            if abandoned:
-                logger.warning(
-                    "ampscope reporter: gave up on %d records at close: %s unreachable (%s)",
-                    abandoned,
-                    self.config.url,
-                    self.last_error or "deadline reached",
-                )
-
-    def _send_next(self) -> bool:
-        """Send one batch. Returns False when the thread should exit."""
-        with self.cond:
-            while not self._batch_due():
-                if self.closing:
-                    return False
-                self.cond.wait(self.config.flush_interval)
-                if self.waiting:
-                    break  # the flush interval elapsed (or a notify): send what is there
-            count = min(self.batch_limit, len(self.waiting))
-            taken = [self.waiting.popleft() for _ in range(count)]
-            if taken:
-                self.inflight_head = taken[0][0]
-                self.inflight_count = len(taken)
-        if taken:
-            self._deliver(self._encode(taken))
-        with self.cond:
-            return not (self.closing and (not self.waiting or self._past_deadline()))
-
-    def _batch_due(self) -> bool:
-        if not self.waiting:
-            return False
-        return (
-            self.closing
-            or len(self.waiting) >= self.batch_limit
-            or self.waiting[0][0] < self.flush_until
-        )
-
-    def _past_deadline(self) -> bool:
-        return time.monotonic() >= self.deadline
-
-    def _encode(self, taken: list[tuple[int, StepRecord]]) -> list[_Encoded]:
-        encoded = []
-        for seq, record in taken:
-            try:
-                key = (record.identity.run, record.identity.rank)
-                encoded.append(_Encoded(seq, key, record.model_dump_json().encode()))
-            except Exception as exc:  # not a StepRecord: drop it rather than poison the batch
-                self._log_once(
-                    "encode", logging.ERROR, "ampscope reporter: cannot encode a record: %r", exc
-                )
-        if len(encoded) < len(taken):
-            self._resolve(len(taken) - len(encoded), delivered=False, remaining=encoded)
-        return encoded
-
-    def _deliver(self, batch: list[_Encoded]) -> None:
-        """Send ``batch`` in one or more POSTs until delivered, rejected, or closed."""
-        while batch:
-            n = 1
-            while n < min(self.batch_limit, len(batch)) and batch[n].key == batch[0].key:
-                n += 1
-            result = self._post(batch[:n])
-            if result.outcome is Outcome.DELIVERED:
-                self._note_recovery()
-                del batch[:n]
-                self._resolve(n, delivered=True, remaining=batch)
-            elif result.outcome is Outcome.TOO_LARGE and n > 1:
-                self.batch_limit = max(1, n // 2)
-            elif result.outcome in (Outcome.REJECTED, Outcome.TOO_LARGE):
-                self._note_recovery()
-                del batch[:n]
-                self._resolve(n, delivered=False, remaining=batch)
-                self._log_once(
-                    f"status-{result.status}",
-                    logging.ERROR,
-                    "ampscope reporter: %s rejected %d records with HTTP %s: %s; dropping "
-                    "them (logged once per status)",
-                    self.config.url,
-                    n,
-                    result.status,
-                    result.detail,
-                )
-            elif not self._wait_to_retry(result):
-                return  # closing and out of time: _run counts what is left
-
-    def _post(self, chunk: list[_Encoded]) -> PostResult:
-        with self.cond:
-            dropped = self.dropped
-            remaining = self.deadline - time.monotonic() if self.closing else None
-        body = b"".join(
-            (
-                b'{"schema_version":%d,"records":[' % SCHEMA_VERSION,
-                b",".join(item.json for item in chunk),
-                b'],"dropped_records":%d}' % dropped,
-            )
-        )
-        return self.transport.post(body, timeout=remaining)
-
-    def _resolve(self, count: int, *, delivered: bool, remaining: list[_Encoded]) -> None:
-        """Account for ``count`` records that left the in-flight batch; wake flush() waiters."""
-        with self.cond:
-            if delivered:
-                self.sent += count
-            else:
-                self.dropped += count
-            self.inflight_head = remaining[0].seq if remaining else None
-            self.inflight_count = len(remaining)
-            self.cond.notify_all()
-
-    def _wait_to_retry(self, result: PostResult) -> bool:
-        """Back off after a retryable failure. Returns False when closing ran out of time."""
-        self.failures += 1
-        status = f"HTTP {result.status}: " if result.status else ""
-        self.last_error = status + result.detail
-        if self.failures == 1:
-            self.failing_since = time.monotonic()
-            logger.warning(
-                "ampscope reporter: cannot deliver to %s (%s); retrying with backoff (up to "
-                "%.1fs), queueing up to %d records",
-                self.config.url,
-                self.last_error,
-                self.config.retry_max,
-                self.config.max_queue,
-            )
-        delay = min(self.config.retry_max, self.config.retry_initial * 2 ** (self.failures - 1))
-        delay *= random.uniform(0.5, 1.0)  # jitter: ranks of a node do not retry in lockstep
-        if result.retry_after is not None:
-            delay = max(delay, min(result.retry_after, self.config.retry_max))
-        with self.cond:
-            was_closing = self.closing
-            end = min(time.monotonic() + delay, self.deadline)
-            while not self._past_deadline() and time.monotonic() < end:
-                if self.closing and not was_closing:
-                    break  # close() was called: try again at once, then back off until the deadline
-                self.cond.wait(end - time.monotonic())
-            return not (self.closing and self._past_deadline())
-
-    def _note_recovery(self) -> None:
-        if self.failures:
-            logger.info(
-                "ampscope reporter: delivering to %s again after %d failed attempts over %.1fs "
-                "(%d records dropped so far)",
-                self.config.url,
-                self.failures,
-                time.monotonic() - self.failing_since,
-                self.dropped,
-            )
-            self.failures = 0
-
-    def _log_once(
-        self, key: str, level: int, message: str, *args: object, exc_info: bool = False
-    ) -> None:
-        if key not in self._logged:
-            self._logged.add(key)
-            logger.log(level, message, *args, exc_info=exc_info)
 
 
 class HttpReporter:
@@ -423,7 +93,7 @@ class HttpReporter:
             retry_max=retry_max,
             exit_timeout=exit_timeout,
         )
-        self._pipeline = _Pipeline(self.config)
+        self._pipeline = Pipeline(self.config)
         self._pid = os.getpid()
         self._closed = False
         self._pipeline.thread.start()
@@ -463,7 +133,7 @@ class HttpReporter:
                 return  # a forked child has no sender thread; its parent reports
             self._pipeline.put(record)
         except Exception:
-            self._pipeline._log_once(
+            self._pipeline.log_once(
                 "emit", logging.ERROR, "ampscope reporter: emit failed", exc_info=True
             )
 
@@ -504,7 +174,7 @@ class HttpReporter:
         )
 
 
-def _stop_soon(pipeline: _Pipeline, timeout: float) -> None:
+def _stop_soon(pipeline: Pipeline, timeout: float) -> None:
     pipeline.begin_close(time.monotonic() + timeout)
 
 
