@@ -29,6 +29,13 @@ logger = logging.getLogger("ampscope")
 
 _LIVE: weakref.WeakSet[Telemetry] = weakref.WeakSet()
 
+MAX_PENDING = 1024
+"""Unresolved steps before the training thread resolves the oldest itself. Only reached
+when the telemetry thread is stuck (a sink that blocks): those steps finished long ago,
+so resolving them costs no wait, and the totals stay exact."""
+MAX_UNDELIVERED = 4096
+"""Records waiting for the sinks; beyond it the oldest are not delivered (counted)."""
+
 
 @atexit.register
 def _close_all_at_exit() -> None:
@@ -63,6 +70,8 @@ class TelemetrySnapshot:
     """Exceptions raised by sinks so far."""
     dropped: int
     """Steps whose record could not be built (counted and logged, never raised)."""
+    undelivered: int
+    """Records not handed to the sinks because they fell ``MAX_UNDELIVERED`` behind."""
 
 
 class Telemetry:
@@ -77,6 +86,7 @@ class Telemetry:
         self._totals = RunningTotals()
         self._last: StepRecord | None = None
         self._dropped = 0
+        self._undelivered = 0
         self._sink_errors = 0
         self._failed_sinks: set[int] = set()
         self._resolve_lock = threading.RLock()
@@ -96,6 +106,8 @@ class Telemetry:
         if self._stopping:
             return
         self._pending.append(pending)
+        if len(self._pending) > MAX_PENDING:
+            self._resolve(keep=MAX_PENDING // 2)
         if self._thread is None:
             self._thread = threading.Thread(
                 target=self._run, name="ampscope-telemetry", daemon=True
@@ -130,6 +142,7 @@ class Telemetry:
                 last=last,
                 sink_errors=self._sink_errors,
                 dropped=self._dropped,
+                undelivered=self._undelivered,
             )
 
     def history(self, n: int | None = None) -> list[StepRecord]:
@@ -184,9 +197,10 @@ class Telemetry:
             with self._wake:
                 self._wake.notify()
 
-    def _resolve(self) -> None:
+    def _resolve(self, keep: int = 0) -> None:
+        """Turn pending steps into records, oldest first, leaving the newest ``keep``."""
         with self._resolve_lock:
-            while self._pending:
+            while len(self._pending) > keep:
                 pending = self._pending[0]
                 try:
                     record, totals = build_record(
@@ -205,8 +219,24 @@ class Telemetry:
                     self._totals, self._last = totals, record
                     self._history.append(record)
                     if self._sinks:
-                        self._outbox.append(record)
+                        self._queue_for_sinks(record)
                 self._pending.popleft()
+
+    def _queue_for_sinks(self, record: StepRecord) -> None:
+        if len(self._outbox) >= MAX_UNDELIVERED:
+            try:
+                self._outbox.popleft()
+            except IndexError:  # the telemetry thread drained it meanwhile
+                pass
+            else:
+                self._undelivered += 1
+            if self._undelivered == 1:
+                logger.warning(
+                    "ampscope: sinks are %d records behind (one blocks?); the oldest are not "
+                    "delivered (counted in snapshot().undelivered; logged once)",
+                    MAX_UNDELIVERED,
+                )
+        self._outbox.append(record)
 
     def _deliver(self) -> None:
         with self._deliver_lock:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from helpers import ListSink, Net, poison, run
 
 import ampscope
 from ampscope.reporter.schema import StepRecord
+from ampscope.scaler import telemetry
 from ampscope.scaler.config import TelemetryConfig
 from ampscope.scaler.outputs import build_sinks
 
@@ -85,3 +87,40 @@ def test_reporter_auto_follows_ampscope_url(monkeypatch: pytest.MonkeyPatch) -> 
     finally:
         sinks[0].close(0.1)
     assert build_sinks(TelemetryConfig(reporter=None)) == []
+
+
+class BlockingSink:
+    """Blocks in its first emit() until released: a sink that hangs."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.steps: list[int] = []
+
+    def emit(self, record: StepRecord) -> None:
+        self.entered.set()
+        self.release.wait(30)
+        self.steps.append(record.step)
+
+    def close(self, timeout: float) -> None:
+        pass
+
+
+def test_a_blocking_sink_costs_bounded_memory_and_no_counts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(telemetry, "MAX_PENDING", 8)
+    monkeypatch.setattr(telemetry, "MAX_UNDELIVERED", 4)
+    sink = BlockingSink()
+    scaler = ampscope.GradScaler("cpu", reporter=None, sinks=[sink], growth_interval=3)
+    _train(scaler, 1)
+    assert sink.entered.wait(10), "the telemetry thread is now stuck in the sink"
+    _train(scaler, 29)
+    assert len(scaler.telemetry._pending) <= 8, "the training thread resolved the backlog"
+    snap = scaler.telemetry.snapshot()
+    assert snap.steps == 30, "totals stay exact while the sink hangs"
+    assert snap.skipped_steps == 1, "_train poisons its step index 2: only the 29-step call"
+    assert snap.undelivered == 30 - 1 - 4, "step 1 is in the sink, the newest 4 wait"
+    sink.release.set()
+    scaler.close()
+    assert sink.steps == [1, 27, 28, 29, 30]
