@@ -213,7 +213,8 @@ class TelemetryMixin:
         parent.update(new_scale)
         config = self._ampscope_config
         scale = compat.scale_tensor(self)  # type: ignore[arg-type]
-        if new_scale is None and scale is not None and (config.min_scale or config.max_scale):
+        clamped = config.min_scale is not None or config.max_scale is not None
+        if new_scale is None and scale is not None and clamped:
             scale.clamp_(min=config.min_scale, max=config.max_scale)
         self._ampscope_guard(self._ampscope_after_update, capture, before, new_scale, update_time)
 
