@@ -10,6 +10,7 @@ import argparse
 import json
 import logging
 import shlex
+import signal
 import sys
 import time
 from pathlib import Path
@@ -87,6 +88,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so the servers this run started are stopped too.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(name)s: %(message)s",

@@ -19,7 +19,7 @@ class ScalerBenchConfig:
     batch: int = 64
     """Rows per step; with the defaults a step takes ~30 ms on one core of a 2020s server
     CPU (4.5M parameters in 50 tensors)."""
-    groups: int = 24
+    groups: int = 36
     """Block groups per comparison; each runs one block of every contender, in an order
     that rotates and reverses from group to group (ABBA...; a multiple of 6 balances three)."""
     steps_per_block: int = 20
