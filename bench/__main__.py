@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shlex
 import signal
 import sys
@@ -83,6 +84,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if "exporter" in sections:
         results["exporter"] = run_exporter_bench(config.exporter, pushgateway_bin=pushgateway)
     results["duration_s"] = time.monotonic() - started
+    # Other work on the host shows here: the interleaving cancels drift, not noise.
+    results["machine"]["load_average_end"] = list(os.getloadavg())
     return results
 
 

@@ -22,10 +22,13 @@ def _machine(m: dict[str, Any]) -> list[str]:
     memory = f"{m['memory_bytes'] / 2**30:.0f} GiB" if m.get("memory_bytes") else "?"
     commit = (m.get("git_commit") or "?")[:12] + (" (dirty)" if m.get("git_dirty") else "")
     load = ", ".join(f"{x:.2f}" for x in m["load_average"]) if m.get("load_average") else "?"
+    end = m.get("load_average_end")
+    if end:
+        load += "; at end " + ", ".join(f"{x:.2f}" for x in end)
     return [
         f"- Date: {m['date']}; git commit {commit}",
         f"- CPU: {m['cpu_model']}, {m['cpu_cores']} cores ({m['cpu_cores_usable']} usable); "
-        f"memory {memory}; load average at start {load}",
+        f"memory {memory}; load average (1, 5, 15 min) at start {load}",
         f"- OS: {m['os']} (kernel {m['kernel']}); Python {m['python']}; torch {m['torch']}; "
         f"ampscope {m['ampscope']}; Pushgateway: {m.get('pushgateway') or 'not installed'}",
     ]
@@ -44,8 +47,11 @@ def _scaler(s: dict[str, Any]) -> list[str]:
         "",
         "| Setup | stock ms | ampscope ms | ratio ampscope/stock |",
         "|---|---:|---:|---|",
-        f"| 1 process, reporter on ({single['parameters']:,} params in "
+        f"| 1 process, no reporter ({single['parameters']:,} params in "
         f"{single['parameter_tensors']} tensors) | {_f(ss['stock']['median'])} | "
+        f"{_f(ss['ampscope_no_reporter']['median'])} | "
+        f"{_ratio(single['ratio']['ampscope_no_reporter'])} |",
+        f"| 1 process, reporter on | {_f(ss['stock']['median'])} | "
         f"{_f(ss['ampscope']['median'])} | {_ratio(single['ratio']['ampscope'])} |",
         f"| {dist['world_size']} ranks, {dist['wrapper']} on {dist['backend']}, reporter on | "
         f"{_f(ds['stock']['median'])} | {_f(ds['ampscope']['median'])} | "

@@ -39,18 +39,23 @@ def _close_all(variants: list[Variant]) -> None:
 
 
 def step_time_ab(config: ScalerBenchConfig, *, device: str, url: str) -> dict[str, Any]:
-    """Full training steps: torch's stock scaler vs ampscope with its HTTP reporter on.
+    """Full training steps: torch's stock scaler vs ampscope, without and with its reporter.
 
-    Cost: ``2 * groups * steps_per_block`` training steps plus warm-up.
+    Cost: ``3 * groups * steps_per_block`` training steps plus warm-up.
     """
     model = build_model(width=config.width, depth=config.depth).to(device)
     inputs = torch.randn(config.batch, config.width, device=device)
     targets = torch.randn(config.batch, config.width, device=device)
     variants = [
         make_variant("stock", model, stock_scaler(device)),
+        # Without a reporter: the scaler's own work, apart from sending records.
+        make_variant(
+            "ampscope_no_reporter", model, ampscope_scaler(device, url=None, run_id="bench-nr")
+        ),
         make_variant("ampscope", model, ampscope_scaler(device, url=url, run_id="bench-single")),
     ]
-    variants[1].scaler.attach(variants[1].model)
+    for v in variants[1:]:
+        v.scaler.attach(v.model)
     dtype = autocast_dtype(device)
 
     def block(variant: Variant) -> list[float]:

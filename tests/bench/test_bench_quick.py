@@ -93,9 +93,10 @@ def test_machine_and_run_description(results: tuple[dict[str, Any], str]) -> Non
 def test_scaler_section(results: tuple[dict[str, Any], str]) -> None:
     scaler = results[0]["scaler"]
     single = scaler["single_process"]
-    for name in ("stock", "ampscope"):
+    for name in ("stock", "ampscope_no_reporter", "ampscope"):
         _check_summary(single["samples"][name])
-    _check_ratio(single["ratio"]["ampscope"])
+    for name in ("ampscope_no_reporter", "ampscope"):
+        _check_ratio(single["ratio"][name])
     dist = scaler["distributed"]
     assert (dist["world_size"], dist["backend"]) == (2, "gloo")
     for name in ("stock", "ampscope", "ampscope_origin"):
