@@ -43,7 +43,8 @@ def _scaler(s: dict[str, Any]) -> list[str]:
         "",
         "Step time: median ms per training step (forward, scaled backward, step, update); "
         "ratio: median over block groups of (ampscope block median / stock block median in "
-        "the same group), contenders interleaved.",
+        "the same group), contenders interleaved. The ms columns pool all blocks and move "
+        "with other load on the host (see the load average); compare with the ratio.",
         "",
         "| Setup | stock ms | ampscope ms | ratio ampscope/stock |",
         "|---|---:|---:|---|",
