@@ -211,7 +211,7 @@ class OriginReduceScatter(ReduceScatter):
         output_tensor: torch.Tensor,
         input_tensor: torch.Tensor,
         group: dist.ProcessGroup,
-        op: dist.ReduceOp,
+        op: dist.ReduceOp | dist.ReduceOp.RedOpType,
         async_op: bool = False,
     ) -> dist.Work | None:
         self.flags.mark(input_tensor)
