@@ -35,6 +35,9 @@ def is_healthy(base_url: str) -> bool:
 
 def _port_is_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        # Bind as uvicorn will (SO_REUSEADDR): connections of a previous run lingering in
+        # TIME_WAIT must not read as "taken"; only a listening socket should.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind(("127.0.0.1", port))
         except OSError:

@@ -12,6 +12,10 @@ from ampscope.demo.exporter import DemoError, ExporterProcess, get_json, is_heal
 from ampscope.demo.report import health_lines, missing_verdicts, rank_table, where_to_look
 from ampscope.demo.scenarios import SCENARIOS
 
+MIN_STEPS = 30
+"""The hotspot run's outliers come every 5th step and inf_hotspot needs 5 of them, with room
+for the collapse run's second half to pass skip_storm's minimum of 10 steps."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class DemoOptions:
@@ -36,8 +40,11 @@ class DemoOptions:
             raise ValueError(f"unknown scenario(s) {unknown}; choose from {list(SCENARIOS)}")
         if len(set(self.scenarios)) != len(self.scenarios):
             raise ValueError("each scenario may be given once")
-        if self.steps < 5:
-            raise ValueError("--steps must be at least 5")
+        if self.steps < MIN_STEPS:
+            raise ValueError(
+                f"--steps must be at least {MIN_STEPS}: fewer steps cannot reach the health "
+                "rules' thresholds (inf_hotspot needs 5 detections, skip_storm 10 steps)"
+            )
         if self.ranks < 2 and any(SCENARIOS[s].expect for s in self.scenarios):
             raise ValueError(
                 "--ranks must be at least 2: the scenarios are about ranks disagreeing"
