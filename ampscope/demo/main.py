@@ -39,7 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         + ", ".join(SCENARIOS)
         + ", side by side)",
     )
-    parser.add_argument("--steps", type=_positive_int, default=60, help="iterations (default 60)")
+    parser.add_argument(
+        "--steps", type=_positive_int, default=60, help="iterations (default 60, at least 30)"
+    )
     parser.add_argument(
         "--ranks", type=_positive_int, default=2, help="CPU ranks to spawn (default 2)"
     )
