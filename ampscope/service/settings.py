@@ -7,6 +7,7 @@ reads them from a module-level global.
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -20,6 +21,9 @@ from ampscope.reporter.schema import (
     MAX_RECORDS_PER_BATCH,
 )
 from ampscope.service.health import Thresholds
+
+_DEFAULTS = Thresholds()
+"""Health thresholds are defined once, in ``Thresholds``; settings take their defaults."""
 
 Seconds = Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
 Positive = Annotated[int, Field(ge=1)]
@@ -67,26 +71,28 @@ class Settings(BaseSettings):
     """StepRecords kept per rank for /history and the scale-desync rule."""
     history_limit_max: Positive = 1000
     """Most records one /history response returns; larger ``limit`` values are capped."""
-    stale_after_s: Seconds = 60.0
+    stale_after_s: Seconds = _DEFAULTS.stale_after_s
     """A rank with no report for this long is stale: ``ampscope_rank_up`` 0."""
     retention_s: Seconds = 3600.0
     """A rank with no report for this long is dropped with its series; then empty runs."""
     prune_interval_s: Seconds = 10.0
     """How often the background task drops expired ranks and runs."""
 
-    scale_floor: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 1.0
+    scale_floor: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = _DEFAULTS.scale_floor
     """Scale collapse: a scale below this is critical."""
-    collapse_factor: Annotated[float, Field(gt=1.0, allow_inf_nan=False)] = 2.0**8
+    collapse_factor: Annotated[float, Field(gt=1.0, allow_inf_nan=False)] = (
+        _DEFAULTS.collapse_factor
+    )
     """Scale collapse: the scale fell by at least this factor within ``collapse_window_s``."""
-    collapse_window_s: Seconds = 600.0
-    skip_storm_ratio: Annotated[float, Field(ge=0.0, le=1.0)] = 0.25
+    collapse_window_s: Seconds = _DEFAULTS.collapse_window_s
+    skip_storm_ratio: Annotated[float, Field(ge=0.0, le=1.0)] = _DEFAULTS.skip_storm_ratio
     """Skip storm: skipped / steps over ``skip_storm_window_s`` above this."""
-    skip_storm_window_s: Seconds = 300.0
-    skip_storm_min_steps: Positive = 10
-    hotspot_share: Annotated[float, Field(gt=0.0, le=1.0)] = 0.8
+    skip_storm_window_s: Seconds = _DEFAULTS.skip_storm_window_s
+    skip_storm_min_steps: Positive = _DEFAULTS.skip_storm_min_steps
+    hotspot_share: Annotated[float, Field(gt=0.0, le=1.0)] = _DEFAULTS.hotspot_share
     """Inf hotspot: one rank/device holds at least this share of the run's detections."""
-    hotspot_window_s: Seconds = 600.0
-    hotspot_min_detections: Positive = 5
+    hotspot_window_s: Seconds = _DEFAULTS.hotspot_window_s
+    hotspot_min_detections: Positive = _DEFAULTS.hotspot_min_detections
 
     @model_validator(mode="after")
     def _check(self) -> Settings:
@@ -109,18 +115,7 @@ class Settings(BaseSettings):
 
     def thresholds(self) -> Thresholds:
         """The health rules' thresholds (the same numbers as the Prometheus alert rules)."""
-        return Thresholds(
-            scale_floor=self.scale_floor,
-            collapse_factor=self.collapse_factor,
-            collapse_window_s=self.collapse_window_s,
-            skip_storm_ratio=self.skip_storm_ratio,
-            skip_storm_window_s=self.skip_storm_window_s,
-            skip_storm_min_steps=self.skip_storm_min_steps,
-            stale_after_s=self.stale_after_s,
-            hotspot_share=self.hotspot_share,
-            hotspot_window_s=self.hotspot_window_s,
-            hotspot_min_detections=self.hotspot_min_detections,
-        )
+        return Thresholds(**{f.name: getattr(self, f.name) for f in fields(Thresholds)})
 
     @property
     def window_s(self) -> float:
