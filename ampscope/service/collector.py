@@ -72,7 +72,7 @@ class StoreCollector(Collector):
             tracker.add_metric(labels, record.growth_tracker)
             last_step.add_metric(labels, record.step)
             last_report.add_metric(labels, snap.last_report)
-            up.add_metric(labels, 1.0 if now - snap.last_report <= self._stale_after_s else 0.0)
+            up.add_metric(labels, float(snap.reported_within(now, self._stale_after_s)))
             steps.add_metric(labels, totals.steps)
             skipped.add_metric(labels, totals.skipped_steps)
             backoffs.add_metric(labels, totals.backoffs)

@@ -246,7 +246,7 @@ def stale_rank(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verd
             "last_step": snap.newest.step,
         }
         for snap in ranks
-        if now - snap.last_report > t.stale_after_s
+        if not snap.reported_within(now, t.stale_after_s)
     ]
     if not stale:
         return Verdict(
@@ -329,7 +329,7 @@ def evaluate(run: str, ranks: Sequence[RankSnapshot], now: float, t: Thresholds)
     """Every rule over one run's ranks. Cost: O(ranks x (samples + history_length))."""
 
     def recent(window_s: float) -> list[RankSnapshot]:
-        return [snap for snap in ranks if now - snap.last_report <= window_s]
+        return [snap for snap in ranks if snap.reported_within(now, window_s)]
 
     verdicts = [
         scale_collapse(recent(t.collapse_window_s), now, t),

@@ -72,6 +72,11 @@ class RankSnapshot:
     def identity(self) -> Identity:
         return self.newest.identity
 
+    def reported_within(self, now: float, seconds: float) -> bool:
+        """Whether the rank's last report is at most ``seconds`` old: with the stale TTL,
+        the one definition of a rank being up (``ampscope_rank_up``, the API, health)."""
+        return now - self.last_report <= seconds
+
 
 def series_of(record: StepRecord) -> int:
     """Label sets the collector exposes for a rank whose newest record is ``record``."""

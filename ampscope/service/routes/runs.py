@@ -35,7 +35,7 @@ def _view(snap: RankSnapshot, now: float, stale_after_s: float) -> RankView:
         last_skipped=record.skipped,
         totals=record.totals,
         dropped_records=snap.dropped_records,
-        up=age <= stale_after_s,
+        up=snap.reported_within(now, stale_after_s),
         last_report_time=snap.last_report,
         seconds_since_report=age,
         restarts=snap.restarts,
@@ -67,7 +67,7 @@ def _rank(store: StoreDep, run: str, rank: int) -> RankSnapshot:
 
 
 def _summary(run: str, snaps: list[RankSnapshot], now: float, stale_after_s: float) -> RunSummary:
-    up = sum(1 for snap in snaps if now - snap.last_report <= stale_after_s)
+    up = sum(1 for snap in snaps if snap.reported_within(now, stale_after_s))
     freshest = max(snaps, key=lambda snap: snap.last_report)
     return RunSummary(
         run=run,
