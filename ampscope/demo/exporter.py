@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -46,12 +48,27 @@ def _port_is_free(port: int) -> bool:
 
 
 class ExporterProcess:
-    """``ampscope serve`` on ``127.0.0.1:port``, logging to a file, stopped on ``stop()``."""
+    """``ampscope serve`` on ``127.0.0.1:port``, logging to a file, stopped on ``stop()``.
 
-    def __init__(self, port: int, *, stale_after: float | None = None) -> None:
+    Can be started again on the same port after ``stop()`` or ``kill()``.
+
+    Args:
+        port: TCP port on 127.0.0.1.
+        stale_after: The exporter's ``--stale-after``; ``None`` keeps its default.
+        env: Variables added to the inherited environment (e.g. ``AMPSCOPE_TOKEN``).
+    """
+
+    def __init__(
+        self,
+        port: int,
+        *,
+        stale_after: float | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.stale_after = stale_after
+        self._env = {**os.environ, **env} if env else None
         self.log_path = Path(tempfile.gettempdir()) / f"ampscope-demo-exporter-{port}.log"
         self._process: subprocess.Popen[bytes] | None = None
 
@@ -77,7 +94,9 @@ class ExporterProcess:
         if self.stale_after is not None:
             command += ["--stale-after", str(self.stale_after)]
         with self.log_path.open("wb") as log:
-            self._process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+            self._process = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env=self._env
+            )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
@@ -105,6 +124,13 @@ class ExporterProcess:
         """Block until the exporter exits (Ctrl-C interrupts)."""
         if self._process is not None:
             self._process.wait()
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown handlers run and the exporter's memory is lost, as in a crash."""
+        process, self._process = self._process, None
+        if process is not None and process.poll() is None:
+            process.kill()
+            process.wait()
 
     def stop(self, timeout: float = 10.0) -> None:
         """Terminate the exporter (SIGTERM, then SIGKILL after ``timeout`` seconds)."""

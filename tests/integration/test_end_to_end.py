@@ -24,13 +24,15 @@ import logging
 import subprocess
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
-from exporter_process import ExporterProcess
 from prometheus_client.parser import text_string_to_metric_families
 from support import free_port, need_tool, run_distributed
+
+from ampscope.demo.exporter import ExporterProcess
 
 pytestmark = pytest.mark.distributed
 
@@ -44,6 +46,11 @@ AFTER_RESTART = 6
 OVERFLOW_STEPS = {0: {2, 9, 17}, 1: {4, 5, 8, 12, 13, 20}}
 """Steps whose input holds an inf, per rank."""
 ALL_OVERFLOWS = len(OVERFLOW_STEPS[0] | OVERFLOW_STEPS[1])
+
+
+def _text(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return str(response.read().decode())
 
 
 def _wait_for(flag: Path, timeout: float = 60.0) -> None:
@@ -133,7 +140,7 @@ def _control_exporter(exporter: ExporterProcess, flags: Path, seen: dict[str, An
         # Rank 1's default reporter sends every 0.5 s: wait until both ranks' steps arrived.
         end = time.monotonic() + 20
         while time.monotonic() < end:
-            seen["before_kill"] = _samples(exporter.get("/metrics"))
+            seen["before_kill"] = _samples(_text(exporter.url + "/metrics"))
             steps = [v for k, v in seen["before_kill"].items() if k[0] == "ampscope_steps_total"]
             if steps == [BEFORE_KILL, BEFORE_KILL]:
                 break
@@ -166,7 +173,7 @@ def _value(samples: dict, name: str, **labels: str) -> float:
 
 
 def test_counters_equal_ground_truth_across_an_exporter_kill(tmp_path, caplog):
-    exporter = ExporterProcess(free_port(), tmp_path, env={"AMPSCOPE_TOKEN": TOKEN})
+    exporter = ExporterProcess(free_port(), env={"AMPSCOPE_TOKEN": TOKEN})
     exporter.start()
     flags = tmp_path / "flags"
     flags.mkdir()
@@ -182,7 +189,7 @@ def test_counters_equal_ground_truth_across_an_exporter_kill(tmp_path, caplog):
         )
         controller.join(30)
         assert "error" not in seen, seen.get("error")
-        text = exporter.get("/metrics")
+        text = _text(exporter.url + "/metrics")
         samples = _samples(text)
 
         total_steps = BEFORE_KILL + WHILE_DOWN + AFTER_RESTART
@@ -233,7 +240,7 @@ def test_counters_equal_ground_truth_across_an_exporter_kill(tmp_path, caplog):
         intruder.close(1)
         assert (intruder.sent, intruder.dropped) == (0, 1)
         assert any("HTTP 401" in r.getMessage() for r in caplog.records)
-        after = _samples(exporter.get("/metrics"))
+        after = _samples(_text(exporter.url + "/metrics"))
         unauthorized = ("ampscope_exporter_ingest_rejections_total", (("reason", "unauthorized"),))
         assert after[unauthorized] == samples.get(unauthorized, 0) + 1
         assert _per_rank(after) == _per_rank(samples), "a refused batch changed rank state"
