@@ -28,6 +28,8 @@ from deploy_files import (
 )
 from support import free_port, need_tool
 
+from ampscope.demo.exporter import ExporterProcess
+
 PREFIX = "e2e"
 STEPS = 60
 """increase() cannot count what a counter held at its first scrape, so the hotspot run needs
@@ -85,15 +87,8 @@ def stack() -> Iterator[tuple[str, Prometheus, Path]]:
     prometheus_bin = need_tool("prometheus")
     workdir = Path(tempfile.mkdtemp(prefix="ampscope-e2e-"))
     exporter_port, prometheus_port = free_port(), free_port()
-    exporter_url = f"http://127.0.0.1:{exporter_port}"
-    exporter = subprocess.Popen(
-        [
-            *(sys.executable, "-m", "ampscope.cli", "serve", "--port", str(exporter_port)),
-            *("--stale-after", str(STALE_AFTER_S), "--log-level", "warning"),
-        ],
-        stdout=(workdir / "exporter.log").open("wb"),
-        stderr=subprocess.STDOUT,
-    )
+    exporter = ExporterProcess(exporter_port, stale_after=STALE_AFTER_S)
+    exporter.start()
     config = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "rule_files": [str(RULES_FILE)],
@@ -116,13 +111,12 @@ def stack() -> Iterator[tuple[str, Prometheus, Path]]:
         stderr=subprocess.STDOUT,
     )
     try:
-        _wait_for(f"{exporter_url}/healthz", "the exporter", exporter, 30)
         prometheus_url = f"http://127.0.0.1:{prometheus_port}"
         _wait_for(f"{prometheus_url}/-/ready", "prometheus", prometheus, 30)
-        yield exporter_url, Prometheus(prometheus_url), workdir
+        yield exporter.url, Prometheus(prometheus_url), workdir
     finally:
         _stop(prometheus)
-        _stop(exporter)
+        exporter.stop()
 
 
 def test_every_dashboard_and_alert_expression_returns_data(
