@@ -17,7 +17,9 @@ import time
 from dataclasses import dataclass, field
 
 from ampscope.reporter.schema import (
+    SCALE_ALIGN_STEPS,
     SCHEMA_VERSION,
+    AlignedScale,
     Identity,
     IngestBatch,
     NonfiniteParam,
@@ -87,6 +89,7 @@ class SimulatedRank:
         self.found_origin = {d: 1 for d in self.device_names}
         self.param_counts = {name: 1 for name in self.param_names}
         self.min_scale = self.max_scale = self.scale
+        self.aligned: AlignedScale | None = None
         self._template = self._clean_template()
         self._totals_template = self._render_totals_template()
 
@@ -104,6 +107,7 @@ class SimulatedRank:
             nonfinite_params=[NonfiniteParam(name=n, count=c) for n, c in top],
             min_scale=self.min_scale,
             max_scale=self.max_scale,
+            aligned_scale=self.aligned,
         )
 
     def _record(self, *, overflow: bool, scale_before: float, grew: bool = False) -> StepRecord:
@@ -129,7 +133,8 @@ class SimulatedRank:
         )
 
     def _render_totals_template(self) -> str:
-        """The totals' JSON with a placeholder for ``steps``; rebuilt after each overflow."""
+        """The totals' JSON with a placeholder for ``steps``; rebuilt when anything else in it
+        changes (overflow, growth, a new aligned step)."""
         text = self._totals().model_copy(update={"steps": _STEPS}).model_dump_json()
         return text.replace(f'"steps":{_STEPS}', f'"steps":{_STEP}')
 
@@ -155,7 +160,9 @@ class SimulatedRank:
         """Move one step on and return that step's record as JSON."""
         self.step += 1
         scale_before = self.scale
-        if self.step % self.overflow_every == 0:
+        overflow = self.step % self.overflow_every == 0
+        grew = False
+        if overflow:
             self.scale /= 2.0
             self.tracker = 0
             self.skipped += 1
@@ -165,18 +172,22 @@ class SimulatedRank:
             for name in self.param_names[: min(2, self.top_k)]:
                 self.param_counts[name] += 3
             self.min_scale = min(self.min_scale, self.scale)
+        else:
+            self.tracker += 1
+            if self.tracker == self.overflow_every // 2:
+                self.scale *= 2.0
+                self.tracker = 0
+                self.growths += 1
+                self.max_scale = max(self.max_scale, self.scale)
+                grew = True
+        aligned = self.step % SCALE_ALIGN_STEPS == 0
+        if aligned:
+            self.aligned = AlignedScale(step=self.step, scale=self.scale)
+        if overflow or grew or aligned:
             self._totals_template = self._render_totals_template()
-            return self._record(overflow=True, scale_before=scale_before).model_dump_json()
-        self.tracker += 1
-        if self.tracker == self.overflow_every // 2:
-            self.scale *= 2.0
-            self.tracker = 0
-            self.growths += 1
-            self.max_scale = max(self.max_scale, self.scale)
-            self._totals_template = self._render_totals_template()
-            return self._record(
-                overflow=False, scale_before=scale_before, grew=True
-            ).model_dump_json()
+        if overflow or grew:
+            record = self._record(overflow=overflow, scale_before=scale_before, grew=grew)
+            return record.model_dump_json()
         return (
             self._template.replace(_TOTALS, self._totals_template)
             .replace(_STEP, str(self.step))
@@ -205,6 +216,8 @@ class SimulatedRank:
             "ampscope_loss_scale": [("", self.scale)],
             "ampscope_growth_tracker": [("", self.tracker)],
             "ampscope_last_step": [("", self.step)],
+            "ampscope_loss_scale_aligned": [("", self.aligned.scale)] if self.aligned else [],
+            "ampscope_loss_scale_aligned_step": [("", self.aligned.step)] if self.aligned else [],
             "ampscope_steps_total": [("", self.step)],
             "ampscope_skipped_steps_total": [("", self.skipped)],
             "ampscope_scale_backoffs_total": [("", self.backoffs)],

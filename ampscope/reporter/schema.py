@@ -37,6 +37,10 @@ MAX_NONFINITE_PARAMS = 64
 """Upper bound on top-K non-finite parameters per record and per rank's cumulative totals."""
 MAX_RECORDS_PER_BATCH = 2048
 
+SCALE_ALIGN_STEPS = 10
+"""Every rank keeps its scale after each update() whose step is a multiple of this, so that
+Prometheus can compare ranks at the same step whatever each rank's reporting lag."""
+
 Label = Annotated[
     str,
     StringConstraints(min_length=1, max_length=MAX_LABEL_LENGTH, pattern=r"^[A-Za-z0-9_.:/@+=-]+$"),
@@ -92,6 +96,13 @@ class OptimizerDetail(_Model):
     """Took torch's ``_step_supports_amp_scaling`` path (the optimizer skips itself)."""
 
 
+class AlignedScale(_Model):
+    """A rank's loss scale after one update() whose step is a multiple of SCALE_ALIGN_STEPS."""
+
+    step: Annotated[int, Field(ge=SCALE_ALIGN_STEPS, multiple_of=SCALE_ALIGN_STEPS)]
+    scale: Scale
+
+
 class RankTotals(_Model):
     """Cumulative counters of one rank since its scaler was created.
 
@@ -113,6 +124,9 @@ class RankTotals(_Model):
     """Top-K parameters by cumulative non-finite element count on this rank."""
     min_scale: Scale | None
     max_scale: Scale | None
+    aligned_scale: AlignedScale | None = None
+    """The scale after the newest update() whose step is a multiple of SCALE_ALIGN_STEPS;
+    ``None`` before the first such step. Ranks of a healthy run agree on it at equal steps."""
 
 
 class StepRecord(_Model):

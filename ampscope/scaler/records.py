@@ -9,6 +9,8 @@ import copy
 from dataclasses import dataclass, field
 
 from ampscope.reporter.schema import (
+    SCALE_ALIGN_STEPS,
+    AlignedScale,
     NonfiniteParam,
     OptimizerDetail,
     RankTotals,
@@ -33,6 +35,7 @@ class RunningTotals:
     min_scale: float | None = None
     max_scale: float | None = None
     last_growth_tracker: int | None = None
+    aligned_scale: AlignedScale | None = None
 
     def copy(self) -> RunningTotals:
         return copy.deepcopy(self)
@@ -48,6 +51,7 @@ class RunningTotals:
             nonfinite_params=[NonfiniteParam(name=n, count=c) for n, c in top_k(self.nonfinite, k)],
             min_scale=self.min_scale,
             max_scale=self.max_scale,
+            aligned_scale=self.aligned_scale,
         )
 
 
@@ -106,6 +110,8 @@ def build_record(
         new.min_scale = scale if new.min_scale is None else min(new.min_scale, scale)
         new.max_scale = scale if new.max_scale is None else max(new.max_scale, scale)
     new.last_growth_tracker = tracker
+    if pending.step % SCALE_ALIGN_STEPS == 0:
+        new.aligned_scale = AlignedScale(step=pending.step, scale=scale_after)
 
     record = StepRecord(
         identity=pending.identity,

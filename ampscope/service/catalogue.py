@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from ampscope.reporter.schema import SCALE_ALIGN_STEPS
+
 RANK_LABELS = ("run", "node", "rank", "local_rank")
 
 
@@ -36,6 +38,19 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "Consecutive unskipped iterations since the scale last changed.",
     ),
     _rank("ampscope_last_step", "gauge", "Newest iteration (update() count) the rank reported."),
+    _rank(
+        "ampscope_loss_scale_aligned",
+        "gauge",
+        "Loss scale after the rank's newest iteration whose step is a multiple of "
+        f"{SCALE_ALIGN_STEPS}: ranks at the same ampscope_loss_scale_aligned_step must agree "
+        "on it.",
+    ),
+    _rank(
+        "ampscope_loss_scale_aligned_step",
+        "gauge",
+        f"The step (a multiple of {SCALE_ALIGN_STEPS}) at which ampscope_loss_scale_aligned was "
+        "taken.",
+    ),
     _rank(
         "ampscope_last_report_timestamp_seconds",
         "gauge",

@@ -53,6 +53,8 @@ class StoreCollector(Collector):
         scale = _family("ampscope_loss_scale")
         tracker = _family("ampscope_growth_tracker")
         last_step = _family("ampscope_last_step")
+        aligned = _family("ampscope_loss_scale_aligned")
+        aligned_step = _family("ampscope_loss_scale_aligned_step")
         last_report = _family("ampscope_last_report_timestamp_seconds")
         up = _family("ampscope_rank_up")
         steps = _family("ampscope_steps_total")
@@ -71,6 +73,9 @@ class StoreCollector(Collector):
             scale.add_metric(labels, record.scale_after)
             tracker.add_metric(labels, record.growth_tracker)
             last_step.add_metric(labels, record.step)
+            if totals.aligned_scale is not None:
+                aligned.add_metric(labels, totals.aligned_scale.scale)
+                aligned_step.add_metric(labels, totals.aligned_scale.step)
             last_report.add_metric(labels, snap.last_report)
             up.add_metric(labels, float(snap.reported_within(now, self._stale_after_s)))
             steps.add_metric(labels, totals.steps)
@@ -84,7 +89,8 @@ class StoreCollector(Collector):
                 found_inf_origin.add_metric([*labels, device], count)
             for param in totals.nonfinite_params:
                 nonfinite.add_metric([*labels, param.name], param.count)
-        yield from (scale, tracker, last_step, last_report, up, steps, skipped, backoffs)
+        yield from (scale, tracker, last_step, aligned, aligned_step, last_report, up, steps)
+        yield from (skipped, backoffs)
         yield from (growths, found_inf, found_inf_origin, nonfinite, dropped)
         yield from self._self_metrics()
 

@@ -32,6 +32,8 @@ from ampscope.reporter.schema import Identity, RankTotals, StepRecord
 PER_RANK_SERIES = 10
 """Per-rank families without an extra label (scale, growth tracker, last step, last
 report time, up, steps, skipped, backoffs, growths, reporter drops)."""
+ALIGNED_SERIES = 2
+"""The aligned scale and its step, once the rank has reached its first aligned step."""
 
 _Outcome = Literal["newest", "restart", "late", "ignored"]
 
@@ -83,6 +85,7 @@ def series_of(record: StepRecord) -> int:
     totals = record.totals
     return (
         PER_RANK_SERIES
+        + (ALIGNED_SERIES if totals.aligned_scale is not None else 0)
         + len(totals.found_inf_local)
         + len(totals.found_inf_origin)
         + len(totals.nonfinite_params)

@@ -42,6 +42,12 @@ def test_batches_pass_the_exporters_strict_validation_and_keep_counting() -> Non
     assert len(last.totals.nonfinite_params) == 8
     assert records[11].totals.steps == 12
     assert records[11].scale_after == records[11].scale_before
+    assert records[8].totals.aligned_scale is None
+    aligned = {r.step: r.totals.aligned_scale for r in records[9:]}
+    assert all(a is not None and a.step == s - s % 10 for s, a in aligned.items())
+    assert all(
+        a is not None and a.scale == records[a.step - 1].scale_after for a in aligned.values()
+    )
 
 
 def test_exposition_has_the_exporters_families_and_label_sets() -> None:

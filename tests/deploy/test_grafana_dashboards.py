@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import re
+import subprocess
+from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from deploy_files import DASHBOARD_DIR, dashboard_expressions, dashboards, metric_names, panels
+from deploy_files import (
+    DASHBOARD_DIR,
+    dashboard_expressions,
+    dashboards,
+    metric_names,
+    panels,
+    substitute,
+)
+from support import need_tool
 
 from ampscope.service.catalogue import BY_NAME, RANK_LABELS
 
@@ -69,6 +79,22 @@ def test_expressions_use_catalogued_metrics_and_cover_the_catalogue(
         used |= names
     # Every family, per-rank and exporter self-metrics alike, is on some panel.
     assert used == set(BY_NAME)
+
+
+def test_every_expression_is_valid_promql(dashboard: dict[str, Any], tmp_path: Path) -> None:
+    # promtool parses expressions only inside rules, so each one becomes a recording rule.
+    expressions = [substitute(expr) for _, expr in dashboard_expressions(dashboard)]
+    rules = [{"record": f"dashboard:expr:{i}", "expr": e} for i, e in enumerate(expressions)]
+    path = tmp_path / "dashboard-expressions.yml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
+    result = subprocess.run(
+        [need_tool("promtool"), "check", "rules", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_per_rank_selectors_follow_the_variables(dashboard: dict[str, Any]) -> None:

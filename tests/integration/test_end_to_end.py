@@ -6,8 +6,8 @@ input on different steps, so DDP's all-reduce spreads it (both ranks skip, their
 found-inf counts agree) while the origin counts say which rank produced it.
 
 One launch does every check (~10 s on 2 cores):
-* steps, skipped steps, backoffs, growths, found-inf (local and origin) per device and
-  the loss scale on /metrics equal ``scaler.telemetry.snapshot()`` of each rank;
+* steps, skipped steps, backoffs, growths, found-inf (local and origin) per device, the
+  loss scale and the aligned scale on /metrics equal each rank's own snapshot and history;
 * the first exporter had the pre-kill counts; after SIGKILL and a restart on the same
   port the counters are exact again (every record carries cumulative totals);
 * ``ampscope_reporter_dropped_records_total`` equals the drops of rank 0's deliberately
@@ -113,7 +113,9 @@ def _train(rank: int, world_size: int, url: str, flags: str) -> dict[str, Any]:
     train(BEFORE_KILL + WHILE_DOWN + 1, AFTER_RESTART)
 
     snap = scaler.telemetry.snapshot()
-    last = scaler.telemetry.history(1)[-1]
+    history = scaler.telemetry.history()
+    last = history[-1]
+    aligned_step = snap.steps - snap.steps % 10
     scaler.close()  # flushes the reporter (rank 1's may be in a backoff: close retries at once)
     result = {
         "steps": snap.steps,
@@ -122,6 +124,8 @@ def _train(rank: int, world_size: int, url: str, flags: str) -> dict[str, Any]:
         "growths": snap.growths,
         "scale": snap.scale,
         "growth_tracker": snap.growth_tracker,
+        "aligned_step": aligned_step,
+        "aligned_scale": next(r.scale_after for r in history if r.step == aligned_step),
         "found_inf_local": dict(snap.found_inf_local),
         "found_inf_origin": dict(snap.found_inf_origin),
         "node": last.identity.node,
@@ -209,6 +213,8 @@ def test_counters_equal_ground_truth_across_an_exporter_kill(tmp_path, caplog):
                 "ampscope_loss_scale": truth["scale"],
                 "ampscope_growth_tracker": truth["growth_tracker"],
                 "ampscope_last_step": truth["steps"],
+                "ampscope_loss_scale_aligned": truth["aligned_scale"],
+                "ampscope_loss_scale_aligned_step": truth["aligned_step"],
                 "ampscope_rank_up": 1,
             }
             actual = {name: _value(samples, name, **labels) for name in expected}

@@ -10,7 +10,7 @@ import torch
 from helpers import ListSink, Net, poison, run
 
 import ampscope
-from ampscope.reporter.schema import StepRecord
+from ampscope.reporter.schema import SCALE_ALIGN_STEPS, StepRecord
 from ampscope.scaler import telemetry
 from ampscope.scaler.config import TelemetryConfig
 from ampscope.scaler.outputs import build_sinks
@@ -73,6 +73,25 @@ def test_history_is_a_bounded_ring_and_close_flushes() -> None:
     # After close() the scaler keeps training as torch's, without telemetry.
     _train(scaler, 2)
     assert scaler.telemetry.snapshot().steps == 9
+
+
+def test_totals_carry_the_scale_of_the_newest_aligned_step() -> None:
+    sink = ListSink()
+    scaler = ampscope.GradScaler(
+        "cpu", init_scale=2.0**10, growth_interval=3, reporter=None, sinks=[sink]
+    )
+    _train(scaler, 2 * SCALE_ALIGN_STEPS + 3)
+    scaler.close()
+    scale_after = {r.step: r.scale_after for r in sink.records}
+    assert len(set(scale_after.values())) > 2, "the scale moved: the test can tell steps apart"
+    for r in sink.records:
+        aligned = r.totals.aligned_scale
+        if r.step < SCALE_ALIGN_STEPS:
+            assert aligned is None
+        else:
+            assert aligned is not None
+            assert aligned.step == r.step - r.step % SCALE_ALIGN_STEPS
+            assert aligned.scale == scale_after[aligned.step]
 
 
 def test_reporter_auto_follows_ampscope_url(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ampscope.reporter.schema import (
+    AlignedScale,
     Identity,
     IngestBatch,
     NonfiniteParam,
@@ -38,6 +39,7 @@ def totals(
     local: dict[str, int] | None = None,
     origin: dict[str, int] | None = None,
     params: dict[str, int] | None = None,
+    aligned: tuple[int, float] | None = None,
 ) -> RankTotals:
     return RankTotals(
         steps=steps,
@@ -49,6 +51,7 @@ def totals(
         nonfinite_params=[NonfiniteParam(name=n, count=c) for n, c in (params or {}).items()],
         min_scale=None,
         max_scale=None,
+        aligned_scale=None if aligned is None else AlignedScale(step=aligned[0], scale=aligned[1]),
     )
 
 

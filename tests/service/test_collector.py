@@ -36,7 +36,7 @@ def _post(client: TestClient, *records, dropped: int = 0) -> None:
     assert response.status_code == 200, response.text
 
 
-def _rich_totals(steps: int) -> object:
+def _rich_totals(steps: int, aligned: tuple[int, float] | None = None) -> object:
     return totals(
         steps,
         skipped=3,
@@ -45,23 +45,26 @@ def _rich_totals(steps: int) -> object:
         local={"cuda:0": 2, "cuda:1": 1},
         origin={"cuda:0": 1},
         params={"layers.0.attn.wo.weight": 4096, "blocks.0.ff[1].w{a=b,c}": 7},
+        aligned=aligned,
     )
 
 
 def test_values_match_the_newest_record(make_client: MakeClient) -> None:
     client, clock = make_client()
     _post(client, record(1), dropped=1)
-    newest = record(9, scale=8192.0, growth_tracker=5, total=_rich_totals(9))
+    newest = record(12, scale=8192.0, growth_tracker=5, total=_rich_totals(12, (10, 4096.0)))
     _post(client, newest, dropped=4)
     _post(client, record(5, time=T0 + 5), dropped=2)  # a late retry: no effect
     got = _samples(client)
     me = _labels()
     assert got[("ampscope_loss_scale", me)] == 8192.0
     assert got[("ampscope_growth_tracker", me)] == 5
-    assert got[("ampscope_last_step", me)] == 9
+    assert got[("ampscope_last_step", me)] == 12
+    assert got[("ampscope_loss_scale_aligned", me)] == 4096.0
+    assert got[("ampscope_loss_scale_aligned_step", me)] == 10
     assert got[("ampscope_last_report_timestamp_seconds", me)] == clock.now
     assert got[("ampscope_rank_up", me)] == 1
-    assert got[("ampscope_steps_total", me)] == 9
+    assert got[("ampscope_steps_total", me)] == 12
     assert got[("ampscope_skipped_steps_total", me)] == 3
     assert got[("ampscope_scale_backoffs_total", me)] == 3
     assert got[("ampscope_scale_growths_total", me)] == 1
@@ -73,12 +76,25 @@ def test_values_match_the_newest_record(make_client: MakeClient) -> None:
     assert got[("ampscope_nonfinite_grads_total", _labels(param="blocks.0.ff[1].w{a=b,c}"))] == 7
     assert got[("ampscope_exporter_tracked_runs", frozenset())] == 1
     assert got[("ampscope_exporter_tracked_ranks", frozenset())] == 1
-    assert got[("ampscope_exporter_tracked_series", frozenset())] == 10 + 2 + 1 + 2
+    assert got[("ampscope_exporter_tracked_series", frozenset())] == 10 + 2 + 2 + 1 + 2
     assert got[("ampscope_exporter_ingest_records_total", frozenset())] == 3
 
 
+def test_aligned_scale_appears_from_the_first_aligned_step(make_client: MakeClient) -> None:
+    client, _ = make_client()
+    _post(client, record(9))
+    got = _samples(client)
+    assert ("ampscope_loss_scale_aligned", _labels()) not in got
+    assert got[("ampscope_exporter_tracked_series", frozenset())] == 10 + 1
+    _post(client, record(10, scale=512.0, total=totals(10, aligned=(10, 512.0))))
+    got = _samples(client)
+    assert got[("ampscope_loss_scale_aligned", _labels())] == 512.0
+    assert got[("ampscope_loss_scale_aligned_step", _labels())] == 10
+    assert got[("ampscope_exporter_tracked_series", frozenset())] == 10 + 2 + 1
+
+
 def test_every_catalogue_family_is_exposed_as_specified(client: TestClient) -> None:
-    _post(client, record(2, total=_rich_totals(2)))
+    _post(client, record(12, total=_rich_totals(12, (10, 1024.0))))
     families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
     for spec in CATALOGUE:
         # The parser strips _total from counter family names.
