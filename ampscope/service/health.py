@@ -17,9 +17,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ampscope.reporter.schema import RankTotals
 from ampscope.service.models import HealthReport, Status, Verdict
-from ampscope.service.ranks import RankSnapshot
+from ampscope.service.ranks import RankSnapshot, WindowCounts
 
 _SEVERITY: dict[Status, int] = {"ok": 0, "warning": 1, "critical": 2}
 MAX_EVIDENCE_RANKS = 16
@@ -67,10 +66,10 @@ class Thresholds:
 
 @dataclass(frozen=True)
 class _Window:
-    """A rank's change over a window: its baseline totals (``None``: zero) and the
+    """A rank's change over a window: its baseline counters (``None``: zero) and the
     highest scale seen in it."""
 
-    baseline: RankTotals | None
+    baseline: WindowCounts | None
     peak_scale: float
 
 
@@ -83,10 +82,10 @@ def _window(snap: RankSnapshot, start: float) -> _Window:
         else:
             peak = max(peak, sample.peak_scale)
     if anchor is not None:
-        return _Window(baseline=anchor.totals, peak_scale=max(peak, anchor.scale))
+        return _Window(baseline=anchor.counts, peak_scale=max(peak, anchor.scale))
     if snap.first_step != 1 and snap.samples:
         # Heard mid-run (the exporter restarted): count from the first batch heard.
-        return _Window(baseline=snap.samples[0].totals, peak_scale=peak)
+        return _Window(baseline=snap.samples[0].counts, peak_scale=peak)
     # Heard from its first step on: the baseline is zero.
     return _Window(baseline=None, peak_scale=peak)
 

@@ -18,12 +18,18 @@ cumulative totals from 0). ``RankState.apply`` sorts this out record by record:
 Comparing step numbers alone cannot tell a retry from a restart (both carry a lower
 step and lower ``totals.steps``); the record's own wall-clock ``time``, set on the
 rank's host, can. Not thread-safe: the ``Store`` serialises access under its lock.
+
+Memory: a parsed StepRecord with its totals takes ~10 KB of Python objects, its JSON
+~1.4 KB (8 devices, top-8 parameters). Only the newest record stays parsed; the history
+holds each record as JSON with the few fields the health rules read, and window samples
+hold only the counters the windowed rules difference.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -41,13 +47,46 @@ MAX_SAMPLES = 8192
 """Window samples kept per rank at most, whatever the batch rate (one per batch)."""
 
 
+class HeldRecord(NamedTuple):
+    """One history entry: what the health rules read, and the whole record as JSON."""
+
+    step: int
+    time: float
+    scale_after: float
+    json: str
+
+    @classmethod
+    def of(cls, record: StepRecord) -> HeldRecord:
+        return cls(record.step, record.time, record.scale_after, record.model_dump_json())
+
+    def record(self) -> StepRecord:
+        """The record, parsed again (it was valid when it arrived). ~50 us."""
+        return StepRecord.model_validate_json(self.json)
+
+
+class WindowCounts(NamedTuple):
+    """The cumulative counters the windowed health rules difference."""
+
+    steps: int
+    skipped_steps: int
+    found_inf_local: Mapping[str, int]
+    found_inf_origin: Mapping[str, int]
+    """Shared with the record's totals, not copied: nothing mutates them."""
+
+    @classmethod
+    def of(cls, totals: RankTotals) -> WindowCounts:
+        return cls(
+            totals.steps, totals.skipped_steps, totals.found_inf_local, totals.found_inf_origin
+        )
+
+
 class Sample(NamedTuple):
-    """The rank's cumulative totals as of one accepted batch, for windowed health rules."""
+    """The rank's cumulative counters as of one accepted batch, for windowed health rules."""
 
     received: float
     """Exporter clock when the batch arrived."""
-    totals: RankTotals
-    """Totals of the newest record after the batch (shared with the record, not copied)."""
+    counts: WindowCounts
+    """Counters of the newest record after the batch."""
     scale: float
     """scale_after of that record."""
     peak_scale: float
@@ -65,7 +104,7 @@ class RankSnapshot:
     restarts: int
     first_step: int
     """Step of the first record seen from the current process (1: seen from its start)."""
-    history: tuple[StepRecord, ...]
+    history: tuple[HeldRecord, ...]
     """Oldest first, ascending steps."""
     samples: tuple[Sample, ...]
     """Oldest first; the first may predate the longest window (the window's baseline)."""
@@ -105,7 +144,7 @@ class RankState:
     """Mutable state of one rank. Every method is O(records applied) unless noted.
 
     Args:
-        history_length: StepRecords kept (oldest dropped first).
+        history_length: records kept (oldest dropped first).
     """
 
     def __init__(self, *, history_length: int) -> None:
@@ -114,7 +153,7 @@ class RankState:
         self.dropped_records = 0
         self.restarts = 0
         self.first_step = 0
-        self.history: deque[StepRecord] = deque(maxlen=history_length)
+        self.history: deque[HeldRecord] = deque(maxlen=history_length)
         self.samples: deque[Sample] = deque(maxlen=MAX_SAMPLES)
         # Records produced before this wall-clock time belong to a dead process.
         self._process_start = float("-inf")
@@ -157,7 +196,7 @@ class RankState:
             self.samples.append(
                 Sample(
                     received=now,
-                    totals=self.newest.totals,
+                    counts=WindowCounts.of(self.newest.totals),
                     scale=self.newest.scale_after,
                     peak_scale=peak,
                 )
@@ -177,7 +216,7 @@ class RankState:
                 self._restart(record)
                 return "restart"
             self.newest = record
-            self.history.append(record)
+            self.history.append(HeldRecord.of(record))
             return "newest"
         if record.step == newest.step:
             return "ignored"
@@ -189,7 +228,7 @@ class RankState:
     def _start(self, record: StepRecord) -> None:
         self.newest = record
         self.first_step = record.step
-        self.history.append(record)
+        self.history.append(HeldRecord.of(record))
 
     def _restart(self, record: StepRecord) -> None:
         self._process_start = record.time
@@ -207,7 +246,7 @@ class RankState:
         if at == 0 and len(self.history) == self.history.maxlen:
             return False  # older than everything a full history keeps
         items = list(self.history)
-        items.insert(at, record)
+        items.insert(at, HeldRecord.of(record))
         self.history = deque(items, maxlen=self.history.maxlen)  # drops the oldest if full
         return True
 

@@ -21,7 +21,22 @@ def test_in_order_batches_advance_newest_and_history() -> None:
     assert state.dropped_records == 2
     assert state.first_step == 1
     assert [s.received for s in state.samples] == [10.0, 11.0]
-    assert state.samples[-1].totals.steps == 5
+    assert state.samples[-1].counts.steps == 5
+
+
+def test_history_holds_records_compactly_and_gives_them_back_whole() -> None:
+    state = _state()
+    sent = [
+        record(1, total=totals(1, local={"cuda:0": 0, "cuda:1": 0})),
+        record(2, scale=32768.0, skipped=True, total=totals(2, skipped=1, params={"w": 3})),
+    ]
+    state.apply_batch(sent, 0, now=10.0)
+    held = list(state.history)
+    assert [(h.step, h.time, h.scale_after) for h in held] == [
+        (r.step, r.time, r.scale_after) for r in sent
+    ]
+    assert [h.record() for h in held] == sent
+    assert all(isinstance(h.json, str) for h in held)
 
 
 def test_late_retry_fills_history_without_moving_newest() -> None:

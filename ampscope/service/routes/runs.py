@@ -146,7 +146,7 @@ def get_history(
     return History(
         run=run,
         rank=rank,
-        records=page,
+        records=[held.record() for held in page],
         oldest_held_step=snap.history[0].step if snap.history else None,
         newest_held_step=snap.history[-1].step if snap.history else None,
         capacity=settings.history_length,
