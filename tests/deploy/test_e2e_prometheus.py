@@ -151,6 +151,13 @@ def test_every_dashboard_and_alert_expression_returns_data(
         # Rank-level state is checked while the ranks were up, staleness once they were not.
         return prometheus.query(expr, live) or prometheus.query(expr, stale)
 
+    # The PromQL the demo suggests at its end works as printed.
+    suggested = demo.stdout.split("PromQL", 1)[1].splitlines()[1:]
+    suggested = [line.split("#")[0].strip() for line in suggested if line.startswith("    ")]
+    assert len(suggested) >= 3, demo.stdout
+    unanswered = [expr for expr in suggested if not evaluate(expr)]
+    assert not unanswered, f"suggested PromQL without data: {unanswered}"
+
     (dashboard,) = dashboards().values()
     empty = [
         (title, expr)
