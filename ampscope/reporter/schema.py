@@ -124,7 +124,7 @@ class RankTotals(_Model):
     """Top-K parameters by cumulative non-finite element count on this rank."""
     min_scale: Scale | None
     max_scale: Scale | None
-    aligned_scale: AlignedScale | None = None
+    aligned_scale: AlignedScale | None
     """The scale after the newest update() whose step is a multiple of SCALE_ALIGN_STEPS;
     ``None`` before the first such step. Ranks of a healthy run agree on it at equal steps."""
 

@@ -52,6 +52,7 @@ def make_record(step: int, *, run: str = "run-a", rank: int = 0) -> StepRecord:
             nonfinite_params=[],
             min_scale=512.0,
             max_scale=1024.0,
+            aligned_scale=None,
         ),
     )
 
