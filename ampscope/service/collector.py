@@ -89,9 +89,9 @@ class StoreCollector(Collector):
                 found_inf_origin.add_metric([*labels, device], count)
             for param in totals.nonfinite_params:
                 nonfinite.add_metric([*labels, param.name], param.count)
-        yield from (scale, tracker, last_step, aligned, aligned_step, last_report, up, steps)
-        yield from (skipped, backoffs)
-        yield from (growths, found_inf, found_inf_origin, nonfinite, dropped)
+        yield from (scale, tracker, last_step, aligned, aligned_step, last_report, up)
+        yield from (steps, skipped, backoffs, growths, found_inf, found_inf_origin, nonfinite)
+        yield dropped
         yield from self._self_metrics()
 
     def _self_metrics(self) -> Iterator[Metric]:
