@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from ampscope.reporter.schema import SCALE_ALIGN_STEPS
 from ampscope.service.catalogue import BY_NAME
 from bench.payloads import PUSHED_FAMILIES, SimulatedRank, check_batch
 
@@ -44,7 +45,7 @@ def test_batches_pass_the_exporters_strict_validation_and_keep_counting() -> Non
     assert records[11].scale_after == records[11].scale_before
     assert records[8].totals.aligned_scale is None
     aligned = {r.step: r.totals.aligned_scale for r in records[9:]}
-    assert all(a is not None and a.step == s - s % 10 for s, a in aligned.items())
+    assert all(a is not None and a.step == s - s % SCALE_ALIGN_STEPS for s, a in aligned.items())
     assert all(
         a is not None and a.scale == records[a.step - 1].scale_after for a in aligned.values()
     )

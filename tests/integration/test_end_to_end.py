@@ -68,6 +68,7 @@ def _train(rank: int, world_size: int, url: str, flags: str) -> dict[str, Any]:
 
     import ampscope
     from ampscope.reporter.http import HttpReporter
+    from ampscope.reporter.schema import SCALE_ALIGN_STEPS
 
     flag_dir = Path(flags)
     torch.manual_seed(0)
@@ -115,7 +116,7 @@ def _train(rank: int, world_size: int, url: str, flags: str) -> dict[str, Any]:
     snap = scaler.telemetry.snapshot()
     history = scaler.telemetry.history()
     last = history[-1]
-    aligned_step = snap.steps - snap.steps % 10
+    aligned_step = snap.steps - snap.steps % SCALE_ALIGN_STEPS
     scaler.close()  # flushes the reporter (rank 1's may be in a backoff: close retries at once)
     result = {
         "steps": snap.steps,

@@ -24,7 +24,7 @@ def test_in_order_batches_advance_newest_and_history() -> None:
     assert state.samples[-1].counts.steps == 5
 
 
-def test_history_holds_records_compactly_and_gives_them_back_whole() -> None:
+def test_history_gives_records_back_whole() -> None:
     state = _state()
     sent = [
         record(1, total=totals(1, local={"cuda:0": 0, "cuda:1": 0})),
@@ -36,7 +36,6 @@ def test_history_holds_records_compactly_and_gives_them_back_whole() -> None:
         (r.step, r.time, r.scale_after) for r in sent
     ]
     assert [h.record() for h in held] == sent
-    assert all(isinstance(h.json, str) for h in held)
 
 
 def test_late_retry_fills_history_without_moving_newest() -> None:
