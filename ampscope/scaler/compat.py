@@ -57,6 +57,7 @@ __all__ = [
     "per_optimizer_found_infs",
     "reduce_found_inf",
     "scale_tensor",
+    "scaler_device",
     "steps_itself",
 ]
 
@@ -73,6 +74,11 @@ def scale_tensor(scaler: _TorchGradScaler) -> torch.Tensor | None:
     """The scale tensor (``None`` until the first ``scale()``)."""
     scale: torch.Tensor | None = scaler._scale
     return scale
+
+
+def scaler_device(scaler: _TorchGradScaler) -> str:
+    """The device string the scaler was built for (``"cuda"``, ``"cpu"``...)."""
+    return str(scaler._device)
 
 
 def growth_tracker(scaler: _TorchGradScaler) -> torch.Tensor | None:
@@ -278,7 +284,7 @@ def check_torch() -> tuple[str, ...]:
                 )
     probe = _TorchGradScaler("cpu", init_scale=2.0)
     probe.scale(torch.ones(()))
-    for attr in ("_scale", "_growth_tracker", "_per_optimizer_states"):
+    for attr in ("_device", "_scale", "_growth_tracker", "_per_optimizer_states"):
         if not hasattr(probe, attr):
             problems.append(f"GradScaler no longer has attribute {attr}")
     states = getattr(probe, "_per_optimizer_states", {})

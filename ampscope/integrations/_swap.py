@@ -1,0 +1,112 @@
+"""What the three integrations share: build ampscope's twin of a library's scaler, attach.
+
+An integration never chooses the numerics: the twin copies the stock scaler's class
+(``torch.amp.GradScaler`` or FSDP1's ``ShardedGradScaler``), device, factors, interval,
+process group and current state through torch's public API, so training continues exactly
+as the library configured it. Torch's private state is read only through
+:mod:`ampscope.scaler.compat`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as _TorchSharded
+
+from ampscope.scaler import compat
+from ampscope.scaler.config import TelemetryConfig
+from ampscope.scaler.mixin import TelemetryMixin
+from ampscope.scaler.scalers import GradScaler, ShardedGradScaler
+
+logger = logging.getLogger("ampscope")
+
+NO_SCALER = (
+    "ampscope: {library} has no loss scaler to instrument ({why}); ampscope changes nothing. "
+    "Loss scaling exists only for fp16 mixed precision on an accelerator (on CPU, {library} "
+    "turns fp16 into {cpu_fallback})."
+)
+"""The one message an integration logs when there is nothing to swap."""
+
+
+def check_options(scaler_options: dict[str, Any]) -> None:
+    """Validate the telemetry options now, where the user passed them.
+
+    Raises:
+        TypeError: an option that is not a :class:`TelemetryConfig` field (scaling
+            arguments such as ``init_scale`` belong to the library's own configuration).
+        ValueError: a bad value, as the scalers' constructors raise.
+    """
+    TelemetryConfig(**scaler_options)
+
+
+def twin(stock: Any, scaler_options: dict[str, Any]) -> TelemetryMixin | None:
+    """ampscope's scaler in place of ``stock``, trained exactly like it.
+
+    Returns ``stock`` itself when it already is ampscope's (so instrumenting twice
+    changes nothing), ``None`` when ``stock`` is no torch scaler ampscope subclasses
+    (then the caller leaves it alone). The twin takes over ``stock``'s state via
+    ``state_dict()``, so a swap after training started keeps the scale and tracker.
+    """
+    if isinstance(stock, TelemetryMixin):
+        return stock
+    if not isinstance(stock, torch.amp.GradScaler):
+        return None
+    enabled = stock.is_enabled()
+    arguments: dict[str, Any] = {"enabled": enabled}
+    if enabled:
+        # get_scale() is the initial scale until the first scale(): no device sync then.
+        arguments.update(
+            init_scale=stock.get_scale(),
+            growth_factor=stock.get_growth_factor(),
+            backoff_factor=stock.get_backoff_factor(),
+            growth_interval=stock.get_growth_interval(),
+        )
+    device = compat.scaler_device(stock)
+    ours: TelemetryMixin
+    if isinstance(stock, _TorchSharded):
+        ours = ShardedGradScaler(
+            device, process_group=stock.process_group, **arguments, **scaler_options
+        )
+    else:
+        ours = GradScaler(device, **arguments, **scaler_options)
+    if enabled:
+        ours.load_state_dict(stock.state_dict())  # type: ignore[attr-defined]
+    return ours
+
+
+def is_distributed() -> bool:
+    """Whether this process runs in a process group of more than one rank."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+class Attacher:
+    """Attaches a scaler to each model once, origin tracking where the run is distributed.
+
+    Origin tracking that the model cannot support (no gradient collective, an unsupported
+    wrapper, a comm hook of the user's) is logged once and skipped: an integration must
+    never stop training for telemetry.
+    """
+
+    def __init__(self, track_origin: bool | None) -> None:
+        self.track_origin = track_origin
+        self._attached: list[nn.Module] = []
+
+    def attach(self, scaler: TelemetryMixin, model: nn.Module, *, names_only: bool = False) -> None:
+        """Attach ``scaler`` to ``model`` unless done before; ``names_only`` skips origin."""
+        if any(model is seen for seen in self._attached):
+            return
+        self._attached.append(model)
+        origin = is_distributed() if self.track_origin is None else self.track_origin
+        if origin and not names_only:
+            try:
+                scaler.attach(model, track_origin=True)
+                return
+            except (TypeError, ValueError) as exc:
+                logger.warning(
+                    "ampscope: origin tracking is off for %s: %s", type(model).__name__, exc
+                )
+        scaler.attach(model)

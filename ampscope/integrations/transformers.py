@@ -1,0 +1,123 @@
+"""Hugging Face ``Trainer``: ``instrument(trainer)`` before ``trainer.train()``.
+
+The Trainer builds an Accelerate ``Accelerator`` in its constructor and keeps the loss
+scaler there (``trainer.accelerator.scaler``); ``train()`` prepares the model and the
+optimizer, which hands that scaler to the optimizer wrapper. So the swap happens between
+``Trainer()`` and ``train()``, and attaching waits for ``on_train_begin``, when
+``trainer.model_wrapped`` is the DDP/FSDP-wrapped model. A ``TrainerCallback`` (the shape
+of Hugging Face's own ``TensorBoardCallback``) does the attaching, adds ``loss_scale`` and
+``skipped_steps`` to the training logs and closes the scaler when training ends.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+try:
+    from transformers import TrainerCallback
+except ImportError as exc:  # pragma: no cover - exercised only without transformers
+    raise ImportError(
+        "ampscope.integrations.transformers needs transformers: "
+        "pip install 'ampscope[transformers]'"
+    ) from exc
+
+from ampscope.integrations._swap import check_options
+from ampscope.integrations.accelerate import attacher_of, instrument_accelerator
+from ampscope.scaler.mixin import TelemetryMixin
+
+if TYPE_CHECKING:
+    from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
+
+
+class AmpscopeTrainerCallback(TrainerCallback):  # type: ignore[misc]
+    """Attaches the scaler on ``on_train_begin``, logs it, closes it on ``on_train_end``.
+
+    Added by :func:`instrument`; not meant to be constructed by hand.
+    """
+
+    def __init__(self, trainer: Trainer, scaler: TelemetryMixin) -> None:
+        self.trainer = trainer
+        self.scaler = scaler
+
+    def on_train_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
+    ) -> None:
+        attacher = attacher_of(self.trainer.accelerator)
+        if attacher is not None:
+            attacher.attach(self.scaler, self.trainer.model_wrapped)
+
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, float] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        # Only the training logs (those with "loss"): evaluation and the final summary
+        # are not about the scaler. This callback runs first, so report_to callbacks
+        # (TensorBoard, W&B, MLflow...) see the added values; the history entry the
+        # Trainer just appended gets them too. get_scale() reads the scale tensor: one
+        # host-device sync per logging step on an accelerator.
+        if logs is None or "loss" not in logs:
+            return
+        values = {
+            "loss_scale": self.scaler.get_scale(),  # type: ignore[attr-defined]
+            "skipped_steps": self.scaler.telemetry.snapshot().skipped_steps,
+        }
+        logs.update(values)
+        if state.log_history and state.log_history[-1].get("loss") == logs["loss"]:
+            state.log_history[-1].update(values)
+
+    def on_train_end(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
+    ) -> None:
+        self.scaler.close()
+
+
+def instrument(
+    trainer: Trainer, *, track_origin: bool | None = None, **scaler_options: Any
+) -> TelemetryMixin | None:
+    """Make ``trainer`` train with ampscope's scaler. Call after ``Trainer()``, before
+    ``trainer.train()``.
+
+    Replaces ``trainer.accelerator.scaler`` with ampscope's scaler of the same class
+    (``GradScaler`` for DDP, FSDP2 and one device, ``ShardedGradScaler`` for FSDP1) and
+    the same scaling settings, and adds a callback that attaches it to the wrapped model
+    when training starts (origin tracking when the run is distributed), adds
+    ``loss_scale`` and ``skipped_steps`` to every training log (so they reach whatever
+    ``report_to`` sends to) and closes the scaler when training ends. Calling it again
+    returns the same scaler and changes nothing.
+
+    Args:
+        trainer: A ``transformers.Trainer`` (or subclass).
+        track_origin: ``None`` (default): on when the process group has more than one
+            rank; ``False`` turns it off.
+        **scaler_options: Telemetry options of :class:`ampscope.GradScaler`
+            (``run_id``, ``reporter``, ``sinks``, ``top_k``...). The scaling itself stays
+            the Trainer's.
+
+    Returns:
+        The ampscope scaler, or ``None`` when the Trainer uses no loss scaler (bf16,
+        fp32, ``fp16=True`` on CPU, DeepSpeed): then nothing changes and a warning says
+        so once.
+    """
+    check_options(scaler_options)
+    for callback in trainer.callback_handler.callbacks:
+        if isinstance(callback, AmpscopeTrainerCallback):
+            return callback.scaler
+    scaler = instrument_accelerator(
+        trainer.accelerator, track_origin, scaler_options, "the Trainer"
+    )
+    if scaler is not None:
+        # First in line, so that the report_to callbacks log what on_log adds.
+        trainer.callback_handler.callbacks.insert(0, AmpscopeTrainerCallback(trainer, scaler))
+    return scaler
