@@ -1,0 +1,67 @@
+"""``ampscope.integrations.accelerate.instrument`` with the real Accelerate."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from conftest import check_exporter, check_origin, check_same_training, expected_skips
+from support import run_distributed
+from workers import INJECT_STEPS, STEPS, accelerate_worker
+
+pytest.importorskip("accelerate")
+
+
+def test_accelerate_single_process(report_to: str) -> None:
+    result = accelerate_worker(0, 1, "acc-single")
+    for mode in ("before", "after"):
+        ours = result[mode]
+        check_same_training(result["stock"], ours)
+        assert ours["optimizer_scaler_is_accelerators"]
+        assert ours["nonfinite"][min(INJECT_STEPS)] == ["head.weight"]
+        assert ours["origin"] == [False] * STEPS  # one process: nothing to track
+        check_exporter(report_to, f"acc-single-{mode}", [ours])
+
+
+@pytest.mark.distributed
+def test_accelerate_ddp_two_ranks(report_to: str) -> None:
+    results = run_distributed(accelerate_worker, 2, args=("acc-ddp",))
+    for rank_result in results:
+        for mode in ("before", "after"):
+            check_same_training(rank_result["stock"], rank_result[mode])
+            assert rank_result[mode]["optimizer_scaler_is_accelerators"]
+    # Before prepare(): attached to the DDP wrapper, so origin names rank 1.
+    check_origin([r["before"] for r in results])
+    check_exporter(report_to, "acc-ddp-before", [r["before"] for r in results])
+    # After prepare(): Accelerate kept only the unwrapped module; names, no origin.
+    assert all(r["after"]["origin"] == [False] * STEPS for r in results)
+    assert results[1]["after"]["nonfinite"][min(INJECT_STEPS)] == ["head.weight"]
+    check_exporter(report_to, "acc-ddp-after", [r["after"] for r in results])
+
+
+def test_accelerate_without_a_scaler_changes_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    from accelerate import Accelerator
+
+    from ampscope.integrations.accelerate import instrument
+
+    accelerator = Accelerator(mixed_precision="fp16", cpu=True)  # CPU: no scaler, fp32
+    with caplog.at_level(logging.WARNING, logger="ampscope"):
+        assert instrument(accelerator, reporter=None) is None
+        assert instrument(accelerator, reporter=None) is None
+    assert accelerator.scaler is None
+    messages = [r.getMessage() for r in caplog.records if "no loss scaler" in r.getMessage()]
+    assert len(messages) == 1
+    assert "mixed_precision='fp16' on cpu" in messages[0]
+
+
+def test_accelerate_rejects_scaling_options() -> None:
+    from accelerate import Accelerator
+
+    from ampscope.integrations.accelerate import instrument
+
+    with pytest.raises(TypeError, match="init_scale"):
+        instrument(Accelerator(cpu=True), init_scale=4.0)
+
+
+def test_expected_skips_cover_the_injected_steps() -> None:
+    assert sum(expected_skips()) == len(INJECT_STEPS)
