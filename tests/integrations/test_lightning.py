@@ -1,0 +1,109 @@
+"""``ampscope.integrations.lightning.AmpscopeCallback`` with the real Lightning."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+from conftest import check_exporter, check_origin, check_same_training
+from support import run_distributed
+from workers import STEPS, lightning_worker
+
+pytest.importorskip("lightning")
+
+
+def _check_logs(ours: dict[str, Any]) -> None:
+    # log_every_n_steps=1: the module's logger got the scaler's scale after every step
+    # and its running skipped-step count.
+    skipped = [float(sum(ours["skipped"][: step + 1])) for step in range(STEPS)]
+    assert ours["logged"] == list(zip(ours["record_scales"], skipped, strict=True))
+    assert ours["callback_scaler_is_plugins"]
+    assert ours["closed"]  # closed at teardown
+
+
+def test_lightning_single_process(report_to: str) -> None:
+    result = lightning_worker(0, 1, "pl-single")
+    check_same_training(result["stock"], result["ours"])
+    _check_logs(result["ours"])
+    check_exporter(report_to, "pl-single", [result["ours"]])
+
+
+@pytest.mark.distributed
+def test_lightning_ddp_two_ranks(report_to: str) -> None:
+    results = run_distributed(lightning_worker, 2, args=("pl-ddp",))
+    for rank_result in results:
+        check_same_training(rank_result["stock"], rank_result["ours"])
+    # Lightning logs from rank 0 only.
+    _check_logs(results[0]["ours"])
+    check_origin([r["ours"] for r in results])
+    check_exporter(report_to, "pl-ddp", [r["ours"] for r in results])
+
+
+def test_lightning_bf16_has_no_scaler_and_nothing_changes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import lightning.pytorch as pl
+    import torch
+
+    from ampscope.integrations.lightning import AmpscopeCallback
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+
+        def training_step(self, x: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            return self.layer(x).sum()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    callback = AmpscopeCallback(reporter=None)
+    # "16-mixed" on CPU: Lightning switches to bf16-mixed, which has no scaler.
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        precision="16-mixed",
+        max_steps=2,
+        callbacks=[callback],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    loader = torch.utils.data.DataLoader(torch.ones(4, 2), batch_size=None)
+    with caplog.at_level(logging.WARNING, logger="ampscope"):
+        trainer.fit(Module(), loader)
+        trainer.fit(Module(), loader)  # reused: still says it once
+    assert trainer.precision_plugin.scaler is None
+    assert callback.scaler is None
+    messages = [r.getMessage() for r in caplog.records if "no loss scaler" in r.getMessage()]
+    assert len(messages) == 1
+    assert "precision='bf16-mixed'" in messages[0]
+
+
+def test_fsdp_precision_gets_the_sharded_scaler() -> None:
+    """Lightning 2.6's FSDPPrecision("16-mixed", scaler=...) raises and would drop it;
+    the callback sets the attribute on the plugin instead, keeping the class."""
+    from lightning.pytorch.plugins.precision import FSDPPrecision
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    import ampscope
+    from ampscope.integrations.lightning import AmpscopeCallback
+
+    with pytest.raises(ValueError, match="does not use a scaler"):
+        FSDPPrecision("16-mixed", scaler=ShardedGradScaler("cpu"))
+    plugin = FSDPPrecision("16-mixed")
+    stock = ShardedGradScaler("cpu", init_scale=8.0, growth_interval=5)
+    plugin.scaler = stock
+
+    class FakeTrainer:  # setup() only reads the precision plugin
+        precision_plugin = plugin
+
+    callback = AmpscopeCallback(reporter=None)
+    callback.setup(FakeTrainer(), None, "fit")  # type: ignore[arg-type]
+    assert isinstance(plugin.scaler, ampscope.ShardedGradScaler)
+    assert plugin.scaler is callback.scaler
+    assert (plugin.scaler.get_scale(), plugin.scaler.get_growth_interval()) == (8.0, 5)
+    assert plugin.scaler.process_group is stock.process_group
+    plugin.scaler.close()

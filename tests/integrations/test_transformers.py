@@ -1,0 +1,63 @@
+"""``ampscope.integrations.transformers.instrument`` with the real Hugging Face Trainer."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import check_exporter, check_origin, check_same_training
+from support import run_distributed
+from workers import STEPS, Dataset, Net, trainer_worker
+
+pytest.importorskip("transformers")
+
+
+def _check_logs(ours: dict[str, Any]) -> None:
+    # logging_steps=1: one training log per step, with the scaler's scale after that
+    # step and its skipped-step count, seen by a user callback registered before
+    # instrument() (as report_to callbacks are) and kept in trainer.state.log_history.
+    skipped = [sum(ours["skipped"][: step + 1]) for step in range(STEPS)]
+    assert ours["logged"] == list(zip(ours["record_scales"], skipped, strict=True))
+    assert ours["history_logged"] == ours["record_scales"]
+    assert ours["closed"]  # closed at the end of training
+
+
+def test_trainer_single_process(report_to: str, tmp_path: Path) -> None:
+    result = trainer_worker(0, 1, "hf-single", str(tmp_path))
+    check_same_training(result["stock"], result["ours"])
+    assert result["stock"]["logged"] == []
+    _check_logs(result["ours"])
+    check_exporter(report_to, "hf-single", [result["ours"]])
+
+
+@pytest.mark.distributed
+def test_trainer_ddp_two_ranks(report_to: str, tmp_path: Path) -> None:
+    results = run_distributed(trainer_worker, 2, args=("hf-ddp", str(tmp_path)))
+    for rank_result in results:
+        check_same_training(rank_result["stock"], rank_result["ours"])
+        _check_logs(rank_result["ours"])
+    check_origin([r["ours"] for r in results])
+    check_exporter(report_to, "hf-ddp", [r["ours"] for r in results])
+
+
+def test_trainer_without_a_scaler_changes_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from transformers import Trainer, TrainingArguments
+
+    from ampscope.integrations.transformers import instrument
+
+    # fp16=True on CPU: the Trainer's accelerator silently has no scaler.
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, fp16=True, report_to=[])
+    trainer = Trainer(model=Net(), args=args, train_dataset=Dataset(8))
+    callbacks = list(trainer.callback_handler.callbacks)
+    with caplog.at_level(logging.WARNING, logger="ampscope"):
+        assert instrument(trainer, reporter=None) is None
+        assert instrument(trainer, reporter=None) is None
+    assert trainer.accelerator.scaler is None
+    assert trainer.callback_handler.callbacks == callbacks
+    messages = [r.getMessage() for r in caplog.records if "no loss scaler" in r.getMessage()]
+    assert len(messages) == 1
+    assert "the Trainer" in messages[0]
