@@ -74,7 +74,7 @@ def twin(stock: Any, scaler_options: dict[str, Any]) -> TelemetryMixin | None:
     else:
         ours = GradScaler(device, **arguments, **scaler_options)
     if enabled:
-        ours.load_state_dict(stock.state_dict())  # type: ignore[attr-defined]
+        ours.load_state_dict(stock.state_dict())
     return ours
 
 

@@ -120,7 +120,9 @@ def _is_wrapped(model: nn.Module) -> bool:
     return isinstance(model, (DDP, FSDP, FSDPModule))
 
 
-def _attach_on_prepare(accelerator: Accelerator, scaler: TelemetryMixin, attacher: Attacher) -> None:
+def _attach_on_prepare(
+    accelerator: Accelerator, scaler: TelemetryMixin, attacher: Attacher
+) -> None:
     """Wrap this accelerator's ``prepare``/``prepare_model`` to attach what they return.
 
     Accelerate has no hook for "a model was prepared"; an instance attribute shadows the

@@ -30,7 +30,7 @@ from ampscope.scaler.mixin import TelemetryMixin
 logger = logging.getLogger("ampscope")
 
 
-class AmpscopeCallback(pl.Callback):  # type: ignore[misc]
+class AmpscopeCallback(pl.Callback):
     """Trains with ampscope's scaler in place of the precision plugin's; logs it.
 
     Logs ``loss_scale`` and ``skipped_steps`` on the steps Lightning writes logs

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
 
 
-class AmpscopeTrainerCallback(TrainerCallback):  # type: ignore[misc]
+class AmpscopeTrainerCallback(TrainerCallback):
     """Attaches the scaler on ``on_train_begin``, logs it, closes it on ``on_train_end``.
 
     Added by :func:`instrument`; not meant to be constructed by hand.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from conftest import check_exporter, check_origin, check_same_training, expected_skips
+from checks import check_exporter, check_origin, check_same_training, expected_skips
 from support import run_distributed
 from workers import INJECT_STEPS, STEPS, accelerate_worker
 

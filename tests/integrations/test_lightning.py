@@ -6,7 +6,7 @@ import logging
 from typing import Any
 
 import pytest
-from conftest import check_exporter, check_origin, check_same_training
+from checks import check_exporter, check_origin, check_same_training
 from support import run_distributed
 from workers import STEPS, lightning_worker
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import check_exporter, check_origin, check_same_training
+from checks import check_exporter, check_origin, check_same_training
 from support import run_distributed
 from workers import STEPS, Dataset, Net, trainer_worker
 

@@ -1,0 +1,59 @@
+"""Checks every integration test shares: same training, origin, records at the exporter."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from typing import Any
+
+from workers import INJECT_STEPS, STEPS, Net, inject_rank
+
+
+def exporter_ranks(url: str, run: str, world_size: int, timeout: float = 20.0) -> list[Any]:
+    """The exporter's view of ``run``'s ranks once all have reported every step."""
+    end = time.monotonic() + timeout
+    ranks: list[Any] = []
+    while time.monotonic() < end:
+        try:
+            with urllib.request.urlopen(f"{url}/api/v1/runs/{run}/ranks", timeout=5) as r:
+                ranks = json.loads(r.read())
+        except OSError:
+            ranks = []
+        if len(ranks) == world_size and all(rank["step"] == STEPS for rank in ranks):
+            return sorted(ranks, key=lambda rank: rank["rank"])
+        time.sleep(0.1)
+    raise AssertionError(f"exporter did not get every step of {run}: {ranks}")
+
+
+def expected_skips() -> list[bool]:
+    return [step in INJECT_STEPS for step in range(STEPS)]
+
+
+def check_same_training(stock: dict[str, Any], ours: dict[str, Any]) -> None:
+    """ampscope's scaler, and bit-identical parameters and scale trajectory."""
+    assert stock["scaler_class"] == "torch.amp.grad_scaler.GradScaler"
+    assert ours["scaler_class"] == "ampscope.scaler.scalers.GradScaler"
+    assert ours["scales"] == stock["scales"]
+    assert ours["record_scales"] == stock["scales"]
+    initial = [p.detach().flatten().tolist() for p in Net().parameters()]
+    assert initial != stock["params"]  # it trained
+    assert ours["params"] == stock["params"]  # bit for bit: float32 values as Python floats
+    assert ours["skipped"] == expected_skips()
+
+
+def check_origin(results: list[dict[str, Any]]) -> None:
+    """Origin tracking names the injecting rank, at the injected steps, and no other."""
+    world_size = len(results)
+    for rank, ours in enumerate(results):
+        wanted = expected_skips() if rank == inject_rank(world_size) else [False] * STEPS
+        assert ours["origin"] == wanted, rank
+
+
+def check_exporter(url: str, run: str, results: list[dict[str, Any]]) -> None:
+    ranks = exporter_ranks(url, run, len(results))
+    for view, ours in zip(ranks, results, strict=True):
+        assert view["scale"] == ours["record_scales"][-1]
+        assert view["totals"]["skipped_steps"] == len(INJECT_STEPS)
+        origin = sum(view["totals"]["found_inf_origin"].values())
+        assert origin == sum(ours["origin"])
