@@ -68,9 +68,9 @@ def twin(stock: Any, scaler_options: dict[str, Any]) -> TelemetryMixin | None:
     device = compat.scaler_device(stock)
     ours: TelemetryMixin
     if isinstance(stock, _TorchSharded):
-        ours = ShardedGradScaler(
-            device, process_group=stock.process_group, **arguments, **scaler_options
-        )
+        # torch sets process_group only on an enabled ShardedGradScaler.
+        group = getattr(stock, "process_group", dist.group.WORLD)
+        ours = ShardedGradScaler(device, process_group=group, **arguments, **scaler_options)
     else:
         ours = GradScaler(device, **arguments, **scaler_options)
     if enabled:

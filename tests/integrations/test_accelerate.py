@@ -65,3 +65,33 @@ def test_accelerate_rejects_scaling_options() -> None:
 
 def test_expected_skips_cover_the_injected_steps() -> None:
     assert sum(expected_skips()) == len(INJECT_STEPS)
+
+
+def test_fsdp_scalers_keep_the_class_accelerate_chose() -> None:
+    """Neither FSDP version runs on CPU in Accelerate (its FSDP plugin falls back to
+    MULTI_CPU there), so this checks the swap on the scalers Accelerate's own factories
+    build for FSDP1 (``ShardedGradScaler``) and FSDP2 (``torch.amp.GradScaler``)."""
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType, get_grad_scaler
+    from accelerate.utils.fsdp_utils import get_fsdp2_grad_scaler
+
+    import ampscope
+    from ampscope.integrations.accelerate import instrument
+
+    factories = {
+        ampscope.ShardedGradScaler: lambda: get_grad_scaler(
+            # On a GPU Accelerate passes no device (torch's default "cuda").
+            DistributedType.FSDP, device="cpu", init_scale=64.0, growth_interval=7
+        ),
+        ampscope.GradScaler: lambda: get_fsdp2_grad_scaler(
+            device="cpu", init_scale=64.0, growth_interval=7
+        ),
+    }
+    for expected, factory in factories.items():
+        accelerator = Accelerator(cpu=True)
+        accelerator.scaler = factory()
+        scaler = instrument(accelerator, reporter=None)
+        assert type(scaler) is expected
+        assert accelerator.scaler is scaler
+        assert (scaler.get_scale(), scaler.get_growth_interval()) == (64.0, 7)
+        scaler.close()
