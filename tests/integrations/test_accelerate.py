@@ -81,7 +81,10 @@ def test_fsdp_scalers_keep_the_class_accelerate_chose() -> None:
     factories = {
         ampscope.ShardedGradScaler: lambda: get_grad_scaler(
             # On a GPU Accelerate passes no device (torch's default "cuda").
-            DistributedType.FSDP, device="cpu", init_scale=64.0, growth_interval=7
+            DistributedType.FSDP,
+            device="cpu",
+            init_scale=64.0,
+            growth_interval=7,
         ),
         ampscope.GradScaler: lambda: get_fsdp2_grad_scaler(
             device="cpu", init_scale=64.0, growth_interval=7
