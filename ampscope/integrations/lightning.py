@@ -60,12 +60,17 @@ class AmpscopeCallback(pl.Callback):
         self._log = log
         self._attacher = Attacher(track_origin)
         self._warned = False
+        self._active = True
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
         plugin = trainer.precision_plugin
         stock = getattr(plugin, "scaler", None)
+        if isinstance(stock, TelemetryMixin) and stock is not self.scaler:
+            # Another AmpscopeCallback swapped it: that one attaches, logs and closes.
+            self.scaler, self._active = stock, False
+            return
         ours = twin(stock, self._options) if stock is not None else None
         if ours is None:
             if not self._warned:
@@ -78,10 +83,10 @@ class AmpscopeCallback(pl.Callback):
                 )
             return
         plugin.scaler = ours
-        self.scaler = ours
+        self.scaler, self._active = ours, True
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.scaler is not None:
+        if self.scaler is not None and self._active:
             self._attacher.attach(self.scaler, trainer.strategy.model)
 
     def on_train_batch_end(
@@ -93,7 +98,7 @@ class AmpscopeCallback(pl.Callback):
         batch_idx: int,
     ) -> None:
         # As LearningRateMonitor: compute only on the steps the loggers write.
-        if self.scaler is None or not self._log:
+        if self.scaler is None or not self._log or not self._active:
             return
         if not trainer._logger_connector.should_update_logs:
             return
@@ -107,5 +112,5 @@ class AmpscopeCallback(pl.Callback):
         )
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit" and self.scaler is not None:
+        if stage == "fit" and self.scaler is not None and self._active:
             self.scaler.close()

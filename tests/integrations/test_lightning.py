@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from checks import check_exporter, check_origin, check_same_training
 from support import run_distributed
-from workers import STEPS, lightning_worker
+from workers import STEPS, Net, batch, lightning_plugin, lightning_worker, poison
 
 pytest.importorskip("lightning")
 
@@ -107,3 +107,59 @@ def test_fsdp_precision_gets_the_sharded_scaler() -> None:
     assert (plugin.scaler.get_scale(), plugin.scaler.get_growth_interval()) == (8.0, 5)
     assert plugin.scaler.process_group is stock.process_group
     plugin.scaler.close()
+
+
+def test_logs_on_lightning_logging_steps_and_a_second_callback_is_harmless() -> None:
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.loggers import Logger
+
+    from ampscope.integrations.lightning import AmpscopeCallback
+
+    class ListLogger(Logger):  # type: ignore[misc]
+        name, version = "list", "0"
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.metrics: list[tuple[int | None, dict[str, float]]] = []
+
+        def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+            self.metrics.append((step, dict(metrics)))
+
+        def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = Net()
+            poison(self.net, 0, 1)
+
+        def training_step(self, x: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            return self.net(x).square().mean()  # type: ignore[no-any-return]
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    first, second, logger = AmpscopeCallback(reporter=None), AmpscopeCallback(), ListLogger()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        plugins=[lightning_plugin()],
+        max_steps=STEPS,
+        log_every_n_steps=3,
+        logger=logger,
+        callbacks=[first, second],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    data = torch.stack([batch(0, step) for step in range(STEPS)])
+    trainer.fit(Module(), torch.utils.data.DataLoader(data, batch_size=None))
+    assert first.scaler is not None
+    assert second.scaler is first.scaler  # the second one found it swapped, stood aside
+    records = first.scaler.telemetry.history()
+    logged = [(step, m["loss_scale"], m["skipped_steps"]) for step, m in logger.metrics]
+    assert logged == [
+        (step, records[step].scale_after, float(sum(r.skipped for r in records[: step + 1])))
+        for step in range(2, STEPS, 3)
+    ]
