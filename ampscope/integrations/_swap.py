@@ -26,8 +26,8 @@ logger = logging.getLogger("ampscope")
 
 NO_SCALER = (
     "ampscope: {library} has no loss scaler to instrument ({why}); ampscope changes nothing. "
-    "Loss scaling exists only for fp16 mixed precision on an accelerator (on CPU, {library} "
-    "turns fp16 into {cpu_fallback})."
+    "{library} scales the loss only for fp16 mixed precision on an accelerator (on CPU it "
+    "turns fp16 into {cpu_fallback}; DeepSpeed scales inside its own engine)."
 )
 """The one message an integration logs when there is nothing to swap."""
 

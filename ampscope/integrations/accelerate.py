@@ -74,7 +74,8 @@ def instrument_accelerator(
     ours = twin(accelerator.scaler, scaler_options)
     if ours is None:
         why = (
-            f"mixed_precision={accelerator.mixed_precision!r} on {accelerator.device.type}"
+            f"mixed_precision={accelerator.mixed_precision!r} on {accelerator.device.type}, "
+            f"{accelerator.distributed_type}"
             if accelerator.scaler is None
             else f"its scaler is a {type(accelerator.scaler).__qualname__}"
         )

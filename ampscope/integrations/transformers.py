@@ -94,8 +94,9 @@ def instrument(
     the same scaling settings, and adds a callback that attaches it to the wrapped model
     when training starts (origin tracking when the run is distributed), adds
     ``loss_scale`` and ``skipped_steps`` to every training log (so they reach whatever
-    ``report_to`` sends to) and closes the scaler when training ends. Calling it again
-    returns the same scaler and changes nothing.
+    ``report_to`` sends to) and closes the scaler when training ends (a later
+    ``train()`` still trains with it, as torch's scaler, without telemetry). Calling it
+    again returns the same scaler and changes nothing.
 
     Args:
         trainer: A ``transformers.Trainer`` (or subclass).
@@ -115,7 +116,7 @@ def instrument(
         if isinstance(callback, AmpscopeTrainerCallback):
             return callback.scaler
     scaler = instrument_accelerator(
-        trainer.accelerator, track_origin, scaler_options, "the Trainer"
+        trainer.accelerator, track_origin, scaler_options, "Hugging Face Trainer"
     )
     if scaler is not None:
         # First in line, so that the report_to callbacks log what on_log adds.

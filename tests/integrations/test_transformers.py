@@ -60,4 +60,4 @@ def test_trainer_without_a_scaler_changes_nothing(
     assert trainer.callback_handler.callbacks == callbacks
     messages = [r.getMessage() for r in caplog.records if "no loss scaler" in r.getMessage()]
     assert len(messages) == 1
-    assert "the Trainer" in messages[0]
+    assert "Hugging Face Trainer has no loss scaler" in messages[0]
