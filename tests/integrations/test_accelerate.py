@@ -35,7 +35,10 @@ def test_accelerate_ddp_two_ranks(report_to: str) -> None:
     check_exporter(report_to, "acc-ddp-before", [r["before"] for r in results])
     # After prepare(): Accelerate kept only the unwrapped module; names, no origin.
     assert all(r["after"]["origin"] == [False] * STEPS for r in results)
-    assert results[1]["after"]["nonfinite"][min(INJECT_STEPS)] == ["head.weight"]
+    # The all-reduce spreads the inf: both ranks name the parameter, either way.
+    for rank_result in results:
+        for mode in ("before", "after"):
+            assert rank_result[mode]["nonfinite"][min(INJECT_STEPS)] == ["head.weight"]
     check_exporter(report_to, "acc-ddp-after", [r["after"] for r in results])
 
 

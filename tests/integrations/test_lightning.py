@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from checks import check_exporter, check_origin, check_same_training
 from support import run_distributed
-from workers import STEPS, Net, batch, lightning_plugin, lightning_worker, poison
+from workers import INJECT_STEPS, STEPS, Net, batch, lightning_plugin, lightning_worker, poison
 
 pytest.importorskip("lightning")
 
@@ -37,6 +37,8 @@ def test_lightning_ddp_two_ranks(report_to: str) -> None:
     # Lightning logs from rank 0 only.
     _check_logs(results[0]["ours"])
     check_origin([r["ours"] for r in results])
+    for rank_result in results:  # attached to DDP(LightningModule): names unwrapped
+        assert rank_result["ours"]["nonfinite"][min(INJECT_STEPS)] == ["net.head.weight"]
     check_exporter(report_to, "pl-ddp", [r["ours"] for r in results])
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from checks import check_exporter, check_origin, check_same_training
 from support import run_distributed
-from workers import STEPS, Dataset, Net, trainer_worker
+from workers import INJECT_STEPS, STEPS, Dataset, Net, trainer_worker
 
 pytest.importorskip("transformers")
 
@@ -39,6 +39,8 @@ def test_trainer_ddp_two_ranks(report_to: str, tmp_path: Path) -> None:
         check_same_training(rank_result["stock"], rank_result["ours"])
         _check_logs(rank_result["ours"])
     check_origin([r["ours"] for r in results])
+    for rank_result in results:  # attached to the DDP-wrapped model: names unwrapped
+        assert rank_result["ours"]["nonfinite"][min(INJECT_STEPS)] == ["head.weight"]
     check_exporter(report_to, "hf-ddp", [r["ours"] for r in results])
 
 
