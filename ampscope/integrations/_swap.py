@@ -10,6 +10,7 @@ as the library configured it. Torch's private state is read only through
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 import torch
@@ -93,13 +94,13 @@ class Attacher:
 
     def __init__(self, track_origin: bool | None) -> None:
         self.track_origin = track_origin
-        self._attached: list[nn.Module] = []
+        self._attached: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
     def attach(self, scaler: TelemetryMixin, model: nn.Module, *, names_only: bool = False) -> None:
         """Attach ``scaler`` to ``model`` unless done before; ``names_only`` skips origin."""
-        if any(model is seen for seen in self._attached):
+        if model in self._attached:  # nn.Module hashes by identity
             return
-        self._attached.append(model)
+        self._attached.add(model)
         origin = is_distributed() if self.track_origin is None else self.track_origin
         if origin and not names_only:
             try:

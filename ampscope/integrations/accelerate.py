@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -130,16 +131,20 @@ def _attach_on_prepare(
     method for this accelerator only, and calls it unchanged.
     """
     for name in ("prepare", "prepare_model"):
-        original = getattr(accelerator, name)
+        setattr(accelerator, name, _attaching(getattr(accelerator, name), scaler, attacher))
 
-        @functools.wraps(original)
-        def prepared(*args: Any, __original: Any = original, **kwargs: Any) -> Any:
-            result = __original(*args, **kwargs)
-            if kwargs.get("evaluation_mode"):
-                return result  # prepared for inference only: no gradients to watch
-            for obj in result if isinstance(result, tuple) else (result,):
-                if isinstance(obj, nn.Module):
-                    attacher.attach(scaler, obj)
-            return result
 
-        setattr(accelerator, name, prepared)
+def _attaching(
+    original: Callable[..., Any], scaler: TelemetryMixin, attacher: Attacher
+) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def prepared(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        if kwargs.get("evaluation_mode"):
+            return result  # prepared for inference only: no gradients to watch
+        for obj in result if isinstance(result, tuple) else (result,):
+            if isinstance(obj, nn.Module):
+                attacher.attach(scaler, obj)
+        return result
+
+    return prepared
