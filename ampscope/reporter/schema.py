@@ -11,7 +11,14 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    model_validator,
+)
 
 SCHEMA_VERSION = 1
 """Bumped on any incompatible change; the exporter rejects other versions with 422."""
@@ -36,10 +43,20 @@ MAX_OPTIMIZERS = 64
 MAX_NONFINITE_PARAMS = 64
 """Upper bound on top-K non-finite parameters per record and per rank's cumulative totals."""
 MAX_RECORDS_PER_BATCH = 2048
+MAX_COUNT = 2**53
+"""Largest count or step: every integer up to it is exact as a float64, the type
+Prometheus and JSON consumers hold samples in."""
+MAX_TIME = 4_102_444_800.0
+"""Latest record time accepted (2100-01-01 UTC); the exporter further refuses times
+more than a small skew ahead of its own clock."""
 
 SCALE_ALIGN_STEPS = 10
 """Every rank keeps its scale after each update() whose step is a multiple of this, so that
 Prometheus can compare ranks at the same step whatever each rank's reporting lag."""
+
+RUN_ID_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.:@+=-]*$"
+"""Run ids: a label without ``/`` and not starting with ``.``, so every run id is one
+path segment of the JSON API (``/api/v1/runs/{run}``) that no client normalises away."""
 
 Label = Annotated[
     str,
@@ -50,9 +67,15 @@ ParamName = Annotated[
     str,
     StringConstraints(min_length=1, max_length=MAX_PARAM_NAME_LENGTH, pattern=r"^[^\s\"\\]+$"),
 ]
-Count = Annotated[int, Field(ge=0)]
+RunId = Annotated[
+    str, StringConstraints(min_length=1, max_length=MAX_LABEL_LENGTH, pattern=RUN_ID_PATTERN)
+]
+Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+Step = Annotated[int, Field(ge=1, le=MAX_COUNT)]
+# Zero stays valid: a float32 scale that backed off ~150 times underflows to 0, which is
+# exactly the collapse the health rules must see.
 Scale = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
-UnixTime = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+UnixTime = Annotated[float, Field(ge=0.0, le=MAX_TIME, allow_inf_nan=False)]
 
 ScaleEvent = Literal["growth", "backoff", "none", "manual"]
 
@@ -65,7 +88,7 @@ class _Model(BaseModel):
 class Identity(_Model):
     """Who produced a record."""
 
-    run: Label
+    run: RunId
     """Run id: AMPSCOPE_RUN_ID, else TORCHELASTIC_RUN_ID, else generated and shared by all ranks."""
     node: Label
     """Host name of the rank's machine."""
@@ -81,6 +104,23 @@ class NonfiniteParam(_Model):
     """Fully qualified name, or ``group{g}.param{i}`` when the model was not attached."""
     count: Count
     """Number of non-finite elements (in a record: this iteration; in totals: cumulative)."""
+
+
+def _unique_names(params: list[NonfiniteParam]) -> list[NonfiniteParam]:
+    # Each name is one label set of ampscope_nonfinite_grads_total; Prometheus would keep
+    # one of two samples with the same labels and silently lose the other.
+    seen: set[str] = set()
+    for param in params:
+        if param.name in seen:
+            raise ValueError(f"parameter {param.name!r} is listed twice")
+        seen.add(param.name)
+    return params
+
+
+NonfiniteParams = Annotated[
+    list[NonfiniteParam], Field(max_length=MAX_NONFINITE_PARAMS), AfterValidator(_unique_names)
+]
+"""Top-K parameters, each name at most once."""
 
 
 class OptimizerDetail(_Model):
@@ -99,7 +139,7 @@ class OptimizerDetail(_Model):
 class AlignedScale(_Model):
     """A rank's loss scale after one update() whose step is a multiple of SCALE_ALIGN_STEPS."""
 
-    step: Annotated[int, Field(ge=SCALE_ALIGN_STEPS, multiple_of=SCALE_ALIGN_STEPS)]
+    step: Annotated[int, Field(ge=SCALE_ALIGN_STEPS, le=MAX_COUNT, multiple_of=SCALE_ALIGN_STEPS)]
     scale: Scale
 
 
@@ -120,7 +160,7 @@ class RankTotals(_Model):
     """Per device: iterations whose local gradient shards held inf/NaN."""
     found_inf_origin: dict[Label, Count] = Field(max_length=MAX_DEVICES)
     """Per device: iterations whose pre-reduction gradients held inf/NaN (origin tracking)."""
-    nonfinite_params: list[NonfiniteParam] = Field(max_length=MAX_NONFINITE_PARAMS)
+    nonfinite_params: NonfiniteParams
     """Top-K parameters by cumulative non-finite element count on this rank."""
     min_scale: Scale | None
     max_scale: Scale | None
@@ -133,7 +173,7 @@ class StepRecord(_Model):
     """One iteration: everything one update() call saw and did on one rank."""
 
     identity: Identity
-    step: Annotated[int, Field(ge=1)]
+    step: Step
     """1-based count of update() calls on this rank."""
     time: UnixTime
     """Wall-clock time of the update() call (seconds since the epoch)."""
@@ -151,7 +191,7 @@ class StepRecord(_Model):
     growth_tracker: Count
     event: ScaleEvent
     optimizers: list[OptimizerDetail] = Field(max_length=MAX_OPTIMIZERS)
-    nonfinite_params: list[NonfiniteParam] = Field(max_length=MAX_NONFINITE_PARAMS)
+    nonfinite_params: NonfiniteParams
     """Top-K local parameters holding non-finite gradients; only on overflow iterations."""
     totals: RankTotals
 

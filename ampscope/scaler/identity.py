@@ -25,6 +25,13 @@ def sanitize_label(value: str, fallback: str = "unknown") -> str:
     return cleaned or fallback
 
 
+def sanitize_run_id(value: str) -> str:
+    """``value`` made a valid schema run id: a label whose ``/`` become ``_`` and that does
+    not start with ``.`` (see ``RUN_ID_PATTERN``), so the exporter's API can address it."""
+    cleaned = sanitize_label(value).replace("/", "_")
+    return "_" + cleaned[1:] if cleaned.startswith(".") else cleaned
+
+
 def _generated_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:8]
 
@@ -61,12 +68,12 @@ def resolve_run_id(explicit: str | None = None, *, collective: bool = True) -> s
     ``collective=False`` generates a local id instead.
     """
     if explicit:
-        return sanitize_label(explicit)
+        return sanitize_run_id(explicit)
     for variable in ("AMPSCOPE_RUN_ID", "TORCHELASTIC_RUN_ID"):
         value = os.environ.get(variable, "").strip()
         if value and value != _UNSET_ELASTIC_RUN_ID:
-            return sanitize_label(value)
-    return sanitize_label(_shared_generated_run_id() if collective else _generated_run_id())
+            return sanitize_run_id(value)
+    return sanitize_run_id(_shared_generated_run_id() if collective else _generated_run_id())
 
 
 def _env_int(name: str, default: int) -> int:

@@ -58,6 +58,9 @@ def _build_state(app: FastAPI, settings: Settings, clock: Callable[[], float]) -
             max_series=settings.max_series,
             history_length=settings.history_length,
             window_s=settings.window_s,
+            max_ranks=settings.max_ranks,
+            history_bytes=settings.history_bytes,
+            max_clock_skew_s=settings.max_clock_skew_s,
         )
     )
     stats = IngestStats()

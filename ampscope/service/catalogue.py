@@ -129,6 +129,12 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         help="Label sets the exporter's per-rank families expose.",
         labels=(),
     ),
+    MetricSpec(
+        name="ampscope_exporter_unrenderable_ranks",
+        type="gauge",
+        help="Ranks the latest scrape left out because their data could not be rendered.",
+        labels=(),
+    ),
 )
 
 BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in CATALOGUE}

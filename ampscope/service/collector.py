@@ -7,14 +7,24 @@ with the store's lock held only for an O(ranks) snapshot.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from ampscope.service.catalogue import BY_NAME
+from ampscope.service.ranks import RankSnapshot
 from ampscope.service.stats import IngestStats
 from ampscope.service.store import Store
+
+log = logging.getLogger(__name__)
+
+MAX_LOGGED_RANKS = 1024
+"""Unrenderable ranks remembered so each is logged once; beyond this, no more logs."""
+
+Row = tuple[str, list[str], float]
+"""(family name, label values, value) of one sample."""
 
 
 def _family(name: str) -> GaugeMetricFamily | CounterMetricFamily:
@@ -23,6 +33,26 @@ def _family(name: str) -> GaugeMetricFamily | CounterMetricFamily:
         # CounterMetricFamily wants the name without the _total suffix it adds back.
         return CounterMetricFamily(spec.name.removesuffix("_total"), spec.help, labels=spec.labels)
     return GaugeMetricFamily(spec.name, spec.help, labels=spec.labels)
+
+
+_RANK_FAMILIES = (
+    "ampscope_loss_scale",
+    "ampscope_growth_tracker",
+    "ampscope_last_step",
+    "ampscope_loss_scale_aligned",
+    "ampscope_loss_scale_aligned_step",
+    "ampscope_last_report_timestamp_seconds",
+    "ampscope_rank_up",
+    "ampscope_steps_total",
+    "ampscope_skipped_steps_total",
+    "ampscope_scale_backoffs_total",
+    "ampscope_scale_growths_total",
+    "ampscope_found_inf_total",
+    "ampscope_found_inf_origin_total",
+    "ampscope_nonfinite_grads_total",
+    "ampscope_reporter_dropped_records_total",
+)
+"""Per-rank families, in the order they are served."""
 
 
 class StoreCollector(Collector):
@@ -46,53 +76,78 @@ class StoreCollector(Collector):
         self._stats = stats
         self._clock = clock
         self._stale_after_s = stale_after_s
+        self._unrenderable = 0
+        self._logged: set[tuple[str, int]] = set()
 
     def collect(self) -> Iterator[Metric]:
         now = self._clock()
-        ranks = self._store.latest()
-        scale = _family("ampscope_loss_scale")
-        tracker = _family("ampscope_growth_tracker")
-        last_step = _family("ampscope_last_step")
-        aligned = _family("ampscope_loss_scale_aligned")
-        aligned_step = _family("ampscope_loss_scale_aligned_step")
-        last_report = _family("ampscope_last_report_timestamp_seconds")
-        up = _family("ampscope_rank_up")
-        steps = _family("ampscope_steps_total")
-        skipped = _family("ampscope_skipped_steps_total")
-        backoffs = _family("ampscope_scale_backoffs_total")
-        growths = _family("ampscope_scale_growths_total")
-        found_inf = _family("ampscope_found_inf_total")
-        found_inf_origin = _family("ampscope_found_inf_origin_total")
-        nonfinite = _family("ampscope_nonfinite_grads_total")
-        dropped = _family("ampscope_reporter_dropped_records_total")
-        for _, _, snap in ranks:
-            record = snap.newest
-            who = record.identity
-            labels = [who.run, who.node, str(who.rank), str(who.local_rank)]
-            totals = record.totals
-            scale.add_metric(labels, record.scale_after)
-            tracker.add_metric(labels, record.growth_tracker)
-            last_step.add_metric(labels, record.step)
-            if totals.aligned_scale is not None:
-                aligned.add_metric(labels, totals.aligned_scale.scale)
-                aligned_step.add_metric(labels, totals.aligned_scale.step)
-            last_report.add_metric(labels, snap.last_report)
-            up.add_metric(labels, float(snap.reported_within(now, self._stale_after_s)))
-            steps.add_metric(labels, totals.steps)
-            skipped.add_metric(labels, totals.skipped_steps)
-            backoffs.add_metric(labels, totals.backoffs)
-            growths.add_metric(labels, totals.growths)
-            dropped.add_metric(labels, snap.dropped_records)
-            for device, count in totals.found_inf_local.items():
-                found_inf.add_metric([*labels, device], count)
-            for device, count in totals.found_inf_origin.items():
-                found_inf_origin.add_metric([*labels, device], count)
-            for param in totals.nonfinite_params:
-                nonfinite.add_metric([*labels, param.name], param.count)
-        yield from (scale, tracker, last_step, aligned, aligned_step, last_report, up)
-        yield from (steps, skipped, backoffs, growths, found_inf, found_inf_origin, nonfinite)
-        yield dropped
+        families = {name: _family(name) for name in _RANK_FAMILIES}
+        skipped = 0
+        for run, rank, snap in self._store.latest():
+            # Every value is made a float before any is added, so a rank whose data cannot
+            # be rendered (schema bounds make that a bug, not an input) is left out whole
+            # instead of failing the scrape for every other rank.
+            try:
+                rows = self._rows(snap, now)
+            except (ArithmeticError, ValueError, TypeError) as exc:
+                skipped += 1
+                self._log_once(run, rank, exc)
+                continue
+            for name, labels, value in rows:
+                families[name].add_metric(labels, value)
+        self._unrenderable = skipped
+        yield from families.values()
         yield from self._self_metrics()
+
+    def _rows(self, snap: RankSnapshot, now: float) -> list[Row]:
+        record = snap.newest
+        who = record.identity
+        labels = [who.run, who.node, str(who.rank), str(who.local_rank)]
+        totals = record.totals
+        rows: list[Row] = [
+            ("ampscope_loss_scale", labels, float(record.scale_after)),
+            ("ampscope_growth_tracker", labels, float(record.growth_tracker)),
+            ("ampscope_last_step", labels, float(record.step)),
+        ]
+        if totals.aligned_scale is not None:
+            rows.append(("ampscope_loss_scale_aligned", labels, float(totals.aligned_scale.scale)))
+            rows.append(
+                ("ampscope_loss_scale_aligned_step", labels, float(totals.aligned_scale.step))
+            )
+        up = snap.reported_within(now, self._stale_after_s)
+        rows += [
+            ("ampscope_last_report_timestamp_seconds", labels, float(snap.last_report)),
+            ("ampscope_rank_up", labels, float(up)),
+            ("ampscope_steps_total", labels, float(totals.steps)),
+            ("ampscope_skipped_steps_total", labels, float(totals.skipped_steps)),
+            ("ampscope_scale_backoffs_total", labels, float(totals.backoffs)),
+            ("ampscope_scale_growths_total", labels, float(totals.growths)),
+        ]
+        for device, count in totals.found_inf_local.items():
+            rows.append(("ampscope_found_inf_total", [*labels, device], float(count)))
+        for device, count in totals.found_inf_origin.items():
+            rows.append(("ampscope_found_inf_origin_total", [*labels, device], float(count)))
+        for param in totals.nonfinite_params:
+            rows.append(
+                ("ampscope_nonfinite_grads_total", [*labels, param.name], float(param.count))
+            )
+        rows.append(
+            ("ampscope_reporter_dropped_records_total", labels, float(snap.dropped_records))
+        )
+        return rows
+
+    def _log_once(self, run: str, rank: int, exc: Exception) -> None:
+        key = (run, rank)
+        if key in self._logged or len(self._logged) >= MAX_LOGGED_RANKS:
+            return
+        self._logged.add(key)
+        log.error(
+            "rank %d of run %r left out of /metrics: its data cannot be rendered (%s: %s)",
+            rank,
+            run,
+            type(exc).__name__,
+            exc,
+        )
 
     def _self_metrics(self) -> Iterator[Metric]:
         batches = _family("ampscope_exporter_ingest_batches_total")
@@ -109,4 +164,7 @@ class StoreCollector(Collector):
         tracked_ranks.add_metric([], ranks)
         tracked_series = _family("ampscope_exporter_tracked_series")
         tracked_series.add_metric([], series)
+        unrenderable = _family("ampscope_exporter_unrenderable_ranks")
+        unrenderable.add_metric([], self._unrenderable)
         yield from (batches, records, rejections, tracked_runs, tracked_ranks, tracked_series)
+        yield unrenderable

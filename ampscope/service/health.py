@@ -13,12 +13,17 @@ killed it, and a rank that left long ago stops counting.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import logging
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ampscope.service.models import HealthReport, Status, Verdict
 from ampscope.service.ranks import RankSnapshot, WindowCounts
+
+log = logging.getLogger(__name__)
+
+Rule = Callable[[Sequence["RankSnapshot"], float, "Thresholds"], Verdict]
 
 _SEVERITY: dict[Status, int] = {"ok": 0, "warning": 1, "critical": 2}
 MAX_EVIDENCE_RANKS = 16
@@ -324,6 +329,32 @@ def inf_hotspot(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Ver
     )
 
 
+def _isolated(rule: Rule, ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
+    """``rule`` over ``ranks``, leaving out any rank it cannot evaluate on its own.
+
+    Schema bounds make a failure a bug rather than an input; this keeps one rank's data
+    from failing the run's whole report. Costs one extra pass per rank only on failure.
+    """
+    try:
+        return rule(ranks, now, t)
+    except (ArithmeticError, ValueError, TypeError):
+        good = []
+        for snap in ranks:
+            try:
+                rule([snap], now, t)
+            except (ArithmeticError, ValueError, TypeError) as exc:
+                log.error(
+                    "rank %d left out of %s: %s: %s",
+                    snap.identity.rank,
+                    rule.__name__,
+                    type(exc).__name__,
+                    exc,
+                )
+            else:
+                good.append(snap)
+        return rule(good, now, t)
+
+
 def evaluate(run: str, ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> HealthReport:
     """Every rule over one run's ranks. Cost: O(ranks x (samples + history_length))."""
 
@@ -331,11 +362,11 @@ def evaluate(run: str, ranks: Sequence[RankSnapshot], now: float, t: Thresholds)
         return [snap for snap in ranks if snap.reported_within(now, window_s)]
 
     verdicts = [
-        scale_collapse(recent(t.collapse_window_s), now, t),
-        skip_storm(recent(t.skip_storm_window_s), now, t),
-        scale_desync(recent(t.collapse_window_s), now, t),
-        stale_rank(ranks, now, t),
-        inf_hotspot(recent(t.hotspot_window_s), now, t),
+        _isolated(scale_collapse, recent(t.collapse_window_s), now, t),
+        _isolated(skip_storm, recent(t.skip_storm_window_s), now, t),
+        _isolated(scale_desync, recent(t.collapse_window_s), now, t),
+        _isolated(stale_rank, ranks, now, t),
+        _isolated(inf_hotspot, recent(t.hotspot_window_s), now, t),
     ]
     up = recent(t.stale_after_s)
     status = max((v.status for v in verdicts), key=_SEVERITY.__getitem__)

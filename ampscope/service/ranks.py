@@ -17,17 +17,25 @@ cumulative totals from 0). ``RankState.apply`` sorts this out record by record:
 
 Comparing step numbers alone cannot tell a retry from a restart (both carry a lower
 step and lower ``totals.steps``); the record's own wall-clock ``time``, set on the
-rank's host, can. Not thread-safe: the ``Store`` serialises access under its lock.
+rank's host, can. That clock is trusted only up to the exporter's: the store refuses
+times more than ``max_clock_skew_s`` ahead of its receive time, and a restart's process
+start is never later than the receive time, so a forged future record cannot make a
+genuine process look dead. Any counter of the totals moving backwards at a higher step
+is a restart too; a record that changes the rank's node, local rank or world size
+without restarting is refused (``IdentityConflict``). Not thread-safe: the ``Store``
+serialises access under its lock.
 
 Memory: a parsed StepRecord with its totals takes ~10 KB of Python objects, its JSON
 ~1.4 KB (8 devices, top-8 parameters). Only the newest record stays parsed; the history
-holds each record as JSON with the few fields the health rules read, and window samples
-hold only the counters the windowed rules difference.
+holds each record as JSON with the few fields the health rules read (``nbytes`` each,
+counted against the store's history budget), and window samples hold only the counters
+the windowed rules difference, at most one per ``sample_interval_s`` (see ``MAX_SAMPLES``).
 """
 
 from __future__ import annotations
 
 import bisect
+import sys
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -46,6 +54,18 @@ _Outcome = Literal["newest", "restart", "late", "ignored"]
 MAX_SAMPLES = 8192
 """Window samples kept per rank at most, whatever the batch rate (one per batch)."""
 
+SAMPLES_PER_WINDOW = 120
+"""Window samples are at least ``window_s / SAMPLES_PER_WINDOW`` apart (5 s for the
+default 600 s), so a rank holds at most ``SAMPLES_PER_WINDOW + 2`` of them however
+fast it posts; windows are exact to that interval."""
+
+HELD_OVERHEAD_BYTES = 160
+"""A history entry's bytes beyond its JSON string: the tuple, its numbers, a deque slot."""
+
+
+class IdentityConflict(Exception):
+    """A record changes a live rank's node, local rank or world size without a restart."""
+
 
 class HeldRecord(NamedTuple):
     """One history entry: what the health rules read, and the whole record as JSON."""
@@ -62,6 +82,11 @@ class HeldRecord(NamedTuple):
     def record(self) -> StepRecord:
         """The record, parsed again (it was valid when it arrived). ~50 us."""
         return StepRecord.model_validate_json(self.json)
+
+    @property
+    def nbytes(self) -> int:
+        """Memory this entry holds, as counted against the history byte budget."""
+        return sys.getsizeof(self.json) + HELD_OVERHEAD_BYTES
 
 
 class WindowCounts(NamedTuple):
@@ -131,13 +156,83 @@ def series_of(record: StepRecord) -> int:
     )
 
 
-def _counters_fell(new: RankTotals, old: RankTotals) -> bool:
-    return (
+def _map_fell(new: Mapping[str, int], old: Mapping[str, int]) -> bool:
+    # Per-device counts only grow in one process; a device that vanished fell to zero.
+    return any(new.get(key, 0) < count for key, count in old.items())
+
+
+def counters_fell(new: RankTotals, old: RankTotals) -> bool:
+    """Whether any counter the exporter exposes is lower in ``new`` than in ``old``.
+
+    Parameters that left the top K are not a decrease (their series goes away); one
+    still listed with a lower count is. O(devices + parameters).
+    """
+    if (
         new.steps < old.steps
         or new.skipped_steps < old.skipped_steps
         or new.backoffs < old.backoffs
         or new.growths < old.growths
-    )
+        or _map_fell(new.found_inf_local, old.found_inf_local)
+        or _map_fell(new.found_inf_origin, old.found_inf_origin)
+    ):
+        return True
+    old_params = {p.name: p.count for p in old.nonfinite_params}
+    return any(p.count < old_params.get(p.name, 0) for p in new.nonfinite_params)
+
+
+def _classify(record: StepRecord, newest: StepRecord | None, process_start: float) -> _Outcome:
+    """What a record does to a rank whose newest record is ``newest``; "late" may still
+    be ignored when the history already holds the step or is full of newer ones."""
+    if record.time < process_start:
+        return "ignored"
+    if newest is None:
+        return "newest"
+    if record.step > newest.step:
+        # A new process that already got past the old one's step count.
+        return "restart" if counters_fell(record.totals, newest.totals) else "newest"
+    if record.step == newest.step:
+        return "ignored"
+    return "restart" if record.time > newest.time else "late"
+
+
+def _same_rank(a: Identity, b: Identity) -> bool:
+    return (a.node, a.local_rank, a.world_size) == (b.node, b.local_rank, b.world_size)
+
+
+def newest_after(
+    newest: StepRecord | None, process_start: float, records: list[StepRecord], now: float
+) -> StepRecord:
+    """The record that would be newest after applying ``records`` (oldest first) at
+    exporter time ``now``, without changing anything: what the store's series limit is
+    checked on. O(records x (devices + parameters)).
+
+    Raises:
+        IdentityConflict: a record that is not a restart names another node, local rank
+            or world size than the newest record before it.
+    """
+    for record in records:
+        outcome = _classify(record, newest, process_start)
+        if outcome == "ignored":
+            continue
+        if (
+            newest is not None
+            and outcome != "restart"
+            and not _same_rank(record.identity, newest.identity)
+        ):
+            old, new = newest.identity, record.identity
+            raise IdentityConflict(
+                f"step {record.step} of rank {new.rank} of run {new.run!r} says node "
+                f"{new.node!r}, local_rank {new.local_rank}, world_size {new.world_size}; "
+                f"the live rank is node {old.node!r}, local_rank {old.local_rank}, "
+                f"world_size {old.world_size} (a restart may change these; a running "
+                "process may not)"
+            )
+        if outcome == "restart":
+            process_start = min(record.time, now)
+        if outcome != "late":
+            newest = record
+    assert newest is not None  # records is never empty
+    return newest
 
 
 class RankState:
@@ -145,27 +240,37 @@ class RankState:
 
     Args:
         history_length: records kept (oldest dropped first).
+        sample_interval_s: least spacing of window samples; a batch sooner than that
+            after the sample before the last one updates the last one instead.
     """
 
-    def __init__(self, *, history_length: int) -> None:
+    def __init__(self, *, history_length: int, sample_interval_s: float = 0.0) -> None:
         self.newest: StepRecord | None = None
         self.last_report = 0.0
         self.dropped_records = 0
         self.restarts = 0
         self.first_step = 0
         self.history: deque[HeldRecord] = deque(maxlen=history_length)
+        self.history_bytes = 0
+        """Sum of the history entries' ``nbytes``."""
         self.samples: deque[Sample] = deque(maxlen=MAX_SAMPLES)
+        self._sample_interval_s = sample_interval_s
         # Records produced before this wall-clock time belong to a dead process.
         self._process_start = float("-inf")
+
+    def newest_after(self, records: list[StepRecord], now: float) -> StepRecord:
+        """See the module's ``newest_after``: this rank's newest record after ``records``."""
+        return newest_after(self.newest, self._process_start, records, now)
 
     def apply_batch(
         self, records: list[StepRecord], dropped_records: int, now: float
     ) -> tuple[int, int]:
         """Apply one batch's records (oldest first) received at exporter time ``now``.
 
-        Contract: the caller checked the batch is from this rank and within limits. Updates
-        newest, history, the dropped count and, when the newest advanced, appends one
-        window sample. ``last_report`` moves to ``now`` for any batch from a live process.
+        Contract: the caller checked the batch is from this rank, within limits and free
+        of identity conflicts (``newest_after``). Updates newest, history, the dropped
+        count and, when the newest advanced, the window samples. ``last_report`` moves to
+        ``now`` for any batch from a live process.
 
         Returns:
             (records accepted, records ignored as duplicates or from a dead process).
@@ -174,7 +279,7 @@ class RankState:
         advanced = restarted = False
         peak = 0.0
         for record in records:
-            outcome = self._apply(record)
+            outcome = self._apply(record, now)
             if outcome == "ignored":
                 ignored += 1
                 continue
@@ -193,49 +298,55 @@ class RankState:
         else:
             self.dropped_records = max(self.dropped_records, dropped_records)
         if advanced and self.newest is not None:
-            self.samples.append(
-                Sample(
-                    received=now,
-                    counts=WindowCounts.of(self.newest.totals),
-                    scale=self.newest.scale_after,
-                    peak_scale=peak,
-                )
-            )
+            self._sample(now, peak)
         return accepted, ignored
 
-    def _apply(self, record: StepRecord) -> _Outcome:
-        newest = self.newest
-        if record.time < self._process_start:
-            return "ignored"
-        if newest is None:
-            self._start(record)
-            return "newest"
-        if record.step > newest.step:
-            if _counters_fell(record.totals, newest.totals):
-                # A new process that already got past the old one's step count.
-                self._restart(record)
-                return "restart"
+    def _sample(self, now: float, peak: float) -> None:
+        samples = self.samples
+        if len(samples) >= 2 and now - samples[-2].received < self._sample_interval_s:
+            # Too soon after the last kept sample: the newest sample moves forward.
+            peak = max(peak, samples.pop().peak_scale)
+        assert self.newest is not None
+        samples.append(
+            Sample(
+                received=now,
+                counts=WindowCounts.of(self.newest.totals),
+                scale=self.newest.scale_after,
+                peak_scale=peak,
+            )
+        )
+
+    def _apply(self, record: StepRecord, now: float) -> _Outcome:
+        outcome = _classify(record, self.newest, self._process_start)
+        if outcome == "newest":
+            if self.newest is None:
+                self.first_step = record.step
             self.newest = record
-            self.history.append(HeldRecord.of(record))
-            return "newest"
-        if record.step == newest.step:
+            self._append(HeldRecord.of(record))
+        elif outcome == "restart":
+            self._process_start = min(record.time, now)
+            self.restarts += 1
+            self.history.clear()
+            self.history_bytes = 0
+            self.samples.clear()
+            self.newest = record
+            self.first_step = record.step
+            self._append(HeldRecord.of(record))
+        elif outcome == "late" and not self._insert_late(record):
             return "ignored"
-        if record.time > newest.time:
-            self._restart(record)
-            return "restart"
-        return "late" if self._insert_late(record) else "ignored"
+        return outcome
 
-    def _start(self, record: StepRecord) -> None:
-        self.newest = record
-        self.first_step = record.step
-        self.history.append(HeldRecord.of(record))
+    def _append(self, held: HeldRecord) -> None:
+        if len(self.history) == self.history.maxlen:
+            self.history_bytes -= self.history[0].nbytes
+        self.history.append(held)
+        self.history_bytes += held.nbytes
 
-    def _restart(self, record: StepRecord) -> None:
-        self._process_start = record.time
-        self.restarts += 1
-        self.history.clear()
-        self.samples.clear()
-        self._start(record)
+    def drop_oldest(self) -> int:
+        """Drop the oldest history entry (the store's byte budget); returns its bytes."""
+        nbytes = self.history.popleft().nbytes
+        self.history_bytes -= nbytes
+        return nbytes
 
     def _insert_late(self, record: StepRecord) -> bool:
         # Rare (a retried batch): O(history) rebuild keeps the deque sorted by step.
@@ -248,6 +359,7 @@ class RankState:
         items = list(self.history)
         items.insert(at, HeldRecord.of(record))
         self.history = deque(items, maxlen=self.history.maxlen)  # drops the oldest if full
+        self.history_bytes = sum(held.nbytes for held in self.history)
         return True
 
     def trim_samples(self, keep_after: float) -> None:

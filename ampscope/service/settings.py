@@ -60,6 +60,9 @@ class Settings(BaseSettings):
     max_runs: Positive = 64
     """Distinct run ids held at once (stale ones count until retention drops them)."""
     max_ranks_per_run: Positive = 4096
+    max_ranks: Positive = 1024
+    """Ranks of all runs together: with ``max_series`` and ``history_bytes`` what bounds
+    memory (README, "Reliability")."""
     max_devices_per_rank: Annotated[int, Field(ge=1, le=MAX_DEVICES)] = 16
     """Distinct device labels one rank may report (each is a series per found-inf family)."""
     max_params_per_rank: Annotated[int, Field(ge=1, le=MAX_NONFINITE_PARAMS)] = 32
@@ -69,6 +72,10 @@ class Settings(BaseSettings):
 
     history_length: Positive = 1024
     """StepRecords kept per rank for /history and the scale-desync rule."""
+    history_bytes: Positive = 256 * 1024 * 1024
+    """Bytes of history held across all ranks; past it the oldest records go first."""
+    max_clock_skew_s: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 300.0
+    """Records timed further ahead of the exporter's clock get 422 (``clock_skew``)."""
     history_limit_max: Positive = 1000
     """Most records one /history response returns; larger ``limit`` values are capped."""
     stale_after_s: Seconds = _DEFAULTS.stale_after_s

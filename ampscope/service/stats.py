@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import threading
 
-REJECTION_REASONS = ("unauthorized", "too_large", "malformed", "invalid", "cardinality")
+REJECTION_REASONS = (
+    "unauthorized",
+    "too_large",
+    "malformed",
+    "invalid",
+    "cardinality",
+    "clock_skew",
+    "identity_conflict",
+)
 """Every reason an ingest request is rejected for; all are exposed from start-up at 0."""
 
 

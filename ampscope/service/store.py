@@ -7,16 +7,31 @@ build metric families, JSON and health verdicts from snapshots outside it.
 
 from __future__ import annotations
 
+import heapq
 import threading
 from dataclasses import dataclass
 
 from ampscope.reporter.schema import IngestBatch
-from ampscope.service.ranks import RankSnapshot, RankState, series_of
+from ampscope.service.ranks import (
+    SAMPLES_PER_WINDOW,
+    IdentityConflict,
+    RankSnapshot,
+    RankState,
+    series_of,
+)
+
+HISTORY_LOW_WATER = 7 / 8
+"""Over its byte budget, the history is cut to this fraction of it, so the O(ranks log
+ranks) eviction pass runs once per budget/8 bytes ingested, not on every batch."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class StoreLimits:
-    """Cardinality limits; exceeding one rejects the whole batch with ``LimitExceeded``."""
+    """Cardinality limits; exceeding one rejects the whole batch with ``LimitExceeded``.
+
+    ``history_bytes`` is a budget rather than a limit: past it, the oldest history
+    entries of any rank are dropped.
+    """
 
     max_runs: int
     max_ranks_per_run: int
@@ -24,13 +39,28 @@ class StoreLimits:
     history_length: int
     window_s: float
     """Longest health window: per-rank window samples older than this are trimmed."""
+    max_ranks: int = 1 << 30
+    """Ranks of all runs together."""
+    history_bytes: int = 1 << 62
+    """Bytes of history (``HeldRecord.nbytes``) held across all ranks."""
+    max_clock_skew_s: float = float("inf")
+    """Records timed further ahead of the exporter's clock than this are refused."""
 
     def __post_init__(self) -> None:
-        for name in ("max_runs", "max_ranks_per_run", "max_series", "history_length"):
+        for name in (
+            "max_runs",
+            "max_ranks_per_run",
+            "max_ranks",
+            "max_series",
+            "history_length",
+            "history_bytes",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         if not self.window_s > 0:
             raise ValueError("window_s must be positive")
+        if not self.max_clock_skew_s >= 0:
+            raise ValueError("max_clock_skew_s must be >= 0")
 
 
 class LimitExceeded(Exception):
@@ -42,6 +72,18 @@ class LimitExceeded(Exception):
         """The setting's name, e.g. ``max_runs``."""
         self.value = value
         """The setting's value."""
+        self.detail = detail
+
+
+class BatchRefused(Exception):
+    """A batch contradicts what the exporter holds or its clock; nothing was changed."""
+
+    def __init__(self, status: int, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.status = status
+        """HTTP status to answer: 409 (identity conflict) or 422 (clock skew)."""
+        self.reason = reason
+        """Rejection reason counted: ``identity_conflict`` or ``clock_skew``."""
         self.detail = detail
 
 
@@ -67,19 +109,32 @@ class Store:
         self._lock = threading.Lock()
         self._runs: dict[str, dict[int, RankState]] = {}
         self._series = 0
+        self._ranks = 0
+        self._history_bytes = 0
 
     def ingest(self, batch: IngestBatch, now: float) -> IngestOutcome:
         """Apply a validated batch received at exporter time ``now``.
 
         Contract: ``batch`` passed ``IngestBatch`` validation (one rank of one run) and the
-        per-record limits (devices, parameters). Either the whole batch is applied or, when
-        it would exceed ``max_runs``, ``max_ranks_per_run`` or ``max_series``, nothing is
-        and ``LimitExceeded`` names the limit. Cost: O(records) under the lock.
+        per-record limits (devices, parameters). Either the whole batch is applied or
+        nothing is: ``LimitExceeded`` names a limit (``max_runs``, ``max_ranks_per_run``,
+        ``max_ranks``, ``max_series``: series are counted on the record that ends up
+        newest, restarts included); ``BatchRefused`` says the batch is timed too far ahead
+        of ``now`` or changes a live rank's identity. Past ``history_bytes``, the oldest
+        history of any rank is dropped. Cost: O(records) under the lock, plus an
+        O(ranks log ranks) eviction pass once per ``history_bytes / 8`` bytes ingested.
         """
         first = batch.records[0].identity
         run_id, rank = first.run, first.rank
-        # Newest record of the batch bounds the rank's series count after applying it.
-        candidate = max(batch.records, key=lambda r: r.step)
+        latest = max(record.time for record in batch.records)
+        if latest > now + self.limits.max_clock_skew_s:
+            raise BatchRefused(
+                422,
+                "clock_skew",
+                f"a record of rank {rank} of run {run_id!r} is timed {latest - now:.0f} s "
+                f"ahead of the exporter's clock (max_clock_skew_s="
+                f"{self.limits.max_clock_skew_s:g}): fix the rank's clock",
+            )
         with self._lock:
             ranks = self._runs.get(run_id)
             state = ranks.get(rank) if ranks is not None else None
@@ -99,6 +154,18 @@ class Store:
                     f"(max_ranks_per_run={self.limits.max_ranks_per_run}); rank {rank} "
                     "is not accepted",
                 )
+            if state is None and self._ranks >= self.limits.max_ranks:
+                raise LimitExceeded(
+                    "max_ranks",
+                    self.limits.max_ranks,
+                    f"the exporter already tracks {self._ranks} ranks "
+                    f"(max_ranks={self.limits.max_ranks}); rank {rank} of run {run_id!r} is "
+                    "not accepted until retention drops a rank",
+                )
+            try:
+                candidate = (state or RankState(history_length=1)).newest_after(batch.records, now)
+            except IdentityConflict as exc:
+                raise BatchRefused(409, "identity_conflict", str(exc)) from None
             before = 0 if state is None or state.newest is None else series_of(state.newest)
             growth = series_of(candidate) - before
             if growth > 0 and self._series + growth > self.limits.max_series:
@@ -111,13 +178,38 @@ class Store:
             if ranks is None:
                 ranks = self._runs[run_id] = {}
             if state is None:
-                state = ranks[rank] = RankState(history_length=self.limits.history_length)
+                state = ranks[rank] = RankState(
+                    history_length=self.limits.history_length,
+                    sample_interval_s=self.limits.window_s / SAMPLES_PER_WINDOW,
+                )
+                self._ranks += 1
+            held_before = state.history_bytes
             accepted, ignored = state.apply_batch(batch.records, batch.dropped_records, now)
             # A fresh RankState takes any first record, so newest is set from here on.
             assert state.newest is not None
             self._series += series_of(state.newest) - before
+            self._history_bytes += state.history_bytes - held_before
             state.trim_samples(now - self.limits.window_s)
+            if self._history_bytes > self.limits.history_bytes:
+                self._evict_history()
         return IngestOutcome(accepted=accepted, ignored=ignored)
+
+    def _evict_history(self) -> None:
+        # Oldest first across ranks, by record time: times are capped at the exporter's
+        # clock plus max_clock_skew_s, so post-dating buys a rank's history that much.
+        low_water = int(self.limits.history_bytes * HISTORY_LOW_WATER)
+        heap = [
+            (state.history[0].time, id(state), state)
+            for ranks in self._runs.values()
+            for state in ranks.values()
+            if state.history
+        ]
+        heapq.heapify(heap)
+        while heap and self._history_bytes > low_water:
+            _, key, state = heapq.heappop(heap)
+            self._history_bytes -= state.drop_oldest()
+            if state.history:
+                heapq.heappush(heap, (state.history[0].time, key, state))
 
     def prune(self, now: float, retention_s: float) -> int:
         """Drop ranks whose last report is more than ``retention_s`` before ``now``, then
@@ -138,6 +230,8 @@ class Store:
                     if now - state.last_report > retention_s:
                         if state.newest is not None:
                             self._series -= series_of(state.newest)
+                        self._history_bytes -= state.history_bytes
+                        self._ranks -= 1
                         del ranks[rank]
                         dropped += 1
                     else:
@@ -191,6 +285,11 @@ class Store:
                     )
         out.sort(key=lambda item: (item[0], item[1]))
         return out
+
+    def history_bytes(self) -> int:
+        """Bytes of history held across all ranks (``HeldRecord.nbytes``). O(1)."""
+        with self._lock:
+            return self._history_bytes
 
     def counts(self) -> tuple[int, int, int]:
         """(runs, ranks, series) held now. O(runs)."""

@@ -111,6 +111,7 @@ def test_every_catalogue_family_is_exposed_as_specified(client: TestClient) -> N
 def test_restart_resets_counters_and_silence_marks_rank_down(make_client: MakeClient) -> None:
     client, clock = make_client(stale_after_s=60)
     _post(client, record(40, total=totals(40, skipped=10)), dropped=7)
+    clock.advance(500)
     _post(client, record(2, time=T0 + 500, total=totals(2, skipped=1)))  # the process restarted
     got = _samples(client)
     assert got[("ampscope_steps_total", _labels())] == 2

@@ -61,9 +61,9 @@ def test_duplicates_are_ignored() -> None:
 
 def test_lower_step_produced_later_is_a_restart() -> None:
     state = _state()
-    state.apply_batch(steps(1, 50), 4, now=10.0)
+    state.apply_batch(steps(1, 50), 4, now=T0 + 60)
     restarted = [record(s, time=T0 + 100 + s) for s in (1, 2)]
-    assert state.apply_batch(restarted, 0, now=20.0) == (2, 0)
+    assert state.apply_batch(restarted, 0, now=T0 + 110) == (2, 0)
     assert state.newest is not None
     assert state.newest.step == 2
     assert state.newest.totals.steps == 2  # counters restart with the process
@@ -71,7 +71,7 @@ def test_lower_step_produced_later_is_a_restart() -> None:
     assert state.dropped_records == 0  # the new reporter's count, not the dead one's
     assert [r.step for r in state.history] == [1, 2]
     # A retry from the dead process (produced before its last record) changes nothing.
-    assert state.apply_batch([record(51, time=T0 + 51)], 9, now=21.0) == (0, 1)
+    assert state.apply_batch([record(51, time=T0 + 51)], 9, now=T0 + 111) == (0, 1)
     assert state.newest.step == 2
     assert state.dropped_records == 0
 

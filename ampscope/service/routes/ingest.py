@@ -11,7 +11,7 @@ from ampscope.service.deps import Authorized, ClockDep, SettingsDep, StatsDep, S
 from ampscope.service.errors import ApiError, responses
 from ampscope.service.models import IngestResult
 from ampscope.service.settings import Settings
-from ampscope.service.store import LimitExceeded
+from ampscope.service.store import BatchRefused, LimitExceeded
 
 router = APIRouter(tags=["ingest"])
 
@@ -75,7 +75,7 @@ def _check_series_limits(batch: IngestBatch, settings: Settings) -> None:
     INGEST_PATH,
     response_model=IngestResult,
     summary="Deliver a batch of step records from one rank",
-    responses=responses(400, 401, 413, 422, 429),
+    responses=responses(400, 401, 409, 413, 422, 429),
     # The body is read by hand (bounded), so OpenAPI is told what it holds.
     openapi_extra={
         "requestBody": {
@@ -96,8 +96,9 @@ async def ingest(
 ) -> IngestResult:
     """Validate an ``IngestBatch`` strictly and apply it to the rank's state.
 
-    Answers 400 (not JSON), 401 (token), 413 (body or batch too large), 422 (schema
-    violations, with their locations) or 429 (a cardinality limit, named in ``limit``).
+    Answers 400 (not JSON), 401 (token), 409 (a live rank's identity changed), 413 (body
+    or batch too large), 422 (schema violations, with their locations, or records timed
+    too far ahead) or 429 (a cardinality limit, named in ``limit``).
     A rejected batch changes nothing.
     """
     try:
@@ -129,5 +130,8 @@ async def ingest(
             value=exc.value,
             headers={"Retry-After": str(RETRY_AFTER_S)},
         ) from None
+    except BatchRefused as exc:
+        stats.rejected(exc.reason)
+        raise ApiError(exc.status, exc.reason, exc.detail) from None
     stats.accepted(len(batch.records))
     return IngestResult(accepted=outcome.accepted, ignored=outcome.ignored)
