@@ -54,10 +54,11 @@ _Outcome = Literal["newest", "restart", "late", "ignored"]
 MAX_SAMPLES = 8192
 """Window samples kept per rank at most, whatever the batch rate (one per batch)."""
 
-SAMPLES_PER_WINDOW = 120
-"""Window samples are at least ``window_s / SAMPLES_PER_WINDOW`` apart (5 s for the
-default 600 s), so a rank holds at most ``SAMPLES_PER_WINDOW + 2`` of them however
-fast it posts; windows are exact to that interval."""
+SAMPLES_PER_WINDOW = 60
+"""Window samples are at least ``window_s / SAMPLES_PER_WINDOW`` apart (10 s for the
+default 600 s, the order of a scrape interval), so a rank holds at most
+``SAMPLES_PER_WINDOW + 2`` of them however fast it posts; windows are exact to that
+interval."""
 
 HELD_OVERHEAD_BYTES = 160
 """A history entry's bytes beyond its JSON string: the tuple, its numbers, a deque slot."""
@@ -240,8 +241,8 @@ class RankState:
 
     Args:
         history_length: records kept (oldest dropped first).
-        sample_interval_s: least spacing of window samples; a batch sooner than that
-            after the sample before the last one updates the last one instead.
+        sample_interval_s: least spacing of window samples: while the newest sample is
+            closer than that to the one before it, a batch replaces it instead of adding.
     """
 
     def __init__(self, *, history_length: int, sample_interval_s: float = 0.0) -> None:
@@ -303,8 +304,11 @@ class RankState:
 
     def _sample(self, now: float, peak: float) -> None:
         samples = self.samples
-        if len(samples) >= 2 and now - samples[-2].received < self._sample_interval_s:
-            # Too soon after the last kept sample: the newest sample moves forward.
+        if (
+            len(samples) >= 2
+            and samples[-1].received - samples[-2].received < self._sample_interval_s
+        ):
+            # The newest sample is too close to the one before to be kept: it moves on.
             peak = max(peak, samples.pop().peak_scale)
         assert self.newest is not None
         samples.append(

@@ -60,14 +60,14 @@ class Settings(BaseSettings):
     max_runs: Positive = 64
     """Distinct run ids held at once (stale ones count until retention drops them)."""
     max_ranks_per_run: Positive = 4096
-    max_ranks: Positive = 1024
+    max_ranks: Positive = 512
     """Ranks of all runs together: with ``max_series`` and ``history_bytes`` what bounds
     memory (README, "Reliability")."""
     max_devices_per_rank: Annotated[int, Field(ge=1, le=MAX_DEVICES)] = 16
     """Distinct device labels one rank may report (each is a series per found-inf family)."""
     max_params_per_rank: Annotated[int, Field(ge=1, le=MAX_NONFINITE_PARAMS)] = 32
     """Non-finite parameters one rank may report (top K; each is a series)."""
-    max_series: Positive = 500_000
+    max_series: Positive = 50_000
     """Label sets across all per-rank families of all runs."""
 
     history_length: Positive = 1024

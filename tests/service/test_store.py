@@ -77,3 +77,55 @@ def test_snapshots_are_copies_and_unknowns_are_none() -> None:
 def test_limits_validate() -> None:
     with pytest.raises(ValueError, match="max_runs"):
         StoreLimits(max_runs=0, max_ranks_per_run=1, max_series=1, history_length=1, window_s=1)
+
+
+def test_max_ranks_counts_ranks_of_every_run() -> None:
+    store = _store(max_runs=4, max_ranks=3)
+    for run, rank in (("a", 0), ("a", 1), ("b", 0)):
+        store.ingest(batch(record(1, run=run, rank=rank)), now=1.0)
+    with pytest.raises(LimitExceeded) as exc:
+        store.ingest(batch(record(1, run="c")), now=1.0)
+    assert exc.value.limit == "max_ranks"
+    assert store.prune(now=10_000.0, retention_s=60.0) == 3
+    store.ingest(batch(record(1, run="c")), now=10_000.0)  # pruning frees the count
+
+
+def _held(store: Store) -> dict[tuple[str, int], list[int]]:
+    return {
+        (run, rank): [held.step for held in snap.history]
+        for run in store.runs()
+        for rank, snap in enumerate(store.ranks(run) or [])
+    }
+
+
+def test_history_byte_budget_drops_the_oldest_history_of_any_rank_first() -> None:
+    one = len(record(1).model_dump_json()) + 49 + 160  # str header + HELD_OVERHEAD_BYTES
+    store = _store(history_length=1000, history_bytes=42 * one)
+    store.ingest(batch(*steps(1, 20, rank=0)), now=1.0)  # rank 0's records: T0+1..T0+20
+    store.ingest(batch(*steps(101, 120, rank=1)), now=2.0)  # rank 1's: T0+101..T0+120
+    assert store.history_bytes() <= 42 * one
+    store.ingest(batch(*steps(121, 125, rank=1)), now=3.0)  # over budget: evict to 7/8
+    held = _held(store)
+    assert store.history_bytes() <= 42 * one * 7 / 8
+    # Rank 0's history is the oldest, so it went first; rank 1 kept all of its own.
+    assert held[("run-a", 1)] == list(range(101, 126))
+    assert held[("run-a", 0)][-1] == 20
+    assert held[("run-a", 0)][0] > 1
+    # The accounting is exact: what the store counts is what the ranks hold.
+    snaps = store.ranks("run-a") or []
+    assert store.history_bytes() == sum(h.nbytes for s in snaps for h in s.history)
+    store.prune(now=10_000.0, retention_s=60.0)
+    assert store.history_bytes() == 0
+
+
+def test_window_samples_are_bounded_however_fast_a_rank_posts() -> None:
+    store = _store(history_length=4)
+    for step in range(1, 2001):  # one batch every 0.1 s for 200 s
+        store.ingest(batch(record(step)), now=step / 10)
+    (snap,) = store.ranks("run-a") or []
+    # At least window_s / SAMPLES_PER_WINDOW = 10 s apart, except the newest.
+    gaps = [b.received - a.received for a, b in zip(snap.samples, snap.samples[1:], strict=False)]
+    assert min(gaps[:-1]) >= 10.0
+    assert len(snap.samples) <= 200 / 10 + 2
+    assert snap.samples[-1].received == 200.0
+    assert snap.samples[-1].counts.steps == 2000
