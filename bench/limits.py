@@ -137,12 +137,15 @@ def _free_port() -> int:
 
 
 @contextmanager
-def exporter(env: Mapping[str, str]) -> Iterator[tuple[str, int]]:
-    """``ampscope serve`` on a free loopback port with ``env`` added: (url, pid)."""
+def exporter(env: Mapping[str, str], cwd: str | None = None) -> Iterator[tuple[str, int]]:
+    """``ampscope serve`` on a free loopback port with ``env`` added: (url, pid).
+
+    ``cwd`` with ``PYTHONPATH`` in ``env`` runs another checkout's exporter (``-m`` puts
+    the working directory first on ``sys.path``)."""
     port = _free_port()
     command = [sys.executable, "-m", "ampscope.cli", "serve", "--port", str(port)]
     command += ["--log-level", "warning"]
-    process = subprocess.Popen(command, env={**os.environ, **env})
+    process = subprocess.Popen(command, env={**os.environ, **env}, cwd=cwd)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -235,10 +238,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--records-per-batch", type=int, default=8)
     parser.add_argument("--deadline", type=float, default=300.0)
     parser.add_argument("--env", action="append", default=[], help="NAME=VALUE for the exporter")
+    parser.add_argument("--exporter-cwd", help="working directory of the exporter process")
     args = parser.parse_args(argv)
     env = dict(item.split("=", 1) for item in args.env)
     report: dict[str, Any] = {"sizes": object_sizes(), "env": env}
-    with exporter(env) as (url, pid):
+    with exporter(env, args.exporter_cwd) as (url, pid):
         report["fill"] = fill(
             url,
             pid,
