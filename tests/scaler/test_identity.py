@@ -40,3 +40,13 @@ def test_sanitize() -> None:
     assert sanitize_label(' a"b c\n') == "a_b_c"
     assert sanitize_label("") == "unknown"
     assert len(sanitize_label("x" * 500)) == 128
+
+
+def test_run_ids_become_single_path_segments(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The exporter refuses run ids with "/" or a leading "." (the JSON API could not
+    # address them); the rank side maps them to ones it accepts.
+    monkeypatch.setenv("AMPSCOPE_RUN_ID", "team/exp.1")
+    assert resolve_run_id() == "team_exp.1"
+    assert resolve_run_id("..") == "_."
+    assert resolve_run_id(".hidden") == "_hidden"
+    assert resolve_identity("a/b", collective=False).run == "a_b"
