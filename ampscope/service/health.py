@@ -25,6 +25,10 @@ log = logging.getLogger(__name__)
 
 Rule = Callable[[Sequence["RankSnapshot"], float, "Thresholds"], Verdict]
 
+MAX_LOGGED = 1024
+"""(rule, run, rank) left out of a verdict that are logged, once each; then no more."""
+_logged: set[tuple[str, str, int]] = set()
+
 _SEVERITY: dict[Status, int] = {"ok": 0, "warning": 1, "critical": 2}
 MAX_EVIDENCE_RANKS = 16
 """Ranks listed in one verdict's evidence at most (the count is always given)."""
@@ -343,13 +347,17 @@ def _isolated(rule: Rule, ranks: Sequence[RankSnapshot], now: float, t: Threshol
             try:
                 rule([snap], now, t)
             except (ArithmeticError, ValueError, TypeError) as exc:
-                log.error(
-                    "rank %d left out of %s: %s: %s",
-                    snap.identity.rank,
-                    rule.__name__,
-                    type(exc).__name__,
-                    exc,
-                )
+                key = (rule.__name__, snap.identity.run, snap.identity.rank)
+                if key not in _logged and len(_logged) < MAX_LOGGED:
+                    _logged.add(key)
+                    log.error(
+                        "rank %d of run %r left out of %s: %s: %s",
+                        snap.identity.rank,
+                        snap.identity.run,
+                        rule.__name__,
+                        type(exc).__name__,
+                        exc,
+                    )
             else:
                 good.append(snap)
         return rule(good, now, t)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
 
+import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -68,7 +70,9 @@ def test_times_after_2100_are_rejected(client: TestClient) -> None:
     assert response.json()["errors"][0]["loc"] == ["records", 0, "time"]
 
 
-def test_a_rank_that_cannot_be_rendered_is_left_out_alone(client: TestClient) -> None:
+def test_a_rank_that_cannot_be_rendered_is_left_out_alone(
+    client: TestClient, caplog: pytest.LogCaptureFixture
+) -> None:
     # Validation makes such a rank impossible through the API; build one past it to
     # prove the collector and health isolate it rather than fail for everyone.
     assert _post(client, record(1, rank=1)) == 200
@@ -77,8 +81,11 @@ def test_a_rank_that_cannot_be_rendered_is_left_out_alone(client: TestClient) ->
     bad = StepRecord.model_construct(**{**dict(good), "totals": bad_totals})
     store: Store = client.app.state.store  # type: ignore[attr-defined]
     store.ingest(IngestBatch.model_construct(records=[bad], dropped_records=0), T0)
-    assert _value(client, "ampscope_exporter_unrenderable_ranks") == 1
-    assert _value(client, "ampscope_steps_total", rank="1") == 1
+    with caplog.at_level(logging.ERROR, logger="ampscope.service.collector"):
+        assert _value(client, "ampscope_exporter_unrenderable_ranks") == 1
+        assert _value(client, "ampscope_steps_total", rank="1") == 1
+    assert len(caplog.records) == 1  # two scrapes, one log line
+    assert "rank 0 of run 'run-a' left out of /metrics" in caplog.records[0].getMessage()
     assert not [k for k in _samples(client) if dict(k[1]).get("rank") == "0"]
     health = client.get("/api/v1/runs/run-a/health")
     assert health.status_code == 200
