@@ -37,6 +37,9 @@ if [ "$mode" = test ]; then
     need=()
     command -v promtool >/dev/null || need+=(prometheus)
     command -v prometheus-pushgateway >/dev/null || need+=(prometheus-pushgateway)
+    # The web view's tests drive Debian's chromium through its chromedriver (Selenium).
+    command -v chromium >/dev/null || need+=(chromium)
+    command -v chromedriver >/dev/null || need+=(chromium-driver)
     if [ ${#need[@]} -gt 0 ]; then
         sudo=""
         [ "$(id -u)" -eq 0 ] || sudo=sudo

@@ -15,9 +15,10 @@ from prometheus_client import CollectorRegistry
 
 from ampscope import __version__
 from ampscope.reporter.schema import IngestBatch
+from ampscope.service import web
 from ampscope.service.collector import StoreCollector
 from ampscope.service.errors import install_error_handlers
-from ampscope.service.routes import ingest, metrics, probes, runs
+from ampscope.service.routes import ingest, metrics, probes, runs, series
 from ampscope.service.settings import Settings
 from ampscope.service.stats import IngestStats
 from ampscope.service.store import Store, StoreLimits
@@ -103,11 +104,15 @@ def create_app(settings: Settings, *, clock: Callable[[], float] = time.time) ->
         summary="Loss-scaler telemetry of every rank on this node: Prometheus metrics, "
         "a JSON API and health verdicts.",
         lifespan=lifespan,
+        # /docs is served from vendored assets by `web`; FastAPI's own pages use a CDN.
+        docs_url=None,
+        redoc_url=None,
     )
     app.state.settings = settings
     app.state.clock = clock
     app.openapi = lambda: _openapi_with_ingest_schema(app)  # type: ignore[method-assign]
     install_error_handlers(app)
-    for module in (ingest, metrics, runs, probes):
+    for module in (ingest, metrics, runs, series, probes):
         app.include_router(module.router)
+    web.install(app)
     return app

@@ -1,0 +1,83 @@
+// Shared by the pages: fetching the exporter's JSON API and formatting its values.
+// Everything a page shows is built with textContent (parameter names are user data).
+"use strict";
+
+const ampscope = {
+  /** GET a path of the exporter's API (relative, so a reverse-proxy prefix keeps working). */
+  async getJSON(path) {
+    const response = await fetch(path, { headers: { Accept: "application/json" } });
+    if (!response.ok) {
+      let detail = response.statusText;
+      try { detail = (await response.json()).detail || detail; } catch (_) { /* not JSON */ }
+      const error = new Error(`${response.status}: ${detail}`);
+      error.status = response.status;
+      throw error;
+    }
+    return response.json();
+  },
+
+  runPath(run) { return `api/v1/runs/${encodeURIComponent(run)}`; },
+
+  /** A loss scale as 2^k when it is a power of two (they nearly always are). */
+  scaleText(scale) {
+    if (scale === null || scale === undefined) return "-";
+    if (scale > 0 && Number.isFinite(scale)) {
+      const exponent = Math.log2(scale);
+      if (Number.isInteger(exponent)) return `2^${exponent}`;
+    }
+    return String(Number(scale.toPrecision(4)));
+  },
+
+  /** A rank's lifecycle state as the API gives it; older exporters only say up or not. */
+  rankState(rank) {
+    if (typeof rank.state === "string" && rank.state) return rank.state;
+    return rank.up ? "up" : "stale";
+  },
+
+  /** "2 running, 1 lost" from a run's ranks. */
+  statesText(ranks) {
+    const counts = new Map();
+    for (const rank of ranks) {
+      const state = ampscope.rankState(rank);
+      counts.set(state, (counts.get(state) || 0) + 1);
+    }
+    return [...counts].map(([state, n]) => `${n} ${state}`).join(", ");
+  },
+
+  sum(values) { return values.reduce((a, b) => a + b, 0); },
+
+  /** Create an element with optional class and text. */
+  el(tag, { cls, text, title } = {}) {
+    const node = document.createElement(tag);
+    if (cls) node.className = cls;
+    if (text !== undefined) node.textContent = String(text);
+    if (title) node.title = title;
+    return node;
+  },
+
+  cell(row, text, cls) { return row.appendChild(ampscope.el("td", { cls, text })); },
+
+  badge(status) { return ampscope.el("span", { cls: `badge ${status}`, text: status }); },
+
+  /** Mark the page as refreshed now, or show why the last refresh failed. */
+  updated(error) {
+    const node = document.getElementById("updated");
+    node.textContent = error
+      ? `refresh failed: ${error.message}`
+      : `updated ${new Date().toLocaleTimeString()}`;
+  },
+
+  /** Call refresh() now and every periodMs, never two at once. */
+  every(periodMs, refresh) {
+    const tick = async () => {
+      try {
+        await refresh();
+        ampscope.updated(null);
+      } catch (error) {
+        ampscope.updated(error);
+      }
+      setTimeout(tick, periodMs);
+    };
+    tick();
+  },
+};

@@ -1,0 +1,89 @@
+// A rank/device x step heatmap on a plain canvas: 64 ranks x 1024 steps is 65k cells, too
+// many for SVG elements, and uPlot draws lines, not grids. Only lit cells are painted.
+"use strict";
+
+class Heatmap {
+  /**
+   * @param {HTMLCanvasElement} canvas
+   * @param {string} color  fill of a cell whose rank/device saw inf/NaN at that step
+   */
+  constructor(canvas, color) {
+    this.canvas = canvas;
+    this.color = color;
+    this.rows = [];
+    this.layout = null;
+  }
+
+  /**
+   * Draw rows (each {label, steps: number[]}) against an x axis shared with the charts.
+   * @param {object} layout  {left, width, xpos(step) -> css px from the canvas' left,
+   *                          steps: ascending steps drawn}
+   */
+  draw(rows, layout) {
+    this.rows = rows;
+    const rowHeight = Math.max(2, Math.min(14, Math.floor(320 / Math.max(rows.length, 1))));
+    const height = rows.length * rowHeight;
+    const steps = layout.steps;
+    const span = steps.length > 1 ? steps[steps.length - 1] - steps[0] : 1;
+    const cellWidth = Math.max(1, layout.width / (span + 1));
+    this.layout = { ...layout, rowHeight, cellWidth, height };
+    const ratio = window.devicePixelRatio || 1;
+    const cssWidth = layout.left + layout.width + 10;
+    this.canvas.style.width = `${cssWidth}px`;
+    this.canvas.style.height = `${height}px`;
+    this.canvas.width = Math.round(cssWidth * ratio);
+    this.canvas.height = Math.max(1, Math.round(height * ratio));
+    const ctx = this.canvas.getContext("2d");
+    ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
+    ctx.clearRect(0, 0, cssWidth, height);
+    ctx.fillStyle = "#f1f3f4";
+    ctx.fillRect(layout.left, 0, layout.width, height);
+    ctx.font = `${Math.min(11, rowHeight)}px system-ui, sans-serif`;
+    ctx.textBaseline = "middle";
+    ctx.textAlign = "right";
+    let previousRank = null;
+    rows.forEach((row, index) => {
+      const top = index * rowHeight;
+      if (previousRank !== null && row.rank !== previousRank) {
+        ctx.fillStyle = "#ffffff"; // a rank boundary between device rows
+        ctx.fillRect(layout.left, top, layout.width, 1);
+      }
+      previousRank = row.rank;
+      if (rowHeight >= 8) {
+        ctx.fillStyle = "#444";
+        ctx.fillText(row.label, layout.left - 4, top + rowHeight / 2);
+      }
+      ctx.fillStyle = this.color;
+      for (const step of row.steps) {
+        const x = layout.xpos(step);
+        if (x === null) continue;
+        ctx.fillRect(x - cellWidth / 2, top, cellWidth, rowHeight - (rowHeight > 4 ? 1 : 0));
+      }
+    });
+  }
+
+  /** Centre of a cell in CSS pixels from the canvas' top-left, or null off the chart. */
+  cellCenter(rowIndex, step) {
+    const layout = this.layout;
+    if (!layout || rowIndex < 0 || rowIndex >= this.rows.length) return null;
+    const x = layout.xpos(step);
+    if (x === null) return null;
+    return { x, y: rowIndex * layout.rowHeight + layout.rowHeight / 2 };
+  }
+
+  /** The row and nearest drawn step under a point (CSS px from the canvas' top-left). */
+  hit(x, y) {
+    const layout = this.layout;
+    if (!layout || x < layout.left || x > layout.left + layout.width) return null;
+    const rowIndex = Math.floor(y / layout.rowHeight);
+    if (rowIndex < 0 || rowIndex >= this.rows.length || !layout.steps.length) return null;
+    let best = null;
+    let bestDistance = Infinity;
+    for (const step of layout.steps) {
+      const distance = Math.abs(layout.xpos(step) - x);
+      if (distance < bestDistance) { best = step; bestDistance = distance; }
+    }
+    const row = this.rows[rowIndex];
+    return { row, step: best, hit: row.steps.includes(best) };
+  }
+}

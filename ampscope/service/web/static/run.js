@@ -1,0 +1,291 @@
+// The run page: /ranks, /health and /series of one run every 2 s. The series is loaded in
+// full once, then only the steps after the newest one seen (since_step), so a refresh of
+// 64 ranks x 1024 steps moves a few KB, not the whole history.
+"use strict";
+
+(() => {
+  const REFRESH_MS = 2000;
+  const MAX_STEPS = 1024;
+  const AXIS_SIZE = 70;
+  const a = ampscope;
+  const run = new URLSearchParams(location.search).get("id") || "";
+  const base = a.runPath(run);
+
+  let series = null;
+  let seriesKey = null; // ranks and their restarts when the series was loaded in full
+  let scalePlot = null;
+  let skipsPlot = null;
+  let plottedRanks = null;
+  const heatmaps = {
+    origin: new Heatmap(document.getElementById("origin-heatmap"), "#d32f2f"),
+    local: new Heatmap(document.getElementById("local-heatmap"), "#f57c00"),
+  };
+
+  /** Distinct, dark-enough colours for any number of ranks (golden-angle hues). */
+  function rankColor(index) {
+    const h = (index * 137.508) % 360, s = 0.7, l = 0.42;
+    const f = (n) => {
+      const k = (n + h / 30) % 12;
+      const c = l - s * Math.min(l, 1 - l) * Math.max(-1, Math.min(k - 3, 9 - k, 1));
+      return Math.round(c * 255).toString(16).padStart(2, "0");
+    };
+    return `#${f(0)}${f(8)}${f(4)}`;
+  }
+
+  const rowKey = (row) => `${row.rank}/${row.device}`;
+
+  function trim() {
+    const extra = series.steps.length - MAX_STEPS;
+    if (extra <= 0) return;
+    const first = series.steps[extra];
+    series.steps = series.steps.slice(extra);
+    series.scale = series.scale.map((row) => row.slice(extra));
+    const keep = (steps) => steps.filter((s) => s >= first);
+    series.skipped = series.skipped.map(keep);
+    series.backoffs = series.backoffs.map(keep);
+    for (const kind of ["found_inf_local", "found_inf_origin"]) {
+      for (const row of series[kind]) row.steps = keep(row.steps);
+    }
+  }
+
+  /** Append a since_step answer; false when it does not fit (new ranks or devices). */
+  function merge(delta) {
+    if (delta.ranks.join() !== series.ranks.join()) return false;
+    for (const kind of ["found_inf_local", "found_inf_origin"]) {
+      const known = new Map(series[kind].map((row) => [rowKey(row), row]));
+      if (delta[kind].some((row) => !known.has(rowKey(row)))) return false;
+      for (const row of delta[kind]) known.get(rowKey(row)).steps.push(...row.steps);
+    }
+    series.steps.push(...delta.steps);
+    delta.scale.forEach((row, i) => series.scale[i].push(...row));
+    delta.skipped.forEach((steps, i) => series.skipped[i].push(...steps));
+    delta.backoffs.forEach((steps, i) => series.backoffs[i].push(...steps));
+    trim();
+    return true;
+  }
+
+  async function loadSeries(ranks) {
+    const key = ranks.map((r) => `${r.rank}:${r.restarts}`).join(",");
+    if (series !== null && key === seriesKey && series.steps.length) {
+      const last = series.steps[series.steps.length - 1];
+      const delta = await a.getJSON(`${base}/series?since_step=${last}&max_steps=${MAX_STEPS}`);
+      if (merge(delta)) return;
+    }
+    series = await a.getJSON(`${base}/series?max_steps=${MAX_STEPS}`);
+    seriesKey = key;
+  }
+
+  function chartWidth() {
+    return Math.max(600, Math.min(document.querySelector("main").clientWidth - 10, 1360));
+  }
+
+  function makePlots() {
+    for (const plot of [scalePlot, skipsPlot]) if (plot) plot.destroy();
+    const width = chartWidth();
+    const showLegend = series.ranks.length <= 16;
+    scalePlot = new uPlot(
+      {
+        width, height: 300,
+        scales: { x: { time: false }, y: { distr: 3, log: 2 } },
+        axes: [
+          { label: "step" },
+          { label: "loss scale", size: AXIS_SIZE, values: (u, values) => values.map(a.scaleText) },
+        ],
+        series: [
+          { label: "step" },
+          ...series.ranks.map((rank, i) => ({
+            label: `rank ${rank}`, stroke: rankColor(i), width: 1.5, spanGaps: false,
+            points: { show: false }, value: (u, v) => a.scaleText(v),
+          })),
+        ],
+        legend: { show: showLegend },
+        cursor: { sync: { key: "ampscope-run" } },
+        hooks: { draw: [drawHeatmaps] },
+      },
+      [[]],
+      document.getElementById("scale-chart"),
+    );
+    skipsPlot = new uPlot(
+      {
+        width, height: 160,
+        scales: { x: { time: false }, y: { range: [0, Math.max(1, series.ranks.length)] } },
+        axes: [{ label: "step" }, { label: "ranks", size: AXIS_SIZE }],
+        series: [
+          { label: "step" },
+          { label: "skipped", stroke: "#c62828", fill: "rgba(198,40,40,0.35)",
+            paths: uPlot.paths.bars({ size: [0.9, 12] }), points: { show: false } },
+          { label: "backed off", stroke: "#1565c0", width: 0,
+            points: { show: true, size: 6, fill: "#1565c0" } },
+        ],
+        cursor: { sync: { key: "ampscope-run" } },
+      },
+      [[]],
+      document.getElementById("skips-chart"),
+    );
+    plottedRanks = series.ranks.join();
+  }
+
+  function countPerStep(lists) {
+    const index = new Map(series.steps.map((step, i) => [step, i]));
+    const counts = new Array(series.steps.length).fill(0);
+    for (const steps of lists) for (const step of steps) {
+      const i = index.get(step);
+      if (i !== undefined) counts[i] += 1;
+    }
+    return counts;
+  }
+
+  function drawCharts() {
+    if (scalePlot === null || plottedRanks !== series.ranks.join()) makePlots();
+    // A log axis cannot place 0; a rank at scale 0 shows as a gap (the table says 0).
+    const scales = series.scale.map((row) => row.map((v) => (v > 0 ? v : null)));
+    scalePlot.setData([series.steps, ...scales]);
+    const skipped = countPerStep(series.skipped);
+    const backoffs = countPerStep(series.backoffs).map((n) => (n > 0 ? n : null));
+    skipsPlot.setData([series.steps, skipped, backoffs]);
+    document.getElementById("origin-empty").hidden = series.found_inf_origin.length > 0;
+  }
+
+  /** The heatmaps share the scale chart's x axis: drawn from its draw hook, so they use the
+   *  scales uPlot committed (it applies setData asynchronously). */
+  function drawHeatmaps(plot) {
+    if (!series.steps.length) return;
+    const ratio = window.devicePixelRatio || 1;
+    const left = plot.bbox.left / ratio;
+    const first = series.steps[0], last = series.steps[series.steps.length - 1];
+    const layout = {
+      left,
+      width: plot.bbox.width / ratio,
+      steps: series.steps,
+      xpos: (step) => (step < first || step > last ? null : left + plot.valToPos(step, "x")),
+    };
+    for (const [kind, heatmap] of Object.entries(heatmaps)) {
+      const rows = series[`found_inf_${kind}`].map((row) => ({
+        rank: row.rank, device: row.device, steps: row.steps, label: `rank ${row.rank} ${row.device}`,
+      }));
+      heatmap.draw(rows, layout);
+    }
+  }
+
+  function drawVerdicts(health) {
+    const badge = document.getElementById("run-status");
+    badge.className = `badge ${health.status}`;
+    badge.textContent = health.status;
+    const items = health.verdicts.map((verdict) => {
+      const li = a.el("li");
+      li.dataset.rule = verdict.rule;
+      li.dataset.status = verdict.status;
+      li.append(a.badge(verdict.status), " ", a.el("span", { cls: "rule", text: verdict.rule }),
+        " ", a.el("span", { cls: "summary", text: verdict.summary }));
+      const details = a.el("details");
+      details.append(a.el("summary", { text: "evidence and thresholds" }),
+        a.el("pre", { text: JSON.stringify({ evidence: verdict.evidence, thresholds: verdict.thresholds }, null, 2) }));
+      li.append(details);
+      return li;
+    });
+    // Keep open <details> open across refreshes.
+    const open = new Set([...document.querySelectorAll("#verdicts li")]
+      .filter((li) => li.querySelector("details").open).map((li) => li.dataset.rule));
+    for (const li of items) if (open.has(li.dataset.rule)) li.querySelector("details").open = true;
+    document.getElementById("verdicts").replaceChildren(...items);
+    document.getElementById("verdicts-section").hidden = false;
+  }
+
+  function drawRanks(ranks) {
+    const rows = ranks.map((rank) => {
+      const tr = a.el("tr");
+      tr.dataset.rank = rank.rank;
+      const t = rank.totals;
+      a.cell(tr, rank.rank, "num");
+      a.cell(tr, rank.node);
+      const state = a.rankState(rank);
+      tr.appendChild(a.el("td", { cls: "state-cell" })).appendChild(a.el("span", { cls: `state ${state}`, text: state }));
+      a.cell(tr, rank.step, "num");
+      a.cell(tr, a.scaleText(rank.scale), "num");
+      a.cell(tr, `${t.skipped_steps} / ${t.steps}`, "num");
+      a.cell(tr, t.backoffs, "num");
+      a.cell(tr, t.growths, "num");
+      const devices = (counts) => Object.entries(counts).map(([d, n]) => `${d} ${n}`).join(", ") || "-";
+      a.cell(tr, devices(t.found_inf_local), "num");
+      a.cell(tr, devices(t.found_inf_origin), "num");
+      a.cell(tr, `${rank.seconds_since_report.toFixed(1)} s ago`, "num");
+      return tr;
+    });
+    document.querySelector("#ranks tbody").replaceChildren(...rows);
+    document.getElementById("ranks-section").hidden = false;
+
+    const params = new Map();
+    for (const rank of ranks) for (const p of rank.totals.nonfinite_params) {
+      const entry = params.get(p.name) || { count: 0, ranks: [] };
+      entry.count += p.count;
+      entry.ranks.push(rank.rank);
+      params.set(p.name, entry);
+    }
+    const top = [...params].sort((x, y) => y[1].count - x[1].count).slice(0, 10);
+    document.querySelector("#params tbody").replaceChildren(...top.map(([name, entry]) => {
+      const tr = a.el("tr");
+      a.cell(tr, name);
+      a.cell(tr, entry.count, "num");
+      a.cell(tr, entry.ranks.join(", "));
+      return tr;
+    }));
+    document.getElementById("params-section").hidden = top.length === 0;
+  }
+
+  async function refresh() {
+    let ranks, health;
+    try {
+      [ranks, health] = await Promise.all([a.getJSON(`${base}/ranks`), a.getJSON(`${base}/health`)]);
+    } catch (error) {
+      if (error.status === 404) {
+        document.getElementById("message").textContent =
+          `This exporter holds no run "${run}" (it never reported, or retention dropped it).`;
+        return;
+      }
+      throw error;
+    }
+    await loadSeries(ranks);
+    document.getElementById("message").textContent =
+      `${health.up} of ${health.ranks} rank(s) up; newest ${series.steps.length} held step(s) shown; ` +
+      `refreshes every ${REFRESH_MS / 1000} s`;
+    drawVerdicts(health);
+    drawRanks(ranks);
+    document.getElementById("charts").hidden = false;
+    drawCharts();
+  }
+
+  function showTooltip(kind, event) {
+    const tooltip = document.getElementById("tooltip");
+    const box = event.target.getBoundingClientRect();
+    const found = heatmaps[kind].hit(event.clientX - box.left, event.clientY - box.top);
+    if (!found) { tooltip.hidden = true; return; }
+    tooltip.textContent = `rank ${found.row.rank} ${found.row.device}, step ${found.step}: ` +
+      (found.hit ? `inf/NaN (${kind})` : "finite");
+    tooltip.style.left = `${event.clientX + 12}px`;
+    tooltip.style.top = `${event.clientY + 12}px`;
+    tooltip.hidden = false;
+  }
+
+  for (const kind of Object.keys(heatmaps)) {
+    const canvas = heatmaps[kind].canvas;
+    canvas.addEventListener("mousemove", (event) => showTooltip(kind, event));
+    canvas.addEventListener("mouseleave", () => { document.getElementById("tooltip").hidden = true; });
+  }
+  window.addEventListener("resize", () => {
+    if (scalePlot === null) return;
+    for (const plot of [scalePlot, skipsPlot]) plot.setSize({ width: chartWidth(), height: plot.height });
+    drawCharts();
+  });
+
+  document.getElementById("run-id").textContent = run;
+  document.title = `ampscope: ${run}`;
+  // For tests and the curious: what is drawn, reachable from the console.
+  window.ampscopeRun = {
+    get series() { return series; },
+    get scalePlot() { return scalePlot; },
+    get skipsPlot() { return skipsPlot; },
+    heatmaps,
+    rankColor,
+  };
+  a.every(REFRESH_MS, refresh);
+})();

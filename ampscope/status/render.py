@@ -1,0 +1,132 @@
+"""Tables of the exporter's JSON for ``ampscope status``: pure functions over plain data."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+SEVERITY = {"ok": 0, "warning": 1, "critical": 2}
+"""Health status -> exit status of ``ampscope status``."""
+
+_MARK = {"ok": "ok", "warning": "WARN", "critical": "CRIT"}
+
+
+def scale_text(scale: float) -> str:
+    """A loss scale as ``2^k`` when it is a power of two (they nearly always are)."""
+    if scale > 0 and math.isfinite(scale):
+        exponent = math.log2(scale)
+        if exponent.is_integer():
+            return f"2^{int(exponent)}"
+    return f"{scale:g}"
+
+
+def rank_state(rank: Mapping[str, Any]) -> str:
+    """The rank's lifecycle state as the API gives it; older exporters only say up or not."""
+    state = rank.get("state")
+    if isinstance(state, str) and state:
+        return state
+    return "up" if rank.get("up") else "stale"
+
+
+def states_text(ranks: Sequence[Mapping[str, Any]]) -> str:
+    """``2 running, 1 lost``: ranks counted by state, in order of first appearance."""
+    counts: dict[str, int] = {}
+    for rank in ranks:
+        state = rank_state(rank)
+        counts[state] = counts.get(state, 0) + 1
+    return ", ".join(f"{n} {state}" for state, n in counts.items())
+
+
+def _found_inf(ranks: Sequence[Mapping[str, Any]], kind: str) -> int:
+    return sum(sum(rank["totals"][kind].values()) for rank in ranks)
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]) -> list[str]:
+    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows, strict=True)]
+
+    def line(cells: Sequence[str]) -> str:
+        parts = [
+            str(cell).rjust(width) if i in right else str(cell).ljust(width)
+            for i, (cell, width) in enumerate(zip(cells, widths, strict=True))
+        ]
+        return "  ".join(parts).rstrip()
+
+    return [line(header), *(line(row) for row in rows)]
+
+
+def flagged_lines(health: Mapping[str, Any], indent: str = "  ") -> list[str]:
+    """One line per verdict that is not ok: its mark, rule and summary."""
+    return [
+        f"{indent}{_MARK[v['status']]:<4} {v['rule']:<15} {v['summary']}"
+        for v in health["verdicts"]
+        if v["status"] != "ok"
+    ]
+
+
+def runs_table(
+    summaries: Sequence[Mapping[str, Any]],
+    ranks: Mapping[str, Sequence[Mapping[str, Any]]],
+    health: Mapping[str, Mapping[str, Any]],
+) -> list[str]:
+    """Every run on one line (``GET /api/v1/runs`` with each run's ranks and health), then
+    the flagged verdicts of each run."""
+    if not summaries:
+        return ["no runs: no rank has reported to this exporter yet"]
+    header = ["RUN", "HEALTH", "UP", "STATES", "STEP", "SCALE", "SKIPPED", "INF L/O", "FLAGGED"]
+    rows = []
+    notes: list[str] = []
+    for summary in summaries:
+        run = summary["run"]
+        views, report = ranks[run], health[run]
+        scales = [view["scale"] for view in views]
+        low, high = min(scales), max(scales)
+        scale = scale_text(low) if low == high else f"{scale_text(low)}..{scale_text(high)}"
+        flagged = [v["rule"] for v in report["verdicts"] if v["status"] != "ok"]
+        rows.append(
+            [
+                run,
+                report["status"].upper(),
+                f"{summary['up']}/{summary['ranks']}",
+                states_text(views),
+                str(summary["newest_step"]),
+                scale,
+                str(max(view["totals"]["skipped_steps"] for view in views)),
+                f"{_found_inf(views, 'found_inf_local')}/{_found_inf(views, 'found_inf_origin')}",
+                ",".join(flagged) or "-",
+            ]
+        )
+        if flagged:
+            notes += [f"{run}:", *flagged_lines(report)]
+    return _table(header, rows, right={4, 6, 7}) + (["", *notes] if notes else [])
+
+
+def run_table(run: str, views: Sequence[Mapping[str, Any]], health: Mapping[str, Any]) -> list[str]:
+    """One run: a line per rank (``GET /api/v1/runs/{run}/ranks``), then every verdict."""
+    header = ["RANK", "NODE", "STATE", "STEP", "SCALE", "SKIPPED", "BACKOFFS", "INF LOCAL"]
+    header += ["INF ORIGIN", "LAST REPORT"]
+    rows = []
+    for view in sorted(views, key=lambda v: v["rank"]):
+        totals = view["totals"]
+        rows.append(
+            [
+                str(view["rank"]),
+                view["node"],
+                rank_state(view),
+                str(view["step"]),
+                scale_text(view["scale"]),
+                f"{totals['skipped_steps']}/{totals['steps']}",
+                str(totals["backoffs"]),
+                str(sum(totals["found_inf_local"].values())),
+                str(sum(totals["found_inf_origin"].values())),
+                f"{view['seconds_since_report']:.0f}s ago",
+            ]
+        )
+    head = (
+        f"run {run}: {health['status'].upper()}, {health['up']}/{health['ranks']} rank(s) up "
+        f"({states_text(views)})"
+    )
+    verdicts = [
+        f"  {_MARK[v['status']]:<4} {v['rule']:<15} {v['summary']}" for v in health["verdicts"]
+    ]
+    return [head, "", *_table(header, rows, right={0, 3, 5, 6, 7, 8, 9}), "", "health:", *verdicts]
