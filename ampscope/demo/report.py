@@ -106,6 +106,8 @@ def where_to_look(base_url: str, run_ids: Sequence[str], hotspot_run: str | None
     example = hotspot_run or run_ids[0]
     return [
         "Where to look",
+        f"  web view      {base_url}/   (run page: {base_url}/run?id={example})",
+        f"  terminal      ampscope status --url {base_url} {example}",
         f"  metrics       {base_url}/metrics",
         f"  API docs      {base_url}/docs",
         f"  runs          {base_url}/api/v1/runs",

@@ -154,8 +154,8 @@ def run_demo(options: DemoOptions, emit: Callable[[str], None] | None = None) ->
             out("Every scenario drew the verdicts it was built to provoke.")
         if exporter is not None and not options.keep_serving:
             out(
-                "The exporter stops with the demo: rerun with --keep-serving to open these "
-                "links (and point Prometheus or Grafana at it)."
+                "The exporter stops with the demo: rerun with --keep-serving to open the web "
+                "view and these links (and point Prometheus or Grafana at it)."
             )
         if exporter is not None and options.keep_serving:
             out(

@@ -85,6 +85,9 @@ def test_demo_trains_into_every_expected_verdict_and_keeps_serving() -> None:
         assert f"step   {STEPS}/{STEPS}" in text
         assert "<- ranks disagree" in text  # the desync run, live
         assert "Every scenario drew the verdicts it was built to provoke." in text
+        assert f"web view      {base}/   (run page: {base}/run?id={PREFIX}-hotspot)" in text
+        with urllib.request.urlopen(f"{base}/", timeout=5) as page:
+            assert "ampscope" in page.read().decode()
         for rule in ("inf_hotspot", "scale_collapse", "skip_storm", "scale_desync"):
             assert re.search(rf"(CRIT|WARN) {rule} .*\(expected\)", text), rule
 

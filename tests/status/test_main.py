@@ -1,0 +1,176 @@
+"""``ampscope status`` as a user runs it (a subprocess) against a live exporter process fed
+by real scalers: the tables, ``--json``, ``--watch`` and every exit status."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+from support import free_port
+
+from ampscope.demo.exporter import ExporterProcess
+
+RUNS = {"calm": 0, "stormy": 1, "collapsed": 2}
+"""Run id -> the exit status its health must give: ok, warning (skip storm), critical."""
+
+
+def _train(url: str, run: str, steps: int, overflow: set[int]) -> None:
+    """A real ampscope GradScaler on CPU reporting to ``url``, inf injected at ``overflow``."""
+    import torch
+
+    import ampscope
+    from ampscope.reporter.http import HttpReporter
+
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = ampscope.GradScaler(
+        "cpu",
+        init_scale=2.0**10,
+        growth_interval=1000,
+        reporter=HttpReporter(url, flush_interval=0.05),
+        run_id=run,
+    )
+    for step in range(1, steps + 1):
+        batch = torch.ones(2, 4)
+        if step in overflow:
+            batch[0, 0] = float("inf")
+        scaler.scale(model(batch).pow(2).mean()).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+    scaler.close()
+
+
+def _status(*args: str, url: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "AMPSCOPE_URL"}
+    if url is not None:
+        env["AMPSCOPE_URL"] = url
+    return subprocess.run(
+        [sys.executable, "-m", "ampscope.cli", "status", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+
+
+@pytest.fixture(scope="module")
+def exporter() -> Iterator[str]:
+    process = ExporterProcess(free_port())
+    process.start()
+    try:
+        # 12 steps each: 4 skipped of 12 is a skip storm (scale 2^10 -> 2^6, no collapse);
+        # 9 backoffs in a row take 2^10 to 2^1, a fall of 2^9: a collapse.
+        _train(process.url, "calm", 12, set())
+        _train(process.url, "stormy", 12, {3, 6, 9, 12})
+        _train(process.url, "collapsed", 12, set(range(2, 11)))
+        deadline = time.monotonic() + 20
+        while True:
+            with urllib.request.urlopen(process.url + "/api/v1/runs", timeout=5) as response:
+                runs = json.load(response)
+            if sorted((r["run"], r["newest_step"]) for r in runs) == sorted(
+                (run, 12) for run in RUNS
+            ):
+                break
+            assert time.monotonic() < deadline, runs
+            time.sleep(0.1)
+        yield process.url
+    finally:
+        process.stop()
+
+
+def test_runs_table_and_worst_status(exporter: str) -> None:
+    result = _status(url=exporter)  # AMPSCOPE_URL, as the ranks use it
+    assert result.returncode == 2, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].split() == [
+        "RUN", "HEALTH", "UP", "STATES", "STEP", "SCALE", "SKIPPED", "INF", "L/O", "FLAGGED",
+    ]  # fmt: skip
+    rows = {line.split()[0]: line.split() for line in lines[1:4]}
+    assert rows["calm"][1:3] == ["OK", "1/1"]
+    assert rows["calm"][-4:] == ["2^10", "0", "0/0", "-"]
+    assert rows["stormy"][1] == "WARNING"
+    assert rows["stormy"][-4:] == ["2^6", "4", "4/0", "skip_storm"]
+    assert rows["collapsed"][1] == "CRITICAL"
+    assert rows["collapsed"][-4:-1] == ["2^1", "9", "9/0"]
+    assert "scale_collapse" in rows["collapsed"][-1]
+    # The flagged verdicts follow, with the API's summaries.
+    assert any("skip_storm" in line and "4 of rank 0's last 12 steps" in line for line in lines)
+
+
+@pytest.mark.parametrize(("run", "code"), RUNS.items())
+def test_one_run_exits_with_its_health(exporter: str, run: str, code: int) -> None:
+    result = _status(run, "--url", exporter)
+    assert result.returncode == code, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    status = ["OK", "WARNING", "CRITICAL"][code]
+    assert lines[0].startswith(f"run {run}: {status}, 1/1 rank(s) up")
+    header = lines[2].split()
+    assert header[:5] == ["RANK", "NODE", "STATE", "STEP", "SCALE"]
+    rank = lines[3].split()
+    assert rank[0] == "0"
+    assert rank[3] == "12"
+
+
+def test_json_is_the_apis_answers(exporter: str) -> None:
+    result = _status("stormy", "--json", "--url", exporter)
+    assert result.returncode == 1
+    answer = json.loads(result.stdout)
+    with urllib.request.urlopen(exporter + "/api/v1/runs/stormy/health", timeout=5) as response:
+        health = json.load(response)
+    assert answer["health"]["verdicts"] == health["verdicts"]
+    assert [r["totals"]["skipped_steps"] for r in answer["ranks"]] == [4]
+    listing = json.loads(_status("--json", "--url", exporter).stdout)
+    assert sorted(r["run"] for r in listing["runs"]) == sorted(RUNS)
+    assert {run: h["status"] for run, h in listing["health"].items()} == {
+        "calm": "ok",
+        "stormy": "warning",
+        "collapsed": "critical",
+    }
+
+
+def test_unknown_run_and_unreachable_exporter(exporter: str) -> None:
+    result = _status("nope", "--url", exporter)
+    assert result.returncode == 4
+    assert "holds no run 'nope'" in result.stderr
+    dead = f"http://127.0.0.1:{free_port()}"
+    result = _status("--url", dead)
+    assert result.returncode == 3
+    assert f"no exporter answers at {dead}" in result.stderr
+    assert "ampscope serve" in result.stderr
+    # Without --url, AMPSCOPE_URL (where the ranks report) is the exporter asked.
+    result = _status(url=dead)
+    assert result.returncode == 3
+    assert dead in result.stderr
+
+
+def test_watch_redraws_until_interrupted(exporter: str) -> None:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ampscope.cli", "status", "calm", "--watch", "--interval", "0.2",
+         "--url", exporter],
+        stdout=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    time.sleep(3)
+    process.send_signal(2)  # SIGINT, as Ctrl-C
+    out, _ = process.communicate(timeout=20)
+    assert process.returncode == 0
+    frames = [line for line in out.splitlines() if line.startswith("run calm: OK")]
+    assert len(frames) >= 2
+
+
+def test_default_url(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ampscope.reporter.schema import DEFAULT_URL
+    from ampscope.status.main import base_url
+
+    monkeypatch.delenv("AMPSCOPE_URL", raising=False)
+    assert base_url(None) == DEFAULT_URL
+    monkeypatch.setenv("AMPSCOPE_URL", "http://node7:9500/")
+    assert base_url(None) == "http://node7:9500"
+    assert base_url("http://other:1") == "http://other:1"
