@@ -56,6 +56,7 @@ def _status(*args: str, url: str | None = None) -> subprocess.CompletedProcess[s
         capture_output=True,
         text=True,
         timeout=60,
+        check=False,
         env=env,
     )
 
