@@ -41,6 +41,10 @@ class Heatmap {
     ctx.font = `${Math.min(11, rowHeight)}px system-ui, sans-serif`;
     ctx.textBaseline = "middle";
     ctx.textAlign = "right";
+    ctx.save();
+    ctx.beginPath();
+    ctx.rect(0, 0, layout.left + layout.width, height); // the newest step's cell ends at the edge
+    ctx.clip();
     let previousRank = null;
     rows.forEach((row, index) => {
       const top = index * rowHeight;
@@ -60,6 +64,7 @@ class Heatmap {
         ctx.fillRect(x - cellWidth / 2, top, cellWidth, rowHeight - (rowHeight > 4 ? 1 : 0));
       }
     });
+    ctx.restore();
   }
 
   /** Centre of a cell in CSS pixels from the canvas' top-left, or null off the chart. */

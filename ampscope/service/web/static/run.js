@@ -89,7 +89,7 @@
         scales: { x: { time: false }, y: { distr: 3, log: 2 } },
         axes: [
           { label: "step" },
-          { label: "loss scale", size: AXIS_SIZE, values: (u, values) => values.map(a.scaleText) },
+          { label: "loss scale", size: AXIS_SIZE, values: (u, values) => values.map((v) => (v == null ? "" : a.scaleText(v))) },
         ],
         series: [
           { label: "step" },
@@ -140,7 +140,8 @@
     // A log axis cannot place 0; a rank at scale 0 shows as a gap (the table says 0).
     const scales = series.scale.map((row) => row.map((v) => (v > 0 ? v : null)));
     scalePlot.setData([series.steps, ...scales]);
-    const skipped = countPerStep(series.skipped);
+    // Zero is drawn as nothing, not as a flat bar at the axis.
+    const skipped = countPerStep(series.skipped).map((n) => (n > 0 ? n : null));
     const backoffs = countPerStep(series.backoffs).map((n) => (n > 0 ? n : null));
     skipsPlot.setData([series.steps, skipped, backoffs]);
     document.getElementById("origin-empty").hidden = series.found_inf_origin.length > 0;
