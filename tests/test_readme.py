@@ -61,3 +61,18 @@ def test_every_serve_flag_is_explained_somewhere() -> None:
     shown = _section("The exporter: `ampscope serve`")
     missing = [flag for flag in flags - {"-h", "--help"} if f"`{flag}`" not in shown]
     assert not missing, f"serve flags the README does not mention: {missing}"
+
+
+def test_every_status_flag_and_exit_status_is_explained() -> None:
+    from ampscope.status import main as status_main
+
+    parser = argparse.ArgumentParser()
+    status_main.add_arguments(parser)
+    flags = {opt for action in parser._actions for opt in action.option_strings}
+    shown = _section("The web view and `ampscope status`")
+    missing = [flag for flag in flags - {"-h", "--help"} if f"`{flag}`" not in shown]
+    assert not missing, f"status flags the README does not mention: {missing}"
+    assert "3 the\n  exporter cannot be reached" in shown
+    assert f"{status_main.EXIT_NO_SUCH_RUN} it holds no such run" in shown
+    for image in re.findall(r"!\[[^]]*\]\(([^)]+)\)", README):
+        assert (ROOT / image).is_file(), image
