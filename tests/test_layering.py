@@ -55,3 +55,10 @@ def test_exporter_does_not_import_torch():
     loaded = _imported_after(modules)
     assert "fastapi" in loaded  # proof the app really was imported
     assert "torch" not in loaded, f"importing {modules} pulled in torch"
+
+
+def test_status_needs_neither_torch_nor_the_server_stack():
+    loaded = _imported_after(["ampscope.status.main", "ampscope.status.render"])
+    assert "pydantic" in loaded  # the default address comes from the schema module
+    leaked = sorted(loaded.intersection({"torch", *SERVER_STACK}))
+    assert not leaked, f"`ampscope status` pulled in {leaked}"

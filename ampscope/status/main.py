@@ -32,6 +32,13 @@ class NoSuchRun(Exception):
     """The exporter answered 404 for the run."""
 
 
+def _interval(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, not {text}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Define ``ampscope status``'s arguments."""
     parser.add_argument("run", nargs="?", metavar="RUN", help="show this run's ranks")
@@ -42,7 +49,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--watch", action="store_true", help="redraw every --interval seconds")
     parser.add_argument(
-        "--interval", type=float, default=2.0, metavar="SECONDS", help="--watch period (default 2)"
+        "--interval",
+        type=_interval,
+        default=2.0,
+        metavar="SECONDS",
+        help="--watch period (default 2)",
     )
     parser.add_argument(
         "--json", action="store_true", help="print the API's JSON (one document per redraw)"
