@@ -67,22 +67,30 @@ _BACKOFF = '"event":"backoff"'
 """Only the ``event`` field can hold this text: labels and parameter names cannot hold quotes."""
 
 
-def _flags(held: HeldRecord) -> tuple[bool, dict[str, bool], dict[str, bool]]:
-    """(skipped, found_inf_local, found_inf_origin) of a held record.
+_Flags = tuple[bool, bool, dict[str, bool], dict[str, bool]]
+
+
+def _flags(held: HeldRecord) -> _Flags:
+    """(skipped, backed off, found_inf_local, found_inf_origin) of a held record.
 
     Decodes only the record's head (~300 of ~1,400 bytes), and not even that when it holds
-    no ``true``: then every flag is false. Most steps of a training run are like that.
+    no ``true``: then no flag of the head is set. Most steps of a run are like that.
     """
     text = held.json
     end = text.find(_HEAD_END)
     head = text[:end] if end > 0 else text
     if "true" not in head:
-        return False, {}, {}
+        return False, _BACKOFF in text, {}, {}
     try:
         record = json.loads(head[:-1] + "}") if end > 0 else json.loads(text)
     except ValueError:  # not the layout expected: decode all of it
         record = json.loads(text)
-    return record["skipped"], record["found_inf_local"], record["found_inf_origin"]
+    return (
+        record["skipped"],
+        _BACKOFF in text,
+        record["found_inf_local"],
+        record["found_inf_origin"],
+    )
 
 
 def _after(history: Sequence[HeldRecord], since_step: int) -> Sequence[HeldRecord]:
@@ -119,10 +127,10 @@ def build(run: str, snaps: Sequence[RankSnapshot], *, since_step: int, max_steps
             if held.step < first:
                 continue
             row[column[held.step]] = held.scale_after
-            skipped_here, local_here, origin_here = _flags(held)
+            skipped_here, backoff_here, local_here, origin_here = _flags(held)
             if skipped_here:
                 rank_skipped.append(held.step)
-            if _BACKOFF in held.json:
+            if backoff_here:
                 rank_backoffs.append(held.step)
             for device, hit in local_here.items():
                 if hit:

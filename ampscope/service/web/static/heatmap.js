@@ -36,35 +36,45 @@ class Heatmap {
     const ctx = this.canvas.getContext("2d");
     ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
     ctx.clearRect(0, 0, cssWidth, height);
-    ctx.fillStyle = "#f1f3f4";
-    ctx.fillRect(layout.left, 0, layout.width, height);
-    ctx.font = `${Math.min(11, rowHeight)}px system-ui, sans-serif`;
-    ctx.textBaseline = "middle";
-    ctx.textAlign = "right";
-    ctx.save();
-    ctx.beginPath();
-    ctx.rect(0, 0, layout.left + layout.width, height); // the newest step's cell ends at the edge
-    ctx.clip();
+    // Cells go into one pixel buffer: 64 ranks x 8 devices with an overflow every few steps
+    // is ~10^5 cells, which fillRect draws in ~300 ms and a typed array in a few.
+    const width = Math.max(1, Math.round(layout.width * ratio));
+    const image = ctx.createImageData(width, this.canvas.height);
+    const pixels = new Uint32Array(image.data.buffer);
+    pixels.fill(Heatmap.pixel("#f1f3f4"));
+    const lit = Heatmap.pixel(this.color);
+    const boundary = Heatmap.pixel("#ffffff");
+    const gap = rowHeight > 4 ? 1 : 0;
     let previousRank = null;
     rows.forEach((row, index) => {
-      const top = index * rowHeight;
+      const y0 = Math.round(index * rowHeight * ratio);
+      const y1 = Math.min(this.canvas.height, Math.round(((index + 1) * rowHeight - gap) * ratio));
       if (previousRank !== null && row.rank !== previousRank) {
-        ctx.fillStyle = "#ffffff"; // a rank boundary between device rows
-        ctx.fillRect(layout.left, top, layout.width, 1);
+        pixels.fill(boundary, y0 * width, (y0 + 1) * width); // a rank boundary between devices
       }
       previousRank = row.rank;
-      if (rowHeight >= 8) {
-        ctx.fillStyle = "#444";
-        ctx.fillText(row.label, layout.left - 4, top + rowHeight / 2);
-      }
-      ctx.fillStyle = this.color;
       for (const step of row.steps) {
         const x = layout.xpos(step);
         if (x === null) continue;
-        ctx.fillRect(x - cellWidth / 2, top, cellWidth, rowHeight - (rowHeight > 4 ? 1 : 0));
+        const x0 = Math.max(0, Math.round((x - layout.left - cellWidth / 2) * ratio));
+        const x1 = Math.min(width, Math.max(x0 + 1, Math.round((x - layout.left + cellWidth / 2) * ratio)));
+        for (let y = y0; y < y1; y++) pixels.fill(lit, y * width + x0, y * width + x1);
       }
     });
-    ctx.restore();
+    ctx.putImageData(image, Math.round(layout.left * ratio), 0);
+    if (rowHeight >= 8) {
+      ctx.font = `${Math.min(11, rowHeight)}px system-ui, sans-serif`;
+      ctx.textBaseline = "middle";
+      ctx.textAlign = "right";
+      ctx.fillStyle = "#444";
+      rows.forEach((row, index) => ctx.fillText(row.label, layout.left - 4, (index + 0.5) * rowHeight));
+    }
+  }
+
+  /** A "#rrggbb" colour as one opaque RGBA pixel of a Uint32Array view (little-endian). */
+  static pixel(hex) {
+    const [r, g, b] = [1, 3, 5].map((i) => parseInt(hex.slice(i, i + 2), 16));
+    return ((255 << 24) | (b << 16) | (g << 8) | r) >>> 0;
   }
 
   /** Centre of a cell in CSS pixels from the canvas' top-left, or null off the chart. */

@@ -64,15 +64,17 @@
     return true;
   }
 
+  /** Bring `series` up to date; returns whether it changed. */
   async function loadSeries(ranks) {
     const key = ranks.map((r) => `${r.rank}:${r.restarts}`).join(",");
     if (series !== null && key === seriesKey && series.steps.length) {
       const last = series.steps[series.steps.length - 1];
       const delta = await a.getJSON(`${base}/series?since_step=${last}&max_steps=${MAX_STEPS}`);
-      if (merge(delta)) return;
+      if (merge(delta)) return delta.steps.length > 0;
     }
     series = await a.getJSON(`${base}/series?max_steps=${MAX_STEPS}`);
     seriesKey = key;
+    return true;
   }
 
   function chartWidth() {
@@ -245,14 +247,14 @@
       }
       throw error;
     }
-    await loadSeries(ranks);
+    const changed = await loadSeries(ranks);
     document.getElementById("message").textContent =
       `${health.up} of ${health.ranks} rank(s) up; newest ${series.steps.length} held step(s) shown; ` +
       `refreshes every ${REFRESH_MS / 1000} s`;
     drawVerdicts(health);
     drawRanks(ranks);
     document.getElementById("charts").hidden = false;
-    drawCharts();
+    if (changed || scalePlot === null) drawCharts();
   }
 
   function showTooltip(kind, event) {
