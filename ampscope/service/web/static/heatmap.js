@@ -16,19 +16,19 @@ class Heatmap {
 
   /**
    * Draw rows (each {label, steps: number[]}) against an x axis shared with the charts.
-   * @param {object} layout  {left, width, xpos(step) -> css px from the canvas' left,
+   * @param {object} layout  {total: css width, left, width: of the plot area, xpos(step) -> css px from the canvas' left,
    *                          steps: ascending steps drawn}
    */
   draw(rows, layout) {
     this.rows = rows;
-    const rowHeight = Math.max(2, Math.min(14, Math.floor(320 / Math.max(rows.length, 1))));
+    const rowHeight = Math.max(1, Math.min(14, Math.floor(320 / Math.max(rows.length, 1))));
     const height = rows.length * rowHeight;
     const steps = layout.steps;
     const span = steps.length > 1 ? steps[steps.length - 1] - steps[0] : 1;
     const cellWidth = Math.max(1, layout.width / (span + 1));
     this.layout = { ...layout, rowHeight, cellWidth, height };
     const ratio = window.devicePixelRatio || 1;
-    const cssWidth = layout.left + layout.width + 10;
+    const cssWidth = layout.total;
     this.canvas.style.width = `${cssWidth}px`;
     this.canvas.style.height = `${height}px`;
     this.canvas.width = Math.round(cssWidth * ratio);
@@ -49,7 +49,7 @@ class Heatmap {
     rows.forEach((row, index) => {
       const y0 = Math.round(index * rowHeight * ratio);
       const y1 = Math.min(this.canvas.height, Math.round(((index + 1) * rowHeight - gap) * ratio));
-      if (previousRank !== null && row.rank !== previousRank) {
+      if (previousRank !== null && row.rank !== previousRank && rowHeight > 2) {
         pixels.fill(boundary, y0 * width, (y0 + 1) * width); // a rank boundary between devices
       }
       previousRank = row.rank;
@@ -62,12 +62,23 @@ class Heatmap {
       }
     });
     ctx.putImageData(image, Math.round(layout.left * ratio), 0);
+    ctx.textBaseline = "middle";
+    ctx.textAlign = "right";
+    ctx.fillStyle = "#444";
     if (rowHeight >= 8) {
       ctx.font = `${Math.min(11, rowHeight)}px system-ui, sans-serif`;
-      ctx.textBaseline = "middle";
-      ctx.textAlign = "right";
-      ctx.fillStyle = "#444";
       rows.forEach((row, index) => ctx.fillText(row.label, layout.left - 4, (index + 0.5) * rowHeight));
+    } else {
+      // Rows too thin for a label each: name each rank's group of device rows, where it fits.
+      ctx.font = "10px system-ui, sans-serif";
+      let lastLabel = -Infinity;
+      rows.forEach((row, index) => {
+        const top = index * rowHeight;
+        if ((index === 0 || rows[index - 1].rank !== row.rank) && top - lastLabel >= 11) {
+          ctx.fillText(`rank ${row.rank}`, layout.left - 4, top + 5);
+          lastLabel = top;
+        }
+      });
     }
   }
 

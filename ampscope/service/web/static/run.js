@@ -157,6 +157,7 @@
     const left = plot.bbox.left / ratio;
     const first = series.steps[0], last = series.steps[series.steps.length - 1];
     const layout = {
+      total: plot.width,
       left,
       width: plot.bbox.width / ratio,
       steps: series.steps,
@@ -208,9 +209,15 @@
       a.cell(tr, `${t.skipped_steps} / ${t.steps}`, "num");
       a.cell(tr, t.backoffs, "num");
       a.cell(tr, t.growths, "num");
-      const devices = (counts) => Object.entries(counts).map(([d, n]) => `${d} ${n}`).join(", ") || "-";
-      a.cell(tr, devices(t.found_inf_local), "num");
-      a.cell(tr, devices(t.found_inf_origin), "num");
+      for (const counts of [t.found_inf_local, t.found_inf_origin]) {
+        const entries = Object.entries(counts);
+        const each = entries.map(([d, n]) => `${d} ${n}`).join(", ");
+        // Per device when there are few; the total, with the devices on hover, when many.
+        const text = entries.length <= 2
+          ? each || "-"
+          : `${a.sum(entries.map(([, n]) => n))} on ${entries.length} devices`;
+        a.cell(tr, text, "num").title = each;
+      }
       a.cell(tr, `${rank.seconds_since_report.toFixed(1)} s ago`, "num");
       return tr;
     });
