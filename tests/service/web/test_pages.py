@@ -157,6 +157,28 @@ def test_run_page_draws_the_apis_data(live_run: LiveRun, tmp_path) -> None:
                     want = step in expected.get((rank, device), set())
                     assert _close(pixel, lit[kind], 10) == want, (kind, rank, step, pixel)
 
+        # Hovering a lit cell names its rank, device and step.
+        from selenium.webdriver.common.action_chains import ActionChains
+
+        canvas_el = driver.find_element("id", "origin-heatmap")
+        driver.execute_script("arguments[0].scrollIntoView({block: 'center'})", canvas_el)
+        row = driver.execute_script(
+            "return window.ampscopeRun.heatmaps.origin.rows.findIndex(r => r.rank === 1)"
+        )
+        step = OVERFLOW_STEPS[0]
+        x, y, width, height = driver.execute_script(
+            "const c = window.ampscopeRun.heatmaps.origin.cellCenter(arguments[0], arguments[1]);"
+            "const box = arguments[2].getBoundingClientRect();"
+            "return [c.x, c.y, box.width, box.height];",
+            row,
+            step,
+            canvas_el,
+        )
+        offset = (round(x - width / 2), round(y - height / 2))  # from the element's centre
+        ActionChains(driver).move_to_element_with_offset(canvas_el, *offset).perform()
+        tooltip = _wait(driver, "document.getElementById('tooltip').textContent")
+        assert tooltip == f"rank 1 cpu, step {step}: inf/NaN (origin)"
+
         # Ranks table: the API's states and steps.
         ranks = get_json(f"{live_run.url}/api/v1/runs/{RUN}/ranks")
         table = driver.execute_script(
