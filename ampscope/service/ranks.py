@@ -60,8 +60,9 @@ default 600 s, the order of a scrape interval), so a rank holds at most
 ``SAMPLES_PER_WINDOW + 2`` of them however fast it posts; windows are exact to that
 interval."""
 
-HELD_OVERHEAD_BYTES = 160
-"""A history entry's bytes beyond its JSON string: the tuple, its numbers, a deque slot."""
+HELD_OVERHEAD_BYTES = 200
+"""A history entry's bytes beyond its JSON string and device names: the tuple, its
+numbers and flags, a deque slot."""
 
 
 class IdentityConflict(Exception):
@@ -69,16 +70,32 @@ class IdentityConflict(Exception):
 
 
 class HeldRecord(NamedTuple):
-    """One history entry: what the health rules read, and the whole record as JSON."""
+    """One history entry: what the health rules and the web view's series read, and the
+    whole record as JSON."""
 
     step: int
     time: float
     scale_after: float
+    skipped: bool
+    backoff: bool
+    inf_local: tuple[str, ...]
+    """Devices whose local gradient shards held inf/NaN at this step (usually none)."""
+    inf_origin: tuple[str, ...]
+    """Devices whose pre-reduction gradients held inf/NaN at this step (usually none)."""
     json: str
 
     @classmethod
     def of(cls, record: StepRecord) -> HeldRecord:
-        return cls(record.step, record.time, record.scale_after, record.model_dump_json())
+        return cls(
+            record.step,
+            record.time,
+            record.scale_after,
+            record.skipped,
+            record.event == "backoff",
+            _hits(record.found_inf_local),
+            _hits(record.found_inf_origin),
+            record.model_dump_json(),
+        )
 
     def record(self) -> StepRecord:
         """The record, parsed again (it was valid when it arrived). ~50 us."""
@@ -87,7 +104,14 @@ class HeldRecord(NamedTuple):
     @property
     def nbytes(self) -> int:
         """Memory this entry holds, as counted against the history byte budget."""
-        return sys.getsizeof(self.json) + HELD_OVERHEAD_BYTES
+        devices = self.inf_local + self.inf_origin
+        extra = sum(sys.getsizeof(d) for d in devices) + 2 * sys.getsizeof(()) if devices else 0
+        return sys.getsizeof(self.json) + HELD_OVERHEAD_BYTES + extra
+
+
+def _hits(found_inf: Mapping[str, bool]) -> tuple[str, ...]:
+    # The empty tuple is a shared singleton: clean steps (most of them) cost nothing extra.
+    return tuple(device for device, hit in found_inf.items() if hit)
 
 
 class WindowCounts(NamedTuple):

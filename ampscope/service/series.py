@@ -13,7 +13,6 @@ Pure functions of snapshots, like ``health``: no lock, no I/O.
 from __future__ import annotations
 
 import bisect
-import json
 from collections.abc import Sequence
 
 from pydantic import BaseModel, Field
@@ -60,39 +59,6 @@ class RunSeries(BaseModel):
     )
 
 
-_HEAD_END = '"scale_before"'
-"""The first field after the ones this module reads: ``StepRecord`` dumps its fields in
-declaration order, so identity, step, time, the found-inf dicts and ``skipped`` precede it."""
-_BACKOFF = '"event":"backoff"'
-"""Only the ``event`` field can hold this text: labels and parameter names cannot hold quotes."""
-
-
-_Flags = tuple[bool, bool, dict[str, bool], dict[str, bool]]
-
-
-def _flags(held: HeldRecord) -> _Flags:
-    """(skipped, backed off, found_inf_local, found_inf_origin) of a held record.
-
-    Decodes only the record's head (~300 of ~1,400 bytes), and not even that when it holds
-    no ``true``: then no flag of the head is set. Most steps of a run are like that.
-    """
-    text = held.json
-    end = text.find(_HEAD_END)
-    head = text[:end] if end > 0 else text
-    if "true" not in head:
-        return False, _BACKOFF in text, {}, {}
-    try:
-        record = json.loads(head[:-1] + "}") if end > 0 else json.loads(text)
-    except ValueError:  # not the layout expected: decode all of it
-        record = json.loads(text)
-    return (
-        record["skipped"],
-        _BACKOFF in text,
-        record["found_inf_local"],
-        record["found_inf_origin"],
-    )
-
-
 def _after(history: Sequence[HeldRecord], since_step: int) -> Sequence[HeldRecord]:
     return history[bisect.bisect_right(history, since_step, key=lambda held: held.step) :]
 
@@ -100,9 +66,9 @@ def _after(history: Sequence[HeldRecord], since_step: int) -> Sequence[HeldRecor
 def build(run: str, snaps: Sequence[RankSnapshot], *, since_step: int, max_steps: int) -> RunSeries:
     """Fold ``snaps`` (one run's ranks, sorted by rank) into columns.
 
-    Cost: O(ranks x held records after ``since_step``): a substring scan of each record's
-    JSON, and a decode of its first fields only for steps that skipped or saw inf/NaN. A
-    poll with ``since_step`` at the newest step it saw reads only the new records.
+    Cost: O(ranks x held records after ``since_step``), reading only the flags each held
+    record keeps beside its JSON (no decoding). A poll with ``since_step`` at the newest
+    step it saw reads only the new records.
     """
     tails = [_after(snap.history, since_step) for snap in snaps]
     union = sorted({held.step for tail in tails for held in tail})
@@ -127,17 +93,14 @@ def build(run: str, snaps: Sequence[RankSnapshot], *, since_step: int, max_steps
             if held.step < first:
                 continue
             row[column[held.step]] = held.scale_after
-            skipped_here, backoff_here, local_here, origin_here = _flags(held)
-            if skipped_here:
+            if held.skipped:
                 rank_skipped.append(held.step)
-            if backoff_here:
+            if held.backoff:
                 rank_backoffs.append(held.step)
-            for device, hit in local_here.items():
-                if hit:
-                    local_steps.setdefault(device, []).append(held.step)
-            for device, hit in origin_here.items():
-                if hit:
-                    origin_steps.setdefault(device, []).append(held.step)
+            for device in held.inf_local:
+                local_steps.setdefault(device, []).append(held.step)
+            for device in held.inf_origin:
+                origin_steps.setdefault(device, []).append(held.step)
         scale.append(row)
         skipped.append(rank_skipped)
         backoffs.append(rank_backoffs)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from ampscope.service.ranks import HELD_OVERHEAD_BYTES
 from ampscope.service.store import LimitExceeded, Store, StoreLimits
 from service.factory import batch, record, steps, totals
 
@@ -99,7 +100,7 @@ def _held(store: Store) -> dict[tuple[str, int], list[int]]:
 
 
 def test_history_byte_budget_drops_the_oldest_history_of_any_rank_first() -> None:
-    one = len(record(1).model_dump_json()) + 49 + 160  # str header + HELD_OVERHEAD_BYTES
+    one = len(record(1).model_dump_json()) + 49 + HELD_OVERHEAD_BYTES  # 49: a str's header
     store = _store(history_length=1000, history_bytes=42 * one)
     store.ingest(batch(*steps(1, 20, rank=0)), now=1.0)  # rank 0's records: T0+1..T0+20
     store.ingest(batch(*steps(101, 120, rank=1)), now=2.0)  # rank 1's: T0+101..T0+120

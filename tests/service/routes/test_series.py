@@ -23,7 +23,13 @@ def _overflow(step: int, rank: int, scale: float, origin: bool):
         rank=rank,
         scale=scale,
         skipped=True,
-        total=totals(step, local=devices, origin={"cuda:0": int(origin), "cuda:1": 0}),
+        total=totals(
+            step,
+            skipped=1,
+            backoffs=1,
+            local=devices,
+            origin={"cuda:0": int(origin), "cuda:1": 0},
+        ),
     ).model_copy(
         update={
             "found_inf_local": {"cuda:0": True, "cuda:1": False},
@@ -34,20 +40,32 @@ def _overflow(step: int, rank: int, scale: float, origin: bool):
 
 def test_columns_align_ranks_on_the_union_of_steps(client: TestClient) -> None:
     # Rank 0 holds steps 1-4, rank 1 steps 2-5; both skip step 3, only rank 1 produced it.
+    # Totals are cumulative, as a real rank sends them: after step 3 they carry its overflow
+    # (a counter going down would be a restart).
     clean = {"local": {"cuda:0": 0, "cuda:1": 0}, "origin": {"cuda:0": 0, "cuda:1": 0}}
+
+    def after_overflow(step: int, origin: int):
+        return totals(
+            step,
+            skipped=1,
+            backoffs=1,
+            local={"cuda:0": 1, "cuda:1": 0},
+            origin={"cuda:0": origin, "cuda:1": 0},
+        )
+
     _post(
         client,
         record(1, rank=0, scale=8.0, total=totals(1, **clean)),
         record(2, rank=0, scale=8.0, total=totals(2, **clean)),
         _overflow(3, 0, 4.0, origin=False),
-        record(4, rank=0, scale=4.0, total=totals(4, **clean)),
+        record(4, rank=0, scale=4.0, total=after_overflow(4, origin=0)),
     )
     _post(
         client,
         record(2, rank=1, scale=8.0, total=totals(2, **clean)),
         _overflow(3, 1, 4.0, origin=True),
-        record(4, rank=1, scale=4.0, total=totals(4, **clean)),
-        record(5, rank=1, scale=2.0, total=totals(5, **clean)),
+        record(4, rank=1, scale=4.0, total=after_overflow(4, origin=1)),
+        record(5, rank=1, scale=2.0, total=after_overflow(5, origin=1)),
     )
     series = client.get("/api/v1/runs/run-a/series").json()
     assert series == {
