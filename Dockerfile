@@ -17,6 +17,9 @@ WORKDIR /opt/ampscope
 COPY pyproject.toml README.md ./
 COPY constraints/ constraints/
 COPY ampscope/ ampscope/
+# ampscope/bundle/assets links to these: the wheel built here carries them for `ampscope export`.
+COPY dashboards/ dashboards/
+COPY deploy/ deploy/
 RUN pip install --extra-index-url https://download.pytorch.org/whl/cpu \
         -c constraints/pins.txt ".[service]"
 

@@ -83,6 +83,17 @@ def _env_int(name: str, default: int) -> int:
         return default
 
 
+def resolve_node() -> str:
+    """The node label: ``AMPSCOPE_NODE`` if set, else the host name.
+
+    The override exists for hosts whose name says nothing about the machine: a Kubernetes pod
+    (its host name is the pod's name; pass ``spec.nodeName`` through the downward API), or
+    several "nodes" sharing one host in a test.
+    """
+    override = os.environ.get("AMPSCOPE_NODE", "").strip()
+    return sanitize_label(override or socket.gethostname(), fallback="localhost")
+
+
 def resolve_identity(explicit_run_id: str | None = None, *, collective: bool = True) -> Identity:
     """This rank's identity; may run one collective (see :func:`resolve_run_id`)."""
     if dist.is_available() and dist.is_initialized():
@@ -91,7 +102,7 @@ def resolve_identity(explicit_run_id: str | None = None, *, collective: bool = T
         rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     return Identity(
         run=resolve_run_id(explicit_run_id, collective=collective),
-        node=sanitize_label(socket.gethostname(), fallback="localhost"),
+        node=resolve_node(),
         rank=rank,
         local_rank=_env_int("LOCAL_RANK", 0),
         world_size=max(world_size, 1),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import socket
 
 import pytest
 
@@ -50,3 +51,18 @@ def test_run_ids_become_single_path_segments(monkeypatch: pytest.MonkeyPatch) ->
     assert resolve_run_id("..") == "_."
     assert resolve_run_id(".hidden") == "_hidden"
     assert resolve_identity("a/b", collective=False).run == "a_b"
+
+
+def test_node_is_the_host_name_unless_ampscope_node_says_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("AMPSCOPE_NODE", raising=False)
+    monkeypatch.setattr(socket, "gethostname", lambda: "gpu-host-7")
+    assert resolve_identity("r1").node == "gpu-host-7"
+    monkeypatch.setenv("AMPSCOPE_NODE", "ip-10-0-3-17.ec2.internal")
+    assert resolve_identity("r1").node == "ip-10-0-3-17.ec2.internal"
+    # Blank means unset; an odd value is made a label like every other identity string.
+    monkeypatch.setenv("AMPSCOPE_NODE", "  ")
+    assert resolve_identity("r1").node == "gpu-host-7"
+    monkeypatch.setenv("AMPSCOPE_NODE", "node 1")
+    assert resolve_identity("r1").node == "node_1"
