@@ -40,6 +40,11 @@ if [ "$mode" = test ]; then
     # The web view's tests drive Debian's chromium through its chromedriver (Selenium).
     command -v chromium >/dev/null || need+=(chromium)
     command -v chromedriver >/dev/null || need+=(chromium-driver)
+    # The rules are also evaluated by VictoriaMetrics' vmalert (tests/deploy/test_e2e_two_nodes.py).
+    command -v vmalert >/dev/null || need+=(victoria-metrics)
+    # Node runs the Prometheus Operator's schema validators (tests/deploy/test_kubernetes.py).
+    command -v node >/dev/null || need+=(nodejs)
+    command -v npm >/dev/null || need+=(npm)
     if [ ${#need[@]} -gt 0 ]; then
         sudo=""
         [ "$(id -u)" -eq 0 ] || sudo=sudo
@@ -53,5 +58,15 @@ if [ "$mode" = test ]; then
         else
             echo "ampscope setup: ${need[*]} not installed; the tests that need them will skip" >&2
         fi
+    fi
+fi
+
+if [ "$mode" = test ] && command -v npm >/dev/null; then
+    validators=tests/deploy/k8s-validate
+    lock_stamp=$validators/node_modules/.ampscope-$(cksum <"$validators/package-lock.json" | cut -d' ' -f1)
+    if [ ! -f "$lock_stamp" ]; then
+        echo "==> installing the Kubernetes schema validators (npm ci in $validators)"
+        npm ci --prefix "$validators" --no-audit --no-fund --loglevel=error >/dev/null
+        touch "$lock_stamp"
     fi
 fi

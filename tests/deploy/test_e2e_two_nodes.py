@@ -1,0 +1,371 @@
+"""One training job on two "nodes" of loopback, as a fleet runs it: an exporter per node with
+its own node name, two torchrun agents joined by c10d rendezvous with two ranks each, every
+rank reporting to its own node's exporter, and one Prometheus scraping both exporters with
+the shipped rules. VictoriaMetrics scrapes the same exporters and vmalert evaluates the same
+rules, so both engines are held to the same verdicts.
+
+The faults (two_node_rank.py) sit on one node and are only visible across nodes: the alerts
+must compare ranks of the whole job, not of one exporter. Costs about 40 s on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from deploy_files import RULES_FILE, alert_rules, recording_rules
+from support import IN_CI, free_port, need_tool
+
+from ampscope.demo.exporter import ExporterProcess
+
+NODES = ("node-a", "node-b")
+FAULTY = "node-b"
+RANK_SCRIPT = Path(__file__).with_name("two_node_rank.py")
+STALE_AFTER_S = 30.0
+"""Ranks stay up on their exporters while the test reads the verdicts."""
+
+pytestmark = [pytest.mark.prometheus, pytest.mark.distributed, pytest.mark.timeout(400)]
+
+
+def _get(url: str, timeout: float = 5.0) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return json.load(response)
+
+
+def _wait_for(url: str, what: str, process: subprocess.Popen[bytes], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"{what} exited with status {process.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    pytest.fail(f"{what} did not answer {url} within {timeout:.0f}s")
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def query(base_url: str, expr: str, at: float) -> list[dict[str, Any]]:
+    """An instant PromQL query against Prometheus or VictoriaMetrics."""
+    params = urllib.parse.urlencode({"query": expr, "time": f"{at:.3f}"})
+    answer = _get(f"{base_url}/api/v1/query?{params}")
+    assert answer["status"] == "success", (expr, answer)
+    result: list[dict[str, Any]] = answer["data"]["result"]
+    return result
+
+
+class _AlertSink(BaseHTTPRequestHandler):
+    """Alertmanager stand-in for vmalert's notifier: accepts and forgets."""
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@dataclass
+class Job:
+    run_id: str
+    exporters: dict[str, str]
+    """Node name -> exporter URL."""
+    prometheus: str
+    victoria: str | None
+    vmalert: str | None
+    finished: float
+    """When both agents had exited: the ranks were still up on their exporters."""
+    workdir: Path
+
+    def faulty_rank(self) -> str:
+        """Global rank of local rank 0 on the faulty node (c10d decides node order)."""
+        ranks = _get(f"{self.exporters[FAULTY]}/api/v1/runs/{self.run_id}-hotspot/ranks")
+        (rank,) = [r["rank"] for r in ranks if r["local_rank"] == 0]
+        return str(rank)
+
+
+def _start(command: list[str], log: Path, **kwargs: Any) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def job() -> Iterator[Job]:
+    prometheus_bin = need_tool("prometheus")
+    workdir = Path(tempfile.mkdtemp(prefix="ampscope-two-nodes-"))
+    processes: list[subprocess.Popen[bytes]] = []
+    exporters = {node: ExporterProcess(free_port(), stale_after=STALE_AFTER_S) for node in NODES}
+    sink = ThreadingHTTPServer(("127.0.0.1", 0), _AlertSink)
+    threading.Thread(target=sink.serve_forever, daemon=True).start()
+    try:
+        for exporter in exporters.values():
+            exporter.start()
+        targets = [f"127.0.0.1:{e.port}" for e in exporters.values()]
+        scrape = {
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "scrape_configs": [{"job_name": "ampscope", "static_configs": [{"targets": targets}]}],
+        }
+        (workdir / "prometheus.yml").write_text(
+            yaml.safe_dump({**scrape, "rule_files": [str(RULES_FILE)]})
+        )
+        prometheus_url = f"http://127.0.0.1:{free_port()}"
+        processes.append(
+            _start(
+                [
+                    prometheus_bin,
+                    f"--config.file={workdir / 'prometheus.yml'}",
+                    f"--storage.tsdb.path={workdir / 'prometheus-data'}",
+                    f"--web.listen-address={prometheus_url.removeprefix('http://')}",
+                ],
+                workdir / "prometheus.log",
+            )
+        )
+        _wait_for(f"{prometheus_url}/-/ready", "prometheus", processes[-1], 30)
+
+        victoria_url = vmalert_url = None
+        if shutil.which("victoria-metrics") and shutil.which("vmalert"):
+            victoria_url, vmalert_url = _start_victoria(workdir, scrape, sink, processes)
+        elif IN_CI:
+            pytest.fail("victoria-metrics is not installed (scripts/setup.sh test installs it)")
+
+        run_id = f"two-nodes-{os.getpid()}"
+        rendezvous = f"127.0.0.1:{free_port()}"
+        agents = []
+        for node in NODES:
+            env = {
+                **os.environ,
+                "AMPSCOPE_NODE": node,
+                "AMPSCOPE_URL": exporters[node].url,
+                "TWO_NODE_FAULTY": "1" if node == FAULTY else "0",
+                "PYTHONUNBUFFERED": "1",
+            }
+            command = [
+                *(sys.executable, "-m", "torch.distributed.run", "--nnodes=2"),
+                *("--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint={rendezvous}"),
+                *(f"--rdzv-id={run_id}", "--local-addr=127.0.0.1", "--monitor-interval=0.5"),
+                str(RANK_SCRIPT),
+            ]
+            agents.append(_start(command, workdir / f"torchrun-{node}.log", env=env))
+        processes.extend(agents)
+        for node, agent in zip(NODES, agents, strict=True):
+            try:
+                status = agent.wait(300)
+            except subprocess.TimeoutExpired:
+                status = None
+            log = (workdir / f"torchrun-{node}.log").read_text()[-4000:]
+            assert status == 0, f"torchrun on {node} exited with {status}:\n{log}"
+        finished = time.time()
+        time.sleep(2.5)  # two more scrapes of the ranks' final reports
+        yield Job(
+            run_id=run_id,
+            exporters={node: e.url for node, e in exporters.items()},
+            prometheus=prometheus_url,
+            victoria=victoria_url,
+            vmalert=vmalert_url,
+            finished=finished,
+            workdir=workdir,
+        )
+    finally:
+        for process in processes:
+            _stop(process)
+        for exporter in exporters.values():
+            exporter.stop()
+        sink.shutdown()
+        sink.server_close()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _start_victoria(
+    workdir: Path,
+    scrape: dict[str, Any],
+    sink: ThreadingHTTPServer,
+    processes: list[subprocess.Popen[bytes]],
+) -> tuple[str, str]:
+    """VictoriaMetrics scraping the exporters, and vmalert evaluating the shipped rules on it
+    (recording rules written back into it)."""
+    vm_scrape = {"global": {"scrape_interval": "1s"}, "scrape_configs": scrape["scrape_configs"]}
+    (workdir / "vm-scrape.yml").write_text(yaml.safe_dump(vm_scrape))
+    victoria_url = f"http://127.0.0.1:{free_port()}"
+    processes.append(
+        _start(
+            [
+                "victoria-metrics",
+                f"-storageDataPath={workdir / 'vm-data'}",
+                f"-httpListenAddr={victoria_url.removeprefix('http://')}",
+                f"-promscrape.config={workdir / 'vm-scrape.yml'}",
+                "-promscrape.config.strictParse",
+                # Serve what was just scraped: by default the newest 30 s are held back.
+                "-search.latencyOffset=0s",
+                "-search.disableCache",
+            ],
+            workdir / "victoria-metrics.log",
+        )
+    )
+    _wait_for(f"{victoria_url}/health", "victoria-metrics", processes[-1], 30)
+    vmalert_url = f"http://127.0.0.1:{free_port()}"
+    processes.append(
+        _start(
+            [
+                "vmalert",
+                f"-rule={RULES_FILE}",
+                f"-datasource.url={victoria_url}",
+                f"-remoteWrite.url={victoria_url}",
+                f"-notifier.url=http://127.0.0.1:{sink.server_address[1]}",
+                f"-httpListenAddr={vmalert_url.removeprefix('http://')}",
+                "-evaluationInterval=1s",
+                # Chained rules read what the rules before them wrote: write it at once.
+                "-remoteWrite.flushInterval=200ms",
+            ],
+            workdir / "vmalert.log",
+        )
+    )
+    _wait_for(f"{vmalert_url}/health", "vmalert", processes[-1], 30)
+    return victoria_url, vmalert_url
+
+
+def _first_answer(
+    evaluate: Callable[[str, float], list[dict[str, Any]]], expr: str, job: Job, now: bool
+) -> list[dict[str, Any]]:
+    """The expression's result at the first of a few instants around the end of the job that
+    has one: whatever the ranks' final reports do to their up status, the job's last seconds
+    are covered. ``now``: at the present instead."""
+    instants = [time.time()] if now else [job.finished + d for d in (0, -2, -4, 2)]
+    for at in instants:
+        result = evaluate(expr, at)
+        if result:
+            return result
+    return []
+
+
+def test_each_exporter_sees_only_its_own_nodes_ranks(job: Job) -> None:
+    seen: dict[str, set[int]] = {}
+    for node, url in job.exporters.items():
+        runs = {run["run"] for run in _get(f"{url}/api/v1/runs")}
+        assert runs == {f"{job.run_id}-hotspot", f"{job.run_id}-desync"}, node
+        for run in runs:
+            ranks = _get(f"{url}/api/v1/runs/{run}/ranks")
+            assert {r["node"] for r in ranks} == {node}, (node, run)
+            assert sorted(r["local_rank"] for r in ranks) == [0, 1], (node, run)
+            assert {r["world_size"] for r in ranks} == {4}, (node, run)
+            seen.setdefault(node, {r["rank"] for r in ranks})
+            assert {r["rank"] for r in ranks} == seen[node], (node, run)
+    assert sorted(seen["node-a"] | seen["node-b"]) == [0, 1, 2, 3]
+    assert not seen["node-a"] & seen["node-b"]
+
+
+def test_prometheus_alerts_compare_ranks_across_nodes(job: Job) -> None:
+    def evaluate(expr: str, at: float) -> list[dict[str, Any]]:
+        return query(job.prometheus, expr, at)
+
+    # Prometheus scraped both exporters, each series labelled with its rank's node.
+    series = evaluate("ampscope_last_step", job.finished)
+    assert {(s["metric"]["node"], s["metric"]["rank"]) for s in series} == {
+        (node, rank)
+        for node, url in job.exporters.items()
+        for rank in (str(r["rank"]) for r in _get(f"{url}/api/v1/runs/{job.run_id}-desync/ranks"))
+    }
+    assert len({s["metric"]["instance"] for s in series}) == 2
+    _assert_verdicts(evaluate, job)
+
+
+def _assert_verdicts(
+    evaluate: Callable[[str, float], list[dict[str, Any]]], job: Job, now: bool = False
+) -> None:
+    """The hotspot and desync alert expressions name the faulty node's rank and run only,
+    and neither fault shows inside one node."""
+    alerts = alert_rules()
+    hotspot = _first_answer(evaluate, alerts["AmpscopeInfHotspot"]["expr"], job, now)
+    assert [(s["metric"]["run"], s["metric"]["node"], s["metric"]["rank"]) for s in hotspot] == [
+        (f"{job.run_id}-hotspot", FAULTY, job.faulty_rank())
+    ]
+    # Within the healthy node one rank holds every detection, at least the alert's 5:
+    # compared per node, that rank would be a hotspot too.
+    healthy = _first_answer(
+        evaluate,
+        'sum by (node, rank) (ampscope_rank_device:found_inf_source:increase_10m{run="'
+        f'{job.run_id}-hotspot", node!="{FAULTY}"}}) >= 5',
+        job,
+        now,
+    )
+    assert len(healthy) == 1, healthy
+
+    desync = _first_answer(evaluate, alerts["AmpscopeScaleDesync"]["expr"], job, now)
+    assert {s["metric"]["run"] for s in desync} == {f"{job.run_id}-desync"}
+    # Each node's ranks agree among themselves at the same step: only across nodes do they not.
+    per_node = _first_answer(
+        evaluate,
+        "max by (run, node) (ampscope_rank:loss_scale_aligned:newest_step"
+        f'{{run="{job.run_id}-desync"}}) / min by (run, node) '
+        f'(ampscope_rank:loss_scale_aligned:newest_step{{run="{job.run_id}-desync"}})',
+        job,
+        now,
+    )
+    assert {s["metric"]["node"]: float(s["value"][1]) for s in per_node} == {
+        node: 1.0 for node in NODES
+    }
+
+
+def test_victoria_metrics_loads_every_rule_and_agrees(job: Job) -> None:
+    need_tool("victoria-metrics")
+    need_tool("vmalert")
+    assert job.victoria
+    assert job.vmalert
+
+    groups = _get(f"{job.vmalert}/api/v1/rules")["data"]["groups"]
+    loaded = {rule["name"]: rule for group in groups for rule in group["rules"]}
+    assert set(loaded) == set(alert_rules()) | set(recording_rules())
+    broken = {name: rule.get("lastError") for name, rule in loaded.items() if rule.get("lastError")}
+    assert not broken, broken
+
+    # The same expressions, evaluated by VictoriaMetrics over what vmalert recorded into it.
+    def evaluate(expr: str, at: float) -> list[dict[str, Any]]:
+        assert job.victoria
+        return query(job.victoria, expr, at)
+
+    # vmalert's own evaluation: the two alerts are active (pending until their `for:`) for
+    # the faulty rank and run only.
+    deadline = time.monotonic() + 60
+    while True:
+        active = _get(f"{job.vmalert}/api/v1/alerts")["data"]["alerts"]
+        by_name: dict[str, list[dict[str, str]]] = {}
+        for alert in active:
+            by_name.setdefault(alert["name"], []).append(alert["labels"])
+        if {"AmpscopeInfHotspot", "AmpscopeScaleDesync"} <= set(by_name):
+            break
+        assert time.monotonic() < deadline, (
+            active,
+            (job.workdir / "vmalert.log").read_text()[-3000:],
+        )
+        time.sleep(0.5)
+    assert [(a["run"], a["node"], a["rank"]) for a in by_name["AmpscopeInfHotspot"]] == [
+        (f"{job.run_id}-hotspot", FAULTY, job.faulty_rank())
+    ]
+    assert {a["run"] for a in by_name["AmpscopeScaleDesync"]} == {f"{job.run_id}-desync"}
+    _assert_verdicts(evaluate, job, now=True)

@@ -1,0 +1,182 @@
+"""deploy/kubernetes: the manifests against Kubernetes' and the Prometheus Operator's schemas
+(offline, no cluster), the generated ones against their sources, and the house rules for the
+exporter's DaemonSet."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from deploy_files import DASHBOARD_DIR, PROMETHEUS_DIR, ROOT
+from support import IN_CI, need_tool
+
+from ampscope.bundle.kubernetes import REGENERATE, generated
+from ampscope.reporter.schema import DEFAULT_PORT
+
+KUBERNETES_DIR = ROOT / "deploy" / "kubernetes"
+VALIDATOR_DIR = Path(__file__).with_name("k8s-validate")
+KUBERNETES_VERSIONS = ("1.28.0", "1.37.0")
+"""The oldest release still common in fleets that has everything used here, and the newest
+kubernetes-validate knows."""
+OPERATOR_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
+
+
+def _manifests() -> dict[str, dict[str, Any]]:
+    """Every Kubernetes object under deploy/kubernetes, by file name (kustomization excluded)."""
+    return {
+        path.name: yaml.safe_load(path.read_text())
+        for path in sorted(KUBERNETES_DIR.glob("*.yaml"))
+        if path.name != "kustomization.yaml"
+    }
+
+
+def _by_kind(kind: str) -> dict[str, Any]:
+    (found,) = [m for m in _manifests().values() if m["kind"] == kind]
+    return found
+
+
+def test_kustomization_applies_every_manifest_in_one_namespace() -> None:
+    kustomization = yaml.safe_load((KUBERNETES_DIR / "kustomization.yaml").read_text())
+    assert sorted(kustomization["resources"]) == sorted(_manifests())
+    assert {m["metadata"]["namespace"] for m in _manifests().values()} == {
+        kustomization["namespace"]
+    }
+
+
+def test_generated_manifests_are_up_to_date() -> None:
+    for name, text in generated().items():
+        committed = (KUBERNETES_DIR / name).read_text()
+        assert committed == text, f"deploy/kubernetes/{name} is stale: run `{REGENERATE}`"
+
+
+def test_prometheus_rule_holds_exactly_the_shipped_rules() -> None:
+    groups = [
+        group
+        for path in sorted((PROMETHEUS_DIR / "rules").glob("*.yml"))
+        for group in yaml.safe_load(path.read_text())["groups"]
+    ]
+    assert groups
+    assert _by_kind("PrometheusRule")["spec"]["groups"] == groups
+
+
+def test_dashboard_configmap_holds_the_dashboards_for_grafanas_sidecar() -> None:
+    configmap = _by_kind("ConfigMap")
+    assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert configmap["data"] == {
+        path.name: path.read_text() for path in sorted(DASHBOARD_DIR.glob("*.json"))
+    }
+    for text in configmap["data"].values():
+        json.loads(text)
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_core_manifests_match_the_kubernetes_schemas(version: str) -> None:
+    core = {n: m for n, m in _manifests().items() if m["kind"] not in OPERATOR_KINDS}
+    assert {m["kind"] for m in core.values()} >= {"DaemonSet", "Service", "ConfigMap"}
+    for name, manifest in core.items():
+        # strict: unknown fields are errors, as with kubectl's default --validate=strict.
+        try:
+            kubernetes_validate.validate(manifest, version, strict=True)
+        except kubernetes_validate.ValidationError as error:
+            pytest.fail(f"{name} against Kubernetes {version}: {error.message}")
+
+
+def test_kubernetes_schema_check_catches_a_misspelt_field() -> None:
+    broken = copy.deepcopy(_by_kind("DaemonSet"))
+    container = broken["spec"]["template"]["spec"]["containers"][0]
+    container["readinessProbes"] = container.pop("readinessProbe")
+    with pytest.raises(kubernetes_validate.ValidationError, match="readinessProbes"):
+        kubernetes_validate.validate(broken, KUBERNETES_VERSIONS[0], strict=True)
+
+
+def _operator_errors(manifests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    node = need_tool("node")
+    if not (VALIDATOR_DIR / "node_modules").is_dir():
+        message = f"run `npm ci` in {VALIDATOR_DIR} (scripts/setup.sh test does)"
+        if IN_CI:
+            pytest.fail(message)
+        pytest.skip(message)
+    result = subprocess.run(
+        [node, "validate.mjs"],
+        input=json.dumps(manifests),
+        cwd=VALIDATOR_DIR,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return [json.loads(line) for line in result.stdout.splitlines()]
+
+
+def test_operator_manifests_match_the_prometheus_operator_schemas() -> None:
+    operator = [m for m in _manifests().values() if m["kind"] in OPERATOR_KINDS]
+    assert {m["kind"] for m in operator} == {"ServiceMonitor", "PrometheusRule"}
+    verdicts = _operator_errors(operator)
+    assert [v["kind"] for v in verdicts] == [m["kind"] for m in operator]
+    assert all(not v["errors"] for v in verdicts), verdicts
+
+    # The same validator refuses what the operator's API server would.
+    monitor, rule = (
+        copy.deepcopy(_by_kind("ServiceMonitor")),
+        copy.deepcopy(_by_kind("PrometheusRule")),
+    )
+    monitor["spec"]["endpoints"][0]["interval"] = 15
+    del rule["spec"]["groups"][0]["rules"][0]["expr"]
+    bad = _operator_errors([monitor, rule])
+    assert "interval" in bad[0]["errors"][0]
+    assert "expr" in bad[1]["errors"][0]
+
+
+def test_exporter_daemonset_runs_hardened_and_reachable_on_its_node() -> None:
+    daemonset = _by_kind("DaemonSet")
+    pod = daemonset["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] != 0
+    assert pod["automountServiceAccountToken"] is False
+    security = container["securityContext"]
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"]["drop"] == ["ALL"]
+    for kind in ("requests", "limits"):
+        assert set(container["resources"][kind]) == {"cpu", "memory"}, kind
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"]["path"] == "/healthz", probe
+    (port,) = container["ports"]
+    assert port["containerPort"] == port["hostPort"] == DEFAULT_PORT
+    assert f"--port={DEFAULT_PORT}" in container["args"]
+    assert "--host=0.0.0.0" in container["args"]
+
+    # The token comes from the Secret, through a file the exporter is pointed at.
+    (token_flag,) = [a for a in container["args"] if a.startswith("--token-file=")]
+    token_path = Path(token_flag.split("=", 1)[1])
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    (token_volume,) = [
+        name for name, mount in mounts.items() if token_path.parent == Path(mount["mountPath"])
+    ]
+    secret = volumes[token_volume]["secret"]
+    assert secret["secretName"] == "ampscope-token"
+    assert token_path.name == "token"
+
+    # The Service and the ServiceMonitor find these pods and this port.
+    labels = daemonset["spec"]["template"]["metadata"]["labels"]
+    assert daemonset["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    service = _by_kind("Service")
+    assert service["spec"]["selector"].items() <= labels.items()
+    assert service["spec"]["internalTrafficPolicy"] == "Local"
+    assert {p["targetPort"] for p in service["spec"]["ports"]} == {port["name"]}
+    monitor = _by_kind("ServiceMonitor")
+    assert (
+        monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    )
+    assert {e["port"] for e in monitor["spec"]["endpoints"]} == {
+        p["name"] for p in service["spec"]["ports"]
+    }
