@@ -180,3 +180,12 @@ def test_exporter_daemonset_runs_hardened_and_reachable_on_its_node() -> None:
     assert {e["port"] for e in monitor["spec"]["endpoints"]} == {
         p["name"] for p in service["spec"]["ports"]
     }
+
+
+def test_readme_names_every_manifest_and_the_regeneration_command() -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("\n## Kubernetes\n") :]
+    section = section[: section.index("\n## ", 1)]
+    for path in KUBERNETES_DIR.glob("*.yaml"):
+        assert f"`{path.name}`" in section, path.name
+    assert f"`{REGENERATE}`" in section
