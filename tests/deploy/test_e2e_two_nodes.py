@@ -11,6 +11,7 @@ must compare ranks of the whole job, not of one exporter. Costs 65-85 s of wall 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -22,7 +23,7 @@ import time
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,63 @@ class _AlertSink(BaseHTTPRequestHandler):
 
 
 @dataclass
+class Watched:
+    """An engine's active alerts and recording-rule output, accumulated while the job ran.
+
+    Read during the job rather than after it: once the ranks finish, what depends on their
+    being up (the desync comparison) goes away, whatever the exporter's lifecycle rules are.
+    """
+
+    alerts: dict[str, set[tuple[str, str, str]]] = field(default_factory=dict)
+    """Alert name -> (run, node, rank) of every alert seen active (pending or firing)."""
+    recorded: dict[str, int] = field(default_factory=dict)
+    """Recording rule -> the most samples one of its evaluations produced (vmalert only)."""
+    both_active_at: float | None = None
+    """The last instant both the hotspot and the desync alert were active."""
+
+
+class _Watcher(threading.Thread):
+    """Polls each engine's alerts (and vmalert's rules) every half second until stopped."""
+
+    def __init__(self, urls: dict[str, str]) -> None:
+        super().__init__(daemon=True)
+        self.urls = urls
+        self.watched = {engine: Watched() for engine in urls}
+        self.stopping = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            while not self.stopping.wait(0.5):
+                for engine, url in self.urls.items():
+                    # A slow answer under load is skipped: the next poll comes soon.
+                    with contextlib.suppress(OSError):
+                        self._poll(engine, self.watched[engine], url)
+        except BaseException as error:  # reported by the fixture, not lost in the thread
+            self.error = error
+
+    @staticmethod
+    def _poll(engine: str, watched: Watched, url: str) -> None:
+        now = time.time()
+        active: set[str] = set()
+        # vmalert answers null, not [], while no alert is active.
+        for alert in _get(f"{url}/api/v1/alerts")["data"]["alerts"] or []:
+            labels = alert["labels"]
+            active.add(labels["alertname"])
+            key = (labels.get("run", ""), labels.get("node", ""), labels.get("rank", ""))
+            watched.alerts.setdefault(labels["alertname"], set()).add(key)
+        if {"AmpscopeInfHotspot", "AmpscopeScaleDesync"} <= active:
+            watched.both_active_at = now
+        if engine != "vmalert":
+            return
+        for group in _get(f"{url}/api/v1/rules")["data"]["groups"] or []:
+            for rule in group["rules"] or []:
+                if rule["type"] == "recording":
+                    most = max(watched.recorded.get(rule["name"], 0), rule["lastSamples"])
+                    watched.recorded[rule["name"]] = most
+
+
+@dataclass
 class Job:
     run_id: str
     exporters: dict[str, str]
@@ -103,8 +161,10 @@ class Job:
     victoria: str | None
     vmalert: str | None
     finished: float
-    """When both agents had exited: the ranks were still up on their exporters."""
+    """When both agents had exited."""
     workdir: Path
+    watched: dict[str, Watched]
+    """Engine ("prometheus", "vmalert") -> what its rule evaluation showed during the job."""
 
     def faulty_rank(self) -> str:
         """Global rank of local rank 0 on the faulty node (c10d decides node order)."""
@@ -175,6 +235,9 @@ def job() -> Iterator[Job]:
             ]
             agents.append(_start(command, workdir / f"torchrun-{node}.log", env=env))
         processes.extend(agents)
+        engines = {"prometheus": prometheus_url} | ({"vmalert": vmalert_url} if vmalert_url else {})
+        watcher = _Watcher(engines)
+        watcher.start()
         for node, agent in zip(NODES, agents, strict=True):
             try:
                 status = agent.wait(300)
@@ -183,7 +246,10 @@ def job() -> Iterator[Job]:
             log = (workdir / f"torchrun-{node}.log").read_text()[-4000:]
             assert status == 0, f"torchrun on {node} exited with {status}:\n{log}"
         finished = time.time()
-        time.sleep(2.5)  # two more scrapes of the ranks' final reports
+        time.sleep(2.5)  # two more scrapes and evaluations of the ranks' final reports
+        watcher.stopping.set()
+        watcher.join()
+        assert watcher.error is None, repr(watcher.error)
         yield Job(
             run_id=run_id,
             exporters={node: e.url for node, e in exporters.items()},
@@ -192,6 +258,7 @@ def job() -> Iterator[Job]:
             vmalert=vmalert_url,
             finished=finished,
             workdir=workdir,
+            watched=watcher.watched,
         )
     finally:
         for process in processes:
@@ -252,12 +319,13 @@ def _start_victoria(
 
 
 def _first_answer(
-    evaluate: Callable[[str, float], list[dict[str, Any]]], expr: str, job: Job, now: bool
+    evaluate: Callable[[str, float], list[dict[str, Any]]], expr: str, job: Job
 ) -> list[dict[str, Any]]:
     """The expression's result at the first of a few instants around the end of the job that
     has one: whatever the ranks' final reports do to their up status, the job's last seconds
-    are covered. ``now``: at the present instead."""
-    instants = [time.time()] if now else [job.finished + d for d in (0, -2, -4, 2)]
+    are covered, starting with the last instant both alerts were seen active."""
+    seen = job.watched["prometheus"].both_active_at
+    instants = ([seen] if seen else []) + [job.finished + d for d in (0, -2, -4, 2)]
     for at in instants:
         result = evaluate(expr, at)
         if result:
@@ -296,31 +364,19 @@ def test_prometheus_alerts_compare_ranks_across_nodes(job: Job) -> None:
     _assert_verdicts(evaluate, job)
 
     # Prometheus' own rule evaluation started both alerts' `for:` clocks, on the same labels.
-    active = _active_alerts(f"{job.prometheus}/api/v1/alerts", job)
-    _assert_active(active, job)
+    _assert_alerted_on_the_faults_only(job.watched["prometheus"], job)
 
 
-def _active_alerts(url: str, job: Job) -> dict[str, list[dict[str, str]]]:
-    """Alert name -> label sets of the active (pending or firing) alerts at ``url``, polled
-    until both the hotspot run's hotspot alert and the desync alert are among them."""
-    deadline = time.monotonic() + 60
-    while True:
-        by_name: dict[str, list[dict[str, str]]] = {}
-        for alert in _get(url)["data"]["alerts"]:
-            by_name.setdefault(alert["labels"]["alertname"], []).append(alert["labels"])
-        runs = {a["run"] for a in by_name.get("AmpscopeInfHotspot", [])}
-        if f"{job.run_id}-hotspot" in runs and "AmpscopeScaleDesync" in by_name:
-            return by_name
-        assert time.monotonic() < deadline, by_name
-        time.sleep(0.5)
-
-
-def _assert_active(by_name: dict[str, list[dict[str, str]]], job: Job) -> None:
-    hotspot = [a for a in by_name["AmpscopeInfHotspot"] if a["run"] == f"{job.run_id}-hotspot"]
-    assert [(a["run"], a["node"], a["rank"]) for a in hotspot] == [
-        (f"{job.run_id}-hotspot", FAULTY, job.faulty_rank())
-    ]
-    assert {a["run"] for a in by_name["AmpscopeScaleDesync"]} == {f"{job.run_id}-desync"}
+def _assert_alerted_on_the_faults_only(watched: Watched, job: Job) -> None:
+    """While the job ran, the hotspot alert named the faulty rank alone (in the hotspot run)
+    and the desync alert the desync run alone."""
+    hotspot = {
+        a for a in watched.alerts.get("AmpscopeInfHotspot", set()) if a[0].endswith("-hotspot")
+    }
+    assert hotspot == {(f"{job.run_id}-hotspot", FAULTY, job.faulty_rank())}, watched.alerts
+    desync = {run for run, _, _ in watched.alerts.get("AmpscopeScaleDesync", set())}
+    assert desync == {f"{job.run_id}-desync"}, watched.alerts
+    assert watched.both_active_at is not None
 
 
 def _run(job: Job, scenario: str) -> str:
@@ -328,9 +384,7 @@ def _run(job: Job, scenario: str) -> str:
     return f'ampscope_steps_total{{run="{job.run_id}-{scenario}"}}'
 
 
-def _assert_verdicts(
-    evaluate: Callable[[str, float], list[dict[str, Any]]], job: Job, now: bool = False
-) -> None:
+def _assert_verdicts(evaluate: Callable[[str, float], list[dict[str, Any]]], job: Job) -> None:
     """The hotspot and desync alert expressions name the faulty node's rank and run only,
     and neither fault shows inside one node."""
     alerts = alert_rules()
@@ -340,7 +394,6 @@ def _assert_verdicts(
         evaluate,
         f"({alerts['AmpscopeInfHotspot']['expr']}) and on (run) {_run(job, 'hotspot')}",
         job,
-        now,
     )
     assert [(s["metric"]["run"], s["metric"]["node"], s["metric"]["rank"]) for s in hotspot] == [
         (f"{job.run_id}-hotspot", FAULTY, job.faulty_rank())
@@ -352,11 +405,10 @@ def _assert_verdicts(
         'sum by (node, rank) (ampscope_rank_device:found_inf_source:increase_10m{run="'
         f'{job.run_id}-hotspot", node!="{FAULTY}"}}) >= 5',
         job,
-        now,
     )
     assert len(healthy) == 1, healthy
 
-    desync = _first_answer(evaluate, alerts["AmpscopeScaleDesync"]["expr"], job, now)
+    desync = _first_answer(evaluate, alerts["AmpscopeScaleDesync"]["expr"], job)
     assert {s["metric"]["run"] for s in desync} == {f"{job.run_id}-desync"}
     # Each node's ranks agree among themselves at the same step: only across nodes do they not.
     per_node = _first_answer(
@@ -365,7 +417,6 @@ def _assert_verdicts(
         f'{{run="{job.run_id}-desync"}}) / min by (run, node) '
         f'(ampscope_rank:loss_scale_aligned:newest_step{{run="{job.run_id}-desync"}})',
         job,
-        now,
     )
     assert {s["metric"]["node"]: float(s["value"][1]) for s in per_node} == {
         node: 1.0 for node in NODES
@@ -384,22 +435,12 @@ def test_victoria_metrics_loads_every_rule_and_agrees(job: Job) -> None:
     broken = {name: rule.get("lastError") for name, rule in loaded.items() if rule.get("lastError")}
     assert not broken, broken
 
-    # The same expressions, evaluated by VictoriaMetrics over what vmalert recorded into it.
-    def evaluate(expr: str, at: float) -> list[dict[str, Any]]:
-        assert job.victoria
-        return query(job.victoria, expr, at)
-
-    # vmalert's own evaluation, as Prometheus' above, and every recording rule produced series.
-    # (Evaluated at past instants, VictoriaMetrics 1.79 answered the recorded series empty:
-    # its verdicts are read at the present, while the ranks are still up.)
-    active = _active_alerts(f"{job.vmalert}/api/v1/alerts", job)
-    _assert_active(active, job)
-    groups = _get(f"{job.vmalert}/api/v1/rules")["data"]["groups"]
-    empty = [
-        r["name"]
-        for g in groups
-        for r in g["rules"]
-        if r["type"] == "recording" and not r["lastSamples"]
-    ]
-    assert not empty, empty
-    _assert_verdicts(evaluate, job, now=True)
+    # vmalert's own evaluation over VictoriaMetrics' data reaches Prometheus' verdicts, and
+    # every recording rule, written back into VictoriaMetrics, produced series. (Instant
+    # queries at past instants answered recorded series empty on VictoriaMetrics 1.79, so the
+    # verdicts are those vmalert showed while the job ran.)
+    watched = job.watched["vmalert"]
+    _assert_alerted_on_the_faults_only(watched, job)
+    assert set(watched.recorded) == set(recording_rules())
+    empty = [name for name, samples in watched.recorded.items() if not samples]
+    assert not empty, watched.recorded
