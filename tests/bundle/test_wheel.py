@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import shutil
 import site
 import subprocess
 import sys
@@ -29,13 +30,28 @@ import ampscope
 
 pytestmark = pytest.mark.timeout(240)
 
+NOT_SOURCE = (
+    ".git",
+    ".venv",
+    "*.egg-info",
+    "build",
+    "dist",
+    "node_modules",
+    "__pycache__",
+    ".*_cache",
+)
+
 
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """sdist and wheel from `python -m build` (the wheel is built from the unpacked sdist)."""
     out = tmp_path_factory.mktemp("dist")
+    # From a clean copy: setuptools also packs whatever an earlier build's *.egg-info/SOURCES.txt
+    # lists, which would hide a file the package-data globs in pyproject.toml no longer ship.
+    source = tmp_path_factory.mktemp("source") / "ampscope"
+    shutil.copytree(ROOT, source, symlinks=True, ignore=shutil.ignore_patterns(*NOT_SOURCE))
     built = subprocess.run(
-        [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(ROOT)],
+        [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(source)],
         capture_output=True,
         text=True,
         timeout=180,
