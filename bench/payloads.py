@@ -31,7 +31,11 @@ from ampscope.service.catalogue import CATALOGUE, RANK_LABELS
 
 # Families the exporter computes itself rather than receives from a rank; a Pushgateway
 # adds its own push_time_seconds instead.
-_EXPORTER_SIDE = {"ampscope_rank_up", "ampscope_last_report_timestamp_seconds"}
+_EXPORTER_SIDE = {
+    "ampscope_rank_up",
+    "ampscope_rank_state",
+    "ampscope_last_report_timestamp_seconds",
+}
 PUSHED_FAMILIES = tuple(
     spec
     for spec in CATALOGUE

@@ -55,6 +55,7 @@ class ExporterProcess:
     Args:
         port: TCP port on 127.0.0.1.
         stale_after: The exporter's ``--stale-after``; ``None`` keeps its default.
+        stall_after: The exporter's ``--stall-after``; ``None`` keeps its default.
         env: Variables added to the inherited environment (e.g. ``AMPSCOPE_TOKEN``).
     """
 
@@ -63,11 +64,13 @@ class ExporterProcess:
         port: int,
         *,
         stale_after: float | None = None,
+        stall_after: float | None = None,
         env: Mapping[str, str] | None = None,
     ) -> None:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.stale_after = stale_after
+        self.stall_after = stall_after
         self._env = {**os.environ, **env} if env else None
         self.log_path = Path(tempfile.gettempdir()) / f"ampscope-demo-exporter-{port}.log"
         self._process: subprocess.Popen[bytes] | None = None
@@ -93,6 +96,8 @@ class ExporterProcess:
         command += ["--port", str(self.port), "--log-level", "warning"]
         if self.stale_after is not None:
             command += ["--stale-after", str(self.stale_after)]
+        if self.stall_after is not None:
+            command += ["--stall-after", str(self.stall_after)]
         with self.log_path.open("wb") as log:
             self._process = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, env=self._env

@@ -61,7 +61,7 @@ def _top_param(totals: Mapping[str, Any]) -> str:
 def rank_table(ranks: Sequence[Mapping[str, Any]]) -> list[str]:
     """The exporter's ``GET /api/v1/runs/{run}/ranks`` as a table, one row per rank."""
     header = (
-        f"  {'rank':>4}  {'step':>5}  {'scale':>7}  {'skipped':>8}  {'backoffs':>8}  "
+        f"  {'rank':>4}  {'state':<8}  {'step':>5}  {'scale':>7}  {'skipped':>8}  {'backoffs':>8}  "
         f"{'growths':>7}  {'inf local':>9}  {'inf origin':>10}  top non-finite param"
     )
     rows = [header]
@@ -71,7 +71,8 @@ def rank_table(ranks: Sequence[Mapping[str, Any]]) -> list[str]:
         origin = sum(totals["found_inf_origin"].values())
         skipped = f"{totals['skipped_steps']}/{totals['steps']}"
         rows.append(
-            f"  {rank['rank']:>4}  {rank['step']:>5}  {scale_text(rank['scale']):>7}  "
+            f"  {rank['rank']:>4}  {rank.get('state', '?'):<8}  {rank['step']:>5}  "
+            f"{scale_text(rank['scale']):>7}  "
             f"{skipped:>8}  {totals['backoffs']:>8}  {totals['growths']:>7}  {local:>9}  "
             f"{origin:>10}  {_top_param(totals)}"
         )
@@ -80,7 +81,14 @@ def rank_table(ranks: Sequence[Mapping[str, Any]]) -> list[str]:
 
 def health_lines(health: Mapping[str, Any], expected: Sequence[str]) -> list[str]:
     """The exporter's verdicts for a run: the flagged ones in full, the rest in one line."""
-    lines = [f"  health: {health['status'].upper()}"]
+    counts = health.get("states", {})
+    states = ", ".join(f"{n} {state}" for state, n in counts.items() if n)
+    lines = [f"  health: {health['status'].upper()}   ranks: {states or '-'}"]
+    if health.get("state") == "finished":
+        lines.append(
+            "    every rank closed its scaler: the run finished, so no alert fires for it; "
+            "the verdicts say how it ended"
+        )
     quiet = []
     for verdict in health["verdicts"]:
         if verdict["status"] == "ok":
@@ -116,6 +124,7 @@ def where_to_look(base_url: str, run_ids: Sequence[str], hotspot_run: str | None
         f"  history       {base_url}/api/v1/runs/{example}/ranks/0/history?limit=20",
         "  PromQL, with Prometheus scraping the exporter (deploy/prometheus/prometheus.yml):",
         f'    ampscope_loss_scale{{run="{example}"}}',
+        f'    ampscope_rank_state{{run="{example}"}} == 1   # running, stalled, lost, finished',
         "    ampscope_run:loss_scale:max_over_min   # ranks compared at the same step",
         "    increase(ampscope_found_inf_origin_total[5m])",
         "    topk(5, ampscope_nonfinite_grads_total)",

@@ -63,7 +63,8 @@ class DemoOptions:
 
 
 def _wait_for_final_step(base_url: str, run_id: str, steps: int, ranks: int) -> Any:
-    """The run's ranks once every rank's last step reached the exporter (or after 15 s)."""
+    """The run's ranks once every rank's last step and final record (the ranks closed their
+    scalers: ``finished``) reached the exporter, or after 15 s."""
     deadline = time.monotonic() + 15.0
     while True:
         try:
@@ -72,7 +73,9 @@ def _wait_for_final_step(base_url: str, run_id: str, steps: int, ranks: int) -> 
             if exc.code != 404:
                 raise
             views = []
-        if len(views) == ranks and all(view["step"] >= steps for view in views):
+        if len(views) == ranks and all(
+            view["step"] >= steps and view["state"] == "finished" for view in views
+        ):
             return views
         if time.monotonic() > deadline:
             return views

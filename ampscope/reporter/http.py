@@ -20,6 +20,11 @@ Failure policy:
 
 Delivery is at-least-once: a batch whose response was lost is sent again, and the
 exporter tolerates the duplicate (its counters come from the cumulative totals).
+
+Lifecycle: while no record goes out, a ``Heartbeat`` goes to ``/api/v1/heartbeat`` at least
+every ``heartbeat_interval`` (or as often as the exporter's answers ask), so that a live but
+idle rank is never taken for lost; ``close`` ends with a final heartbeat, after the last
+record, that marks the rank finished. Heartbeats start with the first delivered record.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import time
 import weakref
 
 from ampscope.reporter.pipeline import HttpReporterConfig, Pipeline
-from ampscope.reporter.schema import StepRecord
+from ampscope.reporter.schema import HEARTBEAT_INTERVAL_S, StepRecord
 from ampscope.reporter.transport import TOKEN_ENV, URL_ENV, url_from_env
 
 __all__ = ["HttpReporter", "HttpReporterConfig"]
@@ -55,6 +60,9 @@ class HttpReporter:
         retry_initial: First retry delay after a failure, doubling up to ``retry_max``.
         retry_max: Cap on the retry delay.
         exit_timeout: How long the interpreter-exit flush may wait for the exporter.
+        heartbeat_interval: Most seconds between posts while no record is sent, so that an
+            idle rank (evaluation, checkpointing, a hang) is never taken for lost; the
+            exporter's answers may shorten it to a quarter of its ``--stale-after``.
 
     Raises:
         ValueError: For an invalid setting, or ``url=None`` with ``AMPSCOPE_URL=off``.
@@ -72,6 +80,7 @@ class HttpReporter:
         retry_initial: float = 0.25,
         retry_max: float = 5.0,
         exit_timeout: float = 2.0,
+        heartbeat_interval: float = HEARTBEAT_INTERVAL_S,
     ) -> None:
         if url is None:
             url = url_from_env()
@@ -92,6 +101,7 @@ class HttpReporter:
             retry_initial=retry_initial,
             retry_max=retry_max,
             exit_timeout=exit_timeout,
+            heartbeat_interval=heartbeat_interval,
         )
         self._pipeline = Pipeline(self.config)
         self._pid = os.getpid()
@@ -151,12 +161,13 @@ class HttpReporter:
             return False
         return self._pipeline.flush(timeout)
 
-    def close(self, timeout: float = 5.0) -> None:
-        """Flush, retrying until ``timeout`` seconds have passed, then stop the thread.
+    def close(self, timeout: float = 1.0) -> None:
+        """Flush, retrying until ``timeout`` seconds have passed, send the final record that
+        marks the rank finished on the exporter, then stop the thread.
 
         Records still unsent at the deadline are dropped and counted. Returns within
-        about ``timeout`` seconds even when the exporter is down. Idempotent; ``emit``
-        after ``close`` drops the record.
+        about ``timeout`` seconds (default 1) even when the exporter is down. Idempotent;
+        ``emit`` after ``close`` drops the record.
         """
         if self._closed or os.getpid() != self._pid:
             return

@@ -16,8 +16,16 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from ampscope.reporter.schema import MAX_RECORDS_PER_BATCH, SCHEMA_VERSION, StepRecord
-from ampscope.reporter.transport import IngestTransport, Outcome, PostResult
+from ampscope.reporter.schema import (
+    HEARTBEAT_INTERVAL_S,
+    HEARTBEAT_PATH,
+    MAX_RECORDS_PER_BATCH,
+    SCHEMA_VERSION,
+    Heartbeat,
+    Identity,
+    StepRecord,
+)
+from ampscope.reporter.transport import URL_ENV, IngestTransport, Outcome, PostResult
 
 logger = logging.getLogger("ampscope")
 
@@ -46,10 +54,14 @@ class HttpReporterConfig:
     """Cap on the retry delay (also on a server's ``Retry-After``)."""
     exit_timeout: float = 2.0
     """Seconds the interpreter-exit flush may take, across all reporters of the process."""
+    heartbeat_interval: float = HEARTBEAT_INTERVAL_S
+    """Most seconds between posts while no record is sent; the exporter may ask for less
+    (a quarter of its ``--stale-after``), which then wins."""
 
     def __post_init__(self) -> None:
         positive = {
             "flush_interval": self.flush_interval,
+            "heartbeat_interval": self.heartbeat_interval,
             "timeout": self.timeout,
             "retry_initial": self.retry_initial,
             "retry_max": self.retry_max,
@@ -79,6 +91,8 @@ class _Encoded:
     key: tuple[str, int]
     """(run, rank): one batch holds records of one rank only."""
     json: bytes
+    identity: Identity
+    step: int
 
 
 class Pipeline:
@@ -106,6 +120,13 @@ class Pipeline:
         self.failing_since = 0.0
         self.last_error = ""
         self._logged: set[str] = set()
+        # Heartbeats (sender thread only): who this rank is, learnt from its delivered
+        # records, and when the exporter must hear from it next.
+        self.identity: Identity | None = None
+        self.last_step = 0
+        self.heartbeat_interval = config.heartbeat_interval
+        self.next_beat = float("inf")
+        self.finished_sent = False
         self.thread = threading.Thread(target=self._run, name="ampscope-reporter", daemon=True)
 
     # ---- called by HttpReporter (any thread) ----
@@ -175,6 +196,7 @@ class Pipeline:
         try:
             while self._send_next():
                 pass
+            self._send_final()
         except Exception:  # a bug here must not take the process down; say so once
             logger.exception("ampscope reporter: sender thread failed; records are dropped")
         finally:
@@ -201,7 +223,9 @@ class Pipeline:
             while not self._batch_due():
                 if self.closing:
                     return False
-                self.cond.wait(self.config.flush_interval)
+                if time.monotonic() >= self.next_beat:
+                    break
+                self.cond.wait(min(self.config.flush_interval, self.heartbeat_interval))
                 if self.waiting:
                     break  # the flush interval elapsed (or a notify): send what is there
             count = min(self.batch_limit, len(self.waiting))
@@ -211,8 +235,58 @@ class Pipeline:
                 self.inflight_count = len(taken)
         if taken:
             self._deliver(self._encode(taken))
+        elif time.monotonic() >= self.next_beat:
+            self._beat(final=False)
         with self.cond:
             return not (self.closing and (not self.waiting or self._past_deadline()))
+
+    def _beat(self, *, final: bool) -> bool:
+        """POST one heartbeat (sender thread). Returns whether the exporter took it.
+
+        A failed one is not retried: the next is due a heartbeat interval later, and the
+        records' own retries report an unreachable exporter.
+        """
+        if self.identity is None:
+            return False
+        beat = Heartbeat(
+            schema_version=1,
+            identity=self.identity,
+            time=time.time(),
+            step=self.last_step,
+            final=final,
+            dropped_records=self.dropped,
+        )
+        with self.cond:
+            remaining = self.deadline - time.monotonic() if self.closing else None
+        if remaining is not None and remaining <= 0:
+            return False
+        result = self.transport.post(
+            beat.model_dump_json().encode(), timeout=remaining, path=HEARTBEAT_PATH
+        )
+        self._note_contact(result)
+        if result.outcome is Outcome.REJECTED:
+            self.log_once(
+                f"heartbeat-{result.status}",
+                logging.WARNING,
+                "ampscope reporter: %s rejected a heartbeat with HTTP %s: %s; an older "
+                "exporter? idle ranks may then show as lost (logged once per status)",
+                self.config.url,
+                result.status,
+                result.detail,
+            )
+        return result.outcome is Outcome.DELIVERED
+
+    def _send_final(self) -> None:
+        """Tell the exporter this rank finished, once, after its last records."""
+        if not self.finished_sent:
+            self.finished_sent = True
+            self._beat(final=True)
+
+    def _note_contact(self, result: PostResult) -> None:
+        # Any post attempt restarts the heartbeat clock; the exporter may shorten it.
+        if result.heartbeat_interval is not None:
+            self.heartbeat_interval = min(self.config.heartbeat_interval, result.heartbeat_interval)
+        self.next_beat = time.monotonic() + self.heartbeat_interval
 
     def _batch_due(self) -> bool:
         if not self.waiting:
@@ -231,7 +305,11 @@ class Pipeline:
         for seq, record in taken:
             try:
                 key = (record.identity.run, record.identity.rank)
-                encoded.append(_Encoded(seq, key, record.model_dump_json().encode()))
+                encoded.append(
+                    _Encoded(
+                        seq, key, record.model_dump_json().encode(), record.identity, record.step
+                    )
+                )
             except Exception as exc:  # not a StepRecord: drop it rather than poison the batch
                 self.log_once(
                     "encode", logging.ERROR, "ampscope reporter: cannot encode a record: %r", exc
@@ -249,6 +327,9 @@ class Pipeline:
             result = self._post(batch[:n])
             if result.outcome is Outcome.DELIVERED:
                 self._note_recovery()
+                # Heartbeats speak for the rank the exporter now holds (never for one whose
+                # records it refused).
+                self.identity, self.last_step = batch[n - 1].identity, batch[n - 1].step
                 del batch[:n]
                 self._resolve(n, delivered=True, remaining=batch)
             elif result.outcome is Outcome.TOO_LARGE and n > 1:
@@ -281,7 +362,9 @@ class Pipeline:
                 b'],"dropped_records":%d}' % dropped,
             )
         )
-        return self.transport.post(body, timeout=remaining)
+        result = self.transport.post(body, timeout=remaining)
+        self._note_contact(result)
+        return result
 
     def _resolve(self, count: int, *, delivered: bool, remaining: list[_Encoded]) -> None:
         """Account for ``count`` records that left the in-flight batch; wake flush() waiters."""
@@ -303,11 +386,15 @@ class Pipeline:
             self.failing_since = time.monotonic()
             logger.warning(
                 "ampscope reporter: cannot deliver to %s (%s); retrying with backoff (up to "
-                "%.1fs), queueing up to %d records",
+                "%.1fs), queueing up to %d records. Start an exporter on that node with "
+                "`ampscope serve`, point %s at a running one, or set %s=off to turn "
+                "reporting off",
                 self.config.url,
                 self.last_error,
                 self.config.retry_max,
                 self.config.max_queue,
+                URL_ENV,
+                URL_ENV,
             )
         delay = min(self.config.retry_max, self.config.retry_initial * 2 ** (self.failures - 1))
         delay *= random.uniform(0.5, 1.0)  # jitter: ranks of a node do not retry in lockstep

@@ -212,3 +212,32 @@ class IngestBatch(_Model):
             if (record.identity.run, record.identity.rank) != (first.run, first.rank):
                 raise ValueError("all records of a batch must come from one rank of one run")
         return self
+
+
+HEARTBEAT_PATH = "/api/v1/heartbeat"
+
+HEARTBEAT_INTERVAL_S = 10.0
+"""Seconds between a reporter's heartbeats while no record is sent, unless the exporter
+asks for less (it answers every post with a quarter of its ``stale_after_s``)."""
+
+
+class Heartbeat(_Model):
+    """What a reporter POSTs while its rank is alive but sends no records, and once when the
+    rank's scaler closes (``final``).
+
+    Records already prove a rank alive; a heartbeat covers evaluation, checkpointing and
+    hangs, when no ``update()`` happens. The exporter ignores heartbeats of ranks it holds
+    no record of.
+    """
+
+    schema_version: Literal[1]
+    identity: Identity
+    time: UnixTime
+    """Wall-clock time the heartbeat was sent (seconds since the epoch)."""
+    step: Count
+    """Newest step the rank's reporter has sent."""
+    final: bool
+    """The rank's scaler closed (``close()``, garbage collection or interpreter exit): the
+    rank finished and sends nothing more."""
+    dropped_records: Count
+    """Records this rank's reporter has dropped so far (cumulative)."""

@@ -74,6 +74,8 @@ class PostResult:
     """The server's error (JSON ``detail`` when it sent one) or the connection error."""
     retry_after: float | None = None
     """Seconds from a ``Retry-After`` header (429/503), when the server sent one."""
+    heartbeat_interval: float | None = None
+    """The exporter's ``heartbeat_interval_s`` from a 2xx answer, when it sent one."""
 
 
 def classify(status: int) -> Outcome:
@@ -109,7 +111,7 @@ class IngestTransport:
         self._scheme = parts.scheme
         self._host = parts.hostname
         self._port = port
-        self._path = parts.path.rstrip("/") + INGEST_PATH
+        self._prefix = parts.path.rstrip("/")
         self._timeout = timeout
         self._headers = {"Content-Type": "application/json", "Accept": "application/json"}
         if token:
@@ -119,7 +121,9 @@ class IngestTransport:
         self.connections_opened = 0
         """How many TCP connections ``post`` has opened (keep-alive keeps this at 1)."""
 
-    def post(self, body: bytes, *, timeout: float | None = None) -> PostResult:
+    def post(
+        self, body: bytes, *, timeout: float | None = None, path: str = INGEST_PATH
+    ) -> PostResult:
         """Send one batch and read the whole response (so the connection can be reused).
 
         A request that fails on a reused connection is retried once at once on a fresh
@@ -130,11 +134,13 @@ class IngestTransport:
             body: The JSON ``IngestBatch``.
             timeout: Socket timeout for this request, at most the constructor's timeout;
                 used near a close() deadline.
+            path: The exporter endpoint, ``INGEST_PATH`` or ``HEARTBEAT_PATH``.
         """
         limit = self._timeout if timeout is None else max(0.001, min(timeout, self._timeout))
         reused = self._conn is not None
+        target = self._prefix + path
         try:
-            return self._attempt(body, limit)
+            return self._attempt(body, limit, target)
         except _STALE_CONNECTION_ERRORS as exc:
             self.close()
             if not reused:
@@ -143,7 +149,7 @@ class IngestTransport:
             self.close()
             return PostResult(outcome=Outcome.RETRY, status=None, detail=_describe(exc))
         try:
-            return self._attempt(body, limit)
+            return self._attempt(body, limit, target)
         except (OSError, http.client.HTTPException) as exc:
             self.close()
             return PostResult(outcome=Outcome.RETRY, status=None, detail=_describe(exc))
@@ -183,9 +189,9 @@ class IngestTransport:
             conn.sock.settimeout(timeout)
         return conn
 
-    def _attempt(self, body: bytes, timeout: float) -> PostResult:
+    def _attempt(self, body: bytes, timeout: float, path: str) -> PostResult:
         conn = self._connection(timeout)
-        conn.request("POST", self._path, body=body, headers=self._headers)
+        conn.request("POST", path, body=body, headers=self._headers)
         response = conn.getresponse()
         payload = response.read()
         if response.will_close:
@@ -197,6 +203,9 @@ class IngestTransport:
             status=response.status,
             detail=detail,
             retry_after=_retry_after(response.getheader("Retry-After")),
+            heartbeat_interval=_heartbeat_interval(payload)
+            if outcome is Outcome.DELIVERED
+            else None,
         )
 
 
@@ -215,6 +224,19 @@ def _error_detail(payload: bytes) -> str:
     if isinstance(parsed, dict) and "detail" in parsed:
         return json.dumps(parsed["detail"])[:_ERROR_BODY_LIMIT]
     return text
+
+
+def _heartbeat_interval(payload: bytes) -> float | None:
+    # The exporter's answer says how often it needs to hear from an idle rank.
+    if b"heartbeat_interval_s" not in payload:
+        return None
+    try:
+        value = json.loads(payload).get("heartbeat_interval_s")
+    except (ValueError, AttributeError):
+        return None
+    if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+        return float(value)
+    return None
 
 
 def _retry_after(value: str | None) -> float | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -88,6 +89,10 @@ class TelemetryMixin:
         self._ampscope_origin = None
         self._ampscope_origin_handles = []
         self._ampscope_errors = 0
+        # Collected without close(): flush and stop the threads off the collecting thread.
+        # The callback holds the telemetry only, never the scaler.
+        finalizer = weakref.finalize(self, self._ampscope_telemetry.close_soon)
+        finalizer.atexit = False  # interpreter exit is the telemetry module's job
 
     # -- public API ----------------------------------------------------------------------
 
@@ -132,11 +137,14 @@ class TelemetryMixin:
                 self._ampscope_origin = OriginFlags()
             self._ampscope_origin_handles.append(install_origin_hooks(model, self._ampscope_origin))
 
-    def close(self, timeout: float = 5.0) -> None:
+    def close(self, timeout: float = 1.0) -> None:
         """Flush pending records, close the sinks and remove hooks. Idempotent.
 
-        The scaler keeps working as torch's afterwards, without telemetry. Also runs at
-        interpreter exit. Waits at most about ``timeout`` seconds.
+        The reporter then sends its final record: the exporter shows the rank as
+        ``finished`` and no alert fires for it. The scaler keeps working as torch's
+        afterwards, without telemetry. Also runs at interpreter exit, and on a background
+        thread when the scaler is garbage collected without it. Waits at most about
+        ``timeout`` seconds (default 1), even with the exporter down.
         """
         self._ampscope_capture = None
         for handle in self._ampscope_origin_handles:

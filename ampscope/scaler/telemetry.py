@@ -15,9 +15,9 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from types import MappingProxyType
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
 
 from ampscope.reporter.schema import NonfiniteParam, StepRecord
 from ampscope.reporter.sink import Sink
@@ -37,15 +37,26 @@ MAX_UNDELIVERED = 4096
 """Records waiting for the sinks; beyond it the oldest are not delivered (counted)."""
 
 
+EXIT_TIMEOUT_S = 2.0
+"""Interpreter exit waits this long at most for all scalers' telemetry together."""
+
+
 @atexit.register
 def _close_all_at_exit() -> None:
+    # One shared deadline: many scalers must not add up their waits.
+    deadline = time.monotonic() + EXIT_TIMEOUT_S
     for telemetry in list(_LIVE):
-        telemetry.close(timeout=2.0)
+        telemetry.close(timeout=max(0.0, deadline - time.monotonic()))
 
 
 @dataclass(frozen=True, kw_only=True)
 class TelemetrySnapshot:
-    """An immutable view of one scaler's telemetry at the time of ``snapshot()``."""
+    """A copy of one scaler's telemetry at the time of ``snapshot()``.
+
+    Plain data: it pickles, ``dataclasses.asdict()`` works on it, and ``to_dict()`` gives a
+    JSON-ready dict to log to the tools a run already uses. Its dicts are copies; changing
+    them changes nothing in the scaler.
+    """
 
     steps: int
     """update() calls recorded."""
@@ -58,9 +69,9 @@ class TelemetrySnapshot:
     growth_tracker: int | None
     min_scale: float | None
     max_scale: float | None
-    found_inf_local: Mapping[str, int]
+    found_inf_local: dict[str, int]
     """Per device: iterations whose local gradient shards held inf/NaN."""
-    found_inf_origin: Mapping[str, int]
+    found_inf_origin: dict[str, int]
     """Per device: iterations whose pre-reduction gradients held inf/NaN (origin tracking)."""
     nonfinite_params: tuple[NonfiniteParam, ...]
     """Top-K parameters by cumulative non-finite element count on this rank."""
@@ -72,6 +83,15 @@ class TelemetrySnapshot:
     """Steps whose record could not be built (counted and logged, never raised)."""
     undelivered: int
     """Records not handed to the sinks because they fell ``MAX_UNDELIVERED`` behind."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: ``json.dumps(snapshot.to_dict())`` works (``last`` as its JSON form)."""
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data["found_inf_local"] = dict(self.found_inf_local)
+        data["found_inf_origin"] = dict(self.found_inf_origin)
+        data["nonfinite_params"] = [p.model_dump() for p in self.nonfinite_params]
+        data["last"] = None if self.last is None else self.last.model_dump(mode="json")
+        return data
 
 
 class Telemetry:
@@ -94,8 +114,15 @@ class Telemetry:
         self._wake = threading.Condition()
         self._stopping = False
         self._closed = False
+        self._close_done = threading.Event()
         self._thread: threading.Thread | None = None
         _LIVE.add(self)
+        if self._sinks:
+            # atexit runs last-registered first: move this module's handler after the
+            # reporter module's (imported when the sinks were built), so that at exit the
+            # pending steps reach the reporter before it flushes and says goodbye.
+            atexit.unregister(_close_all_at_exit)
+            atexit.register(_close_all_at_exit)
 
     @property
     def closed(self) -> bool:
@@ -134,8 +161,8 @@ class Telemetry:
                 growth_tracker=last.growth_tracker if last is not None else None,
                 min_scale=totals.min_scale,
                 max_scale=totals.max_scale,
-                found_inf_local=MappingProxyType(dict(totals.found_inf_local)),
-                found_inf_origin=MappingProxyType(dict(totals.found_inf_origin)),
+                found_inf_local=dict(totals.found_inf_local),
+                found_inf_origin=dict(totals.found_inf_origin),
                 nonfinite_params=tuple(
                     NonfiniteParam(name=n, count=c) for n, c in top_k(totals.nonfinite, self._top_k)
                 ),
@@ -153,15 +180,42 @@ class Telemetry:
             records = list(self._history)
         return records if n is None else records[-n:] if n > 0 else []
 
-    def close(self, timeout: float = 5.0) -> None:
-        """Deliver what is pending, then close the sinks. Idempotent; waits at most about
-        ``timeout`` seconds in total."""
+    def close_soon(self, timeout: float = 1.0) -> None:
+        """``close(timeout)`` on a short-lived daemon thread; returns at once.
+
+        For a scaler that is garbage collected without ``close()``: its records are still
+        delivered and its final record sent, then every thread it started ends.
+        """
+        if self._closed:
+            return
+        threading.Thread(
+            target=self.close, args=(timeout,), name="ampscope-close", daemon=True
+        ).start()
+
+    def close(self, timeout: float = 1.0) -> None:
+        """Deliver what is pending, then close the sinks (the reporter sends its final
+        record). Idempotent; waits at most about ``timeout`` seconds in total (default 1).
+
+        A call while another thread closes (a garbage-collected scaler's ``close_soon``)
+        waits for that close, up to ``timeout``: interpreter exit must not cut it short.
+        """
         with self._wake:
             if self._closed:
-                return
-            self._closed = True
-            self._stopping = True
-            self._wake.notify()
+                closing_elsewhere = True
+            else:
+                closing_elsewhere = False
+                self._closed = True
+                self._stopping = True
+                self._wake.notify()
+        if closing_elsewhere:
+            self._close_done.wait(timeout)
+            return
+        try:
+            self._close(timeout)
+        finally:
+            self._close_done.set()
+
+    def _close(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         if self._thread is not None:
             self._thread.join(max(deadline - time.monotonic(), 0.0))

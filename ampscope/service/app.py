@@ -14,11 +14,11 @@ from fastapi.openapi.utils import get_openapi
 from prometheus_client import CollectorRegistry
 
 from ampscope import __version__
-from ampscope.reporter.schema import IngestBatch
+from ampscope.reporter.schema import Heartbeat, IngestBatch
 from ampscope.service import web
 from ampscope.service.collector import StoreCollector
 from ampscope.service.errors import install_error_handlers
-from ampscope.service.routes import ingest, metrics, probes, runs, series
+from ampscope.service.routes import heartbeat, ingest, metrics, probes, runs, series
 from ampscope.service.settings import Settings
 from ampscope.service.stats import IngestStats
 from ampscope.service.store import Store, StoreLimits
@@ -30,7 +30,9 @@ async def _prune_forever(app: FastAPI) -> None:
     settings: Settings = app.state.settings
     while True:
         await asyncio.sleep(settings.prune_interval_s)
-        dropped = app.state.store.prune(app.state.clock(), settings.retention_s)
+        dropped = app.state.store.prune(
+            app.state.clock(), settings.retention_s, settings.finished_retention_s
+        )
         if dropped:
             log.info("dropped %d rank(s) silent for over %.0f s", dropped, settings.retention_s)
 
@@ -42,11 +44,12 @@ def _openapi_with_ingest_schema(app: FastAPI) -> dict[str, Any]:
         schema = get_openapi(
             title=app.title, version=app.version, summary=app.summary, routes=app.routes
         )
-        batch = IngestBatch.model_json_schema(ref_template="#/components/schemas/{model}")
         components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for name, definition in batch.pop("$defs", {}).items():
-            components.setdefault(name, definition)
-        components["IngestBatch"] = batch
+        for model in (IngestBatch, Heartbeat):
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            for name, definition in body.pop("$defs", {}).items():
+                components.setdefault(name, definition)
+            components[model.__name__] = body
         app.openapi_schema = schema
     return app.openapi_schema
 
@@ -68,7 +71,9 @@ def _build_state(app: FastAPI, settings: Settings, clock: Callable[[], float]) -
     # One registry per app, never prometheus_client's global one: two apps in one process
     # (tests) must not see each other's series.
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(StoreCollector(store, stats, clock, settings.stale_after_s))
+    registry.register(
+        StoreCollector(store, stats, clock, settings.stale_after_s, settings.stall_after_s)
+    )
     app.state.store = store
     app.state.stats = stats
     app.state.registry = registry
@@ -112,7 +117,7 @@ def create_app(settings: Settings, *, clock: Callable[[], float] = time.time) ->
     app.state.clock = clock
     app.openapi = lambda: _openapi_with_ingest_schema(app)  # type: ignore[method-assign]
     install_error_handlers(app)
-    for module in (ingest, metrics, runs, series, probes):
+    for module in (ingest, heartbeat, metrics, runs, series, probes):
         app.include_router(module.router)
     web.install(app)
     return app

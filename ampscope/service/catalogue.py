@@ -56,7 +56,19 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "gauge",
         "Unix time at which the exporter last received a report from the rank.",
     ),
-    _rank("ampscope_rank_up", "gauge", "1 while the rank reports within the stale TTL, else 0."),
+    _rank(
+        "ampscope_rank_up",
+        "gauge",
+        "1 while the rank is heard from (records or heartbeats) within the stale TTL, else 0.",
+    ),
+    _rank(
+        "ampscope_rank_state",
+        "gauge",
+        "1 for the rank's current state, 0 for the others: running (steps advancing), stalled "
+        "(heard from, no new step for the stall TTL), lost (silent for the stale TTL, no final "
+        "record), finished (sent its final record).",
+        "state",
+    ),
     # Per rank, cumulative: exact even across dropped batches and exporter restarts.
     _rank("ampscope_steps_total", "counter", "Iterations (update() calls) of the rank's scaler."),
     _rank(

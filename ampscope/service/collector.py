@@ -14,6 +14,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from ampscope.service.catalogue import BY_NAME
+from ampscope.service.health import Thresholds
+from ampscope.service.lifecycle import STATES, Lifecycle
 from ampscope.service.ranks import RankSnapshot
 from ampscope.service.stats import IngestStats
 from ampscope.service.store import Store
@@ -43,6 +45,7 @@ _RANK_FAMILIES = (
     "ampscope_loss_scale_aligned_step",
     "ampscope_last_report_timestamp_seconds",
     "ampscope_rank_up",
+    "ampscope_rank_state",
     "ampscope_steps_total",
     "ampscope_skipped_steps_total",
     "ampscope_scale_backoffs_total",
@@ -63,6 +66,7 @@ class StoreCollector(Collector):
         stats: The ingest self-metrics.
         clock: Current Unix time (injectable for tests).
         stale_after_s: A rank with no report for this long has ``ampscope_rank_up`` 0.
+        stall_after_s: A rank heard from without a new step for this long is stalled.
     """
 
     def __init__(
@@ -71,11 +75,13 @@ class StoreCollector(Collector):
         stats: IngestStats,
         clock: Callable[[], float],
         stale_after_s: float,
+        stall_after_s: float = Thresholds().stall_after_s,
     ) -> None:
         self._store = store
         self._stats = stats
         self._clock = clock
         self._stale_after_s = stale_after_s
+        self._lifecycle = Lifecycle(stale_after_s=stale_after_s, stall_after_s=stall_after_s)
         self._unrenderable = 0
         self._logged: set[tuple[str, int]] = set()
 
@@ -118,6 +124,13 @@ class StoreCollector(Collector):
         rows += [
             ("ampscope_last_report_timestamp_seconds", labels, float(snap.last_report)),
             ("ampscope_rank_up", labels, float(up)),
+        ]
+        current = self._lifecycle.state(snap, now)
+        # Prometheus' enum convention: every state, 1 for the current one.
+        rows += [
+            ("ampscope_rank_state", [*labels, name], float(name == current)) for name in STATES
+        ]
+        rows += [
             ("ampscope_steps_total", labels, float(totals.steps)),
             ("ampscope_skipped_steps_total", labels, float(totals.skipped_steps)),
             ("ampscope_scale_backoffs_total", labels, float(totals.backoffs)),

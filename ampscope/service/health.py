@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ampscope.service.lifecycle import STATES, Lifecycle, RankStateName
 from ampscope.service.models import HealthReport, Status, Verdict
 from ampscope.service.ranks import RankSnapshot, WindowCounts
 
@@ -49,14 +50,18 @@ class Thresholds:
     skip_storm_min_steps: int = 10
     """Skip storm: fewer steps in the window say nothing."""
     stale_after_s: float = 60.0
-    """Stale rank (warning): no report for this long."""
+    """Lost rank (warning): nothing heard for this long, and no final record."""
+    stall_after_s: float = 600.0
+    """Stalled rank (warning): heard from, but no new step for this long."""
+    lost_critical_share: float = 0.25
+    """Lost rank turns critical when more than this share of the run's ranks are lost."""
     hotspot_share: float = 0.8
     """Inf hotspot (warning): one rank/device holds at least this share of detections."""
     hotspot_window_s: float = 600.0
     hotspot_min_detections: int = 5
 
     def __post_init__(self) -> None:
-        for name in ("collapse_window_s", "skip_storm_window_s", "stale_after_s"):
+        for name in ("collapse_window_s", "skip_storm_window_s", "stale_after_s", "stall_after_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive")
         if not self.hotspot_window_s > 0:
@@ -244,31 +249,95 @@ def scale_desync(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Ve
     )
 
 
-def stale_rank(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
-    """Warning when a rank has not reported within ``stale_after_s``."""
-    thresholds = {"stale_after_s": t.stale_after_s}
-    stale = [
+def _states(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> list[RankStateName]:
+    life = Lifecycle(stale_after_s=t.stale_after_s, stall_after_s=t.stall_after_s)
+    return [life.state(snap, now) for snap in ranks]
+
+
+def lost_rank(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
+    """Warning when a rank went silent for ``stale_after_s`` without its final record;
+    critical when more than ``lost_critical_share`` of the run's ranks did."""
+    states = _states(ranks, now, t)
+    thresholds = {"stale_after_s": t.stale_after_s, "critical_share": t.lost_critical_share}
+    lost = [
         {
             **_who(snap),
             "seconds_since_report": now - snap.last_report,
             "last_step": snap.newest.step,
         }
-        for snap in ranks
-        if not snap.reported_within(now, t.stale_after_s)
+        for snap, state in zip(ranks, states, strict=True)
+        if state == "lost"
     ]
-    if not stale:
+    if not lost:
         return Verdict(
-            rule="stale_rank",
+            rule="lost_rank",
             status="ok",
-            summary=f"all {len(ranks)} rank(s) up",
-            evidence={"stale": 0},
+            summary=f"no rank of {len(ranks)} lost",
+            evidence={"lost": 0},
             thresholds=thresholds,
         )
+    share = len(lost) / len(ranks)
     return Verdict(
-        rule="stale_rank",
+        rule="lost_rank",
+        status="critical" if share > t.lost_critical_share else "warning",
+        summary=f"{len(lost)} of {len(ranks)} rank(s) went silent without finishing (process "
+        f"died or network broken): rank {lost[0]['rank']} last heard "
+        f"{lost[0]['seconds_since_report']:.0f} s ago at step {lost[0]['last_step']}",
+        evidence={"lost": len(lost), "share": share, "ranks": lost[:MAX_EVIDENCE_RANKS]},
+        thresholds=thresholds,
+    )
+
+
+def stalled_rank(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
+    """Warning when a rank is still heard from but took no new step for ``stall_after_s``.
+
+    When every live (running or stalled) rank stalled, the run hangs: the rank whose last
+    step is lowest, or at equal steps whose last step is oldest on its own clock, is named
+    as the likely culprit (the others typically wait for it in a collective).
+    """
+    thresholds = {"stall_after_s": t.stall_after_s}
+    states = _states(ranks, now, t)
+    stalled = [s for s, state in zip(ranks, states, strict=True) if state == "stalled"]
+    live = sum(1 for state in states if state in ("running", "stalled"))
+    if not stalled:
+        return Verdict(
+            rule="stalled_rank",
+            status="ok",
+            summary=f"every live rank ({live}) is making progress",
+            evidence={"stalled": 0, "live": live},
+            thresholds=thresholds,
+        )
+    listed = [
+        {
+            **_who(snap),
+            "last_step": snap.newest.step,
+            "step_time": snap.newest.time,
+            "seconds_since_progress": now - snap.last_progress,
+        }
+        for snap in sorted(stalled, key=lambda snap: (snap.newest.step, snap.newest.time))
+    ]
+    evidence: dict[str, Any] = {
+        "stalled": len(stalled),
+        "live": live,
+        "ranks": listed[:MAX_EVIDENCE_RANKS],
+    }
+    summary = (
+        f"{len(stalled)} of {live} live rank(s) still report but took no step for over "
+        f"{t.stall_after_s:g} s"
+    )
+    if len(stalled) == live:
+        culprit = listed[0]
+        evidence["culprit"] = culprit
+        summary += (
+            f"; every live rank stalled (a hang?): rank {culprit['rank']} (node "
+            f"{culprit['node']}) stopped first, at step {culprit['last_step']}: the likely "
+            "culprit"
+        )
+    return Verdict(
+        rule="stalled_rank",
         status="warning",
-        summary=f"{len(stale)} of {len(ranks)} rank(s) stopped reporting",
-        evidence={"stale": len(stale), "ranks": stale[:MAX_EVIDENCE_RANKS]},
+        summary=summary,
+        evidence=evidence,
         thresholds=thresholds,
     )
 
@@ -364,20 +433,35 @@ def _isolated(rule: Rule, ranks: Sequence[RankSnapshot], now: float, t: Threshol
 
 
 def evaluate(run: str, ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> HealthReport:
-    """Every rule over one run's ranks. Cost: O(ranks x (samples + history_length))."""
+    """Every rule over one run's ranks. Cost: O(ranks x (samples + history_length)).
+
+    A run whose ranks all finished is judged as it ended: the instability rules are
+    evaluated at the time of its last final record, so its report stays the same however
+    long it is kept, and liveness rules have nothing to say (every rank said goodbye).
+    """
+    states = _states(ranks, now, t)
+    finished = bool(ranks) and all(state == "finished" for state in states)
+    at = max(snap.finished_at or 0.0 for snap in ranks) if finished else now
 
     def recent(window_s: float) -> list[RankSnapshot]:
-        return [snap for snap in ranks if snap.reported_within(now, window_s)]
+        return [snap for snap in ranks if snap.reported_within(at, window_s)]
 
     verdicts = [
-        _isolated(scale_collapse, recent(t.collapse_window_s), now, t),
-        _isolated(skip_storm, recent(t.skip_storm_window_s), now, t),
-        _isolated(scale_desync, recent(t.collapse_window_s), now, t),
-        _isolated(stale_rank, ranks, now, t),
-        _isolated(inf_hotspot, recent(t.hotspot_window_s), now, t),
+        _isolated(scale_collapse, recent(t.collapse_window_s), at, t),
+        _isolated(skip_storm, recent(t.skip_storm_window_s), at, t),
+        _isolated(scale_desync, recent(t.collapse_window_s), at, t),
+        _isolated(lost_rank, ranks, now, t),
+        _isolated(stalled_rank, ranks, now, t),
+        _isolated(inf_hotspot, recent(t.hotspot_window_s), at, t),
     ]
-    up = recent(t.stale_after_s)
     status = max((v.status for v in verdicts), key=_SEVERITY.__getitem__)
     return HealthReport(
-        run=run, status=status, evaluated_at=now, ranks=len(ranks), up=len(up), verdicts=verdicts
+        run=run,
+        status=status,
+        state="finished" if finished else "active",
+        evaluated_at=now,
+        ranks=len(ranks),
+        up=sum(1 for snap in ranks if snap.reported_within(now, t.stale_after_s)),
+        states={name: states.count(name) for name in STATES},
+        verdicts=verdicts,
     )

@@ -23,7 +23,19 @@ _OPTIONS: dict[str, tuple[str, type, str]] = {
     "--stale-after": (
         "stale_after_s",
         float,
-        "seconds without a report before a rank is stale (default 60)",
+        "seconds without hearing from a rank (records or heartbeats) before it is lost, "
+        "unless it sent its final record (default 60)",
+    ),
+    "--stall-after": (
+        "stall_after_s",
+        float,
+        "seconds a rank still heard from may go without a new step before it is stalled "
+        "(default 600)",
+    ),
+    "--finished-retention": (
+        "finished_retention_s",
+        float,
+        "seconds a finished rank's series are kept after its final record (default 3600)",
     ),
     "--retention": (
         "retention_s",
@@ -67,6 +79,26 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def _port_in_use(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be bound (the OS error), or ``None`` when it can.
+
+    Binds as uvicorn does (``SO_REUSEADDR``), so a port in TIME_WAIT counts as free; checked
+    before start-up so that a busy port costs one line, not a traceback after start-up logs.
+    """
+    import socket
+
+    if port == 0:
+        return None
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     """Build the settings, then serve until SIGINT/SIGTERM. Returns the exit status."""
     import logging
@@ -96,6 +128,14 @@ def run(args: argparse.Namespace) -> int:
             "(use --token-file)",
             settings.host,
         )
+    busy = _port_in_use(settings.host, settings.port)
+    if busy is not None:
+        print(
+            f"ampscope serve: port {settings.port} on {settings.host} is in use ({busy}); "
+            "stop what holds it, or pick another with --port",
+            file=sys.stderr,
+        )
+        return 1
     log.info(
         "ampscope exporter on http://%s:%d (ingest %s)",
         settings.host,

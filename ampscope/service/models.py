@@ -19,6 +19,11 @@ class IngestResult(BaseModel):
         description="Duplicates of records already held (retries) and records from a "
         "process of this rank that has since restarted."
     )
+    heartbeat_interval_s: float | None = Field(
+        default=None,
+        description="How often the reporter should send a heartbeat while it has no records "
+        "to send: a quarter of the exporter's stale_after_s.",
+    )
 
 
 class ErrorBody(BaseModel):
@@ -40,7 +45,10 @@ class RunSummary(BaseModel):
     run: str
     ranks: int = Field(description="Ranks held (stale ones included until retention).")
     up: int = Field(description="Ranks that reported within the stale TTL.")
-    stale: int
+    stale: int = Field(description="Ranks not heard from within the stale TTL (lost or finished).")
+    states: dict[str, int] = Field(
+        description="Ranks per state (running, stalled, lost, finished)."
+    )
     world_size: int = Field(description="world_size the newest-reporting rank declared.")
     newest_step: int = Field(description="Highest step any rank reported.")
     last_report_time: float = Field(description="Unix time of the newest report received.")
@@ -62,7 +70,12 @@ class RankView(BaseModel):
     last_skipped: bool
     totals: RankTotals
     dropped_records: int = Field(description="Records the rank's reporter dropped (cumulative).")
-    up: bool
+    up: bool = Field(description="Heard from (records or heartbeats) within the stale TTL.")
+    state: Literal["running", "stalled", "lost", "finished"] = Field(
+        description="running: heard from within stale_after_s and its step advanced within "
+        "stall_after_s; stalled: heard from, no new step for stall_after_s; lost: nothing "
+        "heard for stale_after_s and no final record; finished: sent its final record."
+    )
     last_report_time: float = Field(description="Unix time the exporter last heard from it.")
     seconds_since_report: float
     restarts: int = Field(description="Times the exporter saw this rank's process restart.")
@@ -85,7 +98,9 @@ class History(BaseModel):
 class Verdict(BaseModel):
     """One health rule's result, with the numbers behind it."""
 
-    rule: Literal["scale_collapse", "skip_storm", "scale_desync", "stale_rank", "inf_hotspot"]
+    rule: Literal[
+        "scale_collapse", "skip_storm", "scale_desync", "lost_rank", "stalled_rank", "inf_hotspot"
+    ]
     status: Status
     summary: str
     evidence: dict[str, Any]
@@ -95,7 +110,14 @@ class Verdict(BaseModel):
 class HealthReport(BaseModel):
     run: str
     status: Status = Field(description="The worst verdict.")
+    state: Literal["active", "finished"] = Field(
+        description="finished: every rank sent its final record; the instability rules are "
+        "then evaluated as of the last one, and no alert fires for the run."
+    )
     evaluated_at: float
     ranks: int
     up: int
+    states: dict[str, int] = Field(
+        description="Ranks per state (running, stalled, lost, finished)."
+    )
     verdicts: list[Verdict]

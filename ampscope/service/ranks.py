@@ -41,11 +41,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
-from ampscope.reporter.schema import Identity, RankTotals, StepRecord
+from ampscope.reporter.schema import Heartbeat, Identity, RankTotals, StepRecord
 
-PER_RANK_SERIES = 10
-"""Per-rank families without an extra label (scale, growth tracker, last step, last
-report time, up, steps, skipped, backoffs, growths, reporter drops)."""
+PER_RANK_SERIES = 14
+"""Per-rank label sets besides devices and parameters: scale, growth tracker, last step,
+last report time, up, steps, skipped, backoffs, growths, reporter drops, and the four
+``ampscope_rank_state`` states."""
 ALIGNED_SERIES = 2
 """The aligned scale and its step, once the rank has reached its first aligned step."""
 
@@ -158,6 +159,10 @@ class RankSnapshot:
     """Oldest first, ascending steps."""
     samples: tuple[Sample, ...]
     """Oldest first; the first may predate the longest window (the window's baseline)."""
+    last_progress: float = 0.0
+    """Exporter clock of the batch that last advanced the newest step (the stall clock)."""
+    finished_at: float | None = None
+    """Exporter clock of the rank's final heartbeat; ``None`` while it has not finished."""
 
     @property
     def identity(self) -> Identity:
@@ -280,6 +285,8 @@ class RankState:
         """Sum of the history entries' ``nbytes``."""
         self.samples: deque[Sample] = deque(maxlen=MAX_SAMPLES)
         self._sample_interval_s = sample_interval_s
+        self.last_progress = 0.0
+        self.finished_at: float | None = None
         # Records produced before this wall-clock time belong to a dead process.
         self._process_start = float("-inf")
 
@@ -322,9 +329,30 @@ class RankState:
             self.dropped_records = dropped_records
         else:
             self.dropped_records = max(self.dropped_records, dropped_records)
+        if advanced:
+            # A new step from a rank that had said goodbye is a new process: running again.
+            self.last_progress, self.finished_at = now, None
         if advanced and self.newest is not None:
             self._sample(now, peak)
         return accepted, ignored
+
+    def heartbeat(self, beat: Heartbeat, now: float) -> bool:
+        """Apply a heartbeat received at exporter time ``now``. O(1).
+
+        Contract: the rank holds a record. A heartbeat produced before the newest record of
+        a process that has since restarted is ignored; any other moves ``last_report``, and
+        a final one marks the rank finished (its next new step makes it running again).
+
+        Returns:
+            Whether the heartbeat was applied.
+        """
+        if beat.time < self._process_start:
+            return False
+        self.last_report = max(self.last_report, now)
+        self.dropped_records = max(self.dropped_records, beat.dropped_records)
+        if beat.final and self.finished_at is None:
+            self.finished_at = now
+        return True
 
     def _sample(self, now: float, peak: float) -> None:
         samples = self.samples
@@ -408,4 +436,6 @@ class RankState:
             first_step=self.first_step,
             history=tuple(self.history),
             samples=tuple(self.samples),
+            last_progress=self.last_progress,
+            finished_at=self.finished_at,
         )

@@ -21,6 +21,7 @@ from ampscope.reporter.schema import (
     MAX_RECORDS_PER_BATCH,
 )
 from ampscope.service.health import Thresholds
+from ampscope.service.lifecycle import Lifecycle
 
 _DEFAULTS = Thresholds()
 """Health thresholds are defined once, in ``Thresholds``; settings take their defaults."""
@@ -79,7 +80,14 @@ class Settings(BaseSettings):
     history_limit_max: Positive = 1000
     """Most records one /history response returns; larger ``limit`` values are capped."""
     stale_after_s: Seconds = _DEFAULTS.stale_after_s
-    """A rank with no report for this long is stale: ``ampscope_rank_up`` 0."""
+    """A rank not heard from (records or heartbeats) for this long, that never sent its final
+    record, is lost: ``ampscope_rank_up`` 0. Reporters are told to beat 4x as often."""
+    stall_after_s: Seconds = _DEFAULTS.stall_after_s
+    """A rank still heard from but without a new step for this long is stalled."""
+    lost_critical_share: Annotated[float, Field(ge=0.0, le=1.0)] = _DEFAULTS.lost_critical_share
+    """lost_rank turns critical when more than this share of a run's ranks are lost."""
+    finished_retention_s: Seconds = 3600.0
+    """A finished rank is dropped with its series this long after its final record."""
     retention_s: Seconds = 3600.0
     """A rank with no report for this long is dropped with its series; then empty runs."""
     prune_interval_s: Seconds = 10.0
@@ -123,6 +131,10 @@ class Settings(BaseSettings):
     def thresholds(self) -> Thresholds:
         """The health rules' thresholds (the same numbers as the Prometheus alert rules)."""
         return Thresholds(**{f.name: getattr(self, f.name) for f in fields(Thresholds)})
+
+    def lifecycle(self) -> Lifecycle:
+        """The rank-state clocks (the API, /metrics and health all read the same ones)."""
+        return Lifecycle(stale_after_s=self.stale_after_s, stall_after_s=self.stall_after_s)
 
     @property
     def window_s(self) -> float:

@@ -11,7 +11,7 @@ import heapq
 import threading
 from dataclasses import dataclass
 
-from ampscope.reporter.schema import IngestBatch
+from ampscope.reporter.schema import Heartbeat, IngestBatch
 from ampscope.service.ranks import (
     SAMPLES_PER_WINDOW,
     IdentityConflict,
@@ -211,9 +211,28 @@ class Store:
             if state.history:
                 heapq.heappush(heap, (state.history[0].time, key, state))
 
-    def prune(self, now: float, retention_s: float) -> int:
-        """Drop ranks whose last report is more than ``retention_s`` before ``now``, then
-        runs left without ranks, and trim every rank's window samples.
+    def heartbeat(self, beat: Heartbeat, now: float) -> bool:
+        """Apply a validated heartbeat received at exporter time ``now``.
+
+        Contract: never creates a run or rank (a rank is held from its first record on), so
+        no cardinality limit applies. O(1) under the lock.
+
+        Returns:
+            Whether a held rank took it (``False``: unknown rank, or a dead process's).
+        """
+        with self._lock:
+            state = self._runs.get(beat.identity.run, {}).get(beat.identity.rank)
+            if state is None or state.newest is None:
+                return False
+            return state.heartbeat(beat, now)
+
+    def prune(
+        self, now: float, retention_s: float, finished_retention_s: float | None = None
+    ) -> int:
+        """Drop ranks whose last report is more than ``retention_s`` before ``now``, and
+        finished ranks that finished more than ``finished_retention_s`` before it (when
+        given, only that applies to them), then runs left without ranks, and trim every
+        rank's window samples.
 
         Contract: a dropped rank's series disappear from the next scrape; a rank that
         reports again later starts afresh. Cost: O(ranks) under the lock.
@@ -227,7 +246,12 @@ class Store:
                 ranks = self._runs[run_id]
                 for rank in list(ranks):
                     state = ranks[rank]
-                    if now - state.last_report > retention_s:
+                    finished = state.finished_at
+                    if finished is not None and finished_retention_s is not None:
+                        expired = now - finished > finished_retention_s
+                    else:
+                        expired = now - state.last_report > retention_s
+                    if expired:
                         if state.newest is not None:
                             self._series -= series_of(state.newest)
                         self._history_bytes -= state.history_bytes
@@ -280,6 +304,8 @@ class Store:
                                 first_step=state.first_step,
                                 history=(),
                                 samples=(),
+                                last_progress=state.last_progress,
+                                finished_at=state.finished_at,
                             ),
                         )
                     )

@@ -44,6 +44,7 @@ def test_progress_lines_flag_disagreeing_ranks() -> None:
 def _rank(rank: int, scale: float, origin: int, params: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "rank": rank,
+        "state": "finished",
         "step": 30,
         "scale": scale,
         "totals": {
@@ -65,13 +66,16 @@ def test_rank_table_shows_totals_and_top_parameter() -> None:
             _rank(0, 32768.0, 0, []),
         ]
     )
-    assert rows[0].split()[:3] == ["rank", "step", "scale"]
-    assert rows[1].split() == ["0", "30", "2^15", "6/30", "6", "5", "6", "0", "-"]
-    assert rows[2].split() == ["1", "30", "2^15", "6/30", "6", "5", "6", "6", "head.weight", "(9)"]
+    assert rows[0].split()[:4] == ["rank", "state", "step", "scale"]
+    assert rows[1].split() == ["0", "finished", "30", "2^15", "6/30", "6", "5", "6", "0", "-"]
+    assert rows[2].split()[:4] == ["1", "finished", "30", "2^15"]
+    assert rows[2].split()[-2:] == ["head.weight", "(9)"]
 
 
 HEALTH = {
     "status": "critical",
+    "state": "finished",
+    "states": {"running": 0, "stalled": 0, "lost": 0, "finished": 2},
     "verdicts": [
         {"rule": "scale_collapse", "status": "critical", "summary": "collapsed on 2 rank(s)"},
         {"rule": "skip_storm", "status": "ok", "summary": ""},
@@ -83,7 +87,8 @@ HEALTH = {
 
 def test_health_lines_and_missing_verdicts() -> None:
     lines = health_lines(HEALTH, expected=("scale_collapse", "skip_storm"))
-    assert lines[0] == "  health: CRITICAL"
+    assert lines[0] == "  health: CRITICAL   ranks: 2 finished"
+    assert "no alert fires for it" in lines.pop(1)
     assert lines[1].split() == [
         "CRIT",
         "scale_collapse",

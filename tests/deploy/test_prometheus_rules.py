@@ -15,7 +15,8 @@ ALERTS = {
     "AmpscopeScaleCollapse",
     "AmpscopeSkipStorm",
     "AmpscopeScaleDesync",
-    "AmpscopeRankStale",
+    "AmpscopeRankLost",
+    "AmpscopeRankStalled",
     "AmpscopeInfHotspot",
 }
 UNIT_TESTS = sorted((PROMETHEUS_DIR / "tests").glob("*.yml"))
@@ -96,8 +97,23 @@ def test_alert_thresholds_are_the_shared_defaults() -> None:
     assert "[5m]" in recorded["ampscope_rank:skipped_steps:ratio_5m"]["expr"]
     assert alerts["AmpscopeScaleDesync"]["for"] == "2m"
     assert "> 1" in alerts["AmpscopeScaleDesync"]["expr"]
-    assert alerts["AmpscopeRankStale"]["for"] == "1m"
+    assert alerts["AmpscopeRankLost"]["for"] == "1m"
+    assert alerts["AmpscopeRankStalled"]["for"] == "1m"
     hotspot = alerts["AmpscopeInfHotspot"]["expr"]
     assert ">= 0.8" in hotspot
     assert ">= 5" in hotspot
     assert "[10m]" in recorded["ampscope_rank_device:found_inf_source:increase_10m"]["expr"]
+
+
+def test_no_alert_fires_for_a_finished_rank() -> None:
+    # Rank-state alerts select their state; every other alert excludes finished ranks (a
+    # run-level alert: runs whose every rank finished). promtool proves it on data.
+    finished = 'ampscope_rank_state{state="finished"} == 1'
+    for name, rule in alert_rules().items():
+        expr = " ".join(rule["expr"].split())
+        if name in ("AmpscopeRankLost", "AmpscopeRankStalled"):
+            assert 'state="finished"' not in expr, name
+            continue
+        assert f"unless on (run, node, rank, local_rank) {finished}" in expr or (
+            'unless on (run) min by (run) (ampscope_rank_state{state="finished"}) == 1' in expr
+        ), name

@@ -18,7 +18,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from ampscope.reporter.schema import (
+    HEARTBEAT_PATH,
     INGEST_PATH,
+    Heartbeat,
     Identity,
     IngestBatch,
     RankTotals,
@@ -91,6 +93,12 @@ class LoopbackExporter:
         self._live: set[socket.socket] = set()
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
+        self.heartbeats: list[Heartbeat] = []
+        """Valid heartbeats, in arrival order (kept apart from ``received``)."""
+        self.events: list[str] = []
+        """``records`` or ``beat``/``final`` per answered 200, in arrival order."""
+        self.heartbeat_interval_s: float | None = None
+        """Sent back as ``heartbeat_interval_s`` in every 200, as the exporter does."""
 
     @property
     def url(self) -> str:
@@ -181,6 +189,8 @@ class LoopbackExporter:
             error = ""
         except ValueError as exc:
             batch, error = None, str(exc)
+        if path == HEARTBEAT_PATH:
+            return self._heartbeat(body)
         with self._lock:
             if path != INGEST_PATH:
                 status, payload, extra = 404, b'{"detail":"Not Found"}', {}
@@ -193,9 +203,26 @@ class LoopbackExporter:
             elif batch is None:
                 status, payload, extra = 422, json.dumps({"detail": error}).encode(), {}
             else:
-                status, payload, extra = 200, b'{"accepted":%d}' % len(batch.records), {}
+                answer: dict[str, Any] = {"accepted": len(batch.records)}
+                if self.heartbeat_interval_s is not None:
+                    answer["heartbeat_interval_s"] = self.heartbeat_interval_s
+                status, payload, extra = 200, json.dumps(answer).encode(), {}
+                self.events.append("records")
             self.received.append(Received(connection, path, headers, batch, status, error))
         return status, payload, extra
+
+    def _heartbeat(self, body: bytes) -> tuple[int, bytes, dict[str, str]]:
+        try:
+            beat = Heartbeat.model_validate_json(body)
+        except ValueError as exc:
+            return 422, json.dumps({"detail": str(exc)}).encode(), {}
+        with self._lock:
+            self.heartbeats.append(beat)
+            self.events.append("final" if beat.final else "beat")
+            answer: dict[str, Any] = {"applied": True}
+            if self.heartbeat_interval_s is not None:
+                answer["heartbeat_interval_s"] = self.heartbeat_interval_s
+        return 200, json.dumps(answer).encode(), {}
 
 
 def _handler_for(owner: LoopbackExporter) -> type[BaseHTTPRequestHandler]:

@@ -314,8 +314,8 @@ def _exit_without_close(url: str) -> float:
 def test_interpreter_exit_flushes_and_does_not_hang_on_a_dead_exporter(exporter):
     _exit_without_close(exporter.url)
     assert exporter.steps() == [1, 2, 3, 4, 5]
-    # Same with nothing listening: the exit flush gives up after exit_timeout (1 s), well
-    # before the 5 s a close() with its default timeout would take.
+    # Same with nothing listening: the exit flush gives up after exit_timeout (1 s), within
+    # the 2 s an interpreter exit may take.
     baseline = _exit_without_close(exporter.url)
     dead = _exit_without_close(f"http://127.0.0.1:{free_port()}")
     assert dead < baseline + 3.5, f"exit took {dead:.1f}s against {baseline:.1f}s"

@@ -130,37 +130,41 @@ def test_scale_desync_compares_steps_across_ranks() -> None:
     assert v["evidence"]["scales_at_newest"] == {"0": 32768.0, "1": 131072.0}
 
 
-def test_stale_rank_after_ttl() -> None:
+def test_lost_rank_after_ttl() -> None:
     fresh = _run(0, [65536.0, 65536.0], now=T0 + 100)
     silent = _run(1, [65536.0, 65536.0], now=T0)
-    v = _verdict([fresh, silent], "stale_rank", now=T0 + 61)
-    assert v["status"] == "warning"
+    v = _verdict([fresh, silent], "lost_rank", now=T0 + 61)
+    assert v["status"] == "critical"  # 1 of 2 lost: more than a quarter of the run
     assert v["evidence"]["ranks"] == [
         {"rank": 1, "node": "node0", "seconds_since_report": 61, "last_step": 2}
     ]
     assert evaluate("run-a", [fresh, silent], T0 + 61, T).up == 1
-    assert _verdict([fresh, silent], "stale_rank", now=T0 + 60)["status"] == "ok"
+    assert _verdict([fresh, silent], "lost_rank", now=T0 + 60)["status"] == "ok"
+    # 1 of 5 lost is a warning.
+    others = [_run(r, [65536.0, 65536.0], now=T0 + 100) for r in (2, 3, 4)]
+    assert _verdict([fresh, silent, *others], "lost_rank", now=T0 + 61)["status"] == "warning"
 
 
 def test_ranks_count_while_their_last_report_is_within_the_window() -> None:
     fresh = _run(0, [65536.0, 65536.0], now=T0 + 500)
     gone = _run(1, [65536.0, 8.0], now=T0)  # collapsed and disagrees, then went quiet
-    # Quiet for 500 s: stale, but what killed it still shows.
+    # Quiet for 500 s: lost, but what killed it still shows.
     report = evaluate("run-a", [fresh, gone], T0 + 500, T)
     statuses = {v.rule: v.status for v in report.verdicts}
     assert statuses["scale_collapse"] == "critical"
     assert statuses["scale_desync"] == "critical"
-    # Quiet for longer than the 600 s window: only the stale verdict remains.
+    # Quiet for longer than the 600 s window: only the lost verdict remains.
     report = evaluate("run-a", [fresh, gone], T0 + 601, T)
     statuses = {v.rule: v.status for v in report.verdicts}
     assert statuses == {
         "scale_collapse": "ok",
         "skip_storm": "ok",
         "scale_desync": "ok",
-        "stale_rank": "warning",
+        "lost_rank": "critical",
+        "stalled_rank": "ok",
         "inf_hotspot": "ok",
     }
-    assert report.status == "warning"
+    assert report.status == "critical"
 
 
 def _infs(rank: int, *, local: dict[str, int], origin: dict[str, int]) -> RankSnapshot:
@@ -212,13 +216,15 @@ def test_overall_status_is_the_worst_verdict() -> None:
         "scale_collapse",
         "skip_storm",
         "scale_desync",
-        "stale_rank",
+        "lost_rank",
+        "stalled_rank",
         "inf_hotspot",
     ]
-    report = evaluate("run-a", [_run(0, [65536.0, 65536.0], now=T0)], T0 + 61, T)
-    assert report.status == "warning"  # stale
+    ranks = [_run(r, [65536.0, 65536.0], now=T0 + 61) for r in range(4)]
+    report = evaluate("run-a", [*ranks, _run(4, [65536.0, 65536.0], now=T0)], T0 + 61, T)
+    assert report.status == "warning"  # one of five lost
     report = evaluate("run-a", [_run(0, [65536.0, 0.5], now=T0)], T0 + 61, T)
-    assert report.status == "critical"  # stale and collapsed: the worst wins
+    assert report.status == "critical"  # lost and collapsed: the worst wins
 
 
 def test_thresholds_validate() -> None:

@@ -103,7 +103,7 @@ def test_serves_ingest_metrics_and_api_over_http(server: Server) -> None:
             response = http.post(
                 "/api/v1/ingest", content=body(*steps(1, 5, rank=rank)), headers=auth
             )
-            assert response.json() == {"accepted": 5, "ignored": 0}
+            assert (response.json()["accepted"], response.json()["ignored"]) == (5, 0)
         last = record(6, rank=1, scale=16.0, total=totals(6, skipped=2, local={"cuda:1": 2}))
         for rec, dropped in ((last, 3), (record(6), 0)):
             response = http.post("/api/v1/ingest", content=body(rec, dropped=dropped), headers=auth)
@@ -220,3 +220,35 @@ def test_settings_from_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
 def test_serving_never_imports_torch() -> None:
     code = "import sys, ampscope.service.app, ampscope.cli; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False, timeout=60).returncode == 0
+
+
+def test_port_in_use_exits_at_once_with_one_line() -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AMPSCOPE_")}
+        started = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, "-m", "ampscope.cli", "serve", "--port", str(port)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+    assert done.returncode == 1
+    assert time.monotonic() - started < 10  # no start-up, no waiting for the port
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    assert len(lines) == 1, lines
+    assert f"port {port} on 127.0.0.1 is in use" in lines[0]
+    assert "--port" in lines[0]
+
+
+def test_help_lists_the_lifecycle_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--stale-after SECONDS seconds without hearing from a rank" in text
+    assert "--stall-after SECONDS seconds a rank still heard from" in text
+    assert "--finished-retention SECONDS seconds a finished rank's series are kept" in text

@@ -18,8 +18,9 @@ from bench.limits import exporter, object_sizes, post, record_at_limits, rss_byt
 
 MiB = 1024 * 1024
 RANKS = 8
-SERIES_PER_RANK = 10 + 2 + 16 + 16 + 32
-"""A rank at the limits: per-rank families, aligned scale, 2 x 16 devices, 32 params."""
+SERIES_PER_RANK = 14 + 2 + 16 + 16 + 32
+"""A rank at the limits: per-rank series (rank states included), aligned scale, 2 x 16
+devices, 32 params."""
 HISTORY_BYTES = 8 * MiB
 LIMITS = {
     "AMPSCOPE_MAX_RUNS": "1",

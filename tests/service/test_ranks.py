@@ -109,4 +109,4 @@ def test_series_of_counts_every_label_set() -> None:
     rec = record(
         1, total=totals(1, local={"cuda:0": 0, "cuda:1": 1}, origin={"cuda:0": 1}, params={"w": 3})
     )
-    assert series_of(rec) == 10 + 2 + 1 + 1
+    assert series_of(rec) == 14 + 2 + 1 + 1

@@ -134,4 +134,8 @@ async def ingest(
         stats.rejected(exc.reason)
         raise ApiError(exc.status, exc.reason, exc.detail) from None
     stats.accepted(len(batch.records))
-    return IngestResult(accepted=outcome.accepted, ignored=outcome.ignored)
+    return IngestResult(
+        accepted=outcome.accepted,
+        ignored=outcome.ignored,
+        heartbeat_interval_s=settings.stale_after_s / 4,
+    )

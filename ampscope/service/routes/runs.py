@@ -9,8 +9,10 @@ from fastapi import APIRouter, Path, Query
 from ampscope.service import health
 from ampscope.service.deps import ClockDep, SettingsDep, StoreDep
 from ampscope.service.errors import ApiError, responses
+from ampscope.service.lifecycle import STATES
 from ampscope.service.models import HealthReport, History, RankView, RunSummary
 from ampscope.service.ranks import RankSnapshot
+from ampscope.service.settings import Settings
 
 router = APIRouter(prefix="/api/v1/runs", tags=["runs"])
 
@@ -18,7 +20,7 @@ RunId = Annotated[str, Path(description="Run id, as in the records' identity.run
 RankId = Annotated[int, Path(ge=0, description="Global rank.")]
 
 
-def _view(snap: RankSnapshot, now: float, stale_after_s: float) -> RankView:
+def _view(snap: RankSnapshot, now: float, settings: Settings) -> RankView:
     record, who = snap.newest, snap.identity
     age = now - snap.last_report
     return RankView(
@@ -35,7 +37,8 @@ def _view(snap: RankSnapshot, now: float, stale_after_s: float) -> RankView:
         last_skipped=record.skipped,
         totals=record.totals,
         dropped_records=snap.dropped_records,
-        up=snap.reported_within(now, stale_after_s),
+        up=snap.reported_within(now, settings.stale_after_s),
+        state=settings.lifecycle().state(snap, now),
         last_report_time=snap.last_report,
         seconds_since_report=age,
         restarts=snap.restarts,
@@ -66,14 +69,17 @@ def _rank(store: StoreDep, run: str, rank: int) -> RankSnapshot:
     return snap
 
 
-def _summary(run: str, snaps: list[RankSnapshot], now: float, stale_after_s: float) -> RunSummary:
-    up = sum(1 for snap in snaps if snap.reported_within(now, stale_after_s))
+def _summary(run: str, snaps: list[RankSnapshot], now: float, settings: Settings) -> RunSummary:
+    up = sum(1 for snap in snaps if snap.reported_within(now, settings.stale_after_s))
+    life = settings.lifecycle()
+    states = [life.state(snap, now) for snap in snaps]
     freshest = max(snaps, key=lambda snap: snap.last_report)
     return RunSummary(
         run=run,
         ranks=len(snaps),
         up=up,
         stale=len(snaps) - up,
+        states={name: states.count(name) for name in STATES},
         world_size=freshest.identity.world_size,
         newest_step=max(snap.newest.step for snap in snaps),
         last_report_time=freshest.last_report,
@@ -87,7 +93,7 @@ def list_runs(store: StoreDep, settings: SettingsDep, clock: ClockDep) -> list[R
     runs: dict[str, list[RankSnapshot]] = {}
     for run, _, snap in store.latest():
         runs.setdefault(run, []).append(snap)
-    return [_summary(run, snaps, now, settings.stale_after_s) for run, snaps in runs.items()]
+    return [_summary(run, snaps, now, settings) for run, snaps in runs.items()]
 
 
 @router.get(
@@ -101,7 +107,7 @@ def list_ranks(
 ) -> list[RankView]:
     """Each rank's newest step, scale, growth tracker, totals and liveness, sorted by rank."""
     now = clock()
-    return [_view(snap, now, settings.stale_after_s) for snap in _ranks(store, run)]
+    return [_view(snap, now, settings) for snap in _ranks(store, run)]
 
 
 @router.get(
@@ -113,7 +119,7 @@ def list_ranks(
 def get_rank(
     run: RunId, rank: RankId, store: StoreDep, settings: SettingsDep, clock: ClockDep
 ) -> RankView:
-    return _view(_rank(store, run, rank), clock(), settings.stale_after_s)
+    return _view(_rank(store, run, rank), clock(), settings)
 
 
 @router.get(
@@ -128,8 +134,13 @@ def get_history(
     store: StoreDep,
     settings: SettingsDep,
     since_step: Annotated[
-        int, Query(ge=0, description="Only records with a step greater than this.")
-    ] = 0,
+        int | None,
+        Query(
+            ge=0,
+            description="Only records with a step greater than this, oldest first. Without "
+            "it: the newest `limit` records.",
+        ),
+    ] = None,
     limit: Annotated[
         int,
         Query(ge=1, description="Records per page; capped at the exporter's history_limit_max."),
@@ -137,12 +148,16 @@ def get_history(
 ) -> History:
     """Records oldest first from the rank's bounded history (``history_length`` per rank).
 
-    Page forward by passing ``next_since_step`` back as ``since_step``.
+    Without ``since_step``: the newest ``limit`` records (the latest steps). With it: the
+    ``limit`` records after that step; page forward by passing ``next_since_step`` back.
     """
     snap = _rank(store, run, rank)
     limit = min(limit, settings.history_limit_max)
-    records = [r for r in snap.history if r.step > since_step]
-    page = records[:limit]
+    if since_step is None:
+        records = page = list(snap.history[-limit:])
+    else:
+        records = [r for r in snap.history if r.step > since_step]
+        page = records[:limit]
     return History(
         run=run,
         rank=rank,
@@ -161,6 +176,7 @@ def get_history(
     responses=responses(404),
 )
 def get_health(run: RunId, store: StoreDep, settings: SettingsDep, clock: ClockDep) -> HealthReport:
-    """Scale collapse, skip storm, scale desync, stale ranks and inf hotspots, each with its
-    evidence and thresholds; ``status`` is the worst of them."""
+    """Scale collapse, skip storm, scale desync, lost and stalled ranks and inf hotspots,
+    each with its evidence and thresholds; ``status`` is the worst of them. A finished run
+    is judged as it ended (see ``state``)."""
     return health.evaluate(run, _ranks(store, run), clock(), settings.thresholds())

@@ -27,9 +27,9 @@ def _valid_json() -> dict:
 def test_accepts_a_batch_and_counts_it(client: TestClient) -> None:
     response = client.post(URL, content=body(*steps(1, 4), dropped=3))
     assert response.status_code == 200
-    assert response.json() == {"accepted": 4, "ignored": 0}
+    assert response.json() == {"accepted": 4, "ignored": 0, "heartbeat_interval_s": 15.0}
     again = client.post(URL, content=body(*steps(3, 5)))  # a retry overlapping the last
-    assert again.json() == {"accepted": 1, "ignored": 2}
+    assert again.json() == {"accepted": 1, "ignored": 2, "heartbeat_interval_s": 15.0}
     metrics = client.get("/metrics").text
     assert "ampscope_exporter_ingest_batches_total 2.0" in metrics
     assert "ampscope_exporter_ingest_records_total 7.0" in metrics

@@ -34,7 +34,7 @@ def test_runs_ranks_and_one_rank(make_client: MakeClient) -> None:
         ),
     )
     _post(client, record(1, run="other"))
-    clock.advance(40)  # rank 0 silent for 70 s: stale; rank 1 for 40 s: up
+    clock.advance(40)  # rank 0 silent for 70 s: lost; rank 1 for 40 s: up
     runs = client.get("/api/v1/runs").json()
     assert runs == [
         {
@@ -42,6 +42,7 @@ def test_runs_ranks_and_one_rank(make_client: MakeClient) -> None:
             "ranks": 1,
             "up": 1,
             "stale": 0,
+            "states": {"running": 1, "stalled": 0, "lost": 0, "finished": 0},
             "world_size": 2,
             "newest_step": 1,
             "last_report_time": T0 + 30,
@@ -51,15 +52,16 @@ def test_runs_ranks_and_one_rank(make_client: MakeClient) -> None:
             "ranks": 2,
             "up": 1,
             "stale": 1,
+            "states": {"running": 1, "stalled": 0, "lost": 1, "finished": 0},
             "world_size": 2,
             "newest_step": 8,
             "last_report_time": T0 + 30,
         },
     ]
     ranks = client.get("/api/v1/runs/run-a/ranks").json()
-    assert [(r["rank"], r["node"], r["step"], r["up"]) for r in ranks] == [
-        (0, "n0", 5, False),
-        (1, "n1", 8, True),
+    assert [(r["rank"], r["node"], r["step"], r["up"], r["state"]) for r in ranks] == [
+        (0, "n0", 5, False, "lost"),
+        (1, "n1", 8, True, "running"),
     ]
     one = client.get("/api/v1/runs/run-a/ranks/1").json()
     assert one["scale"] == 32768.0
@@ -90,8 +92,18 @@ def test_history_pages_and_caps(make_client: MakeClient) -> None:
     client, _ = make_client(history_length=50, history_limit_max=20)
     _post(client, *steps(1, 60))
     url = "/api/v1/runs/run-a/ranks/0/history"
+    # Without since_step: the newest records (oldest first), and nothing after them.
     page = client.get(url, params={"limit": 1000}).json()
     assert (page["oldest_held_step"], page["newest_held_step"], page["capacity"]) == (11, 60, 50)
+    assert [r["step"] for r in page["records"]] == list(range(41, 61))  # capped at 20
+    assert page["next_since_step"] is None
+    assert [r["step"] for r in client.get(url, params={"limit": 3}).json()["records"]] == [
+        58,
+        59,
+        60,
+    ]
+    # Paging forwards from the oldest held record.
+    page = client.get(url, params={"since_step": 0, "limit": 1000}).json()
     assert [r["step"] for r in page["records"]] == list(range(11, 31))  # capped at 20
     assert page["next_since_step"] == 30
     page = client.get(url, params={"since_step": 30, "limit": 20}).json()
@@ -112,7 +124,8 @@ def test_health_endpoint_reports_a_collapse(client: TestClient) -> None:
         "scale_collapse",
         "skip_storm",
         "scale_desync",
-        "stale_rank",
+        "lost_rank",
+        "stalled_rank",
         "inf_hotspot",
     }
     assert verdicts["scale_collapse"]["status"] == "critical"
@@ -148,4 +161,8 @@ def test_liveness_and_openapi(client: TestClient) -> None:
     assert "IngestBatch" in spec["components"]["schemas"]
     assert {"400", "401", "413", "422", "429"} <= set(ingest["responses"])
     assert "/api/v1/runs/{run}/ranks/{rank}/history" in spec["paths"]
+    heartbeat = spec["paths"]["/api/v1/heartbeat"]["post"]
+    schema = heartbeat["requestBody"]["content"]["application/json"]["schema"]
+    assert schema == {"$ref": "#/components/schemas/Heartbeat"}
+    assert spec["components"]["schemas"]["Heartbeat"]["properties"]["final"]["type"] == "boolean"
     assert client.get("/docs").status_code == 200

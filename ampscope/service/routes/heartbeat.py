@@ -1,0 +1,74 @@
+"""``POST /api/v1/heartbeat``: a rank saying it is alive between records, or that it finished."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, Field, ValidationError
+
+from ampscope.reporter.schema import HEARTBEAT_PATH, Heartbeat
+from ampscope.service.body import read_capped_body
+from ampscope.service.deps import Authorized, ClockDep, SettingsDep, StatsDep, StoreDep
+from ampscope.service.errors import ApiError, responses
+
+router = APIRouter(tags=["ingest"])
+
+MAX_HEARTBEAT_BYTES = 4096
+"""A heartbeat is a few hundred bytes; anything larger is not one."""
+
+
+class HeartbeatResult(BaseModel):
+    """Answer to a heartbeat."""
+
+    applied: bool = Field(
+        description="False when the exporter holds no record of the rank (a rank is held "
+        "from its first record on) or the heartbeat came from a process that has since "
+        "restarted."
+    )
+    heartbeat_interval_s: float = Field(
+        description="How often the reporter should beat while it sends no records: a "
+        "quarter of the exporter's stale_after_s, so a live rank is never lost."
+    )
+
+
+@router.post(
+    HEARTBEAT_PATH,
+    response_model=HeartbeatResult,
+    summary="A rank is alive without new records, or finished",
+    responses=responses(400, 401, 413, 422),
+    # The body is read by hand (bounded); the app adds Heartbeat to the OpenAPI components.
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Heartbeat"}}},
+        }
+    },
+)
+async def heartbeat(
+    request: Request,
+    _: Authorized,
+    settings: SettingsDep,
+    store: StoreDep,
+    stats: StatsDep,
+    clock: ClockDep,
+) -> HeartbeatResult:
+    """Validate a ``Heartbeat`` strictly and note that its rank was heard from; a ``final``
+    one marks the rank finished. Never creates a rank."""
+    try:
+        body = await read_capped_body(request, min(settings.max_body_bytes, MAX_HEARTBEAT_BYTES))
+    except ApiError as exc:
+        stats.rejected("malformed" if exc.status == 400 else "too_large")
+        raise
+    try:
+        beat = Heartbeat.model_validate_json(body)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False, include_input=False, include_context=False)
+        malformed = any(e["type"] == "json_invalid" for e in errors)
+        stats.rejected("malformed" if malformed else "invalid")
+        where = ".".join(map(str, errors[0]["loc"])) or "body"
+        raise ApiError(
+            400 if malformed else 422,
+            "malformed" if malformed else "invalid",
+            f"not a valid Heartbeat (schema_version 1); first at {where}: {errors[0]['msg']}",
+        ) from None
+    applied = store.heartbeat(beat, clock())
+    return HeartbeatResult(applied=applied, heartbeat_interval_s=settings.stale_after_s / 4)

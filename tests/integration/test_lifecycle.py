@@ -1,0 +1,281 @@
+"""Run lifecycle with real processes: an exporter (``--stale-after 1.5 --stall-after 3``),
+ranks as separate Python processes with the default reporter, and a real Prometheus
+scraping every second with the shipped rules.
+
+The rules are loaded as shipped except that every ``for:`` becomes 1 s, so that an alert
+fires within seconds; the promtool unit tests in deploy/prometheus/tests check the real
+durations. About 40 s on 2 cores, most of it the ranks importing torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from support import free_port, need_tool
+
+from ampscope.demo.exporter import ExporterProcess
+
+pytestmark = [pytest.mark.prometheus, pytest.mark.distributed]
+
+STALE_AFTER = 1.5
+STALL_AFTER = 3.0
+RULES_FILE = Path(__file__).parents[2] / "deploy" / "prometheus" / "rules" / "ampscope-alerts.yml"
+SCRIPT = Path(__file__).parent / "lifecycle_rank.py"
+
+
+def _get(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return json.load(response)
+
+
+def _until(check: Callable[[], Any], what: str, timeout: float) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} within {timeout:.0f}s")
+        time.sleep(0.2)
+
+
+class Stack:
+    def __init__(self, exporter: str, prometheus: str) -> None:
+        self.exporter = exporter
+        self.prometheus = prometheus
+
+    def rank(
+        self, run: str, *args: str, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[str]:
+        variables = {k: v for k, v in os.environ.items() if not k.startswith("AMPSCOPE_")}
+        variables.update(AMPSCOPE_URL=self.exporter, AMPSCOPE_RUN_ID=run, **(env or {}))
+        return subprocess.Popen(
+            [sys.executable, str(SCRIPT), *args],
+            env=variables,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+    def state(self, run: str, rank: int = 0) -> str | None:
+        try:
+            return str(_get(f"{self.exporter}/api/v1/runs/{run}/ranks/{rank}")["state"])
+        except urllib.error.HTTPError as exc:
+            if exc.code == 404:
+                return None
+            raise
+
+    def health(self, run: str) -> dict[str, Any]:
+        report: dict[str, Any] = _get(f"{self.exporter}/api/v1/runs/{run}/health")
+        return report
+
+    def alerts(self, run: str) -> list[tuple[str, str, str]]:
+        """(alert name, rank, state) of every pending or firing alert of ``run``."""
+        answer = _get(f"{self.prometheus}/api/v1/alerts")["data"]["alerts"]
+        return sorted(
+            (a["labels"]["alertname"], a["labels"].get("rank", ""), a["state"])
+            for a in answer
+            if a["labels"].get("run") == run
+        )
+
+    def query(self, expr: str) -> list[dict[str, Any]]:
+        url = f"{self.prometheus}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+        result: list[dict[str, Any]] = _get(url)["data"]["result"]
+        return result
+
+
+def _ready(process: subprocess.Popen[str]) -> None:
+    assert process.stdout is not None
+    lines = []
+    for line in process.stdout:  # torch may warn first
+        if line.strip() == "ready":
+            return
+        lines.append(line)
+    pytest.fail("the rank exited before it was ready:\n" + "".join(lines))
+
+
+def _stop(*processes: subprocess.Popen[Any]) -> None:
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+        process.wait(10)
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    prometheus_bin = need_tool("prometheus")
+    workdir = Path(tempfile.mkdtemp(prefix="ampscope-lifecycle-"))
+    rules = yaml.safe_load(RULES_FILE.read_text())
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            if "alert" in rule:
+                rule["for"] = "1s"
+    (workdir / "rules.yml").write_text(yaml.safe_dump(rules))
+    exporter = ExporterProcess(free_port(), stale_after=STALE_AFTER, stall_after=STALL_AFTER)
+    exporter.start()
+    port = free_port()
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(workdir / "rules.yml")],
+        "scrape_configs": [
+            {"job_name": "ampscope", "static_configs": [{"targets": [exporter.url[7:]]}]}
+        ],
+    }
+    (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
+    prometheus = subprocess.Popen(
+        [
+            prometheus_bin,
+            f"--config.file={workdir / 'prometheus.yml'}",
+            f"--storage.tsdb.path={workdir / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=(workdir / "prometheus.log").open("wb"),
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+
+        def ready() -> bool:
+            try:
+                with urllib.request.urlopen(f"{url}/-/ready", timeout=1) as response:
+                    return response.status == 200
+            except OSError:
+                assert prometheus.poll() is None, "prometheus exited"
+                return False
+
+        _until(ready, "prometheus did not become ready", 30)
+        yield Stack(exporter.url, url)
+    finally:
+        prometheus.terminate()
+        prometheus.wait(10)
+        exporter.stop()
+
+
+def test_finished_runs_are_finished_ok_and_fire_nothing(stack: Stack) -> None:
+    clean = stack.rank("lc-clean", "finish")
+    collapsed = stack.rank("lc-collapse", "collapse")
+    seen_for_clean: set[tuple[str, str, str]] = set()
+    outputs = []
+    try:
+        for process in (clean, collapsed):
+            while process.poll() is None:
+                seen_for_clean.update(stack.alerts("lc-clean"))
+                time.sleep(0.2)
+            outputs.append(process.stdout.read() if process.stdout else "")
+            assert process.returncode == 0, outputs[-1]
+    finally:
+        _stop(clean, collapsed)
+    # Normal interpreter exit, no close(): the final record marks both finished.
+    for run in ("lc-clean", "lc-collapse"):
+        _until(
+            lambda run=run: stack.state(run) == "finished",
+            f"{run} not finished: {_get(f'{stack.exporter}/api/v1/runs/{run}/ranks')} {outputs}",
+            5,
+        )
+    report = stack.health("lc-clean")
+    assert (report["status"], report["state"]) == ("ok", "finished")
+    assert report["states"] == {"running": 0, "stalled": 0, "lost": 0, "finished": 1}
+    # The collapsed run says how it ended, but pages nobody.
+    report = stack.health("lc-collapse")
+    assert report["state"] == "finished"
+    assert {v["rule"]: v["status"] for v in report["verdicts"]}["scale_collapse"] == "critical"
+    _until(
+        lambda: stack.query('ampscope_rank_state{run="lc-collapse", state="finished"} == 1'),
+        "prometheus did not scrape the finished state",
+        10,
+    )
+    assert stack.query('ampscope_loss_scale{run="lc-collapse"} < 1'), "the scale collapsed"
+    # Through several stale-after periods and rule evaluations: no alert, not even pending.
+    end = time.monotonic() + 3 * STALE_AFTER + 2
+    time.sleep(1.5)  # one evaluation after the scrape that saw the collapsed run finished
+    while time.monotonic() < end:
+        assert stack.alerts("lc-collapse") == []
+        seen_for_clean.update(stack.alerts("lc-clean"))
+        time.sleep(0.3)
+    assert seen_for_clean == set()
+    assert stack.state("lc-clean") == "finished"
+
+
+def test_a_rank_pausing_for_several_stale_periods_is_never_lost(stack: Stack) -> None:
+    pause = 3.5 * STALE_AFTER
+    process = stack.rank("lc-pause", "pause", str(pause))
+    seen: list[str] = []
+    try:
+        _ready(process)
+        while process.poll() is None:
+            state = stack.state("lc-pause")
+            if state is not None and (not seen or seen[-1] != state):
+                seen.append(state)
+            time.sleep(0.1)
+        assert process.returncode == 0
+    finally:
+        _stop(process)
+    _until(lambda: stack.state("lc-pause") == "finished", "not finished", 5)
+    assert "lost" not in seen, seen
+    # Paused past --stall-after: stalled (then running for its last steps, often too briefly
+    # for a poll to see), never lost.
+    assert seen[:2] == ["running", "stalled"], seen
+
+
+def test_a_sigkilled_rank_is_lost_and_the_alert_fires(stack: Stack) -> None:
+    process = stack.rank("lc-killed", "hang")
+    try:
+        _ready(process)
+        _until(lambda: stack.state("lc-killed") == "running", "not running", 5)
+        os.kill(process.pid, signal.SIGKILL)
+        started = time.monotonic()
+        _until(lambda: stack.state("lc-killed") == "lost", "not lost", STALE_AFTER + 3)
+        assert time.monotonic() - started >= STALE_AFTER - 0.6  # not before --stale-after
+    finally:
+        _stop(process)
+    report = stack.health("lc-killed")
+    lost = {v["rule"]: v for v in report["verdicts"]}["lost_rank"]
+    assert lost["status"] == "critical"  # 1 of 1 rank lost
+    firing = _until(
+        lambda: ("AmpscopeRankLost", "0", "firing") in stack.alerts("lc-killed"),
+        "AmpscopeRankLost did not fire",
+        15,
+    )
+    assert firing
+    assert not [a for a in stack.alerts("lc-killed") if a[0] != "AmpscopeRankLost"]
+
+
+def test_a_hang_before_a_collective_stalls_both_ranks_and_names_the_culprit(
+    stack: Stack,
+) -> None:
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    waiting = stack.rank("lc-hang", "gloo", "0", "0", env=env)
+    culprit = stack.rank("lc-hang", "gloo", "1", "8", env=env)
+    try:
+        _ready(waiting)
+        _ready(culprit)
+
+        def stalled() -> dict[str, Any] | None:
+            verdicts = {v["rule"]: v for v in stack.health("lc-hang")["verdicts"]}
+            verdict: dict[str, Any] = verdicts["stalled_rank"]
+            return verdict if verdict["evidence"].get("culprit") else None
+
+        verdict = _until(stalled, "both ranks did not stall", STALL_AFTER + 10)
+        assert [stack.state("lc-hang", r) for r in (0, 1)] == ["stalled", "stalled"]
+        assert verdict["evidence"]["stalled"] == 2
+        assert verdict["evidence"]["culprit"]["rank"] == 1
+        assert verdict["evidence"]["culprit"]["last_step"] == 7
+        assert [r["last_step"] for r in verdict["evidence"]["ranks"]] == [7, 10]
+        assert "rank 1 (node" in verdict["summary"]
+        assert "the likely culprit" in verdict["summary"]
+    finally:
+        _stop(waiting, culprit)
