@@ -10,7 +10,7 @@ from ampscope.demo.scenarios import SCENARIOS, Scenario
 def test_the_default_mix_provokes_every_instability_verdict() -> None:
     expected = {rule for scenario in SCENARIOS.values() for rule in scenario.expect}
     # lost_rank and stalled_rank need ranks that die or hang: the demo's ranks finish
-    # (tests/integration/test_lifecycle.py provokes both with real processes).
+    # (tests/integration/test_run_lifecycle.py provokes both with real processes).
     assert expected == {"inf_hotspot", "scale_collapse", "skip_storm", "scale_desync"}
     assert list(SCENARIOS) == ["overflow", "hotspot", "collapse", "desync"]
 
