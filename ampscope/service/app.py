@@ -16,8 +16,9 @@ from prometheus_client import CollectorRegistry
 from ampscope import __version__
 from ampscope.reporter.schema import Heartbeat, IngestBatch
 from ampscope.service import web
+from ampscope.service.body import ByteBudget
 from ampscope.service.collector import StoreCollector
-from ampscope.service.errors import install_error_handlers
+from ampscope.service.errors import document_errors, install_error_handlers
 from ampscope.service.routes import heartbeat, ingest, metrics, probes, runs, series
 from ampscope.service.settings import Settings
 from ampscope.service.stats import IngestStats
@@ -50,6 +51,7 @@ def _openapi_with_ingest_schema(app: FastAPI) -> dict[str, Any]:
             for name, definition in body.pop("$defs", {}).items():
                 components.setdefault(name, definition)
             components[model.__name__] = body
+        document_errors(schema)
         app.openapi_schema = schema
     return app.openapi_schema
 
@@ -67,7 +69,8 @@ def _build_state(app: FastAPI, settings: Settings, clock: Callable[[], float]) -
             max_clock_skew_s=settings.max_clock_skew_s,
         )
     )
-    stats = IngestStats()
+    # Created with the app, not here: the server protocol counts into it from the start.
+    stats: IngestStats = app.state.stats
     # One registry per app, never prometheus_client's global one: two apps in one process
     # (tests) must not see each other's series.
     registry = CollectorRegistry(auto_describe=False)
@@ -75,7 +78,6 @@ def _build_state(app: FastAPI, settings: Settings, clock: Callable[[], float]) -
         StoreCollector(store, stats, clock, settings.stale_after_s, settings.stall_after_s)
     )
     app.state.store = store
-    app.state.stats = stats
     app.state.registry = registry
 
 
@@ -115,6 +117,8 @@ def create_app(settings: Settings, *, clock: Callable[[], float] = time.time) ->
     )
     app.state.settings = settings
     app.state.clock = clock
+    app.state.stats = IngestStats()
+    app.state.inflight = ByteBudget(settings.max_inflight_bytes)
     app.openapi = lambda: _openapi_with_ingest_schema(app)  # type: ignore[method-assign]
     install_error_handlers(app)
     for module in (ingest, heartbeat, metrics, runs, series, probes):

@@ -11,7 +11,8 @@ import hmac
 from collections.abc import Callable
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, Request, Security
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from ampscope.service.errors import ApiError
 from ampscope.service.settings import Settings
@@ -47,7 +48,20 @@ StatsDep = Annotated[IngestStats, Depends(get_stats)]
 ClockDep = Annotated[Clock, Depends(get_clock)]
 
 
-def require_token(request: Request, settings: SettingsDep, stats: StatsDep) -> None:
+_bearer = HTTPBearer(
+    auto_error=False,
+    scheme_name="bearer",
+    description="The exporter's token (--token-file or AMPSCOPE_TOKEN), which ranks send "
+    "from AMPSCOPE_TOKEN. Needed by ingest only, and only when the exporter has one.",
+)
+"""Declares the bearer scheme in the OpenAPI; the check itself is ``require_token``'s."""
+
+
+def require_token(
+    settings: SettingsDep,
+    stats: StatsDep,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)],
+) -> None:
     """Check ``Authorization: Bearer <token>`` when a token is configured (constant time).
 
     Raises:
@@ -56,8 +70,8 @@ def require_token(request: Request, settings: SettingsDep, stats: StatsDep) -> N
     if settings.token is None:
         return
     expected = settings.token.get_secret_value().encode()
-    scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
+    given = b"" if credentials is None else credentials.credentials.strip().encode()
+    if credentials is None or not hmac.compare_digest(given, expected):
         stats.rejected("unauthorized")
         raise ApiError(
             401,

@@ -7,7 +7,9 @@ Flags override ``AMPSCOPE_*`` environment variables, which override the defaults
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
+import logging
 import sys
 
 # flag -> (Settings field, type, help). Defaults live in Settings alone; the help text
@@ -46,6 +48,26 @@ _OPTIONS: dict[str, tuple[str, type, str]] = {
     "--max-body-bytes": ("max_body_bytes", int, "largest ingest body (default 8388608)"),
     "--max-runs": ("max_runs", int, "runs held at once (default 64)"),
     "--max-ranks-per-run": ("max_ranks_per_run", int, "ranks per run (default 4096)"),
+    "--header-timeout": (
+        "header_timeout_s",
+        float,
+        "seconds a connection has to send its request headers, else 408 (default 10)",
+    ),
+    "--body-timeout": (
+        "body_timeout_s",
+        float,
+        "seconds a request has to send its whole body, else 408 (default 30)",
+    ),
+    "--max-connections": (
+        "max_connections",
+        int,
+        "open connections at most; more get 503 at once (default 512)",
+    ),
+    "--max-inflight-bytes": (
+        "max_inflight_bytes",
+        int,
+        "ingest body bytes received at once over all requests; more get 429 (default 67108864)",
+    ),
     "--log-level": ("log_level", str, "critical|error|warning|info|debug (default info)"),
 }
 
@@ -101,12 +123,11 @@ def _port_in_use(host: str, port: int) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     """Build the settings, then serve until SIGINT/SIGTERM. Returns the exit status."""
-    import logging
-
     import uvicorn
     from pydantic import ValidationError
 
     from ampscope.service.app import create_app
+    from ampscope.service.server import guarded_protocol
     from ampscope.service.settings import Settings
 
     fields = [field for field, _, _ in _OPTIONS.values()] + ["access_log"]
@@ -142,13 +163,39 @@ def run(args: argparse.Namespace) -> int:
         settings.port,
         "needs a bearer token" if settings.token else "open",
     )
+    _raise_open_file_limit(settings.max_connections, log)
+    app = create_app(settings)
     uvicorn.run(
-        create_app(settings),
+        app,
         host=settings.host,
         port=settings.port,
+        # uvicorn's httptools protocol with header/body timeouts and a connection cap.
+        http=guarded_protocol(settings, app.state.stats),
         log_level=settings.log_level,
         access_log=settings.access_log,
-        # Reporters post every ~0.5 s over one kept-alive connection; keep it open between.
-        timeout_keep_alive=30,
+        timeout_keep_alive=settings.keep_alive_timeout_s,
     )
     return 0
+
+
+def _raise_open_file_limit(max_connections: int, log: logging.Logger) -> None:
+    """Raise the soft open-file limit to the hard one (as Go programs do at start), so
+    ``max_connections`` is reached before the process runs out of descriptors."""
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 65536)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+    # Descriptors beyond connections: the listening socket, logs, imports.
+    if soft != resource.RLIM_INFINITY and soft < max_connections + 64:
+        log.warning(
+            "open-file limit %d is close to max_connections=%d: new connections may fail "
+            "before the cap answers 503 (raise ulimit -n or lower --max-connections)",
+            soft,
+            max_connections,
+        )

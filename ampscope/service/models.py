@@ -35,7 +35,7 @@ class ErrorBody(BaseModel):
     )
     detail: str = Field(description="What was wrong, for people.")
     limit: str | None = Field(default=None, description="The setting a 413/429 hit.")
-    value: int | None = Field(default=None, description="That setting's value.")
+    value: int | float | None = Field(default=None, description="That setting's value.")
     errors: list[dict[str, Any]] | None = Field(
         default=None, description="422: schema violations (location, message, type), trimmed."
     )

@@ -71,6 +71,24 @@ class Settings(BaseSettings):
     max_series: Positive = 50_000
     """Label sets across all per-rank families of all runs."""
 
+    header_timeout_s: Seconds = 10.0
+    """A connection must deliver its request line and headers within this long of opening
+    (or of its next request's first byte), else 408 and close: slowloris clients cannot
+    hold it."""
+    body_timeout_s: Seconds = 30.0
+    """A request body must arrive in full within this long of its headers, else 408 and
+    close (8 MiB over a 10 Mbit/s link takes 7 s)."""
+    keep_alive_timeout_s: Annotated[int, Field(ge=1)] = 30
+    """An idle kept-alive connection is closed after this long. Reporters post every
+    ~0.5 s over one connection, so theirs stay open."""
+    max_connections: Positive = 512
+    """Open connections at most; more are answered 503 at once. Keep it below the open
+    file limit (``ampscope serve`` raises its soft limit to the hard one)."""
+    max_inflight_bytes: Positive = 64 * 1024 * 1024
+    """Ingest body bytes being received or parsed at once, over all requests; a body that
+    does not fit gets 429 with ``Retry-After``. With ``max_body_bytes`` it bounds the
+    memory that concurrent uploads can take."""
+
     history_length: Positive = 1024
     """StepRecords kept per rank for /history and the scale-desync rule."""
     history_bytes: Positive = 256 * 1024 * 1024

@@ -12,8 +12,16 @@ REJECTION_REASONS = (
     "cardinality",
     "clock_skew",
     "identity_conflict",
+    # Transport: the server cut the request (ampscope.service.server, .body).
+    "header_timeout",
+    "body_timeout",
+    "busy",
+    "over_capacity",
+    "client_disconnect",
 )
-"""Every reason an ingest request is rejected for; all are exposed from start-up at 0."""
+"""Every reason a request is rejected for; all are exposed from start-up at 0. Transport
+reasons count requests to any endpoint (a header timeout happens before the path is
+known)."""
 
 
 class IngestStats:

@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field, ValidationError
 
 from ampscope.reporter.schema import HEARTBEAT_PATH, Heartbeat
-from ampscope.service.body import read_capped_body
+from ampscope.service.body import ClientGone, received_body
 from ampscope.service.deps import Authorized, ClockDep, SettingsDep, StatsDep, StoreDep
 from ampscope.service.errors import ApiError, responses
 
@@ -34,7 +34,7 @@ class HeartbeatResult(BaseModel):
     HEARTBEAT_PATH,
     response_model=HeartbeatResult,
     summary="A rank is alive without new records, or finished",
-    responses=responses(400, 401, 413, 422),
+    responses=responses(400, 401, 408, 413, 422, 429),
     # The body is read by hand (bounded); the app adds Heartbeat to the OpenAPI components.
     openapi_extra={
         "requestBody": {
@@ -54,10 +54,17 @@ async def heartbeat(
     """Validate a ``Heartbeat`` strictly and note that its rank was heard from; a ``final``
     one marks the rank finished. Never creates a rank."""
     try:
-        body = await read_capped_body(request, min(settings.max_body_bytes, MAX_HEARTBEAT_BYTES))
-    except ApiError as exc:
-        stats.rejected("malformed" if exc.status == 400 else "too_large")
-        raise
+        async with received_body(
+            request,
+            limit=min(settings.max_body_bytes, MAX_HEARTBEAT_BYTES),
+            budget=request.app.state.inflight,
+            timeout_s=settings.body_timeout_s,
+            stats=stats,
+        ) as body:
+            pass  # a few hundred bytes: validated after the budget is given back
+    except ClientGone as exc:
+        stats.rejected("client_disconnect")
+        raise ApiError(400, "client_disconnect", str(exc)) from None
     try:
         beat = Heartbeat.model_validate_json(body)
     except ValidationError as exc:

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
 
 from ampscope.reporter.schema import INGEST_PATH, IngestBatch
-from ampscope.service.body import read_capped_body
+from ampscope.service.body import ByteBudget, ClientGone, received_body
 from ampscope.service.deps import Authorized, ClockDep, SettingsDep, StatsDep, StoreDep
 from ampscope.service.errors import ApiError, responses
 from ampscope.service.models import IngestResult
 from ampscope.service.settings import Settings
-from ampscope.service.store import BatchRefused, LimitExceeded
+from ampscope.service.stats import IngestStats
+from ampscope.service.store import BatchRefused, LimitExceeded, Store
 
 router = APIRouter(tags=["ingest"])
+log = logging.getLogger("ampscope.service")
 
 MAX_REPORTED_ERRORS = 20
 """422 answers list at most this many schema violations."""
@@ -71,11 +76,51 @@ def _check_series_limits(batch: IngestBatch, settings: Settings) -> None:
             )
 
 
+def _apply(
+    body: bytes, settings: Settings, store: Store, stats: IngestStats, now: float
+) -> IngestResult:
+    """Parse, check and apply one batch. Runs in a worker thread: parsing a 7 MiB batch
+    takes a CPU-second, which on the event loop would stall every other request."""
+    batch = _parse(body, stats)
+    if len(batch.records) > settings.max_records_per_batch:
+        stats.rejected("too_large")
+        raise ApiError(
+            413,
+            "too_large",
+            f"batch holds {len(batch.records)} records; at most "
+            f"{settings.max_records_per_batch} per batch (max_records_per_batch)",
+            limit="max_records_per_batch",
+            value=settings.max_records_per_batch,
+        )
+    try:
+        _check_series_limits(batch, settings)
+        outcome = store.ingest(batch, now)
+    except LimitExceeded as exc:
+        stats.rejected("cardinality")
+        raise ApiError(
+            429,
+            "cardinality",
+            exc.detail,
+            limit=exc.limit,
+            value=exc.value,
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        ) from None
+    except BatchRefused as exc:
+        stats.rejected(exc.reason)
+        raise ApiError(exc.status, exc.reason, exc.detail) from None
+    stats.accepted(len(batch.records))
+    return IngestResult(
+        accepted=outcome.accepted,
+        ignored=outcome.ignored,
+        heartbeat_interval_s=settings.stale_after_s / 4,
+    )
+
+
 @router.post(
     INGEST_PATH,
     response_model=IngestResult,
     summary="Deliver a batch of step records from one rank",
-    responses=responses(400, 401, 409, 413, 422, 429),
+    responses=responses(400, 401, 408, 409, 413, 422, 429),
     # The body is read by hand (bounded), so OpenAPI is told what it holds.
     openapi_extra={
         "requestBody": {
@@ -96,46 +141,31 @@ async def ingest(
 ) -> IngestResult:
     """Validate an ``IngestBatch`` strictly and apply it to the rank's state.
 
-    Answers 400 (not JSON), 401 (token), 409 (a live rank's identity changed), 413 (body
-    or batch too large), 422 (schema violations, with their locations, or records timed
-    too far ahead) or 429 (a cardinality limit, named in ``limit``).
-    A rejected batch changes nothing.
+    Answers 400 (not JSON), 401 (token), 408 (body not complete within
+    ``body_timeout_s``), 409 (a live rank's identity changed), 413 (body or batch too
+    large), 422 (schema violations, with their locations, or records timed too far ahead)
+    or 429 (a cardinality limit, or ``max_inflight_bytes`` of bodies being received
+    already; named in ``limit``). A rejected batch changes nothing.
     """
+    budget: ByteBudget = request.app.state.inflight
     try:
-        body = await read_capped_body(request, settings.max_body_bytes)
-    except ApiError as exc:
-        stats.rejected("malformed" if exc.status == 400 else "too_large")
-        raise
-    batch = _parse(body, stats)
-    if len(batch.records) > settings.max_records_per_batch:
-        stats.rejected("too_large")
-        raise ApiError(
-            413,
-            "too_large",
-            f"batch holds {len(batch.records)} records; at most "
-            f"{settings.max_records_per_batch} per batch (max_records_per_batch)",
-            limit="max_records_per_batch",
-            value=settings.max_records_per_batch,
+        async with received_body(
+            request,
+            limit=settings.max_body_bytes,
+            budget=budget,
+            timeout_s=settings.body_timeout_s,
+            stats=stats,
+        ) as body:
+            return await run_in_threadpool(_apply, body, settings, store, stats, clock())
+    except ClientGone as exc:
+        # A killed rank: expected in operation, so one line and a count, no traceback.
+        stats.rejected("client_disconnect")
+        client = request.client
+        log.warning(
+            "ingest: client %s disconnected after %d of %s body bytes",
+            f"{client.host}:{client.port}" if client else "?",
+            exc.received,
+            request.headers.get("content-length", "(chunked)"),
         )
-    try:
-        _check_series_limits(batch, settings)
-        outcome = store.ingest(batch, clock())
-    except LimitExceeded as exc:
-        stats.rejected("cardinality")
-        raise ApiError(
-            429,
-            "cardinality",
-            exc.detail,
-            limit=exc.limit,
-            value=exc.value,
-            headers={"Retry-After": str(RETRY_AFTER_S)},
-        ) from None
-    except BatchRefused as exc:
-        stats.rejected(exc.reason)
-        raise ApiError(exc.status, exc.reason, exc.detail) from None
-    stats.accepted(len(batch.records))
-    return IngestResult(
-        accepted=outcome.accepted,
-        ignored=outcome.ignored,
-        heartbeat_interval_s=settings.stale_after_s / 4,
-    )
+        # Nobody reads this answer; uvicorn drops it for a closed connection.
+        raise ApiError(400, "client_disconnect", str(exc)) from None
