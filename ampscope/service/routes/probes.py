@@ -13,7 +13,9 @@ class Liveness(BaseModel):
 
 
 @router.get("/healthz", response_model=Liveness, summary="Liveness probe")
-def healthz() -> Liveness:
+async def healthz() -> Liveness:
     """Answers 200 while the process serves requests. Says nothing about training runs:
     see ``/api/v1/runs/{run}/health``."""
+    # async: answered on the event loop itself, without a hop through the thread pool
+    # that ingest parsing and scrapes keep busy.
     return Liveness()
