@@ -150,7 +150,10 @@ def parse_batch(body: bytes) -> IngestBatch:
             e for e in _errors(exc, ()) if not (raw_records and e["loc"][:1] == ("records",))
         ]
     if errors or outer is None:
-        raise ValidationError.from_exception_data(IngestBatch.__name__, errors)
+        # In the order the one call reports them: by field, unknown members last.
+        order = {name: i for i, name in enumerate(IngestBatch.model_fields)}
+        errors.sort(key=lambda e: order.get(str(e["loc"][0]) if e["loc"] else "", len(order)))
+        raise ValidationError.from_exception_data(IngestBatch.__name__, errors, input_type="json")
     # Python mode over validated records: runs the batch-level rules (one rank, length)
     # without validating any record again.
     values: dict[str, Any] = {name: getattr(outer, name) for name in IngestBatch.model_fields}
