@@ -270,7 +270,8 @@ def test_killed_rank_mid_body_costs_one_log_line_and_a_count(server: Server) -> 
         "import socket, sys, time\n"
         f"s = socket.create_connection(('127.0.0.1', {server.port}))\n"
         "s.sendall(b'POST /api/v1/ingest HTTP/1.1\\r\\nHost: x\\r\\n'"
-        " b'Content-Type: application/json\\r\\nContent-Length: 100000\\r\\n\\r\\n{' + b' ' * 50000)\n"
+        " b'Content-Type: application/json\\r\\n'"
+        " b'Content-Length: 100000\\r\\n\\r\\n{' + b' ' * 50000)\n"
         "print('sent', flush=True)\n"
         "time.sleep(60)\n"
     )
