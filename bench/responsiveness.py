@@ -8,6 +8,11 @@ tree (``git archive main | tar -x -C DIR``) in turn, under the same load: ``--po
 threads each posting ``--batch-mib`` batches of one simulated rank in a loop, while one
 thread probes /healthz and /metrics alternately every 20 ms over a kept-alive
 connection. Prints one table, both trees side by side. Loopback only.
+
+``--gil`` instead measures, in this process, how long another thread waits while a
+worker thread validates and stores ``--batches`` such batches, with
+``IngestBatch.model_validate_json`` (one call) and with ``parse_batch`` (per record):
+the stall the event loop would see, without the network and the prober in the way.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +128,67 @@ def _measure(server: ServerProcess, *, seconds: float, posters: int, mib: float)
     return result
 
 
+def _stalls(parse: Callable[[bytes], Any], bodies: list[bytes]) -> dict[str, float]:
+    """Validate and store ``bodies`` in a worker thread; how long a 1 ms ticker waited."""
+    from ampscope.service.store import Store, StoreLimits
+
+    store = Store(
+        StoreLimits(
+            max_runs=64,
+            max_ranks_per_run=4096,
+            max_series=500_000,
+            history_length=1024,
+            window_s=600.0,
+        )
+    )
+    gaps: list[float] = []
+    done = threading.Event()
+
+    def tick() -> None:
+        last = time.perf_counter()
+        while not done.is_set():
+            time.sleep(0.001)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    def work() -> None:
+        for body in bodies:
+            store.ingest(parse(body), time.time())
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    started = time.perf_counter()
+    worker = threading.Thread(target=work)
+    worker.start()
+    worker.join()
+    done.set()
+    ticker.join()
+    return {
+        "seconds": time.perf_counter() - started,
+        "stall_p99_ms": quantile(gaps, 0.99) * 1e3,
+        "stall_max_ms": max(gaps) * 1e3,
+    }
+
+
+def _gil_stalls(batches: int, mib: float) -> dict[str, dict[str, float]]:
+    from ampscope.reporter.schema import IngestBatch
+    from ampscope.service.main import _tune_gc
+    from ampscope.service.parse import parse_batch
+
+    def bodies() -> list[bytes]:
+        rank = SimulatedRank(run="gil", rank=0, world_size=1, devices=16, top_k=32)
+        return [_batch(rank, mib) for _ in range(batches)]
+
+    results = {
+        "one call": _stalls(IngestBatch.model_validate_json, bodies()),
+        "per record": _stalls(parse_batch, bodies()),
+    }
+    _tune_gc()  # last: it cannot be undone in this process
+    results["per record, serve's GC tuning"] = _stalls(parse_batch, bodies())
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.responsiveness", description=__doc__)
     parser.add_argument("--baseline", type=Path, help="another source tree to compare with")
@@ -129,7 +196,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--posters", type=int, default=2)
     parser.add_argument("--batch-mib", type=float, default=7.0)
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--gil", action="store_true", help="in-process stall measurement")
+    parser.add_argument("--batches", type=int, default=6, help="batches for --gil")
     args = parser.parse_args(argv)
+    if args.gil:
+        gil = _gil_stalls(args.batches, args.batch_mib)
+        print("| parse | seconds | stall p99 ms | stall max ms |\n|---|---|---|---|")
+        for name, r in gil.items():
+            p99, worst = r["stall_p99_ms"], r["stall_max_ms"]
+            print(f"| {name} | {r['seconds']:.1f} | {p99:.0f} | {worst:.0f} |")
+        return 0
     trees = {"this tree": Path(__file__).resolve().parents[1]}
     if args.baseline is not None:
         trees["baseline"] = args.baseline.resolve()

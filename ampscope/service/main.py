@@ -165,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
     )
     _raise_open_file_limit(settings.max_connections, log)
     app = create_app(settings)
+    _tune_gc()
     uvicorn.run(
         app,
         host=settings.host,
@@ -176,6 +177,26 @@ def run(args: argparse.Namespace) -> int:
         timeout_keep_alive=settings.keep_alive_timeout_s,
     )
     return 0
+
+
+GC_GEN0_THRESHOLD = 50_000
+"""Allocations between young collections (CPython's default: 700)."""
+
+
+def _tune_gc() -> None:
+    """Fewer full garbage collections while batches are parsed.
+
+    A 7 MiB batch allocates ~10^5 objects, which with CPython's default thresholds sets
+    off full collections that traverse every record the store holds, holding the GIL for
+    100-400 ms each (the largest stall of /healthz during ingest). Records are freed by
+    reference counting, not by the cycle collector, so collecting young objects less
+    often costs little memory; everything imported so far is frozen out of the scans.
+    """
+    import gc
+
+    gc.freeze()
+    _, gen1, gen2 = gc.get_threshold()
+    gc.set_threshold(GC_GEN0_THRESHOLD, gen1, gen2)
 
 
 def _raise_open_file_limit(max_connections: int, log: logging.Logger) -> None:
