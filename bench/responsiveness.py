@@ -47,11 +47,15 @@ def _batch(rank: SimulatedRank, mib: float) -> bytes:
 
 def _server(tree: Path, name: str) -> ServerProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AMPSCOPE_")}
-    env["PYTHONPATH"] = str(tree)
     env["PYTHONDONTWRITEBYTECODE"] = "1"
+    # ``python -m`` would put the working directory first on sys.path, ahead of
+    # PYTHONPATH, and so serve this tree's code under the baseline's name.
+    start = (
+        f"import sys; sys.path[0] = {str(tree)!r}; from ampscope.cli import main; sys.exit(main())"
+    )
     return ServerProcess(
         name=name,
-        argv=[sys.executable, "-m", "ampscope.cli", "serve", "--port", "{port}", *_QUIET],
+        argv=[sys.executable, "-c", start, "serve", "--port", "{port}", *_QUIET],
         ready_path="/healthz",
         env=env,
     )
