@@ -27,15 +27,18 @@ class IngestResult(BaseModel):
 
 
 class ErrorBody(BaseModel):
-    """Every 4xx answer of the ingest endpoint and the API's 404s."""
+    """Every error answer of every endpoint, the server's own 400/408/503 included."""
 
     error: str = Field(
         description="Machine-readable reason: unauthorized, too_large, malformed, invalid, "
-        "cardinality, not_found."
+        "cardinality, busy, header_timeout, body_timeout, over_capacity, not_found, "
+        "method_not_allowed, internal."
     )
     detail: str = Field(description="What was wrong, for people.")
     limit: str | None = Field(default=None, description="The setting a 413/429 hit.")
-    value: int | float | None = Field(default=None, description="That setting's value.")
+    value: int | float | None = Field(
+        default=None, description="That setting's value (seconds for a timeout)."
+    )
     errors: list[dict[str, Any]] | None = Field(
         default=None, description="422: schema violations (location, message, type), trimmed."
     )
