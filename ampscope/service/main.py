@@ -1,7 +1,8 @@
 """``ampscope serve``: run the per-node exporter.
 
 Flags override ``AMPSCOPE_*`` environment variables, which override the defaults of
-``ampscope.service.settings.Settings``. Only argparse is imported until ``run``.
+``ampscope.service.settings.Settings``. Only the standard library is imported until
+``run``.
 """
 
 from __future__ import annotations

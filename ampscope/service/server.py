@@ -3,8 +3,10 @@
 uvicorn (0.54) times out idle kept-alive connections only: a connection that never
 finishes its request headers, or that never sends anything, is held forever, and
 ``limit_concurrency`` answers 503 only once headers are complete, so slowloris
-connections still pile up until the process runs out of file descriptors. This
-protocol subclass adds, per connection:
+connections still pile up until the process runs out of file descriptors (the
+request-start and request-complete timeouts of uvicorn issue #157 were never added).
+ASGI middleware cannot help: it runs once headers are complete. This protocol
+subclass adds, per connection:
 
 * a header timeout: the request line and headers must arrive within
   ``header_timeout_s`` of the connection opening or of the request's first byte,
