@@ -54,6 +54,9 @@ def _mutations() -> list[dict[str, Any] | bytes]:
     first_bad = _valid()
     first_bad["records"][0]["identity"]["world_size"] = 0
     docs.append(first_bad)
+    duplicate = _valid()
+    duplicate["records"][4]["nonfinite_params"] = [{"name": "w", "count": 1}] * 2
+    docs.append(duplicate)
     raw = body(*steps(1, 30))
     docs += [
         raw[:-5],  # truncated: not JSON
