@@ -19,6 +19,7 @@ from ampscope.service import web
 from ampscope.service.body import ByteBudget
 from ampscope.service.collector import StoreCollector
 from ampscope.service.errors import document_errors, install_error_handlers
+from ampscope.service.exposition import Exposition
 from ampscope.service.routes import heartbeat, ingest, metrics, probes, runs, series
 from ampscope.service.settings import Settings
 from ampscope.service.stats import IngestStats
@@ -79,6 +80,7 @@ def _build_state(app: FastAPI, settings: Settings, clock: Callable[[], float]) -
     )
     app.state.store = store
     app.state.registry = registry
+    app.state.exposition = Exposition(store, stats, clock, settings.stale_after_s)
 
 
 def create_app(settings: Settings, *, clock: Callable[[], float] = time.time) -> FastAPI:
