@@ -82,25 +82,44 @@ class _Family:
         self.name = spec.name
         help_text = spec.help.replace("\\", r"\\").replace("\n", r"\n")
         self.header = f"# HELP {spec.name} {help_text}\n# TYPE {spec.name} {spec.type}\n".encode()
-        # prometheus_client writes label pairs sorted by label name.
-        self._order = sorted(range(len(spec.labels)), key=lambda i: spec.labels[i])
-        self._names = spec.labels
+        self.labels = spec.labels
         self.per_rank = spec.labels[: len(RANK_LABELS)] == RANK_LABELS
+        # The templates fill the labels after the rank's own in sorted order; with one
+        # such label at most (device, param, reason) that is the catalogue's order too.
+        if len(spec.labels) - (len(RANK_LABELS) if self.per_rank else 0) > 1:
+            raise ValueError(f"{spec.name}: more than one label beyond the rank's")
+
+    def template(self, label_values: Sequence[str]) -> str:
+        """A %-format string for this family's lines with ``label_values`` for its first
+        labels: ``%s`` slots for the remaining labels' escaped values, then the value."""
+        given = {
+            name: _escape_label(value).replace("%", "%%")
+            for name, value in zip(self.labels, label_values, strict=False)
+        }
+        # prometheus_client writes label pairs sorted by label name.
+        pairs = ",".join(f'{name}="{given.get(name, "%s")}"' for name in sorted(self.labels))
+        return f"{self.name}{{{pairs}}} %s\n" if pairs else f"{self.name} %s\n"
 
     def line(self, label_values: Sequence[str], value: float) -> str:
-        if not self._names:
-            return f"{self.name} {floatToGoString(value)}\n"
-        pairs = ",".join(
-            f'{self._names[i]}="{_escape_label(label_values[i])}"' for i in self._order
-        )
-        return f"{self.name}{{{pairs}}} {floatToGoString(value)}\n"
-
-    def lines(self, rank_labels: Sequence[str], values: Values) -> bytes:
-        return "".join(self.line((*rank_labels, *extra), v) for extra, v in values).encode()
+        return self.template(label_values) % floatToGoString(value)
 
 
 _FAMILIES = tuple(_Family(spec) for spec in CATALOGUE)
 _BY_NAME = {family.name: family for family in _FAMILIES}
+
+
+class _RankTemplates:
+    """Per family, the line template of one rank's labels; kept while its labels are."""
+
+    def __init__(self, labels: tuple[str, ...]) -> None:
+        self.labels = labels
+        self.of = {f.name: f.template(labels) for f in _FAMILIES if f.per_rank}
+
+    def lines(self, name: str, values: Values) -> bytes:
+        template = self.of[name]
+        return "".join(
+            template % (*map(_escape_label, extra), floatToGoString(v)) for extra, v in values
+        ).encode()
 
 
 @dataclass(frozen=True)
@@ -110,7 +129,7 @@ class _RankEntry:
     newest: object
     last_report: float
     dropped_records: int
-    labels: tuple[str, ...]
+    templates: _RankTemplates
     lines: dict[str, bytes]
 
     def matches(self, snap: RankSnapshot) -> bool:
@@ -121,13 +140,15 @@ class _RankEntry:
         )
 
 
-def _render_rank(snap: RankSnapshot) -> _RankEntry:
+def _render_rank(snap: RankSnapshot, previous: _RankEntry | None) -> _RankEntry:
     who = snap.newest.identity
     labels = (who.run, who.node, str(who.rank), str(who.local_rank))
-    lines = {
-        name: _BY_NAME[name].lines(labels, values) for name, values in _rank_values(snap).items()
-    }
-    return _RankEntry(snap.newest, snap.last_report, snap.dropped_records, labels, lines)
+    if previous is not None and previous.templates.labels == labels:
+        templates = previous.templates
+    else:
+        templates = _RankTemplates(labels)
+    lines = {name: templates.lines(name, values) for name, values in _rank_values(snap).items()}
+    return _RankEntry(snap.newest, snap.last_report, snap.dropped_records, templates, lines)
 
 
 class Exposition:
@@ -175,7 +196,7 @@ class Exposition:
         for run, rank, snap in latest:
             entry = previous.get((run, rank))
             if entry is None or not entry.matches(snap):
-                entry = _render_rank(snap)
+                entry = _render_rank(snap, entry)
                 fresh += 1
             entries[(run, rank)] = entry
         with self._lock:
@@ -189,7 +210,7 @@ class Exposition:
             time_values = _TIME_DEPENDENT.get(family.name)
             if time_values is not None:
                 parts.extend(
-                    family.lines(entry.labels, time_values(snap, now, self._stale_after_s))
+                    entry.templates.lines(family.name, time_values(snap, now, self._stale_after_s))
                     for entry, snap in ordered
                 )
             elif family.per_rank:
