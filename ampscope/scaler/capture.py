@@ -23,7 +23,10 @@ from ampscope.scaler import compat
 
 @dataclass(frozen=True, kw_only=True)
 class OptimizerSlot:
-    """One optimizer's part of a pending step; its found-inf values sit in the step tensor."""
+    """One optimizer's part of a pending step; its found-inf values sit in the step tensor.
+
+    Immutable and shared: a capture reuses one slot per distinct value.
+    """
 
     index: int
     name: str
@@ -33,12 +36,13 @@ class OptimizerSlot:
     """How many per-device found-inf values of this optimizer the step tensor holds."""
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(slots=True, kw_only=True)
 class PendingStep:
     """One update()'s scalars on their way to the host, plus what the host already knows.
 
-    ``values`` layout: ``[scale_before, *optimizer flags, scale_after, growth_tracker,
-    *local flags, *origin flags]``.
+    A compact row: the training thread fills it and never touches it again; the telemetry
+    thread turns it into a record. ``values`` layout, once read: ``[scale_before,
+    *optimizer flags, *local flags, scale_after, growth_tracker, *origin flags]``.
     """
 
     identity: Identity
@@ -49,7 +53,8 @@ class PendingStep:
     local_devices: tuple[str, ...]
     origin_devices: tuple[str, ...]
     nonfinite: Mapping[str, int]
-    values: torch.Tensor
+    values: tuple[torch.Tensor, ...]
+    """One tensor (accelerators: the pinned host copy) or, on the CPU, two uncopied ones."""
     ready: torch.cuda.Event | None = None
     """Recorded after the non-blocking copy into pinned ``values``; ``None`` on CPU."""
 
@@ -57,7 +62,9 @@ class PendingStep:
         """The step's scalars on the host; waits for the device copy (telemetry thread)."""
         if self.ready is not None:
             self.ready.synchronize()
-        values: list[float] = self.values.tolist()
+        values: list[float] = []
+        for part in self.values:
+            values.extend(part.tolist())
         return values
 
 
@@ -75,8 +82,18 @@ def to_host_async(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event 
     return values.to("cpu"), None
 
 
-def _scalar(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return tensor.detach().to(device=device, dtype=torch.float32, non_blocking=True).reshape(())
+def _stack(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """One float32 vector of 0-dim (or one-element) tensors: a single op for the parts
+    already on ``device`` as 0-dim float32 (the scale and found-inf tensors), one more per
+    other part (the int32 growth tracker, flags of other devices)."""
+    return torch.stack(
+        [
+            p
+            if p.dtype == torch.float32 and p.dim() == 0 and p.device == device
+            else p.detach().to(device=device, dtype=torch.float32, non_blocking=True).reshape(())
+            for p in parts
+        ]
+    )
 
 
 @dataclass
@@ -95,8 +112,10 @@ class BeforeUpdate:
     """Scalars that update() is about to change, and which optimizers they belong to."""
 
     values: torch.Tensor
+    """``[scale, *optimizer flags, *local flags]``."""
     slots: tuple[tuple[int, int], ...]
     """(id(optimizer), number of flags) in the order of ``values[1:]``."""
+    local_devices: tuple[str, ...]
 
 
 class StepCapture:
@@ -109,6 +128,7 @@ class StepCapture:
         )
         self._step = 0
         self._last_skipped: bool | PendingStep | None = None
+        self._slots: dict[tuple[int, str, bool, bool, int], OptimizerSlot] = {}
 
     # -- during the iteration ------------------------------------------------------------
 
@@ -119,10 +139,12 @@ class StepCapture:
         *,
         fresh: bool = False,
     ) -> None:
-        """Keep this rank's pre-reduction found-inf per device (one small op per device).
+        """Keep this rank's pre-reduction found-inf per device.
 
-        ``fresh`` says the tensors are the caller's own copies, not torch's (which the
-        sharded scaler all-reduces in place right after).
+        ``fresh`` says nothing changes the tensors before update() reads them: the
+        caller's own copies, or torch's when its scaler does not reduce them in place
+        (``torch.amp.GradScaler``). Otherwise (the sharded scaler all-reduces them right
+        after) each is cloned: one small op per device.
         """
         self._seen(optimizer, fused=compat.steps_itself(optimizer), stepped=False)
         local = self._iteration.local
@@ -184,17 +206,33 @@ class StepCapture:
 
     # -- update() ------------------------------------------------------------------------
 
+    def _slot(
+        self, index: int, name: str, fused: bool, stepped: bool, num_flags: int
+    ) -> OptimizerSlot:
+        key = (index, name, fused, stepped, num_flags)
+        slot = self._slots.get(key)
+        if slot is None:
+            slot = self._slots[key] = OptimizerSlot(
+                index=index, name=name, fused=fused, stepped=stepped, num_flags=num_flags
+            )
+        return slot
+
     def before_update(self, scaler: torch.amp.GradScaler) -> BeforeUpdate | None:
-        """Snapshot the scale and every optimizer's found-inf before update() consumes them."""
+        """Snapshot the scale, every optimizer's found-inf and this rank's local found-inf
+        before update() consumes them: one stack of device scalars."""
         scale = compat.scale_tensor(scaler)
         if scale is None:
             return None
-        parts = [_scalar(scale, scale.device)]
+        parts = [scale]
         slots = []
         for key, flags in compat.per_optimizer_found_infs(scaler):
-            parts.extend(_scalar(flag, scale.device) for flag in flags)
+            parts.extend(flags)
             slots.append((key, len(flags)))
-        return BeforeUpdate(values=torch.stack(parts), slots=tuple(slots))
+        local = self._iteration.local
+        parts.extend(local.values())
+        return BeforeUpdate(
+            values=_stack(parts, scale.device), slots=tuple(slots), local_devices=tuple(local)
+        )
 
     def after_update(
         self,
@@ -213,31 +251,28 @@ class StepCapture:
             return None
         self._step += 1
         device = scale.device
-        post = [_scalar(scale, device), _scalar(tracker, device)]
-        post.extend(iteration.local[d].to(device).reshape(()).float() for d in iteration.local)
-        post.extend(_scalar(origin[d], device) for d in origin)
-        values, ready = to_host_async(torch.cat([before.values, torch.stack(post)]))
+        post = [scale, tracker]
+        post.extend(origin.values())
+        after = _stack(post, device)
+        ready = None
+        if device.type == "cpu":
+            values: tuple[torch.Tensor, ...] = (before.values, after)
+        else:
+            host, ready = to_host_async(torch.cat([before.values, after]))
+            values = (host,)
         slots = []
         for key, num_flags in before.slots:
             optimizer, fused, stepped = iteration.optimizers.get(key, (None, False, False))
             index = self._indices.get(optimizer, -1) if optimizer is not None else -1
             name = type(optimizer).__name__ if optimizer is not None else "unknown"
-            slots.append(
-                OptimizerSlot(
-                    index=max(index, 0),
-                    name=name,
-                    fused=fused,
-                    stepped=stepped,
-                    num_flags=num_flags,
-                )
-            )
+            slots.append(self._slot(max(index, 0), name, fused, stepped, num_flags))
         pending = PendingStep(
             identity=identity,
             step=self._step,
             time=update_time if update_time is not None else time.time(),
             manual=manual,
             optimizers=tuple(slots),
-            local_devices=tuple(iteration.local),
+            local_devices=before.local_devices,
             origin_devices=tuple(origin),
             nonfinite=dict(iteration.nonfinite),
             values=values,

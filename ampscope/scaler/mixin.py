@@ -70,6 +70,9 @@ class TelemetryMixin:
     _ampscope_origin: Any
     _ampscope_origin_handles: list[Any]
     _ampscope_errors: int
+    _ampscope_reduces_found_inf_in_place = False
+    """Whether torch changes the found-inf tensors ``_unscale_grads_`` returns before
+    update() (FSDP1's sharded scaler all-reduces them in place): then capture copies them."""
 
     def _ampscope_init(self, config: TelemetryConfig) -> None:
         """Called at the end of ``__init__``, after torch's constructor."""
@@ -169,7 +172,8 @@ class TelemetryMixin:
                 optimizer, inv_scale, found_inf, allow_fp16
             )
             if capture is not None:
-                self._ampscope_guard(capture.record_local, optimizer, result)
+                fresh = not self._ampscope_reduces_found_inf_in_place
+                self._ampscope_guard(capture.record_local, optimizer, result, fresh=fresh)
             return result
         result, local = unscale_local_shards(
             parent._unscale_grads_, optimizer, inv_scale, found_inf, allow_fp16

@@ -75,6 +75,8 @@ class ShardedGradScaler(TelemetryMixin, _TorchShardedGradScaler):
     :class:`~ampscope.scaler.config.TelemetryConfig` for the telemetry options.
     """
 
+    _ampscope_reduces_found_inf_in_place = True
+
     def __init__(
         self,
         device: str = "cuda",

@@ -23,7 +23,7 @@ from ampscope.reporter.schema import NonfiniteParam, StepRecord
 from ampscope.reporter.sink import Sink
 from ampscope.scaler.attribution import top_k
 from ampscope.scaler.capture import PendingStep
-from ampscope.scaler.records import RunningTotals, build_record
+from ampscope.scaler.records import RecordBuilder
 
 logger = logging.getLogger("ampscope")
 
@@ -35,6 +35,9 @@ when the telemetry thread is stuck (a sink that blocks): those steps finished lo
 so resolving them costs no wait, and the totals stay exact."""
 MAX_UNDELIVERED = 4096
 """Records waiting for the sinks; beyond it the oldest are not delivered (counted)."""
+BATCH_INTERVAL = 0.05
+"""Seconds the telemetry thread lets steps gather after handling some, so that it wakes
+(and takes the GIL from training) once per batch instead of once per step."""
 
 
 EXIT_TIMEOUT_S = 2.0
@@ -103,7 +106,8 @@ class Telemetry:
         self._pending: deque[PendingStep] = deque()
         self._outbox: deque[StepRecord] = deque()
         self._history: deque[StepRecord] = deque(maxlen=history)
-        self._totals = RunningTotals()
+        self._builder = RecordBuilder(top_k)
+        self._totals = self._builder.totals  # changed in place by the builder
         self._last: StepRecord | None = None
         self._dropped = 0
         self._undelivered = 0
@@ -116,6 +120,8 @@ class Telemetry:
         self._closed = False
         self._close_done = threading.Event()
         self._thread: threading.Thread | None = None
+        self._idle = False
+        """The telemetry thread waits for a notify (it found nothing to do)."""
         _LIVE.add(self)
         if self._sinks:
             # atexit runs last-registered first: move this module's handler after the
@@ -129,7 +135,8 @@ class Telemetry:
         return self._closed
 
     def submit(self, pending: PendingStep) -> None:
-        """Queue one step (training thread: an append and a notify, nothing more)."""
+        """Queue one step (training thread): an append; a notify only when the telemetry
+        thread sleeps with nothing to do, i.e. once per burst of steps, not per step."""
         if self._stopping:
             return
         self._pending.append(pending)
@@ -140,8 +147,9 @@ class Telemetry:
                 target=self._run, name="ampscope-telemetry", daemon=True
             )
             self._thread.start()
-        with self._wake:
-            self._wake.notify()
+        if self._idle:
+            with self._wake:
+                self._wake.notify()
 
     def snapshot(self) -> TelemetrySnapshot:
         """Counters covering every update() already called.
@@ -234,8 +242,15 @@ class Telemetry:
     def _run(self) -> None:
         while True:
             with self._wake:
+                if not self._stopping:
+                    # Let a batch gather; close() cuts the wait short.
+                    self._wake.wait(BATCH_INTERVAL)
+                # Set before the check: a submit() after the check sees it and notifies,
+                # one before it left a pending step that the check sees.
+                self._idle = True
                 while not (self._pending or self._outbox or self._stopping):
                     self._wake.wait()
+                self._idle = False
                 stopping = self._stopping
             try:
                 self._resolve()
@@ -257,9 +272,7 @@ class Telemetry:
             while len(self._pending) > keep:
                 pending = self._pending[0]
                 try:
-                    record, totals = build_record(
-                        pending, pending.read(), self._totals, self._top_k
-                    )
+                    record = self._builder.build(pending, pending.read())
                 except Exception:
                     self._dropped += 1
                     if self._dropped == 1:
@@ -270,7 +283,7 @@ class Telemetry:
                             exc_info=True,
                         )
                 else:
-                    self._totals, self._last = totals, record
+                    self._last = record
                     self._history.append(record)
                     if self._sinks:
                         self._queue_for_sinks(record)
