@@ -94,9 +94,34 @@ def _measure_server(
             "samples": scraped.samples,
             "latency_ms": _ms(scraped.latencies),
         }
+        zipped = scrape(host=proc.host, port=proc.port, times=config.scrapes, gzip=True)
+        out["scrape_gzip"] = {"size_bytes": zipped.size_bytes, "latency_ms": _ms(zipped.latencies)}
+        out["scrape_after_change"] = _scrape_after_change(proc, ranks, request_for, config)
         out["rss_loaded_bytes"] = proc.rss_bytes()
     out["memory"] = _measure_memory(server, request_for, config)
     return out
+
+
+def _scrape_after_change(
+    proc: ServerProcess,
+    ranks: list[SimulatedRank],
+    request_for: FactoryFor,
+    config: ExporterBenchConfig,
+) -> dict[str, Any]:
+    """Scrapes each right after every rank pushed once more (untimed), so no rank's state
+    is the one the previous scrape saw: what Prometheus meets when ranks report more
+    often than it scrapes."""
+    latencies: list[float] = []
+    for _ in range(max(3, config.scrapes // 5)):
+        push_concurrently(
+            host=proc.host,
+            port=proc.port,
+            ranks=ranks,
+            requests_per_rank=1,
+            make_request=request_for(config.records_per_batch),
+        )
+        latencies += scrape(host=proc.host, port=proc.port, times=1, gzip=True).latencies
+    return {"latency_ms": _ms(latencies)}
 
 
 def _measure_memory(
@@ -127,6 +152,18 @@ def _measure_memory(
     return {"rss_start_bytes": start, "checkpoints": checkpoints}
 
 
+def _add_rss_per_held_record(memory: dict[str, Any], config: ExporterBenchConfig) -> None:
+    """RSS growth over the records the exporter holds at the last checkpoint: each rank
+    keeps its newest ``history_length`` records (the server runs with the default)."""
+    from ampscope.service.settings import Settings
+
+    last = memory["checkpoints"][-1]
+    per_rank = last["records"] // config.max_ranks
+    held = min(per_rank, Settings().history_length) * config.max_ranks
+    memory["held_records"] = held
+    memory["rss_per_held_record_bytes"] = (last["rss_bytes"] - memory["rss_start_bytes"]) / held
+
+
 def _ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
     """ampscope / Pushgateway for each headline figure (> 1: ampscope is higher)."""
 
@@ -144,6 +181,9 @@ def _ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
     out["scrape"] = {
         "latency_p50": r(
             ours["scrape"]["latency_ms"]["p50"], theirs["scrape"]["latency_ms"]["p50"]
+        ),
+        "latency_p99": r(
+            ours["scrape"]["latency_ms"]["p99"], theirs["scrape"]["latency_ms"]["p99"]
         ),
         "size_bytes": r(ours["scrape"]["size_bytes"], theirs["scrape"]["size_bytes"]),
     }
@@ -165,6 +205,7 @@ def run_exporter_bench(
     results: dict[str, Any] = {
         "ampscope": _measure_server(ampscope_exporter, ampscope_ingest, config)
     }
+    _add_rss_per_held_record(results["ampscope"]["memory"], config)
     if pushgateway_bin is None:
         results["pushgateway"] = {"status": "not run: prometheus-pushgateway not installed"}
         return results

@@ -8,6 +8,7 @@ one Python HTTP client per rank, the same client for both servers.
 
 from __future__ import annotations
 
+import gzip as gzip_module
 import http.client
 import threading
 import time
@@ -145,21 +146,32 @@ class ScrapeResult:
     """Sample lines in the last scrape (lines not starting with '#')."""
 
 
-def scrape(*, host: str, port: int, times: int, path: str = "/metrics") -> ScrapeResult:
-    """GET ``path`` ``times`` times in a row, as a Prometheus server would, and time each."""
+def scrape(
+    *, host: str, port: int, times: int, path: str = "/metrics", gzip: bool = False
+) -> ScrapeResult:
+    """GET ``path`` ``times`` times in a row, as a Prometheus server would, and time each.
+
+    ``gzip=True`` sends ``Accept-Encoding: gzip`` as Prometheus does; the size is then the
+    compressed size, and samples are counted in the decompressed body.
+    """
+    headers = {"Accept-Encoding": "gzip" if gzip else "identity"}
     conn = http.client.HTTPConnection(host, port, timeout=60)
     latencies: list[float] = []
     body = b""
     try:
         for _ in range(times):
             start = time.perf_counter()
-            conn.request("GET", path)
+            conn.request("GET", path, headers=headers)
             response = conn.getresponse()
             body = response.read()
             latencies.append(time.perf_counter() - start)
             if response.status != 200:
                 raise RuntimeError(f"GET {path} answered {response.status}")
+            encoding = response.getheader("Content-Encoding")
+            if encoding != ("gzip" if gzip else None):
+                raise RuntimeError(f"GET {path} answered Content-Encoding {encoding!r}")
     finally:
         conn.close()
-    samples = sum(1 for line in body.splitlines() if line and not line.startswith(b"#"))
+    text = gzip_module.decompress(body) if gzip else body
+    samples = sum(1 for line in text.splitlines() if line and not line.startswith(b"#"))
     return ScrapeResult(latencies=latencies, size_bytes=len(body), samples=samples)

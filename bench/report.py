@@ -74,6 +74,15 @@ def _scaler(s: dict[str, Any]) -> list[str]:
         f"({micro['extra_us']['ampscope_no_reporter']:+.1f}) | "
         f"{_f(micro['step_update_us']['ampscope_reporter'], 1)} "
         f"({micro['extra_us']['ampscope_reporter']:+.1f}) |",
+        f"| {_f(micro['step_update_cpu_us']['stock'], 1)} thread CPU | "
+        f"{_f(micro['step_update_cpu_us']['ampscope_no_reporter'], 1)} "
+        f"({micro['extra_cpu_us']['ampscope_no_reporter']:+.1f}) | "
+        f"{_f(micro['step_update_cpu_us']['ampscope_reporter'], 1)} "
+        f"({micro['extra_cpu_us']['ampscope_reporter']:+.1f}) |",
+        "",
+        "Background threads, CPU per record: telemetry thread "
+        f"{micro['telemetry_thread_cpu_us_per_record']:.1f} us (builds the record), reporter "
+        f"thread {micro['reporter_thread_cpu_us_per_record']:.1f} us (encodes and sends it).",
         "",
         "Overflow iteration (inf/NaN in two parameters): median ms of `step()` + `update()` "
         f"on the benchmark model ({over['iterations_per_contender']} iterations each):",
@@ -137,6 +146,16 @@ def _exporter(e: dict[str, Any]) -> list[str]:
             f"| {name} | {s['samples']:,} | {s['size_bytes']:,} | "
             f"{_f(s['latency_ms']['p50'])} | {_f(s['latency_ms']['p99'])} |"
         )
+        z = data["scrape_gzip"]
+        lines.append(
+            f"| {name}, gzip | {s['samples']:,} | {z['size_bytes']:,} | "
+            f"{_f(z['latency_ms']['p50'])} | {_f(z['latency_ms']['p99'])} |"
+        )
+        c = data["scrape_after_change"]["latency_ms"]
+        lines.append(
+            f"| {name}, gzip, every rank pushed since the last scrape | {s['samples']:,} | "
+            f"{z['size_bytes']:,} | {_f(c['p50'])} | {_f(c['p99'])} |"
+        )
     lines += ["", "Resident memory (RSS) of the server process:", ""]
     checkpoints = ours["memory"]["checkpoints"]
     header = " | ".join(f"after {c['records']:,} records" for c in checkpoints)
@@ -148,6 +167,13 @@ def _exporter(e: dict[str, Any]) -> list[str]:
         mem = data["memory"]
         cells = " | ".join(f"{c['rss_bytes'] / MiB:.1f} MiB" for c in mem["checkpoints"])
         lines.append(f"| {name} | {mem['rss_start_bytes'] / MiB:.1f} MiB | {cells} |")
+    mem = ours["memory"]
+    lines += [
+        "",
+        f"ampscope RSS per held record: {mem['rss_per_held_record_bytes'] / 1024:.2f} KiB "
+        f"(RSS growth from idle over the {mem['held_records']:,} records its history holds "
+        "at the last checkpoint).",
+    ]
     if both:
         r = e["ratio"]
         lines += [

@@ -6,7 +6,10 @@ and other load on the host spread evenly over them.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import statistics
+import threading
 import time
 from typing import Any
 
@@ -78,11 +81,24 @@ def step_time_ab(config: ScalerBenchConfig, *, device: str, url: str) -> dict[st
     return result
 
 
-def _timed_step_update(variant: Variant) -> float:
-    start = time.perf_counter()
+def _timed_step_update(variant: Variant, cpu: list[float] | None = None) -> float:
+    start, start_cpu = time.perf_counter(), time.thread_time()
     variant.scaler.step(variant.optimizer)
     variant.scaler.update()
-    return time.perf_counter() - start
+    elapsed = time.perf_counter() - start
+    if cpu is not None:
+        cpu.append(time.thread_time() - start_cpu)
+    return elapsed
+
+
+def _thread_cpu_seconds(prefix: str) -> float:
+    """CPU time so far of this process's live threads whose name starts with ``prefix``."""
+    total = 0.0
+    for thread in threading.enumerate():
+        if thread.name.startswith(prefix) and thread.ident is not None:
+            with contextlib.suppress(OSError, ProcessLookupError):  # it ended meanwhile
+                total += time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+    return total
 
 
 def update_cost(config: ScalerBenchConfig, *, device: str, url: str) -> dict[str, Any]:
@@ -107,23 +123,45 @@ def update_cost(config: ScalerBenchConfig, *, device: str, url: str) -> dict[str
     ]
     groups = 2 * len(variants)
     per_block = max(5, config.micro_iterations // groups)
+    cpu: dict[str, list[float]] = {v.name: [] for v in variants}
 
     def block(variant: Variant) -> list[float]:
         times = []
         for _ in range(per_block):
             variant.optimizer.zero_grad(set_to_none=True)
             variant.scaler.scale(variant.model(inputs).square().mean()).backward()
-            times.append(_timed_step_update(variant))
+            times.append(_timed_step_update(variant, cpu[variant.name]))
         return times
 
     try:
         for v in variants:
             block(v)  # warm-up
+        for samples in cpu.values():
+            samples.clear()
+        telemetry_cpu = _thread_cpu_seconds("ampscope-telemetry")
+        reporter_cpu = _thread_cpu_seconds("ampscope-reporter")
         blocks = run_interleaved({v.name: v for v in variants}, block, groups=groups)
+        for v in variants[1:]:
+            v.scaler.telemetry.snapshot()  # every record built
+        # The reporter sends every flush_interval (0.5 s): let it encode and send the rest
+        # while its thread is alive to be measured.
+        time.sleep(1.5)
+        telemetry_cpu = _thread_cpu_seconds("ampscope-telemetry") - telemetry_cpu
+        reporter_cpu = _thread_cpu_seconds("ampscope-reporter") - reporter_cpu
     finally:
         _close_all(variants)
     result = compare_groups(blocks, baseline="stock", unit_scale=1e6)
+    timed = per_block * groups
+    cpu_us = {name: statistics.median(samples) * 1e6 for name, samples in cpu.items()}
     return {
+        # Thread CPU time of the training thread: what other processes on the host do
+        # not move, unlike the wall clock (a GIL wait is not CPU time; see extra_us).
+        "step_update_cpu_us": cpu_us,
+        "extra_cpu_us": {n: cpu_us[n] - cpu_us["stock"] for n in cpu_us if n != "stock"},
+        # Telemetry threads of both ampscope contenders, per record they built; the
+        # reporter's sender thread per record it encoded and sent.
+        "telemetry_thread_cpu_us_per_record": telemetry_cpu / (2 * timed) * 1e6,
+        "reporter_thread_cpu_us_per_record": reporter_cpu / timed * 1e6,
         "step_update_us": {n: s["median"] for n, s in result["samples"].items()},
         "extra_us": {n: r["delta"] for n, r in result["ratio"].items()},
         "ratio": {n: r["median"] for n, r in result["ratio"].items()},

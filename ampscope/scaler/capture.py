@@ -54,7 +54,9 @@ class PendingStep:
     origin_devices: tuple[str, ...]
     nonfinite: Mapping[str, int]
     values: tuple[torch.Tensor, ...]
-    """One tensor (accelerators: the pinned host copy) or, on the CPU, two uncopied ones."""
+    """Accelerators: ``(pinned host copy of all scalars,)``. CPU: ``(before, [scale_after,
+    *origin flags], growth_tracker)``, copies made without reading them (cheaper than
+    the conversions one vector would need)."""
     ready: torch.cuda.Event | None = None
     """Recorded after the non-blocking copy into pinned ``values``; ``None`` on CPU."""
 
@@ -62,10 +64,12 @@ class PendingStep:
         """The step's scalars on the host; waits for the device copy (telemetry thread)."""
         if self.ready is not None:
             self.ready.synchronize()
-        values: list[float] = []
-        for part in self.values:
-            values.extend(part.tolist())
-        return values
+        if len(self.values) == 1:
+            values: list[float] = self.values[0].tolist()
+            return values
+        before, after, tracker = self.values
+        scale_after, *origin = after.tolist()
+        return [*before.tolist(), scale_after, float(tracker.item()), *origin]
 
 
 def to_host_async(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
@@ -123,12 +127,13 @@ class StepCapture:
 
     def __init__(self) -> None:
         self._iteration = _Iteration()
-        self._indices: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = (
-            weakref.WeakKeyDictionary()
-        )
+        # id -> (weak reference, index): cheaper per step than a WeakKeyDictionary; the
+        # reference tells a reused id of a collected optimizer from the original.
+        self._indices: dict[int, tuple[weakref.ref[torch.optim.Optimizer], int]] = {}
         self._step = 0
         self._last_skipped: bool | PendingStep | None = None
         self._slots: dict[tuple[int, str, bool, bool, int], OptimizerSlot] = {}
+        self._device_names: dict[torch.device, str] = {}
 
     # -- during the iteration ------------------------------------------------------------
 
@@ -149,7 +154,9 @@ class StepCapture:
         self._seen(optimizer, fused=compat.steps_itself(optimizer), stepped=False)
         local = self._iteration.local
         for device, flag in found_inf.items():
-            key = str(device)
+            key = self._device_names.get(device)
+            if key is None:
+                key = self._device_names[device] = str(device)
             previous = local.get(key)
             if previous is None:
                 local[key] = flag if fresh else flag.detach().clone()
@@ -177,8 +184,9 @@ class StepCapture:
             self._iteration.nonfinite[name] = self._iteration.nonfinite.get(name, 0) + count
 
     def _seen(self, optimizer: torch.optim.Optimizer, *, fused: bool, stepped: bool) -> None:
-        if optimizer not in self._indices:
-            self._indices[optimizer] = len(self._indices)
+        known = self._indices.get(id(optimizer))
+        if known is None or known[0]() is not optimizer:
+            self._indices[id(optimizer)] = (weakref.ref(optimizer), len(self._indices))
         previous = self._iteration.optimizers.get(id(optimizer))
         stepped = stepped or (previous is not None and previous[2])
         self._iteration.optimizers[id(optimizer)] = (optimizer, fused, stepped)
@@ -251,19 +259,23 @@ class StepCapture:
             return None
         self._step += 1
         device = scale.device
-        post = [scale, tracker]
-        post.extend(origin.values())
-        after = _stack(post, device)
+        values: tuple[torch.Tensor, ...]
         ready = None
         if device.type == "cpu":
-            values: tuple[torch.Tensor, ...] = (before.values, after)
+            # Nothing is read here: the training thread reads the device no more often
+            # than torch's scaler does (tests/scaler/test_scalers.py checks it on the CPU).
+            after = _stack([scale, *origin.values()], device)
+            values = (before.values, after, tracker.clone())
         else:
-            host, ready = to_host_async(torch.cat([before.values, after]))
+            host, ready = to_host_async(
+                torch.cat([before.values, _stack([scale, tracker, *origin.values()], device)])
+            )
             values = (host,)
         slots = []
         for key, num_flags in before.slots:
             optimizer, fused, stepped = iteration.optimizers.get(key, (None, False, False))
-            index = self._indices.get(optimizer, -1) if optimizer is not None else -1
+            known = self._indices.get(key)
+            index = known[1] if known is not None and known[0]() is optimizer else -1
             name = type(optimizer).__name__ if optimizer is not None else "unknown"
             slots.append(self._slot(max(index, 0), name, fused, stepped, num_flags))
         pending = PendingStep(
@@ -274,7 +286,7 @@ class StepCapture:
             optimizers=tuple(slots),
             local_devices=before.local_devices,
             origin_devices=tuple(origin),
-            nonfinite=dict(iteration.nonfinite),
+            nonfinite=iteration.nonfinite,  # the iteration object is not reused
             values=values,
             ready=ready,
         )

@@ -123,13 +123,22 @@ def per_optimizer_found_infs(
 # -- DTensor ----------------------------------------------------------------------------
 
 
-def is_dtensor(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is a DTensor (FSDP2 ``fully_shard`` or tensor-parallel grads)."""
+@functools.lru_cache(maxsize=1)
+def _dtensor_class() -> type | None:
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # torch built without distributed
+        return None
+    return DTensor
+
+
+def is_dtensor(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a DTensor (FSDP2 ``fully_shard`` or tensor-parallel grads).
+    Runs per gradient per step: a type check (plain tensors answer without a lookup)."""
+    if type(tensor) is torch.Tensor or type(tensor) is torch.nn.Parameter:
         return False
-    return isinstance(tensor, DTensor)
+    dtensor = _dtensor_class()
+    return dtensor is not None and isinstance(tensor, dtensor)
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
