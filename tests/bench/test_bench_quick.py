@@ -107,6 +107,10 @@ def test_scaler_section(results: tuple[dict[str, Any], str]) -> None:
     micro = scaler["update_cost"]
     assert set(micro["step_update_us"]) == {"stock", "ampscope_no_reporter", "ampscope_reporter"}
     assert all(_positive(v) for v in micro["step_update_us"].values())
+    assert set(micro["step_update_cpu_us"]) == set(micro["step_update_us"])
+    assert all(_positive(v) for v in micro["step_update_cpu_us"].values())
+    assert _positive(micro["telemetry_thread_cpu_us_per_record"])
+    assert _positive(micro["reporter_thread_cpu_us_per_record"])
     overflow = scaler["overflow"]
     assert all(_positive(v) for v in overflow["step_update_ms"].values())
     # Every timed (and warm-up) iteration really overflowed, for every contender.
@@ -134,9 +138,18 @@ def test_exporter_section(results: tuple[dict[str, Any], str]) -> None:
         assert scrape["samples"] >= series, server
         assert scrape["size_bytes"] > 0
         assert 0 < scrape["latency_ms"]["p50"] <= scrape["latency_ms"]["p99"]
+        # The scrape's samples were counted in the decompressed body (load.scrape).
+        assert 0 < data["scrape_gzip"]["size_bytes"] < scrape["size_bytes"] / 4, server
+        assert data["scrape_gzip"]["latency_ms"]["p50"] > 0
+        after_change = data["scrape_after_change"]["latency_ms"]
+        assert 0 < after_change["p50"] <= after_change["p99"]
         checkpoints = data["memory"]["checkpoints"]
         assert [c["records"] for c in checkpoints] == sorted(c["records"] for c in checkpoints)
         assert checkpoints[-1]["records"] >= config["rss_checkpoints"][-1]
         assert all(c["rss_bytes"] > 2**20 for c in checkpoints)
     ratio = exporter["ratio"]
     assert all(_positive(v) for _, v in _numbers(ratio))
+    memory = exporter["ampscope"]["memory"]
+    # Quick mode sends fewer records per rank than the history holds: all are held.
+    assert memory["held_records"] == memory["checkpoints"][-1]["records"]
+    assert _positive(memory["rss_per_held_record_bytes"])
