@@ -75,12 +75,11 @@ def _build_state(app: FastAPI, settings: Settings, clock: Callable[[], float]) -
     # One registry per app, never prometheus_client's global one: two apps in one process
     # (tests) must not see each other's series.
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(
-        StoreCollector(store, stats, clock, settings.stale_after_s, settings.stall_after_s)
-    )
+    collector = StoreCollector(store, stats, clock, settings.stale_after_s, settings.stall_after_s)
+    registry.register(collector)
     app.state.store = store
     app.state.registry = registry
-    app.state.exposition = Exposition(store, stats, clock, settings.stale_after_s)
+    app.state.exposition = Exposition(store, collector, clock, settings.stale_after_s)
 
 
 def create_app(settings: Settings, *, clock: Callable[[], float] = time.time) -> FastAPI:

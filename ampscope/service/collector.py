@@ -28,6 +28,12 @@ MAX_LOGGED_RANKS = 1024
 Row = tuple[str, list[str], float]
 """(family name, label values, value) of one sample."""
 
+UNRENDERABLE = (ArithmeticError, ValueError, TypeError)
+"""What ``rank_rows`` raises for a rank whose data cannot be rendered."""
+
+TIME_DEPENDENT = frozenset({"ampscope_rank_up", "ampscope_rank_state"})
+"""Per-rank families whose values move with the clock alone (``time_rows``)."""
+
 
 def _family(name: str) -> GaugeMetricFamily | CounterMetricFamily:
     spec = BY_NAME[name]
@@ -82,7 +88,6 @@ class StoreCollector(Collector):
         self._clock = clock
         self._stale_after_s = stale_after_s
         self._lifecycle = Lifecycle(stale_after_s=stale_after_s, stall_after_s=stall_after_s)
-        self._unrenderable = 0
         self._logged: set[tuple[str, int]] = set()
 
     def collect(self) -> Iterator[Metric]:
@@ -94,18 +99,32 @@ class StoreCollector(Collector):
             # be rendered (schema bounds make that a bug, not an input) is left out whole
             # instead of failing the scrape for every other rank.
             try:
-                rows = self._rows(snap, now)
-            except (ArithmeticError, ValueError, TypeError) as exc:
+                rows = self.rank_rows(snap, now)
+            except UNRENDERABLE as exc:
                 skipped += 1
-                self._log_once(run, rank, exc)
+                self.note_unrenderable(run, rank, exc)
                 continue
             for name, labels, value in rows:
                 families[name].add_metric(labels, value)
-        self._unrenderable = skipped
         yield from families.values()
-        yield from self._self_metrics()
+        yield from self.self_metrics(unrenderable=skipped)
 
-    def _rows(self, snap: RankSnapshot, now: float) -> list[Row]:
+    def time_rows(self, snap: RankSnapshot, now: float) -> list[Row]:
+        """The samples of one rank's ``TIME_DEPENDENT`` families at time ``now``."""
+        who = snap.newest.identity
+        labels = [who.run, who.node, str(who.rank), str(who.local_rank)]
+        up = snap.reported_within(now, self._stale_after_s)
+        current = self._lifecycle.state(snap, now)
+        # Prometheus' enum convention: every state, 1 for the current one.
+        return [
+            ("ampscope_rank_up", labels, float(up)),
+            *(("ampscope_rank_state", [*labels, name], float(name == current)) for name in STATES),
+        ]
+
+    def rank_rows(self, snap: RankSnapshot, now: float) -> list[Row]:
+        """Every sample of one rank at time ``now``, ``time_rows`` included. Raises one of
+        ``UNRENDERABLE`` for a rank whose data cannot be rendered; the exposition cache
+        (``ampscope.service.exposition``) builds on this too."""
         record = snap.newest
         who = record.identity
         labels = [who.run, who.node, str(who.rank), str(who.local_rank)]
@@ -120,16 +139,8 @@ class StoreCollector(Collector):
             rows.append(
                 ("ampscope_loss_scale_aligned_step", labels, float(totals.aligned_scale.step))
             )
-        up = snap.reported_within(now, self._stale_after_s)
-        rows += [
-            ("ampscope_last_report_timestamp_seconds", labels, float(snap.last_report)),
-            ("ampscope_rank_up", labels, float(up)),
-        ]
-        current = self._lifecycle.state(snap, now)
-        # Prometheus' enum convention: every state, 1 for the current one.
-        rows += [
-            ("ampscope_rank_state", [*labels, name], float(name == current)) for name in STATES
-        ]
+        rows.append(("ampscope_last_report_timestamp_seconds", labels, float(snap.last_report)))
+        rows += self.time_rows(snap, now)
         rows += [
             ("ampscope_steps_total", labels, float(totals.steps)),
             ("ampscope_skipped_steps_total", labels, float(totals.skipped_steps)),
@@ -149,7 +160,8 @@ class StoreCollector(Collector):
         )
         return rows
 
-    def _log_once(self, run: str, rank: int, exc: Exception) -> None:
+    def note_unrenderable(self, run: str, rank: int, exc: Exception) -> None:
+        """Log a rank left out of a scrape, once per rank."""
         key = (run, rank)
         if key in self._logged or len(self._logged) >= MAX_LOGGED_RANKS:
             return
@@ -162,7 +174,8 @@ class StoreCollector(Collector):
             exc,
         )
 
-    def _self_metrics(self) -> Iterator[Metric]:
+    def self_metrics(self, unrenderable: int) -> Iterator[Metric]:
+        """The exporter's own families; ``unrenderable``: ranks this scrape left out."""
         batches = _family("ampscope_exporter_ingest_batches_total")
         batches.add_metric([], self._stats.batches)
         records = _family("ampscope_exporter_ingest_records_total")
@@ -177,7 +190,7 @@ class StoreCollector(Collector):
         tracked_ranks.add_metric([], ranks)
         tracked_series = _family("ampscope_exporter_tracked_series")
         tracked_series.add_metric([], series)
-        unrenderable = _family("ampscope_exporter_unrenderable_ranks")
-        unrenderable.add_metric([], self._unrenderable)
+        left_out = _family("ampscope_exporter_unrenderable_ranks")
+        left_out.add_metric([], unrenderable)
         yield from (batches, records, rejections, tracked_runs, tracked_ranks, tracked_series)
-        yield unrenderable
+        yield left_out

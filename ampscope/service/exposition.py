@@ -9,11 +9,12 @@ and ranks report every 0.5 s, or when it stops reporting and is scraped again an
 :class:`Exposition` keeps, per rank, its sample lines of each family as bytes, keyed by
 the state they were rendered from (the newest record object, the last report time and
 the reporter's drop count). A scrape snapshots the store (O(ranks) under its lock),
-re-renders only the ranks whose state changed, computes the families that depend on the
-current time (``ampscope_rank_up``) and the exporter's own counters, and joins the parts
-in catalogue order. The output is byte for byte what ``generate_latest`` makes of the
-collector (``tests/service/test_exposition.py`` holds them equal), so the collector stays
-the reference and the registry path for anyone who reads it directly.
+re-renders only the ranks whose state changed, from the collector's own rows
+(``StoreCollector.rank_rows``, so a rank that cannot be rendered is left out and counted
+the same way), computes the families that depend on the current time
+(``ampscope_rank_up``) and the exporter's own counters, and joins the parts in catalogue
+order. The output is byte for byte what ``generate_latest`` makes of the collector
+(``tests/service/test_exposition.py`` holds them equal).
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from prometheus_client import generate_latest
+from prometheus_client.core import Metric
 from prometheus_client.utils import floatToGoString
 
 from ampscope.service.catalogue import CATALOGUE, RANK_LABELS, MetricSpec
+from ampscope.service.collector import TIME_DEPENDENT, UNRENDERABLE, StoreCollector
 from ampscope.service.ranks import RankSnapshot
-from ampscope.service.stats import IngestStats
 from ampscope.service.store import Store
 
 GZIP_LEVEL = 1
@@ -36,39 +39,6 @@ prometheus_client uses) takes several times longer for a few percent less."""
 
 Values = list[tuple[tuple[str, ...], float]]
 """(values of the family's labels beyond the rank's own, sample value) pairs."""
-
-
-def _rank_values(snap: RankSnapshot) -> dict[str, Values]:
-    """Every per-rank family's samples that depend only on the rank's state."""
-    record = snap.newest
-    totals = record.totals
-    aligned = totals.aligned_scale
-    return {
-        "ampscope_loss_scale": [((), record.scale_after)],
-        "ampscope_growth_tracker": [((), record.growth_tracker)],
-        "ampscope_last_step": [((), record.step)],
-        "ampscope_loss_scale_aligned": [] if aligned is None else [((), aligned.scale)],
-        "ampscope_loss_scale_aligned_step": [] if aligned is None else [((), aligned.step)],
-        "ampscope_last_report_timestamp_seconds": [((), snap.last_report)],
-        "ampscope_steps_total": [((), totals.steps)],
-        "ampscope_skipped_steps_total": [((), totals.skipped_steps)],
-        "ampscope_scale_backoffs_total": [((), totals.backoffs)],
-        "ampscope_scale_growths_total": [((), totals.growths)],
-        "ampscope_found_inf_total": [((d,), c) for d, c in totals.found_inf_local.items()],
-        "ampscope_found_inf_origin_total": [((d,), c) for d, c in totals.found_inf_origin.items()],
-        "ampscope_nonfinite_grads_total": [((p.name,), p.count) for p in totals.nonfinite_params],
-        "ampscope_reporter_dropped_records_total": [((), snap.dropped_records)],
-    }
-
-
-TimeValues = Callable[[RankSnapshot, float, float], Values]
-
-_TIME_DEPENDENT: dict[str, TimeValues] = {
-    "ampscope_rank_up": lambda snap, now, stale_after_s: [
-        ((), float(snap.reported_within(now, stale_after_s)))
-    ],
-}
-"""Per-rank families whose value moves with the clock alone: computed on every scrape."""
 
 
 def _escape_label(value: str) -> str:
@@ -100,12 +70,8 @@ class _Family:
         pairs = ",".join(f'{name}="{given.get(name, "%s")}"' for name in sorted(self.labels))
         return f"{self.name}{{{pairs}}} %s\n" if pairs else f"{self.name} %s\n"
 
-    def line(self, label_values: Sequence[str], value: float) -> str:
-        return self.template(label_values) % floatToGoString(value)
-
 
 _FAMILIES = tuple(_Family(spec) for spec in CATALOGUE)
-_BY_NAME = {family.name: family for family in _FAMILIES}
 
 
 class _RankTemplates:
@@ -140,15 +106,33 @@ class _RankEntry:
         )
 
 
-def _render_rank(snap: RankSnapshot, previous: _RankEntry | None) -> _RankEntry:
-    who = snap.newest.identity
-    labels = (who.run, who.node, str(who.rank), str(who.local_rank))
+def _render_rank(
+    collector: StoreCollector, snap: RankSnapshot, now: float, previous: _RankEntry | None
+) -> _RankEntry:
+    """Raises: one of ``UNRENDERABLE`` (from the collector's rows)."""
+    values: dict[str, Values] = {}
+    labels: tuple[str, ...] = ()
+    for name, row_labels, value in collector.rank_rows(snap, now):
+        if name in TIME_DEPENDENT:
+            continue
+        labels = tuple(row_labels[: len(RANK_LABELS)])
+        values.setdefault(name, []).append((tuple(row_labels[len(RANK_LABELS) :]), value))
     if previous is not None and previous.templates.labels == labels:
         templates = previous.templates
     else:
         templates = _RankTemplates(labels)
-    lines = {name: templates.lines(name, values) for name, values in _rank_values(snap).items()}
+    lines = {name: templates.lines(name, v) for name, v in values.items()}
     return _RankEntry(snap.newest, snap.last_report, snap.dropped_records, templates, lines)
+
+
+class _Families:
+    """Adapts already built families to what ``generate_latest`` reads."""
+
+    def __init__(self, families: Iterable[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> Iterable[Metric]:
+        return self._families
 
 
 class Exposition:
@@ -159,7 +143,8 @@ class Exposition:
 
     Args:
         store: Where rank state lives.
-        stats: The ingest self-metrics.
+        collector: The registry's collector: its rows per rank, its handling of ranks
+            that cannot be rendered, and the exporter's own families.
         clock: Current Unix time (injectable for tests).
         stale_after_s: A rank with no report for this long has ``ampscope_rank_up`` 0.
     """
@@ -167,12 +152,12 @@ class Exposition:
     def __init__(
         self,
         store: Store,
-        stats: IngestStats,
+        collector: StoreCollector,
         clock: Callable[[], float],
         stale_after_s: float,
     ) -> None:
         self._store = store
-        self._stats = stats
+        self._collector = collector
         self._clock = clock
         self._stale_after_s = stale_after_s
         self._lock = threading.Lock()
@@ -182,44 +167,57 @@ class Exposition:
         """Ranks rendered afresh so far (cache misses); for tests and benchmarks."""
 
     def render(self) -> bytes:
-        """The text exposition (format 0.0.4) of every rank and the exporter's counters.
+        """The text exposition of every rank and the exporter's own counters.
 
         Cost: O(ranks) to snapshot and join, plus rendering the ranks whose state changed
-        since the previous scrape (~0.1 ms per rank with 8 devices and 8 parameters).
+        since the previous scrape (tens of microseconds per rank with 8 devices and 8
+        parameters).
         """
         now = self._clock()
         latest = self._store.latest()
         with self._lock:
             previous = self._entries
         entries: dict[tuple[str, int], _RankEntry] = {}
-        fresh = 0
+        ordered: list[tuple[_RankEntry, RankSnapshot]] = []
+        fresh = left_out = 0
         for run, rank, snap in latest:
             entry = previous.get((run, rank))
             if entry is None or not entry.matches(snap):
-                entry = _render_rank(snap, entry)
+                try:
+                    entry = _render_rank(self._collector, snap, now, entry)
+                except UNRENDERABLE as exc:
+                    left_out += 1
+                    self._collector.note_unrenderable(run, rank, exc)
+                    continue
                 fresh += 1
             entries[(run, rank)] = entry
+            ordered.append((entry, snap))
         with self._lock:
             self._entries = entries
             self.rendered_ranks += fresh
-        ordered = [(entries[(run, rank)], snap) for run, rank, snap in latest]
+        # The clock-driven families of every rank, computed on every scrape.
+        timed = {id(entry): self._collector.time_rows(snap, now) for entry, snap in ordered}
         parts: list[bytes] = []
-        own = self._self_metrics()
         for family in _FAMILIES:
+            if not family.per_rank:
+                continue
             parts.append(family.header)
-            time_values = _TIME_DEPENDENT.get(family.name)
-            if time_values is not None:
+            if family.name in TIME_DEPENDENT:
                 parts.extend(
-                    entry.templates.lines(family.name, time_values(snap, now, self._stale_after_s))
-                    for entry, snap in ordered
+                    entry.templates.lines(
+                        family.name,
+                        [
+                            (tuple(labels[len(RANK_LABELS) :]), value)
+                            for name, labels, value in timed[id(entry)]
+                            if name == family.name
+                        ],
+                    )
+                    for entry, _ in ordered
                 )
-            elif family.per_rank:
-                parts.extend(entry.lines[family.name] for entry, _ in ordered)
             else:
-                parts.extend(
-                    family.line(labels, value).encode()
-                    for labels, value in own.get(family.name, ())
-                )
+                parts.extend(entry.lines.get(family.name, b"") for entry, _ in ordered)
+        # The catalogue lists the exporter's own families after the per-rank ones.
+        parts.append(generate_latest(_Families(self._collector.self_metrics(left_out))))
         return b"".join(parts)
 
     def render_gzip(self) -> tuple[bytes, bytes]:
@@ -233,16 +231,3 @@ class Exposition:
         with self._lock:
             self._gzip_of = (body, compressed)
         return body, compressed
-
-    def _self_metrics(self) -> dict[str, Iterable[tuple[tuple[str, ...], float]]]:
-        runs, ranks, series = self._store.counts()
-        return {
-            "ampscope_exporter_ingest_batches_total": [((), self._stats.batches)],
-            "ampscope_exporter_ingest_records_total": [((), self._stats.records)],
-            "ampscope_exporter_ingest_rejections_total": [
-                ((reason,), count) for reason, count in self._stats.rejections().items()
-            ],
-            "ampscope_exporter_tracked_runs": [((), runs)],
-            "ampscope_exporter_tracked_ranks": [((), ranks)],
-            "ampscope_exporter_tracked_series": [((), series)],
-        }

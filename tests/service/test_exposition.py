@@ -64,7 +64,7 @@ def test_bytes_equal_the_collectors_through_changes(make_client: MakeClient) -> 
             dropped=rank * 5,
         )
     assert _scrape(client) == _reference(client)
-    _post(client, record(13, time=T0 + 900, total=totals(13)), dropped=1)  # rank 0 restarts
+    _post(client, record(13, time=T0 + 200, total=totals(13)), dropped=1)  # rank 0 restarts
     _post(client, record(20, run="run-b", rank=1, scale=123456789.0), dropped=2)
     clock.advance(61)  # every rank is down now
     _post(client, record(21, run="run-b", rank=1, scale=1e-7))  # ...but this one
