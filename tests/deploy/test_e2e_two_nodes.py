@@ -5,8 +5,10 @@ the shipped rules. VictoriaMetrics scrapes the same exporters and vmalert evalua
 rules, so both engines are held to the same verdicts.
 
 The faults (two_node_rank.py) sit on one node and are only visible across nodes: the alerts
-must compare ranks of the whole job, not of one exporter. Costs 65-85 s of wall time on the
-2-core development VM under other load (45 s of CPU).
+must compare ranks of the whole job, not of one exporter. After their last step the ranks
+linger, alive and heartbeating, until both engines showed their verdicts: a rank that closes
+sends its final record, turns finished and every alert on it resolves. Costs 65-85 s of wall
+time on the 2-core development VM under other load (45 s of CPU).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import pytest
 import yaml
 from deploy_files import RULES_FILE, alert_rules, recording_rules
 from support import IN_CI, free_port, need_tool
+from two_node_rank import STEPS
 
 from ampscope.demo.exporter import ExporterProcess
 
@@ -40,6 +43,12 @@ FAULTY = "node-b"
 RANK_SCRIPT = Path(__file__).with_name("two_node_rank.py")
 STALE_AFTER_S = 60.0
 """Ranks stay up on their exporters while the test reads the verdicts."""
+VERDICTS_WITHIN_S = 200.0
+"""How long the lingering ranks wait for both engines' verdicts: vmalert's chained rules
+(rank -> run recording rules -> alert, each written back into VictoriaMetrics before the next
+reads it) lag the job by many seconds on a loaded machine."""
+QUIET_WITHIN_S = 45.0
+"""How long after the job finished every engine has to resolve all of its alerts."""
 
 pytestmark = [pytest.mark.prometheus, pytest.mark.distributed, pytest.mark.timeout(400)]
 
@@ -99,8 +108,8 @@ class _AlertSink(BaseHTTPRequestHandler):
 class Watched:
     """An engine's active alerts and recording-rule output, accumulated while the job ran.
 
-    Read during the job rather than after it: once the ranks finish, what depends on their
-    being up (the desync comparison) goes away, whatever the exporter's lifecycle rules are.
+    Read while the job ran (its ranks lingered at their last step for it): once the ranks
+    finish, every alert on them resolves, by the rules' design.
     """
 
     alerts: dict[str, set[tuple[str, str, str]]] = field(default_factory=dict)
@@ -109,6 +118,8 @@ class Watched:
     """Recording rule -> the most samples one of its evaluations produced (vmalert only)."""
     both_active_at: float | None = None
     """The last instant both the hotspot and the desync alert were active."""
+    quiet_at: float | None = None
+    """The first instant after the job finished that no alert was active."""
 
 
 class _Watcher(threading.Thread):
@@ -119,6 +130,8 @@ class _Watcher(threading.Thread):
         self.urls = urls
         self.watched = {engine: Watched() for engine in urls}
         self.stopping = threading.Event()
+        self.finished = threading.Event()
+        """Set once the job finished: from then on the watcher waits for quiet."""
         self.error: BaseException | None = None
 
     def run(self) -> None:
@@ -127,22 +140,26 @@ class _Watcher(threading.Thread):
                 for engine, url in self.urls.items():
                     # A slow answer under load is skipped: the next poll comes soon.
                     with contextlib.suppress(OSError):
-                        self._poll(engine, self.watched[engine], url)
+                        self._poll(engine, self.watched[engine], url, self.finished.is_set())
         except BaseException as error:  # reported by the fixture, not lost in the thread
             self.error = error
 
     @staticmethod
-    def _poll(engine: str, watched: Watched, url: str) -> None:
+    def _poll(engine: str, watched: Watched, url: str, finished: bool) -> None:
         now = time.time()
         active: set[str] = set()
         # vmalert answers null, not [], while no alert is active.
         for alert in _get(f"{url}/api/v1/alerts")["data"]["alerts"] or []:
+            if alert["state"] not in ("pending", "firing"):
+                continue
             labels = alert["labels"]
             active.add(labels["alertname"])
             key = (labels.get("run", ""), labels.get("node", ""), labels.get("rank", ""))
             watched.alerts.setdefault(labels["alertname"], set()).add(key)
         if {"AmpscopeInfHotspot", "AmpscopeScaleDesync"} <= active:
             watched.both_active_at = now
+        if finished and not active and watched.quiet_at is None:
+            watched.quiet_at = now
         if engine != "vmalert":
             return
         for group in _get(f"{url}/api/v1/rules")["data"]["groups"] or []:
@@ -160,6 +177,8 @@ class Job:
     prometheus: str
     victoria: str | None
     vmalert: str | None
+    released: float
+    """When the ranks were let go: until then they lingered, alive, at their last step."""
     finished: float
     """When both agents had exited."""
     workdir: Path
@@ -171,6 +190,48 @@ class Job:
         ranks = _get(f"{self.exporters[FAULTY]}/api/v1/runs/{self.run_id}-hotspot/ranks")
         (rank,) = [r["rank"] for r in ranks if r["local_rank"] == 0]
         return str(rank)
+
+
+def _at_last_step(exporters: dict[str, ExporterProcess], run_id: str) -> bool:
+    """Whether all four ranks of both runs reported their last step (and now linger)."""
+    steps = [
+        rank["step"]
+        for exporter in exporters.values()
+        for run in ("hotspot", "desync")
+        for rank in _get(f"{exporter.url}/api/v1/runs/{run_id}-{run}/ranks")
+    ]
+    return steps == [STEPS] * 8
+
+
+def _newest_step(run_id: str) -> str:
+    """The desync run's ranks at its newest aligned step, as Prometheus recorded them."""
+    return f'ampscope_rank:loss_scale_aligned:newest_step{{run="{run_id}-desync"}}'
+
+
+def _wait_for_verdicts(
+    exporters: dict[str, ExporterProcess],
+    prometheus: str,
+    run_id: str,
+    agents: list[subprocess.Popen[bytes]],
+    watched: dict[str, Watched],
+) -> None:
+    """Returns once every rank lingers at its last step, every engine showed both alerts
+    active, and Prometheus records all four desync ranks at the same aligned step (which
+    holds while they linger: the per-node comparison reads it); or when an agent exited (the
+    caller reports it), or after VERDICTS_WITHIN_S (the assertions report what is missing)."""
+    deadline = time.monotonic() + VERDICTS_WITHIN_S
+    lingering = False
+    while time.monotonic() < deadline and all(agent.poll() is None for agent in agents):
+        # A run not reported yet answers 404; a slow answer under load is asked again.
+        with contextlib.suppress(OSError):
+            lingering = lingering or _at_last_step(exporters, run_id)
+            if (
+                lingering
+                and all(w.both_active_at for w in watched.values())
+                and query(prometheus, f"count({_newest_step(run_id)}) == 4", time.time())
+            ):
+                return
+        time.sleep(0.5)
 
 
 def _start(command: list[str], log: Path, **kwargs: Any) -> subprocess.Popen[bytes]:
@@ -217,6 +278,7 @@ def job() -> Iterator[Job]:
             pytest.fail("victoria-metrics is not installed (scripts/setup.sh test installs it)")
 
         run_id = f"two-nodes-{os.getpid()}"
+        release = workdir / "release"
         rendezvous = f"127.0.0.1:{free_port()}"
         agents = []
         for node in NODES:
@@ -225,6 +287,7 @@ def job() -> Iterator[Job]:
                 "AMPSCOPE_NODE": node,
                 "AMPSCOPE_URL": exporters[node].url,
                 "TWO_NODE_FAULTY": "1" if node == FAULTY else "0",
+                "TWO_NODE_RELEASE": str(release),
                 "PYTHONUNBUFFERED": "1",
             }
             command = [
@@ -238,6 +301,9 @@ def job() -> Iterator[Job]:
         engines = {"prometheus": prometheus_url} | ({"vmalert": vmalert_url} if vmalert_url else {})
         watcher = _Watcher(engines)
         watcher.start()
+        _wait_for_verdicts(exporters, prometheus_url, run_id, agents, watcher.watched)
+        released = time.time()
+        release.touch()
         for node, agent in zip(NODES, agents, strict=True):
             try:
                 status = agent.wait(300)
@@ -246,14 +312,9 @@ def job() -> Iterator[Job]:
             log = (workdir / f"torchrun-{node}.log").read_text()[-4000:]
             assert status == 0, f"torchrun on {node} exited with {status}:\n{log}"
         finished = time.time()
-        time.sleep(2.5)  # two more scrapes and evaluations of the ranks' final reports
-        # vmalert's chained rules (rank -> run recording rules -> alert, each written back
-        # into VictoriaMetrics before the next reads it) can lag the job by some seconds on a
-        # loaded machine: give every engine until its verdicts show, within the ranks' TTL.
-        deadline = time.monotonic() + STALE_AFTER_S - 15
-        while time.monotonic() < deadline and not all(
-            w.both_active_at for w in watcher.watched.values()
-        ):
+        watcher.finished.set()
+        deadline = time.monotonic() + QUIET_WITHIN_S
+        while time.monotonic() < deadline and not all(w.quiet_at for w in watcher.watched.values()):
             time.sleep(0.5)
         watcher.stopping.set()
         watcher.join()
@@ -264,6 +325,7 @@ def job() -> Iterator[Job]:
             prometheus=prometheus_url,
             victoria=victoria_url,
             vmalert=vmalert_url,
+            released=released,
             finished=finished,
             workdir=workdir,
             watched=watcher.watched,
@@ -329,12 +391,10 @@ def _start_victoria(
 def _first_answer(
     evaluate: Callable[[str, float], list[dict[str, Any]]], expr: str, job: Job
 ) -> list[dict[str, Any]]:
-    """The expression's result at the first of a few instants around the end of the job that
-    has one: whatever the ranks' final reports do to their up status, the job's last seconds
-    are covered, starting with the last instant both alerts were seen active."""
-    seen = job.watched["prometheus"].both_active_at
-    instants = ([seen] if seen else []) + [job.finished + d for d in (0, -2, -4, 2)]
-    for at in instants:
+    """The expression's result at the ranks' release or, where it has none there, at the
+    first of a few seconds before it that has one: every rank was alive and unfinished then
+    (a finished one pages nobody), lingering at its last step or still training."""
+    for at in (job.released + d for d in (0, -1, -2, -4)):
         result = evaluate(expr, at)
         if result:
             return result
@@ -385,6 +445,8 @@ def _assert_alerted_on_the_faults_only(watched: Watched, job: Job) -> None:
     desync = {run for run, _, _ in watched.alerts.get("AmpscopeScaleDesync", set())}
     assert desync == {f"{job.run_id}-desync"}, watched.alerts
     assert watched.both_active_at is not None
+    # A job that ends, faults and all, pages nobody: its ranks finished.
+    assert watched.quiet_at is not None, f"alerts still active {QUIET_WITHIN_S:.0f}s after the job"
 
 
 def _run(job: Job, scenario: str) -> str:
@@ -419,11 +481,12 @@ def _assert_verdicts(evaluate: Callable[[str, float], list[dict[str, Any]]], job
     desync = _first_answer(evaluate, alerts["AmpscopeScaleDesync"]["expr"], job)
     assert {s["metric"]["run"] for s in desync} == {f"{job.run_id}-desync"}
     # Each node's ranks agree among themselves at the same step: only across nodes do they not.
+    # Read where all four ranks are at the run's newest aligned step, so both nodes answer.
+    newest = _newest_step(job.run_id)
     per_node = _first_answer(
         evaluate,
-        "max by (run, node) (ampscope_rank:loss_scale_aligned:newest_step"
-        f'{{run="{job.run_id}-desync"}}) / min by (run, node) '
-        f'(ampscope_rank:loss_scale_aligned:newest_step{{run="{job.run_id}-desync"}})',
+        f"(max by (run, node) ({newest}) / min by (run, node) ({newest}))"
+        f" and on (run) count by (run) ({newest}) == 4",
         job,
     )
     assert {s["metric"]["node"]: float(s["value"][1]) for s in per_node} == {

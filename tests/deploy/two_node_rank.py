@@ -10,6 +10,11 @@ whose agent sets ``TWO_NODE_FAULTY=1``, so that only a comparison across nodes f
 
 Run ids come from TORCHELASTIC_RUN_ID (torchrun's --rdzv-id), the exporter from AMPSCOPE_URL
 and the node label from AMPSCOPE_NODE, as a real job's would.
+
+After the last step the ranks linger, their scalers open (heartbeating, in state running),
+until the file named by TWO_NODE_RELEASE exists: a closed scaler sends its final record, the
+rank turns finished, and every alert on it resolves. The test releases the ranks once both
+engines showed their verdicts, however long a loaded machine makes vmalert's chained rules lag.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -28,6 +34,18 @@ STEPS = 60
 RESTORE_STEP = 24
 OUTLIER_FACTOR = 1e5
 """Large enough to overflow fp16 at any loss scale: every outlier step is one detection."""
+LINGER_MAX_S = 240.0
+"""Most seconds to wait for the release after the last step, so that an orphaned job still
+ends; longer than the test's own wait for the verdicts (VERDICTS_WITHIN_S)."""
+
+
+def _linger(release: Path) -> None:
+    """Keep the open scalers (and their reporters' heartbeats) alive until released."""
+    deadline = time.monotonic() + LINGER_MAX_S
+    while not release.exists():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"not released within {LINGER_MAX_S:.0f}s: {release}")
+        time.sleep(0.2)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,6 +97,7 @@ def main() -> None:
                 assert stale is not None
                 desync_scaler.load_state_dict(stale)
             time.sleep(plan.step_delay)
+        _linger(Path(os.environ["TWO_NODE_RELEASE"]))
     finally:
         for run in runs:
             run.close()
