@@ -7,8 +7,8 @@ rules, so both engines are held to the same verdicts.
 The faults (two_node_rank.py) sit on one node and are only visible across nodes: the alerts
 must compare ranks of the whole job, not of one exporter. After their last step the ranks
 linger, alive and heartbeating, until both engines showed their verdicts: a rank that closes
-sends its final record, turns finished and every alert on it resolves. Costs 65-85 s of wall
-time on the 2-core development VM under other load (45 s of CPU).
+sends its final record, turns finished and every alert on it resolves. Costs 50-70 s of wall
+time on the 2-core development VM under other load (40-47 s of CPU).
 """
 
 from __future__ import annotations
