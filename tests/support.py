@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import socket
@@ -32,6 +33,18 @@ def need_tool(name: str) -> str:
             pytest.fail(message)
         pytest.skip(message)
     return path
+
+
+def need_module(name: str) -> None:
+    """Import check for an optional library (an extra such as ``ampscope[lightning]``):
+    skips the calling test module without it, but fails under CI=true, where
+    ``scripts/setup.sh test`` installs every extra."""
+    if importlib.util.find_spec(name) is not None:
+        return
+    message = f"{name} is not installed (scripts/setup.sh test installs it)"
+    if IN_CI:
+        pytest.fail(message, pytrace=False)
+    pytest.skip(message, allow_module_level=True)
 
 
 def _worker(

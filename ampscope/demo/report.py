@@ -6,22 +6,13 @@ so it is tested without training anything.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ampscope.demo.scenarios import Scenario
+from ampscope.status.render import scale_text
 
 _MARK = {"ok": "ok  ", "warning": "WARN", "critical": "CRIT"}
-
-
-def scale_text(scale: float) -> str:
-    """A loss scale as ``2^k`` when it is a power of two (they nearly always are)."""
-    if scale > 0 and math.isfinite(scale):
-        exponent = math.log2(scale)
-        if exponent.is_integer():
-            return f"2^{int(exponent)}"
-    return f"{scale:g}"
 
 
 def ranks_text(scales: Sequence[float]) -> str:

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
 from ampscope.service.errors import ApiError
 from ampscope.service.stats import IngestStats
+
+log = logging.getLogger("ampscope.service")
 
 BUSY_RETRY_AFTER_S = 1
 """Retry-After of a 429 for a full in-flight budget: uploads finish in milliseconds."""
@@ -51,13 +55,23 @@ class ByteBudget:
             self._held -= size
 
 
-def _too_large(limit: int, seen: str) -> ApiError:
+@dataclass(frozen=True)
+class BodyLimit:
+    """How large a route's body may be, and what a 413 tells the sender."""
+
+    bytes: int
+    name: str = "max_body_bytes"
+    """The setting (or fixed bound) named in the 413's ``limit``."""
+    hint: str = "send fewer records per batch"
+
+
+def _too_large(limit: BodyLimit, seen: str) -> ApiError:
     return ApiError(
         413,
         "too_large",
-        f"request body ({seen}) exceeds max_body_bytes={limit}; send fewer records per batch",
-        limit="max_body_bytes",
-        value=limit,
+        f"request body ({seen}) exceeds {limit.name}={limit.bytes}; {limit.hint}",
+        limit=limit.name,
+        value=limit.bytes,
     )
 
 
@@ -75,9 +89,15 @@ def _busy(budget: ByteBudget) -> ApiError:
 
 @contextlib.asynccontextmanager
 async def received_body(
-    request: Request, *, limit: int, budget: ByteBudget, timeout_s: float, stats: IngestStats
+    request: Request,
+    *,
+    limit: BodyLimit,
+    budget: ByteBudget,
+    timeout_s: float,
+    stats: IngestStats,
+    route: str,
 ) -> AsyncIterator[bytes]:
-    """The request body, at most ``limit`` bytes, held against ``budget`` until exit.
+    """The request body, at most ``limit.bytes`` bytes, held against ``budget`` until exit.
 
     A declared ``Content-Length`` over the limit is refused before a byte is read, and
     one that does not fit the budget is refused likewise; a body without one (chunked)
@@ -86,11 +106,14 @@ async def received_body(
     over all of them. Parse inside the ``async with`` so the budget also covers the
     parsed copy. Each ``ApiError`` raised here is counted in ``stats`` under its code.
 
+    A client that disconnects mid-body (a killed rank: expected in operation) costs one
+    warning line naming ``route`` and a ``client_disconnect`` rejection, no traceback.
+
     Raises:
         ApiError: 413 when too large, 429 when the budget is full, 408 when the body is
             not complete within ``timeout_s`` (answered with ``Connection: close``),
-            400 for an unparseable ``Content-Length``.
-        ClientGone: the client disconnected before the end of the body.
+            400 for an unparseable ``Content-Length`` or a client that disconnected (nobody
+            reads that answer; uvicorn drops it for a closed connection).
     """
     reserved = 0
 
@@ -102,7 +125,7 @@ async def received_body(
                 size = int(declared)
             except ValueError:
                 raise ApiError(400, "malformed", "Content-Length is not an integer") from None
-            if size > limit:
+            if size > limit.bytes:
                 raise _too_large(limit, f"Content-Length {size}")
             if not budget.take(size):
                 raise _busy(budget)
@@ -112,7 +135,7 @@ async def received_body(
         try:
             async for chunk in request.stream():
                 received += len(chunk)
-                if received > limit:
+                if received > limit.bytes:
                     raise _too_large(limit, "while reading")
                 if received > reserved:
                     if not budget.take(received - reserved):
@@ -140,6 +163,17 @@ async def received_body(
         except ApiError as exc:
             stats.rejected(exc.body.error)
             raise
+        except ClientGone as exc:
+            stats.rejected("client_disconnect")
+            client = request.client
+            log.warning(
+                "%s: client %s disconnected after %d of %s body bytes",
+                route,
+                f"{client.host}:{client.port}" if client else "?",
+                exc.received,
+                request.headers.get("content-length", "(chunked)"),
+            )
+            raise ApiError(400, "client_disconnect", str(exc)) from None
         yield body
     finally:
         budget.give(reserved)

@@ -106,7 +106,13 @@ class HeldRecord(NamedTuple):
     def nbytes(self) -> int:
         """Memory this entry holds, as counted against the history byte budget."""
         devices = self.inf_local + self.inf_origin
-        extra = sum(sys.getsizeof(d) for d in devices) + 2 * sys.getsizeof(()) if devices else 0
+        extra = (
+            sum(map(sys.getsizeof, devices))
+            + sys.getsizeof(self.inf_local)
+            + sys.getsizeof(self.inf_origin)
+            if devices
+            else 0
+        )
         return sys.getsizeof(self.json) + HELD_OVERHEAD_BYTES + extra
 
 

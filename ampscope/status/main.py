@@ -87,7 +87,8 @@ def fetch(url: str, run: str | None) -> dict[str, Any]:
 
     Raises:
         Unreachable: the exporter did not answer.
-        NoSuchRun: ``run`` is not held (or a listed run was dropped meanwhile).
+        NoSuchRun: ``run`` is not held. A listed run that retention drops between the list
+            and its own requests is left out of the table instead.
     """
     if run is not None:
         path = "/api/v1/runs/" + urllib.parse.quote(run, safe="")
@@ -96,11 +97,16 @@ def fetch(url: str, run: str | None) -> dict[str, Any]:
     summaries = _get(url, "/api/v1/runs")
     ranks: dict[str, Any] = {}
     health: dict[str, Any] = {}
+    held = []
     for summary in summaries:
         path = "/api/v1/runs/" + urllib.parse.quote(summary["run"], safe="")
-        ranks[summary["run"]] = _get(url, path + "/ranks")
-        health[summary["run"]] = _get(url, path + "/health")
-    return {"url": url, "runs": summaries, "ranks": ranks, "health": health}
+        try:
+            run_ranks, run_health = _get(url, path + "/ranks"), _get(url, path + "/health")
+        except NoSuchRun:
+            continue
+        held.append(summary)
+        ranks[summary["run"]], health[summary["run"]] = run_ranks, run_health
+    return {"url": url, "runs": held, "ranks": ranks, "health": health}
 
 
 def exit_status(answer: dict[str, Any]) -> int:

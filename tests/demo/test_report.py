@@ -10,10 +10,10 @@ from ampscope.demo.report import (
     progress_lines,
     rank_table,
     ranks_text,
-    scale_text,
 )
 from ampscope.demo.scenarios import SCENARIOS
 from ampscope.demo.trainer import Progress
+from ampscope.status.render import scale_text
 
 
 def test_scales_print_as_powers_of_two() -> None:

@@ -6,10 +6,10 @@ import logging
 
 import pytest
 from checks import check_exporter, check_origin, check_same_training, expected_skips
-from support import run_distributed
+from support import need_module, run_distributed
 from workers import INJECT_STEPS, STEPS, accelerate_worker
 
-pytest.importorskip("accelerate")
+need_module("accelerate")
 
 
 def test_accelerate_single_process(report_to: str) -> None:

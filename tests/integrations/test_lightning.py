@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 from checks import check_exporter, check_origin, check_same_training
-from support import run_distributed
+from support import need_module, run_distributed
 from workers import INJECT_STEPS, STEPS, Net, batch, lightning_plugin, lightning_worker, poison
 
-pytest.importorskip("lightning")
+need_module("lightning")
 
 
 def _check_logs(ours: dict[str, Any]) -> None:

@@ -151,6 +151,26 @@ def test_unknown_run_and_unreachable_exporter(exporter: str) -> None:
     assert dead in result.stderr
 
 
+def test_a_run_dropped_after_the_list_is_left_out(
+    exporter: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Retention can drop a run between `GET /runs` and that run's own requests: the table
+    leaves it out instead of failing with "holds no run". Simulated by asking the live
+    exporter for a run it never held whenever the "calm" run is asked for."""
+    from ampscope.status import main as status_main
+
+    real_get = status_main._get
+
+    def dropping(url: str, path: str):
+        return real_get(url, path.replace("/runs/calm/", "/runs/dropped/"))
+
+    monkeypatch.setattr(status_main, "_get", dropping)
+    answer = status_main.fetch(exporter, None)
+    assert [summary["run"] for summary in answer["runs"]] == ["collapsed", "stormy"]
+    assert set(answer["ranks"]) == set(answer["health"]) == {"collapsed", "stormy"}
+    assert status_main.exit_status(answer) == 2
+
+
 def test_watch_redraws_until_interrupted(exporter: str) -> None:
     process = subprocess.Popen(
         [sys.executable, "-m", "ampscope.cli", "status", "calm", "--watch", "--interval", "0.2",

@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field, ValidationError
 
 from ampscope.reporter.schema import HEARTBEAT_PATH, Heartbeat
-from ampscope.service.body import ClientGone, received_body
+from ampscope.service.body import BodyLimit, received_body
 from ampscope.service.deps import Authorized, ClockDep, SettingsDep, StatsDep, StoreDep
 from ampscope.service.errors import ApiError, responses
 
@@ -53,18 +53,19 @@ async def heartbeat(
 ) -> HeartbeatResult:
     """Validate a ``Heartbeat`` strictly and note that its rank was heard from; a ``final``
     one marks the rank finished. Never creates a rank."""
-    try:
-        async with received_body(
-            request,
-            limit=min(settings.max_body_bytes, MAX_HEARTBEAT_BYTES),
-            budget=request.app.state.inflight,
-            timeout_s=settings.body_timeout_s,
-            stats=stats,
-        ) as body:
-            pass  # a few hundred bytes: validated after the budget is given back
-    except ClientGone as exc:
-        stats.rejected("client_disconnect")
-        raise ApiError(400, "client_disconnect", str(exc)) from None
+    async with received_body(
+        request,
+        limit=BodyLimit(
+            min(settings.max_body_bytes, MAX_HEARTBEAT_BYTES),
+            name="heartbeat_bytes",
+            hint="a heartbeat is a few hundred bytes",
+        ),
+        budget=request.app.state.inflight,
+        timeout_s=settings.body_timeout_s,
+        stats=stats,
+        route="heartbeat",
+    ) as body:
+        pass  # a few hundred bytes: validated after the budget is given back
     try:
         beat = Heartbeat.model_validate_json(body)
     except ValidationError as exc:

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import logging
-
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from ampscope.reporter.schema import INGEST_PATH, IngestBatch
-from ampscope.service.body import ByteBudget, ClientGone, received_body
+from ampscope.service.body import BodyLimit, ByteBudget, received_body
 from ampscope.service.deps import Authorized, ClockDep, SettingsDep, StatsDep, StoreDep
 from ampscope.service.errors import ApiError, responses
 from ampscope.service.models import IngestResult
@@ -19,7 +17,6 @@ from ampscope.service.stats import IngestStats
 from ampscope.service.store import BatchRefused, LimitExceeded, Store
 
 router = APIRouter(tags=["ingest"])
-log = logging.getLogger("ampscope.service")
 
 MAX_REPORTED_ERRORS = 20
 """422 answers list at most this many schema violations."""
@@ -150,24 +147,12 @@ async def ingest(
     already; named in ``limit``). A rejected batch changes nothing.
     """
     budget: ByteBudget = request.app.state.inflight
-    try:
-        async with received_body(
-            request,
-            limit=settings.max_body_bytes,
-            budget=budget,
-            timeout_s=settings.body_timeout_s,
-            stats=stats,
-        ) as body:
-            return await run_in_threadpool(_apply, body, settings, store, stats, clock())
-    except ClientGone as exc:
-        # A killed rank: expected in operation, so one line and a count, no traceback.
-        stats.rejected("client_disconnect")
-        client = request.client
-        log.warning(
-            "ingest: client %s disconnected after %d of %s body bytes",
-            f"{client.host}:{client.port}" if client else "?",
-            exc.received,
-            request.headers.get("content-length", "(chunked)"),
-        )
-        # Nobody reads this answer; uvicorn drops it for a closed connection.
-        raise ApiError(400, "client_disconnect", str(exc)) from None
+    async with received_body(
+        request,
+        limit=BodyLimit(settings.max_body_bytes),
+        budget=budget,
+        timeout_s=settings.body_timeout_s,
+        stats=stats,
+        route="ingest",
+    ) as body:
+        return await run_in_threadpool(_apply, body, settings, store, stats, clock())

@@ -102,3 +102,14 @@ def test_finished_ranks_are_dropped_after_finished_retention(make_client: MakeCl
         time.sleep(0.02)
     # The finished rank is gone; the silent one (lost) stays until --retention.
     assert [r["rank"] for r in client.get("/api/v1/runs/run-a/ranks").json()] == [1]
+
+
+def test_an_oversized_heartbeat_names_its_own_limit(client: TestClient) -> None:
+    response = client.post(URL, content=b" " * 5000 + _beat())
+    assert response.status_code == 413
+    error = response.json()
+    assert error["error"] == "too_large"
+    assert error["limit"] == "heartbeat_bytes"
+    assert error["value"] == 4096
+    assert "a heartbeat is a few hundred bytes" in error["detail"]
+    assert "records per batch" not in error["detail"]
