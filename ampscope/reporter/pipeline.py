@@ -120,10 +120,10 @@ class Pipeline:
         self.failing_since = 0.0
         self.last_error = ""
         self._logged: set[str] = set()
-        # Heartbeats (sender thread only): who this rank is, learnt from its delivered
-        # records, and when the exporter must hear from it next.
-        self.identity: Identity | None = None
-        self.last_step = 0
+        # Heartbeats (sender thread only): the newest delivered record (who this rank is,
+        # its step, and what to send again to an exporter that forgot the rank), and when
+        # the exporter must hear from it next.
+        self.newest: _Encoded | None = None
         self.heartbeat_interval = config.heartbeat_interval
         self.next_beat = float("inf")
         self.finished_sent = False
@@ -241,25 +241,44 @@ class Pipeline:
             return not (self.closing and (not self.waiting or self._past_deadline()))
 
     def _beat(self, *, final: bool) -> bool:
-        """POST one heartbeat (sender thread). Returns whether the exporter took it.
+        """POST one heartbeat (sender thread). Returns whether the exporter applied it.
 
         A failed one is not retried: the next is due a heartbeat interval later, and the
-        records' own retries report an unreachable exporter.
+        records' own retries report an unreachable exporter. An exporter that answers
+        ``applied: false`` holds no record of this rank (it restarted, or its retention
+        dropped the rank) and would never show it again while the rank sends no records:
+        the newest delivered record goes to it once more, once per such answer, which
+        brings the rank back with exact counters (they are cumulative); a final heartbeat
+        is then sent again, so the rank ends ``finished``. Costs one POST, at most three.
         """
-        if self.identity is None:
+        newest = self.newest
+        if newest is None:
             return False
+        result = self._post_beat(newest, final=final)
+        if result is None or result.outcome is not Outcome.DELIVERED:
+            return False
+        if result.applied is not False:
+            return True
+        if not self._resend(newest):
+            return False
+        if not final:
+            return True  # the record itself was news of the rank: the next beat is due later
+        result = self._post_beat(newest, final=True)
+        return result is not None and result.outcome is Outcome.DELIVERED and bool(result.applied)
+
+    def _post_beat(self, newest: _Encoded, *, final: bool) -> PostResult | None:
+        """POST a heartbeat speaking for ``newest``'s rank; ``None`` when out of time."""
         beat = Heartbeat(
             schema_version=1,
-            identity=self.identity,
+            identity=newest.identity,
             time=time.time(),
-            step=self.last_step,
+            step=newest.step,
             final=final,
             dropped_records=self.dropped,
         )
-        with self.cond:
-            remaining = self.deadline - time.monotonic() if self.closing else None
+        remaining = self._remaining()
         if remaining is not None and remaining <= 0:
-            return False
+            return None
         result = self.transport.post(
             beat.model_dump_json().encode(), timeout=remaining, path=HEARTBEAT_PATH
         )
@@ -274,7 +293,33 @@ class Pipeline:
                 result.status,
                 result.detail,
             )
+        return result
+
+    def _resend(self, newest: _Encoded) -> bool:
+        """Send the newest delivered record again to an exporter that holds no record of
+        the rank. Returns whether it took it. Not retried: the next heartbeat asks again."""
+        remaining = self._remaining()
+        if remaining is not None and remaining <= 0:
+            return False
+        self.log_once(
+            "resend",
+            logging.INFO,
+            "ampscope reporter: %s holds no record of rank %d of run %r (restarted?); "
+            "sending its newest record (step %d) again (logged once)",
+            self.config.url,
+            newest.identity.rank,
+            newest.identity.run,
+            newest.step,
+        )
+        result = self._post([newest])
+        if result.outcome in (Outcome.REJECTED, Outcome.TOO_LARGE):
+            self._log_rejected(result, 1)
         return result.outcome is Outcome.DELIVERED
+
+    def _remaining(self) -> float | None:
+        """Seconds left before the close deadline, or ``None`` while not closing."""
+        with self.cond:
+            return self.deadline - time.monotonic() if self.closing else None
 
     def _send_final(self) -> None:
         """Tell the exporter this rank finished, once, after its last records."""
@@ -328,8 +373,8 @@ class Pipeline:
             if result.outcome is Outcome.DELIVERED:
                 self._note_recovery()
                 # Heartbeats speak for the rank the exporter now holds (never for one whose
-                # records it refused).
-                self.identity, self.last_step = batch[n - 1].identity, batch[n - 1].step
+                # records it refused). A reference: the record's JSON exists already.
+                self.newest = batch[n - 1]
                 del batch[:n]
                 self._resolve(n, delivered=True, remaining=batch)
             elif result.outcome is Outcome.TOO_LARGE and n > 1:
@@ -338,23 +383,26 @@ class Pipeline:
                 self._note_recovery()
                 del batch[:n]
                 self._resolve(n, delivered=False, remaining=batch)
-                self.log_once(
-                    f"status-{result.status}",
-                    logging.ERROR,
-                    "ampscope reporter: %s rejected %d records with HTTP %s: %s; dropping "
-                    "them (logged once per status)",
-                    self.config.url,
-                    n,
-                    result.status,
-                    result.detail,
-                )
+                self._log_rejected(result, n)
             elif not self._wait_to_retry(result):
                 return  # closing and out of time: _run counts what is left
+
+    def _log_rejected(self, result: PostResult, count: int) -> None:
+        self.log_once(
+            f"status-{result.status}",
+            logging.ERROR,
+            "ampscope reporter: %s rejected %d records with HTTP %s: %s; dropping "
+            "them (logged once per status)",
+            self.config.url,
+            count,
+            result.status,
+            result.detail,
+        )
 
     def _post(self, chunk: list[_Encoded]) -> PostResult:
         with self.cond:
             dropped = self.dropped
-            remaining = self.deadline - time.monotonic() if self.closing else None
+        remaining = self._remaining()
         body = b"".join(
             (
                 b'{"schema_version":%d,"records":[' % SCHEMA_VERSION,

@@ -76,6 +76,9 @@ class PostResult:
     """Seconds from a ``Retry-After`` header (429/503), when the server sent one."""
     heartbeat_interval: float | None = None
     """The exporter's ``heartbeat_interval_s`` from a 2xx answer, when it sent one."""
+    applied: bool | None = None
+    """A heartbeat's 2xx answer's ``applied``: ``False`` when the exporter holds no record
+    of the rank (it restarted, or retention dropped the rank); ``None`` when not said."""
 
 
 def classify(status: int) -> Outcome:
@@ -197,15 +200,15 @@ class IngestTransport:
         if response.will_close:
             self.close()
         outcome = classify(response.status)
-        detail = "" if outcome is Outcome.DELIVERED else _error_detail(payload)
+        delivered = outcome is Outcome.DELIVERED
+        answer = _answer(payload) if delivered else {}
         return PostResult(
             outcome=outcome,
             status=response.status,
-            detail=detail,
+            detail="" if delivered else _error_detail(payload),
             retry_after=_retry_after(response.getheader("Retry-After")),
-            heartbeat_interval=_heartbeat_interval(payload)
-            if outcome is Outcome.DELIVERED
-            else None,
+            heartbeat_interval=_heartbeat_interval(answer),
+            applied=_applied(answer),
         )
 
 
@@ -226,17 +229,28 @@ def _error_detail(payload: bytes) -> str:
     return text
 
 
-def _heartbeat_interval(payload: bytes) -> float | None:
-    # The exporter's answer says how often it needs to hear from an idle rank.
-    if b"heartbeat_interval_s" not in payload:
-        return None
+def _answer(payload: bytes) -> dict[str, object]:
+    """A 2xx answer's JSON object, or an empty dict when it is not one."""
+    if b"heartbeat_interval_s" not in payload and b"applied" not in payload:
+        return {}  # nothing the reporter reads: skip parsing
     try:
-        value = json.loads(payload).get("heartbeat_interval_s")
-    except (ValueError, AttributeError):
-        return None
+        parsed = json.loads(payload)
+    except ValueError:
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
+
+
+def _heartbeat_interval(answer: dict[str, object]) -> float | None:
+    # The exporter's answer says how often it needs to hear from an idle rank.
+    value = answer.get("heartbeat_interval_s")
     if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
         return float(value)
     return None
+
+
+def _applied(answer: dict[str, object]) -> bool | None:
+    value = answer.get("applied")
+    return value if isinstance(value, bool) else None
 
 
 def _retry_after(value: str | None) -> float | None:

@@ -351,9 +351,22 @@ class RankState:
 
         Returns:
             Whether the heartbeat was applied.
+
+        Raises:
+            IdentityConflict: the heartbeat names another node, local rank or world size
+                than the rank's newest record (another job reusing the run id): as for a
+                record, it must not keep the rank alive or finish it.
         """
         if beat.time < self._process_start:
             return False
+        assert self.newest is not None
+        if not _same_rank(beat.identity, self.newest.identity):
+            old, new = self.newest.identity, beat.identity
+            raise IdentityConflict(
+                f"a heartbeat of rank {new.rank} of run {new.run!r} says node {new.node!r}, "
+                f"local_rank {new.local_rank}, world_size {new.world_size}; the live rank is "
+                f"node {old.node!r}, local_rank {old.local_rank}, world_size {old.world_size}"
+            )
         self.last_report = max(self.last_report, now)
         self.dropped_records = max(self.dropped_records, beat.dropped_records)
         if beat.final and self.finished_at is None:

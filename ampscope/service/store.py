@@ -215,7 +215,9 @@ class Store:
         """Apply a validated heartbeat received at exporter time ``now``.
 
         Contract: never creates a run or rank (a rank is held from its first record on), so
-        no cardinality limit applies. O(1) under the lock.
+        no cardinality limit applies. ``BatchRefused`` (409 ``identity_conflict``) when it
+        names another node, local rank or world size than the live rank, as ``ingest``
+        refuses such a record; nothing is changed then. O(1) under the lock.
 
         Returns:
             Whether a held rank took it (``False``: unknown rank, or a dead process's).
@@ -224,7 +226,10 @@ class Store:
             state = self._runs.get(beat.identity.run, {}).get(beat.identity.rank)
             if state is None or state.newest is None:
                 return False
-            return state.heartbeat(beat, now)
+            try:
+                return state.heartbeat(beat, now)
+            except IdentityConflict as exc:
+                raise BatchRefused(409, "identity_conflict", str(exc)) from None
 
     def prune(
         self, now: float, retention_s: float, finished_retention_s: float | None = None

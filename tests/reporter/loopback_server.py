@@ -96,9 +96,12 @@ class LoopbackExporter:
         self.heartbeats: list[Heartbeat] = []
         """Valid heartbeats, in arrival order (kept apart from ``received``)."""
         self.events: list[str] = []
-        """``records`` or ``beat``/``final`` per answered 200, in arrival order."""
+        """``records`` or ``beat``/``final`` per answered 200, in arrival order; a heartbeat
+        that was not applied (no record of its rank held) as ``beat?``/``final?``."""
         self.heartbeat_interval_s: float | None = None
         """Sent back as ``heartbeat_interval_s`` in every 200, as the exporter does."""
+        self.held: set[tuple[str, int]] = set()
+        """(run, rank) of every accepted record: a heartbeat of any other is not applied."""
 
     @property
     def url(self) -> str:
@@ -146,6 +149,11 @@ class LoopbackExporter:
         body = json.dumps({"detail": detail}).encode()
         with self._lock:
             self._failures.append(_Failure(status, times, body, dict(headers or {})))
+
+    def forget(self) -> None:
+        """Drop every rank held, as a restarted exporter has (its store is in memory)."""
+        with self._lock:
+            self.held.clear()
 
     def steps(self, status: int = 200) -> list[int]:
         """Steps of every record accepted (or answered with ``status``), in arrival order."""
@@ -208,6 +216,7 @@ class LoopbackExporter:
                     answer["heartbeat_interval_s"] = self.heartbeat_interval_s
                 status, payload, extra = 200, json.dumps(answer).encode(), {}
                 self.events.append("records")
+                self.held.update((r.identity.run, r.identity.rank) for r in batch.records)
             self.received.append(Received(connection, path, headers, batch, status, error))
         return status, payload, extra
 
@@ -218,8 +227,9 @@ class LoopbackExporter:
             return 422, json.dumps({"detail": str(exc)}).encode(), {}
         with self._lock:
             self.heartbeats.append(beat)
-            self.events.append("final" if beat.final else "beat")
-            answer: dict[str, Any] = {"applied": True}
+            applied = (beat.identity.run, beat.identity.rank) in self.held
+            self.events.append(("final" if beat.final else "beat") + ("" if applied else "?"))
+            answer: dict[str, Any] = {"applied": applied}
             if self.heartbeat_interval_s is not None:
                 answer["heartbeat_interval_s"] = self.heartbeat_interval_s
         return 200, json.dumps(answer).encode(), {}

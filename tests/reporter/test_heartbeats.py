@@ -74,3 +74,68 @@ def test_close_with_the_exporter_down_returns_within_about_a_second_by_default(c
     assert f"cannot deliver to {url}" in message
     assert "`ampscope serve`" in message
     assert "AMPSCOPE_URL=off" in message
+
+
+def _restart_forgetting(exporter: LoopbackExporter) -> None:
+    """Kill the exporter and start it again on the same port, holding no rank."""
+    exporter.stop()
+    exporter.forget()
+    exporter.start()
+
+
+def test_an_idle_rank_sends_its_newest_record_again_to_a_restarted_exporter() -> None:
+    with LoopbackExporter() as exporter:
+        exporter.heartbeat_interval_s = 0.1
+        reporter = HttpReporter(exporter.url, **FAST)
+        try:
+            for step in range(1, 8):
+                reporter.emit(make_record(step))
+            assert reporter.flush(timeout=3)
+            assert exporter.wait_until(lambda: "beat" in exporter.events, timeout=3)
+            _restart_forgetting(exporter)
+            before = len(exporter.events)
+            # The first beat is not applied; the newest record (cumulative totals) follows
+            # once, and the beats after it are applied again.
+            assert exporter.wait_until(lambda: exporter.events[before:].count("beat") >= 3)
+            after = exporter.events[before:]
+            assert after[:3] == ["beat?", "records", "beat"], after
+            assert (after.count("records"), after.count("beat?")) == (1, 1), after
+            (resent,) = exporter.accepted()[-1].records
+            assert resent == make_record(7)  # its totals say 7 steps, 1 skipped
+            assert (resent.totals.steps, resent.totals.skipped_steps) == (7, 1)
+            assert (reporter.sent, reporter.dropped) == (7, 0)  # a resend is no new record
+        finally:
+            reporter.close()
+        assert exporter.events[-1] == "final"
+
+
+def test_a_rank_closing_after_an_exporter_restart_still_ends_finished() -> None:
+    with LoopbackExporter() as exporter:
+        reporter = HttpReporter(exporter.url, **FAST)  # beats every 10 s: none before close
+        for step in range(1, 5):
+            reporter.emit(make_record(step))
+        assert reporter.flush(timeout=3)
+        _restart_forgetting(exporter)
+        reporter.close()
+        assert exporter.events[-3:] == ["final?", "records", "final"], exporter.events
+        assert exporter.accepted()[-1].records == [make_record(4)]
+        assert [(b.final, b.step) for b in exporter.heartbeats] == [(True, 4), (True, 4)]
+
+
+def test_an_exporter_refusing_the_resent_record_gets_one_per_heartbeat_at_most() -> None:
+    with LoopbackExporter() as exporter:
+        exporter.heartbeat_interval_s = 0.05
+        reporter = HttpReporter(exporter.url, **FAST)
+        try:
+            reporter.emit(make_record(1))
+            assert reporter.flush(timeout=3)
+            exporter.forget()
+            exporter.fail_next(503, times=1_000_000)  # every resend fails
+            time.sleep(1.0)
+            beats = len([e for e in exporter.events if e == "beat?"])
+            resends = len(exporter.received) - 1
+        finally:
+            reporter.close()
+        # No retry loop, no backoff pile-up: one resend per unapplied beat.
+        assert beats >= 5
+        assert resends in (beats, beats - 1, beats + 1)

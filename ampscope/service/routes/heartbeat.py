@@ -9,6 +9,7 @@ from ampscope.reporter.schema import HEARTBEAT_PATH, Heartbeat
 from ampscope.service.body import BodyLimit, received_body
 from ampscope.service.deps import Authorized, ClockDep, SettingsDep, StatsDep, StoreDep
 from ampscope.service.errors import ApiError, responses
+from ampscope.service.store import BatchRefused
 
 router = APIRouter(tags=["ingest"])
 
@@ -22,7 +23,8 @@ class HeartbeatResult(BaseModel):
     applied: bool = Field(
         description="False when the exporter holds no record of the rank (a rank is held "
         "from its first record on) or the heartbeat came from a process that has since "
-        "restarted."
+        "restarted. The reporter then sends its newest record again, which brings the "
+        "rank back (after an exporter restart, say) with exact counters."
     )
     heartbeat_interval_s: float = Field(
         description="How often the reporter should beat while it sends no records: a "
@@ -34,7 +36,7 @@ class HeartbeatResult(BaseModel):
     HEARTBEAT_PATH,
     response_model=HeartbeatResult,
     summary="A rank is alive without new records, or finished",
-    responses=responses(400, 401, 408, 413, 422, 429),
+    responses=responses(400, 401, 408, 409, 413, 422, 429),
     # The body is read by hand (bounded); the app adds Heartbeat to the OpenAPI components.
     openapi_extra={
         "requestBody": {
@@ -52,7 +54,8 @@ async def heartbeat(
     clock: ClockDep,
 ) -> HeartbeatResult:
     """Validate a ``Heartbeat`` strictly and note that its rank was heard from; a ``final``
-    one marks the rank finished. Never creates a rank."""
+    one marks the rank finished. Never creates a rank. Answers 409 when it names another
+    node, local rank or world size than the live rank (as ingest does)."""
     async with received_body(
         request,
         limit=BodyLimit(
@@ -78,5 +81,9 @@ async def heartbeat(
             "malformed" if malformed else "invalid",
             f"not a valid Heartbeat (schema_version 1); first at {where}: {errors[0]['msg']}",
         ) from None
-    applied = store.heartbeat(beat, clock())
+    try:
+        applied = store.heartbeat(beat, clock())
+    except BatchRefused as exc:  # a live rank's identity changed: as ingest answers it
+        stats.rejected(exc.reason)
+        raise ApiError(exc.status, exc.reason, exc.detail) from None
     return HeartbeatResult(applied=applied, heartbeat_interval_s=settings.stale_after_s / 4)

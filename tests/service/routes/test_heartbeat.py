@@ -3,6 +3,8 @@ shows in the API and on /metrics as the rank's state."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -13,11 +15,23 @@ from service.factory import T0, body, record
 URL = "/api/v1/heartbeat"
 
 
-def _beat(*, rank: int = 0, step: int = 1, final: bool = False, time: float = T0 + 1) -> bytes:
+def _beat(
+    *,
+    rank: int = 0,
+    step: int = 1,
+    final: bool = False,
+    time: float = T0 + 1,
+    node: str = "node0",
+    local_rank: int | None = None,
+    world_size: int = 2,
+) -> bytes:
+    local = rank if local_rank is None else local_rank
     return (
         Heartbeat(
             schema_version=1,
-            identity=Identity(run="run-a", node="node0", rank=rank, local_rank=rank, world_size=2),
+            identity=Identity(
+                run="run-a", node=node, rank=rank, local_rank=local, world_size=world_size
+            ),
             time=time,
             step=step,
             final=final,
@@ -36,6 +50,15 @@ def _states(client: TestClient) -> dict[str, dict[str, float]]:
             for sample in family.samples:
                 out.setdefault(sample.labels["rank"], {})[sample.labels["state"]] = sample.value
     return out
+
+
+def _rejected(client: TestClient, reason: str) -> float:
+    for family in text_string_to_metric_families(client.get("/metrics").text):
+        if family.name == "ampscope_exporter_ingest_rejections":
+            for sample in family.samples:
+                if sample.labels["reason"] == reason:
+                    return sample.value
+    raise AssertionError(f"no rejection count for {reason!r}")
 
 
 def _state(client: TestClient, rank: int = 0) -> str:
@@ -113,3 +136,38 @@ def test_an_oversized_heartbeat_names_its_own_limit(client: TestClient) -> None:
     assert error["value"] == 4096
     assert "a heartbeat is a few hundred bytes" in error["detail"]
     assert "records per batch" not in error["detail"]
+
+
+def test_a_heartbeat_naming_another_identity_is_refused_as_a_record_would_be(
+    make_client: MakeClient,
+) -> None:
+    client, clock = make_client(stale_after_s=60)
+    assert client.post("/api/v1/ingest", content=body(record(1), record(2))).status_code == 200
+    # Another job reusing the run id: same (run, rank), another node, local rank or world
+    # size. Its beats must neither keep the silent rank alive nor finish it.
+    changes: list[dict[str, Any]] = [{"node": "other"}, {"local_rank": 5}, {"world_size": 64}]
+    for change in changes:
+        clock.advance(20)
+        for final in (False, True):
+            answer = client.post(URL, content=_beat(step=9, final=final, **change))
+            assert answer.status_code == 409
+            error = answer.json()
+            assert error["error"] == "identity_conflict"
+            assert "the live rank is node 'node0', local_rank 0, world_size 2" in error["detail"]
+    assert _rejected(client, "identity_conflict") == 6
+    clock.advance(1)
+    rank = client.get("/api/v1/runs/run-a/ranks/0").json()
+    assert (rank["state"], rank["seconds_since_report"], rank["step"]) == ("lost", 61.0, 2)
+    # The genuine rank's beat still applies.
+    answer = client.post(URL, content=_beat(step=2))
+    assert (answer.status_code, answer.json()["applied"]) == (200, True)
+    assert _state(client) == "running"
+    # After a restart onto another node, a late beat of the dead process is merely not
+    # applied (as its records are ignored), and the new process's beats apply.
+    restart = record(1, time=T0 + 55, node="other")
+    assert client.post("/api/v1/ingest", content=body(restart)).status_code == 200
+    assert client.post(URL, content=_beat(step=2, time=T0 + 50)).json()["applied"] is False
+    answer = client.post(URL, content=_beat(step=1, time=T0 + 56, node="other", final=True))
+    assert answer.json()["applied"] is True
+    assert _state(client) == "finished"
+    assert _rejected(client, "identity_conflict") == 6
