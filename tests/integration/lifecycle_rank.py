@@ -7,6 +7,8 @@ job would. Modes:
 * ``collapse``: 20 steps whose gradients always overflow (the scale falls below 1), then exit;
 * ``pause SECONDS``: 6 steps, sleep inside the loop, 6 more steps, then exit;
 * ``hang``: 6 steps, then sleep until killed;
+* ``idle``: 6 steps, prints ``totals `` and the rank's own cumulative totals as JSON, then
+  waits idle until a line (or EOF) arrives on stdin, then exits normally;
 * ``gloo RANK CULPRIT_STEP``: 2 gloo ranks (``MASTER_ADDR``/``MASTER_PORT`` set), all-reducing
   the loss every 5 steps; the rank named ``CULPRIT_STEP`` > 0 blocks forever before its step
   of that number, so the other waits in the next all-reduce.
@@ -53,6 +55,13 @@ def main(mode: str, *args: str) -> None:
         print("ready", flush=True)
         time.sleep(float(args[0]))  # evaluation, a checkpoint, a slow data loader
         _train(scaler, range(6))
+    elif mode == "idle":
+        _train(scaler, range(6))
+        last = scaler.telemetry.snapshot().last
+        assert last is not None
+        print("totals", last.totals.model_dump_json(), flush=True)
+        print("ready", flush=True)
+        sys.stdin.readline()  # evaluation, a checkpoint, a hang: no update() meanwhile
     elif mode == "hang":
         _train(scaler, range(6))
         print("ready", flush=True)

@@ -4,7 +4,8 @@ scraping every second with the shipped rules.
 
 The rules are loaded as shipped except that every ``for:`` becomes 1 s, so that an alert
 fires within seconds; the promtool unit tests in deploy/prometheus/tests check the real
-durations. About 40 s on 2 cores, most of it the ranks importing torch.
+durations. The exporter-restart tests run their own exporter (no Prometheus), killed and
+started again on its port. About 60 s on 2 cores, most of it the ranks importing torch.
 """
 
 from __future__ import annotations
@@ -66,18 +67,25 @@ class Stack:
         return subprocess.Popen(
             [sys.executable, str(SCRIPT), *args],
             env=variables,
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
 
-    def state(self, run: str, rank: int = 0) -> str | None:
+    def view(self, run: str, rank: int = 0) -> dict[str, Any] | None:
+        """The rank as ``GET /api/v1/runs/{run}/ranks/{rank}`` shows it; ``None`` if unknown."""
         try:
-            return str(_get(f"{self.exporter}/api/v1/runs/{run}/ranks/{rank}")["state"])
+            view: dict[str, Any] = _get(f"{self.exporter}/api/v1/runs/{run}/ranks/{rank}")
         except urllib.error.HTTPError as exc:
             if exc.code == 404:
                 return None
             raise
+        return view
+
+    def state(self, run: str, rank: int = 0) -> str | None:
+        view = self.view(run, rank)
+        return None if view is None else str(view["state"])
 
     def health(self, run: str) -> dict[str, Any]:
         report: dict[str, Any] = _get(f"{self.exporter}/api/v1/runs/{run}/health")
@@ -104,6 +112,19 @@ def _ready(process: subprocess.Popen[str]) -> None:
     for line in process.stdout:  # torch may warn first
         if line.strip() == "ready":
             return
+        lines.append(line)
+    pytest.fail("the rank exited before it was ready:\n" + "".join(lines))
+
+
+def _own_totals(process: subprocess.Popen[str]) -> dict[str, Any]:
+    """The totals an ``idle`` rank printed, read up to its ``ready``."""
+    assert process.stdout is not None
+    lines, totals = [], None
+    for line in process.stdout:
+        if line.startswith("totals "):
+            totals = json.loads(line[len("totals ") :])
+        elif line.strip() == "ready" and totals is not None:
+            return totals
         lines.append(line)
     pytest.fail("the rank exited before it was ready:\n" + "".join(lines))
 
@@ -281,3 +302,56 @@ def test_a_hang_before_a_collective_stalls_both_ranks_and_names_the_culprit(
         assert "the likely culprit" in verdict["summary"]
     finally:
         _stop(waiting, culprit)
+
+
+def test_an_idle_rank_reappears_after_an_exporter_restart_and_is_never_lost() -> None:
+    """An exporter restart (a DaemonSet rolling update, a crash) while a rank is idle: its
+    next heartbeat is not applied, so its reporter sends the newest record again."""
+    exporter = ExporterProcess(free_port(), stale_after=STALE_AFTER, stall_after=STALL_AFTER)
+    exporter.start()
+    stack = Stack(exporter.url, prometheus="")
+    process = stack.rank("lc-restart", "idle")
+    try:
+        totals = _own_totals(process)
+        _until(lambda: stack.state("lc-restart") == "running", "not running", 10)
+        exporter.kill()  # its memory is lost
+        exporter.start()
+        view = _until(lambda: stack.view("lc-restart"), "the rank did not reappear", 5)
+        assert view["state"] in ("running", "stalled")
+        assert (view["step"], view["totals"], view["restarts"]) == (6, totals, 0)
+        # Idle for longer than --stall-after and several --stale-after: stalled, never lost.
+        seen: list[str | None] = [view["state"]]
+        end = time.monotonic() + STALL_AFTER + 2 * STALE_AFTER
+        while time.monotonic() < end:
+            state = stack.state("lc-restart")
+            if state != seen[-1]:
+                seen.append(state)
+            time.sleep(0.1)
+        assert seen[-1] == "stalled"
+        assert set(seen) <= {"running", "stalled"}, seen  # never lost, never gone
+        assert process.poll() is None
+    finally:
+        _stop(process)
+        exporter.stop()
+
+
+def test_a_rank_closing_after_an_exporter_restart_ends_finished() -> None:
+    # Default --stale-after: the reporter beats every 10 s, so the rank's first contact with
+    # the restarted exporter is (usually) its final heartbeat, which is not applied.
+    exporter = ExporterProcess(free_port())
+    exporter.start()
+    stack = Stack(exporter.url, prometheus="")
+    process = stack.rank("lc-restart-close", "idle")
+    try:
+        totals = _own_totals(process)
+        _until(lambda: stack.state("lc-restart-close") == "running", "not running", 10)
+        exporter.kill()
+        exporter.start()
+        assert process.stdin is not None
+        process.stdin.close()  # the rank exits normally: the final heartbeat at exit
+        assert process.wait(30) == 0
+        view = _until(lambda: stack.view("lc-restart-close"), "the rank did not reappear", 5)
+        assert (view["state"], view["step"], view["totals"]) == ("finished", 6, totals)
+    finally:
+        _stop(process)
+        exporter.stop()
