@@ -24,7 +24,9 @@ exporter tolerates the duplicate (its counters come from the cumulative totals).
 Lifecycle: while no record goes out, a ``Heartbeat`` goes to ``/api/v1/heartbeat`` at least
 every ``heartbeat_interval`` (or as often as the exporter's answers ask), so that a live but
 idle rank is never taken for lost; ``close`` ends with a final heartbeat, after the last
-record, that marks the rank finished. Heartbeats start with the first delivered record.
+record, that marks the rank finished. Heartbeats start with the first delivered record. A
+heartbeat the exporter did not apply (it holds no record of the rank: it restarted) makes the
+reporter send its newest record again, once, and a final one then goes again too.
 """
 
 from __future__ import annotations
