@@ -55,8 +55,8 @@ class PendingStep:
     nonfinite: Mapping[str, int]
     values: tuple[torch.Tensor, ...]
     """Accelerators: ``(pinned host copy of all scalars,)``. CPU: ``(before, [scale_after,
-    *origin flags], growth_tracker)``, copies made without reading them (cheaper than
-    the conversions one vector would need)."""
+    *origin flags] or the 0-dim scale_after when there are none, growth_tracker)``, copies
+    made without reading them (cheaper than the conversions one vector would need)."""
     ready: torch.cuda.Event | None = None
     """Recorded after the non-blocking copy into pinned ``values``; ``None`` on CPU."""
 
@@ -68,6 +68,8 @@ class PendingStep:
             values: list[float] = self.values[0].tolist()
             return values
         before, after, tracker = self.values
+        if after.dim() == 0:  # the scale alone (no origin flags)
+            return [*before.tolist(), after.item(), float(tracker.item())]
         scale_after, *origin = after.tolist()
         return [*before.tolist(), scale_after, float(tracker.item()), *origin]
 
@@ -90,11 +92,14 @@ def _stack(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """One float32 vector of 0-dim (or one-element) tensors: a single op for the parts
     already on ``device`` as 0-dim float32 (the scale and found-inf tensors), one more per
     other part (the int32 growth tracker, flags of other devices)."""
+    # ``is`` and ``ndim``: dtypes are singletons, and both are cheaper than ``==`` and
+    # ``dim()``; this check runs for every part on every update().
+    float32 = torch.float32
     return torch.stack(
         [
             p
-            if p.dtype == torch.float32 and p.dim() == 0 and p.device == device
-            else p.detach().to(device=device, dtype=torch.float32, non_blocking=True).reshape(())
+            if p.dtype is float32 and p.ndim == 0 and p.device == device
+            else p.detach().to(device=device, dtype=float32, non_blocking=True).reshape(())
             for p in parts
         ]
     )
@@ -111,9 +116,13 @@ class _Iteration:
     nonfinite: dict[str, int] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class BeforeUpdate:
-    """Scalars that update() is about to change, and which optimizers they belong to."""
+    """Scalars that update() is about to change, and which optimizers they belong to.
+
+    Not frozen: built once per update() and never changed, and a frozen dataclass's
+    ``__init__`` costs about twice as much.
+    """
 
     values: torch.Tensor
     """``[scale, *optimizer flags, *local flags]``."""
@@ -264,7 +273,8 @@ class StepCapture:
         if device.type == "cpu":
             # Nothing is read here: the training thread reads the device no more often
             # than torch's scaler does (tests/scaler/test_scalers.py checks it on the CPU).
-            after = _stack([scale, *origin.values()], device)
+            # Without origin flags a clone (0-dim) is about half the cost of a stack.
+            after = _stack([scale, *origin.values()], device) if origin else scale.clone()
             values = (before.values, after, tracker.clone())
         else:
             host, ready = to_host_async(

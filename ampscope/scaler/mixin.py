@@ -173,7 +173,12 @@ class TelemetryMixin:
             )
             if capture is not None:
                 fresh = not self._ampscope_reduces_found_inf_in_place
-                self._ampscope_guard(capture.record_local, optimizer, result, fresh=fresh)
+                # Inline guards on the per-step path: _ampscope_guard's frame and argument
+                # packing cost more than the try itself.
+                try:
+                    capture.record_local(optimizer, result, fresh=fresh)
+                except Exception:
+                    self._ampscope_failed()
             return result
         result, local = unscale_local_shards(
             parent._unscale_grads_, optimizer, inv_scale, found_inf, allow_fp16
@@ -192,11 +197,20 @@ class TelemetryMixin:
         capture = self._ampscope_capture
         if capture is None:
             return parent._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)
-        watching = self._ampscope_guard(self._ampscope_probe.arm, optimizer)
+        probe = self._ampscope_probe
+        watching: bool | None
+        try:
+            watching = probe.arm(optimizer)
+        except Exception:
+            self._ampscope_failed()
+            watching = None
         retval = parent._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)
         # torch's own .item() decided; the probe saw whether optimizer.step() ran.
-        skipped = not self._ampscope_probe.fired(optimizer) if watching else None
-        self._ampscope_guard(self._ampscope_after_step, optimizer, False, skipped)
+        skipped = not probe.fired(optimizer) if watching else None
+        try:
+            self._ampscope_after_step(optimizer, False, skipped)
+        except Exception:
+            self._ampscope_failed()
         return retval
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> float | None:
@@ -221,14 +235,22 @@ class TelemetryMixin:
             parent.update(new_scale)
             return
         update_time = time.time()
-        before = self._ampscope_guard(capture.before_update, self)
+        before: BeforeUpdate | None
+        try:
+            before = capture.before_update(self)  # type: ignore[arg-type]
+        except Exception:
+            self._ampscope_failed()
+            before = None
         parent.update(new_scale)
         config = self._ampscope_config
         scale = compat.scale_tensor(self)  # type: ignore[arg-type]
         clamped = config.min_scale is not None or config.max_scale is not None
         if new_scale is None and scale is not None and clamped:
             scale.clamp_(min=config.min_scale, max=config.max_scale)
-        self._ampscope_guard(self._ampscope_after_update, capture, before, new_scale, update_time)
+        try:
+            self._ampscope_after_update(capture, before, new_scale, update_time)
+        except Exception:
+            self._ampscope_failed()
 
     # -- internals -----------------------------------------------------------------------
 
@@ -296,12 +318,16 @@ class TelemetryMixin:
         try:
             return fn(*args, **kwargs)
         except Exception:
-            self._ampscope_errors += 1
-            if self._ampscope_errors == 1:
-                logger.warning(
-                    "ampscope: telemetry error, training continues (logged once)", exc_info=True
-                )
+            self._ampscope_failed()
             return None
+
+    def _ampscope_failed(self) -> None:
+        """Count the exception being handled; log it the first time. Call in ``except``."""
+        self._ampscope_errors += 1
+        if self._ampscope_errors == 1:
+            logger.warning(
+                "ampscope: telemetry error, training continues (logged once)", exc_info=True
+            )
 
     def __getstate__(self) -> dict[str, Any]:
         parent: Any = super()
