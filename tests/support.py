@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import socket
+import subprocess
+import time
 import traceback
+import urllib.request
 from collections.abc import Callable
 from typing import Any
 
@@ -45,6 +49,40 @@ def need_module(name: str) -> None:
     if IN_CI:
         pytest.fail(message, pytrace=False)
     pytest.skip(message, allow_module_level=True)
+
+
+def get_json(url: str, timeout: float = 5.0) -> Any:
+    """GET ``url`` and decode its JSON answer."""
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return json.load(response)
+
+
+def wait_for_http(url: str, what: str, process: subprocess.Popen[bytes], timeout: float) -> None:
+    """Wait until ``url`` answers 200; fails the test when ``process`` (serving it) exits
+    first or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"{what} exited with status {process.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    pytest.fail(f"{what} did not answer {url} within {timeout:.0f}s")
+
+
+def stop_process(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL after 10 s: a server a test started never outlives it."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def _worker(

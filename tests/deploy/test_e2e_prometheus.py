@@ -4,7 +4,6 @@ second and evaluates the real rules, then every dashboard and alert expression m
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -26,7 +25,7 @@ from deploy_files import (
     recording_rules,
     substitute,
 )
-from support import free_port, need_tool
+from support import free_port, get_json, need_tool, stop_process, wait_for_http
 
 from ampscope.demo.exporter import ExporterProcess
 
@@ -40,43 +39,13 @@ STALE_AFTER_S = 6.0
 pytestmark = [pytest.mark.prometheus, pytest.mark.distributed]
 
 
-def _get(url: str, timeout: float = 5.0) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as response:
-        return json.load(response)
-
-
-def _wait_for(url: str, what: str, process: subprocess.Popen[bytes], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"{what} exited with status {process.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=1.0) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    pytest.fail(f"{what} did not answer {url} within {timeout:.0f}s")
-
-
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
 class Prometheus:
     def __init__(self, url: str) -> None:
         self.url = url
 
     def query(self, expr: str, at: float) -> list[dict[str, Any]]:
         params = urllib.parse.urlencode({"query": expr, "time": f"{at:.3f}"})
-        answer = _get(f"{self.url}/api/v1/query?{params}")
+        answer = get_json(f"{self.url}/api/v1/query?{params}")
         assert answer["status"] == "success", (expr, answer)
         result: list[dict[str, Any]] = answer["data"]["result"]
         return result
@@ -112,10 +81,10 @@ def stack() -> Iterator[tuple[str, Prometheus, Path]]:
     )
     try:
         prometheus_url = f"http://127.0.0.1:{prometheus_port}"
-        _wait_for(f"{prometheus_url}/-/ready", "prometheus", prometheus, 30)
+        wait_for_http(f"{prometheus_url}/-/ready", "prometheus", prometheus, 30)
         yield exporter.url, Prometheus(prometheus_url), workdir
     finally:
-        _stop(prometheus)
+        stop_process(prometheus)
         exporter.stop()
 
 
@@ -192,7 +161,7 @@ def test_every_dashboard_and_alert_expression_returns_data(
     assert [(m["run"], m["rank"]) for m in hotspot] == [(f"{PREFIX}-hotspot", "1")]
 
     # Prometheus itself loaded the rules and started the collapse alert's `for:` clock.
-    groups = _get(f"{prometheus.url}/api/v1/rules")["data"]["groups"]
+    groups = get_json(f"{prometheus.url}/api/v1/rules")["data"]["groups"]
     loaded = {rule["name"] for group in groups for rule in group["rules"]}
     assert set(alerts) | set(recording_rules()) <= loaded
     # (ALERTS holds Prometheus' pending and firing alerts over time.)

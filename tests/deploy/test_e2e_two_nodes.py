@@ -14,7 +14,6 @@ time on the 2-core development VM under other load (40-47 s of CPU).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import subprocess
@@ -33,7 +32,7 @@ from typing import Any
 import pytest
 import yaml
 from deploy_files import RULES_FILE, alert_rules, recording_rules
-from support import IN_CI, free_port, need_tool
+from support import IN_CI, free_port, get_json, need_tool, stop_process, wait_for_http
 from two_node_rank import STEPS
 
 from ampscope.demo.exporter import ExporterProcess
@@ -53,40 +52,10 @@ QUIET_WITHIN_S = 45.0
 pytestmark = [pytest.mark.prometheus, pytest.mark.distributed, pytest.mark.timeout(400)]
 
 
-def _get(url: str, timeout: float = 5.0) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as response:
-        return json.load(response)
-
-
-def _wait_for(url: str, what: str, process: subprocess.Popen[bytes], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"{what} exited with status {process.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=1.0) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    pytest.fail(f"{what} did not answer {url} within {timeout:.0f}s")
-
-
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
 def query(base_url: str, expr: str, at: float) -> list[dict[str, Any]]:
     """An instant PromQL query against Prometheus or VictoriaMetrics."""
     params = urllib.parse.urlencode({"query": expr, "time": f"{at:.3f}"})
-    answer = _get(f"{base_url}/api/v1/query?{params}")
+    answer = get_json(f"{base_url}/api/v1/query?{params}")
     assert answer["status"] == "success", (expr, answer)
     result: list[dict[str, Any]] = answer["data"]["result"]
     return result
@@ -149,7 +118,7 @@ class _Watcher(threading.Thread):
         now = time.time()
         active: set[str] = set()
         # vmalert answers null, not [], while no alert is active.
-        for alert in _get(f"{url}/api/v1/alerts")["data"]["alerts"] or []:
+        for alert in get_json(f"{url}/api/v1/alerts")["data"]["alerts"] or []:
             if alert["state"] not in ("pending", "firing"):
                 continue
             labels = alert["labels"]
@@ -162,7 +131,7 @@ class _Watcher(threading.Thread):
             watched.quiet_at = now
         if engine != "vmalert":
             return
-        for group in _get(f"{url}/api/v1/rules")["data"]["groups"] or []:
+        for group in get_json(f"{url}/api/v1/rules")["data"]["groups"] or []:
             for rule in group["rules"] or []:
                 if rule["type"] == "recording":
                     most = max(watched.recorded.get(rule["name"], 0), rule["lastSamples"])
@@ -187,7 +156,7 @@ class Job:
 
     def faulty_rank(self) -> str:
         """Global rank of local rank 0 on the faulty node (c10d decides node order)."""
-        ranks = _get(f"{self.exporters[FAULTY]}/api/v1/runs/{self.run_id}-hotspot/ranks")
+        ranks = get_json(f"{self.exporters[FAULTY]}/api/v1/runs/{self.run_id}-hotspot/ranks")
         (rank,) = [r["rank"] for r in ranks if r["local_rank"] == 0]
         return str(rank)
 
@@ -198,7 +167,7 @@ def _at_last_step(exporters: dict[str, ExporterProcess], run_id: str) -> bool:
         rank["step"]
         for exporter in exporters.values()
         for run in ("hotspot", "desync")
-        for rank in _get(f"{exporter.url}/api/v1/runs/{run_id}-{run}/ranks")
+        for rank in get_json(f"{exporter.url}/api/v1/runs/{run_id}-{run}/ranks")
     ]
     return steps == [STEPS] * 8
 
@@ -269,7 +238,7 @@ def job() -> Iterator[Job]:
                 workdir / "prometheus.log",
             )
         )
-        _wait_for(f"{prometheus_url}/-/ready", "prometheus", processes[-1], 30)
+        wait_for_http(f"{prometheus_url}/-/ready", "prometheus", processes[-1], 30)
 
         victoria_url = vmalert_url = None
         if shutil.which("victoria-metrics") and shutil.which("vmalert"):
@@ -332,7 +301,7 @@ def job() -> Iterator[Job]:
         )
     finally:
         for process in processes:
-            _stop(process)
+            stop_process(process)
         for exporter in exporters.values():
             exporter.stop()
         sink.shutdown()
@@ -366,7 +335,7 @@ def _start_victoria(
             workdir / "victoria-metrics.log",
         )
     )
-    _wait_for(f"{victoria_url}/health", "victoria-metrics", processes[-1], 30)
+    wait_for_http(f"{victoria_url}/health", "victoria-metrics", processes[-1], 30)
     vmalert_url = f"http://127.0.0.1:{free_port()}"
     processes.append(
         _start(
@@ -384,7 +353,7 @@ def _start_victoria(
             workdir / "vmalert.log",
         )
     )
-    _wait_for(f"{vmalert_url}/health", "vmalert", processes[-1], 30)
+    wait_for_http(f"{vmalert_url}/health", "vmalert", processes[-1], 30)
     return victoria_url, vmalert_url
 
 
@@ -404,10 +373,10 @@ def _first_answer(
 def test_each_exporter_sees_only_its_own_nodes_ranks(job: Job) -> None:
     seen: dict[str, set[int]] = {}
     for node, url in job.exporters.items():
-        runs = {run["run"] for run in _get(f"{url}/api/v1/runs")}
+        runs = {run["run"] for run in get_json(f"{url}/api/v1/runs")}
         assert runs == {f"{job.run_id}-hotspot", f"{job.run_id}-desync"}, node
         for run in runs:
-            ranks = _get(f"{url}/api/v1/runs/{run}/ranks")
+            ranks = get_json(f"{url}/api/v1/runs/{run}/ranks")
             assert {r["node"] for r in ranks} == {node}, (node, run)
             assert sorted(r["local_rank"] for r in ranks) == [0, 1], (node, run)
             assert {r["world_size"] for r in ranks} == {4}, (node, run)
@@ -426,7 +395,8 @@ def test_prometheus_alerts_compare_ranks_across_nodes(job: Job) -> None:
     assert {(s["metric"]["node"], s["metric"]["rank"]) for s in series} == {
         (node, rank)
         for node, url in job.exporters.items()
-        for rank in (str(r["rank"]) for r in _get(f"{url}/api/v1/runs/{job.run_id}-desync/ranks"))
+        for ranks in [get_json(f"{url}/api/v1/runs/{job.run_id}-desync/ranks")]
+        for rank in (str(r["rank"]) for r in ranks)
     }
     assert len({s["metric"]["instance"] for s in series}) == 2
     _assert_verdicts(evaluate, job)
@@ -500,7 +470,7 @@ def test_victoria_metrics_loads_every_rule_and_agrees(job: Job) -> None:
     assert job.victoria
     assert job.vmalert
 
-    groups = _get(f"{job.vmalert}/api/v1/rules")["data"]["groups"]
+    groups = get_json(f"{job.vmalert}/api/v1/rules")["data"]["groups"]
     loaded = {rule["name"]: rule for group in groups for rule in group["rules"]}
     assert set(loaded) == set(alert_rules()) | set(recording_rules())
     broken = {name: rule.get("lastError") for name, rule in loaded.items() if rule.get("lastError")}
