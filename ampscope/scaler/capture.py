@@ -1,29 +1,53 @@
-"""What one iteration saw, captured on the training thread with device ops only.
+"""What one iteration saw, captured on the training thread at the least cost.
 
-Between two update() calls a :class:`StepCapture` collects, per device, this rank's
-local found-inf (cheap clones taken from the unscale kernel's output), which optimizers
-stepped and whether the host already knows they skipped, and, on overflow iterations
-only, the non-finite parameter counts. update() then stacks every scalar of the step
-into one small tensor and starts its copy to the host (:class:`PendingStep`); the
-telemetry thread reads it later.
+Between two update() calls a :class:`StepCapture` notes which optimizers stepped and
+whether the host already knows each step was clean or skipped (torch's own ``.item()``
+in ``_maybe_opt_step`` decided; a step pre-hook counts the ``optimizer.step()`` calls),
+keeps this rank's local found-inf tensors by reference, and, on overflow iterations
+only, the non-finite parameter counts. update() then hands a :class:`PendingStep` to the
+telemetry thread, which works out the rest (optimizer slots, device names) and builds
+the record.
+
+Most iterations are clean, and then the host already knows every found-inf value is
+zero, so none is copied or read. What remains is the scale before and after update()
+and the growth tracker:
+
+* **CPU** (host transport): read at once with no copy; reading CPU memory is no device
+  synchronisation.
+* **Accelerators** (device transport): the scale and tracker after update() are stacked
+  into one small tensor whose copy to pinned host memory starts without blocking. The
+  scale before is the previous step's scale after, which the tensor's version counter
+  proves unchanged. Nothing is read on the training thread.
+
+An iteration the host cannot vouch for (a skipped step, a fused optimizer's outcome
+decided on the device, an optimizer unscaled but not stepped, a changed scale) also
+snapshots the scale and every found-inf value before update(), which adds the tensors
+into the first one in place.
 """
 
 from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from ampscope.reporter.schema import Identity
 from ampscope.scaler import compat
 
+_NO_COUNTS: Mapping[str, int] = MappingProxyType({})
+
+FoundInf = Mapping[torch.device, torch.Tensor]
+
 
 @dataclass(frozen=True, kw_only=True)
 class OptimizerSlot:
-    """One optimizer's part of a pending step; its found-inf values sit in the step tensor.
+    """One optimizer's part of a pending step; its found-inf values sit in the step's values.
 
     Immutable and shared: a capture reuses one slot per distinct value.
     """
@@ -33,45 +57,152 @@ class OptimizerSlot:
     fused: bool
     stepped: bool
     num_flags: int
-    """How many per-device found-inf values of this optimizer the step tensor holds."""
+    """How many per-device found-inf values of this optimizer the step's values hold."""
 
 
-@dataclass(slots=True, kw_only=True)
+def _counter(calls: list[int]) -> Callable[[Any, Any, Any], None]:
+    # Closes over the counter only: the optimizer's hook holds no capture or scaler.
+    def hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+        calls[0] += 1
+
+    return hook
+
+
+class OptimizerInfo:
+    """What a capture knows of one optimizer across iterations (training thread only)."""
+
+    __slots__ = ("calls", "dtensor", "fused", "groups", "handle", "index", "name", "ref")
+
+    def __init__(self, optimizer: torch.optim.Optimizer, index: int) -> None:
+        self.ref = weakref.ref(optimizer)
+        self.index = index
+        self.name = type(optimizer).__name__
+        self.fused = compat.steps_itself(optimizer)
+        self.calls = [0]
+        """``optimizer.step()`` calls so far (public step pre-hook)."""
+        register = getattr(optimizer, "register_step_pre_hook", None)
+        self.handle: RemovableHandle | None = (
+            register(_counter(self.calls)) if register is not None else None
+        )
+        self.groups = -1
+        """How many parameter groups ``dtensor`` was decided for."""
+        self.dtensor = False
+        """Whether the optimizer's gradients are DTensors (FSDP2, tensor parallelism).
+        Decided from the parameters, again only when a parameter group is added: a DTensor
+        parameter's gradient is a DTensor and a plain one's is plain (autograd refuses a
+        gradient of another type), so no per-step walk over gradients."""
+
+    def refresh(self, optimizer: torch.optim.Optimizer) -> None:
+        groups = optimizer.param_groups
+        self.groups = len(groups)
+        self.dtensor = any(compat.is_dtensor(p) for group in groups for p in group["params"])
+
+
+Shape = tuple[
+    "StepCapture",
+    Mapping[int, Any],
+    dict[int, OptimizerInfo],
+    dict[int, bool | None],
+    dict[int, FoundInf],
+]
+"""The raw facts of one iteration that name its values, turned into optimizer slots and
+device names on the telemetry thread (:meth:`StepCapture.layout`): the capture, torch's
+per-optimizer states (:func:`compat.update_inputs`), the optimizers unscaled and stepped
+by id, and the recorded local found-inf by id."""
+
+
 class PendingStep:
-    """One update()'s scalars on their way to the host, plus what the host already knows.
+    """One update()'s scalars, on the host or on their way there, plus what the host knows.
 
-    A compact row: the training thread fills it and never touches it again; the telemetry
-    thread turns it into a record. ``values`` layout, once read: ``[scale_before,
+    The training thread fills it and never touches it again; the telemetry thread turns
+    it into a record. :meth:`read` gives the values in the layout ``[scale_before,
     *optimizer flags, *local flags, scale_after, growth_tracker, *origin flags]``.
+    A plain class with positional arguments first: built on every update(), where a
+    dataclass's keyword ``__init__`` costs over twice as much.
     """
 
-    identity: Identity
-    step: int
-    time: float
-    manual: bool
-    optimizers: tuple[OptimizerSlot, ...]
-    local_devices: tuple[str, ...]
-    origin_devices: tuple[str, ...]
-    nonfinite: Mapping[str, int]
-    values: tuple[torch.Tensor, ...]
-    """Accelerators: ``(pinned host copy of all scalars,)``. CPU: ``(before, [scale_after,
-    *origin flags] or the 0-dim scale_after when there are none, growth_tracker)``, copies
-    made without reading them (cheaper than the conversions one vector would need)."""
-    ready: torch.cuda.Event | None = None
-    """Recorded after the non-blocking copy into pinned ``values``; ``None`` on CPU."""
+    __slots__ = (
+        "before",
+        "clean",
+        "host",
+        "identity",
+        "local_devices",
+        "manual",
+        "nonfinite",
+        "optimizers",
+        "origin_devices",
+        "ready",
+        "shape",
+        "snapshot",
+        "step",
+        "time",
+        "values",
+    )
+
+    def __init__(
+        self,
+        identity: Identity,
+        step: int,
+        time: float,
+        manual: bool,
+        shape: Shape | None = None,
+        clean: bool = False,
+        *,
+        nonfinite: Mapping[str, int] = _NO_COUNTS,
+        optimizers: tuple[OptimizerSlot, ...] = (),
+        local_devices: tuple[str, ...] = (),
+        origin_devices: tuple[str, ...] = (),
+        values: list[float] | None = None,
+    ) -> None:
+        self.identity = identity
+        self.step = step
+        self.time = time
+        self.manual = manual
+        self.shape = shape
+        """Set until :meth:`read` fills ``optimizers`` and ``local_devices`` from it."""
+        self.clean = clean
+        """Every found-inf value is zero and ``values``/``host`` hold only
+        ``[scale_after, growth_tracker, *origin flags]``; the scale before is ``before``."""
+        self.nonfinite = nonfinite
+        self.optimizers = optimizers
+        self.local_devices = local_devices
+        self.origin_devices = origin_devices
+        self.values = values
+        """Host transport: the values, already read (only the tail when ``clean``)."""
+        self.host: torch.Tensor | None = None
+        """Device transport: the values' host copy (pinned on CUDA; only the tail when
+        ``clean``)."""
+        self.ready: torch.cuda.Event | None = None
+        """Recorded after the non-blocking copy into ``host``; ``None`` when complete."""
+        self.before: float | tuple[torch.Tensor, int] = 0.0
+        """When ``clean``: the scale before update(), or where an earlier step's host
+        copy holds it (device transport)."""
+        self.snapshot: torch.Tensor | None = None
+        """Device transport, not clean, between before and after update(): ``[scale,
+        *optimizer flags, *local flags]`` stacked on the device."""
 
     def read(self) -> list[float]:
         """The step's scalars on the host; waits for the device copy (telemetry thread)."""
+        if self.shape is not None:
+            self.optimizers, self.local_devices = self.shape[0].layout(self.shape)
+            self.shape = None
         if self.ready is not None:
+            # Events complete in order: an earlier step's copy (``before``) is done too.
             self.ready.synchronize()
-        if len(self.values) == 1:
-            values: list[float] = self.values[0].tolist()
-            return values
-        before, after, tracker = self.values
-        if after.dim() == 0:  # the scale alone (no origin flags)
-            return [*before.tolist(), after.item(), float(tracker.item())]
-        scale_after, *origin = after.tolist()
-        return [*before.tolist(), scale_after, float(tracker.item()), *origin]
+        own: list[float]
+        if self.values is not None:
+            own = self.values
+        else:
+            assert self.host is not None
+            own = self.host.tolist()
+        if not self.clean:
+            return own
+        before = self.before
+        if isinstance(before, tuple):
+            earlier, index = before
+            before = earlier[index].item()
+        zeros = sum(s.num_flags for s in self.optimizers) + len(self.local_devices)
+        return [before, *([0.0] * zeros), *own]
 
 
 def to_host_async(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
@@ -92,8 +223,6 @@ def _stack(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """One float32 vector of 0-dim (or one-element) tensors: a single op for the parts
     already on ``device`` as 0-dim float32 (the scale and found-inf tensors), one more per
     other part (the int32 growth tracker, flags of other devices)."""
-    # ``is`` and ``ndim``: dtypes are singletons, and both are cheaper than ``==`` and
-    # ``dim()``; this check runs for every part on every update().
     float32 = torch.float32
     return torch.stack(
         [
@@ -105,110 +234,105 @@ def _stack(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     )
 
 
-@dataclass
-class _Iteration:
-    local: dict[str, torch.Tensor] = field(default_factory=dict)
-    optimizers: dict[int, tuple[torch.optim.Optimizer, bool, bool]] = field(default_factory=dict)
-    """id → (optimizer, fused, stepped)."""
-    skipped_on_host: bool = False
-    unknown_skip: list[torch.Tensor] = field(default_factory=list)
-    """Found-inf tensors of fused steps whose outcome the host has not read (accelerators)."""
-    nonfinite: dict[str, int] = field(default_factory=dict)
+class StepCapture:
+    """Per-iteration capture for one scaler; training thread only, except :meth:`layout`.
 
-
-@dataclass(slots=True)
-class BeforeUpdate:
-    """Scalars that update() is about to change, and which optimizers they belong to.
-
-    Not frozen: built once per update() and never changed, and a frozen dataclass's
-    ``__init__`` costs about twice as much.
+    Args:
+        read_on_host: Read the step's values at update() (the host transport). ``None``:
+            when the scale lives on the CPU. Tests pass ``False`` to run the device
+            transport on the CPU.
     """
 
-    values: torch.Tensor
-    """``[scale, *optimizer flags, *local flags]``."""
-    slots: tuple[tuple[int, int], ...]
-    """(id(optimizer), number of flags) in the order of ``values[1:]``."""
-    local_devices: tuple[str, ...]
-
-
-class StepCapture:
-    """Per-iteration capture for one scaler; training thread only."""
-
-    def __init__(self) -> None:
-        self._iteration = _Iteration()
-        # id -> (weak reference, index): cheaper per step than a WeakKeyDictionary; the
-        # reference tells a reused id of a collected optimizer from the original.
-        self._indices: dict[int, tuple[weakref.ref[torch.optim.Optimizer], int]] = {}
+    def __init__(self, read_on_host: bool | None = None) -> None:
+        self._read_on_host = read_on_host
+        self._optimizers: dict[int, OptimizerInfo] = {}
+        # This iteration's, replaced by update():
+        self.seen: dict[int, OptimizerInfo] = {}
+        """Optimizers unscaled in this iteration, by id."""
+        self.stepped: dict[int, bool | None] = {}
+        """id(optimizer) -> whether its step was skipped; ``None``: the host does not know.
+        The mixin sets ``False`` itself on the per-step path; anything else goes through
+        :meth:`record_step`."""
+        self._unclean = False
+        """A step was skipped, or its outcome is unknown to the host."""
+        self._skipped = False
+        self._local: dict[int, FoundInf] = {}
+        self._unknown_skip: list[torch.Tensor] = []
+        """Found-inf tensors of fused steps whose outcome the host has not read."""
+        self._nonfinite: dict[str, int] = {}
+        # Across iterations:
         self._step = 0
         self._last_skipped: bool | PendingStep | None = None
         self._slots: dict[tuple[int, str, bool, bool, int], OptimizerSlot] = {}
         self._device_names: dict[torch.device, str] = {}
+        self._scale_seen: tuple[torch.Tensor, int] | None = None
+        """The scale tensor and its version right after the previous update()'s capture."""
+        self._scale_at: tuple[torch.Tensor, int] | None = None
+        """Device transport: where that capture's scale after update() sits on the host."""
+
+    def close(self) -> None:
+        """Remove the step pre-hooks from every optimizer still alive."""
+        for info in self._optimizers.values():
+            if info.handle is not None:
+                info.handle.remove()
+        self._optimizers.clear()
 
     # -- during the iteration ------------------------------------------------------------
 
-    def record_local(
-        self,
-        optimizer: torch.optim.Optimizer,
-        found_inf: Mapping[torch.device, torch.Tensor],
-        *,
-        fresh: bool = False,
-    ) -> None:
-        """Keep this rank's pre-reduction found-inf per device.
+    def unscaling(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Note that ``optimizer`` is being unscaled in this iteration (registering it, with
+        its step pre-hook, on first sight); whether its gradients are DTensors."""
+        key = id(optimizer)
+        info = self._optimizers.get(key)
+        if info is None or info.ref() is not optimizer:
+            # A reused id of a collected optimizer gets a fresh entry and index.
+            info = self._optimizers[key] = OptimizerInfo(optimizer, len(self._optimizers))
+        self.seen[key] = info
+        if len(optimizer.param_groups) != info.groups:
+            info.refresh(optimizer)
+        return info.dtensor
 
-        ``fresh`` says nothing changes the tensors before update() reads them: the
-        caller's own copies, or torch's when its scaler does not reduce them in place
-        (``torch.amp.GradScaler``). Otherwise (the sharded scaler all-reduces them right
-        after) each is cloned: one small op per device.
+    def record_local(
+        self, optimizer: torch.optim.Optimizer, found_inf: FoundInf, *, fresh: bool
+    ) -> None:
+        """Keep this rank's pre-reduction found-inf per device, where it differs from what
+        torch keeps: an optimizer's found-inf not recorded here is torch's own.
+
+        ``fresh`` says nothing changes the tensors before update() reads them (the
+        caller's own copies). Otherwise (the sharded scaler all-reduces them in place
+        right after) each is cloned: one small op per device.
         """
-        self._seen(optimizer, fused=compat.steps_itself(optimizer), stepped=False)
-        local = self._iteration.local
-        for device, flag in found_inf.items():
-            key = self._device_names.get(device)
-            if key is None:
-                key = self._device_names[device] = str(device)
-            previous = local.get(key)
-            if previous is None:
-                local[key] = flag if fresh else flag.detach().clone()
-            else:
-                local[key] = torch.maximum(previous, flag.to(previous.device))
+        if not fresh:
+            found_inf = {d: t.detach().clone() for d, t in found_inf.items()}
+        self._local[id(optimizer)] = found_inf
 
     def record_step(
-        self,
-        optimizer: torch.optim.Optimizer,
-        *,
-        fused: bool,
-        skipped: bool | None,
-        found_inf: Mapping[torch.device, torch.Tensor] | None = None,
+        self, optimizer: torch.optim.Optimizer, skipped: bool | None, found_inf: FoundInf
     ) -> None:
-        """Note that ``optimizer`` went through step(); ``skipped=None``: host does not know
-        (then ``found_inf`` says it, read only if someone asks)."""
-        self._seen(optimizer, fused=fused, stepped=True)
-        if skipped:
-            self._iteration.skipped_on_host = True
-        elif skipped is None and found_inf:
-            self._iteration.unknown_skip.extend(found_inf.values())
+        """Note that ``optimizer`` went through step() and was skipped, or, with
+        ``skipped=None``, that the host does not know (``found_inf`` says it, read only if
+        someone asks)."""
+        self.stepped[id(optimizer)] = skipped  # torch allows one step() per update()
+        if skipped is not False:
+            self._unclean = True
+            if skipped:
+                self._skipped = True
+            elif found_inf:
+                self._unknown_skip.extend(found_inf.values())
 
     def add_nonfinite(self, counts: Mapping[str, int]) -> None:
+        nonfinite = self._nonfinite
         for name, count in counts.items():
-            self._iteration.nonfinite[name] = self._iteration.nonfinite.get(name, 0) + count
-
-    def _seen(self, optimizer: torch.optim.Optimizer, *, fused: bool, stepped: bool) -> None:
-        known = self._indices.get(id(optimizer))
-        if known is None or known[0]() is not optimizer:
-            self._indices[id(optimizer)] = (weakref.ref(optimizer), len(self._indices))
-        previous = self._iteration.optimizers.get(id(optimizer))
-        stepped = stepped or (previous is not None and previous[2])
-        self._iteration.optimizers[id(optimizer)] = (optimizer, fused, stepped)
+            nonfinite[name] = nonfinite.get(name, 0) + count
 
     def last_step_skipped(self) -> bool:
         """Whether the newest iteration skipped a step: the open one if it has stepped,
         else the one the last update() closed. Free when the host knows (the usual case);
         otherwise reads device flags (a sync) or waits for the pending step."""
-        iteration = self._iteration
-        if any(stepped for _, _, stepped in iteration.optimizers.values()):
-            if iteration.skipped_on_host:
+        if self.stepped:
+            if self._skipped:
                 return True
-            return any(bool(flag.item()) for flag in iteration.unknown_skip)
+            return any(bool(flag.item()) for flag in self._unknown_skip)
         last = self._last_skipped
         if isinstance(last, PendingStep):
             values = last.read()
@@ -223,88 +347,135 @@ class StepCapture:
 
     # -- update() ------------------------------------------------------------------------
 
-    def _slot(
-        self, index: int, name: str, fused: bool, stepped: bool, num_flags: int
-    ) -> OptimizerSlot:
-        key = (index, name, fused, stepped, num_flags)
-        slot = self._slots.get(key)
-        if slot is None:
-            slot = self._slots[key] = OptimizerSlot(
-                index=index, name=name, fused=fused, stepped=stepped, num_flags=num_flags
-            )
-        return slot
-
-    def before_update(self, scaler: torch.amp.GradScaler) -> BeforeUpdate | None:
-        """Snapshot the scale, every optimizer's found-inf and this rank's local found-inf
-        before update() consumes them: one stack of device scalars."""
-        scale = compat.scale_tensor(scaler)
+    def before_update(
+        self, scaler: torch.amp.GradScaler, identity: Identity, manual: bool
+    ) -> PendingStep | None:
+        """The step, with what update() will consume. A clean iteration costs a read of
+        the scale (CPU) or nothing (accelerators); any other snapshots every found-inf
+        value. ``None`` before the first ``scale()``."""
+        scale, states = compat.update_inputs(scaler)  # torch replaces, never changes, it
         if scale is None:
             return None
-        parts = [scale]
-        slots = []
-        for key, flags in compat.per_optimizer_found_infs(scaler):
-            parts.extend(flags)
-            slots.append((key, len(flags)))
-        local = self._iteration.local
-        parts.extend(local.values())
-        return BeforeUpdate(
-            values=_stack(parts, scale.device), slots=tuple(slots), local_devices=tuple(local)
-        )
+        stepped = self.stepped
+        clean = not self._unclean and len(stepped) == len(states)
+        shape: Shape = (self, states, self.seen, stepped, self._local)
+        pending = PendingStep(identity, self._step + 1, time.time(), manual, shape, clean)
+        on_host = self._read_on_host
+        if on_host is None:  # decided once: a scaler's device never changes
+            on_host = self._read_on_host = scale.device.type == "cpu"
+        if on_host:
+            if clean:
+                pending.before, pending.values = scale.item(), []
+            else:
+                flags = self._flag_tensors(shape)
+                pending.values = [scale.item(), *(flag.item() for flag in flags)]
+            return pending
+        seen, at = self._scale_seen, self._scale_at
+        if (
+            clean
+            and at is not None
+            and seen is not None
+            and seen[0] is scale
+            and compat.tensor_version(scale) == seen[1]
+        ):
+            pending.before = at
+        else:
+            pending.clean = False
+            flags = self._flag_tensors(shape)
+            pending.snapshot = _stack([scale, *flags], scale.device)
+        return pending
 
     def after_update(
         self,
         scaler: torch.amp.GradScaler,
-        before: BeforeUpdate | None,
-        *,
-        identity: Identity,
-        manual: bool,
+        pending: PendingStep | None,
         origin: Mapping[str, torch.Tensor],
-        update_time: float | None = None,
     ) -> PendingStep | None:
-        """Close the iteration: stack the step's scalars and start their host copy."""
-        iteration, self._iteration = self._iteration, _Iteration()
-        scale, tracker = compat.scale_tensor(scaler), compat.growth_tracker(scaler)
-        if before is None or scale is None or tracker is None:
+        """Close the iteration: read the step's scalars (CPU) or start their host copy."""
+        nonfinite, skipped = self._nonfinite, self._skipped
+        stepped, unknown_skip = bool(self.stepped), self._unknown_skip
+        if nonfinite:
+            self._nonfinite = {}  # the pending step keeps the filled one
+        self.seen, self.stepped, self._local, self._unknown_skip = {}, {}, {}, []
+        self._unclean = self._skipped = False
+        scale, tracker = compat.scale_and_tracker(scaler)
+        if pending is None or scale is None or tracker is None:
+            self._scale_seen = self._scale_at = None
             return None
-        self._step += 1
-        device = scale.device
-        values: tuple[torch.Tensor, ...]
-        ready = None
-        if device.type == "cpu":
-            # Nothing is read here: the training thread reads the device no more often
-            # than torch's scaler does (tests/scaler/test_scalers.py checks it on the CPU).
-            # Without origin flags a clone (0-dim) is about half the cost of a stack.
-            after = _stack([scale, *origin.values()], device) if origin else scale.clone()
-            values = (before.values, after, tracker.clone())
+        self._step = pending.step
+        if nonfinite:
+            pending.nonfinite = nonfinite
+        if origin:
+            pending.origin_devices = tuple(origin)
+        values = pending.values
+        if values is not None:  # the host transport
+            values.append(scale.item())
+            values.append(float(tracker.item()))
+            if origin:
+                values.extend(flag.item() for flag in origin.values())
         else:
-            host, ready = to_host_async(
-                torch.cat([before.values, _stack([scale, tracker, *origin.values()], device)])
-            )
-            values = (host,)
-        slots = []
-        for key, num_flags in before.slots:
-            optimizer, fused, stepped = iteration.optimizers.get(key, (None, False, False))
-            known = self._indices.get(key)
-            index = known[1] if known is not None and known[0]() is optimizer else -1
-            name = type(optimizer).__name__ if optimizer is not None else "unknown"
-            slots.append(self._slot(max(index, 0), name, fused, stepped, num_flags))
-        pending = PendingStep(
-            identity=identity,
-            step=self._step,
-            time=update_time if update_time is not None else time.time(),
-            manual=manual,
-            optimizers=tuple(slots),
-            local_devices=before.local_devices,
-            origin_devices=tuple(origin),
-            nonfinite=iteration.nonfinite,  # the iteration object is not reused
-            values=values,
-            ready=ready,
-        )
-        stepped = any(s for _, _, s in iteration.optimizers.values())
-        if iteration.skipped_on_host:
+            after = _stack([scale, tracker, *origin.values()], scale.device)
+            snapshot, pending.snapshot = pending.snapshot, None
+            if snapshot is None:
+                host, ready = to_host_async(after)
+                index = 0
+            else:
+                host, ready = to_host_async(torch.cat([snapshot, after]))
+                index = len(snapshot)
+            pending.host, pending.ready = host, ready
+            self._scale_at = (host, index)
+            self._scale_seen = (scale, compat.tensor_version(scale))
+        if skipped:
             self._last_skipped = True
-        elif not stepped or not iteration.unknown_skip:
+        elif not stepped or not unknown_skip:
             self._last_skipped = False
         else:
             self._last_skipped = pending
         return pending
+
+    # -- naming the values ---------------------------------------------------------------
+
+    def layout(self, shape: Shape) -> tuple[tuple[OptimizerSlot, ...], tuple[str, ...]]:
+        """The optimizer slots and local device names of an iteration, in the order of its
+        values. Runs on the telemetry thread, reading only the iteration's own objects and
+        this capture's caches (dict lookups and inserts, atomic under the GIL)."""
+        _, states, seen, stepped, _ = shape
+        slots = []
+        for key, found_inf in compat.found_infs(states):
+            info = seen.get(key) or self._optimizers.get(key)
+            if info is None:
+                slot_key = (0, "unknown", False, False, len(found_inf))
+            else:
+                slot_key = (info.index, info.name, info.fused, key in stepped, len(found_inf))
+            slot = self._slots.get(slot_key)
+            if slot is None:
+                index, name, fused, was_stepped, num_flags = slot_key
+                slot = self._slots[slot_key] = OptimizerSlot(
+                    index=index, name=name, fused=fused, stepped=was_stepped, num_flags=num_flags
+                )
+            slots.append(slot)
+        return tuple(slots), tuple(self._local_flags(shape))
+
+    def _local_flags(self, shape: Shape) -> dict[str, list[torch.Tensor]]:
+        """This rank's found-inf tensors by device name: each optimizer's recorded local
+        ones, else torch's own (equal to local where torch does not reduce them)."""
+        names = self._device_names
+        local: dict[str, list[torch.Tensor]] = {}
+        _, states, _, _, recorded = shape
+        for key, found_inf in compat.found_infs(states):
+            for device, flag in recorded.get(key, found_inf).items():
+                name = names.get(device)
+                if name is None:
+                    name = names[device] = str(device)
+                local.setdefault(name, []).append(flag)
+        return local
+
+    def _flag_tensors(self, shape: Shape) -> list[torch.Tensor]:
+        """Every found-inf tensor in the values' order; one per local device (the max)."""
+        flags = [flag for _, found in compat.found_infs(shape[1]) for flag in found.values()]
+        for tensors in self._local_flags(shape).values():
+            merged = tensors[0]
+            for flag in tensors[1:]:
+                merged = torch.maximum(merged, flag.to(merged.device))
+            flags.append(merged)
+        return flags

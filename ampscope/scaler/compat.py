@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,20 +45,22 @@ __all__ = [
     "flat_param_segments",
     "found_inf_per_device",
     "found_inf_reduction",
+    "found_infs",
     "fsdp1_comm_hook",
     "fsdp_default_hooks",
     "fully_shard_param_groups",
-    "growth_tracker",
     "is_dtensor",
     "local_tensor",
     "optimizer_stage",
     "param_group_reduce_scatter",
     "param_group_reduce_scatter_size",
-    "per_optimizer_found_infs",
     "reduce_found_inf",
+    "scale_and_tracker",
     "scale_tensor",
     "scaler_device",
     "steps_itself",
+    "tensor_version",
+    "update_inputs",
 ]
 
 # Prefixes module wrappers insert into parameter names (FSDP1, activation checkpointing,
@@ -81,10 +83,12 @@ def scaler_device(scaler: _TorchGradScaler) -> str:
     return str(scaler._device)
 
 
-def growth_tracker(scaler: _TorchGradScaler) -> torch.Tensor | None:
-    """The growth-tracker tensor. ShardedGradScaler on CPU replaces it on each update()."""
-    tracker: torch.Tensor | None = scaler._growth_tracker
-    return tracker
+def scale_and_tracker(
+    scaler: _TorchGradScaler,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The scale and growth-tracker tensors (``None`` until the first ``scale()``).
+    ShardedGradScaler on CPU replaces the tracker on each update()."""
+    return scaler._scale, scaler._growth_tracker
 
 
 def found_inf_per_device(
@@ -110,14 +114,24 @@ def steps_itself(optimizer: object) -> bool:
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
-def per_optimizer_found_infs(
-    scaler: _TorchGradScaler,
-) -> Iterator[tuple[int, list[torch.Tensor]]]:
-    """``(id(optimizer), found-inf tensors)`` for every optimizer of this iteration, in the
-    order update() consumes them. Call before update(): it adds the tensors into the first
-    one in place."""
-    for key, state in scaler._per_optimizer_states.items():
-        yield key, list(state["found_inf_per_device"].values())
+def update_inputs(scaler: _TorchGradScaler) -> tuple[torch.Tensor | None, Mapping[int, Any]]:
+    """What update() consumes: the scale, and the per-optimizer states of this iteration
+    (read them with :func:`found_infs`). update() replaces the states' mapping instead of
+    changing it, so it may be kept; but read found-inf values before update(): it adds the
+    tensors into the first one in place."""
+    return scaler._scale, scaler._per_optimizer_states
+
+
+def found_infs(states: Mapping[int, Any]) -> list[tuple[int, Mapping[torch.device, torch.Tensor]]]:
+    """``(id(optimizer), found-inf per device)`` of states from :func:`update_inputs`, in
+    the order update() reads them."""
+    return [(key, state["found_inf_per_device"]) for key, state in states.items()]
+
+
+def tensor_version(tensor: torch.Tensor) -> int:
+    """The tensor's version counter: autograd's count of in-place changes to its data."""
+    version: int = tensor._version
+    return version
 
 
 # -- DTensor ----------------------------------------------------------------------------
@@ -133,8 +147,8 @@ def _dtensor_class() -> type | None:
 
 
 def is_dtensor(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is a DTensor (FSDP2 ``fully_shard`` or tensor-parallel grads).
-    Runs per gradient per step: a type check (plain tensors answer without a lookup)."""
+    """Whether ``tensor`` is a DTensor (FSDP2 ``fully_shard`` or tensor-parallel grads,
+    and their parameters); plain tensors and parameters answer without a lookup."""
     if type(tensor) is torch.Tensor or type(tensor) is torch.nn.Parameter:
         return False
     dtensor = _dtensor_class()

@@ -39,17 +39,6 @@ class _LocalShardsView:
         self.param_groups = [{"params": stand_ins}]
 
 
-def has_dtensor_grads(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether any of ``optimizer``'s gradients is a DTensor (a loop over its params, run
-    every step: plain tensors are told apart by their exact type without a call)."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            grad = p.grad
-            if grad is not None and type(grad) is not torch.Tensor and compat.is_dtensor(grad):
-                return True
-    return False
-
-
 def unscale_local_shards(
     unscale: UnscaleFn,
     optimizer: torch.optim.Optimizer,

@@ -10,10 +10,10 @@ parameters or found-inf, except the optional scale clamp.
 from __future__ import annotations
 
 import logging
-import time
 import warnings
 import weakref
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -22,16 +22,17 @@ from torch import nn
 from ampscope.reporter.schema import Identity
 from ampscope.scaler import compat
 from ampscope.scaler.attribution import count_nonfinite
-from ampscope.scaler.capture import BeforeUpdate, StepCapture
+from ampscope.scaler.capture import StepCapture
 from ampscope.scaler.config import TelemetryConfig
 from ampscope.scaler.identity import resolve_identity
-from ampscope.scaler.local_unscale import has_dtensor_grads, unscale_local_shards
+from ampscope.scaler.local_unscale import unscale_local_shards
 from ampscope.scaler.names import ParamNames
 from ampscope.scaler.outputs import build_sinks
-from ampscope.scaler.probe import StepProbe
 from ampscope.scaler.telemetry import Telemetry
 
 logger = logging.getLogger("ampscope")
+
+_NO_FLAGS: Mapping[str, torch.Tensor] = MappingProxyType({})
 
 # Attributes this mixin adds; dropped when the scaler is pickled (threads, hooks, sinks).
 _OWN_ATTRIBUTES = (
@@ -39,7 +40,6 @@ _OWN_ATTRIBUTES = (
     "_ampscope_telemetry",
     "_ampscope_capture",
     "_ampscope_names",
-    "_ampscope_probe",
     "_ampscope_identity",
     "_ampscope_origin",
     "_ampscope_origin_handles",
@@ -65,7 +65,6 @@ class TelemetryMixin:
     _ampscope_telemetry: Telemetry
     _ampscope_capture: StepCapture | None
     _ampscope_names: ParamNames
-    _ampscope_probe: StepProbe
     _ampscope_identity: Identity | None
     _ampscope_origin: Any
     _ampscope_origin_handles: list[Any]
@@ -87,7 +86,6 @@ class TelemetryMixin:
         )
         self._ampscope_capture = StepCapture() if enabled else None
         self._ampscope_names = ParamNames()
-        self._ampscope_probe = StepProbe()
         self._ampscope_identity = None
         self._ampscope_origin = None
         self._ampscope_origin_handles = []
@@ -149,11 +147,12 @@ class TelemetryMixin:
         thread when the scaler is garbage collected without it. Waits at most about
         ``timeout`` seconds (default 1), even with the exporter down.
         """
-        self._ampscope_capture = None
+        capture, self._ampscope_capture = self._ampscope_capture, None
+        if capture is not None:
+            capture.close()
         for handle in self._ampscope_origin_handles:
             handle.remove()
         self._ampscope_origin_handles = []
-        self._ampscope_probe.remove()
         self._ampscope_telemetry.close(timeout)
 
     # -- torch hook points ---------------------------------------------------------------
@@ -167,23 +166,28 @@ class TelemetryMixin:
     ) -> dict[torch.device, torch.Tensor]:
         parent: Any = super()
         capture = self._ampscope_capture
-        if capture is None or not has_dtensor_grads(optimizer):
+        if capture is None:
             result: dict[torch.device, torch.Tensor] = parent._unscale_grads_(
                 optimizer, inv_scale, found_inf, allow_fp16
             )
-            if capture is not None:
-                fresh = not self._ampscope_reduces_found_inf_in_place
-                # Inline guards on the per-step path: _ampscope_guard's frame and argument
-                # packing cost more than the try itself.
-                try:
-                    capture.record_local(optimizer, result, fresh=fresh)
-                except Exception:
-                    self._ampscope_failed()
             return result
-        result, local = unscale_local_shards(
-            parent._unscale_grads_, optimizer, inv_scale, found_inf, allow_fp16
-        )
-        self._ampscope_guard(capture.record_local, optimizer, local, fresh=True)
+        # Inline guards on the per-step path: _ampscope_guard's frame and argument packing
+        # cost more than the try itself.
+        try:
+            dtensor = capture.unscaling(optimizer)
+        except Exception:
+            self._ampscope_failed()
+            dtensor = False
+        if dtensor:
+            result, local = unscale_local_shards(
+                parent._unscale_grads_, optimizer, inv_scale, found_inf, allow_fp16
+            )
+            self._ampscope_guard(capture.record_local, optimizer, local, fresh=True)
+            return result
+        result = parent._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        if self._ampscope_reduces_found_inf_in_place:
+            self._ampscope_guard(capture.record_local, optimizer, result, fresh=False)
+        # Otherwise torch's found-inf is the local one: nothing to keep.
         return result
 
     def _maybe_opt_step(
@@ -197,20 +201,20 @@ class TelemetryMixin:
         capture = self._ampscope_capture
         if capture is None:
             return parent._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)
-        probe = self._ampscope_probe
-        watching: bool | None
-        try:
-            watching = probe.arm(optimizer)
-        except Exception:
-            self._ampscope_failed()
-            watching = None
+        # Seen by _unscale_grads_ in this iteration (torch unscales before it steps).
+        info = capture.seen.get(id(optimizer))
+        if info is None:
+            return parent._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)
+        calls = info.calls[0]
         retval = parent._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)
-        # torch's own .item() decided; the probe saw whether optimizer.step() ran.
-        skipped = not probe.fired(optimizer) if watching else None
-        try:
-            self._ampscope_after_step(optimizer, False, skipped)
-        except Exception:
-            self._ampscope_failed()
+        # torch's own .item() decided; the step pre-hook counted whether step() ran.
+        if info.handle is not None and info.calls[0] != calls:
+            capture.stepped[id(optimizer)] = False
+        else:
+            try:
+                self._ampscope_after_step(optimizer, None if info.handle is None else True)
+            except Exception:
+                self._ampscope_failed()
         return retval
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> float | None:
@@ -220,86 +224,70 @@ class TelemetryMixin:
         parent: Any = super()
         retval = parent.step(optimizer, *args, **kwargs)
         capture = self._ampscope_capture
-        if capture is not None and compat.steps_itself(optimizer):
-            self._ampscope_guard(self._ampscope_after_fused_step, optimizer)
+        if capture is not None:
+            info = capture.seen.get(id(optimizer))
+            if info is not None and info.fused:
+                self._ampscope_guard(self._ampscope_after_fused_step, optimizer)
         return retval
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
-        """As torch's ``update()``, then records the step: a few scalar device ops and,
-        on CUDA, one non-blocking copy to pinned memory; no sync. The first call also
+        """As torch's ``update()``, then records the step. On the CPU it reads the scale and
+        growth tracker (host memory: no copy, no sync). On accelerators, one small stack
+        and its non-blocking copy to pinned memory; never a sync. The first call also
         resolves the run id, which may broadcast it from rank 0 (a collective every
         rank reaches in its first update())."""
         parent: Any = super()
         capture = self._ampscope_capture
-        if capture is None or compat.scale_tensor(self) is None:  # type: ignore[arg-type]
+        if capture is None:
             parent.update(new_scale)
             return
-        update_time = time.time()
-        before: BeforeUpdate | None
         try:
-            before = capture.before_update(self)  # type: ignore[arg-type]
+            identity = self._ampscope_identity
+            if identity is None:
+                identity = self._ampscope_identity = self._ampscope_resolve_identity()
+            pending = capture.before_update(self, identity, new_scale is not None)  # type: ignore[arg-type]
         except Exception:
             self._ampscope_failed()
-            before = None
+            pending = None
         parent.update(new_scale)
         config = self._ampscope_config
-        scale = compat.scale_tensor(self)  # type: ignore[arg-type]
-        clamped = config.min_scale is not None or config.max_scale is not None
-        if new_scale is None and scale is not None and clamped:
-            scale.clamp_(min=config.min_scale, max=config.max_scale)
+        if new_scale is None and (config.min_scale is not None or config.max_scale is not None):
+            scale = compat.scale_tensor(self)  # type: ignore[arg-type]
+            if scale is not None:
+                scale.clamp_(min=config.min_scale, max=config.max_scale)
         try:
-            self._ampscope_after_update(capture, before, new_scale, update_time)
+            origin = self._ampscope_origin
+            pending = capture.after_update(
+                self,  # type: ignore[arg-type]
+                pending,
+                _NO_FLAGS if origin is None else origin.take(),
+            )
+            if pending is not None:
+                self._ampscope_telemetry.submit(pending)
         except Exception:
             self._ampscope_failed()
 
     # -- internals -----------------------------------------------------------------------
 
-    def _ampscope_after_step(
-        self, optimizer: torch.optim.Optimizer, fused: bool, skipped: bool | None
-    ) -> None:
+    def _ampscope_after_step(self, optimizer: torch.optim.Optimizer, skipped: bool | None) -> None:
         capture = self._ampscope_capture
         if capture is None:
             return
-        capture.record_step(
-            optimizer,
-            fused=fused,
-            skipped=skipped,
-            found_inf=compat.found_inf_per_device(self, optimizer) if skipped is None else None,  # type: ignore[arg-type]
-        )
+        capture.record_step(optimizer, skipped, compat.found_inf_per_device(self, optimizer))  # type: ignore[arg-type]
         if skipped and self._ampscope_config.attribution:
             capture.add_nonfinite(count_nonfinite(optimizer, self._ampscope_names))
 
     def _ampscope_after_fused_step(self, optimizer: torch.optim.Optimizer) -> None:
+        capture = self._ampscope_capture
+        if capture is None:
+            return
         found = compat.found_inf_per_device(self, optimizer)  # type: ignore[arg-type]
         skipped: bool | None = None
         if found and all(t.device.type == "cpu" for t in found.values()):
             # On the CPU reading the flag is free; on accelerators torch never reads it
             # for fused optimizers and neither does ampscope (no sync added).
             skipped = any(bool(t.item()) for t in found.values())
-        self._ampscope_after_step(optimizer, True, skipped)
-
-    def _ampscope_after_update(
-        self,
-        capture: StepCapture,
-        before: BeforeUpdate | None,
-        new_scale: object,
-        update_time: float,
-    ) -> None:
-        if self._ampscope_identity is None:
-            self._ampscope_identity = self._ampscope_resolve_identity()
-        origin: Mapping[str, torch.Tensor] = (
-            self._ampscope_origin.take() if self._ampscope_origin is not None else {}
-        )
-        pending = capture.after_update(
-            self,  # type: ignore[arg-type]
-            before,
-            identity=self._ampscope_identity,
-            manual=new_scale is not None,
-            origin=origin,
-            update_time=update_time,
-        )
-        if pending is not None:
-            self._ampscope_telemetry.submit(pending)
+        self._ampscope_after_step(optimizer, skipped)
 
     def _ampscope_resolve_identity(self) -> Identity:
         # Attempted exactly once per scaler: a retry on a later update() could pair this

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ampscope.reporter.schema import StepRecord
+from ampscope.scaler.capture import StepCapture
 
 
 class ListSink:
@@ -78,3 +79,9 @@ def run(
             opt.zero_grad()
         scales.append(scaler.get_scale())
     return scales
+
+
+def use_device_transport(scaler: torch.amp.GradScaler) -> None:
+    """Make an instrumented CPU scaler capture as it does on accelerators: stacked copies
+    read later by the telemetry thread, instead of reading host memory at update()."""
+    scaler._ampscope_capture = StepCapture(read_on_host=False)  # type: ignore[attr-defined]

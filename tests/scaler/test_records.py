@@ -8,7 +8,6 @@ import random
 
 import pydantic
 import pytest
-import torch
 
 from ampscope.reporter.schema import Identity, StepRecord
 from ampscope.scaler.capture import OptimizerSlot, PendingStep
@@ -40,7 +39,7 @@ def _pending(
         local_devices=local,
         origin_devices=origin,
         nonfinite=nonfinite or {},
-        values=(torch.tensor(values),),
+        values=list(values),
     )
 
 

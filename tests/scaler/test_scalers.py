@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from helpers import ListSink, Net, batch, poison, run
+from helpers import ListSink, Net, batch, poison, run, use_device_transport
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as TorchSharded
 
 import ampscope
@@ -44,12 +44,15 @@ def _side_by_side(
     sparse: bool = False,
     clip: bool = False,
     steps: int = 12,
+    transport: str = "host",
 ) -> tuple[ampscope.GradScaler, ListSink, list[float]]:
     """Train ours and torch's side by side; assert equal params and scales."""
     sink = ListSink()
     ours = ampscope.GradScaler(
         "cpu", init_scale=256.0, growth_interval=2, reporter=None, sinks=[sink]
     )
+    if transport == "device":
+        use_device_transport(ours)
     stock = torch.amp.GradScaler("cpu", init_scale=256.0, growth_interval=2)
     ours_model, stock_model = Net(dtype, sparse), Net(dtype, sparse)
     ours.attach(ours_model)
@@ -80,8 +83,15 @@ def _side_by_side(
         pytest.param(_two, torch.float32, False, False, id="two-optimizers"),
     ],
 )
-def test_parity_and_records(factory: Factory, dtype: torch.dtype, sparse: bool, clip: bool) -> None:
-    ours, sink, scales = _side_by_side(factory, dtype=dtype, sparse=sparse, clip=clip)
+@pytest.mark.parametrize("transport", ["host", "device"])
+def test_parity_and_records(
+    factory: Factory, dtype: torch.dtype, sparse: bool, clip: bool, transport: str
+) -> None:
+    """Both ways a step's values reach the telemetry thread give the same records: read at
+    update() (CPU) and copied for later (accelerators; forced here on the CPU)."""
+    ours, sink, scales = _side_by_side(
+        factory, dtype=dtype, sparse=sparse, clip=clip, transport=transport
+    )
     records = sink.records
     # torch's scale shrinks exactly on the iterations it skipped: the injected ones, and
     # with fp16 gradients also natural overflows.
@@ -242,6 +252,41 @@ def test_factor_accessors_and_pickle() -> None:
     scaler.close()
 
 
+@pytest.mark.parametrize("transport", ["host", "device"])
+def test_scale_before_follows_every_change_of_the_scale(transport: str) -> None:
+    """Each record's scale_before is the scale its update() started from, also after a
+    clamp, a skipped step, load_state_dict() between iterations and a manual
+    update(new_scale). The device transport takes it from the previous step's copy only
+    while the scale tensor's version counter proves it unchanged."""
+    sink = ListSink()
+    scaler = ampscope.GradScaler(
+        "cpu", init_scale=4.0, growth_interval=1, reporter=None, sinks=[sink], max_scale=32.0
+    )
+    if transport == "device":
+        use_device_transport(scaler)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    started_from = []
+    for step in range(12):
+        scaler.scale(model(batch(step))).backward()
+        if step == 5:
+            poison(model.head.weight)
+        scaler.step(opt)
+        started_from.append(scaler.get_scale())
+        scaler.update(64.0 if step == 8 else None)
+        opt.zero_grad()
+        if step == 3:
+            scaler.load_state_dict({**scaler.state_dict(), "scale": 1024.0})
+    scaler.close()
+    records = sink.records
+    assert [r.scale_before for r in records] == started_from
+    assert started_from[4] == 1024.0, "load_state_dict() set the scale"
+    assert started_from[9] == 64.0, "update(64.0) set the scale"
+    clamped_halved_set = [8.0, 16.0, 32.0, 32.0, 32.0, 16.0, 32.0, 32.0, 64.0, 32.0, 32.0, 32.0]
+    assert [r.scale_after for r in records] == clamped_halved_set
+    assert [r.event for r in records].count("manual") == 1
+
+
 def test_manual_update_and_clamp() -> None:
     scaler = ampscope.GradScaler(
         "cpu", init_scale=4.0, growth_interval=1, reporter=None, max_scale=16.0, min_scale=2.0
@@ -264,7 +309,9 @@ def test_manual_update_and_clamp() -> None:
 
 
 def test_no_extra_host_reads_on_clean_steps(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The training thread reads the device exactly as often as torch's scaler does."""
+    """On accelerators the training thread reads the device exactly as often as torch's
+    scaler does. The device transport runs here on the CPU; the CPU's own transport reads
+    host memory, which is not a device read."""
     main = threading.current_thread()
     reads = {"n": 0}
     for method in ("item", "tolist", "__bool__", "__float__", "__int__"):
@@ -292,6 +339,7 @@ def test_no_extra_host_reads_on_clean_steps(monkeypatch: pytest.MonkeyPatch) -> 
     for factory in (_sgd, _two):
         stock = reads_in(torch.amp.GradScaler("cpu"), factory)
         ours_scaler = ampscope.GradScaler("cpu", reporter=None)
+        use_device_transport(ours_scaler)
         assert reads_in(ours_scaler, factory) == stock > 0
         ours_scaler.close()
 
