@@ -1,16 +1,17 @@
 """What one iteration saw, captured on the training thread at the least cost.
 
-Between two update() calls a :class:`StepCapture` notes which optimizers stepped and
-whether the host already knows each step was clean or skipped (torch's own ``.item()``
-in ``_maybe_opt_step`` decided; a step pre-hook counts the ``optimizer.step()`` calls),
-keeps this rank's local found-inf tensors by reference, and, on overflow iterations
-only, the non-finite parameter counts. update() then hands a :class:`PendingStep` to the
-telemetry thread, which works out the rest (optimizer slots, device names) and builds
-the record.
+A :class:`StepCapture` hooks in at two points. When torch unscales an optimizer's
+gradients it notes the optimizer and how often its ``step()`` has run so far (a step
+pre-hook counts the calls), and keeps this rank's local found-inf where torch's differs
+(the sharded scaler reduces it in place; DTensor gradients are unscaled shard by shard).
+At update() it hands a :class:`PendingStep` to the telemetry thread, which names the
+step's values (optimizer slots, device names) and builds the record.
 
-Most iterations are clean, and then the host already knows every found-inf value is
-zero, so none is copied or read. What remains is the scale before and after update()
-and the growth tracker:
+torch's ``step()`` already read each optimizer's found-inf on the host (its ``.item()``)
+and called ``optimizer.step()`` only if it was zero. So when every optimizer of the
+iteration has stepped and its counter moved, every found-inf value is known to be zero,
+and none is copied or read. What remains is the scale before and after update() and the
+growth tracker:
 
 * **CPU** (host transport): read at once with no copy; reading CPU memory is no device
   synchronisation.
@@ -19,10 +20,10 @@ and the growth tracker:
   scale before is the previous step's scale after, which the tensor's version counter
   proves unchanged. Nothing is read on the training thread.
 
-An iteration the host cannot vouch for (a skipped step, a fused optimizer's outcome
+An iteration the host cannot vouch for (a skipped step, a fused optimizer, whose skip is
 decided on the device, an optimizer unscaled but not stepped, a changed scale) also
 snapshots the scale and every found-inf value before update(), which adds the tensors
-into the first one in place.
+into the first one in place; skipped steps get their non-finite parameters counted then.
 """
 
 from __future__ import annotations
@@ -71,7 +72,17 @@ def _counter(calls: list[int]) -> Callable[[Any, Any, Any], None]:
 class OptimizerInfo:
     """What a capture knows of one optimizer across iterations (training thread only)."""
 
-    __slots__ = ("calls", "dtensor", "fused", "groups", "handle", "index", "name", "ref")
+    __slots__ = (
+        "calls",
+        "dtensor",
+        "fused",
+        "groups",
+        "handle",
+        "index",
+        "name",
+        "ref",
+        "unscaled_at",
+    )
 
     def __init__(self, optimizer: torch.optim.Optimizer, index: int) -> None:
         self.ref = weakref.ref(optimizer)
@@ -80,6 +91,8 @@ class OptimizerInfo:
         self.fused = compat.steps_itself(optimizer)
         self.calls = [0]
         """``optimizer.step()`` calls so far (public step pre-hook)."""
+        self.unscaled_at = 0
+        """``calls`` when torch last unscaled the optimizer's gradients."""
         register = getattr(optimizer, "register_step_pre_hook", None)
         self.handle: RemovableHandle | None = (
             register(_counter(self.calls)) if register is not None else None
@@ -98,17 +111,14 @@ class OptimizerInfo:
         self.dtensor = any(compat.is_dtensor(p) for group in groups for p in group["params"])
 
 
-Shape = tuple[
-    "StepCapture",
-    Mapping[int, Any],
-    dict[int, OptimizerInfo],
-    dict[int, bool | None],
-    dict[int, FoundInf],
-]
+Step = tuple[int, bool, FoundInf]
+"""One optimizer of an iteration: (id, whether torch stepped it, found-inf per device)."""
+
+Shape = tuple["StepCapture", list[Step], dict[int, OptimizerInfo], dict[int, FoundInf]]
 """The raw facts of one iteration that name its values, turned into optimizer slots and
-device names on the telemetry thread (:meth:`StepCapture.layout`): the capture, torch's
-per-optimizer states (:func:`compat.update_inputs`), the optimizers unscaled and stepped
-by id, and the recorded local found-inf by id."""
+device names on the telemetry thread (:meth:`StepCapture.layout`): the capture, the
+optimizers in the order update() reads them, those unscaled in the iteration by id, and
+the recorded local found-inf by id."""
 
 
 class PendingStep:
@@ -247,22 +257,15 @@ class StepCapture:
         self._read_on_host = read_on_host
         self._optimizers: dict[int, OptimizerInfo] = {}
         # This iteration's, replaced by update():
-        self.seen: dict[int, OptimizerInfo] = {}
+        self._seen: dict[int, OptimizerInfo] = {}
         """Optimizers unscaled in this iteration, by id."""
-        self.stepped: dict[int, bool | None] = {}
-        """id(optimizer) -> whether its step was skipped; ``None``: the host does not know.
-        The mixin sets ``False`` itself on the per-step path; anything else goes through
-        :meth:`record_step`."""
-        self._unclean = False
-        """A step was skipped, or its outcome is unknown to the host."""
-        self._skipped = False
         self._local: dict[int, FoundInf] = {}
-        self._unknown_skip: list[torch.Tensor] = []
-        """Found-inf tensors of fused steps whose outcome the host has not read."""
-        self._nonfinite: dict[str, int] = {}
         # Across iterations:
         self._step = 0
-        self._last_skipped: bool | PendingStep | None = None
+        self._skipped: bool | None = False
+        """Whether the iteration that update() is closing skipped a step; ``None``: the
+        host does not know (set before torch's update, kept by after_update)."""
+        self._last_skipped: bool | PendingStep = False
         self._slots: dict[tuple[int, str, bool, bool, int], OptimizerSlot] = {}
         self._device_names: dict[torch.device, str] = {}
         self._scale_seen: tuple[torch.Tensor, int] | None = None
@@ -280,14 +283,16 @@ class StepCapture:
     # -- during the iteration ------------------------------------------------------------
 
     def unscaling(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Note that ``optimizer`` is being unscaled in this iteration (registering it, with
-        its step pre-hook, on first sight); whether its gradients are DTensors."""
+        """Note that torch is unscaling ``optimizer``'s gradients in this iteration
+        (registering it, with its step pre-hook, on first sight); whether they are
+        DTensors."""
         key = id(optimizer)
         info = self._optimizers.get(key)
         if info is None or info.ref() is not optimizer:
             # A reused id of a collected optimizer gets a fresh entry and index.
             info = self._optimizers[key] = OptimizerInfo(optimizer, len(self._optimizers))
-        self.seen[key] = info
+        self._seen[key] = info
+        info.unscaled_at = info.calls[0]
         if len(optimizer.param_groups) != info.groups:
             info.refresh(optimizer)
         return info.dtensor
@@ -306,33 +311,34 @@ class StepCapture:
             found_inf = {d: t.detach().clone() for d, t in found_inf.items()}
         self._local[id(optimizer)] = found_inf
 
-    def record_step(
-        self, optimizer: torch.optim.Optimizer, skipped: bool | None, found_inf: FoundInf
-    ) -> None:
-        """Note that ``optimizer`` went through step() and was skipped, or, with
-        ``skipped=None``, that the host does not know (``found_inf`` says it, read only if
-        someone asks)."""
-        self.stepped[id(optimizer)] = skipped  # torch allows one step() per update()
-        if skipped is not False:
-            self._unclean = True
-            if skipped:
-                self._skipped = True
-            elif found_inf:
-                self._unknown_skip.extend(found_inf.values())
+    def skips(self, steps: list[Step], *, read_device: bool) -> dict[int, bool | None]:
+        """Whether each stepped optimizer skipped its step, by id; ``None``: unknown.
 
-    def add_nonfinite(self, counts: Mapping[str, int]) -> None:
-        nonfinite = self._nonfinite
-        for name, count in counts.items():
-            nonfinite[name] = nonfinite.get(name, 0) + count
+        torch called a non-fused optimizer's ``step()`` only if its found-inf was zero,
+        so the step counter says it for free. Fused optimizers step themselves and skip
+        on the device: their found-inf is read when it is on the CPU (free) or when
+        ``read_device`` (a sync on accelerators).
+        """
+        out: dict[int, bool | None] = {}
+        for key, stepped, found_inf in steps:
+            if not stepped:
+                continue
+            info = self._seen.get(key)
+            if info is not None and not info.fused and info.handle is not None:
+                out[key] = info.calls[0] == info.unscaled_at
+            elif read_device or all(t.device.type == "cpu" for t in found_inf.values()):
+                out[key] = any(bool(t.item()) for t in found_inf.values())
+            else:
+                out[key] = None
+        return out
 
-    def last_step_skipped(self) -> bool:
+    def last_step_skipped(self, scaler: torch.amp.GradScaler) -> bool:
         """Whether the newest iteration skipped a step: the open one if it has stepped,
         else the one the last update() closed. Free when the host knows (the usual case);
         otherwise reads device flags (a sync) or waits for the pending step."""
-        if self.stepped:
-            if self._skipped:
-                return True
-            return any(bool(flag.item()) for flag in self._unknown_skip)
+        _, steps = compat.update_inputs(scaler)
+        if any(stepped for _, stepped, _ in steps):
+            return any(self.skips(steps, read_device=True).values())
         last = self._last_skipped
         if isinstance(last, PendingStep):
             values = last.read()
@@ -343,23 +349,44 @@ class StepCapture:
                 offset += slot.num_flags
             self._last_skipped = skipped
             return skipped
-        return bool(last)
+        return last
 
     # -- update() ------------------------------------------------------------------------
 
     def before_update(
-        self, scaler: torch.amp.GradScaler, identity: Identity, manual: bool
+        self,
+        scaler: torch.amp.GradScaler,
+        identity: Identity,
+        manual: bool,
+        attribute: Callable[[torch.optim.Optimizer], Mapping[str, int]] | None,
     ) -> PendingStep | None:
         """The step, with what update() will consume. A clean iteration costs a read of
         the scale (CPU) or nothing (accelerators); any other snapshots every found-inf
-        value. ``None`` before the first ``scale()``."""
-        scale, states = compat.update_inputs(scaler)  # torch replaces, never changes, it
+        value, and counts the non-finite parameters of skipped steps with ``attribute``.
+        ``None`` before the first ``scale()``."""
+        scale, steps = compat.update_inputs(scaler)
         if scale is None:
             return None
-        stepped = self.stepped
-        clean = not self._unclean and len(stepped) == len(states)
-        shape: Shape = (self, states, self.seen, stepped, self._local)
+        seen = self._seen
+        clean = True
+        for key, stepped, _ in steps:
+            info = seen.get(key)
+            # Known clean: torch stepped a non-fused optimizer and its step() ran.
+            if (
+                not stepped
+                or info is None
+                or info.fused
+                or info.handle is None
+                or info.calls[0] == info.unscaled_at
+            ):
+                clean = False
+                break
+        shape: Shape = (self, steps, seen, self._local)
         pending = PendingStep(identity, self._step + 1, time.time(), manual, shape, clean)
+        if clean:
+            self._skipped = False
+        else:
+            self._unclean(pending, steps, attribute)
         on_host = self._read_on_host
         if on_host is None:  # decided once: a scaler's device never changes
             on_host = self._read_on_host = scale.device.type == "cpu"
@@ -370,13 +397,13 @@ class StepCapture:
                 flags = self._flag_tensors(shape)
                 pending.values = [scale.item(), *(flag.item() for flag in flags)]
             return pending
-        seen, at = self._scale_seen, self._scale_at
+        seen_scale, at = self._scale_seen, self._scale_at
         if (
             clean
             and at is not None
-            and seen is not None
-            and seen[0] is scale
-            and compat.tensor_version(scale) == seen[1]
+            and seen_scale is not None
+            and seen_scale[0] is scale
+            and compat.tensor_version(scale) == seen_scale[1]
         ):
             pending.before = at
         else:
@@ -385,6 +412,26 @@ class StepCapture:
             pending.snapshot = _stack([scale, *flags], scale.device)
         return pending
 
+    def _unclean(
+        self,
+        pending: PendingStep,
+        steps: list[Step],
+        attribute: Callable[[torch.optim.Optimizer], Mapping[str, int]] | None,
+    ) -> None:
+        skips = self.skips(steps, read_device=False)
+        self._skipped = True if any(skips.values()) else None if None in skips.values() else False
+        if attribute is None:
+            return
+        nonfinite: dict[str, int] = {}
+        for key, skipped in skips.items():
+            info = self._seen.get(key)
+            optimizer = info.ref() if info is not None else None
+            if skipped and optimizer is not None:
+                for name, count in attribute(optimizer).items():
+                    nonfinite[name] = nonfinite.get(name, 0) + count
+        if nonfinite:
+            pending.nonfinite = nonfinite
+
     def after_update(
         self,
         scaler: torch.amp.GradScaler,
@@ -392,19 +439,15 @@ class StepCapture:
         origin: Mapping[str, torch.Tensor],
     ) -> PendingStep | None:
         """Close the iteration: read the step's scalars (CPU) or start their host copy."""
-        nonfinite, skipped = self._nonfinite, self._skipped
-        stepped, unknown_skip = bool(self.stepped), self._unknown_skip
-        if nonfinite:
-            self._nonfinite = {}  # the pending step keeps the filled one
-        self.seen, self.stepped, self._local, self._unknown_skip = {}, {}, {}, []
-        self._unclean = self._skipped = False
+        self._seen = {}
+        if self._local:
+            self._local = {}
         scale, tracker = compat.scale_and_tracker(scaler)
         if pending is None or scale is None or tracker is None:
             self._scale_seen = self._scale_at = None
+            self._last_skipped = False
             return None
         self._step = pending.step
-        if nonfinite:
-            pending.nonfinite = nonfinite
         if origin:
             pending.origin_devices = tuple(origin)
         values = pending.values
@@ -425,12 +468,7 @@ class StepCapture:
             pending.host, pending.ready = host, ready
             self._scale_at = (host, index)
             self._scale_seen = (scale, compat.tensor_version(scale))
-        if skipped:
-            self._last_skipped = True
-        elif not stepped or not unknown_skip:
-            self._last_skipped = False
-        else:
-            self._last_skipped = pending
+        self._last_skipped = pending if self._skipped is None else self._skipped
         return pending
 
     # -- naming the values ---------------------------------------------------------------
@@ -439,14 +477,14 @@ class StepCapture:
         """The optimizer slots and local device names of an iteration, in the order of its
         values. Runs on the telemetry thread, reading only the iteration's own objects and
         this capture's caches (dict lookups and inserts, atomic under the GIL)."""
-        _, states, seen, stepped, _ = shape
+        _, steps, seen, _ = shape
         slots = []
-        for key, found_inf in compat.found_infs(states):
+        for key, stepped, found_inf in steps:
             info = seen.get(key) or self._optimizers.get(key)
             if info is None:
-                slot_key = (0, "unknown", False, False, len(found_inf))
+                slot_key = (0, "unknown", False, stepped, len(found_inf))
             else:
-                slot_key = (info.index, info.name, info.fused, key in stepped, len(found_inf))
+                slot_key = (info.index, info.name, info.fused, stepped, len(found_inf))
             slot = self._slots.get(slot_key)
             if slot is None:
                 index, name, fused, was_stepped, num_flags = slot_key
@@ -461,8 +499,8 @@ class StepCapture:
         ones, else torch's own (equal to local where torch does not reduce them)."""
         names = self._device_names
         local: dict[str, list[torch.Tensor]] = {}
-        _, states, _, _, recorded = shape
-        for key, found_inf in compat.found_infs(states):
+        _, steps, _, recorded = shape
+        for key, _, found_inf in steps:
             for device, flag in recorded.get(key, found_inf).items():
                 name = names.get(device)
                 if name is None:
@@ -472,7 +510,7 @@ class StepCapture:
 
     def _flag_tensors(self, shape: Shape) -> list[torch.Tensor]:
         """Every found-inf tensor in the values' order; one per local device (the max)."""
-        flags = [flag for _, found in compat.found_infs(shape[1]) for flag in found.values()]
+        flags = [flag for _, _, found_inf in shape[1] for flag in found_inf.values()]
         for tensors in self._local_flags(shape).values():
             merged = tensors[0]
             for flag in tensors[1:]:

@@ -2,7 +2,9 @@
 
 The instrumented scalers subclass torch's and must read a few things torch does not
 expose publicly: the per-optimizer found-inf tensors, the scale and growth-tracker
-tensors, the ``_unscale_grads_``/``_maybe_opt_step`` hook points, DTensor local shards
+tensors and their per-optimizer stage, the ``_unscale_grads_`` hook point and the rule
+of ``_maybe_opt_step`` (it calls ``optimizer.step()`` only when found-inf is zero, which
+tells the scaler a step was clean without a second read), DTensor local shards
 and the found-inf reduction rule of DTensor's dispatch, FSDP1 FlatParameter shard
 metadata, and, for origin tracking, the comm hooks DDP and FSDP1 hold, FSDP1's default
 comm hooks and FSDP2's reduce-scatter comm objects. Nothing else in ampscope reads
@@ -43,15 +45,12 @@ __all__ = [
     "ddp_comm_hooks",
     "ddp_uses_python_reducer",
     "flat_param_segments",
-    "found_inf_per_device",
     "found_inf_reduction",
-    "found_infs",
     "fsdp1_comm_hook",
     "fsdp_default_hooks",
     "fully_shard_param_groups",
     "is_dtensor",
     "local_tensor",
-    "optimizer_stage",
     "param_group_reduce_scatter",
     "param_group_reduce_scatter_size",
     "reduce_found_inf",
@@ -91,41 +90,24 @@ def scale_and_tracker(
     return scaler._scale, scaler._growth_tracker
 
 
-def found_inf_per_device(
-    scaler: _TorchGradScaler, optimizer: torch.optim.Optimizer
-) -> Mapping[torch.device, torch.Tensor]:
-    """This iteration's found-inf tensors of one optimizer (after any cross-rank reduction)."""
-    state = scaler._per_optimizer_states.get(id(optimizer))
-    if state is None:
-        return {}
-    found: Mapping[torch.device, torch.Tensor] = state["found_inf_per_device"]
-    return found
-
-
-def optimizer_stage(scaler: _TorchGradScaler, optimizer: torch.optim.Optimizer) -> OptState:
-    """READY, UNSCALED or STEPPED for this iteration."""
-    state = scaler._per_optimizer_states.get(id(optimizer))
-    return OptState.READY if state is None else state["stage"]
-
-
 def steps_itself(optimizer: object) -> bool:
     """Whether torch's step() hands ``optimizer`` the scale and found-inf and lets it skip
     itself (fused/capturable optimizers) instead of calling ``_maybe_opt_step``."""
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
-def update_inputs(scaler: _TorchGradScaler) -> tuple[torch.Tensor | None, Mapping[int, Any]]:
-    """What update() consumes: the scale, and the per-optimizer states of this iteration
-    (read them with :func:`found_infs`). update() replaces the states' mapping instead of
-    changing it, so it may be kept; but read found-inf values before update(): it adds the
-    tensors into the first one in place."""
-    return scaler._scale, scaler._per_optimizer_states
-
-
-def found_infs(states: Mapping[int, Any]) -> list[tuple[int, Mapping[torch.device, torch.Tensor]]]:
-    """``(id(optimizer), found-inf per device)`` of states from :func:`update_inputs`, in
-    the order update() reads them."""
-    return [(key, state["found_inf_per_device"]) for key, state in states.items()]
+def update_inputs(
+    scaler: _TorchGradScaler,
+) -> tuple[torch.Tensor | None, list[tuple[int, bool, Mapping[torch.device, torch.Tensor]]]]:
+    """What update() consumes: the scale, and for every optimizer of this iteration, in the
+    order update() reads them, ``(id(optimizer), whether step() ran for it, found-inf per
+    device)``. Read found-inf values before update(): it adds the tensors into the first
+    one in place."""
+    stepped = OptState.STEPPED
+    return scaler._scale, [
+        (key, state["stage"] is stepped, state["found_inf_per_device"])
+        for key, state in scaler._per_optimizer_states.items()
+    ]
 
 
 def tensor_version(tensor: torch.Tensor) -> int:
@@ -295,6 +277,12 @@ def check_torch() -> tuple[str, ...]:
         "_maybe_opt_step": ["self", "optimizer", "optimizer_state", "args", "kwargs"],
         "_check_inf_per_device": ["self", "optimizer"],
     }
+    source = inspect.getsource(_TorchGradScaler._maybe_opt_step)
+    if ".item()" not in source or "optimizer.step(" not in source:
+        problems.append(
+            "GradScaler._maybe_opt_step no longer reads found-inf on the host before calling "
+            "optimizer.step(); ampscope's clean-step detection must be revisited"
+        )
     for cls in (_TorchGradScaler, ShardedGradScaler):
         for method, params in expected.items():
             fn = getattr(cls, method, None)

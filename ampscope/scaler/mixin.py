@@ -1,10 +1,11 @@
 """The one mixin that turns torch's scalers into instrumented ones.
 
-It overrides four hook points and calls torch for all the work: ``_unscale_grads_``
-(keeps this rank's pre-reduction found-inf), ``_maybe_opt_step`` (learns from the step
-whether the host-side check skipped it), ``step`` (fused optimizers) and ``update``
-(snapshots the step's scalars). Numerics are torch's: nothing here writes to gradients,
-parameters or found-inf, except the optional scale clamp.
+It overrides two hook points and calls torch for all the work: ``_unscale_grads_``
+(notes the optimizer and keeps this rank's pre-reduction found-inf where torch's
+differs) and ``update`` (captures the step's scalars; see :mod:`ampscope.scaler.capture`).
+Whether each optimizer's step ran is counted by a public step pre-hook. Numerics are
+torch's: nothing here writes to gradients, parameters or found-inf, except the optional
+scale clamp.
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ class TelemetryMixin:
         the device flag, i.e. one host-device sync. ``False`` when disabled.
         """
         capture = self._ampscope_capture
-        return False if capture is None else capture.last_step_skipped()
+        return False if capture is None else capture.last_step_skipped(self)  # type: ignore[arg-type]
 
     def attach(self, model: nn.Module, track_origin: bool = False) -> None:
         """Name ``model``'s parameters in records; optionally track found-inf origin.
@@ -190,46 +191,6 @@ class TelemetryMixin:
         # Otherwise torch's found-inf is the local one: nothing to keep.
         return result
 
-    def _maybe_opt_step(
-        self,
-        optimizer: torch.optim.Optimizer,
-        optimizer_state: dict[str, Any],
-        *args: Any,
-        **kwargs: Any,
-    ) -> float | None:
-        parent: Any = super()
-        capture = self._ampscope_capture
-        if capture is None:
-            return parent._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)
-        # Seen by _unscale_grads_ in this iteration (torch unscales before it steps).
-        info = capture.seen.get(id(optimizer))
-        if info is None:
-            return parent._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)
-        calls = info.calls[0]
-        retval = parent._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)
-        # torch's own .item() decided; the step pre-hook counted whether step() ran.
-        if info.handle is not None and info.calls[0] != calls:
-            capture.stepped[id(optimizer)] = False
-        else:
-            try:
-                self._ampscope_after_step(optimizer, None if info.handle is None else True)
-            except Exception:
-                self._ampscope_failed()
-        return retval
-
-    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> float | None:
-        """As torch's ``step()``. Adds nothing on clean iterations; after a skipped
-        step (and, for fused optimizers, only when found-inf is on the CPU) counts the
-        non-finite elements per local gradient: one pass over gradients, one host read."""
-        parent: Any = super()
-        retval = parent.step(optimizer, *args, **kwargs)
-        capture = self._ampscope_capture
-        if capture is not None:
-            info = capture.seen.get(id(optimizer))
-            if info is not None and info.fused:
-                self._ampscope_guard(self._ampscope_after_fused_step, optimizer)
-        return retval
-
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """As torch's ``update()``, then records the step. On the CPU it reads the scale and
         growth tracker (host memory: no copy, no sync). On accelerators, one small stack
@@ -245,7 +206,12 @@ class TelemetryMixin:
             identity = self._ampscope_identity
             if identity is None:
                 identity = self._ampscope_identity = self._ampscope_resolve_identity()
-            pending = capture.before_update(self, identity, new_scale is not None)  # type: ignore[arg-type]
+            pending = capture.before_update(
+                self,  # type: ignore[arg-type]
+                identity,
+                new_scale is not None,
+                self._ampscope_attribute if self._ampscope_config.attribution else None,
+            )
         except Exception:
             self._ampscope_failed()
             pending = None
@@ -269,25 +235,11 @@ class TelemetryMixin:
 
     # -- internals -----------------------------------------------------------------------
 
-    def _ampscope_after_step(self, optimizer: torch.optim.Optimizer, skipped: bool | None) -> None:
-        capture = self._ampscope_capture
-        if capture is None:
-            return
-        capture.record_step(optimizer, skipped, compat.found_inf_per_device(self, optimizer))  # type: ignore[arg-type]
-        if skipped and self._ampscope_config.attribution:
-            capture.add_nonfinite(count_nonfinite(optimizer, self._ampscope_names))
-
-    def _ampscope_after_fused_step(self, optimizer: torch.optim.Optimizer) -> None:
-        capture = self._ampscope_capture
-        if capture is None:
-            return
-        found = compat.found_inf_per_device(self, optimizer)  # type: ignore[arg-type]
-        skipped: bool | None = None
-        if found and all(t.device.type == "cpu" for t in found.values()):
-            # On the CPU reading the flag is free; on accelerators torch never reads it
-            # for fused optimizers and neither does ampscope (no sync added).
-            skipped = any(bool(t.item()) for t in found.values())
-        self._ampscope_after_step(optimizer, skipped)
+    def _ampscope_attribute(self, optimizer: torch.optim.Optimizer) -> Mapping[str, int]:
+        """Non-finite element counts of a skipped step's gradients, by parameter name;
+        empty when counting fails (counted and logged once, never raised)."""
+        counts = self._ampscope_guard(count_nonfinite, optimizer, self._ampscope_names)
+        return counts if counts is not None else {}
 
     def _ampscope_resolve_identity(self) -> Identity:
         # Attempted exactly once per scaler: a retry on a later update() could pair this

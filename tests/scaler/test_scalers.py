@@ -287,6 +287,46 @@ def test_scale_before_follows_every_change_of_the_scale(transport: str) -> None:
     assert [r.event for r in records].count("manual") == 1
 
 
+@pytest.mark.parametrize("transport", ["host", "device"])
+def test_skips_are_told_by_the_step_counter_alone(transport: str) -> None:
+    """A step() the user calls outside the scaler does not hide a later skip, and an
+    optimizer unscaled but not stepped is recorded as such, with its found-inf."""
+    sink = ListSink()
+    scaler = ampscope.GradScaler("cpu", init_scale=8.0, reporter=None, sinks=[sink])
+    if transport == "device":
+        use_device_transport(scaler)
+    model = Net()
+    first, second = _two(model)
+    scaler.attach(model)
+    model(batch(0)).backward()
+    first.step()  # an unscaled warm-up step, outside the scaler
+    first.zero_grad()
+    scaler.scale(model(batch(1))).backward()
+    poison(model.body.weight)
+    scaler.step(first)
+    scaler.step(second)
+    skipped_now = scaler.last_step_skipped
+    scaler.update()
+    first.zero_grad()
+    second.zero_grad()
+    scaler.scale(model(batch(2))).backward()
+    poison(model.head.weight)
+    scaler.unscale_(first)
+    scaler.unscale_(second)  # unscaled, never stepped
+    scaler.step(first)
+    scaler.update()
+    scaler.close()
+    skipped, partial = sink.records
+    assert skipped_now
+    assert skipped.skipped
+    assert [(d.name, d.found_inf) for d in skipped.optimizers] == [("SGD", True), ("AdamW", False)]
+    assert {p.name: p.count for p in skipped.nonfinite_params} == {"body.weight": 1}
+    assert not partial.skipped, "the optimizer that stepped was clean"
+    assert [(d.name, d.found_inf) for d in partial.optimizers] == [("SGD", False), ("AdamW", True)]
+    assert partial.event == "backoff", "torch backs off for any found-inf"
+    assert partial.nonfinite_params == [], "nothing was skipped, so nothing is counted"
+
+
 def test_manual_update_and_clamp() -> None:
     scaler = ampscope.GradScaler(
         "cpu", init_scale=4.0, growth_interval=1, reporter=None, max_scale=16.0, min_scale=2.0
