@@ -26,8 +26,10 @@ class ScalerBenchConfig:
     """Timed training steps per block."""
     warmup_steps: int = 5
     """Untimed steps per variant before the first block."""
-    micro_iterations: int = 2000
-    """step()+update() calls per variant for the per-update cost on a tiny model."""
+    micro_iterations: int = 12000
+    """step()+update() calls per variant for the per-update cost on a tiny model (in
+    blocks of 250: the difference to stock is small next to the noise of a shared host,
+    so it takes many block groups)."""
     overflow_iterations: int = 60
     """Overflow iterations per variant for the attribution cost."""
     world_size: int = 2

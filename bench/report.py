@@ -7,6 +7,13 @@ from typing import Any
 MiB = 1024 * 1024
 
 
+def _extra(micro: dict[str, Any], key: str, name: str) -> str:
+    """``+36.5, IQR +30.1..+41.0`` (the IQR only where the result has one)."""
+    text = f"{micro[key][name]:+.1f}"
+    iqr = micro.get(f"{key}_iqr", {}).get(name)
+    return text if iqr is None else f"{text}, IQR {iqr[0]:+.1f}..{iqr[1]:+.1f}"
+
+
 def _f(value: float, digits: int = 2) -> str:
     return f"{value:,.{digits}f}"
 
@@ -65,20 +72,23 @@ def _scaler(s: dict[str, Any]) -> list[str]:
         f"{dist['origin_vs_ampscope']['delta']:+.3f} ms per step.",
         "",
         "Per-update cost: median us of `scaler.step(opt)` + `scaler.update()` on a 16x16 "
-        f"Linear ({micro['iterations_per_contender']} iterations each):",
+        f"Linear ({micro['iterations_per_contender']} iterations each, in "
+        f"{micro.get('groups', '?')} interleaved block groups); in brackets ampscope's extra "
+        "cost, the median over block groups of (its block median - stock's in the same "
+        "group), and that difference's interquartile range:",
         "",
         "| stock | ampscope, no reporter | ampscope, HTTP reporter |",
         "|---:|---:|---:|",
         f"| {_f(micro['step_update_us']['stock'], 1)} | "
         f"{_f(micro['step_update_us']['ampscope_no_reporter'], 1)} "
-        f"({micro['extra_us']['ampscope_no_reporter']:+.1f}) | "
+        f"({_extra(micro, 'extra_us', 'ampscope_no_reporter')}) | "
         f"{_f(micro['step_update_us']['ampscope_reporter'], 1)} "
-        f"({micro['extra_us']['ampscope_reporter']:+.1f}) |",
+        f"({_extra(micro, 'extra_us', 'ampscope_reporter')}) |",
         f"| {_f(micro['step_update_cpu_us']['stock'], 1)} thread CPU | "
         f"{_f(micro['step_update_cpu_us']['ampscope_no_reporter'], 1)} "
-        f"({micro['extra_cpu_us']['ampscope_no_reporter']:+.1f}) | "
+        f"({_extra(micro, 'extra_cpu_us', 'ampscope_no_reporter')}) | "
         f"{_f(micro['step_update_cpu_us']['ampscope_reporter'], 1)} "
-        f"({micro['extra_cpu_us']['ampscope_reporter']:+.1f}) |",
+        f"({_extra(micro, 'extra_cpu_us', 'ampscope_reporter')}) |",
         "",
         "Background threads, CPU per record: telemetry thread "
         f"{micro['telemetry_thread_cpu_us_per_record']:.1f} us (builds the record), reporter "

@@ -18,6 +18,7 @@ from torch import nn
 
 from bench.ab import compare_groups, run_interleaved
 from bench.config import ScalerBenchConfig
+from bench.stats import quantile
 from bench.workload import (
     Variant,
     ampscope_scaler,
@@ -101,6 +102,26 @@ def _thread_cpu_seconds(prefix: str) -> float:
     return total
 
 
+UPDATE_BLOCK = 250
+"""Iterations per block of the per-update comparison."""
+
+
+def _paired(per_block: dict[str, list[float]], baseline: str) -> dict[str, dict[str, float]]:
+    """Per contender: median and quartiles over block groups of (its block median minus the
+    baseline's block median in the same group): drift between groups cancels."""
+    out = {}
+    for name, medians in per_block.items():
+        if name == baseline:
+            continue
+        deltas = [a - b for a, b in zip(medians, per_block[baseline], strict=True)]
+        out[name] = {
+            "median": statistics.median(deltas),
+            "p25": quantile(deltas, 0.25),
+            "p75": quantile(deltas, 0.75),
+        }
+    return out
+
+
 def update_cost(config: ScalerBenchConfig, *, device: str, url: str) -> dict[str, Any]:
     """The scaler's own cost per iteration: ``step()`` + ``update()`` on a tiny model.
 
@@ -108,7 +129,8 @@ def update_cost(config: ScalerBenchConfig, *, device: str, url: str) -> dict[str
     difference to the stock scaler is ampscope's extra work on the training thread. Work
     on ampscope's background thread (records, HTTP) reaches this clock only through the
     GIL; the ``ampscope_reporter`` contender includes that at an unrealistically high
-    record rate (one record per ~100 us instead of one per training step).
+    record rate (one record per ~0.5 ms instead of one per training step). The extra cost
+    is paired: per block group, a contender's block median minus stock's.
     """
     model = nn.Linear(16, 16).to(device)
     inputs = torch.randn(4, 16, device=device)
@@ -121,16 +143,18 @@ def update_cost(config: ScalerBenchConfig, *, device: str, url: str) -> dict[str
             "ampscope_reporter", model, ampscope_scaler(device, url=url, run_id="bench-micro")
         ),
     ]
-    groups = 2 * len(variants)
-    per_block = max(5, config.micro_iterations // groups)
-    cpu: dict[str, list[float]] = {v.name: [] for v in variants}
+    per_block = min(UPDATE_BLOCK, max(5, config.micro_iterations // 6))
+    # A multiple of 6 groups: every contender takes every position equally often.
+    groups = max(6, config.micro_iterations // per_block // 6 * 6)
+    cpu: dict[str, list[list[float]]] = {v.name: [] for v in variants}
 
     def block(variant: Variant) -> list[float]:
-        times = []
+        times: list[float] = []
+        cpu[variant.name].append([])
         for _ in range(per_block):
             variant.optimizer.zero_grad(set_to_none=True)
             variant.scaler.scale(variant.model(inputs).square().mean()).backward()
-            times.append(_timed_step_update(variant, cpu[variant.name]))
+            times.append(_timed_step_update(variant, cpu[variant.name][-1]))
         return times
 
     try:
@@ -152,19 +176,31 @@ def update_cost(config: ScalerBenchConfig, *, device: str, url: str) -> dict[str
         _close_all(variants)
     result = compare_groups(blocks, baseline="stock", unit_scale=1e6)
     timed = per_block * groups
-    cpu_us = {name: statistics.median(samples) * 1e6 for name, samples in cpu.items()}
+    wall = _paired(
+        {n: [statistics.median(b) * 1e6 for b in bs] for n, bs in blocks.items()}, "stock"
+    )
+    thread = _paired(
+        {n: [statistics.median(b) * 1e6 for b in bs] for n, bs in cpu.items()}, "stock"
+    )
+    cpu_us = {
+        name: statistics.median([s for b in blocks_ for s in b]) * 1e6
+        for name, blocks_ in cpu.items()
+    }
     return {
         # Thread CPU time of the training thread: what other processes on the host do
         # not move, unlike the wall clock (a GIL wait is not CPU time; see extra_us).
         "step_update_cpu_us": cpu_us,
-        "extra_cpu_us": {n: cpu_us[n] - cpu_us["stock"] for n in cpu_us if n != "stock"},
+        "extra_cpu_us": {n: d["median"] for n, d in thread.items()},
+        "extra_cpu_us_iqr": {n: (d["p25"], d["p75"]) for n, d in thread.items()},
         # Telemetry threads of both ampscope contenders, per record they built; the
         # reporter's sender thread per record it encoded and sent.
         "telemetry_thread_cpu_us_per_record": telemetry_cpu / (2 * timed) * 1e6,
         "reporter_thread_cpu_us_per_record": reporter_cpu / timed * 1e6,
         "step_update_us": {n: s["median"] for n, s in result["samples"].items()},
-        "extra_us": {n: r["delta"] for n, r in result["ratio"].items()},
+        "extra_us": {n: d["median"] for n, d in wall.items()},
+        "extra_us_iqr": {n: (d["p25"], d["p75"]) for n, d in wall.items()},
         "ratio": {n: r["median"] for n, r in result["ratio"].items()},
+        "groups": groups,
         "iterations_per_contender": result["samples"]["stock"]["n"],
         # warm-up block + timed blocks of the one contender with a reporter
         "reported_updates": per_block * (1 + groups),

@@ -45,6 +45,8 @@ _NO_COUNTS: Mapping[str, int] = MappingProxyType({})
 
 FoundInf = Mapping[torch.device, torch.Tensor]
 
+_NO_LOCAL: Mapping[int, FoundInf] = MappingProxyType({})
+
 
 @dataclass(frozen=True, kw_only=True)
 class OptimizerSlot:
@@ -114,7 +116,7 @@ class OptimizerInfo:
 Step = tuple[int, bool, FoundInf]
 """One optimizer of an iteration: (id, whether torch stepped it, found-inf per device)."""
 
-Shape = tuple["StepCapture", list[Step], dict[int, OptimizerInfo], dict[int, FoundInf]]
+Shape = tuple["StepCapture", list[Step], dict[int, OptimizerInfo], Mapping[int, FoundInf]]
 """The raw facts of one iteration that name its values, turned into optimizer slots and
 device names on the telemetry thread (:meth:`StepCapture.layout`): the capture, the
 optimizers in the order update() reads them, those unscaled in the iteration by id, and
@@ -381,7 +383,8 @@ class StepCapture:
             ):
                 clean = False
                 break
-        shape: Shape = (self, steps, seen, self._local)
+        # An empty _local is kept for the next iteration: hand out an immutable one.
+        shape: Shape = (self, steps, seen, self._local or _NO_LOCAL)
         pending = PendingStep(identity, self._step + 1, time.time(), manual, shape, clean)
         if clean:
             self._skipped = False
