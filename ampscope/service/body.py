@@ -8,6 +8,7 @@ import logging
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 from starlette.requests import ClientDisconnect
@@ -19,6 +20,14 @@ log = logging.getLogger("ampscope.service")
 
 BUSY_RETRY_AFTER_S = 1
 """Retry-After of a 429 for a full in-flight budget: uploads finish in milliseconds."""
+
+
+def openapi_body(schema: str) -> dict[str, Any]:
+    """``openapi_extra`` for a route that reads its JSON body here instead of letting
+    FastAPI parse it: OpenAPI is told the body is required and holds ``schema`` (a
+    component the app registers)."""
+    content = {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}}
+    return {"requestBody": {"required": True, "content": content}}
 
 
 class ClientGone(Exception):

@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field, ValidationError
 
 from ampscope.reporter.schema import HEARTBEAT_PATH, Heartbeat
-from ampscope.service.body import BodyLimit, received_body
+from ampscope.service.body import BodyLimit, openapi_body, received_body
 from ampscope.service.deps import Authorized, ClockDep, SettingsDep, StatsDep, StoreDep
 from ampscope.service.errors import ApiError, responses
 from ampscope.service.store import BatchRefused
@@ -38,12 +38,7 @@ class HeartbeatResult(BaseModel):
     summary="A rank is alive without new records, or finished",
     responses=responses(400, 401, 408, 409, 413, 422, 429),
     # The body is read by hand (bounded); the app adds Heartbeat to the OpenAPI components.
-    openapi_extra={
-        "requestBody": {
-            "required": True,
-            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Heartbeat"}}},
-        }
-    },
+    openapi_extra=openapi_body("Heartbeat"),
 )
 async def heartbeat(
     request: Request,

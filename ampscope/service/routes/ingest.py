@@ -7,7 +7,7 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from ampscope.reporter.schema import INGEST_PATH, IngestBatch
-from ampscope.service.body import BodyLimit, ByteBudget, received_body
+from ampscope.service.body import BodyLimit, ByteBudget, openapi_body, received_body
 from ampscope.service.deps import Authorized, ClockDep, SettingsDep, StatsDep, StoreDep
 from ampscope.service.errors import ApiError, responses
 from ampscope.service.models import IngestResult
@@ -121,14 +121,7 @@ def _apply(
     summary="Deliver a batch of step records from one rank",
     responses=responses(400, 401, 408, 409, 413, 422, 429),
     # The body is read by hand (bounded), so OpenAPI is told what it holds.
-    openapi_extra={
-        "requestBody": {
-            "required": True,
-            "content": {
-                "application/json": {"schema": {"$ref": "#/components/schemas/IngestBatch"}}
-            },
-        }
-    },
+    openapi_extra=openapi_body("IngestBatch"),
 )
 async def ingest(
     request: Request,
