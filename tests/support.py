@@ -12,11 +12,13 @@ import time
 import traceback
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import yaml
 
 IN_CI = os.environ.get("CI") == "true"
 
@@ -83,6 +85,48 @@ def stop_process(process: subprocess.Popen[bytes]) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+def start_prometheus(
+    config: dict[str, Any], workdir: Path, timeout: float = 30.0
+) -> tuple[subprocess.Popen[bytes], str]:
+    """A real Prometheus with ``config`` on a free loopback port, its config, data and log
+    under ``workdir``; returns ``(process, url)`` once it is ready. Stop it with
+    :func:`stop_process`."""
+    prometheus_bin = need_tool("prometheus")
+    (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
+    url = f"http://127.0.0.1:{free_port()}"
+    process = subprocess.Popen(
+        [
+            prometheus_bin,
+            f"--config.file={workdir / 'prometheus.yml'}",
+            f"--storage.tsdb.path={workdir / 'prometheus-data'}",
+            f"--web.listen-address={url.removeprefix('http://')}",
+        ],
+        stdout=(workdir / "prometheus.log").open("wb"),
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        wait_for_http(f"{url}/-/ready", "prometheus", process, timeout)
+    except BaseException:
+        stop_process(process)
+        raise
+    return process, url
+
+
+def promtool_check_metrics(text: str) -> str:
+    """Fail the test unless ``promtool check metrics`` accepts the exposition ``text``;
+    returns its lint output, stdout and stderr (empty when there is nothing to say)."""
+    result = subprocess.run(
+        [need_tool("promtool"), "check", "metrics"],
+        input=text,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return (result.stdout + result.stderr).strip()
 
 
 def _worker(

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from deploy_files import (
     RULES_FILE,
     alert_rules,
@@ -25,7 +24,7 @@ from deploy_files import (
     recording_rules,
     substitute,
 )
-from support import free_port, get_json, need_tool, stop_process, wait_for_http
+from support import free_port, get_json, need_tool, start_prometheus, stop_process
 
 from ampscope.demo.exporter import ExporterProcess
 
@@ -53,9 +52,9 @@ class Prometheus:
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[tuple[str, Prometheus, Path]]:
-    prometheus_bin = need_tool("prometheus")
+    need_tool("prometheus")
     workdir = Path(tempfile.mkdtemp(prefix="ampscope-e2e-"))
-    exporter_port, prometheus_port = free_port(), free_port()
+    exporter_port = free_port()
     exporter = ExporterProcess(exporter_port, stale_after=STALE_AFTER_S)
     exporter.start()
     config = {
@@ -68,23 +67,13 @@ def stack() -> Iterator[tuple[str, Prometheus, Path]]:
             }
         ],
     }
-    (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
-    prometheus = subprocess.Popen(
-        [
-            prometheus_bin,
-            f"--config.file={workdir / 'prometheus.yml'}",
-            f"--storage.tsdb.path={workdir / 'data'}",
-            f"--web.listen-address=127.0.0.1:{prometheus_port}",
-        ],
-        stdout=(workdir / "prometheus.log").open("wb"),
-        stderr=subprocess.STDOUT,
-    )
+    prometheus = None
     try:
-        prometheus_url = f"http://127.0.0.1:{prometheus_port}"
-        wait_for_http(f"{prometheus_url}/-/ready", "prometheus", prometheus, 30)
+        prometheus, prometheus_url = start_prometheus(config, workdir)
         yield exporter.url, Prometheus(prometheus_url), workdir
     finally:
-        stop_process(prometheus)
+        if prometheus is not None:
+            stop_process(prometheus)
         exporter.stop()
 
 

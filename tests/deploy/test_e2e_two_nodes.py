@@ -32,7 +32,15 @@ from typing import Any
 import pytest
 import yaml
 from deploy_files import RULES_FILE, alert_rules, recording_rules
-from support import IN_CI, free_port, get_json, need_tool, stop_process, wait_for_http
+from support import (
+    IN_CI,
+    free_port,
+    get_json,
+    need_tool,
+    start_prometheus,
+    stop_process,
+    wait_for_http,
+)
 from two_node_rank import STEPS
 
 from ampscope.demo.exporter import ExporterProcess
@@ -209,7 +217,7 @@ def _start(command: list[str], log: Path, **kwargs: Any) -> subprocess.Popen[byt
 
 @pytest.fixture(scope="module")
 def job() -> Iterator[Job]:
-    prometheus_bin = need_tool("prometheus")
+    need_tool("prometheus")
     workdir = Path(tempfile.mkdtemp(prefix="ampscope-two-nodes-"))
     processes: list[subprocess.Popen[bytes]] = []
     exporters = {node: ExporterProcess(free_port(), stale_after=STALE_AFTER_S) for node in NODES}
@@ -223,22 +231,10 @@ def job() -> Iterator[Job]:
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
             "scrape_configs": [{"job_name": "ampscope", "static_configs": [{"targets": targets}]}],
         }
-        (workdir / "prometheus.yml").write_text(
-            yaml.safe_dump({**scrape, "rule_files": [str(RULES_FILE)]})
+        prometheus, prometheus_url = start_prometheus(
+            {**scrape, "rule_files": [str(RULES_FILE)]}, workdir
         )
-        prometheus_url = f"http://127.0.0.1:{free_port()}"
-        processes.append(
-            _start(
-                [
-                    prometheus_bin,
-                    f"--config.file={workdir / 'prometheus.yml'}",
-                    f"--storage.tsdb.path={workdir / 'prometheus-data'}",
-                    f"--web.listen-address={prometheus_url.removeprefix('http://')}",
-                ],
-                workdir / "prometheus.log",
-            )
-        )
-        wait_for_http(f"{prometheus_url}/-/ready", "prometheus", processes[-1], 30)
+        processes.append(prometheus)
 
         victoria_url = vmalert_url = None
         if shutil.which("victoria-metrics") and shutil.which("vmalert"):

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 import yaml
-from support import free_port, need_tool
+from support import free_port, need_tool, start_prometheus, stop_process
 
 from ampscope.demo.exporter import ExporterProcess
 
@@ -138,7 +138,7 @@ def _stop(*processes: subprocess.Popen[Any]) -> None:
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
-    prometheus_bin = need_tool("prometheus")
+    need_tool("prometheus")
     workdir = Path(tempfile.mkdtemp(prefix="ampscope-lifecycle-"))
     rules = yaml.safe_load(RULES_FILE.read_text())
     for group in rules["groups"]:
@@ -148,7 +148,6 @@ def stack() -> Iterator[Stack]:
     (workdir / "rules.yml").write_text(yaml.safe_dump(rules))
     exporter = ExporterProcess(free_port(), stale_after=STALE_AFTER, stall_after=STALL_AFTER)
     exporter.start()
-    port = free_port()
     config = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "rule_files": [str(workdir / "rules.yml")],
@@ -156,33 +155,13 @@ def stack() -> Iterator[Stack]:
             {"job_name": "ampscope", "static_configs": [{"targets": [exporter.url[7:]]}]}
         ],
     }
-    (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
-    prometheus = subprocess.Popen(
-        [
-            prometheus_bin,
-            f"--config.file={workdir / 'prometheus.yml'}",
-            f"--storage.tsdb.path={workdir / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-        ],
-        stdout=(workdir / "prometheus.log").open("wb"),
-        stderr=subprocess.STDOUT,
-    )
+    prometheus = None
     try:
-        url = f"http://127.0.0.1:{port}"
-
-        def ready() -> bool:
-            try:
-                with urllib.request.urlopen(f"{url}/-/ready", timeout=1) as response:
-                    return response.status == 200
-            except OSError:
-                assert prometheus.poll() is None, "prometheus exited"
-                return False
-
-        _until(ready, "prometheus did not become ready", 30)
+        prometheus, url = start_prometheus(config, workdir)
         yield Stack(exporter.url, url)
     finally:
-        prometheus.terminate()
-        prometheus.wait(10)
+        if prometheus is not None:
+            stop_process(prometheus)
         exporter.stop()
 
 

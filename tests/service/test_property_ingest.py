@@ -10,13 +10,12 @@ run's health answers 200.
 from __future__ import annotations
 
 import string
-import subprocess
 
 import pytest
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support import need_tool
+from support import need_tool, promtool_check_metrics
 
 from ampscope.reporter.schema import (
     MAX_COUNT,
@@ -128,18 +127,6 @@ def batches(draw: st.DrawFn) -> IngestBatch:
     return IngestBatch(schema_version=1, records=records, dropped_records=draw(counts))
 
 
-def _promtool_check(promtool: str, text: str) -> None:
-    result = subprocess.run(
-        [promtool, "check", "metrics"],
-        check=False,
-        input=text,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-
-
 @pytest.fixture(scope="module")
 def exporter() -> TestClient:
     # The clock sits at the schema's latest time, so no generated time is refused as
@@ -159,7 +146,7 @@ def exporter() -> TestClient:
 def test_any_valid_batch_leaves_metrics_and_health_servable(
     exporter: TestClient, sequence: list[IngestBatch]
 ) -> None:
-    promtool = need_tool("promtool")
+    need_tool("promtool")  # skips before any work when it is missing
     for batch in sequence:
         response = exporter.post(
             "/api/v1/ingest",
@@ -170,7 +157,7 @@ def test_any_valid_batch_leaves_metrics_and_health_servable(
         assert response.status_code in (200, 409, 429), response.text
     metrics = exporter.get("/metrics")
     assert metrics.status_code == 200
-    _promtool_check(promtool, metrics.text)
+    promtool_check_metrics(metrics.text)
     assert "ampscope_exporter_unrenderable_ranks 0.0" in metrics.text
     listing = exporter.get("/api/v1/runs")
     assert listing.status_code == 200
