@@ -76,6 +76,7 @@ class OptimizerInfo:
 
     __slots__ = (
         "calls",
+        "counted",
         "dtensor",
         "fused",
         "groups",
@@ -99,6 +100,9 @@ class OptimizerInfo:
         self.handle: RemovableHandle | None = (
             register(_counter(self.calls)) if register is not None else None
         )
+        self.counted = not self.fused and self.handle is not None
+        """Whether ``calls`` tells a skipped step: torch calls a non-fused optimizer's
+        ``step()`` only when its found-inf is zero (fused ones step, and skip, themselves)."""
         self.groups = -1
         """How many parameter groups ``dtensor`` was decided for."""
         self.dtensor = False
@@ -326,7 +330,7 @@ class StepCapture:
             if not stepped:
                 continue
             info = self._seen.get(key)
-            if info is not None and not info.fused and info.handle is not None:
+            if info is not None and info.counted:
                 out[key] = info.calls[0] == info.unscaled_at
             elif read_device or all(t.device.type == "cpu" for t in found_inf.values()):
                 out[key] = any(bool(t.item()) for t in found_inf.values())
@@ -373,14 +377,8 @@ class StepCapture:
         clean = True
         for key, stepped, _ in steps:
             info = seen.get(key)
-            # Known clean: torch stepped a non-fused optimizer and its step() ran.
-            if (
-                not stepped
-                or info is None
-                or info.fused
-                or info.handle is None
-                or info.calls[0] == info.unscaled_at
-            ):
+            # Known clean: torch stepped the optimizer and its counted step() ran.
+            if not stepped or info is None or not info.counted or info.calls[0] == info.unscaled_at:
                 clean = False
                 break
         # An empty _local is kept for the next iteration: hand out an immutable one.
