@@ -79,6 +79,12 @@ UnixTime = Annotated[float, Field(ge=0.0, le=MAX_TIME, allow_inf_nan=False)]
 
 ScaleEvent = Literal["growth", "backoff", "none", "manual"]
 
+RankMode = Literal["scaler", "watch"]
+"""``scaler``: an fp16 loss scaler (``GradScaler``/``ShardedGradScaler``); ``watch``: a
+``GradWatch`` on a bf16/fp32 run, which has no scale."""
+Policy = Literal["observe", "skip", "raise"]
+"""What happens to an iteration with non-finite gradients. A scaler always skips it."""
+
 
 class _Model(BaseModel):
     # Strict: no coercion ("1" is not 1), unknown fields rejected, records immutable.
@@ -136,6 +142,30 @@ class OptimizerDetail(_Model):
     """Took torch's ``_step_supports_amp_scaling`` path (the optimizer skips itself)."""
 
 
+class Setup(_Model):
+    """What a rank runs; the same in every record of a rank.
+
+    Defaults describe an fp16 scaler, so records of reporters that predate this field
+    stay valid under schema version 1.
+    """
+
+    mode: RankMode = "scaler"
+    policy: Policy = "skip"
+    """``skip`` for every scaler; a watch's ``observe``, ``skip`` or ``raise``."""
+    grad_dtype: Label | None = None
+    """dtype of the gradients checked (``float16``, ``bfloat16``, ``float32``); ``None``
+    when unknown."""
+
+
+class NonfiniteApplied(_Model):
+    """The first iteration whose optimizer step ran on non-finite gradients."""
+
+    step: Step
+    origin: bool | None
+    """This rank's own, pre-reduction gradients held inf/NaN at that step; ``None`` when
+    origin tracking is off."""
+
+
 class AlignedScale(_Model):
     """A rank's loss scale after one update() whose step is a multiple of SCALE_ALIGN_STEPS."""
 
@@ -167,6 +197,11 @@ class RankTotals(_Model):
     aligned_scale: AlignedScale | None
     """The scale after the newest update() whose step is a multiple of SCALE_ALIGN_STEPS;
     ``None`` before the first such step. Ranks of a healthy run agree on it at equal steps."""
+    nonfinite_applied: Count = 0
+    """Iterations whose optimizer step ran on non-finite gradients (a watch under
+    ``observe``): from the first one on, the weights hold inf/NaN. Always 0 for scalers."""
+    first_nonfinite_applied: NonfiniteApplied | None = None
+    """The first such iteration; ``None`` while there was none."""
 
 
 class StepRecord(_Model):
@@ -194,6 +229,8 @@ class StepRecord(_Model):
     nonfinite_params: NonfiniteParams
     """Top-K local parameters holding non-finite gradients; only on overflow iterations."""
     totals: RankTotals
+    setup: Setup = Setup()
+    """What this rank runs: scaler or watch, its policy, its gradient dtype."""
 
 
 class IngestBatch(_Model):
