@@ -1,0 +1,257 @@
+"""What one iteration of a :class:`~ampscope.GradWatch` saw, captured at the least cost.
+
+Per optimizer, :func:`check_local` runs torch's fused multi-tensor non-finite kernel
+(the one its unscale runs) once per (device, dtype) group of this rank's local gradients
+(DTensor shards, under FSDP2 and tensor parallelism) with an inverse scale of 1: one
+read of gradient memory, no sync. Its one-element flags stay on the device.
+
+Under ``skip`` and ``raise``, :func:`agree` max-reduces them into one flag with a single
+all-reduce on the watch's process group, so that every rank decides alike. Under
+``observe`` nothing more happens until update(), which hands the flags to the telemetry
+thread the way the scalers' capture does: read at once on the CPU (host memory, no
+sync), else stacked and copied to pinned memory without blocking.
+
+The values follow the scalers' layout, ``[scale_before, *optimizer flags, *local flags,
+scale_after, growth_tracker, *origin flags]``, with a scale of 1 and a tracker of 0, so
+one :class:`~ampscope.scaler.records.RecordBuilder` builds both kinds of record; the
+pending step's :class:`~ampscope.reporter.schema.Setup` tells it which kind.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+
+from ampscope.reporter.schema import Identity, Policy, Setup
+from ampscope.scaler import compat
+from ampscope.scaler.capture import (
+    FoundInf,
+    OptimizerInfo,
+    OptimizerSlot,
+    PendingStep,
+    grad_dtype,
+    stack_scalars,
+    to_host_async,
+)
+from ampscope.scaler.identity import collective_device
+
+
+class Checked:
+    """One optimizer's check in the open iteration (training thread only)."""
+
+    __slots__ = ("agreed", "found", "info", "nonfinite", "skipped", "stepped")
+
+    def __init__(self, info: OptimizerInfo, found: FoundInf, agreed: torch.Tensor | None) -> None:
+        self.info = info
+        self.found = found
+        """This rank's local flag per device."""
+        self.agreed = agreed
+        """The flag every rank agreed on (``skip``, ``raise``); ``None`` under observe."""
+        self.stepped = False
+        """``step()`` was called for the optimizer (whatever the policy then did)."""
+        self.skipped: bool | None = False
+        """The step was skipped; ``None``: a fused optimizer skipped it, or not, on the
+        device (flag not read)."""
+        self.nonfinite: Mapping[str, int] | None = None
+        """Non-finite element counts by parameter, once counted."""
+
+
+def check_local(
+    optimizer: torch.optim.Optimizer, dtensor: bool, ones: dict[torch.device, torch.Tensor]
+) -> dict[torch.device, torch.Tensor]:
+    """This rank's found-inf per device for ``optimizer``'s local gradients.
+
+    Groups the gradients by device and dtype as torch's unscale does (sparse ones by their
+    stored values) and runs the fused kernel once per group, into one zeroed flag per
+    device. ``ones`` caches the inverse scale of 1 per device. Cost: one Python walk over
+    the parameters, one small fill per device, one kernel per group; no sync.
+    """
+    groups: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = {}
+    for param_group in optimizer.param_groups:
+        for param in param_group["params"]:
+            grad = param.grad
+            if grad is None:
+                continue
+            if dtensor:
+                grad = compat.local_tensor(grad)
+            if grad.is_sparse:
+                grad = grad._values()
+            per_dtype = groups.get(grad.device)
+            if per_dtype is None:
+                per_dtype = groups[grad.device] = {}
+            same = per_dtype.get(grad.dtype)
+            if same is None:
+                per_dtype[grad.dtype] = [grad]
+            else:
+                same.append(grad)
+    found: dict[torch.device, torch.Tensor] = {}
+    with torch.no_grad():
+        for device, per_dtype in groups.items():
+            flag = torch.zeros(1, dtype=torch.float32, device=device)
+            one = ones.get(device)
+            if one is None:
+                one = ones[device] = torch.ones(1, dtype=torch.float32, device=device)
+            for grads in per_dtype.values():
+                compat.non_finite_check_(grads, flag, one)
+            found[device] = flag
+    return found
+
+
+def agree(found: FoundInf, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """One flag, 1 when any rank of ``group`` found inf/NaN: the local flags' max, then one
+    all-reduce (max) of that one-element tensor when the process group has several ranks.
+    A rank with no gradients still takes part, with a zero flag."""
+    flags = list(found.values())
+    if not flags:
+        flag = torch.zeros(1, dtype=torch.float32, device=collective_device(group))
+    else:
+        flag = flags[0].clone()
+        for other in flags[1:]:
+            torch.maximum(flag, other.to(flag.device), out=flag)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return flag
+
+
+class WatchCapture:
+    """Per-iteration state of one watch; training thread only.
+
+    Args:
+        policy: The watch's policy (named in every record's setup).
+        read_on_host: Read the values at update() (host transport). ``None``: when every
+            flag is on the CPU. Tests pass ``False`` to run the device transport on CPU.
+    """
+
+    def __init__(self, policy: Policy, read_on_host: bool | None = None) -> None:
+        self.policy = policy
+        self._read_on_host = read_on_host
+        self._optimizers: dict[int, OptimizerInfo] = {}
+        self.iteration: dict[int, Checked] = {}
+        """The open iteration's checks by optimizer id, in the order they ran."""
+        self.step = 0
+        """update() calls (and iterations closed by a raise) so far."""
+        self.last_skipped: bool | list[torch.Tensor] = False
+        """Whether the last closed iteration skipped; flags to read when the host does
+        not know (fused optimizers under skip)."""
+        self.ones: dict[torch.device, torch.Tensor] = {}
+        self._constants: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._slots: dict[tuple[int, str, bool, bool, int], OptimizerSlot] = {}
+        self._device_names: dict[torch.device, str] = {}
+        self._setups: dict[frozenset[str], Setup] = {}
+
+    def close(self) -> None:
+        """Nothing to undo: the watch registers no hooks on optimizers."""
+        self._optimizers.clear()
+
+    def info(self, optimizer: torch.optim.Optimizer) -> OptimizerInfo:
+        """The optimizer's facts (index, fused, DTensor, dtypes), registered on first sight
+        and refreshed when a parameter group is added."""
+        key = id(optimizer)
+        info = self._optimizers.get(key)
+        if info is None or info.ref() is not optimizer:
+            info = self._optimizers[key] = OptimizerInfo(
+                optimizer, len(self._optimizers), count_steps=False
+            )
+        if len(optimizer.param_groups) != info.groups:
+            info.refresh(optimizer)
+        return info
+
+    def close_iteration(
+        self,
+        identity: Identity,
+        origin: Mapping[str, torch.Tensor],
+        nonfinite: Mapping[str, int],
+    ) -> PendingStep:
+        """End the open iteration: its pending step (values read on the CPU, or their host
+        copy started). One ``.item()`` per flag on the CPU; on accelerators one small stack
+        and a non-blocking copy, never a sync."""
+        iteration, self.iteration = self.iteration, {}
+        self.step += 1
+        opt_flags: list[torch.Tensor] = []
+        slots: list[OptimizerSlot] = []
+        local: dict[torch.device, torch.Tensor] = {}
+        dtypes: frozenset[str] = frozenset()
+        for entry in iteration.values():
+            info = entry.info
+            flags = list(entry.found.values()) if entry.agreed is None else [entry.agreed]
+            slots.append(self._slot(info, entry.stepped, len(flags)))
+            opt_flags.extend(flags)
+            dtypes |= info.dtypes
+            for device, flag in entry.found.items():
+                merged = local.get(device)
+                local[device] = flag if merged is None else torch.maximum(merged, flag)
+        skipped = [e.skipped for e in iteration.values() if e.stepped]
+        if None in skipped:
+            self.last_skipped = [e.agreed for e in iteration.values() if e.agreed is not None]
+        else:
+            self.last_skipped = any(skipped)
+        pending = PendingStep(identity, self.step, time.time(), False)
+        pending.setup = self._setup(dtypes)
+        pending.optimizers = tuple(slots)
+        pending.local_devices = tuple(self._device_name(d) for d in local)
+        pending.origin_devices = tuple(origin)
+        if nonfinite:
+            pending.nonfinite = nonfinite
+        flags = [*opt_flags, *local.values()]
+        accelerator = next(
+            (t.device for t in (*flags, *origin.values()) if t.device.type != "cpu"), None
+        )
+        on_host = self._read_on_host
+        if on_host is None:
+            on_host = accelerator is None
+        if on_host:
+            pending.values = [
+                1.0,
+                *(flag.item() for flag in flags),
+                1.0,
+                0.0,
+                *(flag.item() for flag in origin.values()),
+            ]
+            return pending
+        device = torch.device("cpu") if accelerator is None else accelerator
+        one, zero = self._constants_on(device)
+        stacked = stack_scalars([one, *flags, one, zero, *origin.values()], device)
+        pending.host, pending.ready = to_host_async(stacked)
+        return pending
+
+    # -- shared immutable parts ----------------------------------------------------------
+
+    def _slot(self, info: OptimizerInfo, stepped: bool, num_flags: int) -> OptimizerSlot:
+        key = (info.index, info.name, info.fused, stepped, num_flags)
+        slot = self._slots.get(key)
+        if slot is None:
+            slot = self._slots[key] = OptimizerSlot(
+                index=info.index,
+                name=info.name,
+                fused=info.fused,
+                stepped=stepped,
+                num_flags=num_flags,
+            )
+        return slot
+
+    def _device_name(self, device: torch.device) -> str:
+        name = self._device_names.get(device)
+        if name is None:
+            name = self._device_names[device] = str(device)
+        return name
+
+    def _setup(self, dtypes: frozenset[str]) -> Setup:
+        setup = self._setups.get(dtypes)
+        if setup is None:
+            setup = self._setups[dtypes] = Setup(
+                mode="watch", policy=self.policy, grad_dtype=grad_dtype(dtypes)
+            )
+        return setup
+
+    def _constants_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """A scale of 1 and a tracker of 0 as 0-dim float32 tensors on ``device``, made once."""
+        constants = self._constants.get(device)
+        if constants is None:
+            constants = self._constants[device] = (
+                torch.ones((), dtype=torch.float32, device=device),
+                torch.zeros((), dtype=torch.float32, device=device),
+            )
+        return constants

@@ -1,0 +1,309 @@
+"""GradWatch on one process: the three policies against the loop without a watch, records."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from helpers import ListSink
+from torch import nn
+
+import ampscope
+from ampscope.reporter.schema import StepRecord
+from ampscope.scaler.watch_capture import WatchCapture
+
+STEPS = 6
+OVERFLOW = 2
+"""0-based iteration whose batch overflows to inf in the forward pass."""
+
+
+def make_model(dtype: torch.dtype = torch.float32) -> nn.Module:
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).to(dtype)
+
+
+def batch(step: int, overflow: frozenset[int] = frozenset({OVERFLOW})) -> torch.Tensor:
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(step))
+    return x * 3e38 if step in overflow else x
+
+
+def loss_of(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return model(x.to(next(model.parameters()).dtype)).float().square().mean()
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit equality, except that NaN equals NaN whatever its bit pattern."""
+    nan = a.isnan()
+    if not torch.equal(nan, b.isnan()):
+        return False
+    width = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a[~nan].view(width), b[~nan].view(width))
+
+
+def state_equal(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> bool:
+    sa, sb = a.state_dict()["state"], b.state_dict()["state"]
+    return sa.keys() == sb.keys() and all(
+        same_bits(torch.as_tensor(sa[k][n]), torch.as_tensor(sb[k][n])) for k in sa for n in sa[k]
+    )
+
+
+def train(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    watch: Any,
+    *,
+    steps: int = STEPS,
+    overflow: frozenset[int] = frozenset({OVERFLOW}),
+    skip_at: frozenset[int] = frozenset(),
+    clip: bool = False,
+) -> list[bool]:
+    """The training loop; ``watch=None`` is the loop without a watch, which leaves out
+    the optimizer step at ``skip_at`` (the reference of a skipping watch)."""
+    skipped = []
+    for step in range(steps):
+        loss = loss_of(model, batch(step, overflow))
+        if watch is None:
+            loss.backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if step not in skip_at:
+                opt.step()
+        else:
+            watch.scale(loss).backward()
+            if clip:
+                watch.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            watch.step(opt)
+            watch.update()
+            skipped.append(watch.last_step_skipped)
+        opt.zero_grad()
+    return skipped
+
+
+def adam(model: nn.Module, **kwargs: Any) -> torch.optim.Optimizer:
+    return torch.optim.Adam(model.parameters(), lr=0.01, **kwargs)
+
+
+def sgd(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("make_opt", [sgd, adam, lambda m: adam(m, fused=True)])
+def test_observe_is_bit_identical_also_on_nonfinite_iterations(
+    dtype: torch.dtype, make_opt: Callable[[nn.Module], torch.optim.Optimizer]
+) -> None:
+    plain, watched = make_model(dtype), make_model(dtype)
+    plain_opt, watched_opt = make_opt(plain), make_opt(watched)
+    train(plain, plain_opt, None, clip=True)
+    sink = ListSink()
+    watch = ampscope.GradWatch(reporter=None, sinks=[sink])
+    watch.attach(watched)
+    assert train(watched, watched_opt, watch, clip=True) == [False] * STEPS
+    for a, b in zip(plain.parameters(), watched.parameters(), strict=True):
+        assert same_bits(a.detach(), b.detach())
+    assert state_equal(plain_opt, watched_opt)
+    watch.close()
+    records = sink.records
+    # From the overflow on, the weights hold inf/NaN and so do all later gradients.
+    assert [r.found_inf_global for r in records] == [s >= OVERFLOW for s in range(STEPS)]
+    assert [r.found_inf_local["cpu"] for r in records] == [s >= OVERFLOW for s in range(STEPS)]
+    assert not any(r.skipped for r in records)
+    last = records[-1].totals
+    assert last.nonfinite_applied == STEPS - OVERFLOW
+    assert last.first_nonfinite_applied is not None
+    assert last.first_nonfinite_applied.step == OVERFLOW + 1
+    assert last.first_nonfinite_applied.origin is None  # origin not tracked
+    assert last.skipped_steps == 0
+    assert watch.telemetry.snapshot().nonfinite_applied == STEPS - OVERFLOW
+    assert records[OVERFLOW].setup.model_dump() == {
+        "mode": "watch",
+        "policy": "observe",
+        "grad_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def test_a_watch_record_has_no_scale() -> None:
+    sink = ListSink()
+    watch = ampscope.GradWatch("skip", reporter=None, sinks=[sink])
+    model = make_model()
+    train(model, sgd(model), watch, steps=SCALE_STEPS)
+    watch.close()
+    for record in sink.records:
+        assert (record.scale_before, record.scale_after, record.growth_tracker) == (1.0, 1.0, 0)
+        assert record.event == "none"
+    totals = sink.records[-1].totals
+    assert (totals.backoffs, totals.growths, totals.min_scale, totals.max_scale) == (
+        0,
+        0,
+        None,
+        None,
+    )
+    assert totals.aligned_scale is None  # past step 10: a scaler would hold one
+    assert [r.step for r in sink.records] == list(range(1, SCALE_STEPS + 1))
+    # Every record validates strictly as the exporter will.
+    for record in sink.records:
+        assert StepRecord.model_validate(record.model_dump(), strict=False) == record
+
+
+SCALE_STEPS = 11
+
+
+@pytest.mark.parametrize("make_opt", [sgd, adam, lambda m: adam(m, fused=True)])
+def test_skip_equals_a_run_that_did_not_take_the_step(
+    make_opt: Callable[[nn.Module], torch.optim.Optimizer],
+) -> None:
+    overflow = frozenset({1, 4})
+    reference, watched = make_model(), make_model()
+    reference_opt, watched_opt = make_opt(reference), make_opt(watched)
+    train(reference, reference_opt, None, overflow=frozenset(), skip_at=overflow)
+    sink = ListSink()
+    watch = ampscope.GradWatch("skip", reporter=None, sinks=[sink])
+    watch.attach(watched)
+    # The skipped iterations' batches overflow; the reference's are clean but unused.
+    skipped = train(watched, watched_opt, watch, overflow=overflow)
+    assert skipped == [s in overflow for s in range(STEPS)]
+    for a, b in zip(reference.parameters(), watched.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert state_equal(reference_opt, watched_opt)
+    watch.close()
+    assert [r.skipped for r in sink.records] == skipped
+    assert [r.found_inf_global for r in sink.records] == skipped
+    assert sink.records[-1].totals.skipped_steps == len(overflow)
+    assert sink.records[-1].totals.nonfinite_applied == 0
+    named = {p.name for p in sink.records[1].nonfinite_params}
+    assert named == {"0.weight", "0.bias", "2.weight", "2.bias"}
+
+
+def test_raise_stops_with_the_record_delivered_and_params_unchanged() -> None:
+    delivered_at_raise: list[int] = []
+    sink = ListSink()
+    watch = ampscope.GradWatch("raise", reporter=None, sinks=[sink])
+    model = make_model()
+    watch.attach(model)
+    opt = sgd(model)
+    try:
+        train(model, opt, watch)
+    except ampscope.NonFiniteGradientsError as raised:
+        delivered_at_raise.extend(r.step for r in sink.records)
+        error = raised
+    else:
+        pytest.fail("no NonFiniteGradientsError")
+    before = [p.detach().clone() for p in model.parameters()]
+    assert error.step == OVERFLOW + 1
+    assert delivered_at_raise == list(range(1, OVERFLOW + 2))
+    assert sink.records[-1].found_inf_global
+    assert sink.records[-1].skipped
+    assert error.origin_ranks is None
+    assert error.local_ranks == (0,)
+    assert {name for _, name, _ in error.params} == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    message = str(error)
+    assert f"step {OVERFLOW + 1}" in message
+    assert "0.weight" in message
+    assert all(p.isfinite().all() for p in before), "the non-finite step was not applied"
+    # A loop that catches the error and goes on: update() closes nothing twice.
+    watch.update()
+    watch.close()
+    assert [r.step for r in sink.records] == list(range(1, OVERFLOW + 3))
+
+
+def test_max_consecutive_skips_raises_at_the_nth() -> None:
+    sink = ListSink()
+    watch = ampscope.GradWatch("skip", max_consecutive_skips=3, reporter=None, sinks=[sink])
+    model = make_model()
+    opt = sgd(model)
+    with pytest.raises(ampscope.NonFiniteGradientsError, match="3 consecutive") as raised:
+        # Iterations 1 and 3, 4, 5 overflow: 1 alone is not consecutive enough.
+        train(model, opt, watch, overflow=frozenset({1, 3, 4, 5}))
+    assert raised.value.step == 6
+    assert [r.skipped for r in sink.records] == [False, True, False, True, True, True]
+    watch.close()
+
+
+def test_scaler_protocol_and_errors() -> None:
+    watch = ampscope.GradWatch(reporter=None)
+    loss = torch.ones((), requires_grad=True)
+    assert watch.scale(loss) is loss
+    assert watch.get_scale() == 1.0
+    assert watch.is_enabled()
+    model = make_model()
+    opt = sgd(model)
+    loss_of(model, batch(0)).backward()
+    watch.unscale_(opt)
+    with pytest.raises(RuntimeError, match="already been called"):
+        watch.unscale_(opt)
+    watch.step(opt)
+    with pytest.raises(RuntimeError, match="step\\(\\) has already been called"):
+        watch.step(opt)
+    with pytest.raises(ValueError, match="no scale"):
+        watch.update(2.0)
+    watch.update()
+    assert watch.state_dict() == {"consecutive_skips": 0}
+    watch.load_state_dict({"consecutive_skips": 2})
+    assert watch.state_dict() == {"consecutive_skips": 2}
+    with pytest.raises(ValueError, match="loss scaler"):
+        watch.load_state_dict(torch.amp.GradScaler("cpu").state_dict() | {"scale": 1.0})
+    watch.close()
+    with pytest.raises(ValueError, match="policy must be one of"):
+        ampscope.GradWatch("ignore")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="applies to policy 'skip'"):
+        ampscope.GradWatch("observe", max_consecutive_skips=2)
+    with pytest.raises(ValueError, match="positive"):
+        ampscope.GradWatch("skip", max_consecutive_skips=0)
+
+
+def test_disabled_watch_is_a_pass_through() -> None:
+    sink = ListSink()
+    watch = ampscope.GradWatch("raise", enabled=False, reporter=None, sinks=[sink])
+    model, plain = make_model(), make_model()
+    train(plain, sgd(plain), None)
+    train(model, sgd(model), watch)  # overflows, and raise does nothing when disabled
+    watch.close()
+    assert sink.records == []
+    assert watch.state_dict() == {}
+    for a, b in zip(plain.parameters(), model.parameters(), strict=True):
+        assert same_bits(a.detach(), b.detach())
+
+
+def test_device_transport_gives_the_same_records() -> None:
+    records = []
+    for read_on_host in (True, False):
+        sink = ListSink()
+        watch = ampscope.GradWatch("skip", run_id="transport", reporter=None, sinks=[sink])
+        watch._ampscope_capture = WatchCapture("skip", read_on_host=read_on_host)
+        model = make_model()
+        train(model, sgd(model), watch)
+        watch.close()
+        records.append([r.model_dump(exclude={"time"}) for r in sink.records])
+    assert records[0] == records[1]
+    assert [r["skipped"] for r in records[1]] == [s == OVERFLOW for s in range(STEPS)]
+
+
+def test_scaler_records_say_scaler() -> None:
+    sink = ListSink()
+    scaler = ampscope.GradScaler("cpu", reporter=None, sinks=[sink])
+    model = make_model()
+    opt = sgd(model)
+    for step in range(2):
+        scaler.scale(loss_of(model, batch(step, frozenset()))).backward()
+        scaler.step(opt)
+        scaler.update()
+    scaler.close()
+    assert sink.records[-1].setup.model_dump() == {
+        "mode": "scaler",
+        "policy": "skip",
+        "grad_dtype": "float32",
+    }
+    assert sink.records[-1].totals.nonfinite_applied == 0
+    assert sink.records[-1].totals.first_nonfinite_applied is None
+
+
+def test_lazy_exports() -> None:
+    from ampscope.scaler import GradWatch, NonFiniteGradientsError
+
+    assert ampscope.GradWatch is GradWatch
+    assert ampscope.NonFiniteGradientsError is NonFiniteGradientsError
+    assert issubclass(NonFiniteGradientsError, RuntimeError)
