@@ -307,3 +307,54 @@ def test_lazy_exports() -> None:
     assert ampscope.GradWatch is GradWatch
     assert ampscope.NonFiniteGradientsError is NonFiniteGradientsError
     assert issubclass(NonFiniteGradientsError, RuntimeError)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_clean_iterations_add_no_sync() -> None:
+    """observe (any optimizer) and skip with a fused optimizer never make the host wait:
+    the flags stay on the device, a fused Adam takes the agreed one as ``found_inf``."""
+    inject = 3
+
+    def cuda_train(watch: Any, model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
+        for step in range(steps):
+            x = torch.randn(5, 4, generator=torch.Generator().manual_seed(step)).cuda()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(x).float().square().mean()
+            (loss if watch is None else watch.scale(loss)).backward()
+            if step == inject:
+                next(model.parameters()).grad.view(-1)[0] = float("inf")
+            if watch is None:
+                if step != inject:
+                    opt.step()
+            else:
+                watch.step(opt)
+                watch.update()
+            opt.zero_grad()
+
+    results = {}
+    for policy, fused in (("observe", False), ("skip", True)):
+        sink = ListSink()
+        watch = ampscope.GradWatch(policy, reporter=None, sinks=[sink])  # type: ignore[arg-type]
+        model = make_model().cuda()
+        opt = torch.optim.Adam(model.parameters(), lr=0.01, fused=fused)
+        cuda_train(watch, model, opt, 1)  # first iteration: allocations, identity
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            cuda_train(watch, model, opt, inject + 2)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        watch.close()
+        results[policy] = (model, sink.records)
+    _, observed = results["observe"]
+    assert [r.found_inf_local for r in observed[1 : inject + 2]] == [{"cuda:0": False}] * inject + [
+        {"cuda:0": True}
+    ]
+    assert observed[-1].totals.nonfinite_applied == 2
+    skipper, skipped = results["skip"]
+    assert [r.skipped for r in skipped] == [s == inject + 1 for s in range(inject + 3)]
+    reference = make_model().cuda()
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=0.01, fused=True)
+    cuda_train(None, reference, ref_opt, 1)
+    cuda_train(None, reference, ref_opt, inject + 2)
+    for a, b in zip(reference.parameters(), skipper.parameters(), strict=True):
+        assert torch.equal(a, b)
