@@ -84,6 +84,7 @@ class OptimizerInfo:
         "handle",
         "index",
         "name",
+        "place",
         "ref",
         "unscaled_at",
     )
@@ -116,6 +117,9 @@ class OptimizerInfo:
         self.dtypes: frozenset[str] = frozenset()
         """Names of the parameters' dtypes, which are their gradients' (autograd keeps a
         gradient in its parameter's dtype); decided with ``dtensor``."""
+        self.place: tuple[torch.device, torch.dtype] | None = None
+        """The one device and dtype of every parameter, hence of every gradient (plain
+        tensors only); ``None`` when they differ or are DTensors."""
 
     def refresh(self, optimizer: torch.optim.Optimizer) -> None:
         groups = optimizer.param_groups
@@ -123,6 +127,8 @@ class OptimizerInfo:
         params = [p for group in groups for p in group["params"]]
         self.dtensor = any(compat.is_dtensor(p) for p in params)
         self.dtypes = frozenset(dtype_name(p.dtype) for p in params)
+        places = {(p.device, p.dtype) for p in params}
+        self.place = places.pop() if len(places) == 1 and not self.dtensor else None
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -260,19 +260,18 @@ class GradWatch(TelemetryFrontEnd):
 
     def _check(self, capture: WatchCapture, optimizer: torch.optim.Optimizer) -> Checked:
         info = capture.info(optimizer)
-        found = check_local(optimizer, info.dtensor, capture.ones)
+        found = check_local(optimizer, info, capture.ones)
         agreed = (
             None if self._watch.policy == "observe" else agree(found, self._watch.process_group)
         )
         entry = capture.iteration[id(optimizer)] = Checked(info, found, agreed)
         # Parameters are named where the host knows the flag for free (the CPU); on an
         # accelerator under skip/raise, once the agreed flag says so (step()).
-        if (
-            self._ampscope_config.attribution
-            and all(d.type == "cpu" for d in found)
-            and any(flag.item() for flag in found.values())
-        ):
-            self._attribute(entry, optimizer)
+        if self._ampscope_config.attribution:
+            place = info.place
+            on_cpu = place[0].type == "cpu" if place is not None else _all_cpu(found)
+            if on_cpu and any(flag.item() for flag in found.values()):
+                self._attribute(entry, optimizer)
         return entry
 
     def _attribute(self, entry: Checked, optimizer: torch.optim.Optimizer) -> None:
@@ -321,6 +320,10 @@ class GradWatch(TelemetryFrontEnd):
             params=stop.own_params(counts),
         )
         raise stop.build_error(stop.gather(report, self._watch.process_group), step, reason)
+
+
+def _all_cpu(found: Mapping[torch.device, torch.Tensor]) -> bool:
+    return all(device.type == "cpu" for device in found)
 
 
 def _fused_step(

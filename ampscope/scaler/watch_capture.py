@@ -60,44 +60,68 @@ class Checked:
 
 
 def check_local(
-    optimizer: torch.optim.Optimizer, dtensor: bool, ones: dict[torch.device, torch.Tensor]
+    optimizer: torch.optim.Optimizer,
+    info: OptimizerInfo,
+    ones: dict[torch.device, torch.Tensor],
 ) -> dict[torch.device, torch.Tensor]:
     """This rank's found-inf per device for ``optimizer``'s local gradients.
 
     Groups the gradients by device and dtype as torch's unscale does (sparse ones by their
-    stored values) and runs the fused kernel once per group, into one zeroed flag per
-    device. ``ones`` caches the inverse scale of 1 per device. Cost: one Python walk over
-    the parameters, one small fill per device, one kernel per group; no sync.
+    stored values, DTensors by their local shards) and runs the fused kernel once per
+    group, into one zeroed flag per device. ``ones`` caches the inverse scale of 1 per
+    device. Cost: one Python walk over the parameters, one small fill per device, one
+    kernel per group; no sync.
     """
-    groups: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = {}
-    for param_group in optimizer.param_groups:
-        for param in param_group["params"]:
-            grad = param.grad
-            if grad is None:
-                continue
-            if dtensor:
-                grad = compat.local_tensor(grad)
-            if grad.is_sparse:
-                grad = grad._values()
-            per_dtype = groups.get(grad.device)
-            if per_dtype is None:
-                per_dtype = groups[grad.device] = {}
-            same = per_dtype.get(grad.dtype)
-            if same is None:
-                per_dtype[grad.dtype] = [grad]
-            else:
-                same.append(grad)
-    found: dict[torch.device, torch.Tensor] = {}
-    with torch.no_grad():
-        for device, per_dtype in groups.items():
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"]]
+    place = info.place
+    if place is not None:
+        # One device and dtype, known from the parameters: one group, unless sparse.
+        dense = [g for g in grads if g is not None]
+        if not any(g.is_sparse for g in dense):
+            device = place[0]
             flag = torch.zeros(1, dtype=torch.float32, device=device)
-            one = ones.get(device)
-            if one is None:
-                one = ones[device] = torch.ones(1, dtype=torch.float32, device=device)
-            for grads in per_dtype.values():
-                compat.non_finite_check_(grads, flag, one)
-            found[device] = flag
+            if dense:
+                _check_group(dense, flag, _one_on(device, ones))
+            return {device: flag}
+    groups: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = {}
+    for grad in grads:
+        if grad is None:
+            continue
+        local = compat.local_tensor(grad) if info.dtensor else grad
+        if local.is_sparse:
+            local = local._values()
+        per_dtype = groups.get(local.device)
+        if per_dtype is None:
+            per_dtype = groups[local.device] = {}
+        same = per_dtype.get(local.dtype)
+        if same is None:
+            per_dtype[local.dtype] = [local]
+        else:
+            same.append(local)
+    found: dict[torch.device, torch.Tensor] = {}
+    for device, per_dtype in groups.items():
+        flag = torch.zeros(1, dtype=torch.float32, device=device)
+        for same in per_dtype.values():
+            _check_group(same, flag, _one_on(device, ones))
+        found[device] = flag
     return found
+
+
+def _one_on(device: torch.device, ones: dict[torch.device, torch.Tensor]) -> torch.Tensor:
+    one = ones.get(device)
+    if one is None:
+        one = ones[device] = torch.ones(1, dtype=torch.float32, device=device)
+    return one
+
+
+def _check_group(grads: list[torch.Tensor], flag: torch.Tensor, one: torch.Tensor) -> None:
+    # Gradients that require grad themselves (create_graph=True) must not record the
+    # kernel; entering no_grad costs more than the kernel, so only for those.
+    if torch.is_grad_enabled() and any(g.requires_grad for g in grads):
+        with torch.no_grad():
+            compat.non_finite_check_(grads, flag, one)
+    else:
+        compat.non_finite_check_(grads, flag, one)
 
 
 def agree(found: FoundInf, group: dist.ProcessGroup | None) -> torch.Tensor:

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import ListSink
+from helpers import ListSink, Net, poison
+from helpers import batch as index_batch
 from torch import nn
 
 import ampscope
@@ -221,6 +222,34 @@ def test_max_consecutive_skips_raises_at_the_nth() -> None:
     assert raised.value.step == 6
     assert [r.skipped for r in sink.records] == [False, True, False, True, True, True]
     watch.close()
+
+
+def test_sparse_and_mixed_dtype_gradients_are_checked_per_group() -> None:
+    """A sparse embedding gradient (its stored values) and a bf16 head beside float32
+    layers: the per-(device, dtype) path, as torch's unscale groups them."""
+    sink = ListSink()
+    watch = ampscope.GradWatch("skip", reporter=None, sinks=[sink])
+
+    class Mixed(Net):
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            hidden = torch.relu(self.body(self.emb(idx))).to(torch.bfloat16)
+            return self.head(hidden).float().square().mean()
+
+    model = Mixed(sparse=True)
+    model.head.to(torch.bfloat16)
+    watch.attach(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        model(index_batch(step)).backward()
+        if step == 1:
+            poison(model.emb.weight)
+        watch.step(opt)
+        watch.update()
+        opt.zero_grad()
+    watch.close()
+    assert [r.skipped for r in sink.records] == [False, True, False]
+    assert [p.name for p in sink.records[1].nonfinite_params] == ["emb.weight"]
+    assert sink.records[0].setup.grad_dtype == "bfloat16+float32"
 
 
 def test_scaler_protocol_and_errors() -> None:
