@@ -10,6 +10,7 @@ the rule that telemetry never raises into training.
 from __future__ import annotations
 
 import logging
+import warnings
 import weakref
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from ampscope.reporter.schema import Identity
+from ampscope.scaler import compat
 from ampscope.scaler.config import TelemetryConfig
 from ampscope.scaler.identity import resolve_identity
 from ampscope.scaler.names import ParamNames
@@ -40,6 +42,19 @@ OWN_ATTRIBUTES = (
     "_ampscope_errors",
 )
 """Attributes a front-end adds; dropped when it is pickled (threads, hooks, sinks)."""
+
+
+def warn_if_torch_changed() -> None:
+    """Warn once per process (the check is cached) when this torch breaks an assumption
+    of :mod:`ampscope.scaler.compat`."""
+    problems = compat.check_torch()
+    if problems:
+        warnings.warn(
+            "ampscope: this torch differs from what the instrumented scalers and the watch "
+            "expect; telemetry may be wrong: " + "; ".join(problems),
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 class TelemetryFrontEnd:

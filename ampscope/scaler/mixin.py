@@ -10,7 +10,6 @@ scale clamp.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,19 +19,8 @@ from ampscope.scaler import compat
 from ampscope.scaler.attribution import count_nonfinite
 from ampscope.scaler.capture import StepCapture
 from ampscope.scaler.config import TelemetryConfig
-from ampscope.scaler.frontend import OWN_ATTRIBUTES, TelemetryFrontEnd
+from ampscope.scaler.frontend import OWN_ATTRIBUTES, TelemetryFrontEnd, warn_if_torch_changed
 from ampscope.scaler.local_unscale import unscale_local_shards
-
-
-def _warn_if_torch_changed() -> None:
-    problems = compat.check_torch()
-    if problems:
-        warnings.warn(
-            "ampscope: this torch differs from what the instrumented scalers expect; "
-            "telemetry may be wrong: " + "; ".join(problems),
-            RuntimeWarning,
-            stacklevel=3,
-        )
 
 
 class TelemetryMixin(TelemetryFrontEnd):
@@ -45,7 +33,7 @@ class TelemetryMixin(TelemetryFrontEnd):
 
     def _ampscope_init(self, config: TelemetryConfig) -> None:
         """Called at the end of ``__init__``, after torch's constructor."""
-        _warn_if_torch_changed()
+        warn_if_torch_changed()
         enabled = self.is_enabled()  # type: ignore[attr-defined]
         # A disabled scaler is a pure pass-through: no reporter, no thread, no records.
         self._ampscope_start(config, enabled)

@@ -36,7 +36,7 @@ from ampscope.reporter.sink import Sink
 from ampscope.scaler import stop
 from ampscope.scaler.attribution import count_nonfinite
 from ampscope.scaler.config import TelemetryConfig, WatchConfig
-from ampscope.scaler.frontend import TelemetryFrontEnd
+from ampscope.scaler.frontend import OWN_ATTRIBUTES, TelemetryFrontEnd, warn_if_torch_changed
 from ampscope.scaler.stop import NonFiniteGradientsError
 from ampscope.scaler.watch_capture import Checked, WatchCapture, agree, check_local
 
@@ -99,6 +99,7 @@ class GradWatch(TelemetryFrontEnd):
             top_k=top_k,
             history=history,
         )
+        warn_if_torch_changed()
         self._enabled = enabled
         self._consecutive_skips = 0
         self._ampscope_start(config, enabled)
@@ -255,6 +256,20 @@ class GradWatch(TelemetryFrontEnd):
         if "scale" in state_dict:
             raise ValueError("this is a loss scaler's state_dict; a GradWatch has no scale to load")
         self._consecutive_skips = int(state_dict.get("consecutive_skips", 0))
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        for name in OWN_ATTRIBUTES:
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # An unpickled copy keeps the policy and its count, checks and applies it as
+        # before, and keeps its records in its own history: sinks, the reporter, threads
+        # and hooks do not travel.
+        self.__dict__.update(state)
+        self._ampscope_start(TelemetryConfig(reporter=None), False)
+        self._ampscope_capture = WatchCapture(self._watch.policy) if self._enabled else None
 
     # -- internals -----------------------------------------------------------------------
 

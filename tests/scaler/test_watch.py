@@ -145,9 +145,9 @@ def test_a_watch_record_has_no_scale() -> None:
     )
     assert totals.aligned_scale is None  # past step 10: a scaler would hold one
     assert [r.step for r in sink.records] == list(range(1, SCALE_STEPS + 1))
-    # Every record validates strictly as the exporter will.
+    # Every record passes the exporter's strict validation of its JSON.
     for record in sink.records:
-        assert StepRecord.model_validate(record.model_dump(), strict=False) == record
+        assert StepRecord.model_validate_json(record.model_dump_json()) == record
 
 
 SCALE_STEPS = 11
@@ -282,6 +282,23 @@ def test_scaler_protocol_and_errors() -> None:
         ampscope.GradWatch("observe", max_consecutive_skips=2)
     with pytest.raises(ValueError, match="positive"):
         ampscope.GradWatch("skip", max_consecutive_skips=0)
+
+
+def test_a_pickled_watch_keeps_its_policy_without_sinks() -> None:
+    import pickle
+
+    sink = ListSink()
+    watch = ampscope.GradWatch("skip", max_consecutive_skips=4, reporter=None, sinks=[sink])
+    watch.load_state_dict({"consecutive_skips": 1})
+    copy = pickle.loads(pickle.dumps(watch))
+    watch.close()
+    model = make_model()
+    assert train(model, sgd(model), copy) == [s == OVERFLOW for s in range(STEPS)]
+    assert copy.state_dict() == {"consecutive_skips": 0}
+    # Its records stay in its own history: sinks and reporter do not travel.
+    assert [r.skipped for r in copy.telemetry.history()] == [s == OVERFLOW for s in range(STEPS)]
+    assert sink.records == []
+    copy.close()
 
 
 def test_disabled_watch_is_a_pass_through() -> None:
