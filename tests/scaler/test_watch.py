@@ -404,3 +404,22 @@ def test_cuda_clean_iterations_add_no_sync() -> None:
     cuda_train(None, reference, ref_opt, inject + 2)
     for a, b in zip(reference.parameters(), skipper.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_raise_hands_the_record_to_the_exporter_before_raising() -> None:
+    from reporter.loopback_server import LoopbackExporter
+
+    from ampscope.reporter.http import HttpReporter
+
+    with LoopbackExporter() as server:
+        # A long flush interval: only the watch's flush can send the record this soon.
+        reporter = HttpReporter(server.url, flush_interval=60.0)
+        watch = ampscope.GradWatch("raise", reporter=reporter, run_id="raise-test")
+        model = make_model()
+        arrived: list[int] = []
+        try:
+            train(model, sgd(model), watch)
+        except ampscope.NonFiniteGradientsError:
+            arrived = server.steps()
+        watch.close()
+    assert arrived == list(range(1, OVERFLOW + 2))
