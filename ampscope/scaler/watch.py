@@ -209,6 +209,10 @@ class GradWatch(TelemetryFrontEnd):
         capture = self._ampscope_capture
         if capture is None:
             return
+        if capture.closed_by_raise:
+            capture.closed_by_raise = False
+            if not capture.iteration:
+                return  # the raise recorded this iteration already
         skipped = any(e.skipped for e in capture.iteration.values())
         self._consecutive_skips = self._consecutive_skips + 1 if skipped else 0
         try:
@@ -319,6 +323,7 @@ class GradWatch(TelemetryFrontEnd):
         local = any(bool(f.item()) for e in capture.iteration.values() for f in e.found.values())
         counts = self._counts(capture)
         self._consecutive_skips = 0
+        capture.closed_by_raise = True
         try:
             pending = capture.close_iteration(self._ampscope_identity_now(), origin, counts)
             self._ampscope_telemetry.submit(pending)

@@ -157,6 +157,8 @@ class WatchCapture:
         """The open iteration's checks by optimizer id, in the order they ran."""
         self.step = 0
         """update() calls (and iterations closed by a raise) so far."""
+        self.closed_by_raise = False
+        """A raise closed the iteration: the update() a loop may still call closes none."""
         self.last_skipped: bool | list[torch.Tensor] = False
         """Whether the last closed iteration skipped; flags to read when the host does
         not know (fused optimizers under skip)."""
