@@ -17,9 +17,11 @@ LABEL_PATTERN = re.compile(r"^[A-Za-z0-9_.:/@+=-]+$")
 
 @dataclass(frozen=True, kw_only=True)
 class TelemetryConfig:
-    """Telemetry options of :class:`ampscope.GradScaler` and :class:`ampscope.ShardedGradScaler`.
+    """Telemetry options of :class:`ampscope.GradScaler`, :class:`ampscope.ShardedGradScaler`
+    and :class:`ampscope.GradWatch` (which has no scale to clamp: no ``min_scale`` or
+    ``max_scale``).
 
-    The scalers take these as keyword-only constructor arguments of the same names.
+    They take these as keyword-only constructor arguments of the same names.
     """
 
     reporter: Sink | Literal["auto"] | None = "auto"
