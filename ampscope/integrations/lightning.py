@@ -7,8 +7,9 @@ the model and before a checkpoint restores the scaler's state), attaches in
 ``on_fit_start`` (``trainer.strategy.model`` is wrapped by then), logs through the
 LightningModule like Lightning's ``LearningRateMonitor``, and closes in ``teardown``.
 
-With ``precision="bf16-mixed"`` the ``MixedPrecision`` plugin has no scaler; the callback
-gives it a :class:`~ampscope.GradWatch`, and the plugin then runs its scaler code path:
+With ``precision="bf16-mixed"`` the ``MixedPrecision`` plugin has no scaler (nor has
+``FSDPPrecision`` outside fp16); the callback gives it a :class:`~ampscope.GradWatch`, and
+the plugin then runs its scaler code path:
 ``scale()`` before backward, ``unscale_()`` before clipping, ``step()`` and ``update()``.
 Lightning steps LR schedulers whether or not the optimizer stepped; under ``policy="skip"``
 the callback holds the step-interval schedulers on a skipped iteration by wrapping the
@@ -160,11 +161,14 @@ class AmpscopeCallback(pl.Callback):
 
 
 def _watchable(plugin: Any) -> bool:
-    """Lightning's ``MixedPrecision`` plugin in bf16: the one that runs a scaler's
-    ``scale``/``unscale_``/``step``/``update`` once it holds one."""
-    from lightning.pytorch.plugins.precision import MixedPrecision
+    """A plugin that runs a scaler's ``scale``/``unscale_``/``step``/``update`` once it
+    holds one, training without one: ``MixedPrecision`` in bf16, ``FSDPPrecision``
+    (FSDP1) in anything but fp16."""
+    from lightning.pytorch.plugins.precision import FSDPPrecision, MixedPrecision
 
-    return isinstance(plugin, MixedPrecision) and plugin.precision == "bf16-mixed"
+    if isinstance(plugin, MixedPrecision):
+        return plugin.precision == "bf16-mixed"
+    return isinstance(plugin, FSDPPrecision) and plugin.precision != "16-mixed"
 
 
 def _hold_schedulers_on_skips(

@@ -112,6 +112,27 @@ def test_fsdp_precision_gets_the_sharded_scaler() -> None:
     plugin.scaler.close()
 
 
+def test_fsdp_precision_in_bf16_gets_a_watch() -> None:
+    """Lightning runs FSDP only on GPUs; the swap is checked on the plugin, which runs the
+    same scaler code path as MixedPrecision."""
+    from lightning.pytorch.plugins.precision import FSDPPrecision
+
+    import ampscope
+    from ampscope.integrations.lightning import AmpscopeCallback
+
+    plugin = FSDPPrecision("bf16-mixed")
+
+    class FakeTrainer:  # setup() only reads the precision plugin
+        precision_plugin = plugin
+
+    callback = AmpscopeCallback(policy="raise", reporter=None)
+    callback.setup(FakeTrainer(), None, "fit")  # type: ignore[arg-type]
+    assert isinstance(plugin.scaler, ampscope.GradWatch)
+    assert plugin.scaler is callback.scaler
+    assert plugin.scaler.policy == "raise"
+    plugin.scaler.close()
+
+
 def test_logs_on_lightning_logging_steps_and_a_second_callback_is_harmless() -> None:
     import lightning.pytorch as pl
     import torch
