@@ -1,5 +1,6 @@
-"""A GradWatch on real ranks (gloo): DDP, FSDP1, FSDP2 on a 1-D mesh and FSDP2 with tensor
-parallelism on a 2-D mesh, each under observe, skip and raise, in one launch."""
+"""A GradWatch on real ranks (gloo): DDP (float32 and bf16), FSDP1, FSDP2 on a 1-D mesh
+(float32, and bf16 compute with a bf16 reduce-scatter) and FSDP2 with tensor parallelism on
+a 2-D mesh, each under observe, skip and raise, in one launch."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ from watch_setups import BAD_RANK, INJECT, STEPS, watch_worker
 
 pytestmark = pytest.mark.distributed
 
-SETUPS = ("ddp", "fsdp1", "fsdp2", "tp")
-TRACKED = {"ddp": True, "fsdp1": True, "fsdp2": True, "tp": False}
+SETUPS = ("ddp", "ddp_bf16", "fsdp1", "fsdp2", "fsdp2_bf16_reduce", "tp")
+TRACKED = {setup: setup != "tp" for setup in SETUPS}
 """Setups with origin tracking; the 2-D mesh's single replica runs no gradient collective."""
+GRAD_DTYPE = {setup: "bfloat16" if setup == "ddp_bf16" else "float32" for setup in SETUPS}
+"""FSDP2 in bf16 computes and reduces in bf16 but keeps float32 sharded gradients."""
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +46,7 @@ def test_observe_is_bit_identical_without_a_collective(
         assert records[-1]["setup"] == {
             "mode": "watch",
             "policy": "observe",
-            "grad_dtype": "float32",
+            "grad_dtype": GRAD_DTYPE[setup],
         }
         if TRACKED[setup]:
             # The reduction spreads rank 1's inf to every rank's gradients in that step;

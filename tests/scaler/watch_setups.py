@@ -190,10 +190,11 @@ def run_policies(setup: Setup) -> dict[str, Any]:
     return result
 
 
-def _ddp(rank: int) -> Setup:
+def _ddp(rank: int, dtype: torch.dtype = torch.float32) -> Setup:
+    """DDP; in bfloat16 the parameters, gradients and all-reduced buckets are bf16."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    return Setup(lambda: DDP(make_model()), origin=True, data=True, rank=rank)
+    return Setup(lambda: DDP(make_model().to(dtype)), origin=True, data=True, rank=rank)
 
 
 def _fsdp1(rank: int) -> Setup:
@@ -207,18 +208,25 @@ def _fsdp1(rank: int) -> Setup:
     )
 
 
-def _fsdp2(rank: int, world_size: int) -> Setup:
+def _fsdp2(rank: int, world_size: int, *, bf16: bool = False) -> Setup:
+    """FSDP2 on a 1-D mesh; ``bf16``: bf16 compute and bf16 reduce-scatter
+    (``MixedPrecisionPolicy``), the sharded gradients float32."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh("cpu", (world_size,))
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+        if bf16
+        else MixedPrecisionPolicy()
+    )
 
     def build() -> nn.Module:
         model = make_model()
         for layer in model:
             if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+                fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
         return model
 
     return Setup(build, origin=True, data=True, rank=rank)
@@ -250,7 +258,9 @@ def _tensor_parallel(rank: int, world_size: int) -> Setup:
 def watch_worker(rank: int, world_size: int) -> dict[str, Any]:
     return {
         "ddp": run_policies(_ddp(rank)),
+        "ddp_bf16": run_policies(_ddp(rank, torch.bfloat16)),
         "fsdp1": run_policies(_fsdp1(rank)),
         "fsdp2": run_policies(_fsdp2(rank, world_size)),
+        "fsdp2_bf16_reduce": run_policies(_fsdp2(rank, world_size, bf16=True)),
         "tp": run_policies(_tensor_parallel(rank, world_size)),
     }
