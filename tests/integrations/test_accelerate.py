@@ -131,3 +131,34 @@ def test_accelerate_rejects_an_unknown_policy() -> None:
 
     with pytest.raises(ValueError, match="policy must be one of"):
         instrument(Accelerator(cpu=True), policy="ignore")  # type: ignore[arg-type]
+
+
+def test_accelerate_watch_after_prepare_reaches_the_prepared_optimizer() -> None:
+    """instrument() after prepare(): the optimizer wrapper built without a scaler is set up
+    to step through the watch, and Accelerate's step_was_skipped sees its skips."""
+    import torch
+    from accelerate import Accelerator
+    from watch_workers import reset_accelerate
+    from workers import Net, batch, poison
+
+    from ampscope.integrations.accelerate import instrument
+
+    reset_accelerate()
+    accelerator = Accelerator(mixed_precision="bf16", cpu=True)
+    model = Net()
+    poison(model, 0, 1)
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05))
+    assert optimizer.scaler is None
+    watch = instrument(accelerator, policy="skip", reporter=None)
+    assert optimizer.scaler is watch
+    assert accelerator.scaler is watch
+    skipped = []
+    for step in range(STEPS):
+        accelerator.backward(model(batch(0, step)).square().mean())
+        optimizer.step()
+        optimizer.zero_grad()
+        skipped.append(optimizer.step_was_skipped)
+    assert skipped == expected_skips()
+    assert all(bool(p.isfinite().all()) for p in model.parameters())
+    watch.close()
+    reset_accelerate()

@@ -49,7 +49,7 @@ def _summary(installed: Any, model: nn.Module, scheduler: Any) -> dict[str, Any]
     return result
 
 
-def _reset_accelerate() -> None:
+def reset_accelerate() -> None:
     # One process trains several Accelerators with different precisions; Accelerate
     # keeps a process-wide state that refuses a second precision unless reset.
     from accelerate.state import AcceleratorState
@@ -71,7 +71,7 @@ def accelerate_run(
 
     from ampscope.integrations.accelerate import instrument
 
-    _reset_accelerate()
+    reset_accelerate()
     accelerator = Accelerator(mixed_precision=precision, cpu=True)
     model = Net()
     poison(model, rank, world_size)
@@ -97,10 +97,15 @@ def accelerate_run(
 
 
 def accelerate_worker(rank: int, world_size: int, run_id: str) -> dict[str, Any]:
-    return {
-        precision: {run: accelerate_run(rank, world_size, precision, run, run_id) for run in RUNS}
-        for precision in ("bf16", "no")
-    }
+    try:
+        return {
+            precision: {
+                run: accelerate_run(rank, world_size, precision, run, run_id) for run in RUNS
+            }
+            for precision in ("bf16", "no")
+        }
+    finally:
+        reset_accelerate()  # the fp16 tests in this process set their own precision
 
 
 # -- Hugging Face Trainer ---------------------------------------------------------------
@@ -113,7 +118,7 @@ def trainer_run(
 
     from ampscope.integrations.transformers import instrument
 
-    _reset_accelerate()
+    reset_accelerate()
     args = TrainingArguments(
         output_dir=output_dir,
         use_cpu=True,
@@ -148,7 +153,10 @@ def trainer_run(
 
 
 def trainer_worker(rank: int, world_size: int, run_id: str, output_dir: str) -> dict[str, Any]:
-    return {run: trainer_run(rank, world_size, run, run_id, output_dir) for run in RUNS}
+    try:
+        return {run: trainer_run(rank, world_size, run, run_id, output_dir) for run in RUNS}
+    finally:
+        reset_accelerate()
 
 
 # -- Lightning --------------------------------------------------------------------------
