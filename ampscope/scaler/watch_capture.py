@@ -127,15 +127,19 @@ def _check_group(grads: list[torch.Tensor], flag: torch.Tensor, one: torch.Tenso
 def agree(found: FoundInf, group: dist.ProcessGroup | None) -> torch.Tensor:
     """One flag, 1 when any rank of ``group`` found inf/NaN: the local flags' max, then one
     all-reduce (max) of that one-element tensor when the process group has several ranks.
-    A rank with no gradients still takes part, with a zero flag."""
+    A rank with no gradients still takes part, with a zero flag. The local flags stay
+    unchanged (the all-reduce works on a copy)."""
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
     flags = list(found.values())
     if not flags:
         flag = torch.zeros(1, dtype=torch.float32, device=collective_device(group))
+    elif len(flags) == 1:
+        flag = flags[0].clone() if distributed else flags[0]
     else:
         flag = flags[0].clone()
         for other in flags[1:]:
             torch.maximum(flag, other.to(flag.device), out=flag)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+    if distributed:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return flag
 
