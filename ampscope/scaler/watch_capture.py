@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from types import MappingProxyType
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,19 @@ from ampscope.scaler.capture import (
     to_host_async,
 )
 from ampscope.scaler.identity import collective_device
+
+_NO_FLAGS: Mapping[torch.device, torch.Tensor] = MappingProxyType({})
+
+
+def _merged(
+    a: Mapping[torch.device, torch.Tensor], b: FoundInf
+) -> dict[torch.device, torch.Tensor]:
+    """Per device, the max of two optimizers' local flags (one small op per shared device)."""
+    out = dict(a)
+    for device, flag in b.items():
+        mine = out.get(device)
+        out[device] = flag if mine is None else torch.maximum(mine, flag)
+    return out
 
 
 class Checked:
@@ -169,7 +183,7 @@ class WatchCapture:
         self.ones: dict[torch.device, torch.Tensor] = {}
         self._constants: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._slots: dict[tuple[int, str, bool, bool, int], OptimizerSlot] = {}
-        self._device_names: dict[torch.device, str] = {}
+        self._device_names: dict[tuple[torch.device, ...], tuple[str, ...]] = {}
         self._setups: dict[frozenset[str], Setup] = {}
 
     def close(self) -> None:
@@ -202,44 +216,46 @@ class WatchCapture:
         self.step += 1
         opt_flags: list[torch.Tensor] = []
         slots: list[OptimizerSlot] = []
-        local: dict[torch.device, torch.Tensor] = {}
+        local: Mapping[torch.device, torch.Tensor] = _NO_FLAGS
         dtypes: frozenset[str] = frozenset()
+        skipped: bool | None = False
         for entry in iteration.values():
-            info = entry.info
-            flags = list(entry.found.values()) if entry.agreed is None else [entry.agreed]
+            info, found = entry.info, entry.found
+            flags = list(found.values()) if entry.agreed is None else [entry.agreed]
             slots.append(self._slot(info, entry.stepped, len(flags)))
-            opt_flags.extend(flags)
-            dtypes |= info.dtypes
-            for device, flag in entry.found.items():
-                merged = local.get(device)
-                local[device] = flag if merged is None else torch.maximum(merged, flag)
-        skipped = [e.skipped for e in iteration.values() if e.stepped]
-        if None in skipped:
-            self.last_skipped = [e.agreed for e in iteration.values() if e.agreed is not None]
-        else:
-            self.last_skipped = any(skipped)
+            opt_flags += flags
+            # The common single optimizer keeps its own objects: no merge, no new set.
+            dtypes = info.dtypes if not dtypes else dtypes | info.dtypes
+            local = found if not local else _merged(local, found)
+            if entry.stepped and skipped is not None:
+                skipped = None if entry.skipped is None else skipped or entry.skipped
+        self.last_skipped = (
+            [e.agreed for e in iteration.values() if e.agreed is not None]
+            if skipped is None
+            else skipped
+        )
         pending = PendingStep(identity, self.step, time.time(), False)
         pending.setup = self._setup(dtypes)
         pending.optimizers = tuple(slots)
-        pending.local_devices = tuple(self._device_name(d) for d in local)
+        pending.local_devices = self._device_names_of(local)
         pending.origin_devices = tuple(origin)
         if nonfinite:
             pending.nonfinite = nonfinite
-        flags = [*opt_flags, *local.values()]
-        accelerator = next(
-            (t.device for t in (*flags, *origin.values()) if t.device.type != "cpu"), None
-        )
+        flags = opt_flags + list(local.values())
+        accelerator = None
+        for flag in (*flags, *origin.values()):
+            if flag.device.type != "cpu":
+                accelerator = flag.device
+                break
         on_host = self._read_on_host
         if on_host is None:
             on_host = accelerator is None
         if on_host:
-            pending.values = [
-                1.0,
-                *(flag.item() for flag in flags),
-                1.0,
-                0.0,
-                *(flag.item() for flag in origin.values()),
-            ]
+            values = [1.0]
+            values += [flag.item() for flag in flags]
+            values += (1.0, 0.0)
+            values += [flag.item() for flag in origin.values()]
+            pending.values = values
             return pending
         device = torch.device("cpu") if accelerator is None else accelerator
         one, zero = self._constants_on(device)
@@ -262,11 +278,13 @@ class WatchCapture:
             )
         return slot
 
-    def _device_name(self, device: torch.device) -> str:
-        name = self._device_names.get(device)
-        if name is None:
-            name = self._device_names[device] = str(device)
-        return name
+    def _device_names_of(self, local: Mapping[torch.device, torch.Tensor]) -> tuple[str, ...]:
+        """The devices' names, one shared tuple per combination."""
+        devices = tuple(local)
+        names = self._device_names.get(devices)
+        if names is None:
+            names = self._device_names[devices] = tuple(str(d) for d in devices)
+        return names
 
     def _setup(self, dtypes: frozenset[str]) -> Setup:
         setup = self._setups.get(dtypes)

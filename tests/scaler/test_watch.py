@@ -252,6 +252,36 @@ def test_sparse_and_mixed_dtype_gradients_are_checked_per_group() -> None:
     assert sink.records[0].setup.grad_dtype == "bfloat16+float32"
 
 
+def test_each_optimizer_is_decided_on_its_own_flag() -> None:
+    """Two optimizers, as torch's scaler: the one whose gradients hold inf skips, the
+    other steps; the record has both, and the iteration counts as skipped."""
+    sink = ListSink()
+    watch = ampscope.GradWatch("skip", reporter=None, sinks=[sink])
+    model = make_model()
+    watch.attach(model)
+    first, second = model[0], model[2]
+    opts = [
+        torch.optim.SGD(first.parameters(), lr=0.1),
+        torch.optim.SGD(second.parameters(), lr=0.1),
+    ]
+    before = [p.detach().clone() for p in model.parameters()]
+    loss_of(model, batch(0, frozenset())).backward()
+    poison(second.weight)
+    for opt in opts:
+        watch.step(opt)
+    assert watch.last_step_skipped
+    watch.update()
+    watch.close()
+    after = list(model.parameters())
+    assert not torch.equal(before[0], after[0])  # the first optimizer stepped
+    assert torch.equal(before[2], after[2])  # the second skipped
+    record = sink.records[0]
+    assert [(o.index, o.found_inf) for o in record.optimizers] == [(0, False), (1, True)]
+    assert record.skipped
+    assert record.found_inf_local == {"cpu": True}
+    assert [p.name for p in record.nonfinite_params] == ["2.weight"]
+
+
 def test_scaler_protocol_and_errors() -> None:
     watch = ampscope.GradWatch(reporter=None)
     loss = torch.ones((), requires_grad=True)
