@@ -56,19 +56,20 @@ def check_options(scaler_options: dict[str, Any]) -> None:
     TelemetryConfig(**scaler_options)
 
 
-def check_policy(policy: Policy) -> None:
+def check_policy(policy: Policy, max_consecutive_skips: int | None = None) -> WatchConfig:
     """Validate a watch policy now, where the user passed it.
 
     Raises:
-        ValueError: not ``observe``, ``skip`` or ``raise``.
+        ValueError: not ``observe``, ``skip`` or ``raise``, or a bad
+            ``max_consecutive_skips`` (see :class:`WatchConfig`).
     """
-    WatchConfig(policy=policy)
+    return WatchConfig(policy=policy, max_consecutive_skips=max_consecutive_skips)
 
 
-def make_watch(policy: Policy, scaler_options: dict[str, Any]) -> GradWatch:
+def make_watch(watch: WatchConfig, scaler_options: dict[str, Any]) -> GradWatch:
     """A :class:`GradWatch` with the user's telemetry options (scale clamps left out)."""
     options = {k: v for k, v in scaler_options.items() if k not in SCALER_ONLY}
-    return GradWatch(policy, **options)
+    return GradWatch(watch.policy, max_consecutive_skips=watch.max_consecutive_skips, **options)
 
 
 def twin(stock: Any, scaler_options: dict[str, Any]) -> TelemetryMixin | None:

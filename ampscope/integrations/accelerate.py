@@ -34,6 +34,7 @@ from ampscope.integrations._swap import (
     twin,
 )
 from ampscope.reporter.schema import Policy
+from ampscope.scaler.config import WatchConfig
 from ampscope.scaler.frontend import TelemetryFrontEnd
 
 if TYPE_CHECKING:
@@ -54,6 +55,7 @@ def instrument(
     *,
     track_origin: bool | None = None,
     policy: Policy = "observe",
+    max_consecutive_skips: int | None = None,
     **scaler_options: Any,
 ) -> TelemetryFrontEnd | None:
     """Put ampscope's scaler wherever ``accelerator`` holds its loss scaler, or a
@@ -77,6 +79,8 @@ def instrument(
             ``"observe"`` (default), ``"skip"`` (every rank skips an iteration with
             inf/NaN gradients; ``optimizer.step_was_skipped`` holds the scheduler) or
             ``"raise"``. Ignored when Accelerate has a loss scaler, which always skips.
+        max_consecutive_skips: The watch's limit under ``skip`` (see
+            :class:`ampscope.GradWatch`).
         **scaler_options: Telemetry options of :class:`ampscope.GradScaler`
             (``run_id``, ``reporter``, ``sinks``, ``top_k``...). The scaling itself
             (initial scale, factors, interval) stays Accelerate's.
@@ -88,8 +92,8 @@ def instrument(
         once.
     """
     check_options(scaler_options)
-    check_policy(policy)
-    return instrument_accelerator(accelerator, track_origin, scaler_options, "Accelerate", policy)
+    watch = check_policy(policy, max_consecutive_skips)
+    return instrument_accelerator(accelerator, track_origin, scaler_options, "Accelerate", watch)
 
 
 def instrument_accelerator(
@@ -97,7 +101,7 @@ def instrument_accelerator(
     track_origin: bool | None,
     scaler_options: dict[str, Any],
     library: str,
-    policy: Policy,
+    watch: WatchConfig,
 ) -> TelemetryFrontEnd | None:
     """:func:`instrument` for an accelerator of ``library`` (Accelerate or a Trainer)."""
     if attacher_of(accelerator) is not None:
@@ -108,8 +112,8 @@ def instrument_accelerator(
     ours: TelemetryFrontEnd | None = twin(accelerator.scaler, scaler_options)
     if ours is None and _watchable(accelerator):
         why = f"mixed_precision={accelerator.mixed_precision!r}"
-        logger.info(WATCHING.format(library=library, why=why, policy=policy))
-        ours = make_watch(policy, scaler_options)
+        logger.info(WATCHING.format(library=library, why=why, policy=watch.policy))
+        ours = make_watch(watch, scaler_options)
     if ours is None:
         why = (
             f"mixed_precision={accelerator.mixed_precision!r} on {accelerator.device.type}, "

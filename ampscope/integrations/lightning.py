@@ -65,6 +65,8 @@ class AmpscopeCallback(pl.Callback):
         policy: The watch's policy under ``bf16-mixed``: ``"observe"`` (default),
             ``"skip"`` (step-interval LR schedulers hold on skipped iterations) or
             ``"raise"``.
+        max_consecutive_skips: The watch's limit under ``skip`` (see
+            :class:`ampscope.GradWatch`).
         log: Whether to log.
         **scaler_options: Telemetry options of :class:`ampscope.GradScaler`
             (``run_id``, ``reporter``, ``sinks``, ``top_k``...). The scaling itself stays
@@ -81,13 +83,13 @@ class AmpscopeCallback(pl.Callback):
         *,
         track_origin: bool | None = None,
         policy: Policy = "observe",
+        max_consecutive_skips: int | None = None,
         log: bool = True,
         **scaler_options: Any,
     ) -> None:
         check_options(scaler_options)
-        check_policy(policy)
+        self._watch = check_policy(policy, max_consecutive_skips)
         self.scaler: TelemetryFrontEnd | None = None
-        self._policy = policy
         self._options = scaler_options
         self._log = log
         self._attacher = Attacher(track_origin)
@@ -106,8 +108,8 @@ class AmpscopeCallback(pl.Callback):
         ours: TelemetryFrontEnd | None = twin(stock, self._options) if stock is not None else None
         if ours is None and stock is None and _watchable(plugin):
             why = f"{type(plugin).__name__}(precision={plugin.precision!r})"
-            logger.info(WATCHING.format(library="Lightning", why=why, policy=self._policy))
-            ours = make_watch(self._policy, self._options)
+            logger.info(WATCHING.format(library="Lightning", why=why, policy=self._watch.policy))
+            ours = make_watch(self._watch, self._options)
         if ours is None:
             if not self._warned:
                 self._warned = True

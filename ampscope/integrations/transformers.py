@@ -104,6 +104,7 @@ def instrument(
     *,
     track_origin: bool | None = None,
     policy: Policy = "observe",
+    max_consecutive_skips: int | None = None,
     **scaler_options: Any,
 ) -> TelemetryFrontEnd | None:
     """Make ``trainer`` train with ampscope's scaler, or with a ``GradWatch`` when it has
@@ -125,6 +126,8 @@ def instrument(
         policy: The watch's policy in a bf16/fp32 run: ``"observe"`` (default),
             ``"skip"`` (the scheduler holds on skipped iterations) or ``"raise"``.
             A watch logs ``skipped_steps`` and ``nonfinite_applied`` (no loss scale).
+        max_consecutive_skips: The watch's limit under ``skip`` (see
+            :class:`ampscope.GradWatch`).
         **scaler_options: Telemetry options of :class:`ampscope.GradScaler`
             (``run_id``, ``reporter``, ``sinks``, ``top_k``...). The scaling itself stays
             the Trainer's.
@@ -135,12 +138,12 @@ def instrument(
         then nothing changes and a warning says so once.
     """
     check_options(scaler_options)
-    check_policy(policy)
+    watch = check_policy(policy, max_consecutive_skips)
     for callback in trainer.callback_handler.callbacks:
         if isinstance(callback, AmpscopeTrainerCallback):
             return callback.scaler
     scaler = instrument_accelerator(
-        trainer.accelerator, track_origin, scaler_options, "Hugging Face Trainer", policy
+        trainer.accelerator, track_origin, scaler_options, "Hugging Face Trainer", watch
     )
     if scaler is not None:
         # First in line, so that the report_to callbacks log what on_log adds.

@@ -111,6 +111,10 @@ class GradWatch(TelemetryFrontEnd):
     def policy(self) -> Policy:
         return self._watch.policy
 
+    @property
+    def max_consecutive_skips(self) -> int | None:
+        return self._watch.max_consecutive_skips
+
     def is_enabled(self) -> bool:
         return self._enabled
 

@@ -131,6 +131,8 @@ def test_accelerate_rejects_an_unknown_policy() -> None:
 
     with pytest.raises(ValueError, match="policy must be one of"):
         instrument(Accelerator(cpu=True), policy="ignore")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="applies to policy 'skip'"):
+        instrument(Accelerator(cpu=True), max_consecutive_skips=3)
 
 
 def test_accelerate_watch_after_prepare_reaches_the_prepared_optimizer() -> None:

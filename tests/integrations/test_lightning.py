@@ -125,11 +125,11 @@ def test_fsdp_precision_in_bf16_gets_a_watch() -> None:
     class FakeTrainer:  # setup() only reads the precision plugin
         precision_plugin = plugin
 
-    callback = AmpscopeCallback(policy="raise", reporter=None)
+    callback = AmpscopeCallback(policy="skip", max_consecutive_skips=3, reporter=None)
     callback.setup(FakeTrainer(), None, "fit")  # type: ignore[arg-type]
     assert isinstance(plugin.scaler, ampscope.GradWatch)
     assert plugin.scaler is callback.scaler
-    assert plugin.scaler.policy == "raise"
+    assert (plugin.scaler.policy, plugin.scaler.max_consecutive_skips) == ("skip", 3)
     plugin.scaler.close()
 
 
