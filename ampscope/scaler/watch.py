@@ -16,7 +16,7 @@ A loop written for ``GradScaler`` runs on bf16 or fp32 by swapping the object::
             lr_scheduler.step()
 
 Costs per iteration (see ``bench/watch_single.py``): one fused non-finite check per
-optimizer (torch's unscale kernel with an inverse scale of 1; one read of gradient
+optimizer (torch's unscale kernel with an inverse scale of 1; one pass over gradient
 memory). ``observe`` adds no host-device sync and no collective. ``skip`` and ``raise``
 add one all-reduce of a one-element tensor per optimizer, on the process group, and one
 ``.item()`` to decide (none for fused optimizers under ``skip``, which take the flag as

@@ -3,7 +3,8 @@
 Per optimizer, :func:`check_local` runs torch's fused multi-tensor non-finite kernel
 (the one its unscale runs) once per (device, dtype) group of this rank's local gradients
 (DTensor shards, under FSDP2 and tensor parallelism) with an inverse scale of 1: one
-read of gradient memory, no sync. Its one-element flags stay on the device.
+pass over gradient memory (the kernel writes each value back unchanged), no sync. Its
+one-element flags stay on the device.
 
 Under ``skip`` and ``raise``, :func:`agree` max-reduces them into one flag with a single
 all-reduce on the watch's process group, so that every rank decides alike. Under
