@@ -283,7 +283,13 @@ class GradWatch(TelemetryFrontEnd):
 
     def _check(self, capture: WatchCapture, optimizer: torch.optim.Optimizer) -> Checked:
         info = capture.info(optimizer)
-        found = check_local(optimizer, info, capture.ones)
+        try:
+            found = check_local(optimizer, info, capture.ones)
+        except Exception:
+            # Never break training for the check, nor leave the other ranks waiting in
+            # agree(): this rank then takes part as clean (counted, logged once).
+            self._ampscope_failed()
+            found = {}
         agreed = (
             None if self._watch.policy == "observe" else agree(found, self._watch.process_group)
         )

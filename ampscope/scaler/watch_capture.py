@@ -147,7 +147,8 @@ def agree(found: FoundInf, group: dist.ProcessGroup | None) -> torch.Tensor:
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
     flags = list(found.values())
     if not flags:
-        flag = torch.zeros(1, dtype=torch.float32, device=collective_device(group))
+        device = collective_device(group) if distributed else torch.device("cpu")
+        flag = torch.zeros(1, dtype=torch.float32, device=device)
     elif len(flags) == 1:
         flag = flags[0].clone() if distributed else flags[0]
     else:

@@ -331,6 +331,23 @@ def test_a_pickled_watch_keeps_its_policy_without_sinks() -> None:
     copy.close()
 
 
+def test_a_failing_check_never_breaks_training(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ampscope.scaler import compat
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("kernel unavailable")
+
+    monkeypatch.setattr(compat, "non_finite_check_", broken)
+    plain, watched = make_model(), make_model()
+    train(plain, sgd(plain), None, overflow=frozenset())
+    watch = ampscope.GradWatch("skip", reporter=None)
+    assert train(watched, sgd(watched), watch, overflow=frozenset()) == [False] * STEPS
+    for a, b in zip(plain.parameters(), watched.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert watch._ampscope_errors == STEPS  # counted; logged once
+    watch.close()
+
+
 def test_disabled_watch_is_a_pass_through() -> None:
     sink = ListSink()
     watch = ampscope.GradWatch("raise", enabled=False, reporter=None, sinks=[sink])
