@@ -104,9 +104,46 @@ def _scaler(s: dict[str, Any]) -> list[str]:
         f"{_f(over['step_update_ms']['attribution_on'], 3)} "
         f"({over['attribution_extra_ms']:+.3f} for attribution) |",
         "",
+        *(_watch(s["watch"]) if "watch" in s else []),
         f"The exporter accepted {s['exporter_records_received']:,.0f} records from the "
         f"reporters during these runs ({s['exporter_records_expected']:,} update() calls "
         "reported).",
+        "",
+    ]
+    return lines
+
+
+def _watch(w: dict[str, Any]) -> list[str]:
+    """The GradWatch's per-iteration cost next to the plain bf16 loop."""
+    lines = [
+        "GradWatch (bf16 autocast, no scaler): median us of the plain loop's "
+        "`optimizer.step()` and of `watch.step(opt)` + `watch.update()`; in brackets the "
+        "watch's extra cost per iteration, paired per block group as above (wall clock, "
+        "then training-thread CPU):",
+        "",
+        "| model | plain | observe | skip |",
+        "|---|---:|---:|---:|",
+    ]
+    for key, label in (("tiny", "16x16 Linear"), ("mlp", "benchmark MLP")):
+        m = w[key]
+        cells = [
+            f"{_f(m['step_us'][f'watch_{p}'], 1)} ({_extra(m, 'extra_us', f'watch_{p}')}; "
+            f"CPU {_extra(m, 'extra_cpu_us', f'watch_{p}')})"
+            for p in ("observe", "skip")
+        ]
+        lines.append(
+            f"| {label} ({m['parameter_tensors']} tensors, {m['iterations_per_contender']} "
+            f"iterations) | {_f(m['step_us']['plain'], 1)} | {cells[0]} | {cells[1]} |"
+        )
+    syncs = w["tiny"]["syncs_per_iteration"]
+    lines += [
+        "",
+        "Host-device syncs per iteration (torch's sync debug mode): "
+        + (
+            ", ".join(f"{n} {v:g}" for n, v in syncs.items())
+            if syncs is not None
+            else "not measured (CPU: there is no device to wait for)."
+        ),
         "",
     ]
     return lines

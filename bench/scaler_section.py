@@ -10,6 +10,7 @@ from bench.config import ScalerBenchConfig
 from bench.scaler_distributed import run_distributed_bench
 from bench.scaler_single import overflow_cost, step_time_ab, update_cost
 from bench.servers import ServerProcess, ampscope_exporter
+from bench.watch_single import watch_cost
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,8 @@ def _run_all(config: ScalerBenchConfig, *, device: str, results: dict[str, Any])
         results["update_cost"] = update_cost(config, device=device, url=url)
         log.info("scaler: overflow attribution cost")
         results["overflow"] = overflow_cost(config, device=device)
+        log.info("scaler: GradWatch per-iteration cost")
+        results["watch"] = watch_cost(config, device=device)
         log.info("scaler: distributed step time A/B/C")
         results["distributed"] = run_distributed_bench(config, device=device, url=url)
         # Proof that the reporters were really on: every update() reached the exporter

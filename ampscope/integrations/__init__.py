@@ -6,7 +6,9 @@
 
 Each swaps the library's loss scaler for ampscope's twin of it (same class, same scaling
 settings, so numerics do not change), attaches it to the wrapped model (origin tracking
-on when the run is distributed), and exposes the ampscope scaler. Where the library uses
-no loss scaler (bf16, fp32, or fp16 that the library refused on CPU), they say so once and
-change nothing: an integration never turns loss scaling on by itself.
+on when the run is distributed), and exposes the ampscope scaler. Where the library trains
+in bf16 or fp32 without a loss scaler, each installs a :class:`~ampscope.GradWatch` in its
+place (``policy="observe"`` by default: numerics unchanged) and exposes that. Elsewhere
+(fp16 that the library refused on CPU, DeepSpeed) they say so once and change nothing: an
+integration never turns loss scaling on by itself.
 """

@@ -18,10 +18,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as _TorchSharded
 
+from ampscope.reporter.schema import Policy
 from ampscope.scaler import compat
-from ampscope.scaler.config import TelemetryConfig
+from ampscope.scaler.config import TelemetryConfig, WatchConfig
+from ampscope.scaler.frontend import TelemetryFrontEnd
 from ampscope.scaler.mixin import TelemetryMixin
 from ampscope.scaler.scalers import GradScaler, ShardedGradScaler
+from ampscope.scaler.watch import GradWatch
 
 logger = logging.getLogger("ampscope")
 
@@ -30,7 +33,16 @@ NO_SCALER = (
     "{library} scales the loss only for fp16 mixed precision on an accelerator (on CPU it "
     "turns fp16 into {cpu_fallback}; DeepSpeed scales inside its own engine)."
 )
-"""The one message an integration logs when there is nothing to swap."""
+"""The one message an integration logs when there is nothing to swap or watch."""
+
+WATCHING = (
+    "ampscope: {library} trains without a loss scaler ({why}); a GradWatch (policy "
+    "{policy!r}) checks its gradients for inf/NaN instead."
+)
+"""Logged once when an integration installs a watch where there is no scaler."""
+
+SCALER_ONLY = ("min_scale", "max_scale")
+"""Telemetry options that clamp a scale: a watch has none, so they are not passed to it."""
 
 
 def check_options(scaler_options: dict[str, Any]) -> None:
@@ -42,6 +54,22 @@ def check_options(scaler_options: dict[str, Any]) -> None:
         ValueError: a bad value, as the scalers' constructors raise.
     """
     TelemetryConfig(**scaler_options)
+
+
+def check_policy(policy: Policy, max_consecutive_skips: int | None = None) -> WatchConfig:
+    """Validate a watch policy now, where the user passed it.
+
+    Raises:
+        ValueError: not ``observe``, ``skip`` or ``raise``, or a bad
+            ``max_consecutive_skips`` (see :class:`WatchConfig`).
+    """
+    return WatchConfig(policy=policy, max_consecutive_skips=max_consecutive_skips)
+
+
+def make_watch(watch: WatchConfig, scaler_options: dict[str, Any]) -> GradWatch:
+    """A :class:`GradWatch` with the user's telemetry options (scale clamps left out)."""
+    options = {k: v for k, v in scaler_options.items() if k not in SCALER_ONLY}
+    return GradWatch(watch.policy, max_consecutive_skips=watch.max_consecutive_skips, **options)
 
 
 def twin(stock: Any, scaler_options: dict[str, Any]) -> TelemetryMixin | None:
@@ -96,7 +124,9 @@ class Attacher:
         self.track_origin = track_origin
         self._attached: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
-    def attach(self, scaler: TelemetryMixin, model: nn.Module, *, names_only: bool = False) -> None:
+    def attach(
+        self, scaler: TelemetryFrontEnd, model: nn.Module, *, names_only: bool = False
+    ) -> None:
         """Attach ``scaler`` to ``model`` unless done before; ``names_only`` skips origin."""
         if model in self._attached:  # nn.Module hashes by identity
             return

@@ -5,6 +5,13 @@ wrapper (``AcceleratedOptimizer.scaler``) in ``prepare()``; its own ``backward()
 ``clip_grad_norm_()`` and ``unscale_gradients()`` read ``accelerator.scaler``. The swap
 replaces it in all of those places, with the same class Accelerate chose
 (``torch.amp.GradScaler`` for DDP, FSDP2 and one device, ``ShardedGradScaler`` for FSDP1).
+
+With ``mixed_precision="bf16"`` or ``"no"`` Accelerate has no scaler; ``instrument`` puts a
+:class:`~ampscope.GradWatch` in that place instead. Accelerate then runs its scaler code
+path with it: ``backward()`` calls ``scale()`` (the loss unchanged), each
+``AcceleratedOptimizer.step()`` calls the watch's ``step()`` and ``update()``, and notes
+``step_was_skipped`` when the watch did not call the optimizer's ``step()`` (policy
+``skip``), which holds the ``AcceleratedScheduler``.
 """
 
 from __future__ import annotations
@@ -16,8 +23,19 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from ampscope.integrations._swap import NO_SCALER, Attacher, check_options, is_distributed, twin
-from ampscope.scaler.mixin import TelemetryMixin
+from ampscope.integrations._swap import (
+    NO_SCALER,
+    WATCHING,
+    Attacher,
+    check_options,
+    check_policy,
+    is_distributed,
+    make_watch,
+    twin,
+)
+from ampscope.reporter.schema import Policy
+from ampscope.scaler.config import WatchConfig
+from ampscope.scaler.frontend import TelemetryFrontEnd
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -28,10 +46,20 @@ _STATE = "_ampscope_instrumented"
 """Attribute on the accelerator that marks it instrumented (holds the Attacher)."""
 
 
+_WATCHED_PRECISIONS = ("bf16", "no")
+"""Accelerate's mixed precisions that train without a loss scaler and get a watch."""
+
+
 def instrument(
-    accelerator: Accelerator, *, track_origin: bool | None = None, **scaler_options: Any
-) -> TelemetryMixin | None:
-    """Put ampscope's scaler wherever ``accelerator`` holds its loss scaler.
+    accelerator: Accelerator,
+    *,
+    track_origin: bool | None = None,
+    policy: Policy = "observe",
+    max_consecutive_skips: int | None = None,
+    **scaler_options: Any,
+) -> TelemetryFrontEnd | None:
+    """Put ampscope's scaler wherever ``accelerator`` holds its loss scaler, or a
+    ``GradWatch`` there when it trains in bf16 or fp32 without one.
 
     Call it before or after ``accelerator.prepare()``. Before: models prepared later are
     attached as ``prepare()`` returns them (wrapped in DDP or FSDP), with origin
@@ -47,17 +75,25 @@ def instrument(
         track_origin: ``None`` (default): on when the process group has more than one
             rank. ``False`` turns it off, ``True`` asks for it on a single process too
             (which logs why it cannot apply).
+        policy: The watch's policy when ``mixed_precision`` is ``"bf16"`` or ``"no"``:
+            ``"observe"`` (default), ``"skip"`` (every rank skips an iteration with
+            inf/NaN gradients; ``optimizer.step_was_skipped`` holds the scheduler) or
+            ``"raise"``. Ignored when Accelerate has a loss scaler, which always skips.
+        max_consecutive_skips: The watch's limit under ``skip`` (see
+            :class:`ampscope.GradWatch`).
         **scaler_options: Telemetry options of :class:`ampscope.GradScaler`
             (``run_id``, ``reporter``, ``sinks``, ``top_k``...). The scaling itself
             (initial scale, factors, interval) stays Accelerate's.
 
     Returns:
-        The ampscope scaler (also ``accelerator.scaler``), or ``None`` when Accelerate
-        uses no loss scaler (bf16, fp32, fp16 refused on CPU, DeepSpeed): then nothing
-        is changed and a warning says so once.
+        The ampscope scaler or watch (also ``accelerator.scaler``), or ``None`` when
+        Accelerate has neither a loss scaler nor a precision a watch applies to (fp16
+        refused on CPU, DeepSpeed, fp8): then nothing is changed and a warning says so
+        once.
     """
     check_options(scaler_options)
-    return instrument_accelerator(accelerator, track_origin, scaler_options, "Accelerate")
+    watch = check_policy(policy, max_consecutive_skips)
+    return instrument_accelerator(accelerator, track_origin, scaler_options, "Accelerate", watch)
 
 
 def instrument_accelerator(
@@ -65,14 +101,19 @@ def instrument_accelerator(
     track_origin: bool | None,
     scaler_options: dict[str, Any],
     library: str,
-) -> TelemetryMixin | None:
+    watch: WatchConfig,
+) -> TelemetryFrontEnd | None:
     """:func:`instrument` for an accelerator of ``library`` (Accelerate or a Trainer)."""
     if attacher_of(accelerator) is not None:
         current = accelerator.scaler
-        return current if isinstance(current, TelemetryMixin) else None
+        return current if isinstance(current, TelemetryFrontEnd) else None
     attacher = Attacher(track_origin)
     setattr(accelerator, _STATE, attacher)
-    ours = twin(accelerator.scaler, scaler_options)
+    ours: TelemetryFrontEnd | None = twin(accelerator.scaler, scaler_options)
+    if ours is None and _watchable(accelerator):
+        why = f"mixed_precision={accelerator.mixed_precision!r}"
+        logger.info(WATCHING.format(library=library, why=why, policy=watch.policy))
+        ours = make_watch(watch, scaler_options)
     if ours is None:
         why = (
             f"mixed_precision={accelerator.mixed_precision!r} on {accelerator.device.type}, "
@@ -105,13 +146,47 @@ def attacher_of(accelerator: Accelerator) -> Attacher | None:
     return attacher
 
 
-def swap_into(accelerator: Accelerator, scaler: TelemetryMixin) -> None:
-    """Replace ``accelerator.scaler`` and every prepared optimizer's scaler."""
+def _watchable(accelerator: Accelerator) -> bool:
+    """No loss scaler, bf16 or fp32, and Accelerate's own optimizer step (not DeepSpeed's
+    engine, which steps and checks inside itself)."""
+    from accelerate.utils import DistributedType
+
+    return (
+        accelerator.scaler is None
+        and accelerator.mixed_precision in _WATCHED_PRECISIONS
+        and accelerator.distributed_type != DistributedType.DEEPSPEED
+    )
+
+
+def swap_into(accelerator: Accelerator, scaler: TelemetryFrontEnd) -> None:
+    """Replace ``accelerator.scaler`` and every prepared optimizer's scaler.
+
+    A watch also goes to optimizers prepared without a scaler (bf16, fp32), set up as
+    ``AcceleratedOptimizer.__init__`` sets up one built with a scaler.
+    """
+    from ampscope.scaler.watch import GradWatch
+
     accelerator.scaler = scaler
     for optimizer in accelerator._optimizers:
-        # AcceleratedOptimizer built without a scaler steps without one; leave it so.
         if getattr(optimizer, "scaler", None) is not None:
             optimizer.scaler = scaler
+        elif isinstance(scaler, GradWatch):
+            give_scaler(optimizer, scaler)
+        # Otherwise an AcceleratedOptimizer built without a scaler steps without one.
+
+
+def give_scaler(optimizer: Any, scaler: TelemetryFrontEnd) -> None:
+    """Make an ``AcceleratedOptimizer`` built without a scaler step through ``scaler``:
+    the attributes its constructor sets when given one (accelerate/optimizer.py), with
+    Accelerate's own ``patch_optimizer_step`` telling whether the inner step ran."""
+    from accelerate.optimizer import patch_optimizer_step
+
+    optimizer.scaler = scaler
+    optimizer._accelerate_step_called = False
+    optimizer._optimizer_original_step_method = optimizer.optimizer.step
+    optimizer._optimizer_patched_step_method = patch_optimizer_step(
+        optimizer, optimizer.optimizer.step
+    )
 
 
 def _is_wrapped(model: nn.Module) -> bool:
@@ -123,7 +198,7 @@ def _is_wrapped(model: nn.Module) -> bool:
 
 
 def _attach_on_prepare(
-    accelerator: Accelerator, scaler: TelemetryMixin, attacher: Attacher
+    accelerator: Accelerator, scaler: TelemetryFrontEnd, attacher: Attacher
 ) -> None:
     """Wrap this accelerator's ``prepare``/``prepare_model`` to attach what they return.
 
@@ -135,7 +210,7 @@ def _attach_on_prepare(
 
 
 def _attaching(
-    original: Callable[..., Any], scaler: TelemetryMixin, attacher: Attacher
+    original: Callable[..., Any], scaler: TelemetryFrontEnd, attacher: Attacher
 ) -> Callable[..., Any]:
     @functools.wraps(original)
     def prepared(*args: Any, **kwargs: Any) -> Any:

@@ -7,6 +7,14 @@ the model and before a checkpoint restores the scaler's state), attaches in
 ``on_fit_start`` (``trainer.strategy.model`` is wrapped by then), logs through the
 LightningModule like Lightning's ``LearningRateMonitor``, and closes in ``teardown``.
 
+With ``precision="bf16-mixed"`` the ``MixedPrecision`` plugin has no scaler (nor has
+``FSDPPrecision`` outside fp16); the callback gives it a :class:`~ampscope.GradWatch`, and
+the plugin then runs its scaler code path:
+``scale()`` before backward, ``unscale_()`` before clipping, ``step()`` and ``update()``.
+Lightning steps LR schedulers whether or not the optimizer stepped; under ``policy="skip"``
+the callback holds the step-interval schedulers on a skipped iteration by wrapping the
+LightningModule's ``lr_scheduler_step`` hook for the length of ``fit``.
+
 ``FSDPPrecision("16-mixed", scaler=...)`` cannot take a scaler in Lightning 2.6 (its
 constructor checks the precision before setting it, and drops the argument); setting the
 plugin's ``scaler`` attribute afterwards, as this callback does, works.
@@ -24,38 +32,64 @@ except ImportError as exc:  # pragma: no cover - exercised only without lightnin
         "ampscope.integrations.lightning needs lightning: pip install 'ampscope[lightning]'"
     ) from exc
 
-from ampscope.integrations._swap import NO_SCALER, Attacher, check_options, twin
-from ampscope.scaler.mixin import TelemetryMixin
+from ampscope.integrations._swap import (
+    NO_SCALER,
+    WATCHING,
+    Attacher,
+    check_options,
+    check_policy,
+    make_watch,
+    twin,
+)
+from ampscope.reporter.schema import Policy
+from ampscope.scaler.frontend import TelemetryFrontEnd
+from ampscope.scaler.watch import GradWatch
+
+_HOOK = "lr_scheduler_step"
 
 logger = logging.getLogger("ampscope")
 
 
 class AmpscopeCallback(pl.Callback):
-    """Trains with ampscope's scaler in place of the precision plugin's; logs it.
+    """Trains with ampscope's scaler in place of the precision plugin's, or with a
+    ``GradWatch`` under ``precision="bf16-mixed"``; logs it.
 
-    Logs ``loss_scale`` and ``skipped_steps`` on the steps Lightning writes logs
-    (``log_every_n_steps``). Reading the scale is one host-device sync on an
+    Logs ``loss_scale`` and ``skipped_steps`` (a watch: ``skipped_steps`` and
+    ``nonfinite_applied``) on the steps Lightning writes logs (``log_every_n_steps``).
+    Reading them waits for the telemetry (and the scale is one host-device sync) on an
     accelerator, so it happens only then.
 
     Args:
         track_origin: ``None`` (default): origin tracking on when the process group has
             more than one rank; ``False`` turns it off.
-        log: Whether to log ``loss_scale`` and ``skipped_steps``.
+        policy: The watch's policy under ``bf16-mixed``: ``"observe"`` (default),
+            ``"skip"`` (step-interval LR schedulers hold on skipped iterations) or
+            ``"raise"``.
+        max_consecutive_skips: The watch's limit under ``skip`` (see
+            :class:`ampscope.GradWatch`).
+        log: Whether to log.
         **scaler_options: Telemetry options of :class:`ampscope.GradScaler`
             (``run_id``, ``reporter``, ``sinks``, ``top_k``...). The scaling itself stays
             the plugin's.
 
     Attributes:
-        scaler: The ampscope scaler once ``fit`` has set up; ``None`` before, and when
-            the precision plugin has no scaler (then nothing changes and a warning says
-            so once).
+        scaler: The ampscope scaler or watch once ``fit`` has set up; ``None`` before,
+            and when the precision plugin has neither a scaler nor bf16-mixed (then
+            nothing changes and a warning says so once).
     """
 
     def __init__(
-        self, *, track_origin: bool | None = None, log: bool = True, **scaler_options: Any
+        self,
+        *,
+        track_origin: bool | None = None,
+        policy: Policy = "observe",
+        max_consecutive_skips: int | None = None,
+        log: bool = True,
+        **scaler_options: Any,
     ) -> None:
         check_options(scaler_options)
-        self.scaler: TelemetryMixin | None = None
+        self._watch = check_policy(policy, max_consecutive_skips)
+        self.scaler: TelemetryFrontEnd | None = None
         self._options = scaler_options
         self._log = log
         self._attacher = Attacher(track_origin)
@@ -67,11 +101,15 @@ class AmpscopeCallback(pl.Callback):
             return
         plugin = trainer.precision_plugin
         stock = getattr(plugin, "scaler", None)
-        if isinstance(stock, TelemetryMixin) and stock is not self.scaler:
+        if isinstance(stock, TelemetryFrontEnd) and stock is not self.scaler:
             # Another AmpscopeCallback swapped it: that one attaches, logs and closes.
             self.scaler, self._active = stock, False
             return
-        ours = twin(stock, self._options) if stock is not None else None
+        ours: TelemetryFrontEnd | None = twin(stock, self._options) if stock is not None else None
+        if ours is None and stock is None and _watchable(plugin):
+            why = f"{type(plugin).__name__}(precision={plugin.precision!r})"
+            logger.info(WATCHING.format(library="Lightning", why=why, policy=self._watch.policy))
+            ours = make_watch(self._watch, self._options)
         if ours is None:
             if not self._warned:
                 self._warned = True
@@ -88,6 +126,8 @@ class AmpscopeCallback(pl.Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.scaler is not None and self._active:
             self._attacher.attach(self.scaler, trainer.strategy.model)
+            if isinstance(self.scaler, GradWatch) and self.scaler.policy == "skip":
+                _hold_schedulers_on_skips(trainer, pl_module, self.scaler)
 
     def on_train_batch_end(
         self,
@@ -102,15 +142,52 @@ class AmpscopeCallback(pl.Callback):
             return
         if not trainer._logger_connector.should_update_logs:
             return
-        pl_module.log_dict(
-            {
+        snapshot = self.scaler.telemetry.snapshot()
+        if isinstance(self.scaler, GradWatch):
+            values = {
+                "skipped_steps": float(snapshot.skipped_steps),
+                "nonfinite_applied": float(snapshot.nonfinite_applied),
+            }
+        else:
+            values = {
                 "loss_scale": self.scaler.get_scale(),  # type: ignore[attr-defined]
-                "skipped_steps": float(self.scaler.telemetry.snapshot().skipped_steps),
-            },
-            on_step=True,
-            on_epoch=False,
-        )
+                "skipped_steps": float(snapshot.skipped_steps),
+            }
+        pl_module.log_dict(values, on_step=True, on_epoch=False)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit" and self.scaler is not None and self._active:
+            if _HOOK in vars(pl_module):
+                delattr(pl_module, _HOOK)  # the class's hook again
             self.scaler.close()
+
+
+def _watchable(plugin: Any) -> bool:
+    """A plugin that runs a scaler's ``scale``/``unscale_``/``step``/``update`` once it
+    holds one, training without one: ``MixedPrecision`` in bf16, ``FSDPPrecision``
+    (FSDP1) in anything but fp16."""
+    from lightning.pytorch.plugins.precision import FSDPPrecision, MixedPrecision
+
+    if isinstance(plugin, MixedPrecision):
+        return plugin.precision == "bf16-mixed"
+    return isinstance(plugin, FSDPPrecision) and plugin.precision != "16-mixed"
+
+
+def _hold_schedulers_on_skips(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, watch: GradWatch
+) -> None:
+    """Wrap ``pl_module.lr_scheduler_step`` (for this fit only) so that a step-interval
+    scheduler does not step after an iteration the watch skipped, as the Trainer and
+    Accelerate hold theirs; epoch-interval schedulers and the hook itself are unchanged."""
+    per_step = {id(c.scheduler) for c in trainer.lr_scheduler_configs if c.interval == "step"}
+    if not per_step:
+        return
+    hook = getattr(pl_module, _HOOK)
+
+    def lr_scheduler_step(scheduler: Any, metric: Any) -> None:
+        if id(scheduler) in per_step and watch.last_step_skipped:
+            return
+        hook(scheduler, metric)
+
+    # An instance attribute, not a submodule or parameter: nn.Module stores it plainly.
+    object.__setattr__(pl_module, _HOOK, lr_scheduler_step)

@@ -7,6 +7,11 @@ optimizer, which hands that scaler to the optimizer wrapper. So the swap happens
 ``trainer.model_wrapped`` is the DDP/FSDP-wrapped model. A ``TrainerCallback`` (the shape
 of Hugging Face's own ``TensorBoardCallback``) does the attaching, adds ``loss_scale`` and
 ``skipped_steps`` to the training logs and closes the scaler when training ends.
+
+With ``bf16=True`` (or fp32) there is no scaler: a :class:`~ampscope.GradWatch` takes its
+place (see :mod:`ampscope.integrations.accelerate`). The Trainer steps its LR scheduler
+only when ``accelerator.optimizer_step_was_skipped`` is false, so under ``policy="skip"``
+a skipped iteration holds the scheduler, as an fp16 overflow does.
 """
 
 from __future__ import annotations
@@ -21,9 +26,11 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
         "pip install 'ampscope[transformers]'"
     ) from exc
 
-from ampscope.integrations._swap import check_options
+from ampscope.integrations._swap import check_options, check_policy
 from ampscope.integrations.accelerate import attacher_of, instrument_accelerator
-from ampscope.scaler.mixin import TelemetryMixin
+from ampscope.reporter.schema import Policy
+from ampscope.scaler.frontend import TelemetryFrontEnd
+from ampscope.scaler.watch import GradWatch
 
 if TYPE_CHECKING:
     from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
@@ -35,7 +42,7 @@ class AmpscopeTrainerCallback(TrainerCallback):
     Added by :func:`instrument`; not meant to be constructed by hand.
     """
 
-    def __init__(self, trainer: Trainer, scaler: TelemetryMixin) -> None:
+    def __init__(self, trainer: Trainer, scaler: TelemetryFrontEnd) -> None:
         self.trainer = trainer
         self.scaler = scaler
 
@@ -65,10 +72,19 @@ class AmpscopeTrainerCallback(TrainerCallback):
         # host-device sync per logging step on an accelerator.
         if logs is None or "loss" not in logs:
             return
-        values = {
-            "loss_scale": self.scaler.get_scale(),  # type: ignore[attr-defined]
-            "skipped_steps": self.scaler.telemetry.snapshot().skipped_steps,
-        }
+        snapshot = self.scaler.telemetry.snapshot()
+        values: dict[str, float]
+        if isinstance(self.scaler, GradWatch):
+            # No scale to log; whether inf/NaN updates were skipped or applied instead.
+            values = {
+                "skipped_steps": snapshot.skipped_steps,
+                "nonfinite_applied": snapshot.nonfinite_applied,
+            }
+        else:
+            values = {
+                "loss_scale": self.scaler.get_scale(),  # type: ignore[attr-defined]
+                "skipped_steps": snapshot.skipped_steps,
+            }
         logs.update(values)
         if state.log_history and state.log_history[-1].get("loss") == logs["loss"]:
             state.log_history[-1].update(values)
@@ -84,10 +100,15 @@ class AmpscopeTrainerCallback(TrainerCallback):
 
 
 def instrument(
-    trainer: Trainer, *, track_origin: bool | None = None, **scaler_options: Any
-) -> TelemetryMixin | None:
-    """Make ``trainer`` train with ampscope's scaler. Call after ``Trainer()``, before
-    ``trainer.train()``.
+    trainer: Trainer,
+    *,
+    track_origin: bool | None = None,
+    policy: Policy = "observe",
+    max_consecutive_skips: int | None = None,
+    **scaler_options: Any,
+) -> TelemetryFrontEnd | None:
+    """Make ``trainer`` train with ampscope's scaler, or with a ``GradWatch`` when it has
+    none (``bf16=True``, fp32). Call after ``Trainer()``, before ``trainer.train()``.
 
     Replaces ``trainer.accelerator.scaler`` with ampscope's scaler of the same class
     (``GradScaler`` for DDP, FSDP2 and one device, ``ShardedGradScaler`` for FSDP1) and
@@ -102,21 +123,27 @@ def instrument(
         trainer: A ``transformers.Trainer`` (or subclass).
         track_origin: ``None`` (default): on when the process group has more than one
             rank; ``False`` turns it off.
+        policy: The watch's policy in a bf16/fp32 run: ``"observe"`` (default),
+            ``"skip"`` (the scheduler holds on skipped iterations) or ``"raise"``.
+            A watch logs ``skipped_steps`` and ``nonfinite_applied`` (no loss scale).
+        max_consecutive_skips: The watch's limit under ``skip`` (see
+            :class:`ampscope.GradWatch`).
         **scaler_options: Telemetry options of :class:`ampscope.GradScaler`
             (``run_id``, ``reporter``, ``sinks``, ``top_k``...). The scaling itself stays
             the Trainer's.
 
     Returns:
-        The ampscope scaler, or ``None`` when the Trainer uses no loss scaler (bf16,
-        fp32, ``fp16=True`` on CPU, DeepSpeed): then nothing changes and a warning says
-        so once.
+        The ampscope scaler or watch, or ``None`` when the Trainer has neither a loss
+        scaler nor a precision a watch applies to (``fp16=True`` on CPU, DeepSpeed):
+        then nothing changes and a warning says so once.
     """
     check_options(scaler_options)
+    watch = check_policy(policy, max_consecutive_skips)
     for callback in trainer.callback_handler.callbacks:
         if isinstance(callback, AmpscopeTrainerCallback):
             return callback.scaler
     scaler = instrument_accelerator(
-        trainer.accelerator, track_origin, scaler_options, "Hugging Face Trainer"
+        trainer.accelerator, track_origin, scaler_options, "Hugging Face Trainer", watch
     )
     if scaler is not None:
         # First in line, so that the report_to callbacks log what on_log adds.

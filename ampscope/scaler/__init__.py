@@ -17,10 +17,23 @@ Change one import and keep the training loop::
 
 Every update() produces one :class:`~ampscope.reporter.schema.StepRecord`, built on a
 background thread and sent to the reporter and sinks.
+
+bf16 and fp32 runs have no scaler: :class:`GradWatch` speaks the same protocol, finds
+inf/NaN gradients and observes, skips or stops (:class:`NonFiniteGradientsError`).
 """
 
 from ampscope.scaler.config import TelemetryConfig
 from ampscope.scaler.scalers import GradScaler, ShardedGradScaler
+from ampscope.scaler.stop import NonFiniteGradientsError
 from ampscope.scaler.telemetry import Telemetry, TelemetrySnapshot
+from ampscope.scaler.watch import GradWatch
 
-__all__ = ["GradScaler", "ShardedGradScaler", "Telemetry", "TelemetryConfig", "TelemetrySnapshot"]
+__all__ = [
+    "GradScaler",
+    "GradWatch",
+    "NonFiniteGradientsError",
+    "ShardedGradScaler",
+    "Telemetry",
+    "TelemetryConfig",
+    "TelemetrySnapshot",
+]

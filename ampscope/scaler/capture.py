@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from ampscope.reporter.schema import Identity
+from ampscope.reporter.schema import Identity, Setup
 from ampscope.scaler import compat
 
 _NO_COUNTS: Mapping[str, int] = MappingProxyType({})
@@ -78,16 +78,20 @@ class OptimizerInfo:
         "calls",
         "counted",
         "dtensor",
+        "dtypes",
         "fused",
         "groups",
         "handle",
         "index",
         "name",
+        "place",
         "ref",
         "unscaled_at",
     )
 
-    def __init__(self, optimizer: torch.optim.Optimizer, index: int) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, index: int, *, count_steps: bool = True
+    ) -> None:
         self.ref = weakref.ref(optimizer)
         self.index = index
         self.name = type(optimizer).__name__
@@ -96,7 +100,7 @@ class OptimizerInfo:
         """``optimizer.step()`` calls so far (public step pre-hook)."""
         self.unscaled_at = 0
         """``calls`` when torch last unscaled the optimizer's gradients."""
-        register = getattr(optimizer, "register_step_pre_hook", None)
+        register = getattr(optimizer, "register_step_pre_hook", None) if count_steps else None
         self.handle: RemovableHandle | None = (
             register(_counter(self.calls)) if register is not None else None
         )
@@ -110,11 +114,32 @@ class OptimizerInfo:
         Decided from the parameters, again only when a parameter group is added: a DTensor
         parameter's gradient is a DTensor and a plain one's is plain (autograd refuses a
         gradient of another type), so no per-step walk over gradients."""
+        self.dtypes: frozenset[str] = frozenset()
+        """Names of the parameters' dtypes, which are their gradients' (autograd keeps a
+        gradient in its parameter's dtype); decided with ``dtensor``."""
+        self.place: tuple[torch.device, torch.dtype] | None = None
+        """The one device and dtype of every parameter, hence of every gradient (plain
+        tensors only); ``None`` when they differ or are DTensors."""
 
     def refresh(self, optimizer: torch.optim.Optimizer) -> None:
         groups = optimizer.param_groups
         self.groups = len(groups)
-        self.dtensor = any(compat.is_dtensor(p) for group in groups for p in group["params"])
+        params = [p for group in groups for p in group["params"]]
+        self.dtensor = any(compat.is_dtensor(p) for p in params)
+        self.dtypes = frozenset(dtype_name(p.dtype) for p in params)
+        places = {(p.device, p.dtype) for p in params}
+        self.place = places.pop() if len(places) == 1 and not self.dtensor else None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` → ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def grad_dtype(dtypes: frozenset[str]) -> str | None:
+    """The records' ``grad_dtype`` of a set of dtype names: ``"bfloat16"``, several joined
+    by ``+`` in name order, ``None`` when there is none."""
+    return "+".join(sorted(dtypes)) or None
 
 
 Step = tuple[int, bool, FoundInf]
@@ -148,6 +173,7 @@ class PendingStep:
         "optimizers",
         "origin_devices",
         "ready",
+        "setup",
         "shape",
         "snapshot",
         "step",
@@ -196,11 +222,14 @@ class PendingStep:
         self.snapshot: torch.Tensor | None = None
         """Device transport, not clean, between before and after update(): ``[scale,
         *optimizer flags, *local flags]`` stacked on the device."""
+        self.setup: Setup | None = None
+        """What the rank runs; a scaler's is named from ``shape`` by :meth:`read`."""
 
     def read(self) -> list[float]:
         """The step's scalars on the host; waits for the device copy (telemetry thread)."""
         if self.shape is not None:
             self.optimizers, self.local_devices = self.shape[0].layout(self.shape)
+            self.setup = self.shape[0].setup(self.shape)
             self.shape = None
         if self.ready is not None:
             # Events complete in order: an earlier step's copy (``before``) is done too.
@@ -235,7 +264,7 @@ def to_host_async(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event 
     return values.to("cpu"), None
 
 
-def _stack(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+def stack_scalars(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """One float32 vector of 0-dim (or one-element) tensors: a single op for the parts
     already on ``device`` as 0-dim float32 (the scale and found-inf tensors), one more per
     other part (the int32 growth tracker, flags of other devices)."""
@@ -274,6 +303,7 @@ class StepCapture:
         self._last_skipped: bool | PendingStep = False
         self._slots: dict[tuple[int, str, bool, bool, int], OptimizerSlot] = {}
         self._device_names: dict[torch.device, str] = {}
+        self._setups: dict[frozenset[str], Setup] = {}
         self._scale_seen: tuple[torch.Tensor, int] | None = None
         """The scale tensor and its version right after the previous update()'s capture."""
         self._scale_at: tuple[torch.Tensor, int] | None = None
@@ -410,7 +440,7 @@ class StepCapture:
         else:
             pending.clean = False
             flags = self._flag_tensors(shape)
-            pending.snapshot = _stack([scale, *flags], scale.device)
+            pending.snapshot = stack_scalars([scale, *flags], scale.device)
         return pending
 
     def _unclean(
@@ -458,7 +488,7 @@ class StepCapture:
             if origin:
                 values.extend(flag.item() for flag in origin.values())
         else:
-            after = _stack([scale, tracker, *origin.values()], scale.device)
+            after = stack_scalars([scale, tracker, *origin.values()], scale.device)
             snapshot, pending.snapshot = pending.snapshot, None
             if snapshot is None:
                 host, ready = to_host_async(after)
@@ -494,6 +524,22 @@ class StepCapture:
                 )
             slots.append(slot)
         return tuple(slots), tuple(self._local_flags(shape))
+
+    def setup(self, shape: Shape) -> Setup:
+        """A scaler's setup: it skips, checking the dtypes of the iteration's optimizers'
+        gradients. Telemetry thread; one shared object per dtype combination."""
+        _, steps, seen, _ = shape
+        dtypes: frozenset[str] = frozenset()
+        for key, _, _ in steps:
+            info = seen.get(key) or self._optimizers.get(key)
+            if info is not None:
+                dtypes |= info.dtypes
+        setup = self._setups.get(dtypes)
+        if setup is None:
+            setup = self._setups[dtypes] = Setup(
+                mode="scaler", policy="skip", grad_dtype=grad_dtype(dtypes)
+            )
+        return setup
 
     def _local_flags(self, shape: Shape) -> dict[str, list[torch.Tensor]]:
         """This rank's found-inf tensors by device name: each optimizer's recorded local

@@ -51,6 +51,7 @@ __all__ = [
     "fully_shard_param_groups",
     "is_dtensor",
     "local_tensor",
+    "non_finite_check_",
     "param_group_reduce_scatter",
     "param_group_reduce_scatter_size",
     "reduce_found_inf",
@@ -108,6 +109,18 @@ def update_inputs(
         (key, state["stage"] is stepped, state["found_inf_per_device"])
         for key, state in scaler._per_optimizer_states.items()
     ]
+
+
+def non_finite_check_(
+    grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
+) -> None:
+    """torch's fused multi-tensor found-inf kernel, as its unscale runs it on one (device,
+    dtype) group: sets ``found_inf`` (a one-element float32 tensor on their device) to 1
+    when any element is inf/NaN and multiplies every element by ``inv_scale``. With an
+    ``inv_scale`` of 1 the kernel writes each value back unchanged (torch skips the
+    multiplication), except that a NaN may come back as a NaN of another bit pattern when
+    the gradient dtype is narrower than float32. One read of the group's memory, no sync."""
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
 
 
 def tensor_version(tensor: torch.Tensor) -> int:
@@ -293,6 +306,7 @@ def check_torch() -> tuple[str, ...]:
                     f"{cls.__qualname__}.{method} signature changed: "
                     f"{_signature_names(fn)} != {params}"
                 )
+    problems.extend(_check_non_finite_kernel())
     probe = _TorchGradScaler("cpu", init_scale=2.0)
     probe.scale(torch.ones(()))
     for attr in ("_device", "_scale", "_growth_tracker", "_per_optimizer_states"):
@@ -308,6 +322,28 @@ def check_torch() -> tuple[str, ...]:
     problems.extend(_check_flat_param())
     problems.extend(_check_collectives())
     return tuple(problems)
+
+
+def _check_non_finite_kernel() -> list[str]:
+    """The kernel must flag inf and NaN, leave finite values unchanged with an inverse
+    scale of 1, and take bfloat16 lists (the watch's bf16 gradients)."""
+    try:
+        grads = [torch.tensor([1.5, -3.0], dtype=torch.bfloat16), torch.tensor([2.0**-9])]
+        found = torch.zeros(1)
+        non_finite_check_(grads[:1], found, torch.ones(1))
+        non_finite_check_(grads[1:], found, torch.ones(1))
+        clean = found.item() == 0.0 and grads[0].tolist() == [1.5, -3.0]
+        grads[1][0] = float("inf")
+        non_finite_check_(grads[1:], found, torch.ones(1))
+        flagged = found.item() == 1.0
+    except (AttributeError, RuntimeError, TypeError) as exc:
+        return [f"torch._amp_foreach_non_finite_check_and_unscale_ changed: {exc}"]
+    if not (clean and flagged):
+        return [
+            "torch._amp_foreach_non_finite_check_and_unscale_ no longer flags inf/NaN "
+            "or no longer leaves values unchanged with an inverse scale of 1"
+        ]
+    return []
 
 
 def _check_dtensor() -> list[str]:

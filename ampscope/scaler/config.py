@@ -1,4 +1,4 @@
-"""The scalers' telemetry options, validated once at construction."""
+"""The scalers' and the watch's options, validated once at construction."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
-from ampscope.reporter.schema import MAX_LABEL_LENGTH, MAX_NONFINITE_PARAMS
+from ampscope.reporter.schema import MAX_LABEL_LENGTH, MAX_NONFINITE_PARAMS, Policy
 from ampscope.reporter.sink import Sink
 
 LABEL_PATTERN = re.compile(r"^[A-Za-z0-9_.:/@+=-]+$")
@@ -17,9 +17,11 @@ LABEL_PATTERN = re.compile(r"^[A-Za-z0-9_.:/@+=-]+$")
 
 @dataclass(frozen=True, kw_only=True)
 class TelemetryConfig:
-    """Telemetry options of :class:`ampscope.GradScaler` and :class:`ampscope.ShardedGradScaler`.
+    """Telemetry options of :class:`ampscope.GradScaler`, :class:`ampscope.ShardedGradScaler`
+    and :class:`ampscope.GradWatch` (which has no scale to clamp: no ``min_scale`` or
+    ``max_scale``).
 
-    The scalers take these as keyword-only constructor arguments of the same names.
+    They take these as keyword-only constructor arguments of the same names.
     """
 
     reporter: Sink | Literal["auto"] | None = "auto"
@@ -74,3 +76,37 @@ class TelemetryConfig:
             and self.min_scale > self.max_scale
         ):
             raise ValueError(f"min_scale {self.min_scale} exceeds max_scale {self.max_scale}")
+
+
+POLICIES = ("observe", "skip", "raise")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WatchConfig:
+    """What :class:`ampscope.GradWatch` does with an iteration whose gradients hold inf/NaN.
+
+    The watch takes these as keyword arguments of the same names.
+    """
+
+    policy: Policy = "observe"
+    """``observe``: record it, change nothing (no sync, no collective); ``skip``: every
+    rank skips ``optimizer.step()``; ``raise``: every rank raises
+    :class:`~ampscope.NonFiniteGradientsError` from ``step()``."""
+    max_consecutive_skips: int | None = None
+    """Under ``skip``: raise from the ``step()`` of the N-th consecutive skipped
+    iteration (whose step is not taken) instead of skipping for ever."""
+    process_group: Any = None
+    """The group whose ranks agree on skipping or raising (``skip``, ``raise``): the
+    gradients' data-parallel group. ``None``: the default (world) group."""
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, not {self.policy!r}")
+        limit = self.max_consecutive_skips
+        if limit is not None:
+            if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+                raise ValueError(f"max_consecutive_skips must be a positive int, not {limit!r}")
+            if self.policy != "skip":
+                raise ValueError(
+                    f"max_consecutive_skips applies to policy 'skip', not {self.policy!r}"
+                )

@@ -36,8 +36,10 @@ def _generated_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:8]
 
 
-def _collective_device() -> torch.device:
-    backend = str(dist.get_backend())
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where a tensor must live for a collective on ``group`` (default: the world):
+    the CPU for gloo, else the current CUDA device."""
+    backend = str(dist.get_backend(group))
     if "gloo" in backend or not torch.cuda.is_available():
         return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device())
@@ -51,7 +53,7 @@ def _shared_generated_run_id() -> str:
     """
     if not (dist.is_available() and dist.is_initialized()):
         return _generated_run_id()
-    buffer = torch.zeros(MAX_LABEL_LENGTH, dtype=torch.uint8, device=_collective_device())
+    buffer = torch.zeros(MAX_LABEL_LENGTH, dtype=torch.uint8, device=collective_device())
     if dist.get_rank() == 0:
         encoded = sanitize_label(_generated_run_id()).encode("ascii")
         buffer[: len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)

@@ -29,10 +29,12 @@ from ampscope.reporter.schema import (
     MAX_PARAM_NAME_LENGTH,
     SCALE_ALIGN_STEPS,
     AlignedScale,
+    NonfiniteApplied,
     NonfiniteParam,
     OptimizerDetail,
     RankTotals,
     ScaleEvent,
+    Setup,
     StepRecord,
 )
 from ampscope.scaler.attribution import top_k
@@ -63,6 +65,8 @@ class RunningTotals:
     max_scale: float | None = None
     last_growth_tracker: int | None = None
     aligned_scale: AlignedScale | None = None
+    nonfinite_applied: int = 0
+    first_nonfinite_applied: NonfiniteApplied | None = None
 
 
 def _count(counter: dict[str, int], flags: dict[str, bool]) -> dict[str, int]:
@@ -73,6 +77,10 @@ def _count(counter: dict[str, int], flags: dict[str, bool]) -> dict[str, int]:
     for device, found in flags.items():
         out[device] = out.get(device, 0) + int(found)
     return out
+
+
+_SCALER = Setup()
+"""An fp16 scaler whose gradient dtype is not known."""
 
 
 def _is_scale(value: float) -> bool:
@@ -113,19 +121,29 @@ class RecordBuilder:
     def build(self, pending: PendingStep, values: list[float]) -> StepRecord:
         """The record of ``pending``; the totals include it afterwards.
 
+        A scaler's iteration skipped its step when a stepped optimizer found inf/NaN. A
+        watch (``setup.mode == "watch"``) has no scale: its values carry a scale of 1 and
+        a tracker of 0, its event is always ``none`` and its totals hold no scale. Under
+        ``observe`` a stepped optimizer that found inf/NaN applied the update instead of
+        skipping it (``nonfinite_applied``).
+
         Raises:
             pydantic.ValidationError: a value the schema rejects (e.g. an infinite scale);
                 the totals are then unchanged.
         """
         totals = self.totals
+        setup = pending.setup or _SCALER
+        watch = setup.mode == "watch"
         offset = 1
         found_by_slot = []
-        skipped = False
+        stepped_on_nonfinite = False
         for slot in pending.optimizers:
             found = any(v > 0 for v in values[offset : offset + slot.num_flags])
             offset += slot.num_flags
-            skipped = skipped or (slot.stepped and found)
+            stepped_on_nonfinite = stepped_on_nonfinite or (slot.stepped and found)
             found_by_slot.append((slot, found))
+        applied = watch and setup.policy == "observe" and stepped_on_nonfinite
+        skipped = stepped_on_nonfinite and not applied
         found_global = any(found for _, found in found_by_slot)
         local = self._flag_dict(pending.local_devices, values, offset)
         offset += len(pending.local_devices)
@@ -135,7 +153,9 @@ class RecordBuilder:
         origin = self._flag_dict(pending.origin_devices, values, offset)
 
         event: ScaleEvent
-        if pending.manual:
+        if watch:
+            event = "none"
+        elif pending.manual:
             event = "manual"
         elif found_global:
             event = "backoff"
@@ -155,11 +175,13 @@ class RecordBuilder:
             for name, count in pending.nonfinite.items():
                 nonfinite[name] = nonfinite.get(name, 0) + count
         min_scale, max_scale = totals.min_scale, totals.max_scale
-        for scale in (scale_before, scale_after):
-            min_scale = scale if min_scale is None else min(min_scale, scale)
-            max_scale = scale if max_scale is None else max(max_scale, scale)
         aligned = totals.aligned_scale
-        new_aligned = pending.step % SCALE_ALIGN_STEPS == 0
+        new_aligned = False
+        if not watch:  # a watch has no scale to keep
+            for scale in (scale_before, scale_after):
+                min_scale = scale if min_scale is None else min(min_scale, scale)
+                max_scale = scale if max_scale is None else max(max_scale, scale)
+            new_aligned = pending.step % SCALE_ALIGN_STEPS == 0
 
         validate = not (
             self._checked(pending, scale_before, scale_after, tracker)
@@ -169,6 +191,14 @@ class RecordBuilder:
         details = [self._detail(slot, found, validate) for slot, found in found_by_slot]
         if new_aligned:
             aligned = _build(AlignedScale, validate, step=pending.step, scale=scale_after)
+        first_applied = totals.first_nonfinite_applied
+        if applied and first_applied is None:
+            first_applied = _build(
+                NonfiniteApplied,
+                validate,
+                step=pending.step,
+                origin=any(origin.values()) if origin else None,
+            )
         top = self._top if nonfinite is totals.nonfinite and not validate else None
         if top is None:
             top = [
@@ -187,6 +217,7 @@ class RecordBuilder:
         skipped_steps = totals.skipped_steps + int(skipped)
         backoffs = totals.backoffs + int(event == "backoff")
         growths = totals.growths + int(event == "growth")
+        nonfinite_applied = totals.nonfinite_applied + int(applied)
         record = _build(
             StepRecord,
             validate,
@@ -216,7 +247,10 @@ class RecordBuilder:
                 min_scale=min_scale,
                 max_scale=max_scale,
                 aligned_scale=aligned,
+                nonfinite_applied=nonfinite_applied,
+                first_nonfinite_applied=first_applied,
             ),
+            setup=setup,
         )
         # The record exists: only now do the totals move.
         totals.steps, totals.skipped_steps = steps, skipped_steps
@@ -226,6 +260,7 @@ class RecordBuilder:
         totals.min_scale, totals.max_scale = min_scale, max_scale
         totals.last_growth_tracker = tracker
         totals.aligned_scale = aligned
+        totals.nonfinite_applied, totals.first_nonfinite_applied = nonfinite_applied, first_applied
         self._top = top
         return record
 

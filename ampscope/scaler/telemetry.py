@@ -86,6 +86,9 @@ class TelemetrySnapshot:
     """Steps whose record could not be built (counted and logged, never raised)."""
     undelivered: int
     """Records not handed to the sinks because they fell ``MAX_UNDELIVERED`` behind."""
+    nonfinite_applied: int = 0
+    """Iterations whose optimizer step ran on inf/NaN gradients (a ``GradWatch`` under
+    ``observe``); always 0 for the scalers."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: ``json.dumps(snapshot.to_dict())`` works (``last`` as its JSON form)."""
@@ -178,6 +181,7 @@ class Telemetry:
                 sink_errors=self._sink_errors,
                 dropped=self._dropped,
                 undelivered=self._undelivered,
+                nonfinite_applied=totals.nonfinite_applied,
             )
 
     def history(self, n: int | None = None) -> list[StepRecord]:
@@ -187,6 +191,23 @@ class Telemetry:
         with self._resolve_lock:
             records = list(self._history)
         return records if n is None else records[-n:] if n > 0 else []
+
+    def flush(self, timeout: float = 1.0) -> None:
+        """Build every pending record and hand it to the sinks now, on the calling thread,
+        then ask each sink that can (``flush(timeout)``, e.g. the HTTP reporter) to send
+        what it holds. Waits at most about ``timeout`` seconds for the sinks; for a path
+        that stops training (a watch's raise), never per step."""
+        deadline = time.monotonic() + timeout
+        self._resolve()
+        self._deliver()
+        for sink in self._sinks:
+            flush = getattr(sink, "flush", None)
+            if flush is None:
+                continue
+            try:
+                flush(max(deadline - time.monotonic(), 0.0))
+            except Exception:
+                logger.warning("ampscope: flushing sink %r failed", sink, exc_info=True)
 
     def close_soon(self, timeout: float = 1.0) -> None:
         """``close(timeout)`` on a short-lived daemon thread; returns at once.

@@ -117,6 +117,15 @@ def test_scaler_section(results: tuple[dict[str, Any], str]) -> None:
     backoffs = overflow["backoffs"]
     assert len(set(backoffs.values())) == 1
     assert backoffs["stock"] > overflow["iterations_per_contender"]
+    watch = scaler["watch"]
+    for model in ("tiny", "mlp"):
+        cost = watch[model]
+        assert set(cost["step_us"]) == {"plain", "watch_observe", "watch_skip"}
+        assert all(_positive(v) for v in cost["step_us"].values())
+        assert set(cost["extra_cpu_us"]) == {"watch_observe", "watch_skip"}
+        # Every timed and warm-up iteration of each watch made its record.
+        made = cost["iterations_per_contender"] + cost["warmup_iterations"]
+        assert set(cost["records"].values()) == {made}
     # The reporters were on and lost nothing.
     assert scaler["exporter_records_expected"] > 0
     assert scaler["exporter_records_received"] == scaler["exporter_records_expected"]

@@ -57,3 +57,36 @@ def check_exporter(url: str, run: str, results: list[dict[str, Any]]) -> None:
         assert view["totals"]["skipped_steps"] == len(INJECT_STEPS)
         origin = sum(view["totals"]["found_inf_origin"].values())
         assert origin == sum(ours["origin"])
+
+
+def check_watch(
+    result: dict[str, Any], rank: int = 0, world_size: int = 1, param: str = "head.weight"
+) -> None:
+    """A library's bf16/fp32 run with the watch it installed: ``observe`` bit-identical to
+    the stock run, ``skip`` skipping the injected iterations and holding the scheduler."""
+    stock, observe, skip = result["stock"], result["observe"], result["skip"]
+    assert stock["installed"] is None
+    first = min(INJECT_STEPS)
+    for run, policy in ((observe, "observe"), (skip, "skip")):
+        assert run["installed"] == "GradWatch"
+        assert run["setup"] == {"mode": "watch", "policy": policy, "grad_dtype": "float32"}
+        assert run["event"] == ["none"]
+        assert run["nonfinite"][first] == [param]
+    # observe: the same bits, NaN weights included, and every update applied.
+    assert observe["bits"] == stock["bits"]
+    # Accelerate's scheduler steps once per process per step when batches are not split.
+    per_step = stock["scheduler_steps"] // STEPS
+    assert stock["scheduler_steps"] == per_step * STEPS
+    assert observe["scheduler_steps"] == stock["scheduler_steps"]
+    assert observe["skipped"] == [False] * STEPS
+    assert observe["found"] == [step >= first for step in range(STEPS)]
+    assert observe["applied"] == STEPS - first
+    # skip: the framework's own skipped-step notion held the scheduler.
+    assert skip["skipped"] == expected_skips()
+    assert skip["found"] == expected_skips()
+    assert skip["applied"] == 0
+    assert skip["scheduler_steps"] == (STEPS - len(INJECT_STEPS)) * per_step
+    assert skip["finite"]
+    if world_size > 1:
+        wanted = expected_skips() if rank == inject_rank(world_size) else [False] * STEPS
+        assert skip["origin"] == wanted, rank

@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 
 import pytest
-from checks import check_exporter, check_origin, check_same_training, expected_skips
+from checks import check_exporter, check_origin, check_same_training, check_watch, expected_skips
 from support import need_module, run_distributed
+from watch_workers import accelerate_worker as accelerate_watch_worker
 from workers import INJECT_STEPS, STEPS, accelerate_worker
 
 need_module("accelerate")
@@ -101,3 +102,65 @@ def test_fsdp_scalers_keep_the_class_accelerate_chose() -> None:
         assert accelerator.scaler is scaler
         assert (scaler.get_scale(), scaler.get_growth_interval()) == (64.0, 7)
         scaler.close()
+
+
+@pytest.mark.parametrize("precision", ["bf16", "no"])
+def test_accelerate_bf16_and_fp32_get_a_watch(precision: str) -> None:
+    result = accelerate_watch_worker(0, 1, "acc-watch")[precision]
+    check_watch(result)
+    for run in ("observe", "skip"):
+        assert result[run]["is_accelerators"]
+    # Accelerate's own notion of a skipped step is what held its scheduler.
+    assert result["skip"]["step_was_skipped"] == expected_skips()
+    assert result["observe"]["step_was_skipped"] == [False] * STEPS
+
+
+@pytest.mark.distributed
+def test_accelerate_watch_ddp_two_ranks() -> None:
+    results = run_distributed(accelerate_watch_worker, 2, args=("acc-watch-ddp",))
+    for rank, rank_result in enumerate(results):
+        for precision in ("bf16", "no"):
+            check_watch(rank_result[precision], rank, 2)
+            assert rank_result[precision]["skip"]["step_was_skipped"] == expected_skips()
+
+
+def test_accelerate_rejects_an_unknown_policy() -> None:
+    from accelerate import Accelerator
+
+    from ampscope.integrations.accelerate import instrument
+
+    with pytest.raises(ValueError, match="policy must be one of"):
+        instrument(Accelerator(cpu=True), policy="ignore")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="applies to policy 'skip'"):
+        instrument(Accelerator(cpu=True), max_consecutive_skips=3)
+
+
+def test_accelerate_watch_after_prepare_reaches_the_prepared_optimizer() -> None:
+    """instrument() after prepare(): the optimizer wrapper built without a scaler is set up
+    to step through the watch, and Accelerate's step_was_skipped sees its skips."""
+    import torch
+    from accelerate import Accelerator
+    from watch_workers import reset_accelerate
+    from workers import Net, batch, poison
+
+    from ampscope.integrations.accelerate import instrument
+
+    reset_accelerate()
+    accelerator = Accelerator(mixed_precision="bf16", cpu=True)
+    model = Net()
+    poison(model, 0, 1)
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05))
+    assert optimizer.scaler is None
+    watch = instrument(accelerator, policy="skip", reporter=None)
+    assert optimizer.scaler is watch
+    assert accelerator.scaler is watch
+    skipped = []
+    for step in range(STEPS):
+        accelerator.backward(model(batch(0, step)).square().mean())
+        optimizer.step()
+        optimizer.zero_grad()
+        skipped.append(optimizer.step_was_skipped)
+    assert skipped == expected_skips()
+    assert all(bool(p.isfinite().all()) for p in model.parameters())
+    watch.close()
+    reset_accelerate()

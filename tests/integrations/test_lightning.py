@@ -6,8 +6,9 @@ import logging
 from typing import Any
 
 import pytest
-from checks import check_exporter, check_origin, check_same_training
+from checks import check_exporter, check_origin, check_same_training, check_watch
 from support import need_module, run_distributed
+from watch_workers import lightning_worker as lightning_watch_worker
 from workers import INJECT_STEPS, STEPS, Net, batch, lightning_plugin, lightning_worker, poison
 
 need_module("lightning")
@@ -42,7 +43,7 @@ def test_lightning_ddp_two_ranks(report_to: str) -> None:
     check_exporter(report_to, "pl-ddp", [r["ours"] for r in results])
 
 
-def test_lightning_bf16_has_no_scaler_and_nothing_changes(
+def test_lightning_fp32_has_no_scaler_and_nothing_changes(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     import lightning.pytorch as pl
@@ -62,10 +63,10 @@ def test_lightning_bf16_has_no_scaler_and_nothing_changes(
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     callback = AmpscopeCallback(reporter=None)
-    # "16-mixed" on CPU: Lightning switches to bf16-mixed, which has no scaler.
+    # "32-true": Lightning's plain Precision plugin, which runs no scaler (nor a watch).
     trainer = pl.Trainer(
         accelerator="cpu",
-        precision="16-mixed",
+        precision="32-true",
         max_steps=2,
         callbacks=[callback],
         logger=False,
@@ -77,11 +78,11 @@ def test_lightning_bf16_has_no_scaler_and_nothing_changes(
     with caplog.at_level(logging.WARNING, logger="ampscope"):
         trainer.fit(Module(), loader)
         trainer.fit(Module(), loader)  # reused: still says it once
-    assert trainer.precision_plugin.scaler is None
+    assert getattr(trainer.precision_plugin, "scaler", None) is None
     assert callback.scaler is None
     messages = [r.getMessage() for r in caplog.records if "no loss scaler" in r.getMessage()]
     assert len(messages) == 1
-    assert "precision='bf16-mixed'" in messages[0]
+    assert "precision='32-true'" in messages[0]
 
 
 def test_fsdp_precision_gets_the_sharded_scaler() -> None:
@@ -108,6 +109,27 @@ def test_fsdp_precision_gets_the_sharded_scaler() -> None:
     assert plugin.scaler is callback.scaler
     assert (plugin.scaler.get_scale(), plugin.scaler.get_growth_interval()) == (8.0, 5)
     assert plugin.scaler.process_group is stock.process_group
+    plugin.scaler.close()
+
+
+def test_fsdp_precision_in_bf16_gets_a_watch() -> None:
+    """Lightning runs FSDP only on GPUs; the swap is checked on the plugin, which runs the
+    same scaler code path as MixedPrecision."""
+    from lightning.pytorch.plugins.precision import FSDPPrecision
+
+    import ampscope
+    from ampscope.integrations.lightning import AmpscopeCallback
+
+    plugin = FSDPPrecision("bf16-mixed")
+
+    class FakeTrainer:  # setup() only reads the precision plugin
+        precision_plugin = plugin
+
+    callback = AmpscopeCallback(policy="skip", max_consecutive_skips=3, reporter=None)
+    callback.setup(FakeTrainer(), None, "fit")  # type: ignore[arg-type]
+    assert isinstance(plugin.scaler, ampscope.GradWatch)
+    assert plugin.scaler is callback.scaler
+    assert (plugin.scaler.policy, plugin.scaler.max_consecutive_skips) == ("skip", 3)
     plugin.scaler.close()
 
 
@@ -165,3 +187,19 @@ def test_logs_on_lightning_logging_steps_and_a_second_callback_is_harmless() -> 
         (step, records[step].scale_after, float(sum(r.skipped for r in records[: step + 1])))
         for step in range(2, STEPS, 3)
     ]
+
+
+def test_lightning_bf16_mixed_gets_a_watch() -> None:
+    result = lightning_watch_worker(0, 1, "pl-watch")
+    check_watch(result, param="net.head.weight")
+    for run in ("observe", "skip"):
+        assert result[run]["plugin_holds_it"]
+        assert result[run]["hook_restored"]  # the scheduler hook is the module's again
+        assert result[run]["closed"]
+
+
+@pytest.mark.distributed
+def test_lightning_watch_ddp_two_ranks() -> None:
+    results = run_distributed(lightning_watch_worker, 2, args=("pl-watch-ddp",))
+    for rank, result in enumerate(results):
+        check_watch(result, rank, 2, param="net.head.weight")

@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from checks import check_exporter, check_origin, check_same_training
+from checks import check_exporter, check_origin, check_same_training, check_watch
 from support import need_module, run_distributed
+from watch_workers import trainer_worker as trainer_watch_worker
 from workers import INJECT_STEPS, STEPS, Dataset, Net, trainer_worker
 
 need_module("transformers")
@@ -63,3 +64,28 @@ def test_trainer_without_a_scaler_changes_nothing(
     messages = [r.getMessage() for r in caplog.records if "no loss scaler" in r.getMessage()]
     assert len(messages) == 1
     assert "Hugging Face Trainer has no loss scaler" in messages[0]
+
+
+def _check_watch_logs(result: dict[str, Any]) -> None:
+    # A watch logs no loss scale: its skipped steps and the non-finite updates applied.
+    for run in ("observe", "skip"):
+        ours = result[run]
+        skipped = [sum(ours["skipped"][: step + 1]) for step in range(STEPS)]
+        first = min(INJECT_STEPS)
+        applied = [max(0, step - first + 1) if run == "observe" else 0 for step in range(STEPS)]
+        assert ours["logged"] == list(zip(skipped, applied, strict=True))
+        assert ours["closed"]
+
+
+def test_trainer_bf16_gets_a_watch(tmp_path: Path) -> None:
+    result = trainer_watch_worker(0, 1, "hf-watch", str(tmp_path))
+    check_watch(result)
+    _check_watch_logs(result)
+
+
+@pytest.mark.distributed
+def test_trainer_watch_ddp_two_ranks(tmp_path: Path) -> None:
+    results = run_distributed(trainer_watch_worker, 2, args=("hf-watch-ddp", str(tmp_path)))
+    for rank, result in enumerate(results):
+        check_watch(result, rank, 2)
+        _check_watch_logs(result)
