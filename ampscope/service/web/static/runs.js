@@ -15,9 +15,7 @@
     a.cell(tr, `${summary.up}/${summary.ranks} up (world ${summary.world_size})`, "ranks");
     a.cell(tr, a.statesText(ranks), "states");
     a.cell(tr, summary.newest_step, "num step");
-    const scales = ranks.map((r) => r.scale);
-    const low = Math.min(...scales), high = Math.max(...scales);
-    a.cell(tr, low === high ? a.scaleText(low) : `${a.scaleText(low)}..${a.scaleText(high)}`, "num scale");
+    a.cell(tr, a.scalesText(ranks), "num scale").title = a.setupText(ranks);
     const skipped = Math.max(...ranks.map((r) => r.totals.skipped_steps));
     a.cell(tr, skipped, "num skipped");
     const local = a.sum(ranks.map((r) => a.sum(Object.values(r.totals.found_inf_local))));
