@@ -17,11 +17,13 @@ from support import free_port
 
 from ampscope.demo.exporter import ExporterProcess
 from ampscope.reporter.schema import StepRecord
-from service.factory import body, totals, watch
+from service.factory import body, record, totals, watch
 from service.web.browser import chromium, console_errors, foreign, requested_urls
 from service.web.conftest import get_json
 
 RUN = "bf16-run"
+MIXED = "mixed-run"
+"""A scaler (rank 0, fp16) beside a watch (rank 1, fp32): only the scaler has a scale line."""
 STEPS = 30
 BAD_FROM = 12
 """Rank 1's batch holds an inf at this step; the all-reduce spreads it, both ranks step on
@@ -79,8 +81,21 @@ def exporter() -> Iterator[str]:
     process = ExporterProcess(free_port())
     process.start()
     try:
-        for records in watch_run(time.time()):
+        now = time.time()
+        for records in watch_run(now):
             post(process.url, records)
+        scales = [2.0**16 if step < 6 else 2.0**15 for step in range(1, 11)]
+        post(
+            process.url,
+            [record(s, run=MIXED, time=now - 10 + s, scale=scales[s - 1]) for s in range(1, 11)],
+        )
+        post(
+            process.url,
+            [
+                watch(s, run=MIXED, rank=1, policy="skip", grad_dtype="float32", time=now - 10 + s)
+                for s in range(1, 11)
+            ],
+        )
         yield process.url
     finally:
         process.stop()
@@ -180,4 +195,31 @@ def test_the_runs_page_says_the_run_has_no_loss_scale(exporter: str, tmp_path) -
         scale = driver.execute_script(f"return {row}.querySelector('td.scale')")
         assert scale.text == "none"
         assert scale.get_attribute("title") == "no loss scale: bfloat16 watch, policy observe"
+        assert console_errors(driver) == []
+
+
+def test_a_mixed_run_charts_the_scaler_alone(exporter: str, tmp_path) -> None:
+    series = get_json(f"{exporter}/api/v1/runs/{MIXED}/series")
+    assert series["scale"][1] == [None] * 10  # the watch has no scale to give
+    with chromium(tmp_path) as driver:
+        driver.get(f"{exporter}/run?id={MIXED}")
+        _wait(driver, "window.ampscopeRun.scalePlot")
+        _wait(driver, "document.querySelectorAll('#ranks tbody tr').length === 2")
+        assert driver.find_element("id", "setup").text == (
+            "fp16 loss scaler; no loss scale: float32 watch, policy skip"
+        )
+        assert _visible(driver, "scale-section")
+        assert not _visible(driver, "no-scale")
+        plot = "window.ampscopeRun.scalePlot"
+        assert driver.execute_script(f"return {plot}.data") == [
+            series["steps"],
+            series["scale"][0],
+        ]
+        labels = driver.execute_script(f"return {plot}.series.map(s => s.label)")
+        assert labels == ["step", "rank 0"]
+        modes = driver.execute_script(
+            "return [...document.querySelectorAll('#ranks tbody tr')].map(tr => "
+            "[...tr.querySelectorAll('td')].slice(4, 6).map(td => td.textContent))"
+        )
+        assert modes == [["scaler", "2^15"], ["watch/skip", "none"]]
         assert console_errors(driver) == []
