@@ -46,7 +46,8 @@
     table.hidden = rows.length === 0;
     document.getElementById("message").textContent = rows.length
       ? `${rows.length} run(s); refreshes every ${REFRESH_MS / 1000} s`
-      : "No run has reported yet. Ranks report here when their GradScaler is an ampscope one " +
+      : "No run has reported yet. Ranks report here when their GradScaler (or, for bf16/fp32, " +
+        "GradWatch) is an ampscope one " +
         "(AMPSCOPE_URL points at this exporter); try `ampscope demo`.";
   }
 
