@@ -217,6 +217,8 @@ class SimulatedRank:
         """
         base = f'node="{self.identity.node}",local_rank="{self.identity.local_rank}"'
         values: dict[str, list[tuple[str, float]]] = {
+            # A simulated rank is an fp16 scaler.
+            "ampscope_rank_info": [(',mode="scaler",policy="skip",grad_dtype="float16"', 1)],
             "ampscope_loss_scale": [("", self.scale)],
             "ampscope_growth_tracker": [("", self.tracker)],
             "ampscope_last_step": [("", self.step)],
@@ -235,6 +237,7 @@ class SimulatedRank:
             "ampscope_nonfinite_grads_total": [
                 (f',param="{n}"', c) for n, c in self.param_counts.items()
             ],
+            "ampscope_nonfinite_updates_applied_total": [("", 0)],
             "ampscope_reporter_dropped_records_total": [("", dropped)],
         }
         lines: list[str] = []

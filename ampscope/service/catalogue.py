@@ -29,8 +29,32 @@ def _rank(name: str, type_: Literal["gauge", "counter"], help_: str, *extra: str
     return MetricSpec(name=name, type=type_, help=help_, labels=(*RANK_LABELS, *extra))
 
 
+SCALER_ONLY = frozenset(
+    {
+        "ampscope_loss_scale",
+        "ampscope_growth_tracker",
+        "ampscope_loss_scale_aligned",
+        "ampscope_loss_scale_aligned_step",
+        "ampscope_scale_backoffs_total",
+        "ampscope_scale_growths_total",
+    }
+)
+"""Families of a loss scale: a watch rank (bf16/fp32, no scaler) exposes none of them, as
+a scale it does not have is not data."""
+
 CATALOGUE: tuple[MetricSpec, ...] = (
     # Per rank, from the newest record the rank reported.
+    _rank(
+        "ampscope_rank_info",
+        "gauge",
+        "Always 1; what the rank runs: mode (scaler: an fp16 loss scaler; watch: a GradWatch "
+        "on a bf16/fp32 run, which has no loss scale), the policy for iterations with "
+        "non-finite gradients (observe, skip, raise) and the gradients' dtype (unknown when "
+        "not reported).",
+        "mode",
+        "policy",
+        "grad_dtype",
+    ),
     _rank("ampscope_loss_scale", "gauge", "Current loss scale of the rank's scaler."),
     _rank(
         "ampscope_growth_tracker",
@@ -97,6 +121,13 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "counter",
         "Non-finite gradient elements seen in a parameter's local shard (top K per rank).",
         "param",
+    ),
+    _rank(
+        "ampscope_nonfinite_updates_applied_total",
+        "counter",
+        "Iterations whose optimizer step ran on inf/NaN gradients (a watch under policy "
+        "observe): from the first one on, the rank's weights hold inf/NaN. Always 0 for "
+        "scalers and for the skip and raise policies.",
     ),
     _rank(
         "ampscope_reporter_dropped_records_total",

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ampscope.service.catalogue import BY_NAME
+from ampscope.service.catalogue import BY_NAME, CATALOGUE, RANK_LABELS
 from ampscope.service.health import Thresholds
 from ampscope.service.lifecycle import STATES, Lifecycle
 from ampscope.service.ranks import RankSnapshot
@@ -43,23 +43,8 @@ def _family(name: str) -> GaugeMetricFamily | CounterMetricFamily:
     return GaugeMetricFamily(spec.name, spec.help, labels=spec.labels)
 
 
-_RANK_FAMILIES = (
-    "ampscope_loss_scale",
-    "ampscope_growth_tracker",
-    "ampscope_last_step",
-    "ampscope_loss_scale_aligned",
-    "ampscope_loss_scale_aligned_step",
-    "ampscope_last_report_timestamp_seconds",
-    "ampscope_rank_up",
-    "ampscope_rank_state",
-    "ampscope_steps_total",
-    "ampscope_skipped_steps_total",
-    "ampscope_scale_backoffs_total",
-    "ampscope_scale_growths_total",
-    "ampscope_found_inf_total",
-    "ampscope_found_inf_origin_total",
-    "ampscope_nonfinite_grads_total",
-    "ampscope_reporter_dropped_records_total",
+_RANK_FAMILIES = tuple(
+    spec.name for spec in CATALOGUE if spec.labels[: len(RANK_LABELS)] == RANK_LABELS
 )
 """Per-rank families, in the order they are served."""
 
@@ -129,12 +114,22 @@ class StoreCollector(Collector):
         who = record.identity
         labels = [who.run, who.node, str(who.rank), str(who.local_rank)]
         totals = record.totals
+        setup = record.setup
+        # A watch rank has no loss scale: its records carry 1.0 and zero counts, which are
+        # not data, so none of the scale families is exposed for it.
+        scaler = setup.mode == "scaler"
         rows: list[Row] = [
-            ("ampscope_loss_scale", labels, float(record.scale_after)),
-            ("ampscope_growth_tracker", labels, float(record.growth_tracker)),
-            ("ampscope_last_step", labels, float(record.step)),
+            (
+                "ampscope_rank_info",
+                [*labels, setup.mode, setup.policy, setup.grad_dtype or "unknown"],
+                1.0,
+            )
         ]
-        if totals.aligned_scale is not None:
+        if scaler:
+            rows.append(("ampscope_loss_scale", labels, float(record.scale_after)))
+            rows.append(("ampscope_growth_tracker", labels, float(record.growth_tracker)))
+        rows.append(("ampscope_last_step", labels, float(record.step)))
+        if scaler and totals.aligned_scale is not None:
             rows.append(("ampscope_loss_scale_aligned", labels, float(totals.aligned_scale.scale)))
             rows.append(
                 ("ampscope_loss_scale_aligned_step", labels, float(totals.aligned_scale.step))
@@ -144,9 +139,10 @@ class StoreCollector(Collector):
         rows += [
             ("ampscope_steps_total", labels, float(totals.steps)),
             ("ampscope_skipped_steps_total", labels, float(totals.skipped_steps)),
-            ("ampscope_scale_backoffs_total", labels, float(totals.backoffs)),
-            ("ampscope_scale_growths_total", labels, float(totals.growths)),
         ]
+        if scaler:
+            rows.append(("ampscope_scale_backoffs_total", labels, float(totals.backoffs)))
+            rows.append(("ampscope_scale_growths_total", labels, float(totals.growths)))
         for device, count in totals.found_inf_local.items():
             rows.append(("ampscope_found_inf_total", [*labels, device], float(count)))
         for device, count in totals.found_inf_origin.items():
@@ -155,6 +151,9 @@ class StoreCollector(Collector):
             rows.append(
                 ("ampscope_nonfinite_grads_total", [*labels, param.name], float(param.count))
             )
+        rows.append(
+            ("ampscope_nonfinite_updates_applied_total", labels, float(totals.nonfinite_applied))
+        )
         rows.append(
             ("ampscope_reporter_dropped_records_total", labels, float(snap.dropped_records))
         )

@@ -54,10 +54,10 @@ class _Family:
         self.header = f"# HELP {spec.name} {help_text}\n# TYPE {spec.name} {spec.type}\n".encode()
         self.labels = spec.labels
         self.per_rank = spec.labels[: len(RANK_LABELS)] == RANK_LABELS
-        # The templates fill the labels after the rank's own in sorted order; with one
-        # such label at most (device, param, reason) that is the catalogue's order too.
-        if len(spec.labels) - (len(RANK_LABELS) if self.per_rank else 0) > 1:
-            raise ValueError(f"{spec.name}: more than one label beyond the rank's")
+        extra = spec.labels[len(RANK_LABELS) :] if self.per_rank else spec.labels
+        # The templates' slots take the labels beyond the rank's in sorted order (the
+        # order prometheus_client writes them in); rows give them in catalogue order.
+        self.slot_order = tuple(sorted(range(len(extra)), key=extra.__getitem__))
 
     def template(self, label_values: Sequence[str]) -> str:
         """A %-format string for this family's lines with ``label_values`` for its first
@@ -79,12 +79,13 @@ class _RankTemplates:
 
     def __init__(self, labels: tuple[str, ...]) -> None:
         self.labels = labels
-        self.of = {f.name: f.template(labels) for f in _FAMILIES if f.per_rank}
+        self.of = {f.name: (f.template(labels), f.slot_order) for f in _FAMILIES if f.per_rank}
 
     def lines(self, name: str, values: Values) -> bytes:
-        template = self.of[name]
+        template, order = self.of[name]
         return "".join(
-            template % (*map(_escape_label, extra), floatToGoString(v)) for extra, v in values
+            template % (*(_escape_label(extra[i]) for i in order), floatToGoString(v))
+            for extra, v in values
         ).encode()
 
 

@@ -113,6 +113,15 @@ def _who(snap: RankSnapshot) -> dict[str, Any]:
     return {"rank": snap.identity.rank, "node": snap.identity.node}
 
 
+def _scalers(ranks: Sequence[RankSnapshot]) -> list[RankSnapshot]:
+    """The ranks that run a loss scaler: a watch's records carry scale 1, which is no scale."""
+    return [snap for snap in ranks if snap.newest.setup.mode == "scaler"]
+
+
+NO_SCALE = "no rank has a loss scale: every rank runs a watch (bf16/fp32)"
+"""The summary of the scale rules for a run of watch ranks only."""
+
+
 def scale_collapse(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
     """Critical when a rank's scale is below the floor or fell by ``collapse_factor``."""
     thresholds = {
@@ -122,7 +131,8 @@ def scale_collapse(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> 
     }
     hits = []
     lowest = None
-    for snap in ranks:
+    scalers = _scalers(ranks)
+    for snap in scalers:
         scale = snap.newest.scale_after
         peak = _window(snap, now - t.collapse_window_s).peak_scale
         fall = peak / scale if scale > 0 else float("inf")
@@ -146,7 +156,7 @@ def scale_collapse(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> 
         return Verdict(
             rule="scale_collapse",
             status="ok",
-            summary="no rank's loss scale collapsed",
+            summary="no rank's loss scale collapsed" if scalers or not ranks else NO_SCALE,
             evidence={"lowest_scale": lowest},
             thresholds=thresholds,
         )
@@ -210,7 +220,8 @@ def scale_desync(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Ve
     thresholds = {"window_s": t.collapse_window_s}
     by_step: dict[int, set[float]] = {}
     seen: dict[int, int] = {}
-    for snap in ranks:
+    scalers = _scalers(ranks)
+    for snap in scalers:
         for record in snap.history:
             by_step.setdefault(record.step, set()).add(record.scale_after)
             seen[record.step] = seen.get(record.step, 0) + 1
@@ -220,13 +231,15 @@ def scale_desync(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Ve
         return Verdict(
             rule="scale_desync",
             status="ok",
-            summary=f"ranks agree on the scale at {compared} shared step(s)",
+            summary=f"ranks agree on the scale at {compared} shared step(s)"
+            if scalers or not ranks
+            else NO_SCALE,
             evidence={"compared_steps": compared},
             thresholds=thresholds,
         )
     step = mismatched[-1]
     scales = {}
-    for snap in ranks:
+    for snap in scalers:
         for record in snap.history:
             if record.step == step:
                 scales[str(snap.identity.rank)] = record.scale_after
@@ -402,6 +415,68 @@ def inf_hotspot(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Ver
     )
 
 
+def nonfinite_update_applied(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
+    """Critical once a rank's optimizer step ran on inf/NaN gradients (a watch under policy
+    ``observe``): the weights hold inf/NaN from then on, so no window ends it; a restart
+    (counters from zero, e.g. from a checkpoint) does.
+
+    Names the run's first such step (the lowest ``first_nonfinite_applied`` of its ranks)
+    and the ranks whose own gradients held inf/NaN at that step (origin tracking). O(ranks).
+    """
+    del now, t
+    hits = sorted(
+        (
+            (first.step, snap.identity.rank, snap, first)
+            for snap in ranks
+            if (first := snap.newest.totals.first_nonfinite_applied) is not None
+        ),
+        key=lambda hit: hit[:2],
+    )
+    if not hits:
+        return Verdict(
+            rule="nonfinite_update_applied",
+            status="ok",
+            summary="no optimizer step ran on inf/NaN gradients",
+            evidence={"ranks_affected": 0},
+            thresholds={},
+        )
+    first_step = hits[0][0]
+    at_first = [first for step, _, _, first in hits if step == first_step]
+    origins = [rank for step, rank, _, first in hits if step == first_step and first.origin]
+    tracked = any(first.origin is not None for first in at_first)
+    if origins:
+        origin = "origin: rank(s) " + ", ".join(map(str, origins[:MAX_EVIDENCE_RANKS]))
+    elif tracked:
+        origin = "origin: no rank that tracks it held inf/NaN of its own at that step"
+    else:
+        origin = "origin not tracked (attach(model, track_origin=True) names it)"
+    applied = sum(snap.newest.totals.nonfinite_applied for _, _, snap, _ in hits)
+    return Verdict(
+        rule="nonfinite_update_applied",
+        status="critical",
+        summary=f"{len(hits)} rank(s) applied {applied} optimizer step(s) on inf/NaN gradients: "
+        f"the weights hold inf/NaN since step {first_step}; {origin}",
+        evidence={
+            "first_step": first_step,
+            "origin_tracked": tracked,
+            "origin_ranks": origins[:MAX_EVIDENCE_RANKS],
+            "ranks_affected": len(hits),
+            "updates_applied": applied,
+            "ranks": [
+                {
+                    **_who(snap),
+                    "first_step": first.step,
+                    "origin": first.origin,
+                    "updates_applied": snap.newest.totals.nonfinite_applied,
+                    "policy": snap.newest.setup.policy,
+                }
+                for _, _, snap, first in hits[:MAX_EVIDENCE_RANKS]
+            ],
+        },
+        thresholds={},
+    )
+
+
 def _isolated(rule: Rule, ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
     """``rule`` over ``ranks``, leaving out any rank it cannot evaluate on its own.
 
@@ -453,6 +528,7 @@ def evaluate(run: str, ranks: Sequence[RankSnapshot], now: float, t: Thresholds)
         _isolated(lost_rank, ranks, now, t),
         _isolated(stalled_rank, ranks, now, t),
         _isolated(inf_hotspot, recent(t.hotspot_window_s), at, t),
+        _isolated(nonfinite_update_applied, ranks, at, t),
     ]
     status = max((v.status for v in verdicts), key=_SEVERITY.__getitem__)
     return HealthReport(

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from ampscope.reporter.schema import RankTotals, ScaleEvent, StepRecord
+from ampscope.reporter.schema import RankTotals, ScaleEvent, Setup, StepRecord
 
 Status = Literal["ok", "warning", "critical"]
 
@@ -67,7 +67,15 @@ class RankView(BaseModel):
     world_size: int
     step: int
     step_time: float = Field(description="Rank's wall-clock time of that step.")
-    scale: float = Field(description="scale_after of the newest step.")
+    setup: Setup = Field(
+        description="What the rank runs: mode scaler (an fp16 loss scaler) or watch (a "
+        "GradWatch on a bf16/fp32 run, no loss scale), its policy for non-finite gradients "
+        "and its gradient dtype. Ranks of reporters that predate it read as a scaler."
+    )
+    scale: float = Field(
+        description="scale_after of the newest step; always 1 for a watch rank, which has no "
+        "loss scale (growth_tracker 0, last_event none, no backoffs or growths either)."
+    )
     growth_tracker: int
     last_event: ScaleEvent
     last_skipped: bool
@@ -102,7 +110,13 @@ class Verdict(BaseModel):
     """One health rule's result, with the numbers behind it."""
 
     rule: Literal[
-        "scale_collapse", "skip_storm", "scale_desync", "lost_rank", "stalled_rank", "inf_hotspot"
+        "scale_collapse",
+        "skip_storm",
+        "scale_desync",
+        "lost_rank",
+        "stalled_rank",
+        "inf_hotspot",
+        "nonfinite_update_applied",
     ]
     status: Status
     summary: str

@@ -43,12 +43,14 @@ from typing import Literal, NamedTuple
 
 from ampscope.reporter.schema import Heartbeat, Identity, RankTotals, StepRecord
 
-PER_RANK_SERIES = 14
-"""Per-rank label sets besides devices and parameters: scale, growth tracker, last step,
-last report time, up, steps, skipped, backoffs, growths, reporter drops, and the four
+PER_RANK_SERIES = 12
+"""Per-rank label sets of every rank besides devices and parameters: info, last step, last
+report time, up, steps, skipped, non-finite updates applied, reporter drops, and the four
 ``ampscope_rank_state`` states."""
+SCALER_SERIES = 4
+"""A scaler rank's scale, growth tracker, backoffs and growths (a watch has no scale)."""
 ALIGNED_SERIES = 2
-"""The aligned scale and its step, once the rank has reached its first aligned step."""
+"""A scaler's aligned scale and its step, once it has reached its first aligned step."""
 
 _Outcome = Literal["newest", "restart", "late", "ignored"]
 
@@ -183,9 +185,11 @@ class RankSnapshot:
 def series_of(record: StepRecord) -> int:
     """Label sets the collector exposes for a rank whose newest record is ``record``."""
     totals = record.totals
+    scaler = record.setup.mode == "scaler"
     return (
         PER_RANK_SERIES
-        + (ALIGNED_SERIES if totals.aligned_scale is not None else 0)
+        + (SCALER_SERIES if scaler else 0)
+        + (ALIGNED_SERIES if scaler and totals.aligned_scale is not None else 0)
         + len(totals.found_inf_local)
         + len(totals.found_inf_origin)
         + len(totals.nonfinite_params)
@@ -208,6 +212,7 @@ def counters_fell(new: RankTotals, old: RankTotals) -> bool:
         or new.skipped_steps < old.skipped_steps
         or new.backoffs < old.backoffs
         or new.growths < old.growths
+        or new.nonfinite_applied < old.nonfinite_applied
         or _map_fell(new.found_inf_local, old.found_inf_local)
         or _map_fell(new.found_inf_origin, old.found_inf_origin)
     ):

@@ -39,7 +39,8 @@ class RunSeries(BaseModel):
     )
     scale: list[list[float | None]] = Field(
         description="scale_after per rank (outer, in `ranks` order) per step (inner, in "
-        "`steps` order); null where that rank holds no record of the step."
+        "`steps` order); null where that rank holds no record of the step, and everywhere "
+        "for a watch rank (bf16/fp32: it has no loss scale)."
     )
     skipped: list[list[int]] = Field(description="Per rank: the steps it skipped.")
     backoffs: list[list[int]] = Field(description="Per rank: the steps whose update backed off.")
@@ -84,6 +85,9 @@ def build(run: str, snaps: Sequence[RankSnapshot], *, since_step: int, max_steps
     origin: list[DeviceSteps] = []
     for snap, tail in zip(snaps, tails, strict=True):
         rank = snap.identity.rank
+        # The history holds one process's records (a restart clears it), so the newest
+        # record's mode is the mode of every held one.
+        scaler = snap.newest.setup.mode == "scaler"
         row: list[float | None] = [None] * len(union)
         rank_skipped: list[int] = []
         rank_backoffs: list[int] = []
@@ -92,7 +96,8 @@ def build(run: str, snaps: Sequence[RankSnapshot], *, since_step: int, max_steps
         for held in tail:
             if held.step < first:
                 continue
-            row[column[held.step]] = held.scale_after
+            if scaler:
+                row[column[held.step]] = held.scale_after
             if held.skipped:
                 rank_skipped.append(held.step)
             if held.backoff:

@@ -21,6 +21,37 @@ def scale_text(scale: float) -> str:
     return f"{scale:g}"
 
 
+def _setup(view: Mapping[str, Any]) -> Mapping[str, Any]:
+    # Exporters that predate the field serve only scalers.
+    return view.get("setup") or {"mode": "scaler", "policy": "skip", "grad_dtype": None}
+
+
+def is_watch(view: Mapping[str, Any]) -> bool:
+    """Whether the rank runs a watch (bf16/fp32, no loss scale) rather than a scaler."""
+    return _setup(view)["mode"] == "watch"
+
+
+def mode_text(view: Mapping[str, Any]) -> str:
+    """``scaler``, or ``watch/observe`` (a watch's policy decides what a bad step does)."""
+    setup = _setup(view)
+    return "scaler" if setup["mode"] == "scaler" else f"watch/{setup['policy']}"
+
+
+def setup_line(views: Sequence[Mapping[str, Any]]) -> str:
+    """What a run's ranks run, in words: ``no loss scale: bfloat16 watch, policy observe``."""
+    described = []
+    for view in views:
+        setup = _setup(view)
+        dtype = setup.get("grad_dtype") or "unknown dtype"
+        if setup["mode"] == "watch":
+            text = f"no loss scale: {dtype} watch, policy {setup['policy']}"
+        else:
+            text = "fp16 loss scaler" if dtype == "unknown dtype" else f"{dtype} loss scaler"
+        if text not in described:
+            described.append(text)
+    return "; ".join(described)
+
+
 def rank_state(rank: Mapping[str, Any]) -> str:
     """The rank's lifecycle state as the API gives it; older exporters only say up or not."""
     state = rank.get("state")
@@ -57,11 +88,23 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]
 
 def flagged_lines(health: Mapping[str, Any], indent: str = "  ") -> list[str]:
     """One line per verdict that is not ok: its mark, rule and summary."""
+    return _verdict_lines([v for v in health["verdicts"] if v["status"] != "ok"], indent)
+
+
+def _verdict_lines(verdicts: Sequence[Mapping[str, Any]], indent: str = "  ") -> list[str]:
+    width = max((len(v["rule"]) for v in verdicts), default=0)
     return [
-        f"{indent}{_MARK[v['status']]:<4} {v['rule']:<15} {v['summary']}"
-        for v in health["verdicts"]
-        if v["status"] != "ok"
+        f"{indent}{_MARK[v['status']]:<4} {v['rule']:<{width}} {v['summary']}" for v in verdicts
     ]
+
+
+def _scales_text(views: Sequence[Mapping[str, Any]]) -> str:
+    """The range of the scalers' scales; ``none`` when every rank runs a watch."""
+    scales = [view["scale"] for view in views if not is_watch(view)]
+    if not scales:
+        return "none"
+    low, high = min(scales), max(scales)
+    return scale_text(low) if low == high else f"{scale_text(low)}..{scale_text(high)}"
 
 
 def runs_table(
@@ -73,15 +116,14 @@ def runs_table(
     the flagged verdicts of each run."""
     if not summaries:
         return ["no runs: no rank has reported to this exporter yet"]
-    header = ["RUN", "HEALTH", "UP", "STATES", "STEP", "SCALE", "SKIPPED", "INF L/O", "FLAGGED"]
+    header = ["RUN", "HEALTH", "UP", "STATES", "STEP", "MODE", "SCALE", "SKIPPED", "INF L/O"]
+    header.append("FLAGGED")
     rows = []
     notes: list[str] = []
     for summary in summaries:
         run = summary["run"]
         views, report = ranks[run], health[run]
-        scales = [view["scale"] for view in views]
-        low, high = min(scales), max(scales)
-        scale = scale_text(low) if low == high else f"{scale_text(low)}..{scale_text(high)}"
+        modes = ",".join(dict.fromkeys(mode_text(view) for view in views))
         flagged = [v["rule"] for v in report["verdicts"] if v["status"] != "ok"]
         rows.append(
             [
@@ -90,7 +132,8 @@ def runs_table(
                 f"{summary['up']}/{summary['ranks']}",
                 states_text(views),
                 str(summary["newest_step"]),
-                scale,
+                modes,
+                _scales_text(views),
                 str(max(view["totals"]["skipped_steps"] for view in views)),
                 f"{_found_inf(views, 'found_inf_local')}/{_found_inf(views, 'found_inf_origin')}",
                 ",".join(flagged) or "-",
@@ -98,35 +141,37 @@ def runs_table(
         )
         if flagged:
             notes += [f"{run}:", *flagged_lines(report)]
-    return _table(header, rows, right={4, 6, 7}) + (["", *notes] if notes else [])
+    return _table(header, rows, right={4, 7, 8}) + (["", *notes] if notes else [])
 
 
 def run_table(run: str, views: Sequence[Mapping[str, Any]], health: Mapping[str, Any]) -> list[str]:
     """One run: a line per rank (``GET /api/v1/runs/{run}/ranks``), then every verdict."""
-    header = ["RANK", "NODE", "STATE", "STEP", "SCALE", "SKIPPED", "BACKOFFS", "INF LOCAL"]
-    header += ["INF ORIGIN", "LAST REPORT"]
+    header = ["RANK", "NODE", "STATE", "STEP", "MODE", "SCALE", "SKIPPED", "BACKOFFS"]
+    header += ["INF LOCAL", "INF ORIGIN", "INF APPLIED", "LAST REPORT"]
     rows = []
     for view in sorted(views, key=lambda v: v["rank"]):
         totals = view["totals"]
+        watch = is_watch(view)
         rows.append(
             [
                 str(view["rank"]),
                 view["node"],
                 rank_state(view),
                 str(view["step"]),
-                scale_text(view["scale"]),
+                mode_text(view),
+                # A watch's records say scale 1 and no backoffs: not a loss scale at all.
+                "none" if watch else scale_text(view["scale"]),
                 f"{totals['skipped_steps']}/{totals['steps']}",
-                str(totals["backoffs"]),
+                "-" if watch else str(totals["backoffs"]),
                 str(sum(totals["found_inf_local"].values())),
                 str(sum(totals["found_inf_origin"].values())),
+                str(totals.get("nonfinite_applied", 0)),
                 f"{view['seconds_since_report']:.0f}s ago",
             ]
         )
     head = (
         f"run {run}: {health['status'].upper()}, {health['up']}/{health['ranks']} rank(s) up "
-        f"({states_text(views)})"
+        f"({states_text(views)}); {setup_line(views)}"
     )
-    verdicts = [
-        f"  {_MARK[v['status']]:<4} {v['rule']:<15} {v['summary']}" for v in health["verdicts"]
-    ]
-    return [head, "", *_table(header, rows, right={0, 3, 5, 6, 7, 8, 9}), "", "health:", *verdicts]
+    table = _table(header, rows, right={0, 3, 6, 7, 8, 9, 10, 11})
+    return [head, "", *table, "", "health:", *_verdict_lines(health["verdicts"])]

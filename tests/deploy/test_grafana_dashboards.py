@@ -19,7 +19,7 @@ from deploy_files import (
 )
 from support import need_tool
 
-from ampscope.service.catalogue import BY_NAME, RANK_LABELS
+from ampscope.service.catalogue import BY_NAME, RANK_LABELS, SCALER_ONLY
 
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 RANK_FAMILIES = {spec.name for spec in BY_NAME.values() if spec.labels[:4] == RANK_LABELS}
@@ -47,16 +47,19 @@ def test_variables_are_chained(dashboard: dict[str, Any]) -> None:
     assert set(variables) == {"datasource", "run", "node", "rank"}
     assert variables["datasource"]["type"] == "datasource"
     assert variables["datasource"]["query"] == "prometheus"
-    assert variables["run"]["definition"] == "label_values(ampscope_loss_scale, run)"
-    assert variables["node"]["definition"] == 'label_values(ampscope_loss_scale{run=~"$run"}, node)'
+    # Every rank exports ampscope_rank_info, scaler or watch: a bf16 run, which has no
+    # ampscope_loss_scale, is still listed.
+    assert variables["run"]["definition"] == "label_values(ampscope_rank_info, run)"
+    assert variables["node"]["definition"] == 'label_values(ampscope_rank_info{run=~"$run"}, node)'
     assert (
         variables["rank"]["definition"]
-        == 'label_values(ampscope_loss_scale{run=~"$run", node=~"$node"}, rank)'
+        == 'label_values(ampscope_rank_info{run=~"$run", node=~"$node"}, rank)'
     )
     for name in ("run", "node", "rank"):
         assert variables[name]["datasource"] == DATASOURCE
         assert variables[name]["includeAll"]
         assert variables[name]["allValue"] == ".*"
+        assert variables[name]["query"]["query"] == variables[name]["definition"]
 
 
 def test_every_panel_and_target_uses_the_datasource_variable(dashboard: dict[str, Any]) -> None:
@@ -124,3 +127,33 @@ def test_provisioning_points_grafana_at_prometheus_and_the_dashboards() -> None:
     assert provider["type"] == "file"
     # docker-compose.yml mounts ./dashboards at this path.
     assert provider["options"]["path"] == "/var/lib/grafana/dashboards"
+
+
+def test_mode_policy_and_inf_updates_are_shown(dashboard: dict[str, Any]) -> None:
+    by_title = {p["title"]: p for p in panels(dashboard)}
+    (table,) = [
+        p for p in by_title.values() if p["type"] == "table" and "mode" in p["title"].lower()
+    ]
+    (expr,) = [t["expr"] for t in table["targets"]]
+    assert metric_names(expr) == {"ampscope_rank_info"}
+    shown = table["transformations"][0]["options"]["indexByName"]
+    assert {"run", "rank", "mode", "policy", "grad_dtype"} <= set(shown)
+    modes = by_title["Ranks by mode and policy"]
+    assert "no loss scale" in modes["targets"][0]["expr"]
+    applied = by_title["Optimizer steps on inf/NaN gradients"]
+    (expr,) = [t["expr"] for t in applied["targets"]]
+    assert metric_names(expr) == {"ampscope_nonfinite_updates_applied_total"}
+    red = applied["fieldConfig"]["defaults"]["thresholds"]["steps"][-1]
+    assert (red["color"], red["value"]) == ("red", 1)
+
+
+def test_scale_panels_draw_only_what_scaler_ranks_export(dashboard: dict[str, Any]) -> None:
+    # A watch rank exports none of SCALER_ONLY, so a panel reading only those families (and
+    # no ampscope_loss_scale made up from other series) shows scaler ranks alone; the row
+    # says why a bf16 run leaves it empty.
+    for title, expr in dashboard_expressions(dashboard):
+        names = metric_names(expr)
+        if names & SCALER_ONLY:
+            assert names <= SCALER_ONLY, (title, names - SCALER_ONLY)
+    (row,) = [p for p in dashboard["panels"] if p["type"] == "row" and "scale" in p["title"]]
+    assert "watch ranks have none" in row["title"]

@@ -9,7 +9,7 @@ import yaml
 from deploy_files import PROMETHEUS_DIR, RULES_FILE, alert_rules, metric_names, recording_rules
 from support import need_tool
 
-from ampscope.service.catalogue import BY_NAME
+from ampscope.service.catalogue import BY_NAME, SCALER_ONLY
 
 ALERTS = {
     "AmpscopeScaleCollapse",
@@ -18,6 +18,7 @@ ALERTS = {
     "AmpscopeRankLost",
     "AmpscopeRankStalled",
     "AmpscopeInfHotspot",
+    "AmpscopeNonfiniteUpdateApplied",
 }
 UNIT_TESTS = sorted((PROMETHEUS_DIR / "tests").glob("*.yml"))
 
@@ -117,3 +118,29 @@ def test_no_alert_fires_for_a_finished_rank() -> None:
         assert f"unless on (run, node, rank, local_rank) {finished}" in expr or (
             'unless on (run) min by (run) (ampscope_rank_state{state="finished"}) == 1' in expr
         ), name
+
+
+def _selected(expr: str) -> set[str]:
+    """Raw families an expression selects, through the recording rules it reads."""
+    recorded = recording_rules()
+    names = set()
+    for name in metric_names(expr):
+        names |= _selected(recorded[name]["expr"]) if name in recorded else {name}
+    return names
+
+
+def test_scale_alerts_select_only_what_watch_ranks_do_not_export() -> None:
+    # A watch rank (bf16/fp32) exports none of SCALER_ONLY, so an alert that reads a scale
+    # from those families alone (besides liveness) cannot fire for it; promtool shows it
+    # on a bf16 run's series.
+    liveness = {"ampscope_rank_state", "ampscope_rank_up"}
+    for name in ("AmpscopeScaleCollapse", "AmpscopeScaleDesync"):
+        families = _selected(alert_rules()[name]["expr"])
+        assert families & SCALER_ONLY, name
+        assert families <= SCALER_ONLY | liveness, (name, families - SCALER_ONLY - liveness)
+
+
+def test_nonfinite_update_alert_is_critical_and_reads_the_counter() -> None:
+    rule = alert_rules()["AmpscopeNonfiniteUpdateApplied"]
+    assert rule["labels"]["severity"] == "critical"
+    assert "ampscope_nonfinite_updates_applied_total > 0" in rule["expr"]

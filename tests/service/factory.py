@@ -8,8 +8,12 @@ from ampscope.reporter.schema import (
     AlignedScale,
     Identity,
     IngestBatch,
+    NonfiniteApplied,
     NonfiniteParam,
+    Policy,
     RankTotals,
+    ScaleEvent,
+    Setup,
     StepRecord,
 )
 
@@ -40,6 +44,8 @@ def totals(
     origin: dict[str, int] | None = None,
     params: dict[str, int] | None = None,
     aligned: tuple[int, float] | None = None,
+    applied: int = 0,
+    first_applied: tuple[int, bool | None] | None = None,
 ) -> RankTotals:
     return RankTotals(
         steps=steps,
@@ -52,6 +58,10 @@ def totals(
         min_scale=None,
         max_scale=None,
         aligned_scale=None if aligned is None else AlignedScale(step=aligned[0], scale=aligned[1]),
+        nonfinite_applied=applied,
+        first_nonfinite_applied=None
+        if first_applied is None
+        else NonfiniteApplied(step=first_applied[0], origin=first_applied[1]),
     )
 
 
@@ -68,27 +78,52 @@ def record(
     skipped: bool = False,
     growth_tracker: int = 0,
     total: RankTotals | None = None,
+    found_inf: bool | None = None,
+    event: ScaleEvent | None = None,
     **extra: Any,
 ) -> StepRecord:
-    """Step ``step`` of a rank; its time defaults to T0 + step seconds."""
+    """Step ``step`` of a rank; its time defaults to T0 + step seconds. ``found_inf`` (the
+    local and global flags) and ``event`` default to what a scaler does: a skip is a
+    found-inf and a backoff."""
+    found_inf = skipped if found_inf is None else found_inf
     return StepRecord(
         identity=Identity(
             run=run, node=node, rank=rank, local_rank=rank % 8, world_size=world_size
         ),
         step=step,
         time=T0 + step if time is None else time,
-        found_inf_local={"cuda:0": skipped},
+        found_inf_local={"cuda:0": found_inf},
         found_inf_origin={},
-        found_inf_global=skipped,
+        found_inf_global=found_inf,
         skipped=skipped,
         scale_before=scale if scale_before is None else scale_before,
         scale_after=scale,
         growth_tracker=growth_tracker,
-        event="backoff" if skipped else "none",
+        event=event if event is not None else ("backoff" if skipped else "none"),
         optimizers=[],
         nonfinite_params=[],
         totals=total if total is not None else totals(step),
         **extra,
+    )
+
+
+def watch(
+    step: int,
+    *,
+    policy: Policy = "observe",
+    grad_dtype: str | None = "bfloat16",
+    total: RankTotals | None = None,
+    **kwargs: Any,
+) -> StepRecord:
+    """Step ``step`` of a rank running a ``GradWatch`` (bf16/fp32, no loss scaler): scale 1,
+    event ``none``, no backoffs or growths; ``skipped`` only under ``skip``."""
+    return record(
+        step,
+        scale=1.0,
+        event="none",
+        total=total if total is not None else totals(step),
+        setup=Setup(mode="watch", policy=policy, grad_dtype=grad_dtype),
+        **kwargs,
     )
 
 

@@ -7,9 +7,9 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from support import need_tool, promtool_check_metrics
 
-from ampscope.service.catalogue import CATALOGUE
+from ampscope.service.catalogue import CATALOGUE, RANK_LABELS, SCALER_ONLY
 from service.conftest import MakeClient
-from service.factory import T0, body, record, totals
+from service.factory import T0, body, record, totals, watch
 
 URL = "/api/v1/ingest"
 
@@ -72,9 +72,13 @@ def test_values_match_the_newest_record(make_client: MakeClient) -> None:
     assert got[("ampscope_found_inf_origin_total", _labels(device="cuda:0"))] == 1
     assert got[("ampscope_nonfinite_grads_total", _labels(param="layers.0.attn.wo.weight"))] == 4096
     assert got[("ampscope_nonfinite_grads_total", _labels(param="blocks.0.ff[1].w{a=b,c}"))] == 7
+    # A record without a setup comes from a reporter that predates it: an fp16 scaler.
+    info = _labels(mode="scaler", policy="skip", grad_dtype="unknown")
+    assert got[("ampscope_rank_info", info)] == 1
+    assert got[("ampscope_nonfinite_updates_applied_total", me)] == 0
     assert got[("ampscope_exporter_tracked_runs", frozenset())] == 1
     assert got[("ampscope_exporter_tracked_ranks", frozenset())] == 1
-    assert got[("ampscope_exporter_tracked_series", frozenset())] == 14 + 2 + 2 + 1 + 2
+    assert got[("ampscope_exporter_tracked_series", frozenset())] == 16 + 2 + 2 + 1 + 2
     assert got[("ampscope_exporter_ingest_records_total", frozenset())] == 3
 
 
@@ -83,12 +87,62 @@ def test_aligned_scale_appears_from_the_first_aligned_step(make_client: MakeClie
     _post(client, record(9))
     got = _samples(client)
     assert ("ampscope_loss_scale_aligned", _labels()) not in got
-    assert got[("ampscope_exporter_tracked_series", frozenset())] == 14 + 1
+    assert got[("ampscope_exporter_tracked_series", frozenset())] == 16 + 1
     _post(client, record(10, scale=512.0, total=totals(10, aligned=(10, 512.0))))
     got = _samples(client)
     assert got[("ampscope_loss_scale_aligned", _labels())] == 512.0
     assert got[("ampscope_loss_scale_aligned_step", _labels())] == 10
-    assert got[("ampscope_exporter_tracked_series", frozenset())] == 14 + 2 + 1
+    assert got[("ampscope_exporter_tracked_series", frozenset())] == 16 + 2 + 1
+
+
+def _watch_totals(steps: int) -> object:
+    return totals(
+        steps,
+        local={"cuda:0": 3},
+        origin={"cuda:0": 1},
+        params={"layers.0.attn.wo.weight": 12},
+        applied=3,
+        first_applied=(steps - 2, True),
+    )
+
+
+def test_a_watch_rank_exposes_no_scale(make_client: MakeClient) -> None:
+    client, _ = make_client()
+    _post(client, watch(11, policy="observe", grad_dtype="bfloat16", total=_watch_totals(11)))
+    _post(
+        client,
+        record(12, rank=1, scale=4096.0, total=totals(12, backoffs=2, aligned=(10, 4096.0))),
+    )
+    got = _samples(client)
+    me, scaler = _labels(), _labels(rank=1)
+    watch_info = _labels(mode="watch", policy="observe", grad_dtype="bfloat16")
+    assert got[("ampscope_rank_info", watch_info)] == 1
+    scaler_info = _labels(1, mode="scaler", policy="skip", grad_dtype="unknown")
+    assert got[("ampscope_rank_info", scaler_info)] == 1
+    exposed = {name for name, labels in got if labels >= me}
+    assert exposed & SCALER_ONLY == set()
+    assert {name for name, labels in got if labels >= scaler} >= SCALER_ONLY
+    assert got[("ampscope_nonfinite_updates_applied_total", me)] == 3
+    assert got[("ampscope_last_step", me)] == 11
+    assert got[("ampscope_steps_total", me)] == 11
+    assert got[("ampscope_found_inf_total", _labels(device="cuda:0"))] == 3
+    assert got[("ampscope_found_inf_origin_total", _labels(device="cuda:0"))] == 1
+    assert got[("ampscope_nonfinite_grads_total", _labels(param="layers.0.attn.wo.weight"))] == 12
+    assert got[("ampscope_nonfinite_updates_applied_total", scaler)] == 0
+
+
+def test_tracked_series_count_what_is_exposed(make_client: MakeClient) -> None:
+    client, _ = make_client()
+    _post(client, watch(11, policy="skip", grad_dtype=None, total=_watch_totals(11)))
+    _post(client, record(12, rank=1, total=_rich_totals(12, (10, 1024.0))))
+    _post(client, record(7, rank=2, total=_rich_totals(7)))
+    _post(client, watch(12, rank=3, policy="raise", grad_dtype="float32"))
+    got = _samples(client)
+    per_rank = [labels for name, labels in got if {n for n, _ in labels} >= set(RANK_LABELS)]
+    assert got[("ampscope_exporter_tracked_series", frozenset())] == len(per_rank)
+    assert got[("ampscope_rank_info", _labels(mode="watch", policy="skip", grad_dtype="unknown"))]
+    info = _labels(3, mode="watch", policy="raise", grad_dtype="float32")
+    assert got[("ampscope_rank_info", info)] == 1
 
 
 def test_every_catalogue_family_is_exposed_as_specified(client: TestClient) -> None:
@@ -127,6 +181,7 @@ def test_promtool_accepts_the_exposition(make_client: MakeClient) -> None:
     client, _ = make_client()
     for rank in range(3):
         _post(client, record(7, rank=rank, node=f"n{rank}", total=_rich_totals(7)), dropped=rank)
+    _post(client, watch(9, rank=3, node="n3", total=_watch_totals(9)))
     text = client.get("/metrics").text
     lint = promtool_check_metrics(text)
     assert lint == "", lint  # no lint warnings either

@@ -10,7 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ampscope.service.routes.metrics import accepts_gzip
 from service.conftest import MakeClient
-from service.factory import T0, body, record, totals
+from service.factory import T0, body, record, totals, watch
 
 URL = "/api/v1/ingest"
 
@@ -64,6 +64,19 @@ def test_bytes_equal_the_collectors_through_changes(make_client: MakeClient) -> 
             dropped=rank * 5,
         )
     assert _scrape(client) == _reference(client)
+    # Watch ranks: an info line with three labels beyond the rank's, and no scale lines.
+    _post(client, watch(9, rank=4, policy="skip", grad_dtype="torch.bfloat16"))
+    _post(
+        client,
+        watch(9, rank=5, grad_dtype=None, total=totals(9, applied=2, first_applied=(8, None))),
+    )
+    text = _scrape(client)
+    assert text == _reference(client)
+    assert (
+        b'ampscope_rank_info{grad_dtype="torch.bfloat16",local_rank="4",mode="watch",'
+        b'node="node0",policy="skip",rank="4",run="run-a"} 1.0\n' in text
+    )
+    assert b'ampscope_loss_scale{local_rank="4"' not in text
     _post(client, record(13, time=T0 + 200, total=totals(13)), dropped=1)  # rank 0 restarts
     _post(client, record(20, run="run-b", rank=1, scale=123456789.0), dropped=2)
     clock.advance(61)  # every rank is down now

@@ -7,7 +7,7 @@ import pytest
 from ampscope.reporter.schema import StepRecord
 from ampscope.service.health import Thresholds, evaluate
 from ampscope.service.ranks import RankSnapshot, RankState
-from service.factory import T0, record, totals
+from service.factory import T0, record, totals, watch
 
 T = Thresholds()
 
@@ -163,6 +163,7 @@ def test_ranks_count_while_their_last_report_is_within_the_window() -> None:
         "lost_rank": "critical",
         "stalled_rank": "ok",
         "inf_hotspot": "ok",
+        "nonfinite_update_applied": "ok",
     }
     assert report.status == "critical"
 
@@ -219,12 +220,119 @@ def test_overall_status_is_the_worst_verdict() -> None:
         "lost_rank",
         "stalled_rank",
         "inf_hotspot",
+        "nonfinite_update_applied",
     ]
     ranks = [_run(r, [65536.0, 65536.0], now=T0 + 61) for r in range(4)]
     report = evaluate("run-a", [*ranks, _run(4, [65536.0, 65536.0], now=T0)], T0 + 61, T)
     assert report.status == "warning"  # one of five lost
     report = evaluate("run-a", [_run(0, [65536.0, 0.5], now=T0)], T0 + 61, T)
     assert report.status == "critical"  # lost and collapsed: the worst wins
+
+
+def _observe(rank: int, steps: int, first: tuple[int, bool | None] | None, **kw) -> RankSnapshot:
+    """A watch rank under observe, heard from step 1, that applied a non-finite update at
+    each step from ``first`` on (``None``: never)."""
+    applied = 0 if first is None else steps - first[0] + 1
+    records = [watch(1, rank=rank, **kw)] + [
+        watch(
+            step,
+            rank=rank,
+            found_inf=first is not None and step >= first[0],
+            total=totals(
+                step,
+                local={"cuda:0": 0 if first is None else max(0, step - first[0] + 1)},
+                applied=0 if first is None or step < first[0] else step - first[0] + 1,
+                first_applied=None if first is None or step < first[0] else first,
+            ),
+            **kw,
+        )
+        for step in range(2, steps + 1)
+    ]
+    snap = _rank((T0, records))
+    assert snap.newest.totals.nonfinite_applied == applied
+    return snap
+
+
+def test_nonfinite_update_applied_names_the_first_step_and_its_origin() -> None:
+    # DDP spreads rank 2's inf at step 7 into every rank's update; rank 3 (another replica
+    # group, say) went non-finite later on its own.
+    ranks = [
+        _observe(0, 20, (7, False)),
+        _observe(1, 20, (7, False)),
+        _observe(2, 20, (7, True)),
+        _observe(3, 20, (12, True)),
+    ]
+    v = _verdict(ranks, "nonfinite_update_applied")
+    assert v["status"] == "critical"
+    evidence = v["evidence"]
+    assert evidence["first_step"] == 7
+    assert evidence["origin_ranks"] == [2]
+    assert evidence["origin_tracked"] is True
+    assert evidence["ranks_affected"] == 4
+    assert evidence["updates_applied"] == 14 * 3 + 9
+    assert [(r["rank"], r["first_step"], r["origin"]) for r in evidence["ranks"]] == [
+        (0, 7, False),
+        (1, 7, False),
+        (2, 7, True),
+        (3, 12, True),
+    ]
+    assert v["summary"] == (
+        "4 rank(s) applied 51 optimizer step(s) on inf/NaN gradients: the weights hold "
+        "inf/NaN since step 7; origin: rank(s) 2"
+    )
+    assert evaluate("run-a", ranks, T0, T).status == "critical"
+
+
+def test_nonfinite_update_applied_without_origin_tracking() -> None:
+    ranks = [_observe(0, 10, (4, None)), _observe(1, 10, (4, None))]
+    v = _verdict(ranks, "nonfinite_update_applied")
+    assert v["status"] == "critical"
+    assert (v["evidence"]["origin_tracked"], v["evidence"]["origin_ranks"]) == (False, [])
+    assert v["summary"].endswith("since step 4; origin not tracked (attach(model, "
+                                 "track_origin=True) names it)")  # fmt: skip
+
+
+def test_nonfinite_update_applied_quiet_and_forgotten_on_restart() -> None:
+    clean = [_observe(0, 10, None), _observe(1, 10, None, policy="skip")]
+    v = _verdict(clean, "nonfinite_update_applied")
+    assert (v["status"], v["evidence"]) == ("ok", {"ranks_affected": 0})
+    # However long ago: the weights stay non-finite until the process restarts.
+    broken = _rank((T0, [watch(5, total=totals(5, applied=2, first_applied=(4, True)))]))
+    late = T0 + 10 * T.collapse_window_s
+    assert _verdict([broken], "nonfinite_update_applied", now=late)["status"] == "critical"
+    restarted = _rank(
+        (T0, [watch(5, total=totals(5, applied=2, first_applied=(4, True)))]),
+        (T0 + 60, [watch(2, time=T0 + 60, total=totals(2))]),
+    )
+    assert restarted.restarts == 1
+    assert _verdict([restarted], "nonfinite_update_applied")["status"] == "ok"
+
+
+def test_scale_rules_leave_watch_ranks_out() -> None:
+    # A watch's records say scale 1; beside a scaler at 2^16 that would look like a desync
+    # and, with a floor above 1, like a collapse. Neither is a loss scale.
+    watches = [_observe(r, 20, None) for r in (0, 1)]
+    report = evaluate("run-a", watches, T0, Thresholds(scale_floor=2.0))
+    statuses = {v.rule: (v.status, v.summary) for v in report.verdicts}
+    no_scale = "no rank has a loss scale: every rank runs a watch (bf16/fp32)"
+    assert statuses["scale_collapse"] == ("ok", no_scale)
+    assert statuses["scale_desync"] == ("ok", no_scale)
+    mixed = [_run(0, [65536.0] * 5, now=T0), _observe(1, 5, None)]
+    v = _verdict(mixed, "scale_desync")
+    assert (v["status"], v["evidence"]["compared_steps"]) == ("ok", 0)
+    v = _verdict(mixed, "scale_collapse")
+    assert (v["status"], v["evidence"]["lowest_scale"]) == ("ok", 65536.0)
+
+
+def test_skip_storm_counts_a_watch_under_skip() -> None:
+    # Under skip, a watch's skipped steps are real skips: the optimizer did not step.
+    records = [
+        watch(s, policy="skip", skipped=s > 10, total=totals(s, skipped=max(0, s - 10)))
+        for s in range(1, 21)
+    ]
+    v = _verdict([_rank((T0, records))], "skip_storm")
+    assert v["status"] == "warning"
+    assert v["evidence"]["ranks"][0]["skipped"] == 10
 
 
 def test_thresholds_validate() -> None:

@@ -18,7 +18,7 @@ from bench.limits import exporter, object_sizes, post, record_at_limits, rss_byt
 
 MiB = 1024 * 1024
 RANKS = 8
-SERIES_PER_RANK = 14 + 2 + 16 + 16 + 32
+SERIES_PER_RANK = 16 + 2 + 16 + 16 + 32
 """A rank at the limits: per-rank series (rank states included), aligned scale, 2 x 16
 devices, 32 params."""
 HISTORY_BYTES = 8 * MiB

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ampscope.service.ranks import RankState, series_of
-from service.factory import T0, record, steps, totals
+from service.factory import T0, record, steps, totals, watch
 
 
 def _state(history_length: int = 100) -> RankState:
@@ -109,4 +109,19 @@ def test_series_of_counts_every_label_set() -> None:
     rec = record(
         1, total=totals(1, local={"cuda:0": 0, "cuda:1": 1}, origin={"cuda:0": 1}, params={"w": 3})
     )
-    assert series_of(rec) == 14 + 2 + 1 + 1
+    assert series_of(rec) == 16 + 2 + 1 + 1
+
+
+def test_series_of_a_watch_rank_counts_no_scale() -> None:
+    rec = watch(1, total=totals(1, local={"cuda:0": 0}, params={"w": 3}, aligned=(10, 1.0)))
+    # No scale, growth tracker, backoffs, growths, nor aligned scale: 16 - 4.
+    assert series_of(rec) == 12 + 1 + 1
+
+
+def test_non_finite_updates_applied_falling_is_a_restart() -> None:
+    state = _state()
+    state.apply_batch([watch(10, total=totals(10, applied=3, first_applied=(8, None)))], 0, 10.0)
+    state.apply_batch([watch(20, time=T0 + 100, total=totals(20))], 0, now=11.0)
+    assert state.restarts == 1
+    assert state.newest is not None
+    assert state.newest.totals.first_nonfinite_applied is None

@@ -91,11 +91,12 @@ def test_runs_table_and_worst_status(exporter: str) -> None:
     assert result.returncode == 2, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].split() == [
-        "RUN", "HEALTH", "UP", "STATES", "STEP", "SCALE", "SKIPPED", "INF", "L/O", "FLAGGED",
+        "RUN", "HEALTH", "UP", "STATES", "STEP", "MODE", "SCALE", "SKIPPED", "INF", "L/O",
+        "FLAGGED",
     ]  # fmt: skip
     rows = {line.split()[0]: line.split() for line in lines[1:4]}
     assert rows["calm"][1:3] == ["OK", "1/1"]
-    assert rows["calm"][-4:] == ["2^10", "0", "0/0", "-"]
+    assert rows["calm"][-5:] == ["scaler", "2^10", "0", "0/0", "-"]
     assert rows["stormy"][1] == "WARNING"
     assert rows["stormy"][-4:] == ["2^6", "4", "4/0", "skip_storm"]
     assert rows["collapsed"][1] == "CRITICAL"
@@ -112,8 +113,9 @@ def test_one_run_exits_with_its_health(exporter: str, run: str, code: int) -> No
     lines = result.stdout.splitlines()
     status = ["OK", "WARNING", "CRITICAL"][code]
     assert lines[0].startswith(f"run {run}: {status}, 1/1 rank(s) up")
+    assert lines[0].endswith(" loss scaler")  # what the ranks run
     header = lines[2].split()
-    assert header[:5] == ["RANK", "NODE", "STATE", "STEP", "SCALE"]
+    assert header[:6] == ["RANK", "NODE", "STATE", "STEP", "MODE", "SCALE"]
     rank = lines[3].split()
     assert rank[0] == "0"
     assert rank[3] == "12"

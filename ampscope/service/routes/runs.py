@@ -31,6 +31,7 @@ def _view(snap: RankSnapshot, now: float, settings: Settings) -> RankView:
         world_size=who.world_size,
         step=record.step,
         step_time=record.time,
+        setup=record.setup,
         scale=record.scale_after,
         growth_tracker=record.growth_tracker,
         last_event=record.event,
@@ -176,7 +177,8 @@ def get_history(
     responses=responses(404),
 )
 def get_health(run: RunId, store: StoreDep, settings: SettingsDep, clock: ClockDep) -> HealthReport:
-    """Scale collapse, skip storm, scale desync, lost and stalled ranks and inf hotspots,
-    each with its evidence and thresholds; ``status`` is the worst of them. A finished run
-    is judged as it ended (see ``state``)."""
+    """Scale collapse, skip storm, scale desync, lost and stalled ranks, inf hotspots and
+    non-finite updates applied (a bf16/fp32 watch under ``observe``), each with its evidence
+    and thresholds; ``status`` is the worst of them. The scale rules leave watch ranks out
+    (they have no loss scale). A finished run is judged as it ended (see ``state``)."""
     return health.evaluate(run, _ranks(store, run), clock(), settings.thresholds())

@@ -7,7 +7,7 @@ import time
 from fastapi.testclient import TestClient
 
 from service.conftest import MakeClient
-from service.factory import T0, body, record, steps, totals
+from service.factory import T0, body, record, steps, totals, watch
 
 URL = "/api/v1/ingest"
 
@@ -127,10 +127,39 @@ def test_health_endpoint_reports_a_collapse(client: TestClient) -> None:
         "lost_rank",
         "stalled_rank",
         "inf_hotspot",
+        "nonfinite_update_applied",
     }
     assert verdicts["scale_collapse"]["status"] == "critical"
     assert verdicts["scale_collapse"]["evidence"]["ranks"][0]["fall_factor"] == 512.0
     assert verdicts["skip_storm"]["status"] == "ok"
+
+
+def test_a_watch_run_says_what_it_runs_and_that_it_applied_inf(client: TestClient) -> None:
+    broken = totals(6, local={"cuda:0": 2}, applied=2, first_applied=(5, True))
+    for rank in (0, 1):
+        _post(
+            client,
+            *[watch(s, rank=rank, grad_dtype="bfloat16") for s in range(1, 5)],
+            watch(6, rank=rank, found_inf=True, total=broken),
+        )
+    ranks = client.get("/api/v1/runs/run-a/ranks").json()
+    assert [r["setup"] for r in ranks] == [
+        {"mode": "watch", "policy": "observe", "grad_dtype": "bfloat16"}
+    ] * 2
+    assert ranks[0]["totals"]["nonfinite_applied"] == 2
+    assert ranks[0]["totals"]["first_nonfinite_applied"] == {"step": 5, "origin": True}
+    report = client.get("/api/v1/runs/run-a/health").json()
+    verdict = {v["rule"]: v for v in report["verdicts"]}["nonfinite_update_applied"]
+    assert (report["status"], verdict["status"]) == ("critical", "critical")
+    assert (verdict["evidence"]["first_step"], verdict["evidence"]["origin_ranks"]) == (5, [0, 1])
+    # No scale in the web view's columns: a watch's 1.0 is not a loss scale.
+    series = client.get("/api/v1/runs/run-a/series").json()
+    assert series["steps"] == [1, 2, 3, 4, 6]
+    assert series["scale"] == [[None] * 5, [None] * 5]
+    # A reporter that predates the setup field is a scaler.
+    _post(client, record(3, run="old"))
+    (old,) = client.get("/api/v1/runs/old/ranks").json()
+    assert old["setup"] == {"mode": "scaler", "policy": "skip", "grad_dtype": None}
 
 
 def test_background_task_drops_expired_ranks(make_client: MakeClient) -> None:
@@ -166,3 +195,6 @@ def test_liveness_and_openapi(client: TestClient) -> None:
     assert schema == {"$ref": "#/components/schemas/Heartbeat"}
     assert spec["components"]["schemas"]["Heartbeat"]["properties"]["final"]["type"] == "boolean"
     assert client.get("/docs").status_code == 200
+    schemas = spec["components"]["schemas"]
+    assert schemas["RankView"]["properties"]["setup"]["$ref"] == "#/components/schemas/Setup"
+    assert "nonfinite_update_applied" in schemas["Verdict"]["properties"]["rule"]["enum"]

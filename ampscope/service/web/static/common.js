@@ -28,6 +28,40 @@ const ampscope = {
     return String(Number(scale.toPrecision(4)));
   },
 
+  /** What a rank runs; exporters that predate `setup` serve only scalers. */
+  setup(rank) { return rank.setup || { mode: "scaler", policy: "skip", grad_dtype: null }; },
+
+  /** Whether a rank runs a watch (bf16/fp32: no loss scale) rather than a scaler. */
+  isWatch(rank) { return ampscope.setup(rank).mode === "watch"; },
+
+  /** "scaler", or "watch/observe": a watch's policy decides what a bad step does. */
+  modeText(rank) {
+    const setup = ampscope.setup(rank);
+    return setup.mode === "watch" ? `watch/${setup.policy}` : "scaler";
+  },
+
+  /** A run's setup in words: "no loss scale: bfloat16 watch, policy observe". */
+  setupText(ranks) {
+    const described = [];
+    for (const rank of ranks) {
+      const setup = ampscope.setup(rank);
+      const dtype = setup.grad_dtype || (setup.mode === "watch" ? "unknown dtype" : "fp16");
+      const text = setup.mode === "watch"
+        ? `no loss scale: ${dtype} watch, policy ${setup.policy}`
+        : `${dtype} loss scaler`;
+      if (!described.includes(text)) described.push(text);
+    }
+    return described.join("; ");
+  },
+
+  /** The range of the scalers' scales, or "none" when every rank runs a watch. */
+  scalesText(ranks) {
+    const scales = ranks.filter((r) => !ampscope.isWatch(r)).map((r) => r.scale);
+    if (!scales.length) return "none";
+    const low = Math.min(...scales), high = Math.max(...scales);
+    return low === high ? ampscope.scaleText(low) : `${ampscope.scaleText(low)}..${ampscope.scaleText(high)}`;
+  },
+
   /** A rank's lifecycle state as the API gives it; older exporters only say up or not. */
   rankState(rank) {
     if (typeof rank.state === "string" && rank.state) return rank.state;

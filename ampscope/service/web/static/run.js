@@ -16,6 +16,7 @@
   let scalePlot = null;
   let skipsPlot = null;
   let plottedRanks = null;
+  let watches = new Set(); // ranks that run a watch: no loss scale, no line on the scale chart
   const heatmaps = {
     origin: new Heatmap(document.getElementById("origin-heatmap"), "#d32f2f"),
     local: new Heatmap(document.getElementById("local-heatmap"), "#f57c00"),
@@ -81,11 +82,19 @@
     return Math.max(600, Math.min(document.querySelector("main").clientWidth - 10, 1360));
   }
 
+  /** Indices (in series.ranks) of the ranks with a loss scale to draw. */
+  function scalerRows() {
+    return series.ranks.map((rank, i) => i).filter((i) => !watches.has(series.ranks[i]));
+  }
+
   function makePlots() {
     for (const plot of [scalePlot, skipsPlot]) if (plot) plot.destroy();
+    scalePlot = skipsPlot = null;
     const width = chartWidth();
-    const showLegend = series.ranks.length <= 16;
-    scalePlot = new uPlot(
+    const rows = scalerRows();
+    const showLegend = rows.length <= 16;
+    // A run of watches only has no scale: the note replaces the chart (see refresh()).
+    if (rows.length) scalePlot = new uPlot(
       {
         width, height: 300,
         scales: { x: { time: false }, y: { distr: 3, log: 2 } },
@@ -95,14 +104,13 @@
         ],
         series: [
           { label: "step" },
-          ...series.ranks.map((rank, i) => ({
-            label: `rank ${rank}`, stroke: rankColor(i), width: 1.5, spanGaps: false,
+          ...rows.map((i) => ({
+            label: `rank ${series.ranks[i]}`, stroke: rankColor(i), width: 1.5, spanGaps: false,
             points: { show: false }, value: (u, v) => a.scaleText(v),
           })),
         ],
         legend: { show: showLegend },
         cursor: { sync: { key: "ampscope-run" } },
-        hooks: { draw: [drawHeatmaps] },
       },
       [[]],
       document.getElementById("scale-chart"),
@@ -116,16 +124,22 @@
           { label: "step" },
           { label: "skipped", stroke: "#c62828", fill: "rgba(198,40,40,0.35)",
             paths: uPlot.paths.bars({ size: [0.9, 12] }), points: { show: false } },
-          { label: "backed off", stroke: "#1565c0", width: 0,
+          // Only a loss scaler backs off: a run of watches has nothing to show there.
+          { label: "backed off", show: rows.length > 0, stroke: "#1565c0", width: 0,
             points: { show: true, size: 6, fill: "#1565c0" } },
         ],
         cursor: { sync: { key: "ampscope-run" } },
+        // The skips chart is drawn for every run (the scale chart only when some rank has
+        // a scale) and has the same width and y-axis size: the heatmaps share its x axis.
+        hooks: { draw: [drawHeatmaps] },
       },
       [[]],
       document.getElementById("skips-chart"),
     );
-    plottedRanks = series.ranks.join();
+    plottedRanks = plotKey();
   }
+
+  function plotKey() { return `${series.ranks.join()}|${[...watches].join()}`; }
 
   function countPerStep(lists) {
     const index = new Map(series.steps.map((step, i) => [step, i]));
@@ -138,10 +152,10 @@
   }
 
   function drawCharts() {
-    if (scalePlot === null || plottedRanks !== series.ranks.join()) makePlots();
+    if (skipsPlot === null || plottedRanks !== plotKey()) makePlots();
     // A log axis cannot place 0; a rank at scale 0 shows as a gap (the table says 0).
-    const scales = series.scale.map((row) => row.map((v) => (v > 0 ? v : null)));
-    scalePlot.setData([series.steps, ...scales]);
+    const scales = scalerRows().map((i) => series.scale[i].map((v) => (v > 0 ? v : null)));
+    if (scalePlot) scalePlot.setData([series.steps, ...scales]);
     // Zero is drawn as nothing, not as a flat bar at the axis.
     const skipped = countPerStep(series.skipped).map((n) => (n > 0 ? n : null));
     const backoffs = countPerStep(series.backoffs).map((n) => (n > 0 ? n : null));
@@ -149,7 +163,7 @@
     document.getElementById("origin-empty").hidden = series.found_inf_origin.length > 0;
   }
 
-  /** The heatmaps share the scale chart's x axis: drawn from its draw hook, so they use the
+  /** The heatmaps share the skips chart's x axis: drawn from its draw hook, so they use the
    *  scales uPlot committed (it applies setData asynchronously). */
   function drawHeatmaps(plot) {
     if (!series.steps.length) return;
@@ -205,10 +219,13 @@
       const state = a.rankState(rank);
       tr.appendChild(a.el("td", { cls: "state-cell" })).appendChild(a.el("span", { cls: `state ${state}`, text: state }));
       a.cell(tr, rank.step, "num");
-      a.cell(tr, a.scaleText(rank.scale), "num");
+      a.cell(tr, a.modeText(rank), "mode").title = a.setupText([rank]);
+      // A watch's records say scale 1 and no backoffs or growths: that is no loss scale.
+      const watch = a.isWatch(rank);
+      a.cell(tr, watch ? "none" : a.scaleText(rank.scale), "num");
       a.cell(tr, `${t.skipped_steps} / ${t.steps}`, "num");
-      a.cell(tr, t.backoffs, "num");
-      a.cell(tr, t.growths, "num");
+      a.cell(tr, watch ? "-" : t.backoffs, "num");
+      a.cell(tr, watch ? "-" : t.growths, "num");
       for (const counts of [t.found_inf_local, t.found_inf_origin]) {
         const entries = Object.entries(counts);
         const each = entries.map(([d, n]) => `${d} ${n}`).join(", ");
@@ -218,6 +235,10 @@
           : `${a.sum(entries.map(([, n]) => n))} on ${entries.length} devices`;
         a.cell(tr, text, "num").title = each;
       }
+      const applied = t.nonfinite_applied || 0;
+      const first = t.first_nonfinite_applied;
+      a.cell(tr, applied, applied ? "num bad" : "num").title = first
+        ? `first at step ${first.step}` : "";
       a.cell(tr, `${rank.seconds_since_report.toFixed(1)} s ago`, "num");
       return tr;
     });
@@ -255,13 +276,23 @@
       throw error;
     }
     const changed = await loadSeries(ranks);
+    const watching = new Set(ranks.filter(a.isWatch).map((r) => r.rank));
+    const modesChanged = [...watching].join() !== [...watches].join();
+    watches = watching;
+    const noScale = ranks.length > 0 && ranks.every(a.isWatch);
+    document.getElementById("setup").textContent = a.setupText(ranks);
+    document.getElementById("no-scale").hidden = !noScale;
+    document.getElementById("no-scale-text").textContent = a.setupText(ranks);
+    document.getElementById("scale-section").hidden = noScale;
+    document.getElementById("skips-title").textContent =
+      ranks.some((r) => !a.isWatch(r)) ? "Skipped steps and backoffs" : "Skipped steps";
     document.getElementById("message").textContent =
       `${health.up} of ${health.ranks} rank(s) up; newest ${series.steps.length} held step(s) shown; ` +
       `refreshes every ${REFRESH_MS / 1000} s`;
     drawVerdicts(health);
     drawRanks(ranks);
     document.getElementById("charts").hidden = false;
-    if (changed || scalePlot === null) drawCharts();
+    if (changed || modesChanged || skipsPlot === null) drawCharts();
   }
 
   function showTooltip(kind, event) {
@@ -282,8 +313,10 @@
     canvas.addEventListener("mouseleave", () => { document.getElementById("tooltip").hidden = true; });
   }
   window.addEventListener("resize", () => {
-    if (scalePlot === null) return;
-    for (const plot of [scalePlot, skipsPlot]) plot.setSize({ width: chartWidth(), height: plot.height });
+    if (skipsPlot === null) return;
+    for (const plot of [scalePlot, skipsPlot]) {
+      if (plot) plot.setSize({ width: chartWidth(), height: plot.height });
+    }
     drawCharts();
   });
 

@@ -15,9 +15,7 @@
     a.cell(tr, `${summary.up}/${summary.ranks} up (world ${summary.world_size})`, "ranks");
     a.cell(tr, a.statesText(ranks), "states");
     a.cell(tr, summary.newest_step, "num step");
-    const scales = ranks.map((r) => r.scale);
-    const low = Math.min(...scales), high = Math.max(...scales);
-    a.cell(tr, low === high ? a.scaleText(low) : `${a.scaleText(low)}..${a.scaleText(high)}`, "num scale");
+    a.cell(tr, a.scalesText(ranks), "num scale").title = a.setupText(ranks);
     const skipped = Math.max(...ranks.map((r) => r.totals.skipped_steps));
     a.cell(tr, skipped, "num skipped");
     const local = a.sum(ranks.map((r) => a.sum(Object.values(r.totals.found_inf_local))));
@@ -48,7 +46,8 @@
     table.hidden = rows.length === 0;
     document.getElementById("message").textContent = rows.length
       ? `${rows.length} run(s); refreshes every ${REFRESH_MS / 1000} s`
-      : "No run has reported yet. Ranks report here when their GradScaler is an ampscope one " +
+      : "No run has reported yet. Ranks report here when their GradScaler (or, for bf16/fp32, " +
+        "GradWatch) is an ampscope one " +
         "(AMPSCOPE_URL points at this exporter); try `ampscope demo`.";
   }
 
