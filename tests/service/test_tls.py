@@ -248,25 +248,36 @@ def test_ranks_report_through_token_ca_and_client_certificate(
     assert all(r["step"] == 5 for r in ranks), ranks
 
 
+def _shown_scrape() -> dict[str, Any]:
+    """The https scrape deploy/prometheus/prometheus.yml shows in comments, uncommented."""
+    text = (Path(__file__).parents[2] / "deploy" / "prometheus" / "prometheus.yml").read_text()
+    start = text.index("    # scheme: https")
+    end = text.index("\n", text.index("password_file", start))
+    block = "\n".join(line.removeprefix("    # ") for line in text[start:end].splitlines())
+    shown: dict[str, Any] = yaml.safe_load(block)
+    return shown
+
+
 def test_real_prometheus_scrapes_over_tls_with_basic_auth(
     mtls: Exporter, pki: Pki, tmp_path: Path
 ) -> None:
     (tmp_path / "password").write_text(PASSWORD)
+    scrape = _shown_scrape()
+    assert scrape["scheme"] == "https"
+    assert set(scrape["basic_auth"]) == {"username", "password_file"}
+    scrape["tls_config"] |= {
+        "ca_file": str(pki.ca.cert),
+        # RequireAndVerifyClientCert: the certificate the example shows commented out.
+        "cert_file": str(pki.client.cert),
+        "key_file": str(pki.client.key),
+    }
+    scrape["basic_auth"]["password_file"] = str(tmp_path / "password")
     config = {
         "global": {"scrape_interval": "1s"},
         "scrape_configs": [
             {
                 "job_name": "ampscope",
-                "scheme": "https",
-                "tls_config": {
-                    "ca_file": str(pki.ca.cert),
-                    "cert_file": str(pki.client.cert),
-                    "key_file": str(pki.client.key),
-                },
-                "basic_auth": {
-                    "username": "prometheus",
-                    "password_file": str(tmp_path / "password"),
-                },
+                **scrape,
                 "static_configs": [{"targets": [f"127.0.0.1:{mtls.port}"]}],
             }
         ],
