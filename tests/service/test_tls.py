@@ -395,3 +395,27 @@ def test_rotation_without_restart(pki: Pki, tmp_path: Path) -> None:
         assert new_user_only(), "the previous configuration stays in force"
     finally:
         stop_process(exporter.process)
+
+
+def test_a_certificate_without_an_allowed_san_is_cut(pki: Pki, tmp_path: Path) -> None:
+    relative = os.path.relpath(pki.ca.cert, tmp_path)
+    config = _web_config(
+        pki,
+        tmp_path,
+        client_auth_type="RequireAndVerifyClientCert",
+        client_ca_file=relative,
+        client_allowed_sans=["rank.ampscope.test", "127.0.0.9"],
+    )
+    exporter = _start(tmp_path, config, pki)  # our client certificate carries the first SAN
+    try:
+        other = make_leaf(pki.directory, "intruder", pki.ca, "DNS:other.test", client=True)
+        context = ClientTls(
+            ca_file=str(pki.ca.cert), cert_file=str(other.cert), key_file=str(other.key)
+        ).context()
+        with pytest.raises((ssl.SSLError, ConnectionError, urllib.error.URLError)):
+            _get(exporter.url + "/healthz", context).read()
+        metrics = _get(exporter.url + "/metrics", _context(pki)).read().decode()
+        assert 'ampscope_exporter_ingest_rejections_total{reason="client_san"} 1.0' in metrics
+        assert "match none of client_allowed_sans" in exporter.log_text()
+    finally:
+        stop_process(exporter.process)
