@@ -179,7 +179,7 @@ def test_status_says_why_it_was_refused(mtls: Exporter, pki: Pki, tmp_path: Path
     assert wrong.returncode == 5, wrong.stderr
     ok = _status(*tls, *cert, "--user", "prometheus", "--password-file", str(password_file))
     assert ok.returncode == 0, ok.stderr
-    assert "no runs" in ok.stdout.lower() or "run" in ok.stdout.lower()
+    assert ok.stdout.strip(), "the table"
 
 
 def test_reporter_logs_one_line_saying_why_it_was_refused(
@@ -326,6 +326,18 @@ def test_an_invalid_file_exits_2_before_binding(
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith(f"ampscope serve: {path}: {key}: "), lines[0]
     assert "Uvicorn running" not in result.stderr + result.stdout
+
+
+def test_the_environment_names_the_file_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ampscope.cli import main
+
+    path = tmp_path / "web.yml"
+    path.write_text("basic_auth_users: {alice: secret}\n")
+    monkeypatch.setenv("AMPSCOPE_WEB_CONFIG_FILE", str(path))
+    assert main(["serve", "--port", str(free_port())]) == 2
+    assert f"ampscope serve: {path}: basic_auth_users.alice: " in capsys.readouterr().err
 
 
 def _served_serial(url: str, ca: Path) -> int:
