@@ -288,7 +288,16 @@ class Pipeline:
             beat.model_dump_json().encode(), timeout=remaining, path=HEARTBEAT_PATH
         )
         self._note_contact(result)
-        if result.outcome is Outcome.REJECTED:
+        if result.outcome is Outcome.REJECTED and result.refused:
+            self.log_once(
+                f"heartbeat-{result.status}",
+                logging.WARNING,
+                "ampscope reporter: %s refused a heartbeat (HTTP %s): %s",
+                self.config.url,
+                result.status,
+                result.detail,
+            )
+        elif result.outcome is Outcome.REJECTED:
             self.log_once(
                 f"heartbeat-{result.status}",
                 logging.WARNING,
