@@ -207,7 +207,7 @@ def test_exporter_daemonset_runs_hardened_and_reachable_on_its_node() -> None:
 def test_example_web_config_passes_promtool_and_ampscope(tmp_path: Path) -> None:
     """deploy/kubernetes/web-config.yml beside real certificates named as the DaemonSet
     mounts them: the toolkit's own check and ampscope's loader both accept it."""
-    from service.certs import make_ca, make_leaf
+    from service.credentials import make_ca, make_leaf
 
     from ampscope.service.security import WebSecurity
 

@@ -19,7 +19,7 @@ from ampscope.service.app import create_app
 from ampscope.service.basic_auth import BasicAuthVerifier, parse_basic
 from ampscope.service.security import WebSecurity
 from ampscope.service.settings import Settings
-from service.certs import bcrypt_hash
+from service.credentials import bcrypt_hash
 from service.factory import FakeClock, body, record
 
 TOKEN = "rank-token"

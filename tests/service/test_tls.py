@@ -26,7 +26,7 @@ from support import free_port, run_distributed, start_prometheus, stop_process
 
 from ampscope.reporter.http import HttpReporter
 from ampscope.reporter.tls import ClientTls
-from service.certs import Pki, bcrypt_hash, make_leaf, make_pki
+from service.credentials import Pki, bcrypt_hash, make_leaf, make_pki
 from service.factory import record
 
 TOKEN = "rank-token-1"

@@ -11,7 +11,7 @@ import yaml
 
 from ampscope.service.tls import build_context
 from ampscope.service.webconfig import WebConfigError, load
-from service.certs import Pki, bcrypt_hash, make_pki
+from service.credentials import Pki, bcrypt_hash, make_pki
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import pytest
 import yaml
 from support import free_port, stop_process
 
-from service.certs import bcrypt_hash
+from service.credentials import bcrypt_hash
 from service.factory import body, steps
 from service.web.browser import chromium, console_errors, foreign, requested_urls
 

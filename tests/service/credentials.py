@@ -1,4 +1,5 @@
-"""Real certificates for the TLS tests, made with the ``openssl`` command line."""
+"""Real credentials for the TLS and basic-auth tests: certificates made with the ``openssl``
+command line, bcrypt hashes as ``htpasswd`` writes them."""
 
 from __future__ import annotations
 
