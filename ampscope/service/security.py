@@ -84,7 +84,7 @@ class WebSecurity:
         self._fingerprint = _fingerprint(path, config)
         self._failed: bytes | None = None
         self.reloads = 0
-        """Successful reloads that changed something (tests wait on it)."""
+        """Successful reloads so far."""
 
     @classmethod
     def from_file(cls, path: Path) -> WebSecurity:
