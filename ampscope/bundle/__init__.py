@@ -21,7 +21,7 @@ ASSET_FILES: dict[str, tuple[str, ...]] = {
     "prometheus": ("prometheus.yml",),
     "prometheus/rules": (".yml",),
     "prometheus/tests": (".yml",),
-    "kubernetes": (".yaml",),
+    "kubernetes": (".yaml", "web-config.yml"),
 }
 
 

@@ -39,7 +39,8 @@ import weakref
 
 from ampscope.reporter.pipeline import HttpReporterConfig, Pipeline
 from ampscope.reporter.schema import HEARTBEAT_INTERVAL_S, StepRecord
-from ampscope.reporter.transport import TOKEN_ENV, URL_ENV, url_from_env
+from ampscope.reporter.tls import ClientTls, token_from_env
+from ampscope.reporter.transport import URL_ENV, url_from_env
 
 __all__ = ["HttpReporter", "HttpReporterConfig"]
 
@@ -53,8 +54,11 @@ class HttpReporter:
 
     Args:
         url: Exporter base URL. ``None`` reads ``AMPSCOPE_URL``, else ``DEFAULT_URL``
-            (``http://127.0.0.1:9478``).
-        token: Bearer token; ``None`` reads ``AMPSCOPE_TOKEN`` (unset or empty: no token).
+            (``http://127.0.0.1:9478``). ``https://`` verifies the exporter's certificate.
+        token: Bearer token; ``None`` reads the file ``AMPSCOPE_TOKEN_FILE`` names, else
+            ``AMPSCOPE_TOKEN`` (unset or empty: no token).
+        tls: For ``https://``: the CA to trust and the client certificate to show; ``None``
+            reads ``AMPSCOPE_CA_FILE``, ``AMPSCOPE_CERT_FILE`` and ``AMPSCOPE_KEY_FILE``.
         flush_interval: Seconds between sends while fewer than ``max_batch`` records wait.
         max_batch: Most records per POST.
         max_queue: Most records waiting; beyond it the oldest are dropped and counted.
@@ -83,6 +87,7 @@ class HttpReporter:
         retry_max: float = 5.0,
         exit_timeout: float = 2.0,
         heartbeat_interval: float = HEARTBEAT_INTERVAL_S,
+        tls: ClientTls | None = None,
     ) -> None:
         if url is None:
             url = url_from_env()
@@ -92,10 +97,11 @@ class HttpReporter:
                     "url= explicitly, or use reporter=None"
                 )
         if token is None:
-            token = os.environ.get(TOKEN_ENV) or None
+            token = token_from_env()
         self.config = HttpReporterConfig(
             url=url,
             token=token,
+            tls=tls if tls is not None else ClientTls.from_env(),
             flush_interval=flush_interval,
             max_batch=max_batch,
             max_queue=max_queue,

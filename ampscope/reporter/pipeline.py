@@ -14,7 +14,7 @@ import random
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ampscope.reporter.schema import (
     HEARTBEAT_INTERVAL_S,
@@ -25,6 +25,7 @@ from ampscope.reporter.schema import (
     Identity,
     StepRecord,
 )
+from ampscope.reporter.tls import ClientTls
 from ampscope.reporter.transport import URL_ENV, IngestTransport, Outcome, PostResult
 
 logger = logging.getLogger("ampscope")
@@ -38,8 +39,10 @@ class HttpReporterConfig:
 
     url: str
     """Exporter base URL; batches go to ``{url}/api/v1/ingest``."""
-    token: str | None = None
+    token: str | None = field(default=None, repr=False)
     """Bearer token sent as ``Authorization: Bearer <token>``; ``None`` sends none."""
+    tls: ClientTls = field(default_factory=ClientTls)
+    """For ``https://``: the CA to trust and the client certificate to show."""
     flush_interval: float = 0.5
     """Seconds between sends while fewer than ``max_batch`` records are waiting."""
     max_batch: int = 512
@@ -104,7 +107,9 @@ class Pipeline:
 
     def __init__(self, config: HttpReporterConfig) -> None:
         self.config = config
-        self.transport = IngestTransport(config.url, token=config.token, timeout=config.timeout)
+        self.transport = IngestTransport(
+            config.url, token=config.token, timeout=config.timeout, tls=config.tls
+        )
         self.cond = threading.Condition()
         self.waiting: deque[tuple[int, StepRecord]] = deque()
         self.next_seq = 0
@@ -283,7 +288,16 @@ class Pipeline:
             beat.model_dump_json().encode(), timeout=remaining, path=HEARTBEAT_PATH
         )
         self._note_contact(result)
-        if result.outcome is Outcome.REJECTED:
+        if result.outcome is Outcome.REJECTED and result.refused:
+            self.log_once(
+                f"heartbeat-{result.status}",
+                logging.WARNING,
+                "ampscope reporter: %s refused a heartbeat (HTTP %s): %s",
+                self.config.url,
+                result.status,
+                result.detail,
+            )
+        elif result.outcome is Outcome.REJECTED:
             self.log_once(
                 f"heartbeat-{result.status}",
                 logging.WARNING,
@@ -430,7 +444,17 @@ class Pipeline:
         self.failures += 1
         status = f"HTTP {result.status}: " if result.status else ""
         self.last_error = status + result.detail
-        if self.failures == 1:
+        if self.failures == 1 and result.refused:
+            self.failing_since = time.monotonic()
+            logger.error(
+                "ampscope reporter: %s refused the connection: %s; retrying with backoff (up "
+                "to %.1fs), queueing up to %d records",
+                self.config.url,
+                result.detail,
+                self.config.retry_max,
+                self.config.max_queue,
+            )
+        elif self.failures == 1:
             self.failing_since = time.monotonic()
             logger.warning(
                 "ampscope reporter: cannot deliver to %s (%s); retrying with backoff (up to "

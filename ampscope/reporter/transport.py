@@ -18,11 +18,12 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from ampscope.reporter.schema import DEFAULT_URL, INGEST_PATH
+from ampscope.reporter.tls import TOKEN_ENV, ClientTls, explain_401, explain_tls_failure
+
+__all__ = ["TOKEN_ENV", "URL_ENV", "IngestTransport", "Outcome", "PostResult", "url_from_env"]
 
 URL_ENV = "AMPSCOPE_URL"
 """Where ranks report; ``off`` disables reporting (the scalers read it for ``reporter="auto"``)."""
-TOKEN_ENV = "AMPSCOPE_TOKEN"
-"""Bearer token sent with every batch when set."""
 OFF_VALUES = frozenset({"off", "none", "false", "0", "disabled"})
 
 _ERROR_BODY_LIMIT = 512
@@ -79,6 +80,9 @@ class PostResult:
     applied: bool | None = None
     """A heartbeat's 2xx answer's ``applied``: ``False`` when the exporter holds no record
     of the rank (it restarted, or retention dropped the rank); ``None`` when not said."""
+    refused: bool = False
+    """The exporter refused us (401, or TLS: untrusted server, client certificate missing
+    or refused); ``detail`` says why in words."""
 
 
 def classify(status: int) -> Outcome:
@@ -100,9 +104,16 @@ class IngestTransport:
             path prefix); batches go to ``{url}/api/v1/ingest``.
         token: Bearer token for the ``Authorization`` header, or ``None``.
         timeout: Socket timeout in seconds for connecting and for each read/write.
+        tls: For an ``https://`` URL: the CA to trust and the client certificate to show;
+            ``None``: the system's trust store, no client certificate.
+
+    Raises:
+        ValueError: an invalid URL, or TLS files that cannot be loaded.
     """
 
-    def __init__(self, url: str, *, token: str | None, timeout: float) -> None:
+    def __init__(
+        self, url: str, *, token: str | None, timeout: float, tls: ClientTls | None = None
+    ) -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"exporter URL must look like http://host:port, got {url!r}")
@@ -119,6 +130,9 @@ class IngestTransport:
         self._headers = {"Content-Type": "application/json", "Accept": "application/json"}
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
+        self._tls = tls or ClientTls()
+        self._context = self._tls.context() if parts.scheme == "https" else None
+        self._fresh = False
         self._conn: http.client.HTTPConnection | None = None
         self._lock = threading.Lock()  # guards _conn against abort() from another thread
         self.connections_opened = 0
@@ -147,15 +161,29 @@ class IngestTransport:
         except _STALE_CONNECTION_ERRORS as exc:
             self.close()
             if not reused:
-                return PostResult(outcome=Outcome.RETRY, status=None, detail=_describe(exc))
+                return self._failed(exc)
         except (OSError, http.client.HTTPException) as exc:
             self.close()
-            return PostResult(outcome=Outcome.RETRY, status=None, detail=_describe(exc))
+            return self._failed(exc)
         try:
             return self._attempt(body, limit, target)
         except (OSError, http.client.HTTPException) as exc:
             self.close()
-            return PostResult(outcome=Outcome.RETRY, status=None, detail=_describe(exc))
+            return self._failed(exc)
+
+    def _failed(self, exc: BaseException) -> PostResult:
+        """A RETRY result for ``exc``, saying in words when it was a TLS refusal."""
+        refusal = None
+        if self._context is not None:
+            refusal = explain_tls_failure(
+                exc, fresh=self._fresh, client_cert=self._tls.cert_file is not None
+            )
+        return PostResult(
+            outcome=Outcome.RETRY,
+            status=None,
+            detail=refusal or _describe(exc),
+            refused=refusal is not None,
+        )
 
     def abort(self) -> None:
         """Shut the socket down so that a ``post`` blocked on it returns at once.
@@ -178,11 +206,14 @@ class IngestTransport:
 
     def _connection(self, timeout: float) -> http.client.HTTPConnection:
         conn = self._conn
+        self._fresh = conn is None
         if conn is None:
-            cls: type[http.client.HTTPConnection] = http.client.HTTPConnection
-            if self._scheme == "https":
-                cls = http.client.HTTPSConnection
-            conn = cls(self._host, self._port, timeout=timeout)
+            if self._context is not None:
+                conn = http.client.HTTPSConnection(
+                    self._host, self._port, timeout=timeout, context=self._context
+                )
+            else:
+                conn = http.client.HTTPConnection(self._host, self._port, timeout=timeout)
             conn.connect()
             self.connections_opened += 1
             with self._lock:
@@ -202,10 +233,18 @@ class IngestTransport:
         outcome = classify(response.status)
         delivered = outcome is Outcome.DELIVERED
         answer = _answer(payload) if delivered else {}
+        refused = response.status == 401
+        if refused:
+            server = _error_detail(payload)
+            detail = explain_401(response.getheader("WWW-Authenticate"))
+            detail += f" (the exporter says: {server})" if server else ""
+        else:
+            detail = "" if delivered else _error_detail(payload)
         return PostResult(
             outcome=outcome,
             status=response.status,
-            detail="" if delivered else _error_detail(payload),
+            detail=detail,
+            refused=refused,
             retry_after=_retry_after(response.getheader("Retry-After")),
             heartbeat_interval=_heartbeat_interval(answer),
             applied=_applied(answer),

@@ -21,6 +21,7 @@ from ampscope.service.collector import StoreCollector
 from ampscope.service.errors import document_errors, install_error_handlers
 from ampscope.service.exposition import Exposition
 from ampscope.service.routes import heartbeat, ingest, metrics, probes, runs, series
+from ampscope.service.security import SecurityMiddleware, WebSecurity, watch
 from ampscope.service.settings import Settings
 from ampscope.service.stats import IngestStats
 from ampscope.service.store import Store, StoreLimits
@@ -82,7 +83,12 @@ def _build_state(app: FastAPI, settings: Settings, clock: Callable[[], float]) -
     app.state.exposition = Exposition(store, collector, clock, settings.stale_after_s)
 
 
-def create_app(settings: Settings, *, clock: Callable[[], float] = time.time) -> FastAPI:
+def create_app(
+    settings: Settings,
+    *,
+    clock: Callable[[], float] = time.time,
+    security: WebSecurity | None = None,
+) -> FastAPI:
     """Build the exporter app.
 
     Its lifespan creates the store, the ingest counters and a per-app Prometheus
@@ -93,18 +99,27 @@ def create_app(settings: Settings, *, clock: Callable[[], float] = time.time) ->
     Args:
         settings: Limits, thresholds and the ingest token.
         clock: Current Unix time; tests pass a fake one to age ranks without sleeping.
+        security: The web config in force (``--web-config-file``): its headers go on every
+            response and its basic-auth users guard every read. The lifespan re-reads it
+            when it changes and on SIGHUP. ``None``: no headers, reads open.
     """
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         _build_state(app, settings, clock)
-        pruner = asyncio.create_task(_prune_forever(app))
+        tasks = [asyncio.create_task(_prune_forever(app))]
+        if security is not None:
+            tasks.append(asyncio.create_task(watch(security)))
         try:
             yield
         finally:
-            pruner.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await pruner
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            if security is not None:
+                security.verifier.close()
 
     app = FastAPI(
         title="ampscope exporter",
@@ -125,4 +140,7 @@ def create_app(settings: Settings, *, clock: Callable[[], float] = time.time) ->
     for module in (ingest, heartbeat, metrics, runs, series, probes):
         app.include_router(module.router)
     web.install(app)
+    if security is not None:
+        app.add_middleware(SecurityMiddleware, security=security)
+    app.state.security = security
     return app

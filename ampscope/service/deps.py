@@ -20,6 +20,7 @@ from ampscope.service.stats import IngestStats
 from ampscope.service.store import Store
 
 Clock = Callable[[], float]
+REALM = "ampscope"
 
 
 def get_settings(request: Request) -> Settings:
@@ -64,21 +65,35 @@ def require_token(
 ) -> None:
     """Check ``Authorization: Bearer <token>`` when a token is configured (constant time).
 
+    A missing token and a wrong one are counted under their own reasons (``token_missing``,
+    ``token_wrong``): the first is a misconfigured rank, the second maybe an attacker.
+
     Raises:
-        ApiError: 401 when the header is missing, malformed or wrong.
+        ApiError: 401 with an RFC 6750 ``WWW-Authenticate: Bearer`` challenge.
     """
     if settings.token is None:
         return
     expected = settings.token.get_secret_value().encode()
-    given = b"" if credentials is None else credentials.credentials.strip().encode()
-    if credentials is None or not hmac.compare_digest(given, expected):
-        stats.rejected("unauthorized")
+    if credentials is None:
+        stats.rejected("token_missing")
         raise ApiError(
             401,
             "unauthorized",
             "ingest needs 'Authorization: Bearer <token>' with the exporter's token "
-            "(AMPSCOPE_TOKEN on the ranks)",
-            headers={"WWW-Authenticate": "Bearer"},
+            "(AMPSCOPE_TOKEN or AMPSCOPE_TOKEN_FILE on the ranks)",
+            headers={"WWW-Authenticate": f'Bearer realm="{REALM}"'},
+        )
+    if not hmac.compare_digest(credentials.credentials.strip().encode(), expected):
+        stats.rejected("token_wrong")
+        raise ApiError(
+            401,
+            "unauthorized",
+            "the bearer token is not the exporter's (AMPSCOPE_TOKEN or AMPSCOPE_TOKEN_FILE on "
+            "the ranks must hold what --token-file holds)",
+            headers={
+                "WWW-Authenticate": f'Bearer realm="{REALM}", error="invalid_token", '
+                'error_description="wrong token"'
+            },
         )
 
 

@@ -23,6 +23,12 @@ _OPTIONS: dict[str, tuple[str, type, str]] = {
         str,
         "file holding the bearer token ingest requires (default: none, or AMPSCOPE_TOKEN)",
     ),
+    "--web-config-file": (
+        "web_config_file",
+        str,
+        "exporter-toolkit web config: TLS, client certificates, basic-auth users, headers "
+        "(default: none, plain HTTP and open reads)",
+    ),
     "--stale-after": (
         "stale_after_s",
         float,
@@ -77,7 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Define ``ampscope serve``'s flags. Every setting also reads ``AMPSCOPE_<FIELD>``."""
     metavars = {str: "TEXT", int: "N", float: "SECONDS"}
     for flag, (field, type_, help_) in _OPTIONS.items():
-        metavar = "PATH" if field == "token_file" else metavars[type_]
+        metavar = "PATH" if field in ("token_file", "web_config_file") else metavars[type_]
         parser.add_argument(flag, dest=field, type=type_, default=None, metavar=metavar, help=help_)
     parser.add_argument(
         "--access-log",
@@ -128,8 +134,10 @@ def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from ampscope.service.app import create_app
+    from ampscope.service.security import WebSecurity
     from ampscope.service.server import guarded_protocol
     from ampscope.service.settings import Settings
+    from ampscope.service.webconfig import WebConfigError
 
     fields = [field for field, _, _ in _OPTIONS.values()] + ["access_log"]
     overrides = {f: getattr(args, f) for f in fields if getattr(args, f, None) is not None}
@@ -144,6 +152,13 @@ def run(args: argparse.Namespace) -> int:
         level=settings.log_level.upper(), format="%(levelname)s %(name)s: %(message)s"
     )
     log = logging.getLogger("ampscope.service")
+    security = None
+    if settings.web_config_file is not None:
+        try:
+            security = WebSecurity.from_file(settings.web_config_file)
+        except WebConfigError as exc:
+            print(f"ampscope serve: {settings.web_config_file}: {exc}", file=sys.stderr)
+            return 2
     if not _is_loopback(settings.host) and settings.token is None:
         log.warning(
             "listening on %s without a token: anyone who reaches the port can post records "
@@ -158,21 +173,34 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+    tls = security.tls if security is not None else None
+    users = len(security.config.users) if security is not None else 0
+    if not _is_loopback(settings.host) and tls is None and (users or settings.token):
+        log.warning(
+            "listening on %s without TLS: the token and passwords cross the network in "
+            "clear text (tls_server_config in --web-config-file)",
+            settings.host,
+        )
     log.info(
-        "ampscope exporter on http://%s:%d (ingest %s)",
+        "ampscope exporter on %s://%s:%d (ingest %s; reads %s)",
+        "https" if tls is not None else "http",
         settings.host,
         settings.port,
         "needs a bearer token" if settings.token else "open",
+        f"need basic auth ({users} user(s))" if users else "open",
     )
     _raise_open_file_limit(settings.max_connections, log)
-    app = create_app(settings)
+    app = create_app(settings, security=security)
     _tune_gc()
     uvicorn.run(
         app,
         host=settings.host,
         port=settings.port,
+        # The listener keeps this context; it hands each new connection to the context
+        # built from the web config in force (ampscope.service.tls.RotatingContext).
+        ssl_context_factory=None if tls is None else (lambda config, default: tls),
         # uvicorn's httptools protocol with header/body timeouts and a connection cap.
-        http=guarded_protocol(settings, app.state.stats),
+        http=guarded_protocol(settings, app.state.stats, security),
         log_level=settings.log_level,
         access_log=settings.access_log,
         timeout_keep_alive=settings.keep_alive_timeout_s,

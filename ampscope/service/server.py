@@ -15,7 +15,11 @@ subclass adds, per connection:
   must end within ``body_timeout_s`` plus a grace second, else close; the ingest route
   answers 408 itself at ``body_timeout_s`` (``ampscope.service.body``);
 * a connection cap: beyond ``max_connections`` open ones, 503 at once, before reading;
-* uvicorn's own 400 for unparseable HTTP answered with the JSON ``ErrorBody``.
+* uvicorn's own 400 for unparseable HTTP answered with the JSON ``ErrorBody``;
+* under TLS, a client certificate without any of the web config's ``client_allowed_sans``
+  is cut at once (Python's ssl has no hook inside the handshake for it).
+
+Its own answers carry the web config's headers too.
 
 Each cut is counted in ``ampscope_exporter_ingest_rejections_total{reason}``.
 Everything else (parsing, keep-alive, flow control, the ASGI cycle) is uvicorn's.
@@ -31,8 +35,10 @@ from typing import Any, ClassVar
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from ampscope.service.models import ErrorBody
+from ampscope.service.security import WebSecurity
 from ampscope.service.settings import Settings
 from ampscope.service.stats import IngestStats
+from ampscope.service.tls import peer_san_refused
 
 log = logging.getLogger("ampscope.service")
 
@@ -68,6 +74,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     settings: ClassVar[Settings]
     stats: ClassVar[IngestStats]
+    security: ClassVar[WebSecurity | None] = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -80,6 +87,13 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        refused = peer_san_refused(transport.get_extra_info("ssl_object"))
+        if refused is not None:
+            self.stats.rejected("client_san")
+            log.warning("TLS connection from %s cut: %s", self.client, refused)
+            self._refused = True
+            transport.abort()
+            return
         cap = self.settings.max_connections
         if len(self.connections) > cap:
             self.stats.rejected("over_capacity")
@@ -193,6 +207,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         """Answer with an ``ErrorBody`` and close, dropping whatever else arrives."""
         self._refused = True
         self._cancel_timers()
+        if self.security is not None:
+            headers = dict(self.security.config.headers) | (headers or {})
         self.transport.write(error_response(status, error, detail, headers, **extra))
         # Closing with unread bytes makes the kernel send a reset, which can destroy the
         # answer in flight: half-close, drain briefly, then close.
@@ -203,11 +219,13 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self.transport.close()
 
 
-def guarded_protocol(settings: Settings, stats: IngestStats) -> type[GuardedHttpProtocol]:
-    """A ``GuardedHttpProtocol`` subclass bound to ``settings`` and ``stats``, for
-    ``uvicorn.Config(http=...)``."""
+def guarded_protocol(
+    settings: Settings, stats: IngestStats, security: WebSecurity | None = None
+) -> type[GuardedHttpProtocol]:
+    """A ``GuardedHttpProtocol`` subclass bound to ``settings``, ``stats`` and the web
+    config in force, for ``uvicorn.Config(http=...)``."""
     return type(
         "BoundGuardedHttpProtocol",
         (GuardedHttpProtocol,),
-        {"settings": settings, "stats": stats},
+        {"settings": settings, "stats": stats, "security": security},
     )

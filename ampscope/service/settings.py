@@ -48,6 +48,10 @@ class Settings(BaseSettings):
     API) never need it."""
     token_file: Path | None = None
     """File holding the token (surrounding whitespace stripped); wins over ``token``."""
+    web_config_file: Path | None = None
+    """The exporter-toolkit web configuration file: TLS, client certificates, basic-auth
+    users and response headers (docs/security.md). Read by ``ampscope serve``, re-read when
+    it or a certificate it names changes, and on SIGHUP."""
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     access_log: bool = False
     """Log every request; off because every rank posts twice a second."""

@@ -5,7 +5,9 @@ from __future__ import annotations
 import threading
 
 REJECTION_REASONS = (
-    "unauthorized",
+    # Bearer token: a rank without one is misconfigured; a wrong one may be an attacker.
+    "token_missing",
+    "token_wrong",
     "too_large",
     "malformed",
     "invalid",
@@ -18,6 +20,7 @@ REJECTION_REASONS = (
     "busy",
     "over_capacity",
     "client_disconnect",
+    "client_san",
 )
 """Every reason a request is rejected for; all are exposed from start-up at 0. Transport
 reasons count requests to any endpoint (a header timeout happens before the path is

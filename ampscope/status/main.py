@@ -3,29 +3,58 @@
 Reads the exporter's JSON API with the standard library only, so it works wherever
 ampscope is installed, without the server extras. Exit status: 0 ok, 1 warning, 2
 critical (the worst verdict of the runs shown), 3 when the exporter cannot be reached,
-4 when it holds no such run.
+4 when it holds no such run, 5 when it refuses our credentials (401), 6 when TLS fails
+(untrusted server certificate, client certificate missing or refused).
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import os
+import ssl
 import sys
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TextIO
 
 from ampscope.reporter.schema import DEFAULT_URL
+from ampscope.reporter.tls import ClientTls, explain_401, explain_tls_failure
 
 EXIT_UNREACHABLE = 3
 EXIT_NO_SUCH_RUN = 4
+EXIT_UNAUTHORIZED = 5
+EXIT_TLS_REFUSED = 6
+PASSWORD_ENV = "AMPSCOPE_PASSWORD"
 
 
 class Unreachable(Exception):
     """The exporter did not answer, or did not answer with the API's JSON."""
+
+
+class Refused(Exception):
+    """The exporter refused us: ``code`` is ``EXIT_UNAUTHORIZED`` or ``EXIT_TLS_REFUSED``."""
+
+    def __init__(self, reason: str, code: int) -> None:
+        super().__init__(reason)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Exporter:
+    """Where the exporter is and how to talk to it."""
+
+    url: str
+    context: ssl.SSLContext | None = None
+    """For ``https://``: whom to trust, which client certificate to show."""
+    authorization: str | None = None
+    """``Basic ...`` when a user is given."""
+    client_cert: bool = False
 
 
 class NoSuchRun(Exception):
@@ -58,9 +87,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--json", action="store_true", help="print the API's JSON (one document per redraw)"
     )
+    parser.add_argument(
+        "--ca-file",
+        metavar="PATH",
+        default=None,
+        help="CA that signed an https exporter's certificate (default: $AMPSCOPE_CA_FILE, "
+        "else the system's)",
+    )
+    parser.add_argument(
+        "--cert-file",
+        metavar="PATH",
+        default=None,
+        help="client certificate, when the exporter requires one (default: $AMPSCOPE_CERT_FILE)",
+    )
+    parser.add_argument(
+        "--key-file",
+        metavar="PATH",
+        default=None,
+        help="its private key (default: $AMPSCOPE_KEY_FILE)",
+    )
+    parser.add_argument("--user", default=None, help="basic-auth user of the exporter's web config")
+    parser.add_argument(
+        "--password-file",
+        metavar="PATH",
+        default=None,
+        help=f"file holding --user's password (default: ${PASSWORD_ENV}; never on the "
+        "command line)",
+    )
     parser.epilog = (
         "Exit status: 0 ok, 1 warning, 2 critical (the worst health verdict shown), "
-        "3 the exporter cannot be reached, 4 it holds no such run."
+        "3 the exporter cannot be reached, 4 it holds no such run, 5 it refused the "
+        "credentials (401), 6 TLS failed (untrusted server certificate, client certificate "
+        "missing or refused)."
     )
 
 
@@ -69,39 +127,91 @@ def base_url(given: str | None) -> str:
     return (given or os.environ.get("AMPSCOPE_URL") or DEFAULT_URL).rstrip("/")
 
 
-def _get(url: str, path: str) -> Any:
+def exporter_from_args(args: argparse.Namespace) -> Exporter:
+    """The exporter and the credentials from the flags, else ``AMPSCOPE_*``.
+
+    Raises:
+        Refused: unreadable TLS files (``EXIT_TLS_REFUSED``), an unreadable password file or
+            ``--user`` without a password (``EXIT_UNAUTHORIZED``).
+    """
+    url = base_url(args.url)
+    env = ClientTls.from_env()
+    tls = ClientTls(
+        ca_file=args.ca_file or env.ca_file,
+        cert_file=args.cert_file or env.cert_file,
+        key_file=args.key_file or env.key_file,
+    )
     try:
-        with urllib.request.urlopen(url + path, timeout=5.0) as response:
+        context = tls.context() if url.startswith("https://") else None
+    except ValueError as exc:
+        raise Refused(str(exc), EXIT_TLS_REFUSED) from None
+    authorization = None
+    if args.user is not None:
+        if args.password_file is not None:
+            try:
+                password = Path(args.password_file).read_text(encoding="utf-8").rstrip("\r\n")
+            except OSError as exc:
+                message = f"cannot read --password-file {args.password_file}: {exc.strerror}"
+                raise Refused(message, EXIT_UNAUTHORIZED) from None
+        elif PASSWORD_ENV in os.environ:
+            password = os.environ[PASSWORD_ENV]
+        else:
+            raise Refused(f"--user needs --password-file or {PASSWORD_ENV}", EXIT_UNAUTHORIZED)
+        token = base64.b64encode(f"{args.user}:{password}".encode()).decode()
+        authorization = f"Basic {token}"
+    return Exporter(url, context, authorization, client_cert=tls.cert_file is not None)
+
+
+def _get(exporter: Exporter, path: str) -> Any:
+    url = exporter.url
+    request = urllib.request.Request(url + path)
+    if exporter.authorization is not None:
+        request.add_header("Authorization", exporter.authorization)
+    try:
+        with urllib.request.urlopen(request, timeout=5.0, context=exporter.context) as response:
             return json.load(response)
     except urllib.error.HTTPError as exc:
         if exc.code == 404 and path.startswith("/api/v1/runs/"):
             raise NoSuchRun(path) from exc
+        if exc.code == 401:
+            why = explain_401(exc.headers.get("WWW-Authenticate"))
+            message = f"{url} refused the request (HTTP 401): {why}"
+            raise Refused(message, EXIT_UNAUTHORIZED) from None
         raise Unreachable(f"{url}{path} answered HTTP {exc.code}") from exc
     except (urllib.error.URLError, OSError, ValueError) as exc:
-        reason = getattr(exc, "reason", exc)
+        # urlopen wraps errors of connecting in URLError, not those of reading the answer.
+        reason: object = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+        if exporter.context is not None and isinstance(reason, BaseException):
+            refusal = explain_tls_failure(reason, fresh=True, client_cert=exporter.client_cert)
+            if refusal is not None:
+                raise Refused(f"{url}: {refusal}", EXIT_TLS_REFUSED) from exc
         raise Unreachable(f"no exporter answers at {url} ({reason})") from exc
 
 
-def fetch(url: str, run: str | None) -> dict[str, Any]:
+def fetch(url: str | Exporter, run: str | None) -> dict[str, Any]:
     """The API's answers the view needs: a run's ranks and health, or every run's.
 
     Raises:
         Unreachable: the exporter did not answer.
         NoSuchRun: ``run`` is not held. A listed run that retention drops between the list
             and its own requests is left out of the table instead.
+        Refused: the exporter refused the credentials or the TLS handshake.
     """
+    exporter = Exporter(url) if isinstance(url, str) else url
+    url = exporter.url
     if run is not None:
         path = "/api/v1/runs/" + urllib.parse.quote(run, safe="")
-        return {"url": url, "run": run, "ranks": _get(url, path + "/ranks"),
-                "health": _get(url, path + "/health")}  # fmt: skip
-    summaries = _get(url, "/api/v1/runs")
+        return {"url": url, "run": run, "ranks": _get(exporter, path + "/ranks"),
+                "health": _get(exporter, path + "/health")}  # fmt: skip
+    summaries = _get(exporter, "/api/v1/runs")
     ranks: dict[str, Any] = {}
     health: dict[str, Any] = {}
     held = []
     for summary in summaries:
         path = "/api/v1/runs/" + urllib.parse.quote(summary["run"], safe="")
         try:
-            run_ranks, run_health = _get(url, path + "/ranks"), _get(url, path + "/health")
+            run_ranks = _get(exporter, path + "/ranks")
+            run_health = _get(exporter, path + "/health")
         except NoSuchRun:
             continue
         held.append(summary)
@@ -117,11 +227,14 @@ def exit_status(answer: dict[str, Any]) -> int:
     return max((SEVERITY[report["status"]] for report in reports), default=0)
 
 
-def _frame(url: str, run: str | None, as_json: bool) -> tuple[str, int]:
+def _frame(exporter: Exporter, run: str | None, as_json: bool) -> tuple[str, int]:
     from ampscope.status import render
 
+    url = exporter.url
     try:
-        answer = fetch(url, run)
+        answer = fetch(exporter, run)
+    except Refused as exc:
+        return f"ampscope status: {exc}.", exc.code
     except Unreachable as exc:
         return (
             f"ampscope status: {exc}.\nStart one on this node with `ampscope serve` (ranks "
@@ -148,9 +261,14 @@ def _frame(url: str, run: str | None, as_json: bool) -> tuple[str, int]:
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Print the status once (or until Ctrl-C with ``--watch``); returns the exit status."""
     out = out or sys.stdout
-    url = base_url(args.url)
+    try:
+        exporter = exporter_from_args(args)
+    except Refused as exc:
+        print(f"ampscope status: {exc}", file=sys.stderr)
+        return exc.code
+    url = exporter.url
     if not args.watch:
-        text, code = _frame(url, args.run, args.json)
+        text, code = _frame(exporter, args.run, args.json)
         stream = out if code < EXIT_UNREACHABLE else sys.stderr
         print(text, file=stream, flush=True)
         return code
@@ -158,7 +276,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     code = 0
     try:
         while True:
-            text, code = _frame(url, args.run, args.json)
+            text, code = _frame(exporter, args.run, args.json)
             if redraw:
                 # Home and clear, then the frame: redraws in place like `watch` does.
                 stamp = time.strftime("%H:%M:%S")

@@ -166,6 +166,24 @@ def test_exporter_daemonset_runs_hardened_and_reachable_on_its_node() -> None:
     assert secret["secretName"] == "ampscope-token"
     assert token_path.name == "token"
 
+    # The web config and the certificates it names, side by side, from Secrets.
+    (web_flag,) = [a for a in container["args"] if a.startswith("--web-config-file=")]
+    web_path = Path(web_flag.split("=", 1)[1])
+    (web_volume,) = [
+        name for name, mount in mounts.items() if web_path.parent == Path(mount["mountPath"])
+    ]
+    projected = {
+        item["path"]: source["secret"]["name"]
+        for source in volumes[web_volume]["projected"]["sources"]
+        for item in source["secret"]["items"]
+    }
+    tls = yaml.safe_load((KUBERNETES_DIR / "web-config.yml").read_text())["tls_server_config"]
+    assert projected[web_path.name] == "ampscope-web-config"
+    for key in ("cert_file", "key_file", "client_ca_file"):
+        assert projected[tls[key]] == "ampscope-tls", key
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"]["scheme"] == "HTTPS", probe
+
     # The Service and the ServiceMonitor find these pods and this port.
     labels = daemonset["spec"]["template"]["metadata"]["labels"]
     assert daemonset["spec"]["selector"]["matchLabels"].items() <= labels.items()
@@ -180,6 +198,34 @@ def test_exporter_daemonset_runs_hardened_and_reachable_on_its_node() -> None:
     assert {e["port"] for e in monitor["spec"]["endpoints"]} == {
         p["name"] for p in service["spec"]["ports"]
     }
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["scheme"] == "https"
+    assert endpoint["tlsConfig"]["ca"]["secret"] == {"name": "ampscope-tls", "key": "ca.crt"}
+    assert set(endpoint["basicAuth"]) == {"username", "password"}
+
+
+def test_example_web_config_passes_promtool_and_ampscope(tmp_path: Path) -> None:
+    """deploy/kubernetes/web-config.yml beside real certificates named as the DaemonSet
+    mounts them: the toolkit's own check and ampscope's loader both accept it."""
+    from service.credentials import make_ca, make_leaf
+
+    from ampscope.service.security import WebSecurity
+
+    ca = make_ca(tmp_path)
+    server = make_leaf(tmp_path, "server", ca, "DNS:ampscope-exporter.ampscope.svc")
+    (tmp_path / "tls.crt").write_bytes(server.cert.read_bytes())
+    (tmp_path / "tls.key").write_bytes(server.key.read_bytes())
+    (tmp_path / "ca.crt").write_bytes(ca.cert.read_bytes())
+    config = tmp_path / "web-config.yml"
+    config.write_text((KUBERNETES_DIR / "web-config.yml").read_text())
+    result = subprocess.run(
+        [need_tool("promtool"), "check", "web-config", str(config)],
+        capture_output=True, text=True, check=False, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    security = WebSecurity.from_file(config)
+    assert security.tls is not None
+    assert set(security.config.users) == {"prometheus"}
 
 
 def test_readme_names_every_manifest_and_the_regeneration_command() -> None:

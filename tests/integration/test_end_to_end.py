@@ -247,7 +247,7 @@ def test_counters_equal_ground_truth_across_an_exporter_kill(tmp_path, caplog):
         assert (intruder.sent, intruder.dropped) == (0, 1)
         assert any("HTTP 401" in r.getMessage() for r in caplog.records)
         after = _samples(_text(exporter.url + "/metrics"))
-        unauthorized = ("ampscope_exporter_ingest_rejections_total", (("reason", "unauthorized"),))
+        unauthorized = ("ampscope_exporter_ingest_rejections_total", (("reason", "token_wrong"),))
         assert after[unauthorized] == samples.get(unauthorized, 0) + 1
         assert _per_rank(after) == _per_rank(samples), "a refused batch changed rank state"
 

@@ -331,3 +331,21 @@ def test_connection_cap_answers_503_then_recovers(tmp_path: Path) -> None:
             s.close()
         assert httpx.get(f"{srv.url}/healthz", timeout=5).status_code == 200
         assert srv.rejections()["over_capacity"] == 1
+
+
+def test_the_servers_own_refusals_carry_the_web_configs_headers(tmp_path: Path) -> None:
+    """408 and 503 are written by the protocol, under the app and its middleware."""
+    (tmp_path / "web.yml").write_text("http_server_config: {headers: {X-Frame-Options: deny}}\n")
+    flags = ["--web-config-file", str(tmp_path / "web.yml"), "--header-timeout", "0.5"]
+    with (
+        serve(tmp_path, *flags, "--max-connections", "1") as srv,
+        socket.create_connection(("127.0.0.1", srv.port)) as first,
+    ):
+        first.sendall(b"GET /healthz HTTP/1.1\r\n")  # never finishes its headers
+        with socket.create_connection(("127.0.0.1", srv.port)) as second:
+            over = _answer(second, 10)
+        timed_out = _answer(first, 10)
+    for answer, status in ((over, 503), (timed_out, 408)):
+        assert _status(answer) == status, answer[:200]
+        head = answer.partition(b"\r\n\r\n")[0].lower()
+        assert b"\r\nx-frame-options: deny" in head, head

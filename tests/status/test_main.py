@@ -163,8 +163,8 @@ def test_a_run_dropped_after_the_list_is_left_out(
 
     real_get = status_main._get
 
-    def dropping(url: str, path: str):
-        return real_get(url, path.replace("/runs/calm/", "/runs/dropped/"))
+    def dropping(target: status_main.Exporter, path: str):
+        return real_get(target, path.replace("/runs/calm/", "/runs/dropped/"))
 
     monkeypatch.setattr(status_main, "_get", dropping)
     answer = status_main.fetch(exporter, None)

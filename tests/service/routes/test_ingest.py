@@ -144,12 +144,20 @@ def test_token_guards_ingest_but_not_reads(make_client: MakeClient, tmp_path) ->
     client, _ = make_client(token_file=token_file)
     missing = client.post(URL, content=body(record(1)))
     assert missing.status_code == 401
-    assert missing.headers["www-authenticate"] == "Bearer"
-    for header in ("Bearer wrong", "Basic s3cret", "s3cret", "Bearer s3cret2"):
+    assert missing.headers["www-authenticate"] == 'Bearer realm="ampscope"'
+    # Not a bearer credential at all: as good as missing (RFC 6750 section 3).
+    for header in ("Basic s3cret", "s3cret"):
         response = client.post(URL, content=body(record(1)), headers={"Authorization": header})
         assert response.status_code == 401, header
+    for header in ("Bearer wrong", "Bearer s3cret2"):
+        response = client.post(URL, content=body(record(1)), headers={"Authorization": header})
+        assert response.status_code == 401, header
+        challenge = response.headers["www-authenticate"]
+        assert challenge.startswith('Bearer realm="ampscope", error="invalid_token"'), challenge
+        assert response.json()["error"] == "unauthorized"
     ok = client.post(URL, content=body(record(1)), headers={"Authorization": "Bearer s3cret"})
     assert ok.status_code == 200
     assert client.get("/metrics").status_code == 200
     assert client.get("/api/v1/runs").status_code == 200
-    assert _rejections(client)["unauthorized"] == 5
+    rejections = _rejections(client)
+    assert (rejections["token_missing"], rejections["token_wrong"]) == (3, 2)
