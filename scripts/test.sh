@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The whole test suite on a fresh machine: installs what it needs, then lint, types, tests
-# and the quick benchmark smoke run. Safe to run twice.
+# The whole test suite on a fresh machine: installs what it needs, then lint, types, the
+# strict docs build, tests and the quick benchmark smoke run. Safe to run twice.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -12,6 +12,8 @@ ruff check ampscope tests bench
 ruff format --check ampscope tests bench
 echo "==> mypy"
 mypy
+echo "==> docs (strict build into site/)"
+bash scripts/docs.sh
 echo "==> pytest"
 set +e
 python -m pytest "$@"
