@@ -20,6 +20,9 @@ from markdown.preprocessors import Preprocessor
 
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = re.compile(r"^<!-- generated: ([a-z-]+) -->$")
+# A few docstrings cross-reference in Sphinx's syntax (:class:`~a.b.C`), which mkdocstrings
+# shows as it stands; the API reference shows the name as code instead.
+SPHINX_ROLE = re.compile(r":(?:class|meth|func|mod|attr|data|exc|obj):`(~?)([^`]+)`")
 
 
 def metric_table() -> str:
@@ -91,13 +94,25 @@ class _Generated(Preprocessor):
         return out
 
 
+def _sphinx_role(match: re.Match[str]) -> str:
+    short, target = match.groups()
+    return f"`{target.rsplit('.', 1)[-1] if short else target}`"
+
+
+class _SphinxRoles(Preprocessor):
+    def run(self, lines: list[str]) -> list[str]:
+        return [SPHINX_ROLE.sub(_sphinx_role, line) for line in lines]
+
+
 class GeneratedExtension(markdown.Extension):
-    """Replaces ``<!-- generated: NAME -->`` lines before any other Markdown processing."""
+    """Replaces ``<!-- generated: NAME -->`` lines before any other Markdown processing,
+    and Sphinx cross-reference roles in docstrings by the name they refer to, as code."""
 
     def extendMarkdown(self, md: markdown.Markdown) -> None:
         # Above the normaliser and fenced code (priorities 30 and 25), so generated tables
         # and code blocks are parsed like hand-written ones.
         md.preprocessors.register(_Generated(md), "ampscope_generated", 35)
+        md.preprocessors.register(_SphinxRoles(md), "ampscope_sphinx_roles", 34)
 
 
 def makeExtension(**kwargs: object) -> GeneratedExtension:

@@ -146,26 +146,45 @@ def test_the_check_finds_a_planted_cdn_reference(built_site: Path, tmp_path: Pat
     assert found == {str(css.relative_to(site)): ["https://fonts.gstatic.com/f.woff2"]}
 
 
-def test_every_internal_link_and_anchor_resolves(built_site: Path) -> None:
+def broken_links(site: Path) -> tuple[int, list[str]]:
+    """How many internal links, images, scripts and styles the site's pages reference, and
+    those whose file or anchor does not exist."""
     broken = []
     checked = 0
-    pages = {path: parse(path) for path in built_site.rglob("*.html")}
+    pages = {path: parse(path) for path in site.rglob("*.html")}
     for path, page in pages.items():
         if path.name == "404.html":  # served at any depth, so its links are root-relative
             continue
         for url in page.links + page.fetched:
             if is_external(url) or urlsplit(url).scheme in {"mailto", "data", "javascript"}:
                 continue
-            target, fragment = _target(built_site, path, url)
+            target, fragment = _target(site, path, url)
             checked += 1
             if not target.is_file():
-                broken.append(f"{path.relative_to(built_site)}: {url} (no such file)")
+                broken.append(f"{path.relative_to(site)}: {url} (no such file)")
             elif fragment and target.suffix == ".html":
                 ids = pages[target].ids if target in pages else parse(target).ids
                 if fragment not in ids:
-                    broken.append(f"{path.relative_to(built_site)}: {url} (no such anchor)")
+                    broken.append(f"{path.relative_to(site)}: {url} (no such anchor)")
+    return checked, broken
+
+
+def test_every_internal_link_and_anchor_resolves(built_site: Path) -> None:
+    checked, broken = broken_links(built_site)
     assert checked > 100
     assert broken == []
+
+
+def test_the_link_check_finds_planted_broken_links(built_site: Path, tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    shutil.copytree(built_site, site)
+    page = site / "metrics" / "index.html"
+    planted = '<a href="../exporter/#no-such-anchor">a</a><img src="../images/missing.png">'
+    page.write_text(page.read_text().replace("</article>", planted + "</article>", 1))
+    assert broken_links(site)[1] == [
+        "metrics/index.html: ../exporter/#no-such-anchor (no such anchor)",
+        "metrics/index.html: ../images/missing.png (no such file)",
+    ]
 
 
 def test_every_page_is_in_the_nav() -> None:
@@ -208,8 +227,12 @@ def test_the_api_reference_renders_every_object_it_names(built_site: Path) -> No
     assert names
     assert [name for name in names if name not in page.ids] == []
     html = (built_site / "api" / "index.html").read_text()
-    # Google-style sections become tables, not literal "Args:" text.
-    assert "Args:" not in re.sub(r"<[^>]+>", "", html)
+    text = re.sub(r"<[^>]+>", "", html)
+    # Google-style sections become tables, not literal "Args:" text, and the docstrings'
+    # Sphinx roles (:class:`~a.B`) become the names they refer to.
+    assert "Args:" not in text
+    assert re.findall(r":(?:class|meth|func|mod|attr):", text) == []
+    assert "<code>TelemetryConfig</code>" in html
 
 
 def test_search_works_offline(built_site: Path) -> None:
