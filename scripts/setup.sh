@@ -4,7 +4,8 @@
 # Safe to run again: every step checks before it acts.
 #
 #   scripts/setup.sh demo   -> ampscope + the exporter's dependencies
-#   scripts/setup.sh test   -> the above + test and lint tools + Prometheus binaries
+#   scripts/setup.sh docs   -> the above + the docs site's tools (Zensical, mkdocstrings)
+#   scripts/setup.sh test   -> all of the above + test and lint tools + Prometheus binaries
 set -euo pipefail
 
 mode=${1:-test}
@@ -22,8 +23,12 @@ if [ ! -x .venv/bin/python ]; then
     "$python" -m venv .venv
 fi
 
-extra=service
-[ "$mode" = test ] && extra=dev
+case "$mode" in
+    demo) extra=service ;;
+    docs) extra=docs ;;
+    test) extra=dev ;;
+    *) echo "ampscope setup: unknown mode '$mode' (demo, docs or test)" >&2; exit 2 ;;
+esac
 # The constraints pin torch to the CPU build; an unpinned torch pulls GBs of CUDA wheels.
 stamp=.venv/.ampscope-$extra-$(cat pyproject.toml constraints/pins.txt | cksum | cut -d' ' -f1)
 if [ ! -f "$stamp" ]; then

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The whole test suite on a fresh machine: installs what it needs, then lint, types, tests
-# and the quick benchmark smoke run. Safe to run twice.
+# The whole test suite on a fresh machine: installs what it needs, then lint, types, the
+# strict docs build, tests and the quick benchmark smoke run. Safe to run twice.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -12,6 +12,13 @@ ruff check ampscope tests bench
 ruff format --check ampscope tests bench
 echo "==> mypy"
 mypy
+echo "==> docs (strict build into site/)"
+# Zensical needs Python 3.11; elsewhere the docs build (and tests/docs) skip, except in CI.
+if [ -x .venv/bin/zensical ] || [ "${CI:-}" = true ]; then
+    bash scripts/docs.sh
+else
+    echo "skipping the docs build: Zensical is not installed (it needs Python 3.11 or newer)" >&2
+fi
 echo "==> pytest"
 set +e
 python -m pytest "$@"

@@ -1,4 +1,4 @@
-"""Screenshot a page of the web view with Debian's headless chromium (as the README's image).
+"""Screenshot a page of the web view with Debian's headless chromium (docs/images/run-page.png).
 
     python scripts/web_screenshot.py "http://127.0.0.1:9478/run?id=RUN" docs/images/run-page.png
 

@@ -1,6 +1,6 @@
 """Every metric the exporter serves, kept as data in one place.
 
-The collector builds its families from this table, the README's metric reference and
+The collector builds its families from this table, the docs' metric reference (generated) and
 the dashboard/alert tests read it, so a name cannot drift between them.
 """
 

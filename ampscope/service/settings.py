@@ -67,7 +67,7 @@ class Settings(BaseSettings):
     max_ranks_per_run: Positive = 4096
     max_ranks: Positive = 512
     """Ranks of all runs together: with ``max_series`` and ``history_bytes`` what bounds
-    memory (README, "Reliability")."""
+    memory (docs/reliability.md, "Bounded memory")."""
     max_devices_per_rank: Annotated[int, Field(ge=1, le=MAX_DEVICES)] = 16
     """Distinct device labels one rank may report (each is a series per found-inf family)."""
     max_params_per_rank: Annotated[int, Field(ge=1, le=MAX_NONFINITE_PARAMS)] = 32

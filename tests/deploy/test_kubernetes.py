@@ -228,9 +228,9 @@ def test_example_web_config_passes_promtool_and_ampscope(tmp_path: Path) -> None
     assert set(security.config.users) == {"prometheus"}
 
 
-def test_readme_names_every_manifest_and_the_regeneration_command() -> None:
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("\n## Kubernetes\n") :]
+def test_docs_name_every_manifest_and_the_regeneration_command() -> None:
+    page = (ROOT / "docs" / "deployment.md").read_text()
+    section = page[page.index("\n## Kubernetes\n") :]
     section = section[: section.index("\n## ", 1)]
     for path in KUBERNETES_DIR.glob("*.yaml"):
         assert f"`{path.name}`" in section, path.name

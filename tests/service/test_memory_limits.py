@@ -1,5 +1,6 @@
 """A real exporter fed records at the schema's limits until every limit is hit: its RSS
-levels off under the README's worst-case formula instead of growing with what it is sent.
+levels off under the worst-case formula of docs/reliability.md instead of growing with what it
+is sent.
 
 About 30 s: small limits (8 ranks, 8 MiB of history) so that each is reached within a
 few rounds, then as many rounds again to show nothing grows once they are.
@@ -89,7 +90,7 @@ def test_rss_levels_off_under_the_budget_once_every_limit_is_hit() -> None:
     held_records = sum(len(h["records"]) for h in held)
     assert HISTORY_BYTES / 2 <= held_records * record_bytes <= HISTORY_BYTES
     assert all(h["newest_held_step"] == 1 + ROUNDS * RECORDS_PER_BATCH for h in held[:-1])
-    # The README's formula at these limits, with the measured object sizes.
+    # The formula of docs/reliability.md at these limits, with the measured object sizes.
     per_rank = sizes["parsed_record_bytes"] + (SAMPLES_PER_WINDOW + 2) * sizes["sample_dicts_bytes"]
     transient = 32 * MiB  # a batch being parsed, a scrape, allocator slack
     bound = idle + RANKS * per_rank + HISTORY_BYTES + transient

@@ -9,7 +9,7 @@ channel. ``install(app)`` mounts them; ``create_app`` calls it.
 Vendored, unmodified, from npm (``npm pack``): ``uplot@1.6.32`` (MIT; ``dist/uPlot.iife.min.js``,
 ``dist/uPlot.min.css``) and ``swagger-ui-dist@5.35.0`` (Apache-2.0; the bundle, its CSS, its
 favicon, LICENSE, NOTICE and the bundle's third-party licence file). To update one, replace
-its files and the versions here and in the README.
+its files and the versions here and in docs/web-view.md.
 """
 
 from __future__ import annotations
