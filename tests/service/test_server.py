@@ -20,6 +20,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from support import free_port
 
+from ampscope.reporter.schema import HEARTBEAT_PATH, INGEST_PATH
+from ampscope.service.parse import MAX_JSON_DEPTH
+from ampscope.service.routes.heartbeat import MAX_HEARTBEAT_BYTES
+from service.routes.test_body_depth import deep
+
 HEADER_TIMEOUT_S = 2.0
 BODY_TIMEOUT_S = 2.0
 SLOWLORIS = 300
@@ -290,6 +295,34 @@ def test_killed_rank_mid_body_costs_one_log_line_and_a_count(server: Server) -> 
     assert len(lines) == 1, log[-3000:]
     assert "after 50001 of 100000 body bytes" in lines[0]
     assert "Traceback" not in log
+
+
+@pytest.mark.parametrize(
+    ("path", "payload"),
+    [
+        (INGEST_PATH, deep(50_000, "array")),
+        (INGEST_PATH, deep(50_000, "object")),
+        (HEARTBEAT_PATH, deep(MAX_HEARTBEAT_BYTES // 2, "array")),
+    ],
+    ids=["ingest-arrays", "ingest-objects", "heartbeat-arrays"],
+)
+def test_a_body_nested_too_deep_costs_a_400_and_at_most_a_log_line(
+    server: Server, path: str, payload: bytes
+) -> None:
+    log_before = server.log.read_text().splitlines()
+    before = server.rejections()["malformed"]
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        response = http.post(path, content=payload)
+        assert response.status_code == 400, response.text
+        assert (response.json()["limit"], response.json()["value"]) == (
+            "max_json_depth",
+            MAX_JSON_DEPTH,
+        )
+        assert http.get("/metrics").status_code == 200
+    assert server.rejections()["malformed"] == before + 1
+    log = server.log.read_text()
+    assert "Traceback" not in log
+    assert len(log.splitlines()) - len(log_before) <= 1, log[-3000:]
 
 
 def test_malformed_http_and_unknown_paths_answer_the_error_body(server: Server) -> None:
