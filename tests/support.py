@@ -22,6 +22,11 @@ import yaml
 
 IN_CI = os.environ.get("CI") == "true"
 
+DEADLOCK_GUARD_S = 30.0
+"""How long a test waits for something that must happen (a delivery, a process serving, a
+thread ending): only a hang gets there, so no verdict depends on the machine's speed. Waits
+that check something does NOT happen may be short: a slower machine only makes them pass."""
+
 
 def free_port() -> int:
     """A TCP port on loopback that was free a moment ago."""
