@@ -64,6 +64,15 @@ def _mutations() -> list[dict[str, Any] | bytes]:
     duplicate = _valid()
     duplicate["records"][4]["nonfinite_params"] = [{"name": "w", "count": 1}] * 2
     docs.append(duplicate)
+    shapes = _valid()
+    shapes["records"][3] = [2]
+    shapes["records"][4]["identity"] = "node0"
+    shapes["records"][5]["totals"]["found_inf_local"] = [1]
+    shapes["records"][6]["found_inf_local"] = {"cuda:0": 1}
+    shapes["records"][7]["step"] = True
+    shapes["records"][8]["scale_after"] = 3
+    shapes["records"][9]["step"] = 3.0
+    docs.append(shapes)
     huge = _valid()
     huge["records"][6]["step"] = 2**64 + 1  # past 64 bits: must not round through a float
     huge["dropped_records"] = 2**70
@@ -139,14 +148,14 @@ class _RecordSpy:
     and runs ``hook`` before it."""
 
     def __init__(self, hook: Any = None) -> None:
-        self.inputs: list[bytes] = []
+        self.inputs: list[Any] = []
         self.hook = hook
 
-    def model_validate_json(self, data: bytes) -> StepRecord:
+    def model_validate(self, data: Any) -> StepRecord:
         self.inputs.append(data)
         if self.hook is not None:
             self.hook(len(self.inputs))
-        return StepRecord.model_validate_json(data)
+        return StepRecord.model_validate(data)
 
 
 def test_large_bodies_are_validated_one_record_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -156,8 +165,7 @@ def test_large_bodies_are_validated_one_record_per_call(monkeypatch: pytest.Monk
     batch = parse_batch(raw)
     assert [r.step for r in batch.records] == list(range(1, 31))
     # Each call is handed one record, never the batch: the GIL is held one record at a time.
-    assert [StepRecord.model_validate_json(i).step for i in spy.inputs] == list(range(1, 31))
-    assert max(map(len, spy.inputs)) < len(raw.strip()) / 20
+    assert [record["step"] for record in spy.inputs] == list(range(1, 31))
 
 
 def test_other_threads_run_while_a_large_batch_is_validated(
