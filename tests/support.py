@@ -12,6 +12,7 @@ import time
 import traceback
 import urllib.request
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +91,17 @@ def stop_process(process: subprocess.Popen[bytes]) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+def rules_evaluated_after(prometheus_url: str, when: float) -> bool:
+    """Whether every rule group of the Prometheus at ``prometheus_url`` was last evaluated
+    after ``when`` (Unix time): what a sample scraped at ``when`` implies for the alerts is
+    then visible. Wait for it instead of sleeping an evaluation interval."""
+    groups = get_json(f"{prometheus_url}/api/v1/rules")["data"]["groups"]
+    return bool(groups) and all(
+        datetime.fromisoformat(group["lastEvaluation"].replace("Z", "+00:00")).timestamp() > when
+        for group in groups
+    )
 
 
 def start_prometheus(

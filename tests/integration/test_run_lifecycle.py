@@ -21,13 +21,19 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from support import DEADLOCK_GUARD_S, free_port, need_tool, start_prometheus, stop_process
+from support import (
+    DEADLOCK_GUARD_S,
+    free_port,
+    need_tool,
+    rules_evaluated_after,
+    start_prometheus,
+    stop_process,
+)
 
 from ampscope.demo.exporter import ExporterProcess
 
@@ -101,14 +107,6 @@ class Stack:
             (a["labels"]["alertname"], a["labels"].get("rank", ""), a["state"])
             for a in answer
             if a["labels"].get("run") == run
-        )
-
-    def evaluated_after(self, when: float) -> bool:
-        """Whether every rule group was last evaluated after ``when`` (Unix time)."""
-        groups = _get(f"{self.prometheus}/api/v1/rules")["data"]["groups"]
-        return bool(groups) and all(
-            datetime.fromisoformat(g["lastEvaluation"].replace("Z", "+00:00")).timestamp() > when
-            for g in groups
         )
 
     def query(self, expr: str) -> list[dict[str, Any]]:
@@ -213,7 +211,7 @@ def test_finished_runs_are_finished_ok_and_fire_nothing(stack: Stack) -> None:
     # Every rule group evaluated after the scrape that saw the run finished: an alert left
     # pending from the run's last steps is resolved by then.
     _until(
-        lambda: stack.evaluated_after(float(scraped["value"][1])),
+        lambda: rules_evaluated_after(stack.prometheus, float(scraped["value"][1])),
         "the rules were not evaluated after the finished scrape",
     )
     # Through several stale-after periods and rule evaluations: no alert, not even pending.

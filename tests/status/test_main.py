@@ -12,7 +12,7 @@ import urllib.request
 from collections.abc import Iterator
 
 import pytest
-from support import free_port
+from support import DEADLOCK_GUARD_S, free_port
 
 from ampscope.demo.exporter import ExporterProcess
 
@@ -71,7 +71,7 @@ def exporter() -> Iterator[str]:
         _train(process.url, "calm", 12, set())
         _train(process.url, "stormy", 12, {3, 6, 9, 12})
         _train(process.url, "collapsed", 12, set(range(2, 11)))
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + DEADLOCK_GUARD_S
         while True:
             with urllib.request.urlopen(process.url + "/api/v1/runs", timeout=5) as response:
                 runs = json.load(response)
@@ -178,12 +178,16 @@ def test_watch_redraws_until_interrupted(exporter: str) -> None:
         stdout=subprocess.PIPE,
         text=True,
     )  # fmt: skip
-    time.sleep(3)
+    assert process.stdout is not None
+    frames = 0
+    for line in process.stdout:  # each frame is flushed: read until the second one
+        frames += line.startswith("run calm: OK")
+        if frames == 2:
+            break
     process.send_signal(2)  # SIGINT, as Ctrl-C
-    out, _ = process.communicate(timeout=20)
+    out, _ = process.communicate(timeout=DEADLOCK_GUARD_S)
     assert process.returncode == 0
-    frames = [line for line in out.splitlines() if line.startswith("run calm: OK")]
-    assert len(frames) >= 2
+    assert frames == 2, out
 
 
 def test_default_url(monkeypatch: pytest.MonkeyPatch) -> None:
