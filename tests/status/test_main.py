@@ -119,6 +119,12 @@ def test_one_run_exits_with_its_health(exporter: str, run: str, code: int) -> No
     assert rank[3] == "12"
 
 
+def test_a_run_whose_ranks_all_finished_says_so(exporter: str) -> None:
+    # The scalers were closed: their final records marked every rank finished.
+    result = _status("calm", "--url", exporter)
+    assert "  ok   stalled_rank    no live ranks: 1 finished" in result.stdout.splitlines()
+
+
 def test_json_is_the_apis_answers(exporter: str) -> None:
     result = _status("stormy", "--json", "--url", exporter)
     assert result.returncode == 1
