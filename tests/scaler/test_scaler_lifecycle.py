@@ -48,7 +48,11 @@ def test_dropped_scalers_deliver_say_goodbye_and_leave_no_threads() -> None:
     with LoopbackExporter() as exporter:
         before = threading.active_count()
         for i in range(SCALERS):
-            reporter = HttpReporter(exporter.url, flush_interval=0.05, timeout=2.0)
+            # A dropped reporter has exit_timeout to deliver: a deadlock guard here, so
+            # that a loaded machine cannot turn a late delivery into a lost one.
+            reporter = HttpReporter(
+                exporter.url, flush_interval=0.05, timeout=2.0, exit_timeout=DEADLOCK_GUARD_S
+            )
             scaler = ampscope.GradScaler("cpu", reporter=reporter, run_id=f"gc-{i}")
             _train(scaler)
             del scaler, reporter  # a notebook re-running its cell
