@@ -59,7 +59,7 @@ def need_module(name: str) -> None:
     pytest.skip(message, allow_module_level=True)
 
 
-def get_json(url: str, timeout: float = 5.0) -> Any:
+def get_json(url: str, timeout: float = DEADLOCK_GUARD_S) -> Any:
     """GET ``url`` and decode its JSON answer."""
     with urllib.request.urlopen(url, timeout=timeout) as response:
         return json.load(response)

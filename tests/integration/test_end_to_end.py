@@ -48,7 +48,7 @@ ALL_OVERFLOWS = len(OVERFLOW_STEPS[0] | OVERFLOW_STEPS[1])
 
 
 def _text(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=10) as response:
+    with urllib.request.urlopen(url, timeout=DEADLOCK_GUARD_S) as response:
         return str(response.read().decode())
 
 
