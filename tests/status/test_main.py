@@ -73,7 +73,8 @@ def exporter() -> Iterator[str]:
         _train(process.url, "collapsed", 12, set(range(2, 11)))
         deadline = time.monotonic() + DEADLOCK_GUARD_S
         while True:
-            with urllib.request.urlopen(process.url + "/api/v1/runs", timeout=5) as response:
+            runs_url = process.url + "/api/v1/runs"
+            with urllib.request.urlopen(runs_url, timeout=DEADLOCK_GUARD_S) as response:
                 runs = json.load(response)
             if sorted((r["run"], r["newest_step"]) for r in runs) == sorted(
                 (run, 12) for run in RUNS
@@ -129,7 +130,9 @@ def test_json_is_the_apis_answers(exporter: str) -> None:
     result = _status("stormy", "--json", "--url", exporter)
     assert result.returncode == 1
     answer = json.loads(result.stdout)
-    with urllib.request.urlopen(exporter + "/api/v1/runs/stormy/health", timeout=5) as response:
+    with urllib.request.urlopen(
+        exporter + "/api/v1/runs/stormy/health", timeout=DEADLOCK_GUARD_S
+    ) as response:
         health = json.load(response)
     assert answer["health"]["verdicts"] == health["verdicts"]
     assert [r["totals"]["skipped_steps"] for r in answer["ranks"]] == [4]
