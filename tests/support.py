@@ -12,6 +12,7 @@ import time
 import traceback
 import urllib.request
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,11 @@ import torch.multiprocessing as mp
 import yaml
 
 IN_CI = os.environ.get("CI") == "true"
+
+DEADLOCK_GUARD_S = 30.0
+"""How long a test waits for something that must happen (a delivery, a process serving, a
+thread ending): only a hang gets there, so no verdict depends on the machine's speed. Waits
+that check something does NOT happen may be short: a slower machine only makes them pass."""
 
 
 def free_port() -> int:
@@ -53,7 +59,7 @@ def need_module(name: str) -> None:
     pytest.skip(message, allow_module_level=True)
 
 
-def get_json(url: str, timeout: float = 5.0) -> Any:
+def get_json(url: str, timeout: float = DEADLOCK_GUARD_S) -> Any:
     """GET ``url`` and decode its JSON answer."""
     with urllib.request.urlopen(url, timeout=timeout) as response:
         return json.load(response)
@@ -85,6 +91,17 @@ def stop_process(process: subprocess.Popen[bytes]) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+def rules_evaluated_after(prometheus_url: str, when: float) -> bool:
+    """Whether every rule group of the Prometheus at ``prometheus_url`` was last evaluated
+    after ``when`` (Unix time): what a sample scraped at ``when`` implies for the alerts is
+    then visible. Wait for it instead of sleeping an evaluation interval."""
+    groups = get_json(f"{prometheus_url}/api/v1/rules")["data"]["groups"]
+    return bool(groups) and all(
+        datetime.fromisoformat(group["lastEvaluation"].replace("Z", "+00:00")).timestamp() > when
+        for group in groups
+    )
 
 
 def start_prometheus(

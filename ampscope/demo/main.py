@@ -89,9 +89,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo. Returns 0 when every scenario drew the verdicts it expects, 1 when
-    one did not, 2 when the demo could not run (exporter or ranks failed)."""
+    one did not, 2 when the demo could not run (exporter or ranks failed), and 128 + the
+    signal's number when SIGINT (Ctrl-C: 130), SIGTERM (143) or SIGHUP (129) stopped it
+    before its verdict; with ``--keep-serving`` a signal after the verdict ends the serving
+    and the status is the verdict's. Every process the demo started has exited by then."""
     from ampscope.demo.exporter import DemoError
     from ampscope.demo.session import DemoOptions, run_demo
+    from ampscope.demo.signals import exit_status, stop_signals_interrupt
 
     try:
         options = DemoOptions(
@@ -106,10 +110,11 @@ def run(args: argparse.Namespace) -> int:
             progress_every=args.progress_every,
             run_prefix=args.run_prefix,
         )
-        return run_demo(options)
+        with stop_signals_interrupt():
+            return run_demo(options)
     except (DemoError, ValueError) as exc:
         print(f"ampscope demo: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("ampscope demo: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as interrupt:
+        print(f"ampscope demo: interrupted ({interrupt})", file=sys.stderr)
+        return exit_status(interrupt)

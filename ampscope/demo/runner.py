@@ -7,6 +7,7 @@ import queue
 import socket
 import time
 from collections.abc import Callable
+from typing import Any
 
 from ampscope.demo import trainer
 from ampscope.demo.exporter import DemoError
@@ -17,6 +18,28 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
+
+
+ABANDON_GRACE_S = 1.0
+"""Seconds abandoned ranks (a failure, a stop signal) get after SIGTERM before SIGKILL."""
+FINISH_GRACE_S = 10.0
+"""Seconds finished ranks get to exit on their own (closing their reporters)."""
+
+
+def _stop(processes: list[Any], finished: bool) -> None:
+    """Join the ranks; abandoned ones are sent SIGTERM at once, and any left after the
+    grace period (one deadline for all of them) SIGKILL."""
+    if not finished:
+        for process in processes:
+            if process.is_alive():
+                process.terminate()
+    deadline = time.monotonic() + (FINISH_GRACE_S if finished else ABANDON_GRACE_S)
+    for process in processes:
+        process.join(timeout=max(0.0, deadline - time.monotonic()))
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+            process.join()
 
 
 def run_ranks(
@@ -76,8 +99,4 @@ def run_ranks(
                 rank, formatted = payload
                 raise DemoError(f"rank {rank} failed:\n{formatted}")
     finally:
-        for process in processes:
-            process.join(timeout=10 if len(finished) == world_size else 1)
-            if process.is_alive():
-                process.kill()
-                process.join()
+        _stop(processes, finished=len(finished) == world_size)

@@ -12,6 +12,9 @@ from ampscope.demo.exporter import DemoError, ExporterProcess, get_json, is_heal
 from ampscope.demo.report import health_lines, missing_verdicts, rank_table, where_to_look
 from ampscope.demo.scenarios import SCENARIOS
 
+STOP_TIMEOUT_S = 3.0
+"""SIGTERM to the exporter, then SIGKILL after this long: with the ranks' second
+(``runner.ABANDON_GRACE_S``), the demo and its children end within 5 s of a stop signal."""
 MIN_STEPS = 30
 """The hotspot run's outliers come every 5th step and inf_hotspot needs 5 of them, with room
 for the collapse run's second half to pass skip_storm's minimum of 10 steps."""
@@ -117,9 +120,10 @@ def run_demo(options: DemoOptions, emit: Callable[[str], None] | None = None) ->
             raise DemoError(f"no exporter answers {base_url}/healthz (start one: ampscope serve)")
     else:
         exporter = ExporterProcess(options.port, stale_after=options.stale_after)
-        exporter.start()
         base_url = exporter.url
     try:
+        if exporter is not None:
+            exporter.start()  # inside the try: a signal during start-up stops it too
         run_ids = options.run_ids()
         out(
             f"ampscope demo: {options.ranks} CPU ranks, FSDP2 fully_shard, fp16 compute, "
@@ -161,15 +165,17 @@ def run_demo(options: DemoOptions, emit: Callable[[str], None] | None = None) ->
                 "view and these links (and point Prometheus or Grafana at it)."
             )
         if exporter is not None and options.keep_serving:
-            out(
-                f"The exporter keeps serving at {base_url} (log: {exporter.log_path}); "
-                "Ctrl-C stops it."
-            )
+            # From the line that says so on, Ctrl-C (or SIGTERM, SIGHUP) is the way serving
+            # ends: the status stays the verdict's.
             try:
+                out(
+                    f"The exporter keeps serving at {base_url} (log: {exporter.log_path}); "
+                    "Ctrl-C stops it."
+                )
                 exporter.wait()
             except KeyboardInterrupt:
                 out("")
         return 1 if missing else 0
     finally:
         if exporter is not None:
-            exporter.stop()
+            exporter.stop(STOP_TIMEOUT_S)

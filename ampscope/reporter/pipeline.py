@@ -14,6 +14,7 @@ import random
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ampscope.reporter.schema import (
@@ -96,6 +97,23 @@ class _Encoded:
     json: bytes
     identity: Identity
     step: int
+
+
+def retry_delay(
+    config: HttpReporterConfig,
+    failures: int,
+    retry_after: float | None,
+    jitter: Callable[[float, float], float] = random.uniform,
+) -> float:
+    """Seconds to wait after the ``failures``-th failure in a row: ``retry_initial``
+    doubling per failure up to ``retry_max``, scaled by ``jitter(0.5, 1.0)`` so that the
+    ranks of a node do not retry in lockstep, and at least a server's ``Retry-After``
+    (itself capped at ``retry_max``)."""
+    delay = min(config.retry_max, config.retry_initial * 2 ** (failures - 1))
+    delay *= jitter(0.5, 1.0)
+    if retry_after is not None:
+        delay = max(delay, min(retry_after, config.retry_max))
+    return delay
 
 
 class Pipeline:
@@ -468,10 +486,7 @@ class Pipeline:
                 URL_ENV,
                 URL_ENV,
             )
-        delay = min(self.config.retry_max, self.config.retry_initial * 2 ** (self.failures - 1))
-        delay *= random.uniform(0.5, 1.0)  # jitter: ranks of a node do not retry in lockstep
-        if result.retry_after is not None:
-            delay = max(delay, min(result.retry_after, self.config.retry_max))
+        delay = retry_delay(self.config, self.failures, result.retry_after)
         with self.cond:
             was_closing = self.closing
             end = min(time.monotonic() + delay, self.deadline)

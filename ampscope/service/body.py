@@ -14,6 +14,7 @@ from fastapi import Request
 from starlette.requests import ClientDisconnect
 
 from ampscope.service.errors import ApiError
+from ampscope.service.parse import MAX_JSON_DEPTH, TooDeep
 from ampscope.service.stats import IngestStats
 
 log = logging.getLogger("ampscope.service")
@@ -72,6 +73,11 @@ class BodyLimit:
     name: str = "max_body_bytes"
     """The setting (or fixed bound) named in the 413's ``limit``."""
     hint: str = "send fewer records per batch"
+
+
+def too_deep(exc: TooDeep) -> ApiError:
+    """The 400 for a body nested deeper than ``MAX_JSON_DEPTH`` (counted as ``malformed``)."""
+    return ApiError(400, "malformed", str(exc), limit="max_json_depth", value=MAX_JSON_DEPTH)
 
 
 def _too_large(limit: BodyLimit, seen: str) -> ApiError:

@@ -301,6 +301,20 @@ def lost_rank(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdi
     )
 
 
+def progress_summary(live: int, states: Sequence[RankStateName]) -> str:
+    """What an ok ``stalled_rank`` says: the live ranks making progress, and how many of
+    the others finished or were lost ("no live ranks: 4 finished" once all finished)."""
+    ended = [
+        f"{count} {state}"
+        for state in ("finished", "lost")
+        if (count := sum(1 for s in states if s == state))
+    ]
+    if live == 0:
+        return "no live ranks: " + ", ".join(ended) if ended else "no ranks"
+    progress = "the live rank is" if live == 1 else f"all {live} live ranks are"
+    return f"{progress} making progress" + (f" ({', '.join(ended)})" if ended else "")
+
+
 def stalled_rank(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
     """Warning when a rank is still heard from but took no new step for ``stall_after_s``.
 
@@ -316,7 +330,7 @@ def stalled_rank(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Ve
         return Verdict(
             rule="stalled_rank",
             status="ok",
-            summary=f"every live rank ({live}) is making progress",
+            summary=progress_summary(live, states),
             evidence={"stalled": 0, "live": live},
             thresholds=thresholds,
         )

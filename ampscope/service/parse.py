@@ -1,106 +1,73 @@
-"""Validating an ingest body without holding the GIL for seconds.
+"""Validating an ingest body without holding the GIL for seconds, nor recursing without bound.
 
 ``IngestBatch.model_validate_json`` is one call into pydantic-core (Rust) that holds the
 GIL throughout: about a CPU-second for a 7 MiB batch, during which no other thread, the
 event loop included, runs, so a worker thread alone does not keep /healthz responsive.
-Large bodies are therefore split into their records first and validated one record at
-a time (about half a millisecond each), letting the interpreter switch threads between
-records. Small bodies, and any body the splitter does not understand, take the one-call
-path, so both paths accept exactly the same documents.
+Large bodies are therefore parsed once by pydantic-core's own JSON parser
+(``pydantic_core.from_json``: a few tens of milliseconds for 7 MiB) and their records
+validated one at a time (about a tenth of a millisecond each), letting the interpreter
+switch threads between records. Small bodies, and any body whose records are not an
+array in an object, take the one-call path; both paths use the same parser, so they
+accept exactly the same documents.
+
+Depth is bounded by that parser, which never recurses past ``MAX_JSON_DEPTH``: a deeper
+body raises ``TooDeep`` on either path, whatever its size.
 """
 
 from __future__ import annotations
 
-import json
-from typing import Any
+from typing import Any, TypeVar
 
-from pydantic import ValidationError
-from pydantic_core import InitErrorDetails
+from pydantic import BaseModel, ValidationError
+from pydantic_core import InitErrorDetails, from_json, to_json
 
 from ampscope.reporter.schema import MAX_RECORDS_PER_BATCH, IngestBatch, StepRecord
 
 SPLIT_ABOVE_BYTES = 256 * 1024
 """Bodies up to this size are validated in one call (a few milliseconds)."""
 
-_WHITESPACE = " \t\n\r"
-_decoder = json.JSONDecoder()
+MAX_JSON_DEPTH = 200
+"""How deep a body's arrays and objects may nest inside its outermost one. pydantic-core's
+JSON parser (jiter) has this fixed recursion limit: ``[[…]]`` with 201 brackets parses,
+202 do not. A valid batch nests 4 deep."""
+
+_DEPTH_MESSAGE = "recursion limit exceeded"
+"""How pydantic-core's parser words a body nested past ``MAX_JSON_DEPTH``
+(``tests/service/test_parse.py`` fails if that changes)."""
+
+Model = TypeVar("Model", bound=BaseModel)
 
 
-class _Unsplittable(Exception):
-    """The body is not an object the splitter understands; use the one-call path."""
+class TooDeep(ValueError):
+    """The body nests arrays or objects deeper than ``MAX_JSON_DEPTH``."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__(
+            f"body nests arrays or objects deeper than max_json_depth={MAX_JSON_DEPTH} ({where})"
+        )
 
 
-def _skip(text: str, pos: int) -> int:
-    while pos < len(text) and text[pos] in _WHITESPACE:
-        pos += 1
-    return pos
+def _depth_error(message: str) -> TooDeep | None:
+    if _DEPTH_MESSAGE not in message:
+        return None
+    _, _, where = message.partition(_DEPTH_MESSAGE)
+    return TooDeep(where.strip() or "in the body")
 
 
-def _value_end(text: str, pos: int) -> int:
-    try:
-        return int(_decoder.raw_decode(text, pos)[1])
-    except ValueError:
-        raise _Unsplittable from None
-
-
-def split_batch(text: str) -> tuple[dict[str, str], list[str] | None]:
-    """Split a batch's JSON into its top-level members' JSON texts and, when ``records``
-    is an array, its elements' JSON texts (``None`` otherwise).
-
-    Costs one C-level JSON scan per record, with the GIL free between records.
+def validate_json(model: type[Model], body: bytes | str) -> Model:
+    """``model.model_validate_json(body)``, with a body nested too deep told apart.
 
     Raises:
-        _Unsplittable: not a JSON object, or a repeated member name.
+        TooDeep: nested deeper than ``MAX_JSON_DEPTH``.
+        ValidationError: any other invalid JSON (``json_invalid``) or schema violation.
     """
-    members: dict[str, str] = {}
-    records: list[str] | None = None
-    pos = _skip(text, 0)
-    if not text.startswith("{", pos):
-        raise _Unsplittable
-    pos = _skip(text, pos + 1)
-    if text.startswith("}", pos):
-        return members, records
-    while True:
-        if not text.startswith('"', pos):
-            raise _Unsplittable
-        end = _value_end(text, pos)
-        key = json.loads(text[pos:end])
-        pos = _skip(text, end)
-        if key in members or not text.startswith(":", pos):
-            raise _Unsplittable
-        pos = _skip(text, pos + 1)
-        start = pos
-        if key == "records" and text.startswith("[", pos):
-            records = []
-            pos = _skip(text, pos + 1)
-            if text.startswith("]", pos):
-                pos += 1
-            else:
-                while True:
-                    end = _value_end(text, pos)
-                    records.append(text[pos:end])
-                    if len(records) > MAX_RECORDS_PER_BATCH:
-                        raise _Unsplittable  # too long: let the one-call path say so
-                    pos = _skip(text, end)
-                    if text.startswith("]", pos):
-                        pos += 1
-                        break
-                    if not text.startswith(",", pos):
-                        raise _Unsplittable
-                    pos = _skip(text, pos + 1)
-            members[key] = "[]"
-        else:
-            pos = _value_end(text, pos)
-            members[key] = text[start:pos]
-        pos = _skip(text, pos)
-        if text.startswith("}", pos):
-            break
-        if not text.startswith(",", pos):
-            raise _Unsplittable
-        pos = _skip(text, pos + 1)
-    if _skip(text, pos + 1) != len(text):
-        raise _Unsplittable
-    return members, records
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        for error in exc.errors(include_url=False, include_input=False):
+            if error["type"] == "json_invalid" and (deep := _depth_error(error["msg"])):
+                raise deep from None
+        raise
 
 
 def _errors(exc: ValidationError, prefix: tuple[int | str, ...]) -> list[InitErrorDetails]:
@@ -116,35 +83,46 @@ def _errors(exc: ValidationError, prefix: tuple[int | str, ...]) -> list[InitErr
 
 
 def parse_batch(body: bytes) -> IngestBatch:
-    """``IngestBatch.model_validate_json(body)``, in slices for large bodies.
+    """``IngestBatch.model_validate_json(body)``, record by record for large bodies.
+
+    Call it from a worker thread: a large body costs one parse of the whole text (the
+    GIL held a few tens of milliseconds per 7 MiB), then one validation per record with
+    the GIL free between records.
 
     Raises:
+        TooDeep: the body nests deeper than ``MAX_JSON_DEPTH``.
         ValidationError: as ``IngestBatch.model_validate_json`` would: ``json_invalid``
             for a body that is not JSON, schema violations located in the batch otherwise.
     """
     if len(body) <= SPLIT_ABOVE_BYTES:
-        return IngestBatch.model_validate_json(body)
+        return validate_json(IngestBatch, body)
     try:
-        members, raw_records = split_batch(body.decode("utf-8"))
-    except (_Unsplittable, UnicodeDecodeError):
-        return IngestBatch.model_validate_json(body)
+        document = from_json(body)
+    except ValueError as exc:
+        if deep := _depth_error(str(exc)):
+            raise deep from None
+        return validate_json(IngestBatch, body)  # the exact 400
+    raw_records = document.get("records") if isinstance(document, dict) else None
+    if not isinstance(raw_records, list) or len(raw_records) > MAX_RECORDS_PER_BATCH:
+        return validate_json(IngestBatch, body)  # not a batch, or too long: as one call says
     errors: list[InitErrorDetails] = []
     records: list[StepRecord] = []
-    for index, raw in enumerate(raw_records or ()):
+    for index, raw in enumerate(raw_records):
+        # Python mode over the parser's values: the schema is strict and made of JSON's
+        # own types (no dates, enums or tuples, which strict Python mode would refuse as
+        # strings or lists), so it accepts and words errors as JSON mode does
+        # (tests/service/test_parse.py holds both paths to the same outcomes), and costs
+        # less than writing each record back to JSON text.
         try:
-            records.append(StepRecord.model_validate_json(raw))
+            records.append(StepRecord.model_validate(raw))
         except ValidationError as exc:
-            if any(e["type"] == "json_invalid" for e in exc.errors()):
-                return IngestBatch.model_validate_json(body)  # the exact 400
             errors.extend(_errors(exc, ("records", index)))
-    # The other members, validated in JSON mode as they were sent; one valid record
-    # stands in for the array so its length rule does not fire spuriously.
-    if raw_records:
-        members["records"] = f"[{raw_records[0]}]"
-    outer_text = "{" + ",".join(f"{json.dumps(k)}:{v}" for k, v in members.items()) + "}"
+    # The other members, validated in JSON mode as the one call would; one record stands
+    # in for the array so its length rule does not fire spuriously.
+    document["records"] = raw_records[:1]
     outer: IngestBatch | None = None
     try:
-        outer = IngestBatch.model_validate_json(outer_text)
+        outer = IngestBatch.model_validate_json(to_json(document, inf_nan_mode="constants"))
     except ValidationError as exc:
         errors[:0] = [
             e for e in _errors(exc, ()) if not (raw_records and e["loc"][:1] == ("records",))

@@ -17,7 +17,7 @@ import urllib.request
 from typing import Any
 
 import pytest
-from support import free_port
+from support import DEADLOCK_GUARD_S, free_port
 
 STEPS = 30
 PREFIX = "t"
@@ -34,7 +34,7 @@ def _demo(*args: str) -> subprocess.Popen[str]:
 
 
 def _get(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=5) as response:
+    with urllib.request.urlopen(url, timeout=DEADLOCK_GUARD_S) as response:
         return json.load(response)
 
 
@@ -86,7 +86,7 @@ def test_demo_trains_into_every_expected_verdict_and_keeps_serving() -> None:
         assert "<- ranks disagree" in text  # the desync run, live
         assert "Every scenario drew the verdicts it was built to provoke." in text
         assert f"web view      {base}/   (run page: {base}/run?id={PREFIX}-hotspot)" in text
-        with urllib.request.urlopen(f"{base}/", timeout=5) as page:
+        with urllib.request.urlopen(f"{base}/", timeout=DEADLOCK_GUARD_S) as page:
             assert "ampscope" in page.read().decode()
         for rule in ("inf_hotspot", "scale_collapse", "skip_storm", "scale_desync"):
             assert re.search(rf"(CRIT|WARN) {rule} .*\(expected\)", text), rule
@@ -121,7 +121,8 @@ def test_demo_trains_into_every_expected_verdict_and_keeps_serving() -> None:
         assert local[1] >= 1
         assert ranks[1]["totals"]["nonfinite_params"]
 
-        metrics = urllib.request.urlopen(f"{base}/metrics", timeout=5).read().decode()
+        with urllib.request.urlopen(f"{base}/metrics", timeout=DEADLOCK_GUARD_S) as answer:
+            metrics = answer.read().decode()
         # Half the run's forward passes overflowed: 15 halvings from 2^16.
         assert _metric(metrics, "ampscope_loss_scale", run=f"{PREFIX}-collapse", rank="0") == 2.0
         desync = [

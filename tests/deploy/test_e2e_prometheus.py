@@ -24,7 +24,15 @@ from deploy_files import (
     recording_rules,
     substitute,
 )
-from support import free_port, get_json, need_tool, start_prometheus, stop_process
+from support import (
+    DEADLOCK_GUARD_S,
+    free_port,
+    get_json,
+    need_tool,
+    rules_evaluated_after,
+    start_prometheus,
+    stop_process,
+)
 
 from ampscope.demo.exporter import ExporterProcess
 
@@ -104,14 +112,20 @@ def test_every_dashboard_and_alert_expression_returns_data(
     assert live, output
 
     # Then the ranks, done training, closed their scalers: every rank finished.
-    deadline = time.monotonic() + 20
-    while not prometheus.query(
-        'count(ampscope_rank_state{state="finished"} == 1) == count(ampscope_rank_up)',
-        time.time(),
+    deadline = time.monotonic() + DEADLOCK_GUARD_S
+    while not (
+        scraped := prometheus.query(
+            'timestamp(count(ampscope_rank_state{state="finished"} == 1)'
+            " == count(ampscope_rank_up))",
+            time.time(),
+        )
     ):
         assert time.monotonic() < deadline, "not every rank finished"
         time.sleep(0.5)
-    time.sleep(2)  # two rule evaluations after the scrape that saw them finished
+    # The rules evaluated after the scrape that saw them finished.
+    while not rules_evaluated_after(prometheus.url, float(scraped[0]["value"][1])):
+        assert time.monotonic() < deadline, "the rules were not evaluated since"
+        time.sleep(0.5)
     finished = time.time()
 
     def evaluate(expr: str) -> list[dict[str, Any]]:

@@ -50,14 +50,16 @@ FAULTY = "node-b"
 RANK_SCRIPT = Path(__file__).with_name("two_node_rank.py")
 STALE_AFTER_S = 60.0
 """Ranks stay up on their exporters while the test reads the verdicts."""
-VERDICTS_WITHIN_S = 200.0
-"""How long the lingering ranks wait for both engines' verdicts: vmalert's chained rules
-(rank -> run recording rules -> alert, each written back into VictoriaMetrics before the next
-reads it) lag the job by many seconds on a loaded machine."""
-QUIET_WITHIN_S = 45.0
-"""How long after the job finished every engine has to resolve all of its alerts."""
+VERDICTS_WITHIN_S = 300.0
+"""Deadlock guard of the lingering ranks' wait for both engines' verdicts: vmalert's chained
+rules (rank -> run recording rules -> alert, each written back into VictoriaMetrics before
+the next reads it) lag the job by many seconds on a loaded machine. Only a hang waits this
+long; the wait ends as soon as the verdicts are shown."""
+QUIET_WITHIN_S = 300.0
+"""Deadlock guard of the wait for every engine to resolve all of its alerts once the job
+finished; the wait ends as soon as they are quiet."""
 
-pytestmark = [pytest.mark.prometheus, pytest.mark.distributed, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.prometheus, pytest.mark.distributed, pytest.mark.timeout(900)]
 
 
 def query(base_url: str, expr: str, at: float) -> list[dict[str, Any]]:
@@ -185,6 +187,17 @@ def _newest_step(run_id: str) -> str:
     return f'ampscope_rank:loss_scale_aligned:newest_step{{run="{run_id}-desync"}}'
 
 
+def _verdicts_shown(watched: dict[str, Watched]) -> bool:
+    """Every engine showed both alerts active and, for vmalert, every recording rule
+    produced samples: all the test reads of the engines' own evaluation."""
+    if not all(w.both_active_at for w in watched.values()):
+        return False
+    vmalert = watched.get("vmalert")
+    return vmalert is None or (
+        set(vmalert.recorded) == set(recording_rules()) and all(vmalert.recorded.values())
+    )
+
+
 def _wait_for_verdicts(
     exporters: dict[str, ExporterProcess],
     prometheus: str,
@@ -192,10 +205,12 @@ def _wait_for_verdicts(
     agents: list[subprocess.Popen[bytes]],
     watched: dict[str, Watched],
 ) -> None:
-    """Returns once every rank lingers at its last step, every engine showed both alerts
-    active, and Prometheus records all four desync ranks at the same aligned step (which
-    holds while they linger: the per-node comparison reads it); or when an agent exited (the
-    caller reports it), or after VERDICTS_WITHIN_S (the assertions report what is missing)."""
+    """Returns once every rank lingers at its last step, every engine showed its verdicts
+    (``_verdicts_shown``), and Prometheus records all four desync ranks at the same aligned
+    step (which holds while they linger: the per-node comparison reads it); or when an agent
+    exited (the caller reports it), or after VERDICTS_WITHIN_S, a deadlock guard (the
+    assertions report what is missing). The ranks linger until then however slowly the
+    engines evaluate, so no verdict depends on the machine's speed."""
     deadline = time.monotonic() + VERDICTS_WITHIN_S
     lingering = False
     while time.monotonic() < deadline and all(agent.poll() is None for agent in agents):
@@ -204,11 +219,11 @@ def _wait_for_verdicts(
             lingering = lingering or _at_last_step(exporters, run_id)
             if (
                 lingering
-                and all(w.both_active_at for w in watched.values())
+                and _verdicts_shown(watched)
                 and query(prometheus, f"count({_newest_step(run_id)}) == 4", time.time())
             ):
                 return
-        time.sleep(0.5)
+        time.sleep(0.5)  # a poll interval: the conditions above are what is waited for
 
 
 def _start(command: list[str], log: Path, **kwargs: Any) -> subprocess.Popen[bytes]:

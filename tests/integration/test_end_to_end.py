@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from support import free_port, promtool_check_metrics, run_distributed
+from support import DEADLOCK_GUARD_S, free_port, promtool_check_metrics, run_distributed
 
 from ampscope.demo.exporter import ExporterProcess
 
@@ -48,7 +48,7 @@ ALL_OVERFLOWS = len(OVERFLOW_STEPS[0] | OVERFLOW_STEPS[1])
 
 
 def _text(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=10) as response:
+    with urllib.request.urlopen(url, timeout=DEADLOCK_GUARD_S) as response:
         return str(response.read().decode())
 
 
@@ -142,7 +142,7 @@ def _control_exporter(exporter: ExporterProcess, flags: Path, seen: dict[str, An
     try:
         _wait_for(flags / "kill")
         # Rank 1's default reporter sends every 0.5 s: wait until both ranks' steps arrived.
-        end = time.monotonic() + 20
+        end = time.monotonic() + DEADLOCK_GUARD_S
         while time.monotonic() < end:
             seen["before_kill"] = _samples(_text(exporter.url + "/metrics"))
             steps = [v for k, v in seen["before_kill"].items() if k[0] == "ampscope_steps_total"]

@@ -26,7 +26,14 @@ from typing import Any
 
 import pytest
 import yaml
-from support import free_port, need_tool, start_prometheus, stop_process
+from support import (
+    DEADLOCK_GUARD_S,
+    free_port,
+    need_tool,
+    rules_evaluated_after,
+    start_prometheus,
+    stop_process,
+)
 
 from ampscope.demo.exporter import ExporterProcess
 
@@ -39,11 +46,13 @@ SCRIPT = Path(__file__).parent / "lifecycle_rank.py"
 
 
 def _get(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=5) as response:
+    with urllib.request.urlopen(url, timeout=DEADLOCK_GUARD_S) as response:
         return json.load(response)
 
 
-def _until(check: Callable[[], Any], what: str, timeout: float) -> Any:
+def _until(check: Callable[[], Any], what: str, timeout: float = DEADLOCK_GUARD_S) -> Any:
+    """``check()``'s first true value, polled every 0.2 s; fails after ``timeout`` (a
+    deadlock guard: conditions are waited for, never given a window)."""
     deadline = time.monotonic() + timeout
     while True:
         value = check()
@@ -184,7 +193,6 @@ def test_finished_runs_are_finished_ok_and_fire_nothing(stack: Stack) -> None:
         _until(
             lambda run=run: stack.state(run) == "finished",
             f"{run} not finished: {_get(f'{stack.exporter}/api/v1/runs/{run}/ranks')} {outputs}",
-            5,
         )
     report = stack.health("lc-clean")
     assert (report["status"], report["state"]) == ("ok", "finished")
@@ -193,15 +201,21 @@ def test_finished_runs_are_finished_ok_and_fire_nothing(stack: Stack) -> None:
     report = stack.health("lc-collapse")
     assert report["state"] == "finished"
     assert {v["rule"]: v["status"] for v in report["verdicts"]}["scale_collapse"] == "critical"
-    _until(
-        lambda: stack.query('ampscope_rank_state{run="lc-collapse", state="finished"} == 1'),
+    (scraped,) = _until(
+        lambda: stack.query(
+            'timestamp(ampscope_rank_state{run="lc-collapse", state="finished"} == 1)'
+        ),
         "prometheus did not scrape the finished state",
-        10,
     )
     assert stack.query('ampscope_loss_scale{run="lc-collapse"} < 1'), "the scale collapsed"
+    # Every rule group evaluated after the scrape that saw the run finished: an alert left
+    # pending from the run's last steps is resolved by then.
+    _until(
+        lambda: rules_evaluated_after(stack.prometheus, float(scraped["value"][1])),
+        "the rules were not evaluated after the finished scrape",
+    )
     # Through several stale-after periods and rule evaluations: no alert, not even pending.
     end = time.monotonic() + 3 * STALE_AFTER + 2
-    time.sleep(1.5)  # one evaluation after the scrape that saw the collapsed run finished
     while time.monotonic() < end:
         assert stack.alerts("lc-collapse") == []
         seen_for_clean.update(stack.alerts("lc-clean"))
@@ -224,7 +238,7 @@ def test_a_rank_pausing_for_several_stale_periods_is_never_lost(stack: Stack) ->
         assert process.returncode == 0
     finally:
         _stop(process)
-    _until(lambda: stack.state("lc-pause") == "finished", "not finished", 5)
+    _until(lambda: stack.state("lc-pause") == "finished", "not finished")
     assert "lost" not in seen, seen
     # Paused past --stall-after: stalled (then running for its last steps, often too briefly
     # for a poll to see), never lost.
@@ -235,10 +249,10 @@ def test_a_sigkilled_rank_is_lost_and_the_alert_fires(stack: Stack) -> None:
     process = stack.rank("lc-killed", "hang")
     try:
         _ready(process)
-        _until(lambda: stack.state("lc-killed") == "running", "not running", 5)
+        _until(lambda: stack.state("lc-killed") == "running", "not running")
         os.kill(process.pid, signal.SIGKILL)
         started = time.monotonic()
-        _until(lambda: stack.state("lc-killed") == "lost", "not lost", STALE_AFTER + 3)
+        _until(lambda: stack.state("lc-killed") == "lost", "not lost")
         assert time.monotonic() - started >= STALE_AFTER - 0.6  # not before --stale-after
     finally:
         _stop(process)
@@ -248,7 +262,6 @@ def test_a_sigkilled_rank_is_lost_and_the_alert_fires(stack: Stack) -> None:
     firing = _until(
         lambda: ("AmpscopeRankLost", "0", "firing") in stack.alerts("lc-killed"),
         "AmpscopeRankLost did not fire",
-        15,
     )
     assert firing
     assert not [a for a in stack.alerts("lc-killed") if a[0] != "AmpscopeRankLost"]
@@ -271,7 +284,7 @@ def test_a_hang_before_a_collective_stalls_both_ranks_and_names_the_culprit(
             verdict: dict[str, Any] = verdicts["stalled_rank"]
             return verdict if verdict["evidence"].get("culprit") else None
 
-        verdict = _until(stalled, "both ranks did not stall", STALL_AFTER + 10)
+        verdict = _until(stalled, "both ranks did not stall")
         assert [stack.state("lc-hang", r) for r in (0, 1)] == ["stalled", "stalled"]
         assert verdict["evidence"]["stalled"] == 2
         assert verdict["evidence"]["culprit"]["rank"] == 1
@@ -292,10 +305,10 @@ def test_an_idle_rank_reappears_after_an_exporter_restart_and_is_never_lost() ->
     process = stack.rank("lc-restart", "idle")
     try:
         totals = _own_totals(process)
-        _until(lambda: stack.state("lc-restart") == "running", "not running", 10)
+        _until(lambda: stack.state("lc-restart") == "running", "not running")
         exporter.kill()  # its memory is lost
         exporter.start()
-        view = _until(lambda: stack.view("lc-restart"), "the rank did not reappear", 5)
+        view = _until(lambda: stack.view("lc-restart"), "the rank did not reappear")
         assert view["state"] in ("running", "stalled")
         assert (view["step"], view["totals"], view["restarts"]) == (6, totals, 0)
         # Idle for longer than --stall-after and several --stale-after: stalled, never lost.
@@ -323,13 +336,13 @@ def test_a_rank_closing_after_an_exporter_restart_ends_finished() -> None:
     process = stack.rank("lc-restart-close", "idle")
     try:
         totals = _own_totals(process)
-        _until(lambda: stack.state("lc-restart-close") == "running", "not running", 10)
+        _until(lambda: stack.state("lc-restart-close") == "running", "not running")
         exporter.kill()
         exporter.start()
         assert process.stdin is not None
         process.stdin.close()  # the rank exits normally: the final heartbeat at exit
         assert process.wait(30) == 0
-        view = _until(lambda: stack.view("lc-restart-close"), "the rank did not reappear", 5)
+        view = _until(lambda: stack.view("lc-restart-close"), "the rank did not reappear")
         assert (view["state"], view["step"], view["totals"]) == ("finished", 6, totals)
     finally:
         _stop(process)

@@ -7,10 +7,13 @@ import time
 import urllib.request
 from typing import Any
 
+from support import DEADLOCK_GUARD_S
 from workers import INJECT_STEPS, STEPS, Net, inject_rank
 
 
-def exporter_ranks(url: str, run: str, world_size: int, timeout: float = 20.0) -> list[Any]:
+def exporter_ranks(
+    url: str, run: str, world_size: int, timeout: float = DEADLOCK_GUARD_S
+) -> list[Any]:
     """The exporter's view of ``run``'s ranks once all have reported every step."""
     end = time.monotonic() + timeout
     ranks: list[Any] = []

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from support import DEADLOCK_GUARD_S
+
 from ampscope.reporter.schema import (
     HEARTBEAT_PATH,
     INGEST_PATH,
@@ -169,7 +171,9 @@ class LoopbackExporter:
         with self._lock:
             return [r.batch for r in self.received if r.status == 200 and r.batch is not None]
 
-    def wait_until(self, predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
+    def wait_until(self, predicate: Callable[[], bool], timeout: float = DEADLOCK_GUARD_S) -> bool:
+        """Whether ``predicate`` came true within ``timeout`` (polled every 10 ms). Pass a
+        short ``timeout`` only to check that something does not happen."""
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             if predicate():

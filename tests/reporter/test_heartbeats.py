@@ -5,16 +5,44 @@ from __future__ import annotations
 
 import logging
 import time
+from types import SimpleNamespace
 
+import pytest
 from loopback_server import LoopbackExporter, make_record
-from support import free_port
+from support import DEADLOCK_GUARD_S, free_port
 
+from ampscope.reporter import pipeline
 from ampscope.reporter.http import HttpReporter
 
 FAST = {"retry_initial": 0.02, "retry_max": 0.1, "timeout": 2.0, "flush_interval": 0.05}
 
 
-def test_idle_rank_beats_as_often_as_the_exporter_asks_then_says_goodbye() -> None:
+class SteeredClock:
+    """The reporter pipeline's ``time.monotonic``: the real clock until frozen, then moved
+    by hand only, so that what is due when does not depend on the machine's speed."""
+
+    def __init__(self) -> None:
+        self.frozen_at: float | None = None
+
+    def __call__(self) -> float:
+        return time.monotonic() if self.frozen_at is None else self.frozen_at
+
+    def freeze(self) -> None:
+        self.frozen_at = time.monotonic()
+
+    def advance(self, seconds: float) -> None:
+        assert self.frozen_at is not None
+        self.frozen_at += seconds
+
+    def thaw(self) -> None:
+        self.frozen_at = None
+
+
+def test_idle_rank_beats_as_often_as_the_exporter_asks_then_says_goodbye(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = SteeredClock()
+    monkeypatch.setattr(pipeline, "time", SimpleNamespace(monotonic=clock, time=time.time))
     with LoopbackExporter() as exporter:
         exporter.heartbeat_interval_s = 0.1  # a quarter of a 0.4 s --stale-after
         reporter = HttpReporter(exporter.url, heartbeat_interval=30.0, **FAST)
@@ -24,21 +52,25 @@ def test_idle_rank_beats_as_often_as_the_exporter_asks_then_says_goodbye() -> No
             )  # no record yet
             reporter.emit(make_record(1))
             reporter.emit(make_record(2))
-            assert reporter.flush(timeout=3)
-            # Idle from here on: heartbeats at least every 0.1 s (not the configured 30 s).
-            started = time.monotonic()
-            assert exporter.wait_until(lambda: len(exporter.heartbeats) >= 5, timeout=3)
-            assert time.monotonic() - started < 1.5
+            assert reporter.flush(timeout=DEADLOCK_GUARD_S)
+            # Idle from here on: heartbeats every 0.1 s as asked, not the configured 30 s
+            # (at 30 s, 5 beats would take longer than the guard).
+            assert exporter.wait_until(lambda: len(exporter.heartbeats) >= 5)
+            assert reporter._pipeline.heartbeat_interval == 0.1
             assert not any(beat.final for beat in exporter.heartbeats)
             beat = exporter.heartbeats[-1]
             assert (beat.identity.run, beat.identity.rank, beat.step) == ("run-a", 0, 2)
-            # Records flowing again replace heartbeats.
+            # Records flowing again replace heartbeats: one record per 0.06 s of the
+            # reporter's clock, 1.6 s in all, and never 0.1 s without one.
+            clock.freeze()
             before = len(exporter.heartbeats)
             for step in range(3, 30):
+                clock.advance(0.06)
                 reporter.emit(make_record(step))
-                time.sleep(0.01)
-            assert len(exporter.heartbeats) - before <= 1
+                assert reporter.flush(timeout=DEADLOCK_GUARD_S)
+            assert len(exporter.heartbeats) - before <= 1  # one may have been due at freeze
         finally:
+            clock.thaw()
             reporter.close()
         assert exporter.events[-1] == "final"
         assert exporter.events.count("final") == 1
@@ -64,11 +96,10 @@ def test_close_with_the_exporter_down_returns_within_about_a_second_by_default(c
     reporter = HttpReporter(url, **FAST)
     for step in range(1, 11):
         reporter.emit(make_record(step))
-    time.sleep(0.2)
     started = time.monotonic()
-    reporter.close()
-    elapsed = time.monotonic() - started
-    assert elapsed < 1.5, f"close() took {elapsed:.2f}s"
+    reporter.close()  # retries for ever without its 1 s deadline: the guard would tell
+    assert time.monotonic() - started < DEADLOCK_GUARD_S
+    reporter._pipeline.thread.join(DEADLOCK_GUARD_S)
     assert (reporter.sent, reporter.dropped) == (0, 10)
     (message,) = [r.getMessage() for r in caplog.records if "cannot deliver" in r.getMessage()]
     assert f"cannot deliver to {url}" in message
@@ -90,8 +121,8 @@ def test_an_idle_rank_sends_its_newest_record_again_to_a_restarted_exporter() ->
         try:
             for step in range(1, 8):
                 reporter.emit(make_record(step))
-            assert reporter.flush(timeout=3)
-            assert exporter.wait_until(lambda: "beat" in exporter.events, timeout=3)
+            assert reporter.flush(timeout=DEADLOCK_GUARD_S)
+            assert exporter.wait_until(lambda: "beat" in exporter.events, timeout=DEADLOCK_GUARD_S)
             _restart_forgetting(exporter)
             before = len(exporter.events)
             # The first beat is not applied; the newest record (cumulative totals) follows
@@ -114,7 +145,7 @@ def test_a_rank_closing_after_an_exporter_restart_still_ends_finished() -> None:
         reporter = HttpReporter(exporter.url, **FAST)  # beats every 10 s: none before close
         for step in range(1, 5):
             reporter.emit(make_record(step))
-        assert reporter.flush(timeout=3)
+        assert reporter.flush(timeout=DEADLOCK_GUARD_S)
         _restart_forgetting(exporter)
         reporter.close()
         assert exporter.events[-3:] == ["final?", "records", "final"], exporter.events
@@ -128,11 +159,11 @@ def test_an_exporter_refusing_the_resent_record_gets_one_per_heartbeat_at_most()
         reporter = HttpReporter(exporter.url, **FAST)
         try:
             reporter.emit(make_record(1))
-            assert reporter.flush(timeout=3)
+            assert reporter.flush(timeout=DEADLOCK_GUARD_S)
             exporter.forget()
             exporter.fail_next(503, times=1_000_000)  # every resend fails
-            time.sleep(1.0)
-            beats = len([e for e in exporter.events if e == "beat?"])
+            assert exporter.wait_until(lambda: exporter.events.count("beat?") >= 5)
+            beats = exporter.events.count("beat?")
             resends = len(exporter.received) - 1
         finally:
             reporter.close()

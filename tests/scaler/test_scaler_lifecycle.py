@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 from helpers import ListSink, Net, run
-from support import free_port
+from support import DEADLOCK_GUARD_S, free_port
 
 import ampscope
 from ampscope.reporter.http import HttpReporter
@@ -44,16 +44,20 @@ def _wait_for_no_ampscope_threads(timeout: float) -> list[threading.Thread]:
 
 
 def test_dropped_scalers_deliver_say_goodbye_and_leave_no_threads() -> None:
-    assert _wait_for_no_ampscope_threads(5) == [], "threads left over by an earlier test"
+    assert _wait_for_no_ampscope_threads(DEADLOCK_GUARD_S) == [], "threads left by a test"
     with LoopbackExporter() as exporter:
         before = threading.active_count()
         for i in range(SCALERS):
-            reporter = HttpReporter(exporter.url, flush_interval=0.05, timeout=2.0)
+            # A dropped reporter has exit_timeout to deliver: a deadlock guard here, so
+            # that a loaded machine cannot turn a late delivery into a lost one.
+            reporter = HttpReporter(
+                exporter.url, flush_interval=0.05, timeout=2.0, exit_timeout=DEADLOCK_GUARD_S
+            )
             scaler = ampscope.GradScaler("cpu", reporter=reporter, run_id=f"gc-{i}")
             _train(scaler)
             del scaler, reporter  # a notebook re-running its cell
         gc.collect()
-        left = _wait_for_no_ampscope_threads(10)
+        left = _wait_for_no_ampscope_threads(DEADLOCK_GUARD_S)
         assert left == [], [t.name for t in left]
         assert threading.active_count() <= before
         # Every dropped scaler delivered its records and then its final record.
@@ -71,14 +75,14 @@ def test_torch_scalers_leave_no_threads_either() -> None:
     assert threading.active_count() <= before
 
 
-def test_close_with_the_exporter_down_returns_within_about_a_second(monkeypatch) -> None:
+def test_close_with_the_exporter_down_returns_and_stops_its_threads(monkeypatch) -> None:
     monkeypatch.setenv("AMPSCOPE_URL", f"http://127.0.0.1:{free_port()}")
     scaler = ampscope.GradScaler("cpu")  # reporter="auto": to AMPSCOPE_URL
     _train(scaler, 5)
     started = time.monotonic()
-    scaler.close()
-    elapsed = time.monotonic() - started
-    assert elapsed < 1.5, f"scaler.close() took {elapsed:.2f}s"
+    scaler.close()  # retries for ever without its deadline: the guard would tell
+    assert time.monotonic() - started < DEADLOCK_GUARD_S
+    assert _wait_for_no_ampscope_threads(DEADLOCK_GUARD_S) == []
 
 
 def test_snapshot_pickles_converts_to_dict_and_json() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ampscope.reporter.schema import StepRecord
-from ampscope.service.health import Thresholds, evaluate
+from ampscope.service.health import Thresholds, evaluate, progress_summary
 from ampscope.service.ranks import RankSnapshot, RankState
 from service.factory import T0, record, totals, watch
 
@@ -340,3 +340,28 @@ def test_thresholds_validate() -> None:
         Thresholds(collapse_factor=1.0)
     with pytest.raises(ValueError, match="hotspot_share"):
         Thresholds(hotspot_share=0.0)
+
+
+@pytest.mark.parametrize(
+    ("live", "states", "summary"),
+    [
+        (0, ["finished"] * 4, "no live ranks: 4 finished"),
+        (0, ["finished", "finished", "finished", "lost"], "no live ranks: 3 finished, 1 lost"),
+        (0, ["lost", "lost"], "no live ranks: 2 lost"),
+        (0, [], "no ranks"),
+        (1, ["running"], "the live rank is making progress"),
+        (3, ["running"] * 3 + ["finished"], "all 3 live ranks are making progress (1 finished)"),
+        (2, ["running", "running", "lost", "finished"], "all 2 live ranks are making progress"
+         " (1 finished, 1 lost)"),
+    ],
+)  # fmt: skip
+def test_progress_summary_says_what_is_true(live: int, states: list, summary: str) -> None:
+    assert progress_summary(live, states) == summary
+
+
+def test_a_run_whose_ranks_went_quiet_has_no_live_rank_making_progress() -> None:
+    quiet = [_run(0, [65536.0], now=T0), _run(1, [65536.0], now=T0)]
+    v = _verdict(quiet, "stalled_rank", now=T0 + T.stale_after_s + 1)
+    assert (v["status"], v["summary"]) == ("ok", "no live ranks: 2 lost")
+    v = _verdict([_run(0, [65536.0], now=T0)], "stalled_rank", now=T0)
+    assert v["summary"] == "the live rank is making progress"

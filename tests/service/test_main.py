@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from support import free_port
+from support import DEADLOCK_GUARD_S, free_port
 
 from ampscope.cli import main
 from ampscope.service import main as serve
@@ -77,7 +77,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         proc.wait(10)
 
 
-def _raw(port: int, request: bytes, body_chunks: list[bytes] = (), timeout: float = 5.0) -> bytes:
+def _raw(
+    port: int, request: bytes, body_chunks: list[bytes] = (), timeout: float = DEADLOCK_GUARD_S
+) -> bytes:
     """Send a hand-written HTTP request, then the body chunks as far as the server reads
     them; return whatever the server answered."""
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
@@ -145,11 +147,10 @@ def test_bad_requests_over_a_real_socket_then_still_serving(server: Server) -> N
         + TOKEN.encode()
         + b"\r\nContent-Type: application/json\r\n"
     )
-    # Declares 10 GB and sends none of it: answered at once, without waiting for the body.
-    started = time.monotonic()
+    # Declares 10 GB and sends none of it: a 413, not the 408 that waiting for the body
+    # would end in.
     answer = _raw(server.port, head + b"Content-Length: 10000000000\r\n\r\n")
     assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
-    assert time.monotonic() - started < 3
     # Chunked and endless: cut off once past the limit.
     chunk = b"%x\r\n%s\r\n" % (16384, b" " * 16384)
     answer = _raw(server.port, head + b"Transfer-Encoding: chunked\r\n\r\n", [chunk] * 64)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -18,7 +19,12 @@ from pathlib import Path
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from support import free_port
+from support import DEADLOCK_GUARD_S, free_port
+
+from ampscope.reporter.schema import HEARTBEAT_PATH, INGEST_PATH
+from ampscope.service.parse import MAX_JSON_DEPTH
+from ampscope.service.routes.heartbeat import MAX_HEARTBEAT_BYTES
+from service.routes.test_body_depth import deep
 
 HEADER_TIMEOUT_S = 2.0
 BODY_TIMEOUT_S = 2.0
@@ -27,7 +33,6 @@ STALLED = 100
 STALLED_DECLARED = 64 * 1024
 INFLIGHT = 2 * 1024 * 1024
 """Room for 32 stalled 64 KiB uploads: the others are turned away with 429 at once."""
-ATTACK_S = 6.0
 MAX_CONNECTIONS = 600
 
 
@@ -48,7 +53,7 @@ class Server:
         return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
 
     def rejections(self) -> dict[str, float]:
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        text = httpx.get(f"{self.url}/metrics", timeout=DEADLOCK_GUARD_S).text
         (family,) = [
             f
             for f in text_string_to_metric_families(text)
@@ -71,7 +76,7 @@ def serve(tmp_path: Path, *args: str) -> Iterator[Server]:
         )
     server = Server(port, proc, log)
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + DEADLOCK_GUARD_S
         while True:
             with contextlib.suppress(httpx.TransportError):
                 if httpx.get(f"{server.url}/healthz", timeout=1).status_code == 200:
@@ -102,8 +107,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 def _connect(port: int) -> socket.socket:
-    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
-    sock.settimeout(5)
+    sock = socket.create_connection(("127.0.0.1", port), timeout=DEADLOCK_GUARD_S)
+    sock.settimeout(DEADLOCK_GUARD_S)
     return sock
 
 
@@ -216,25 +221,36 @@ class Attack:
             sock.close()
 
 
+ATTACK_GUARD_S = 180.0
+"""Deadlock guard of the attack: it runs until every attacking connection was cut once."""
+
+
 def test_slowloris_and_stalled_uploads_cannot_hold_the_exporter(server: Server) -> None:
     before = server.rejections()
     rss_before, fds_before = server.rss_mib(), server.open_fds()
     latencies: dict[str, list[float]] = {"/healthz": [], "/metrics": []}
     rss_peak = rss_before
-    with Attack(server.port) as attack, httpx.Client(base_url=server.url, timeout=10) as http:
+    with (
+        Attack(server.port) as attack,
+        httpx.Client(base_url=server.url, timeout=DEADLOCK_GUARD_S) as http,
+    ):
         assert server.open_fds() >= fds_before + SLOWLORIS  # the attack is really in place
-        deadline = time.monotonic() + ATTACK_S
-        while time.monotonic() < deadline:
+        # Probed until the timeouts cut every attacking connection once, however long a
+        # loaded machine takes; every probe must be answered meanwhile.
+        deadline = time.monotonic() + ATTACK_GUARD_S
+        while attack.cut["slow"] < SLOWLORIS or attack.cut["stalled"] < STALLED:
+            assert time.monotonic() < deadline, f"connections cut so far: {attack.cut}"
             for path, samples in latencies.items():
                 started = time.perf_counter()
                 assert http.get(path).status_code == 200
                 samples.append(time.perf_counter() - started)
             rss_peak = max(rss_peak, server.rss_mib())
-            time.sleep(0.01)
+            time.sleep(0.01)  # probe pacing
         attack.stop()
-        # Stop dribbling: every connection still open gets its 408 within the timeout.
-        answers = [_answer(s, HEADER_TIMEOUT_S + 3) for s in attack.slow]
-        stalled_answers = [_answer(s, BODY_TIMEOUT_S + 3) for s in attack.stalled]
+        # Stop dribbling: every connection still open gets its 408 from the timeouts.
+        answers = [_answer(s, DEADLOCK_GUARD_S) for s in attack.slow]
+        stalled_answers = [_answer(s, DEADLOCK_GUARD_S) for s in attack.stalled]
+    # For the reader only: latency is not a verdict here (it depends on the machine).
     p99 = {path: _p99(samples) * 1e3 for path, samples in latencies.items()}
     print(
         f"\nattack: {attack.opened} opened, {attack.cut} cut while dribbling; "
@@ -249,12 +265,9 @@ def test_slowloris_and_stalled_uploads_cannot_hold_the_exporter(server: Server) 
     assert _error_body(answers[0])["error"] == "header_timeout"
     assert {_status(a) for a in stalled_answers} <= {408, 429}
     assert 408 in {_status(a) for a in stalled_answers}
-    # Generous bounds (a loaded 2-core CI box); the real figures are printed above.
-    assert p99["/healthz"] < 1000
-    assert p99["/metrics"] < 1000
     assert rss_peak - rss_before < 150
     # All closed: the exporter's descriptors are back to where they were.
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + DEADLOCK_GUARD_S
     while server.open_fds() > fds_before + 5 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert server.open_fds() <= fds_before + 5
@@ -278,28 +291,56 @@ def test_killed_rank_mid_body_costs_one_log_line_and_a_count(server: Server) -> 
     rank = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
     assert rank.stdout is not None
     assert rank.stdout.readline() == b"sent\n"
-    time.sleep(0.2)
     rank.send_signal(signal.SIGKILL)
-    rank.wait(10)
-    deadline = time.monotonic() + 5
+    rank.wait(DEADLOCK_GUARD_S)
+    deadline = time.monotonic() + DEADLOCK_GUARD_S
     while server.rejections()["client_disconnect"] == before and time.monotonic() < deadline:
         time.sleep(0.1)
     assert server.rejections()["client_disconnect"] == before + 1
     log = server.log.read_text()
     lines = [line for line in log.splitlines() if "disconnected after" in line]
     assert len(lines) == 1, log[-3000:]
-    assert "after 50001 of 100000 body bytes" in lines[0]
+    # How much of the body the server read before the end depends on scheduling.
+    assert re.search(r"after \d+ of 100000 body bytes", lines[0]), lines[0]
     assert "Traceback" not in log
+
+
+@pytest.mark.parametrize(
+    ("path", "payload"),
+    [
+        (INGEST_PATH, deep(50_000, "array")),
+        (INGEST_PATH, deep(50_000, "object")),
+        (HEARTBEAT_PATH, deep(MAX_HEARTBEAT_BYTES // 2, "array")),
+    ],
+    ids=["ingest-arrays", "ingest-objects", "heartbeat-arrays"],
+)
+def test_a_body_nested_too_deep_costs_a_400_and_at_most_a_log_line(
+    server: Server, path: str, payload: bytes
+) -> None:
+    log_before = server.log.read_text().splitlines()
+    before = server.rejections()["malformed"]
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        response = http.post(path, content=payload)
+        assert response.status_code == 400, response.text
+        assert (response.json()["limit"], response.json()["value"]) == (
+            "max_json_depth",
+            MAX_JSON_DEPTH,
+        )
+        assert http.get("/metrics").status_code == 200
+    assert server.rejections()["malformed"] == before + 1
+    log = server.log.read_text()
+    assert "Traceback" not in log
+    assert len(log.splitlines()) - len(log_before) <= 1, log[-3000:]
 
 
 def test_malformed_http_and_unknown_paths_answer_the_error_body(server: Server) -> None:
     sock = _connect(server.port)
     sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")
-    answer = _answer(sock, 5)
+    answer = _answer(sock, DEADLOCK_GUARD_S)
     sock.close()
     assert _status(answer) == 400
     assert _error_body(answer)["error"] == "malformed"
-    with httpx.Client(base_url=server.url, timeout=10) as http:
+    with httpx.Client(base_url=server.url, timeout=DEADLOCK_GUARD_S) as http:
         response = http.get("/nope")
         assert response.status_code == 404
         assert response.json()["error"] == "not_found"
@@ -310,12 +351,15 @@ def test_malformed_http_and_unknown_paths_answer_the_error_body(server: Server) 
 
 def test_connection_cap_answers_503_then_recovers(tmp_path: Path) -> None:
     cap = 40
-    with serve(tmp_path, "--max-connections", str(cap), "--header-timeout", "2") as srv:
+    # The idle connections must still be open when the last one comes: the header timeout
+    # is a deadlock guard, not a race.
+    header_timeout = "10"
+    with serve(tmp_path, "--max-connections", str(cap), "--header-timeout", header_timeout) as srv:
         idle = [_connect(srv.port) for _ in range(cap)]
-        time.sleep(0.3)
+        # Accepted in the order they came: the server counts the idle ones first.
         sock = _connect(srv.port)
         sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-        answer = _answer(sock, 5)
+        answer = _answer(sock, DEADLOCK_GUARD_S)
         sock.close()
         assert _status(answer) == 503, answer
         assert b"retry-after: 1" in answer.lower()
@@ -326,10 +370,10 @@ def test_connection_cap_answers_503_then_recovers(tmp_path: Path) -> None:
             cap,
         )
         # The idle connections are cut by the header timeout; then it serves again.
-        assert all(_status(_answer(s, 5)) == 408 for s in idle)
+        assert all(_status(_answer(s, DEADLOCK_GUARD_S)) == 408 for s in idle)
         for s in idle:
             s.close()
-        assert httpx.get(f"{srv.url}/healthz", timeout=5).status_code == 200
+        assert httpx.get(f"{srv.url}/healthz", timeout=DEADLOCK_GUARD_S).status_code == 200
         assert srv.rejections()["over_capacity"] == 1
 
 

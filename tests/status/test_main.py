@@ -12,7 +12,7 @@ import urllib.request
 from collections.abc import Iterator
 
 import pytest
-from support import free_port
+from support import DEADLOCK_GUARD_S, free_port
 
 from ampscope.demo.exporter import ExporterProcess
 
@@ -71,9 +71,10 @@ def exporter() -> Iterator[str]:
         _train(process.url, "calm", 12, set())
         _train(process.url, "stormy", 12, {3, 6, 9, 12})
         _train(process.url, "collapsed", 12, set(range(2, 11)))
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + DEADLOCK_GUARD_S
         while True:
-            with urllib.request.urlopen(process.url + "/api/v1/runs", timeout=5) as response:
+            runs_url = process.url + "/api/v1/runs"
+            with urllib.request.urlopen(runs_url, timeout=DEADLOCK_GUARD_S) as response:
                 runs = json.load(response)
             if sorted((r["run"], r["newest_step"]) for r in runs) == sorted(
                 (run, 12) for run in RUNS
@@ -121,11 +122,19 @@ def test_one_run_exits_with_its_health(exporter: str, run: str, code: int) -> No
     assert rank[3] == "12"
 
 
+def test_a_run_whose_ranks_all_finished_says_so(exporter: str) -> None:
+    # The scalers were closed: their final records marked every rank finished.
+    result = _status("calm", "--url", exporter)
+    assert "  ok   stalled_rank    no live ranks: 1 finished" in result.stdout.splitlines()
+
+
 def test_json_is_the_apis_answers(exporter: str) -> None:
     result = _status("stormy", "--json", "--url", exporter)
     assert result.returncode == 1
     answer = json.loads(result.stdout)
-    with urllib.request.urlopen(exporter + "/api/v1/runs/stormy/health", timeout=5) as response:
+    with urllib.request.urlopen(
+        exporter + "/api/v1/runs/stormy/health", timeout=DEADLOCK_GUARD_S
+    ) as response:
         health = json.load(response)
     assert answer["health"]["verdicts"] == health["verdicts"]
     assert [r["totals"]["skipped_steps"] for r in answer["ranks"]] == [4]
@@ -180,12 +189,16 @@ def test_watch_redraws_until_interrupted(exporter: str) -> None:
         stdout=subprocess.PIPE,
         text=True,
     )  # fmt: skip
-    time.sleep(3)
+    assert process.stdout is not None
+    frames = 0
+    for line in process.stdout:  # each frame is flushed: read until the second one
+        frames += line.startswith("run calm: OK")
+        if frames == 2:
+            break
     process.send_signal(2)  # SIGINT, as Ctrl-C
-    out, _ = process.communicate(timeout=20)
+    out, _ = process.communicate(timeout=DEADLOCK_GUARD_S)
     assert process.returncode == 0
-    frames = [line for line in out.splitlines() if line.startswith("run calm: OK")]
-    assert len(frames) >= 2
+    assert frames == 2, out
 
 
 def test_default_url(monkeypatch: pytest.MonkeyPatch) -> None:

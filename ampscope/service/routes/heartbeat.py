@@ -6,9 +6,10 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field, ValidationError
 
 from ampscope.reporter.schema import HEARTBEAT_PATH, Heartbeat
-from ampscope.service.body import BodyLimit, openapi_body, received_body
+from ampscope.service.body import BodyLimit, openapi_body, received_body, too_deep
 from ampscope.service.deps import Authorized, ClockDep, SettingsDep, StatsDep, StoreDep
 from ampscope.service.errors import ApiError, responses
+from ampscope.service.parse import TooDeep, validate_json
 from ampscope.service.store import BatchRefused
 
 router = APIRouter(tags=["ingest"])
@@ -65,7 +66,10 @@ async def heartbeat(
     ) as body:
         pass  # a few hundred bytes: validated after the budget is given back
     try:
-        beat = Heartbeat.model_validate_json(body)
+        beat = validate_json(Heartbeat, body)
+    except TooDeep as exc:
+        stats.rejected("malformed")
+        raise too_deep(exc) from None
     except ValidationError as exc:
         errors = exc.errors(include_url=False, include_input=False, include_context=False)
         malformed = any(e["type"] == "json_invalid" for e in errors)

@@ -7,11 +7,11 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from ampscope.reporter.schema import INGEST_PATH, IngestBatch
-from ampscope.service.body import BodyLimit, ByteBudget, openapi_body, received_body
+from ampscope.service.body import BodyLimit, ByteBudget, openapi_body, received_body, too_deep
 from ampscope.service.deps import Authorized, ClockDep, SettingsDep, StatsDep, StoreDep
 from ampscope.service.errors import ApiError, responses
 from ampscope.service.models import IngestResult
-from ampscope.service.parse import parse_batch
+from ampscope.service.parse import TooDeep, parse_batch
 from ampscope.service.settings import Settings
 from ampscope.service.stats import IngestStats
 from ampscope.service.store import BatchRefused, LimitExceeded, Store
@@ -28,6 +28,9 @@ RETRY_AFTER_S = 60
 def _parse(body: bytes, stats: StatsDep) -> IngestBatch:
     try:
         return parse_batch(body)
+    except TooDeep as exc:
+        stats.rejected("malformed")
+        raise too_deep(exc) from None
     except ValidationError as exc:
         errors = exc.errors(include_url=False, include_input=False, include_context=False)
         if any(e["type"] == "json_invalid" for e in errors):
@@ -133,11 +136,11 @@ async def ingest(
 ) -> IngestResult:
     """Validate an ``IngestBatch`` strictly and apply it to the rank's state.
 
-    Answers 400 (not JSON), 401 (token), 408 (body not complete within
-    ``body_timeout_s``), 409 (a live rank's identity changed), 413 (body or batch too
-    large), 422 (schema violations, with their locations, or records timed too far ahead)
-    or 429 (a cardinality limit, or ``max_inflight_bytes`` of bodies being received
-    already; named in ``limit``). A rejected batch changes nothing.
+    Answers 400 (not JSON, or nested deeper than ``max_json_depth``), 401 (token), 408
+    (body not complete within ``body_timeout_s``), 409 (a live rank's identity changed),
+    413 (body or batch too large), 422 (schema violations, with their locations, or
+    records timed too far ahead) or 429 (a cardinality limit, or ``max_inflight_bytes``
+    of bodies being received already; named in ``limit``). A rejected batch changes nothing.
     """
     budget: ByteBudget = request.app.state.inflight
     async with received_body(

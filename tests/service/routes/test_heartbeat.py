@@ -7,6 +7,7 @@ from typing import Any
 
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
+from support import DEADLOCK_GUARD_S
 
 from ampscope.reporter.schema import Heartbeat, Identity
 from service.conftest import MakeClient
@@ -120,7 +121,7 @@ def test_finished_ranks_are_dropped_after_finished_retention(make_client: MakeCl
     client.post("/api/v1/ingest", content=body(record(1, rank=1)))
     client.post(URL, content=_beat(rank=0, step=2, final=True))
     clock.advance(601)
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + DEADLOCK_GUARD_S  # only a hang waits this long
     while len(client.get("/api/v1/runs/run-a/ranks").json()) > 1 and time.monotonic() < deadline:
         time.sleep(0.02)
     # The finished rank is gone; the silent one (lost) stays until --retention.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from fastapi.testclient import TestClient
+from support import DEADLOCK_GUARD_S
 
 from service.conftest import MakeClient
 from service.factory import T0, body, record, steps, totals, watch
@@ -168,7 +169,7 @@ def test_background_task_drops_expired_ranks(make_client: MakeClient) -> None:
     clock.advance(500)
     _post(client, record(1, rank=1))
     clock.advance(101)  # rank 0 silent 601 s: past retention
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + DEADLOCK_GUARD_S  # only a hang waits this long
     while len(client.get("/api/v1/runs/run-a/ranks").json()) > 1 and time.monotonic() < deadline:
         time.sleep(0.02)
     assert [r["rank"] for r in client.get("/api/v1/runs/run-a/ranks").json()] == [1]

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from support import free_port, run_distributed
+from support import DEADLOCK_GUARD_S, free_port, run_distributed
 
 from ampscope.demo.exporter import ExporterProcess
 
@@ -78,7 +78,7 @@ def live_run() -> Iterator[LiveRun]:
             env={"AMPSCOPE_URL": exporter.url, "AMPSCOPE_RUN_ID": RUN},
             timeout=120,
         )
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + DEADLOCK_GUARD_S
         while True:
             ranks = get_json(f"{exporter.url}/api/v1/runs/{RUN}/ranks")
             if [r["step"] for r in ranks] == [STEPS, STEPS]:

@@ -4,16 +4,19 @@ stay clean, and no request may leave for another host."""
 
 from __future__ import annotations
 
+import urllib.request
 from typing import Any
 
 import pytest
+from support import DEADLOCK_GUARD_S
 
+from service.factory import body, steps
 from service.web.browser import chromium, console_errors, foreign, requested_urls
 from service.web.conftest import OVERFLOW_STEPS, RESTORE_AFTER, RUN, STEPS, LiveRun, get_json
 
 pytestmark = pytest.mark.distributed
 
-WAIT_S = 20
+WAIT_S = DEADLOCK_GUARD_S
 
 
 def _wait(driver: Any, script: str) -> Any:
@@ -189,6 +192,38 @@ def test_run_page_draws_the_apis_data(live_run: LiveRun, tmp_path) -> None:
             state = view.get("state") or ("up" if view["up"] else "stale")
             assert row[:4] == [str(view["rank"]), view["node"], state, str(view["step"])]
         _assert_clean(driver, live_run.url)
+
+
+def _whole_ticks(driver: Any, url: str, run: str, count: int) -> dict[str, list[float]]:
+    """The ticks of the axes that count whole things (both charts' steps, the skipped
+    chart's ranks) once ``run``'s page showed ``count`` steps (uPlot keeps an axis' ticks in
+    ``_splits``; the vendored uPlot is pinned)."""
+    driver.get(f"{url}/run?id={run}")
+    shown = "window.ampscopeRun && window.ampscopeRun.series"
+    _wait(driver, f"{shown} && {shown}.steps.length == {count}")
+    axes = {"scale steps": "scalePlot.axes[0]", "skipped steps": "skipsPlot.axes[0]"}
+    axes["skipped ranks"] = "skipsPlot.axes[1]"
+    ticks = {name: f"window.ampscopeRun.{axis}._splits" for name, axis in axes.items()}
+    _wait(driver, " && ".join(ticks.values()))
+    return {name: driver.execute_script(f"return {js}") for name, js in ticks.items()}
+
+
+@pytest.mark.parametrize("count", [1, 2, 7, STEPS])
+def test_steps_and_rank_counts_tick_whole_numbers_only(
+    live_run: LiveRun, tmp_path, count: int
+) -> None:
+    run = RUN
+    if count != STEPS:  # a short run of its own, posted as a reporter would
+        run = f"ticks-{count}"
+        request = urllib.request.Request(
+            f"{live_run.url}/api/v1/ingest", data=body(*steps(1, count, run=run)), method="POST"
+        )
+        with urllib.request.urlopen(request, timeout=DEADLOCK_GUARD_S) as answer:
+            assert answer.status == 200
+    with chromium(tmp_path) as driver:
+        for plot, ticks in _whole_ticks(driver, live_run.url, run, count).items():
+            assert ticks, plot
+            assert all(tick == int(tick) for tick in ticks), (plot, ticks)
 
 
 def test_docs_render_offline(live_run: LiveRun, tmp_path) -> None:

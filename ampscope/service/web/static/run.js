@@ -7,6 +7,10 @@
   const REFRESH_MS = 2000;
   const MAX_STEPS = 1024;
   const AXIS_SIZE = 70;
+  // Steps and rank counts are integers: their axes tick every 1, 2 or 5 x 10^k only (uPlot's
+  // own increments include 0.5, 2.5 ... and would put ticks at steps 2.5 and 7.5).
+  const WHOLE_INCRS = Array.from({ length: 10 }, (_, k) => [1, 2, 5].map((m) => m * 10 ** k)).flat();
+  const stepAxis = () => ({ label: "step", incrs: WHOLE_INCRS });
   const a = ampscope;
   const run = new URLSearchParams(location.search).get("id") || "";
   const base = a.runPath(run);
@@ -99,7 +103,7 @@
         width, height: 300,
         scales: { x: { time: false }, y: { distr: 3, log: 2 } },
         axes: [
-          { label: "step" },
+          stepAxis(),
           { label: "loss scale", size: AXIS_SIZE, values: (u, values) => values.map((v) => (v == null ? "" : a.scaleText(v))) },
         ],
         series: [
@@ -119,7 +123,7 @@
       {
         width, height: 160,
         scales: { x: { time: false }, y: { range: [0, Math.max(1, series.ranks.length)] } },
-        axes: [{ label: "step" }, { label: "ranks", size: AXIS_SIZE }],
+        axes: [stepAxis(), { label: "ranks", size: AXIS_SIZE, incrs: WHOLE_INCRS }],
         series: [
           { label: "step" },
           { label: "skipped", stroke: "#c62828", fill: "rgba(198,40,40,0.35)",
