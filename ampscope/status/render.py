@@ -46,7 +46,8 @@ def setup_line(views: Sequence[Mapping[str, Any]]) -> str:
         if setup["mode"] == "watch":
             text = f"no loss scale: {dtype} watch, policy {setup['policy']}"
         else:
-            text = "fp16 loss scaler" if dtype == "unknown dtype" else f"{dtype} loss scaler"
+            # A scaler's gradients are often float32 (autocast keeps fp32 parameters).
+            text = "loss scaler" if dtype == "unknown dtype" else f"loss scaler, {dtype} gradients"
         if text not in described:
             described.append(text)
     return "; ".join(described)
@@ -94,7 +95,7 @@ def flagged_lines(health: Mapping[str, Any], indent: str = "  ") -> list[str]:
 def _verdict_lines(verdicts: Sequence[Mapping[str, Any]], indent: str = "  ") -> list[str]:
     width = max((len(v["rule"]) for v in verdicts), default=0)
     return [
-        f"{indent}{_MARK[v['status']]:<4} {v['rule']:<{width}} {v['summary']}" for v in verdicts
+        f"{indent}{_MARK[v['status']]:<4} {v['rule']:<{width}}  {v['summary']}" for v in verdicts
     ]
 
 

@@ -72,7 +72,7 @@ def test_a_watch_run_shows_its_mode_no_scale_and_the_applied_verdict() -> None:
 def test_a_scaler_run_reads_as_before() -> None:
     _, ranks, health = _answers(*[record(s, scale=2.0**16) for s in range(1, 4)])
     lines = render.run_table("run-a", ranks["run-a"], health["run-a"])
-    assert lines[0].endswith("(1 running); fp16 loss scaler")  # a reporter without setup
+    assert lines[0].endswith("(1 running); loss scaler")  # a reporter without setup
     cells = lines[3].split()
     assert cells[4:8] == ["scaler", "2^16", "0/3", "0"]
     assert cells[-3] == "0"

@@ -206,7 +206,7 @@ def test_a_mixed_run_charts_the_scaler_alone(exporter: str, tmp_path) -> None:
         _wait(driver, "window.ampscopeRun.scalePlot")
         _wait(driver, "document.querySelectorAll('#ranks tbody tr').length === 2")
         assert driver.find_element("id", "setup").text == (
-            "fp16 loss scaler; no loss scale: float32 watch, policy skip"
+            "loss scaler; no loss scale: float32 watch, policy skip"
         )
         assert _visible(driver, "scale-section")
         assert not _visible(driver, "no-scale")

@@ -45,10 +45,12 @@ const ampscope = {
     const described = [];
     for (const rank of ranks) {
       const setup = ampscope.setup(rank);
-      const dtype = setup.grad_dtype || (setup.mode === "watch" ? "unknown dtype" : "fp16");
+      const dtype = setup.grad_dtype || "unknown dtype";
+      // A scaler's gradients are often float32 (autocast keeps fp32 parameters), so the dtype
+      // describes the gradients, never the scaler.
       const text = setup.mode === "watch"
         ? `no loss scale: ${dtype} watch, policy ${setup.policy}`
-        : `${dtype} loss scaler`;
+        : setup.grad_dtype ? `loss scaler, ${dtype} gradients` : "loss scaler";
       if (!described.includes(text)) described.push(text);
     }
     return described.join("; ");
