@@ -160,8 +160,13 @@ def test_every_dashboard_and_alert_expression_returns_data(
     assert f"{PREFIX}-collapse" in runs("AmpscopeSkipStorm")
     assert runs("AmpscopeScaleDesync") == {f"{PREFIX}-desync"}
     assert runs("AmpscopeRankLost") == runs("AmpscopeRankStalled") == set()
+    # The hotspot run names its outlier rank alone. Other runs are not asserted quiet:
+    # increase() cannot count what a counter already held at its first scrape, so when the
+    # overflow run's first overflows (on both ranks) land before Prometheus' first scrape of
+    # it, which depends on the machine's speed, its later overflows (mostly rank 1's) can
+    # reach the 80% share. The rule's exact arithmetic is proved by the promtool tests.
     hotspot = [s["metric"] for s in hits["AmpscopeInfHotspot"]]
-    assert [(m["run"], m["rank"]) for m in hotspot] == [(f"{PREFIX}-hotspot", "1")]
+    assert [m["rank"] for m in hotspot if m["run"] == f"{PREFIX}-hotspot"] == ["1"]
 
     # Prometheus itself loaded the rules and started the collapse alert's `for:` clock.
     groups = get_json(f"{prometheus.url}/api/v1/rules")["data"]["groups"]
