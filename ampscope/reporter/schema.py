@@ -101,6 +101,9 @@ class Identity(_Model):
     rank: Annotated[int, Field(ge=0, lt=1_000_000)]
     local_rank: Annotated[int, Field(ge=0, lt=1_000_000)]
     world_size: Annotated[int, Field(ge=1, le=1_000_000)]
+    job_id: Label | None = None
+    """The scheduler's job id (see ``ampscope.scaler.identity.resolve_job_id``); ``None``
+    when no scheduler said one, and from reporters that predate the field."""
 
 
 class NonfiniteParam(_Model):
