@@ -129,5 +129,6 @@ def resolve_identity(explicit_run_id: str | None = None, *, collective: bool = T
         rank=rank,
         local_rank=_env_int("LOCAL_RANK", 0),
         world_size=max(world_size, 1),
+        local_world_size=max(_env_int("LOCAL_WORLD_SIZE", 0), 0) or None,
         job_id=resolve_job_id(),
     )

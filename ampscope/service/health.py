@@ -18,9 +18,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ampscope.service import rules
 from ampscope.service.lifecycle import STATES, Lifecycle, RankStateName
 from ampscope.service.models import HealthReport, Status, Verdict
 from ampscope.service.ranks import RankSnapshot, WindowCounts
+from ampscope.service.rules import MAX_EVIDENCE_RANKS, RankFacts, Thresholds
 
 log = logging.getLogger(__name__)
 
@@ -31,51 +33,6 @@ MAX_LOGGED = 1024
 _logged: set[tuple[str, str, int]] = set()
 
 _SEVERITY: dict[Status, int] = {"ok": 0, "warning": 1, "critical": 2}
-MAX_EVIDENCE_RANKS = 16
-"""Ranks listed in one verdict's evidence at most (the count is always given)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Thresholds:
-    """Health-rule thresholds; the defaults are the ones the Prometheus alert rules use."""
-
-    scale_floor: float = 1.0
-    """Scale collapse (critical): scale below this."""
-    collapse_factor: float = 2.0**8
-    """Scale collapse (critical): the window's peak scale / current scale at least this."""
-    collapse_window_s: float = 600.0
-    skip_storm_ratio: float = 0.25
-    """Skip storm (warning): skipped / steps over the window above this."""
-    skip_storm_window_s: float = 300.0
-    skip_storm_min_steps: int = 10
-    """Skip storm: fewer steps in the window say nothing."""
-    stale_after_s: float = 60.0
-    """Lost rank (warning): nothing heard for this long, and no final record."""
-    stall_after_s: float = 600.0
-    """Stalled rank (warning): heard from, but no new step for this long."""
-    lost_critical_share: float = 0.25
-    """Lost rank turns critical when more than this share of the run's ranks are lost."""
-    hotspot_share: float = 0.8
-    """Inf hotspot (warning): one rank/device holds at least this share of detections."""
-    hotspot_window_s: float = 600.0
-    hotspot_min_detections: int = 5
-
-    def __post_init__(self) -> None:
-        for name in ("collapse_window_s", "skip_storm_window_s", "stale_after_s", "stall_after_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive")
-        if not self.hotspot_window_s > 0:
-            raise ValueError("hotspot_window_s must be positive")
-        if self.scale_floor < 0:
-            raise ValueError("scale_floor must be >= 0")
-        if not self.collapse_factor > 1:
-            raise ValueError("collapse_factor must be > 1")
-        if not 0 <= self.skip_storm_ratio <= 1:
-            raise ValueError("skip_storm_ratio must be within [0, 1]")
-        if not 0 < self.hotspot_share <= 1:
-            raise ValueError("hotspot_share must be within (0, 1]")
-        if self.skip_storm_min_steps < 1 or self.hotspot_min_detections < 1:
-            raise ValueError("minimum counts must be at least 1")
 
 
 @dataclass(frozen=True)
@@ -267,38 +224,35 @@ def _states(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> list[Ra
     return [life.state(snap, now) for snap in ranks]
 
 
-def lost_rank(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
-    """Warning when a rank went silent for ``stale_after_s`` without its final record;
-    critical when more than ``lost_critical_share`` of the run's ranks did."""
+def facts_of(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> list[RankFacts]:
+    """The neutral view of ``ranks`` at exporter time ``now`` that the shared rules of
+    ``ampscope.service.rules`` read. O(ranks)."""
     states = _states(ranks, now, t)
-    thresholds = {"stale_after_s": t.stale_after_s, "critical_share": t.lost_critical_share}
-    lost = [
-        {
-            **_who(snap),
-            "seconds_since_report": now - snap.last_report,
-            "last_step": snap.newest.step,
-        }
-        for snap, state in zip(ranks, states, strict=True)
-        if state == "lost"
-    ]
-    if not lost:
-        return Verdict(
-            rule="lost_rank",
-            status="ok",
-            summary=f"no rank of {len(ranks)} lost",
-            evidence={"lost": 0},
-            thresholds=thresholds,
+    return [
+        RankFacts(
+            rank=snap.identity.rank,
+            node=snap.identity.node,
+            state=state,
+            world_size=snap.identity.world_size,
+            local_world_size=snap.identity.local_world_size,
+            last_step=snap.newest.step,
+            last_report_time=snap.last_report,
+            seconds_since_report=now - snap.last_report,
         )
-    share = len(lost) / len(ranks)
-    return Verdict(
-        rule="lost_rank",
-        status="critical" if share > t.lost_critical_share else "warning",
-        summary=f"{len(lost)} of {len(ranks)} rank(s) went silent without finishing (process "
-        f"died or network broken): rank {lost[0]['rank']} last heard "
-        f"{lost[0]['seconds_since_report']:.0f} s ago at step {lost[0]['last_step']}",
-        evidence={"lost": len(lost), "share": share, "ranks": lost[:MAX_EVIDENCE_RANKS]},
-        thresholds=thresholds,
-    )
+        for snap, state in zip(ranks, states, strict=True)
+    ]
+
+
+def lost_rank(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
+    """``ampscope.service.rules.lost_rank`` over the store's snapshots."""
+    return rules.lost_rank(facts_of(ranks, now, t), t)
+
+
+def missing_rank(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
+    """``ampscope.service.rules.missing_rank`` over the store's snapshots, judged only when
+    the ranks say their node holds the whole job (``rules.whole_job``)."""
+    facts = facts_of(ranks, now, t)
+    return rules.missing_rank(facts, judged=rules.whole_job(facts))
 
 
 def progress_summary(live: int, states: Sequence[RankStateName]) -> str:
@@ -540,6 +494,7 @@ def evaluate(run: str, ranks: Sequence[RankSnapshot], now: float, t: Thresholds)
         _isolated(skip_storm, recent(t.skip_storm_window_s), at, t),
         _isolated(scale_desync, recent(t.collapse_window_s), at, t),
         _isolated(lost_rank, ranks, now, t),
+        _isolated(missing_rank, ranks, now, t),
         _isolated(stalled_rank, ranks, now, t),
         _isolated(inf_hotspot, recent(t.hotspot_window_s), at, t),
         _isolated(nonfinite_update_applied, ranks, at, t),

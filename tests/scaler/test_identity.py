@@ -33,7 +33,11 @@ def test_identity_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert resolve_identity("r1").local_world_size is None
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     identity = resolve_identity("r1")
+    assert identity.local_world_size == 4
     assert (identity.run, identity.rank, identity.world_size, identity.local_rank) == (
         "r1",
         3,

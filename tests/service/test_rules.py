@@ -1,0 +1,103 @@
+"""The shared rules over the neutral view of ranks, as ``ampscope status``'s merged view
+calls them (the exporter's path is in test_health)."""
+
+from __future__ import annotations
+
+from ampscope.service.rules import (
+    RankFacts,
+    RankStateName,
+    Thresholds,
+    declared_world_size,
+    lost_rank,
+    missing_rank,
+    missing_ranks,
+    whole_job,
+)
+
+
+def _facts(
+    rank: int,
+    *,
+    node: str = "n0",
+    state: RankStateName = "running",
+    world_size: int = 8,
+    local_world_size: int | None = 4,
+    heard: float = 100.0,
+) -> RankFacts:
+    return RankFacts(
+        rank=rank,
+        node=node,
+        state=state,
+        world_size=world_size,
+        local_world_size=local_world_size,
+        last_step=10 + rank,
+        last_report_time=heard,
+        seconds_since_report=200.0 - heard,
+    )
+
+
+def test_missing_ranks_against_the_newest_declared_world_size() -> None:
+    ranks = [_facts(r, node=f"n{r // 4}") for r in (0, 1, 2, 3, 5, 7)]
+    assert missing_ranks(ranks) == [4, 6]
+    assert missing_ranks([]) == []
+    # After an elastic resize to 4, a rank of the old size heard long ago does not count.
+    resized = [_facts(r, world_size=4, heard=150.0) for r in (0, 1)] + [_facts(6, heard=90.0)]
+    assert declared_world_size(resized) == 4
+    assert missing_ranks(resized) == [2, 3]
+    verdict = missing_rank(resized, judged=True)
+    assert verdict.evidence == {
+        "judged": True,
+        "world_size": 4,
+        "seen": 2,
+        "missing": 2,
+        "ranks": [2, 3],
+    }
+
+
+def test_a_missing_rank_is_a_warning_never_critical() -> None:
+    one_of_eight = [_facts(0)]
+    verdict = missing_rank(one_of_eight, judged=True)
+    assert (verdict.rule, verdict.status) == ("missing_rank", "warning")
+    assert verdict.evidence["missing"] == 7
+    assert "7 of 8 rank(s) never reported" in verdict.summary
+    assert "rank(s) 1, 2, 3, 4, 5, 6, 7" in verdict.summary
+    # Thousands missing: the evidence and summary list the first 16, the count says all.
+    huge = missing_rank([_facts(0, world_size=8192)], judged=True)
+    assert huge.evidence["missing"] == 8191
+    assert huge.evidence["ranks"] == list(range(1, 17))
+    assert huge.summary.endswith("and 8175 more")
+    assert missing_rank([], judged=True).status == "ok"
+    # Unjudged: ok either way; complete, it says so, else it says why it cannot tell.
+    complete = missing_rank([_facts(r) for r in range(8)], judged=False)
+    assert (complete.status, complete.summary) == (
+        "ok",
+        "all 8 rank(s) of the world size reported",
+    )
+    partial = missing_rank(one_of_eight, judged=False)
+    assert (partial.status, partial.evidence) == (
+        "ok",
+        {"judged": False, "world_size": 8, "seen": 1},
+    )
+
+
+def test_whole_job_needs_every_rank_to_say_its_node_holds_the_job() -> None:
+    assert whole_job([_facts(0, local_world_size=8), _facts(1, local_world_size=8)])
+    assert not whole_job([_facts(0, local_world_size=8), _facts(1, local_world_size=None)])
+    assert not whole_job([_facts(0, local_world_size=4)])
+    assert not whole_job([])
+
+
+def test_lost_rank_share_is_of_the_whole_view() -> None:
+    t = Thresholds()
+    # One node's 4 ranks of 16 lost: 25% is a warning for the job (critical only above it).
+    job = [_facts(r, node=f"n{r // 4}", state="lost" if r < 4 else "running") for r in range(16)]
+    verdict = lost_rank(job, t)
+    assert (verdict.status, verdict.evidence["lost"], verdict.evidence["share"]) == (
+        "warning",
+        4,
+        0.25,
+    )
+    assert [hit["node"] for hit in verdict.evidence["ranks"]] == ["n0"] * 4
+    # The same node alone: all of its ranks lost, critical.
+    assert lost_rank(job[:4], t).status == "critical"
+    assert lost_rank(job[4:], t).status == "ok"
