@@ -22,7 +22,7 @@ from ampscope.service import rules
 from ampscope.service.lifecycle import STATES, Lifecycle, RankStateName
 from ampscope.service.models import HealthReport, Status, Verdict
 from ampscope.service.ranks import RankSnapshot, WindowCounts
-from ampscope.service.rules import MAX_EVIDENCE_RANKS, RankFacts, Thresholds
+from ampscope.service.rules import MAX_EVIDENCE_RANKS, RankFacts, Thresholds, progress_summary
 
 log = logging.getLogger(__name__)
 
@@ -253,20 +253,6 @@ def missing_rank(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Ve
     the ranks say their node holds the whole job (``rules.whole_job``)."""
     facts = facts_of(ranks, now, t)
     return rules.missing_rank(facts, judged=rules.whole_job(facts))
-
-
-def progress_summary(live: int, states: Sequence[RankStateName]) -> str:
-    """What an ok ``stalled_rank`` says: the live ranks making progress, and how many of
-    the others finished or were lost ("no live ranks: 4 finished" once all finished)."""
-    ended = [
-        f"{count} {state}"
-        for state in ("finished", "lost")
-        if (count := sum(1 for s in states if s == state))
-    ]
-    if live == 0:
-        return "no live ranks: " + ", ".join(ended) if ended else "no ranks"
-    progress = "the live rank is" if live == 1 else f"all {live} live ranks are"
-    return f"{progress} making progress" + (f" ({', '.join(ended)})" if ended else "")
 
 
 def stalled_rank(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:

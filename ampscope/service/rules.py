@@ -83,6 +83,20 @@ class RankFacts:
     seconds_since_report: float
 
 
+def progress_summary(live: int, states: Sequence[RankStateName]) -> str:
+    """What an ok ``stalled_rank`` says: the live ranks making progress, and how many of
+    the others finished or were lost ("no live ranks: 4 finished" once all finished)."""
+    ended = [
+        f"{count} {state}"
+        for state in ("finished", "lost")
+        if (count := sum(1 for s in states if s == state))
+    ]
+    if live == 0:
+        return "no live ranks: " + ", ".join(ended) if ended else "no ranks"
+    progress = "the live rank is" if live == 1 else f"all {live} live ranks are"
+    return f"{progress} making progress" + (f" ({', '.join(ended)})" if ended else "")
+
+
 def declared_world_size(ranks: Sequence[RankFacts]) -> int:
     """The run's world size: the one its most recently heard rank declared (after an
     elastic resize, ranks of the old size may linger until retention drops them)."""

@@ -1,10 +1,13 @@
-"""``ampscope status [RUN]``: the node's runs (or one run's ranks) and their health.
+"""``ampscope status [RUN]``: the node's runs (or one run's ranks) and their health; with
+several ``--url`` or ``--targets FILE``, the whole job's, merged from every node's exporter
+(``ampscope.status.fanout``).
 
 Reads the exporter's JSON API with the standard library only, so it works wherever
 ampscope is installed, without the server extras. Exit status: 0 ok, 1 warning, 2
-critical (the worst verdict of the runs shown), 3 when the exporter cannot be reached,
-4 when it holds no such run, 5 when it refuses our credentials (401), 6 when TLS fails
-(untrusted server certificate, client certificate missing or refused).
+critical (the worst verdict of the runs shown), 3 when the exporter cannot be reached
+(of several: when none can), 4 when it holds no such run, 5 when it refuses our
+credentials (401), 6 when TLS fails (untrusted server certificate, client certificate
+missing or refused).
 """
 
 from __future__ import annotations
@@ -25,9 +28,10 @@ from typing import Any, TextIO
 
 from ampscope.reporter.schema import DEFAULT_URL
 from ampscope.reporter.tls import ClientTls, explain_401, explain_tls_failure
+from ampscope.status import fanout, merge
+from ampscope.status.fanout import EXIT_NO_SUCH_RUN, EXIT_UNREACHABLE, TargetResult
+from ampscope.status.targets import TargetsError, read_targets
 
-EXIT_UNREACHABLE = 3
-EXIT_NO_SUCH_RUN = 4
 EXIT_UNAUTHORIZED = 5
 EXIT_TLS_REFUSED = 6
 PASSWORD_ENV = "AMPSCOPE_PASSWORD"
@@ -73,8 +77,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run", nargs="?", metavar="RUN", help="show this run's ranks")
     parser.add_argument(
         "--url",
+        action="append",
         default=None,
-        help=f"the exporter (default: $AMPSCOPE_URL, else {DEFAULT_URL})",
+        help=f"the exporter (default: $AMPSCOPE_URL, else {DEFAULT_URL}); repeat it for "
+        "every node's exporter of a job to see the whole job",
+    )
+    parser.add_argument(
+        "--targets",
+        metavar="FILE",
+        default=None,
+        help="the job's exporters from a Prometheus file_sd file (JSON or YAML, "
+        "host:port targets), asked in parallel with any --url",
+    )
+    parser.add_argument(
+        "--scheme",
+        choices=("http", "https"),
+        default="http",
+        help="scheme of the --targets file's host:port targets (default http)",
     )
     parser.add_argument("--watch", action="store_true", help="redraw every --interval seconds")
     parser.add_argument(
@@ -116,7 +135,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.epilog = (
         "Exit status: 0 ok, 1 warning, 2 critical (the worst health verdict shown), "
-        "3 the exporter cannot be reached, 4 it holds no such run, 5 it refused the "
+        "3 the exporter cannot be reached (of several: none can), 4 it holds no such run, "
+        "5 it refused the "
         "credentials (401), 6 TLS failed (untrusted server certificate, client certificate "
         "missing or refused)."
     )
@@ -127,14 +147,19 @@ def base_url(given: str | None) -> str:
     return (given or os.environ.get("AMPSCOPE_URL") or DEFAULT_URL).rstrip("/")
 
 
-def exporter_from_args(args: argparse.Namespace) -> Exporter:
-    """The exporter and the credentials from the flags, else ``AMPSCOPE_*``.
+def exporters_from_args(args: argparse.Namespace) -> list[Exporter]:
+    """The exporters (``--url``s and ``--targets``, else the default) and the credentials
+    from the flags, else ``AMPSCOPE_*``; the same credentials and TLS for every one.
 
     Raises:
         Refused: unreadable TLS files (``EXIT_TLS_REFUSED``), an unreadable password file or
             ``--user`` without a password (``EXIT_UNAUTHORIZED``).
+        TargetsError: an unreadable or malformed ``--targets`` file.
     """
-    url = base_url(args.url)
+    urls = [base_url(url) for url in args.url or []]
+    if args.targets is not None:
+        urls += [u.rstrip("/") for u in read_targets(args.targets, args.scheme) if u not in urls]
+    urls = list(dict.fromkeys(urls)) or [base_url(None)]
     env = ClientTls.from_env()
     tls = ClientTls(
         ca_file=args.ca_file or env.ca_file,
@@ -142,7 +167,7 @@ def exporter_from_args(args: argparse.Namespace) -> Exporter:
         key_file=args.key_file or env.key_file,
     )
     try:
-        context = tls.context() if url.startswith("https://") else None
+        context = tls.context() if any(u.startswith("https://") for u in urls) else None
     except ValueError as exc:
         raise Refused(str(exc), EXIT_TLS_REFUSED) from None
     authorization = None
@@ -159,7 +184,11 @@ def exporter_from_args(args: argparse.Namespace) -> Exporter:
             raise Refused(f"--user needs --password-file or {PASSWORD_ENV}", EXIT_UNAUTHORIZED)
         token = base64.b64encode(f"{args.user}:{password}".encode()).decode()
         authorization = f"Basic {token}"
-    return Exporter(url, context, authorization, client_cert=tls.cert_file is not None)
+    client_cert = tls.cert_file is not None
+    return [
+        Exporter(url, context if url.startswith("https://") else None, authorization, client_cert)
+        for url in urls
+    ]
 
 
 def _get(exporter: Exporter, path: str) -> Any:
@@ -227,12 +256,21 @@ def exit_status(answer: dict[str, Any]) -> int:
     return max((SEVERITY[report["status"]] for report in reports), default=0)
 
 
+def with_missing(answer: dict[str, Any]) -> dict[str, Any]:
+    """``answer`` with its top-level ``missing_ranks``, as one exporter can judge them: only
+    where the ranks say their node holds the whole job (``ampscope.service.rules``)."""
+    if "run" in answer:
+        return {**answer, "missing_ranks": merge.missing_of(answer["ranks"], judged=False)}
+    missing = {run: merge.missing_of(views, judged=False) for run, views in answer["ranks"].items()}
+    return {**answer, "missing_ranks": missing}
+
+
 def _frame(exporter: Exporter, run: str | None, as_json: bool) -> tuple[str, int]:
     from ampscope.status import render
 
     url = exporter.url
     try:
-        answer = fetch(exporter, run)
+        answer = with_missing(fetch(exporter, run))
     except Refused as exc:
         return f"ampscope status: {exc}.", exc.code
     except Unreachable as exc:
@@ -258,17 +296,69 @@ def _frame(exporter: Exporter, run: str | None, as_json: bool) -> tuple[str, int
     return "\n".join(lines), code
 
 
+def ask(exporter: Exporter, run: str | None) -> TargetResult:
+    """One target's answer or why there is none; never raises."""
+    try:
+        return TargetResult(exporter.url, fetch(exporter, run), "ok")
+    except Refused as exc:
+        return TargetResult(exporter.url, None, "refused", str(exc), exc.code)
+    except Unreachable as exc:
+        return TargetResult(exporter.url, None, "unreachable", str(exc), EXIT_UNREACHABLE)
+    except NoSuchRun:
+        why = f"holds no run {run!r}"
+        return TargetResult(exporter.url, None, "no_such_run", why, EXIT_NO_SUCH_RUN)
+
+
+def _job_frame(exporters: list[Exporter], run: str | None, as_json: bool) -> tuple[str, int]:
+    from ampscope.status import render
+
+    answer, code = fanout.job_answer(fanout.fetch_each(exporters, run, ask), run)
+    if as_json:
+        return json.dumps(answer), code
+    targets = answer["targets"]
+    if code >= EXIT_UNREACHABLE:
+        if code == EXIT_NO_SUCH_RUN:
+            return (
+                f"ampscope status: none of the {len(targets)} exporter(s) holds run {run!r} "
+                "(it never reported, or retention dropped it); `ampscope status` with the "
+                "same targets lists the runs held.",
+                code,
+            )
+        failed = "\n".join(render.target_lines(targets))
+        return f"ampscope status: no exporter answered:\n{failed}", code
+    if run is not None:
+        lines = render.job_table(
+            run, answer["ranks"], answer["health"], answer["missing_ranks"], targets
+        )
+    else:
+        lines = render.runs_table(answer["runs"], answer["ranks"], answer["health"])
+        failed_lines = render.target_lines(targets)
+        if failed_lines:
+            lines += ["", "exporters that did not answer:", *failed_lines]
+    return "\n".join(lines), code
+
+
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Print the status once (or until Ctrl-C with ``--watch``); returns the exit status."""
     out = out or sys.stdout
     try:
-        exporter = exporter_from_args(args)
+        exporters = exporters_from_args(args)
     except Refused as exc:
         print(f"ampscope status: {exc}", file=sys.stderr)
         return exc.code
-    url = exporter.url
+    except TargetsError as exc:
+        print(f"ampscope status: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    whole_job = len(exporters) > 1 or args.targets is not None
+
+    def frame() -> tuple[str, int]:
+        if whole_job:
+            return _job_frame(exporters, args.run, args.json)
+        return _frame(exporters[0], args.run, args.json)
+
+    url = ", ".join(exporter.url for exporter in exporters)
     if not args.watch:
-        text, code = _frame(exporter, args.run, args.json)
+        text, code = frame()
         stream = out if code < EXIT_UNREACHABLE else sys.stderr
         print(text, file=stream, flush=True)
         return code
@@ -276,7 +366,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     code = 0
     try:
         while True:
-            text, code = _frame(exporter, args.run, args.json)
+            text, code = frame()
             if redraw:
                 # Home and clear, then the frame: redraws in place like `watch` does.
                 stamp = time.strftime("%H:%M:%S")
