@@ -22,7 +22,13 @@ from ampscope.service import rules
 from ampscope.service.lifecycle import STATES, Lifecycle, RankStateName
 from ampscope.service.models import HealthReport, Status, Verdict
 from ampscope.service.ranks import RankSnapshot, WindowCounts
-from ampscope.service.rules import MAX_EVIDENCE_RANKS, RankFacts, Thresholds, progress_summary
+from ampscope.service.rules import (
+    MAX_EVIDENCE_RANKS,
+    NO_SCALE,
+    RankFacts,
+    Thresholds,
+    progress_summary,
+)
 
 log = logging.getLogger(__name__)
 
@@ -75,96 +81,36 @@ def _scalers(ranks: Sequence[RankSnapshot]) -> list[RankSnapshot]:
     return [snap for snap in ranks if snap.newest.setup.mode == "scaler"]
 
 
-NO_SCALE = "no rank has a loss scale: every rank runs a watch (bf16/fp32)"
-"""The summary of the scale rules for a run of watch ranks only."""
-
-
 def scale_collapse(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
-    """Critical when a rank's scale is below the floor or fell by ``collapse_factor``."""
-    thresholds = {
-        "scale_floor": t.scale_floor,
-        "collapse_factor": t.collapse_factor,
-        "window_s": t.collapse_window_s,
-    }
-    hits = []
-    lowest = None
-    scalers = _scalers(ranks)
-    for snap in scalers:
-        scale = snap.newest.scale_after
-        peak = _window(snap, now - t.collapse_window_s).peak_scale
-        fall = peak / scale if scale > 0 else float("inf")
-        lowest = scale if lowest is None else min(lowest, scale)
-        reasons = []
-        if scale < t.scale_floor:
-            reasons.append("below_floor")
-        if fall >= t.collapse_factor:
-            reasons.append("fell")
-        if reasons:
-            hits.append(
-                {
-                    **_who(snap),
-                    "scale": scale,
-                    "window_peak_scale": peak,
-                    "fall_factor": fall if scale > 0 else None,
-                    "reasons": reasons,
-                }
-            )
-    if not hits:
-        return Verdict(
-            rule="scale_collapse",
-            status="ok",
-            summary="no rank's loss scale collapsed" if scalers or not ranks else NO_SCALE,
-            evidence={"lowest_scale": lowest},
-            thresholds=thresholds,
+    """``rules.scale_collapse`` over the store's snapshots: O(ranks x samples)."""
+    facts = [
+        rules.ScaleFacts(
+            rank=snap.identity.rank,
+            node=snap.identity.node,
+            scaler=snap.newest.setup.mode == "scaler",
+            scale=snap.newest.scale_after,
+            window_peak_scale=_window(snap, now - t.collapse_window_s).peak_scale,
         )
-    worst = min(hits, key=lambda h: h["scale"])
-    return Verdict(
-        rule="scale_collapse",
-        status="critical",
-        summary=f"loss scale collapsed on {len(hits)} rank(s): rank {worst['rank']} is at "
-        f"{worst['scale']:g} (window peak {worst['window_peak_scale']:g})",
-        evidence={"ranks_affected": len(hits), "ranks": hits[:MAX_EVIDENCE_RANKS]},
-        thresholds=thresholds,
-    )
+        for snap in ranks
+    ]
+    return rules.scale_collapse(facts, t)
 
 
 def skip_storm(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
-    """Warning when a rank skipped more than ``skip_storm_ratio`` of its window's steps."""
-    thresholds = {
-        "ratio": t.skip_storm_ratio,
-        "window_s": t.skip_storm_window_s,
-        "min_steps": t.skip_storm_min_steps,
-    }
-    hits = []
-    worst_ratio = 0.0
+    """``rules.skip_storm`` over the store's snapshots: O(ranks x samples)."""
+    facts = []
     for snap in ranks:
         base = _window(snap, now - t.skip_storm_window_s).baseline
         totals = snap.newest.totals
-        steps = totals.steps - (base.steps if base else 0)
-        skipped = totals.skipped_steps - (base.skipped_steps if base else 0)
-        if steps < t.skip_storm_min_steps:
-            continue
-        ratio = skipped / steps
-        worst_ratio = max(worst_ratio, ratio)
-        if ratio > t.skip_storm_ratio:
-            hits.append({**_who(snap), "steps": steps, "skipped": skipped, "ratio": ratio})
-    if not hits:
-        return Verdict(
-            rule="skip_storm",
-            status="ok",
-            summary="skipped steps within bounds",
-            evidence={"worst_ratio": worst_ratio},
-            thresholds=thresholds,
+        facts.append(
+            rules.StepFacts(
+                rank=snap.identity.rank,
+                node=snap.identity.node,
+                steps=totals.steps - (base.steps if base else 0),
+                skipped=totals.skipped_steps - (base.skipped_steps if base else 0),
+            )
         )
-    worst = max(hits, key=lambda h: h["ratio"])
-    return Verdict(
-        rule="skip_storm",
-        status="warning",
-        summary=f"{worst['skipped']} of rank {worst['rank']}'s last {worst['steps']} steps "
-        f"were skipped ({worst['ratio']:.0%}) on {len(hits)} rank(s)",
-        evidence={"ranks_affected": len(hits), "ranks": hits[:MAX_EVIDENCE_RANKS]},
-        thresholds=thresholds,
-    )
+    return rules.skip_storm(facts, t)
 
 
 def scale_desync(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
@@ -310,63 +256,20 @@ def stalled_rank(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Ve
 
 
 def inf_hotspot(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
-    """Warning when one rank/device holds ``hotspot_share`` of the window's detections.
-
-    Counts origin detections (pre-reduction gradients) when any rank tracks origin in
-    the window, else local found-inf. Needs at least two rank/device series: a single
-    device is trivially 100% of its own detections.
-    """
-    thresholds = {
-        "share": t.hotspot_share,
-        "window_s": t.hotspot_window_s,
-        "min_detections": t.hotspot_min_detections,
-    }
-    origin: list[tuple[RankSnapshot, str, int]] = []
-    local: list[tuple[RankSnapshot, str, int]] = []
+    """``rules.inf_hotspot`` over the store's snapshots: O(ranks x samples)."""
+    facts = []
     for snap in ranks:
         base = _window(snap, now - t.hotspot_window_s).baseline
         totals = snap.newest.totals
-        origin_base = base.found_inf_origin if base is not None else None
-        local_base = base.found_inf_local if base is not None else None
-        for device, n in _delta(totals.found_inf_origin, origin_base).items():
-            origin.append((snap, device, n))
-        for device, n in _delta(totals.found_inf_local, local_base).items():
-            local.append((snap, device, n))
-    source, series = ("origin", origin) if sum(n for *_, n in origin) > 0 else ("local", local)
-    total = sum(n for *_, n in series)
-    evidence: dict[str, Any] = {"source": source, "detections": total, "series": len(series)}
-    if total == 0 or len(series) < 2:
-        return Verdict(
-            rule="inf_hotspot",
-            status="ok",
-            summary="no rank/device dominates the found-inf detections",
-            evidence=evidence,
-            thresholds=thresholds,
+        facts.append(
+            rules.InfFacts(
+                rank=snap.identity.rank,
+                node=snap.identity.node,
+                local=_delta(totals.found_inf_local, base.found_inf_local if base else None),
+                origin=_delta(totals.found_inf_origin, base.found_inf_origin if base else None),
+            )
         )
-    ordered = sorted(series, key=lambda item: -item[2])
-    top = [
-        {**_who(s), "device": d, "detections": n, "share": n / total}
-        for s, d, n in ordered[:5]
-        if n > 0
-    ]
-    evidence["top"] = top
-    lead = top[0]
-    if total >= t.hotspot_min_detections and lead["share"] >= t.hotspot_share:
-        return Verdict(
-            rule="inf_hotspot",
-            status="warning",
-            summary=f"rank {lead['rank']} device {lead['device']} holds {lead['share']:.0%} "
-            f"of {total} {source} found-inf detections",
-            evidence=evidence,
-            thresholds=thresholds,
-        )
-    return Verdict(
-        rule="inf_hotspot",
-        status="ok",
-        summary="no rank/device dominates the found-inf detections",
-        evidence=evidence,
-        thresholds=thresholds,
-    )
+    return rules.inf_hotspot(facts, t)
 
 
 def nonfinite_update_applied(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:

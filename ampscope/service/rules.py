@@ -1,19 +1,23 @@
 """Health rules over a neutral view of a run's ranks: what each rank is, where, in which
-state and how long since it was heard (``RankFacts``), not how the exporter stores it.
+state and how long since it was heard (``RankFacts``), and what changed within each rule's
+window (``ScaleFacts``, ``StepFacts``, ``InfFacts``), not how the exporter stores it.
 
-One implementation of each rule serves two callers: the exporter's health
-(``ampscope.service.health``, which builds the facts from its store's snapshots) and
-``ampscope status``'s merged view of several exporters (which builds them from each
-exporter's ``/ranks`` JSON). Only pydantic and the standard library are imported here, so
-``ampscope status`` keeps working without the server extras (``tests/test_layering.py``).
+One implementation of each rule (``scale_collapse``, ``skip_storm``, ``inf_hotspot``,
+``lost_rank``, ``missing_rank``) serves every caller: the exporter's health
+(``ampscope.service.health``, which builds the facts from its store's snapshots and their
+window samples) and ``ampscope status``'s merged view of several exporters (which builds
+them from each exporter's ``/ranks`` JSON); a view over Prometheus builds the window facts
+from ``max_over_time`` and ``increase``. Only pydantic and the standard library are
+imported here, so ``ampscope status`` keeps working without the server extras
+(``tests/test_layering.py``).
 All functions are pure: O(ranks), no clock, no I/O.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from ampscope.service.models import Verdict
 
@@ -95,6 +99,182 @@ def progress_summary(live: int, states: Sequence[RankStateName]) -> str:
         return "no live ranks: " + ", ".join(ended) if ended else "no ranks"
     progress = "the live rank is" if live == 1 else f"all {live} live ranks are"
     return f"{progress} making progress" + (f" ({', '.join(ended)})" if ended else "")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScaleFacts:
+    """What ``scale_collapse`` reads of a rank."""
+
+    rank: int
+    node: str
+    scaler: bool
+    """Whether it runs a loss scaler (a watch's scale is no scale)."""
+    scale: float
+    window_peak_scale: float
+    """Its highest scale within the collapse window, the current one included."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepFacts:
+    """What ``skip_storm`` reads of a rank: its steps and skips within the window."""
+
+    rank: int
+    node: str
+    steps: int
+    skipped: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class InfFacts:
+    """What ``inf_hotspot`` reads of a rank: found-inf detections per device within the
+    window, local (after the reduction) and at their origin (before it)."""
+
+    rank: int
+    node: str
+    local: Mapping[str, int]
+    origin: Mapping[str, int]
+
+
+NO_SCALE = "no rank has a loss scale: every rank runs a watch (bf16/fp32)"
+"""The summary of the scale rules for a run of watch ranks only."""
+
+
+def scale_collapse(ranks: Sequence[ScaleFacts], t: Thresholds) -> Verdict:
+    """Critical when a rank's scale is below the floor or fell by ``collapse_factor``
+    from its peak within the collapse window."""
+    thresholds = {
+        "scale_floor": t.scale_floor,
+        "collapse_factor": t.collapse_factor,
+        "window_s": t.collapse_window_s,
+    }
+    hits: list[dict[str, Any]] = []
+    lowest = None
+    scalers = [facts for facts in ranks if facts.scaler]
+    for facts in scalers:
+        scale, peak = facts.scale, facts.window_peak_scale
+        fall = peak / scale if scale > 0 else float("inf")
+        lowest = scale if lowest is None else min(lowest, scale)
+        reasons = []
+        if scale < t.scale_floor:
+            reasons.append("below_floor")
+        if fall >= t.collapse_factor:
+            reasons.append("fell")
+        if reasons:
+            hits.append(
+                {
+                    "rank": facts.rank,
+                    "node": facts.node,
+                    "scale": scale,
+                    "window_peak_scale": peak,
+                    "fall_factor": fall if scale > 0 else None,
+                    "reasons": reasons,
+                }
+            )
+    if not hits:
+        return Verdict(
+            rule="scale_collapse",
+            status="ok",
+            summary="no rank's loss scale collapsed" if scalers or not ranks else NO_SCALE,
+            evidence={"lowest_scale": lowest},
+            thresholds=thresholds,
+        )
+    worst = min(hits, key=lambda h: h["scale"])
+    return Verdict(
+        rule="scale_collapse",
+        status="critical",
+        summary=f"loss scale collapsed on {len(hits)} rank(s): rank {worst['rank']} is at "
+        f"{worst['scale']:g} (window peak {worst['window_peak_scale']:g})",
+        evidence={"ranks_affected": len(hits), "ranks": hits[:MAX_EVIDENCE_RANKS]},
+        thresholds=thresholds,
+    )
+
+
+def skip_storm(ranks: Sequence[StepFacts], t: Thresholds) -> Verdict:
+    """Warning when a rank skipped more than ``skip_storm_ratio`` of its window's steps."""
+    thresholds = {
+        "ratio": t.skip_storm_ratio,
+        "window_s": t.skip_storm_window_s,
+        "min_steps": t.skip_storm_min_steps,
+    }
+    hits: list[dict[str, Any]] = []
+    worst_ratio = 0.0
+    for facts in ranks:
+        steps, skipped = facts.steps, facts.skipped
+        if steps < t.skip_storm_min_steps:
+            continue
+        ratio = skipped / steps
+        worst_ratio = max(worst_ratio, ratio)
+        if ratio > t.skip_storm_ratio:
+            who = {"rank": facts.rank, "node": facts.node}
+            hits.append({**who, "steps": steps, "skipped": skipped, "ratio": ratio})
+    if not hits:
+        return Verdict(
+            rule="skip_storm",
+            status="ok",
+            summary="skipped steps within bounds",
+            evidence={"worst_ratio": worst_ratio},
+            thresholds=thresholds,
+        )
+    worst = max(hits, key=lambda h: h["ratio"])
+    return Verdict(
+        rule="skip_storm",
+        status="warning",
+        summary=f"{worst['skipped']} of rank {worst['rank']}'s last {worst['steps']} steps "
+        f"were skipped ({worst['ratio']:.0%}) on {len(hits)} rank(s)",
+        evidence={"ranks_affected": len(hits), "ranks": hits[:MAX_EVIDENCE_RANKS]},
+        thresholds=thresholds,
+    )
+
+
+def inf_hotspot(ranks: Sequence[InfFacts], t: Thresholds) -> Verdict:
+    """Warning when one rank/device holds ``hotspot_share`` of the window's detections.
+
+    Counts origin detections (pre-reduction gradients) when any rank tracks origin in
+    the window, else local found-inf. Needs at least two rank/device series: a single
+    device is trivially 100% of its own detections.
+    """
+    thresholds = {
+        "share": t.hotspot_share,
+        "window_s": t.hotspot_window_s,
+        "min_detections": t.hotspot_min_detections,
+    }
+    origin = [(facts, device, n) for facts in ranks for device, n in facts.origin.items()]
+    local = [(facts, device, n) for facts in ranks for device, n in facts.local.items()]
+    source, series = ("origin", origin) if sum(n for *_, n in origin) > 0 else ("local", local)
+    total = sum(n for *_, n in series)
+    evidence: dict[str, Any] = {"source": source, "detections": total, "series": len(series)}
+    if total == 0 or len(series) < 2:
+        return Verdict(
+            rule="inf_hotspot",
+            status="ok",
+            summary="no rank/device dominates the found-inf detections",
+            evidence=evidence,
+            thresholds=thresholds,
+        )
+    ordered = sorted(series, key=lambda item: -item[2])
+    top: list[dict[str, Any]] = [
+        {"rank": s.rank, "node": s.node, "device": d, "detections": n, "share": n / total}
+        for s, d, n in ordered[:5]
+        if n > 0
+    ]
+    evidence["top"] = top
+    lead = top[0]
+    if total >= t.hotspot_min_detections and lead["share"] >= t.hotspot_share:
+        return Verdict(
+            rule="inf_hotspot",
+            status="warning",
+            summary=f"rank {lead['rank']} device {lead['device']} holds {lead['share']:.0%} "
+            f"of {total} {source} found-inf detections",
+            evidence=evidence,
+            thresholds=thresholds,
+        )
+    return Verdict(
+        rule="inf_hotspot",
+        status="ok",
+        summary="no rank/device dominates the found-inf detections",
+        evidence=evidence,
+        thresholds=thresholds,
+    )
 
 
 def declared_world_size(ranks: Sequence[RankFacts]) -> int:

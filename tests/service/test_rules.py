@@ -4,10 +4,12 @@ calls them (the exporter's path is in test_health)."""
 from __future__ import annotations
 
 from ampscope.service.rules import (
+    InfFacts,
     RankFacts,
     RankStateName,
     Thresholds,
     declared_world_size,
+    inf_hotspot,
     lost_rank,
     missing_rank,
     missing_ranks,
@@ -101,3 +103,21 @@ def test_lost_rank_share_is_of_the_whole_view() -> None:
     # The same node alone: all of its ranks lost, critical.
     assert lost_rank(job[:4], t).status == "critical"
     assert lost_rank(job[4:], t).status == "ok"
+
+
+def test_inf_hotspot_over_window_facts_names_the_rank_and_its_node() -> None:
+    t = Thresholds()
+    ranks = [
+        InfFacts(rank=0, node="n0", local={"cuda:0": 1}, origin={"cuda:0": 1}),
+        InfFacts(rank=9, node="n2", local={"cuda:1": 9}, origin={"cuda:1": 9}),
+    ]
+    verdict = inf_hotspot(ranks, t)
+    assert verdict.status == "warning"
+    assert verdict.evidence["top"][0] == {
+        "rank": 9,
+        "node": "n2",
+        "device": "cuda:1",
+        "detections": 9,
+        "share": 0.9,
+    }
+    assert verdict.summary == "rank 9 device cuda:1 holds 90% of 10 origin found-inf detections"
