@@ -28,13 +28,15 @@ from typing import Any, TextIO
 
 from ampscope.reporter.schema import DEFAULT_URL
 from ampscope.reporter.tls import ClientTls, explain_401, explain_tls_failure
-from ampscope.status import fanout, merge
+from ampscope.service.rules import Thresholds
+from ampscope.status import fanout, merge, prometheus
 from ampscope.status.fanout import EXIT_NO_SUCH_RUN, EXIT_UNREACHABLE, TargetResult
 from ampscope.status.targets import TargetsError, read_targets
 
 EXIT_UNAUTHORIZED = 5
 EXIT_TLS_REFUSED = 6
 PASSWORD_ENV = "AMPSCOPE_PASSWORD"
+TOKEN_ENV = "AMPSCOPE_PROMETHEUS_TOKEN"
 
 
 class Unreachable(Exception):
@@ -88,6 +90,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="the job's exporters from a Prometheus file_sd file (JSON or YAML, "
         "host:port targets), asked in parallel with any --url",
+    )
+    parser.add_argument(
+        "--prometheus",
+        metavar="URL",
+        default=None,
+        help="read the whole job from this Prometheus-compatible query API instead of the "
+        "exporters (Prometheus, VictoriaMetrics, a Thanos or Mimir query frontend)",
+    )
+    parser.add_argument(
+        "--bearer-token-file",
+        metavar="PATH",
+        default=None,
+        help=f"file holding --prometheus' bearer token (default: ${TOKEN_ENV}; never on the "
+        "command line); --user with --password-file gives basic auth instead",
     )
     parser.add_argument(
         "--scheme",
@@ -338,6 +354,63 @@ def _job_frame(exporters: list[Exporter], run: str | None, as_json: bool) -> tup
     return "\n".join(lines), code
 
 
+def prometheus_client_from_args(
+    args: argparse.Namespace, exporter: Exporter
+) -> prometheus.PrometheusClient:
+    """The ``--prometheus`` client: a bearer token from ``--bearer-token-file`` or
+    ``AMPSCOPE_PROMETHEUS_TOKEN``, else the basic auth of ``--user``; TLS as for exporters.
+
+    Raises:
+        Refused: an unreadable token file (``EXIT_UNAUTHORIZED``), unreadable TLS files.
+    """
+    url = args.prometheus.rstrip("/")
+    authorization = exporter.authorization
+    token = os.environ.get(TOKEN_ENV)
+    if args.bearer_token_file is not None:
+        try:
+            token = Path(args.bearer_token_file).read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            message = f"cannot read --bearer-token-file {args.bearer_token_file}: {exc.strerror}"
+            raise Refused(message, EXIT_UNAUTHORIZED) from None
+    if token:
+        authorization = f"Bearer {token}"
+    context = None
+    if url.startswith("https://"):
+        env = ClientTls.from_env()
+        tls = ClientTls(
+            ca_file=args.ca_file or env.ca_file,
+            cert_file=args.cert_file or env.cert_file,
+            key_file=args.key_file or env.key_file,
+        )
+        try:
+            context = tls.context()
+        except ValueError as exc:
+            raise Refused(str(exc), EXIT_TLS_REFUSED) from None
+    return prometheus.PrometheusClient(url, authorization, context)
+
+
+def _prometheus_frame(
+    client: prometheus.PrometheusClient, run: str | None, as_json: bool
+) -> tuple[str, int]:
+    from ampscope.status import render
+
+    try:
+        answer = prometheus.fetch(client, run, Thresholds())
+    except prometheus.QueryError as exc:
+        return f"ampscope status: {exc}.", exc.code
+    code = exit_status(answer)
+    if as_json:
+        return json.dumps(answer), code
+    if run is not None:
+        lines = render.job_table(
+            run, answer["ranks"], answer["health"], answer["missing_ranks"], [],
+            source=f"from Prometheus at {client.url}",
+        )  # fmt: skip
+    else:
+        lines = render.runs_table(answer["runs"], answer["ranks"], answer["health"])
+    return "\n".join(lines), code
+
+
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Print the status once (or until Ctrl-C with ``--watch``); returns the exit status."""
     out = out or sys.stdout
@@ -350,8 +423,16 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         print(f"ampscope status: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE
     whole_job = len(exporters) > 1 or args.targets is not None
+    if args.prometheus is not None:
+        try:
+            client = prometheus_client_from_args(args, exporters[0])
+        except Refused as exc:
+            print(f"ampscope status: {exc}", file=sys.stderr)
+            return exc.code
 
     def frame() -> tuple[str, int]:
+        if args.prometheus is not None:
+            return _prometheus_frame(client, args.run, args.json)
         if whole_job:
             return _job_frame(exporters, args.run, args.json)
         return _frame(exporters[0], args.run, args.json)

@@ -219,10 +219,12 @@ def job_table(
     health: Mapping[str, Any],
     missing: Sequence[int],
     targets: Sequence[Mapping[str, Any]],
+    source: str | None = None,
 ) -> list[str]:
-    """One run over every node's exporter: a line per node (ranks, states, steps, worst
-    verdict naming it), then the outlier ranks (named by a flagged verdict, or neither
-    running nor finished), then every verdict and the targets that did not answer."""
+    """One run over every node's exporter (or from ``source``, e.g. Prometheus): a line per
+    node (ranks, states, steps, worst verdict naming it), then the outlier ranks (named by
+    a flagged verdict, or neither running nor finished), then every verdict and the targets
+    that did not answer."""
     flagged = [v for v in health["verdicts"] if v["status"] != "ok"]
     nodes: dict[str, list[Mapping[str, Any]]] = {}
     for view in views:
@@ -243,7 +245,7 @@ def job_table(
     head = (
         f"run {run}: {health['status'].upper()}, {health['up']}/{health['ranks']} rank(s) up "
         f"({states_text(views)}) of world size {world} on {len(nodes)} node(s); "
-        f"{answered}/{len(targets)} exporter(s) answered"
+        + (source or f"{answered}/{len(targets)} exporter(s) answered")
     )
     lines = [head]
     if views:
