@@ -13,54 +13,34 @@ missing or refused).
 from __future__ import annotations
 
 import argparse
-import base64
 import json
-import os
-import ssl
 import sys
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TextIO
 
 from ampscope.reporter.schema import DEFAULT_URL
-from ampscope.reporter.tls import ClientTls, explain_401, explain_tls_failure
+from ampscope.reporter.tls import explain_401, explain_tls_failure
 from ampscope.service.rules import Thresholds
 from ampscope.status import fanout, merge, prometheus
+from ampscope.status.access import (
+    EXIT_TLS_REFUSED,
+    EXIT_UNAUTHORIZED,
+    PASSWORD_ENV,
+    TOKEN_ENV,
+    Exporter,
+    Refused,
+    exporters_from_args,
+    prometheus_client_from_args,
+)
 from ampscope.status.fanout import EXIT_NO_SUCH_RUN, EXIT_UNREACHABLE, TargetResult
-from ampscope.status.targets import TargetsError, read_targets
-
-EXIT_UNAUTHORIZED = 5
-EXIT_TLS_REFUSED = 6
-PASSWORD_ENV = "AMPSCOPE_PASSWORD"
-TOKEN_ENV = "AMPSCOPE_PROMETHEUS_TOKEN"
+from ampscope.status.targets import TargetsError
 
 
 class Unreachable(Exception):
     """The exporter did not answer, or did not answer with the API's JSON."""
-
-
-class Refused(Exception):
-    """The exporter refused us: ``code`` is ``EXIT_UNAUTHORIZED`` or ``EXIT_TLS_REFUSED``."""
-
-    def __init__(self, reason: str, code: int) -> None:
-        super().__init__(reason)
-        self.code = code
-
-
-@dataclass(frozen=True)
-class Exporter:
-    """Where the exporter is and how to talk to it."""
-
-    url: str
-    context: ssl.SSLContext | None = None
-    """For ``https://``: whom to trust, which client certificate to show."""
-    authorization: str | None = None
-    """``Basic ...`` when a user is given."""
-    client_cert: bool = False
 
 
 class NoSuchRun(Exception):
@@ -156,55 +136,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "credentials (401), 6 TLS failed (untrusted server certificate, client certificate "
         "missing or refused)."
     )
-
-
-def base_url(given: str | None) -> str:
-    """``--url``, else ``AMPSCOPE_URL`` (where the ranks report), else the default address."""
-    return (given or os.environ.get("AMPSCOPE_URL") or DEFAULT_URL).rstrip("/")
-
-
-def exporters_from_args(args: argparse.Namespace) -> list[Exporter]:
-    """The exporters (``--url``s and ``--targets``, else the default) and the credentials
-    from the flags, else ``AMPSCOPE_*``; the same credentials and TLS for every one.
-
-    Raises:
-        Refused: unreadable TLS files (``EXIT_TLS_REFUSED``), an unreadable password file or
-            ``--user`` without a password (``EXIT_UNAUTHORIZED``).
-        TargetsError: an unreadable or malformed ``--targets`` file.
-    """
-    urls = [base_url(url) for url in args.url or []]
-    if args.targets is not None:
-        urls += [u.rstrip("/") for u in read_targets(args.targets, args.scheme) if u not in urls]
-    urls = list(dict.fromkeys(urls)) or [base_url(None)]
-    env = ClientTls.from_env()
-    tls = ClientTls(
-        ca_file=args.ca_file or env.ca_file,
-        cert_file=args.cert_file or env.cert_file,
-        key_file=args.key_file or env.key_file,
-    )
-    try:
-        context = tls.context() if any(u.startswith("https://") for u in urls) else None
-    except ValueError as exc:
-        raise Refused(str(exc), EXIT_TLS_REFUSED) from None
-    authorization = None
-    if args.user is not None:
-        if args.password_file is not None:
-            try:
-                password = Path(args.password_file).read_text(encoding="utf-8").rstrip("\r\n")
-            except OSError as exc:
-                message = f"cannot read --password-file {args.password_file}: {exc.strerror}"
-                raise Refused(message, EXIT_UNAUTHORIZED) from None
-        elif PASSWORD_ENV in os.environ:
-            password = os.environ[PASSWORD_ENV]
-        else:
-            raise Refused(f"--user needs --password-file or {PASSWORD_ENV}", EXIT_UNAUTHORIZED)
-        token = base64.b64encode(f"{args.user}:{password}".encode()).decode()
-        authorization = f"Basic {token}"
-    client_cert = tls.cert_file is not None
-    return [
-        Exporter(url, context if url.startswith("https://") else None, authorization, client_cert)
-        for url in urls
-    ]
 
 
 def _get(exporter: Exporter, path: str) -> Any:
@@ -352,41 +283,6 @@ def _job_frame(exporters: list[Exporter], run: str | None, as_json: bool) -> tup
         if failed_lines:
             lines += ["", "exporters that did not answer:", *failed_lines]
     return "\n".join(lines), code
-
-
-def prometheus_client_from_args(
-    args: argparse.Namespace, exporter: Exporter
-) -> prometheus.PrometheusClient:
-    """The ``--prometheus`` client: a bearer token from ``--bearer-token-file`` or
-    ``AMPSCOPE_PROMETHEUS_TOKEN``, else the basic auth of ``--user``; TLS as for exporters.
-
-    Raises:
-        Refused: an unreadable token file (``EXIT_UNAUTHORIZED``), unreadable TLS files.
-    """
-    url = args.prometheus.rstrip("/")
-    authorization = exporter.authorization
-    token = os.environ.get(TOKEN_ENV)
-    if args.bearer_token_file is not None:
-        try:
-            token = Path(args.bearer_token_file).read_text(encoding="utf-8").strip()
-        except OSError as exc:
-            message = f"cannot read --bearer-token-file {args.bearer_token_file}: {exc.strerror}"
-            raise Refused(message, EXIT_UNAUTHORIZED) from None
-    if token:
-        authorization = f"Bearer {token}"
-    context = None
-    if url.startswith("https://"):
-        env = ClientTls.from_env()
-        tls = ClientTls(
-            ca_file=args.ca_file or env.ca_file,
-            cert_file=args.cert_file or env.cert_file,
-            key_file=args.key_file or env.key_file,
-        )
-        try:
-            context = tls.context()
-        except ValueError as exc:
-            raise Refused(str(exc), EXIT_TLS_REFUSED) from None
-    return prometheus.PrometheusClient(url, authorization, context)
 
 
 def _prometheus_frame(
