@@ -208,3 +208,22 @@ def test_a_dead_target_is_named_and_hides_nothing(nodes: dict[str, str], tmp_pat
     result = _status(RUN, "--targets", str(bad))
     assert result.returncode == 3
     assert "--targets" in result.stderr
+
+
+def test_watch_redraws_the_whole_job_until_interrupted(nodes: dict[str, str]) -> None:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ampscope.cli", "status", RUN, "--watch", "--interval", "0.2",
+         *_urls(nodes)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    assert process.stdout is not None
+    frames = 0
+    for line in process.stdout:  # each frame is flushed: read until the second one
+        frames += line.startswith(f"run {RUN}: WARNING") and "3/3 exporter(s)" in line
+        if frames == 2:
+            break
+    process.send_signal(2)  # SIGINT, as Ctrl-C
+    out, _ = process.communicate(timeout=DEADLOCK_GUARD_S)
+    assert process.returncode == 1  # the last frame's worst verdict
+    assert frames == 2, out
