@@ -277,6 +277,72 @@ def inf_hotspot(ranks: Sequence[InfFacts], t: Thresholds) -> Verdict:
     )
 
 
+@dataclass(frozen=True, kw_only=True)
+class AlignedFacts:
+    """What ``aligned_scale_desync`` reads of a scaler rank: its scale after its newest
+    step that is a multiple of ``SCALE_ALIGN_STEPS`` (``ampscope_loss_scale_aligned``)."""
+
+    rank: int
+    node: str
+    step: int
+    scale: float
+
+
+def aligned_scale_desync(ranks: Sequence[AlignedFacts], scalers: int) -> Verdict:
+    """Critical when ranks at the same aligned step hold different scales: the desync check
+    that needs no per-step history, so it also compares ranks across nodes (a merged view
+    of several exporters, or Prometheus). Ranks at different aligned steps (some lag) are
+    not compared. O(ranks).
+
+    Args:
+        ranks: the scaler ranks that reported an aligned scale.
+        scalers: how many ranks run a scaler at all (0: the run has no loss scale).
+    """
+    by_step: dict[int, list[AlignedFacts]] = {}
+    for facts in ranks:
+        by_step.setdefault(facts.step, []).append(facts)
+    compared = sorted(step for step, group in by_step.items() if len(group) > 1)
+    mismatched = [step for step in compared if len({f.scale for f in by_step[step]}) > 1]
+    thresholds: dict[str, float | int] = {}
+    if not mismatched:
+        return Verdict(
+            rule="scale_desync",
+            status="ok",
+            summary=f"ranks agree on the scale at {len(compared)} shared aligned step(s)"
+            if scalers
+            else NO_SCALE,
+            evidence={"compared_steps": len(compared), "source": "aligned"},
+            thresholds=thresholds,
+        )
+    step = mismatched[-1]
+    group = sorted(by_step[step], key=lambda f: f.rank)
+    counts: dict[float, int] = {}
+    for facts in group:
+        counts[facts.scale] = counts.get(facts.scale, 0) + 1
+    majority = max(counts, key=lambda scale: counts[scale])
+    odd = [f for f in group if f.scale != majority]
+    nodes = sorted({f.node for f in odd})
+    return Verdict(
+        rule="scale_desync",
+        status="critical",
+        summary=f"ranks disagree on the loss scale at aligned step {step}: {len(odd)} of "
+        f"{len(group)} rank(s) differ from the majority's {majority:g}, on node(s) "
+        + ", ".join(nodes[:MAX_EVIDENCE_RANKS]),
+        evidence={
+            "source": "aligned",
+            "compared_steps": len(compared),
+            "mismatched_steps": len(mismatched),
+            "newest_mismatched_step": step,
+            "ranks_at_newest": len(group),
+            "majority_scale": majority,
+            "ranks": [
+                {"rank": f.rank, "node": f.node, "scale": f.scale} for f in odd[:MAX_EVIDENCE_RANKS]
+            ],
+        },
+        thresholds=thresholds,
+    )
+
+
 def declared_world_size(ranks: Sequence[RankFacts]) -> int:
     """The run's world size: the one its most recently heard rank declared (after an
     elastic resize, ranks of the old size may linger until retention drops them)."""

@@ -6,10 +6,12 @@ concatenated (a rank held by two exporters, after a restart onto another node, c
 its most recently heard copy). The verdicts that need the whole job are computed again over
 the merged ranks by the same rule implementations the exporter runs
 (``ampscope.service.rules``): ``lost_rank`` (its critical share is of the whole job) and
-``missing_rank``, and ``stalled_rank``'s ok summary (the live ranks of every node). The
-others are per-rank facts each exporter already judged over its own
-ranks: the merge keeps the worst exporter's verdict and lists every exporter that flagged
-it under ``evidence["exporters"]``. Costs O(ranks + world size).
+``missing_rank``, ``stalled_rank``'s ok summary (the live ranks of every node), and a
+``scale_desync`` across nodes at the ranks' aligned steps (``rules.aligned_scale_desync``),
+which replaces the exporters' own when it is worse. The other rules are per-rank facts
+each exporter already judged over its own ranks: the merge keeps the worst exporter's
+verdict and lists every exporter that flagged it under ``evidence["exporters"]``. Costs
+O(ranks + world size).
 """
 
 from __future__ import annotations
@@ -39,6 +41,21 @@ def facts_of(views: Sequence[Mapping[str, Any]]) -> list[RankFacts]:
         )
         for view in views
     ]
+
+
+def aligned_of(views: Sequence[Mapping[str, Any]]) -> tuple[list[rules.AlignedFacts], int]:
+    """The aligned scales of the scaler ranks, and how many ranks run a scaler."""
+    scalers = [v for v in views if (v.get("setup") or {}).get("mode", "scaler") == "scaler"]
+    facts = [
+        rules.AlignedFacts(
+            rank=v["rank"], node=v["node"], step=aligned["step"], scale=aligned["scale"]
+        )
+        for v in scalers
+        if (aligned := (v.get("totals") or {}).get("aligned_scale"))
+        and "step" in aligned
+        and "scale" in aligned
+    ]
+    return facts, len(scalers)
 
 
 def merge_ranks(per_target: Sequence[Sequence[Mapping[str, Any]]]) -> list[Mapping[str, Any]]:
@@ -113,6 +130,15 @@ def merge_health(
         if rule not in order:  # exporters that predate the rule
             order.append(rule)
     verdicts = [recomputed.get(rule) or _worst_of(rule, reports) for rule in order]
+    # Each exporter compared its own node's ranks step by step; the aligned scales compare
+    # every node's: a desync between nodes shows only there.
+    across = rules.aligned_scale_desync(*aligned_of(views)).model_dump()
+    verdicts = [
+        across
+        if v["rule"] == "scale_desync" and SEVERITY[across["status"]] > SEVERITY[v["status"]]
+        else v
+        for v in verdicts
+    ]
     states = {name: sum(1 for f in facts if f.state == name) for name in STATES}
     for verdict in verdicts:
         if verdict["rule"] == "stalled_rank" and verdict["status"] == "ok":

@@ -5,10 +5,11 @@ Builds the same answer as one exporter's ``--json`` (``ranks`` and ``health`` of
 every run's), with ``null`` where Prometheus does not hold a value (a rank's step time,
 last event, restarts), and computes the verdicts by the exporter's own rule
 implementations (``ampscope.service.rules``) from instant vectors and ``max_over_time`` /
-``increase`` over each rule's window. Verdicts that need the exporter's per-step history
-(``scale_desync``, ``stalled_rank``'s hang culprit, ``nonfinite_update_applied``'s first
-step and origin) say so instead. Cost: seven instant queries, run in parallel; the answer
-holds O(ranks x devices) samples.
+``increase`` over each rule's window; ``scale_desync`` compares the ranks' aligned scales
+(``ampscope_loss_scale_aligned`` at the same ``_step``), as the alert rule does. Verdicts
+that need the exporter's per-step history (``stalled_rank``'s progress times,
+``nonfinite_update_applied``'s first step and origin) say so instead. Cost: six instant
+queries, run in parallel; the answer holds O(ranks x devices) samples.
 """
 
 from __future__ import annotations
@@ -48,8 +49,6 @@ GAUGES = (
 """Families read as instant vectors, in one query by name."""
 
 NEEDS_HISTORY = {
-    "scale_desync": "the ranks' per-step scale histories, which only the exporters hold "
-    "(Prometheus' AmpscopeScaleDesync alert compares the aligned scales)",
     "stalled_rank": "each rank's time of its last new step, which only the exporters hold; "
     "ampscope_rank_state says which ranks are stalled",
     "nonfinite_update_applied": "the first applied step and its origin, which only the "
@@ -276,7 +275,7 @@ def health_of(
     verdicts = [
         rules.scale_collapse(scale, t).model_dump(),
         rules.skip_storm(steps, t).model_dump(),
-        lacking("scale_desync"),
+        rules.aligned_scale_desync(*merge.aligned_of(views)).model_dump(),
         rules.lost_rank(facts, t).model_dump(),
         rules.missing_rank(facts, judged=True).model_dump(),
         lacking("stalled_rank"),

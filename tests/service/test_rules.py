@@ -4,10 +4,13 @@ calls them (the exporter's path is in test_health)."""
 from __future__ import annotations
 
 from ampscope.service.rules import (
+    NO_SCALE,
+    AlignedFacts,
     InfFacts,
     RankFacts,
     RankStateName,
     Thresholds,
+    aligned_scale_desync,
     declared_world_size,
     inf_hotspot,
     lost_rank,
@@ -121,3 +124,27 @@ def test_inf_hotspot_over_window_facts_names_the_rank_and_its_node() -> None:
         "share": 0.9,
     }
     assert verdict.summary == "rank 9 device cuda:1 holds 90% of 10 origin found-inf detections"
+
+
+def test_aligned_desync_compares_ranks_at_the_same_aligned_step_only() -> None:
+    def at(rank: int, node: str, step: int, scale: float) -> AlignedFacts:
+        return AlignedFacts(rank=rank, node=node, step=step, scale=scale)
+
+    # Rank 4 lags at step 20 with another scale: nothing to compare it with.
+    agree = [at(0, "n0", 30, 1024.0), at(1, "n0", 30, 1024.0), at(4, "n2", 20, 64.0)]
+    verdict = aligned_scale_desync(agree, scalers=3)
+    assert (verdict.status, verdict.evidence["compared_steps"]) == ("ok", 1)
+    # Node n1's two ranks differ from the majority at step 30: they are named, with n1.
+    split = [*agree, at(2, "n1", 30, 64.0), at(3, "n1", 30, 64.0), at(5, "n2", 30, 1024.0)]
+    verdict = aligned_scale_desync(split, scalers=6)
+    assert verdict.status == "critical"
+    assert verdict.evidence["ranks"] == [
+        {"rank": 2, "node": "n1", "scale": 64.0},
+        {"rank": 3, "node": "n1", "scale": 64.0},
+    ]
+    assert (verdict.evidence["newest_mismatched_step"], verdict.evidence["majority_scale"]) == (
+        30,
+        1024.0,
+    )
+    assert verdict.summary.endswith("2 of 5 rank(s) differ from the majority's 1024, on node(s) n1")
+    assert aligned_scale_desync([], scalers=0).summary == NO_SCALE

@@ -21,8 +21,10 @@ from ampscope.demo.exporter import ExporterProcess
 RUN = "job-7"
 STEPS = 12
 STORMY = {3, 6, 9, 12}
-"""Overflow steps of both ranks of node n1: 4 skipped of 12 is a skip storm (a warning),
-the same on both ranks so that their scales agree (no desync)."""
+"""Overflow steps of both ranks of node n1: 4 skipped of 12 is a skip storm (a warning).
+Without a process group, the other nodes' scalers never see these overflows: n1's scale
+falls to 2^6 while theirs stays 2^10, a desync that n1's exporter cannot see (its two ranks
+agree) and only the merged view, comparing every node's aligned scales, shows."""
 LAYOUT = {"n0": (0, 1), "n1": (2, 3), "n2": (4,)}
 """Node -> ranks that report. World size 6: rank 5 (n2's second) never reports."""
 
@@ -128,22 +130,32 @@ def test_the_merged_run_names_the_missing_rank_and_the_warning_node(
     nodes: dict[str, str],
 ) -> None:
     result = _status(RUN, *_urls(nodes))
-    assert result.returncode == 1, result.stderr  # warnings only: skip storm, missing rank
+    assert result.returncode == 2, result.stderr  # the desync between nodes
     lines = result.stdout.splitlines()
-    assert lines[0].startswith(f"run {RUN}: WARNING, 5/5 rank(s) up (5 finished) of world size 6")
+    assert lines[0].startswith(f"run {RUN}: CRITICAL, 5/5 rank(s) up (5 finished) of world size 6")
     assert "3/3 exporter(s) answered" in lines[0]
     assert lines[1] == "missing ranks (1): 5"
     rows = {line.split()[0]: line.split() for line in lines[4:7]}
     assert rows["n0"] == ["n0", "2", "2", "finished", "12", "OK"]
-    assert rows["n1"] == ["n1", "2", "2", "finished", "12", "WARNING"]
+    assert rows["n1"] == ["n1", "2", "2", "finished", "12", "CRITICAL"]
     assert rows["n2"] == ["n2", "1", "1", "finished", "12", "OK"]
     outliers = lines[lines.index("outlier ranks:") + 1 :]
     assert [line.split()[0] for line in outliers[1:3]] == ["2", "3"]
-    assert outliers[1].split()[-1] == "skip_storm"
-    verdicts = {line.split()[1]: line.split()[0] for line in lines if line.startswith("  ")}
-    assert verdicts["missing_rank"] == "WARN"
-    assert verdicts["skip_storm"] == "WARN"
-    assert verdicts["lost_rank"] == "ok"
+    assert outliers[1].split()[-1] == "skip_storm,scale_desync"
+    verdicts = {line.split()[1]: line.split(maxsplit=2) for line in lines if line.startswith("  ")}
+    assert verdicts["missing_rank"][0] == "WARN"
+    assert verdicts["skip_storm"][0] == "WARN"
+    assert verdicts["lost_rank"][0] == "ok"
+    assert verdicts["scale_desync"] == [
+        "CRIT",
+        "scale_desync",
+        "ranks disagree on the loss scale at aligned step 10: 2 of 5 rank(s) differ from the "
+        "majority's 1024, on node(s) n1",
+    ]
+    # Each node's exporter alone sees no desync: its ranks agree with each other.
+    for url in nodes.values():
+        alone = json.loads(_status(RUN, "--json", "--url", url).stdout)
+        assert {v["rule"]: v["status"] for v in alone["health"]["verdicts"]}["scale_desync"] == "ok"
 
 
 def test_merged_json_has_the_single_exporter_keys_and_missing_ranks(
@@ -152,7 +164,7 @@ def test_merged_json_has_the_single_exporter_keys_and_missing_ranks(
     single = json.loads(_status(RUN, "--json", "--url", nodes["n0"]).stdout)
     result = _status(RUN, "--json", *_urls(nodes))
     merged = json.loads(result.stdout)
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert set(single) <= set(merged)
     assert set(single["health"]) == set(merged["health"])
     assert set(single["ranks"][0]) == set(merged["ranks"][0])
@@ -187,7 +199,7 @@ def test_a_dead_target_is_named_and_hides_nothing(nodes: dict[str, str], tmp_pat
     json_file.write_text(json.dumps([{"targets": hosts[:2]}, {"targets": [hosts[2], dead]}]))
     for targets in (yaml_file, json_file):
         result = _status(RUN, "--targets", str(targets))
-        assert result.returncode == 1, result.stderr
+        assert result.returncode == 2, result.stderr
         assert "3/4 exporter(s) answered" in result.stdout
         assert "missing ranks (1): 5" in result.stdout
         failed = result.stdout.splitlines()[-1].split()
@@ -220,10 +232,10 @@ def test_watch_redraws_the_whole_job_until_interrupted(nodes: dict[str, str]) ->
     assert process.stdout is not None
     frames = 0
     for line in process.stdout:  # each frame is flushed: read until the second one
-        frames += line.startswith(f"run {RUN}: WARNING") and "3/3 exporter(s)" in line
+        frames += line.startswith(f"run {RUN}: CRITICAL") and "3/3 exporter(s)" in line
         if frames == 2:
             break
     process.send_signal(2)  # SIGINT, as Ctrl-C
     out, _ = process.communicate(timeout=DEADLOCK_GUARD_S)
-    assert process.returncode == 1  # the last frame's worst verdict
+    assert process.returncode == 2  # the last frame's worst verdict
     assert frames == 2, out

@@ -172,9 +172,11 @@ def test_prometheus_and_the_fan_out_give_the_same_answer(
     assert set(from_prometheus["health"]) == set(from_exporters["health"])
     assert from_prometheus["ranks"][0]["step_time"] is None
     assert from_prometheus["ranks"][0]["step"] == 20
+    stalled = _by_rule(from_prometheus)["stalled_rank"]
+    assert stalled["evidence"] == {"evaluated": False}
+    assert stalled["summary"].startswith("not evaluated from Prometheus: it needs")
     desync = _by_rule(from_prometheus)["scale_desync"]
-    assert desync["evidence"] == {"evaluated": False}
-    assert desync["summary"].startswith("not evaluated from Prometheus: it needs")
+    assert (desync["status"], desync["evidence"]["source"]) == ("ok", "aligned")
 
 
 def test_the_prometheus_table_and_its_failures(job: tuple[str, dict[str, str]]) -> None:
