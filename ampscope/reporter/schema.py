@@ -101,6 +101,12 @@ class Identity(_Model):
     rank: Annotated[int, Field(ge=0, lt=1_000_000)]
     local_rank: Annotated[int, Field(ge=0, lt=1_000_000)]
     world_size: Annotated[int, Field(ge=1, le=1_000_000)]
+    local_world_size: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
+    """Ranks on the rank's node (torchrun's ``LOCAL_WORLD_SIZE``): equal to ``world_size``,
+    the node holds the whole job, so its exporter can tell which ranks never reported."""
+    job_id: Label | None = None
+    """The scheduler's job id (see ``ampscope.scaler.identity.resolve_job_id``); ``None``
+    when no scheduler said one, and from reporters that predate the field."""
 
 
 class NonfiniteParam(_Model):

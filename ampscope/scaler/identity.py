@@ -1,4 +1,4 @@
-"""Who a rank is: run id, node, rank, local rank and world size for every record."""
+"""Who a rank is: run id, node, rank, local rank, world size and job id for every record."""
 
 from __future__ import annotations
 
@@ -96,6 +96,27 @@ def resolve_node() -> str:
     return sanitize_label(override or socket.gethostname(), fallback="localhost")
 
 
+JOB_ID_VARIABLES = (
+    "AMPSCOPE_JOB_ID",
+    "SLURM_JOB_ID",
+    "PBS_JOBID",
+    "LSB_JOBID",
+    "TORCHELASTIC_RUN_ID",
+)
+"""Where the job id comes from, first set wins: an explicit ``AMPSCOPE_JOB_ID`` (on
+Kubernetes, the Job's or pod's name through the downward API), then the batch schedulers'
+own (Slurm, PBS/Torque, LSF), then torchrun's rendezvous id (``none`` counts as unset)."""
+
+
+def resolve_job_id() -> str | None:
+    """The scheduler's job id made a label (see ``JOB_ID_VARIABLES``), or ``None``."""
+    for variable in JOB_ID_VARIABLES:
+        value = os.environ.get(variable, "").strip()
+        if value and value != _UNSET_ELASTIC_RUN_ID:
+            return sanitize_label(value)
+    return None
+
+
 def resolve_identity(explicit_run_id: str | None = None, *, collective: bool = True) -> Identity:
     """This rank's identity; may run one collective (see :func:`resolve_run_id`)."""
     if dist.is_available() and dist.is_initialized():
@@ -108,4 +129,6 @@ def resolve_identity(explicit_run_id: str | None = None, *, collective: bool = T
         rank=rank,
         local_rank=_env_int("LOCAL_RANK", 0),
         world_size=max(world_size, 1),
+        local_world_size=max(_env_int("LOCAL_WORLD_SIZE", 0), 0) or None,
+        job_id=resolve_job_id(),
     )

@@ -50,10 +50,14 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "Always 1; what the rank runs: mode (scaler: an fp16 loss scaler; watch: a GradWatch "
         "on a bf16/fp32 run, which has no loss scale), the policy for iterations with "
         "non-finite gradients (observe, skip, raise) and the gradients' dtype (unknown when "
-        "not reported).",
+        "not reported); the run's world_size and the scheduler's job_id (empty when none "
+        "was set), so a job is found by its id: `... * on(run, node, rank, local_rank) "
+        "group_left(job_id) ampscope_rank_info`.",
         "mode",
         "policy",
         "grad_dtype",
+        "world_size",
+        "job_id",
     ),
     _rank("ampscope_loss_scale", "gauge", "Current loss scale of the rank's scaler."),
     _rank(

@@ -121,7 +121,14 @@ class StoreCollector(Collector):
         rows: list[Row] = [
             (
                 "ampscope_rank_info",
-                [*labels, setup.mode, setup.policy, setup.grad_dtype or "unknown"],
+                [
+                    *labels,
+                    setup.mode,
+                    setup.policy,
+                    setup.grad_dtype or "unknown",
+                    str(who.world_size),
+                    who.job_id or "",
+                ],
                 1.0,
             )
         ]

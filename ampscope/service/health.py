@@ -18,9 +18,17 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ampscope.service import rules
 from ampscope.service.lifecycle import STATES, Lifecycle, RankStateName
 from ampscope.service.models import HealthReport, Status, Verdict
 from ampscope.service.ranks import RankSnapshot, WindowCounts
+from ampscope.service.rules import (
+    MAX_EVIDENCE_RANKS,
+    NO_SCALE,
+    RankFacts,
+    Thresholds,
+    progress_summary,
+)
 
 log = logging.getLogger(__name__)
 
@@ -31,51 +39,6 @@ MAX_LOGGED = 1024
 _logged: set[tuple[str, str, int]] = set()
 
 _SEVERITY: dict[Status, int] = {"ok": 0, "warning": 1, "critical": 2}
-MAX_EVIDENCE_RANKS = 16
-"""Ranks listed in one verdict's evidence at most (the count is always given)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Thresholds:
-    """Health-rule thresholds; the defaults are the ones the Prometheus alert rules use."""
-
-    scale_floor: float = 1.0
-    """Scale collapse (critical): scale below this."""
-    collapse_factor: float = 2.0**8
-    """Scale collapse (critical): the window's peak scale / current scale at least this."""
-    collapse_window_s: float = 600.0
-    skip_storm_ratio: float = 0.25
-    """Skip storm (warning): skipped / steps over the window above this."""
-    skip_storm_window_s: float = 300.0
-    skip_storm_min_steps: int = 10
-    """Skip storm: fewer steps in the window say nothing."""
-    stale_after_s: float = 60.0
-    """Lost rank (warning): nothing heard for this long, and no final record."""
-    stall_after_s: float = 600.0
-    """Stalled rank (warning): heard from, but no new step for this long."""
-    lost_critical_share: float = 0.25
-    """Lost rank turns critical when more than this share of the run's ranks are lost."""
-    hotspot_share: float = 0.8
-    """Inf hotspot (warning): one rank/device holds at least this share of detections."""
-    hotspot_window_s: float = 600.0
-    hotspot_min_detections: int = 5
-
-    def __post_init__(self) -> None:
-        for name in ("collapse_window_s", "skip_storm_window_s", "stale_after_s", "stall_after_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive")
-        if not self.hotspot_window_s > 0:
-            raise ValueError("hotspot_window_s must be positive")
-        if self.scale_floor < 0:
-            raise ValueError("scale_floor must be >= 0")
-        if not self.collapse_factor > 1:
-            raise ValueError("collapse_factor must be > 1")
-        if not 0 <= self.skip_storm_ratio <= 1:
-            raise ValueError("skip_storm_ratio must be within [0, 1]")
-        if not 0 < self.hotspot_share <= 1:
-            raise ValueError("hotspot_share must be within (0, 1]")
-        if self.skip_storm_min_steps < 1 or self.hotspot_min_detections < 1:
-            raise ValueError("minimum counts must be at least 1")
 
 
 @dataclass(frozen=True)
@@ -118,96 +81,36 @@ def _scalers(ranks: Sequence[RankSnapshot]) -> list[RankSnapshot]:
     return [snap for snap in ranks if snap.newest.setup.mode == "scaler"]
 
 
-NO_SCALE = "no rank has a loss scale: every rank runs a watch (bf16/fp32)"
-"""The summary of the scale rules for a run of watch ranks only."""
-
-
 def scale_collapse(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
-    """Critical when a rank's scale is below the floor or fell by ``collapse_factor``."""
-    thresholds = {
-        "scale_floor": t.scale_floor,
-        "collapse_factor": t.collapse_factor,
-        "window_s": t.collapse_window_s,
-    }
-    hits = []
-    lowest = None
-    scalers = _scalers(ranks)
-    for snap in scalers:
-        scale = snap.newest.scale_after
-        peak = _window(snap, now - t.collapse_window_s).peak_scale
-        fall = peak / scale if scale > 0 else float("inf")
-        lowest = scale if lowest is None else min(lowest, scale)
-        reasons = []
-        if scale < t.scale_floor:
-            reasons.append("below_floor")
-        if fall >= t.collapse_factor:
-            reasons.append("fell")
-        if reasons:
-            hits.append(
-                {
-                    **_who(snap),
-                    "scale": scale,
-                    "window_peak_scale": peak,
-                    "fall_factor": fall if scale > 0 else None,
-                    "reasons": reasons,
-                }
-            )
-    if not hits:
-        return Verdict(
-            rule="scale_collapse",
-            status="ok",
-            summary="no rank's loss scale collapsed" if scalers or not ranks else NO_SCALE,
-            evidence={"lowest_scale": lowest},
-            thresholds=thresholds,
+    """``rules.scale_collapse`` over the store's snapshots: O(ranks x samples)."""
+    facts = [
+        rules.ScaleFacts(
+            rank=snap.identity.rank,
+            node=snap.identity.node,
+            scaler=snap.newest.setup.mode == "scaler",
+            scale=snap.newest.scale_after,
+            window_peak_scale=_window(snap, now - t.collapse_window_s).peak_scale,
         )
-    worst = min(hits, key=lambda h: h["scale"])
-    return Verdict(
-        rule="scale_collapse",
-        status="critical",
-        summary=f"loss scale collapsed on {len(hits)} rank(s): rank {worst['rank']} is at "
-        f"{worst['scale']:g} (window peak {worst['window_peak_scale']:g})",
-        evidence={"ranks_affected": len(hits), "ranks": hits[:MAX_EVIDENCE_RANKS]},
-        thresholds=thresholds,
-    )
+        for snap in ranks
+    ]
+    return rules.scale_collapse(facts, t)
 
 
 def skip_storm(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
-    """Warning when a rank skipped more than ``skip_storm_ratio`` of its window's steps."""
-    thresholds = {
-        "ratio": t.skip_storm_ratio,
-        "window_s": t.skip_storm_window_s,
-        "min_steps": t.skip_storm_min_steps,
-    }
-    hits = []
-    worst_ratio = 0.0
+    """``rules.skip_storm`` over the store's snapshots: O(ranks x samples)."""
+    facts = []
     for snap in ranks:
         base = _window(snap, now - t.skip_storm_window_s).baseline
         totals = snap.newest.totals
-        steps = totals.steps - (base.steps if base else 0)
-        skipped = totals.skipped_steps - (base.skipped_steps if base else 0)
-        if steps < t.skip_storm_min_steps:
-            continue
-        ratio = skipped / steps
-        worst_ratio = max(worst_ratio, ratio)
-        if ratio > t.skip_storm_ratio:
-            hits.append({**_who(snap), "steps": steps, "skipped": skipped, "ratio": ratio})
-    if not hits:
-        return Verdict(
-            rule="skip_storm",
-            status="ok",
-            summary="skipped steps within bounds",
-            evidence={"worst_ratio": worst_ratio},
-            thresholds=thresholds,
+        facts.append(
+            rules.StepFacts(
+                rank=snap.identity.rank,
+                node=snap.identity.node,
+                steps=totals.steps - (base.steps if base else 0),
+                skipped=totals.skipped_steps - (base.skipped_steps if base else 0),
+            )
         )
-    worst = max(hits, key=lambda h: h["ratio"])
-    return Verdict(
-        rule="skip_storm",
-        status="warning",
-        summary=f"{worst['skipped']} of rank {worst['rank']}'s last {worst['steps']} steps "
-        f"were skipped ({worst['ratio']:.0%}) on {len(hits)} rank(s)",
-        evidence={"ranks_affected": len(hits), "ranks": hits[:MAX_EVIDENCE_RANKS]},
-        thresholds=thresholds,
-    )
+    return rules.skip_storm(facts, t)
 
 
 def scale_desync(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
@@ -267,52 +170,35 @@ def _states(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> list[Ra
     return [life.state(snap, now) for snap in ranks]
 
 
-def lost_rank(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
-    """Warning when a rank went silent for ``stale_after_s`` without its final record;
-    critical when more than ``lost_critical_share`` of the run's ranks did."""
+def facts_of(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> list[RankFacts]:
+    """The neutral view of ``ranks`` at exporter time ``now`` that the shared rules of
+    ``ampscope.service.rules`` read. O(ranks)."""
     states = _states(ranks, now, t)
-    thresholds = {"stale_after_s": t.stale_after_s, "critical_share": t.lost_critical_share}
-    lost = [
-        {
-            **_who(snap),
-            "seconds_since_report": now - snap.last_report,
-            "last_step": snap.newest.step,
-        }
-        for snap, state in zip(ranks, states, strict=True)
-        if state == "lost"
-    ]
-    if not lost:
-        return Verdict(
-            rule="lost_rank",
-            status="ok",
-            summary=f"no rank of {len(ranks)} lost",
-            evidence={"lost": 0},
-            thresholds=thresholds,
+    return [
+        RankFacts(
+            rank=snap.identity.rank,
+            node=snap.identity.node,
+            state=state,
+            world_size=snap.identity.world_size,
+            local_world_size=snap.identity.local_world_size,
+            last_step=snap.newest.step,
+            last_report_time=snap.last_report,
+            seconds_since_report=now - snap.last_report,
         )
-    share = len(lost) / len(ranks)
-    return Verdict(
-        rule="lost_rank",
-        status="critical" if share > t.lost_critical_share else "warning",
-        summary=f"{len(lost)} of {len(ranks)} rank(s) went silent without finishing (process "
-        f"died or network broken): rank {lost[0]['rank']} last heard "
-        f"{lost[0]['seconds_since_report']:.0f} s ago at step {lost[0]['last_step']}",
-        evidence={"lost": len(lost), "share": share, "ranks": lost[:MAX_EVIDENCE_RANKS]},
-        thresholds=thresholds,
-    )
-
-
-def progress_summary(live: int, states: Sequence[RankStateName]) -> str:
-    """What an ok ``stalled_rank`` says: the live ranks making progress, and how many of
-    the others finished or were lost ("no live ranks: 4 finished" once all finished)."""
-    ended = [
-        f"{count} {state}"
-        for state in ("finished", "lost")
-        if (count := sum(1 for s in states if s == state))
+        for snap, state in zip(ranks, states, strict=True)
     ]
-    if live == 0:
-        return "no live ranks: " + ", ".join(ended) if ended else "no ranks"
-    progress = "the live rank is" if live == 1 else f"all {live} live ranks are"
-    return f"{progress} making progress" + (f" ({', '.join(ended)})" if ended else "")
+
+
+def lost_rank(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
+    """``ampscope.service.rules.lost_rank`` over the store's snapshots."""
+    return rules.lost_rank(facts_of(ranks, now, t), t)
+
+
+def missing_rank(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
+    """``ampscope.service.rules.missing_rank`` over the store's snapshots, judged only when
+    the ranks say their node holds the whole job (``rules.whole_job``)."""
+    facts = facts_of(ranks, now, t)
+    return rules.missing_rank(facts, judged=rules.whole_job(facts))
 
 
 def stalled_rank(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
@@ -370,63 +256,20 @@ def stalled_rank(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Ve
 
 
 def inf_hotspot(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
-    """Warning when one rank/device holds ``hotspot_share`` of the window's detections.
-
-    Counts origin detections (pre-reduction gradients) when any rank tracks origin in
-    the window, else local found-inf. Needs at least two rank/device series: a single
-    device is trivially 100% of its own detections.
-    """
-    thresholds = {
-        "share": t.hotspot_share,
-        "window_s": t.hotspot_window_s,
-        "min_detections": t.hotspot_min_detections,
-    }
-    origin: list[tuple[RankSnapshot, str, int]] = []
-    local: list[tuple[RankSnapshot, str, int]] = []
+    """``rules.inf_hotspot`` over the store's snapshots: O(ranks x samples)."""
+    facts = []
     for snap in ranks:
         base = _window(snap, now - t.hotspot_window_s).baseline
         totals = snap.newest.totals
-        origin_base = base.found_inf_origin if base is not None else None
-        local_base = base.found_inf_local if base is not None else None
-        for device, n in _delta(totals.found_inf_origin, origin_base).items():
-            origin.append((snap, device, n))
-        for device, n in _delta(totals.found_inf_local, local_base).items():
-            local.append((snap, device, n))
-    source, series = ("origin", origin) if sum(n for *_, n in origin) > 0 else ("local", local)
-    total = sum(n for *_, n in series)
-    evidence: dict[str, Any] = {"source": source, "detections": total, "series": len(series)}
-    if total == 0 or len(series) < 2:
-        return Verdict(
-            rule="inf_hotspot",
-            status="ok",
-            summary="no rank/device dominates the found-inf detections",
-            evidence=evidence,
-            thresholds=thresholds,
+        facts.append(
+            rules.InfFacts(
+                rank=snap.identity.rank,
+                node=snap.identity.node,
+                local=_delta(totals.found_inf_local, base.found_inf_local if base else None),
+                origin=_delta(totals.found_inf_origin, base.found_inf_origin if base else None),
+            )
         )
-    ordered = sorted(series, key=lambda item: -item[2])
-    top = [
-        {**_who(s), "device": d, "detections": n, "share": n / total}
-        for s, d, n in ordered[:5]
-        if n > 0
-    ]
-    evidence["top"] = top
-    lead = top[0]
-    if total >= t.hotspot_min_detections and lead["share"] >= t.hotspot_share:
-        return Verdict(
-            rule="inf_hotspot",
-            status="warning",
-            summary=f"rank {lead['rank']} device {lead['device']} holds {lead['share']:.0%} "
-            f"of {total} {source} found-inf detections",
-            evidence=evidence,
-            thresholds=thresholds,
-        )
-    return Verdict(
-        rule="inf_hotspot",
-        status="ok",
-        summary="no rank/device dominates the found-inf detections",
-        evidence=evidence,
-        thresholds=thresholds,
-    )
+    return rules.inf_hotspot(facts, t)
 
 
 def nonfinite_update_applied(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
@@ -540,6 +383,7 @@ def evaluate(run: str, ranks: Sequence[RankSnapshot], now: float, t: Thresholds)
         _isolated(skip_storm, recent(t.skip_storm_window_s), at, t),
         _isolated(scale_desync, recent(t.collapse_window_s), at, t),
         _isolated(lost_rank, ranks, now, t),
+        _isolated(missing_rank, ranks, now, t),
         _isolated(stalled_rank, ranks, now, t),
         _isolated(inf_hotspot, recent(t.hotspot_window_s), at, t),
         _isolated(nonfinite_update_applied, ranks, at, t),

@@ -8,11 +8,10 @@ snapshot and the exporter's clock: O(1) per rank.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 from ampscope.service.ranks import RankSnapshot
+from ampscope.service.rules import RankStateName
 
-RankStateName = Literal["running", "stalled", "lost", "finished"]
 STATES: tuple[RankStateName, ...] = ("running", "stalled", "lost", "finished")
 """Every state, in the order /metrics exposes them."""
 

@@ -65,6 +65,10 @@ class RankView(BaseModel):
     rank: int
     local_rank: int
     world_size: int
+    local_world_size: int | None = Field(
+        default=None, description="Ranks on its node, when the rank said (LOCAL_WORLD_SIZE)."
+    )
+    job_id: str | None = Field(default=None, description="The scheduler's job id, if any.")
     step: int
     step_time: float = Field(description="Rank's wall-clock time of that step.")
     setup: Setup = Field(
@@ -114,6 +118,7 @@ class Verdict(BaseModel):
         "skip_storm",
         "scale_desync",
         "lost_rank",
+        "missing_rank",
         "stalled_rank",
         "inf_hotspot",
         "nonfinite_update_applied",

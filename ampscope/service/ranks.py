@@ -21,7 +21,7 @@ rank's host, can. That clock is trusted only up to the exporter's: the store ref
 times more than ``max_clock_skew_s`` ahead of its receive time, and a restart's process
 start is never later than the receive time, so a forged future record cannot make a
 genuine process look dead. Any counter of the totals moving backwards at a higher step
-is a restart too; a record that changes the rank's node, local rank or world size
+is a restart too; a record that changes the rank's node, local rank, world size or job id
 without restarting is refused (``IdentityConflict``). Not thread-safe: the ``Store``
 serialises access under its lock.
 
@@ -237,7 +237,13 @@ def _classify(record: StepRecord, newest: StepRecord | None, process_start: floa
 
 
 def _same_rank(a: Identity, b: Identity) -> bool:
-    return (a.node, a.local_rank, a.world_size) == (b.node, b.local_rank, b.world_size)
+    # The job id too: a rank of another job reusing the run id is not this process.
+    return (a.node, a.local_rank, a.world_size, a.job_id) == (
+        b.node,
+        b.local_rank,
+        b.world_size,
+        b.job_id,
+    )
 
 
 def newest_after(
@@ -248,8 +254,8 @@ def newest_after(
     checked on. O(records x (devices + parameters)).
 
     Raises:
-        IdentityConflict: a record that is not a restart names another node, local rank
-            or world size than the newest record before it.
+        IdentityConflict: a record that is not a restart names another node, local rank,
+            world size or job id than the newest record before it.
     """
     for record in records:
         outcome = _classify(record, newest, process_start)
@@ -263,9 +269,10 @@ def newest_after(
             old, new = newest.identity, record.identity
             raise IdentityConflict(
                 f"step {record.step} of rank {new.rank} of run {new.run!r} says node "
-                f"{new.node!r}, local_rank {new.local_rank}, world_size {new.world_size}; "
-                f"the live rank is node {old.node!r}, local_rank {old.local_rank}, "
-                f"world_size {old.world_size} (a restart may change these; a running "
+                f"{new.node!r}, local_rank {new.local_rank}, world_size {new.world_size}, "
+                f"job_id {new.job_id}; the live rank is node {old.node!r}, local_rank "
+                f"{old.local_rank}, world_size {old.world_size}, job_id {old.job_id} (a "
+                "restart may change these; a running "
                 "process may not)"
             )
         if outcome == "restart":
@@ -358,7 +365,7 @@ class RankState:
             Whether the heartbeat was applied.
 
         Raises:
-            IdentityConflict: the heartbeat names another node, local rank or world size
+            IdentityConflict: the heartbeat names another node, local rank, world size or job id
                 than the rank's newest record (another job reusing the run id): as for a
                 record, it must not keep the rank alive or finish it.
         """
@@ -369,8 +376,9 @@ class RankState:
             old, new = self.newest.identity, beat.identity
             raise IdentityConflict(
                 f"a heartbeat of rank {new.rank} of run {new.run!r} says node {new.node!r}, "
-                f"local_rank {new.local_rank}, world_size {new.world_size}; the live rank is "
-                f"node {old.node!r}, local_rank {old.local_rank}, world_size {old.world_size}"
+                f"local_rank {new.local_rank}, world_size {new.world_size}, job_id "
+                f"{new.job_id}; the live rank is node {old.node!r}, local_rank "
+                f"{old.local_rank}, world_size {old.world_size}, job_id {old.job_id}"
             )
         self.last_report = max(self.last_report, now)
         self.dropped_records = max(self.dropped_records, beat.dropped_records)

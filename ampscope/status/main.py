@@ -1,60 +1,46 @@
-"""``ampscope status [RUN]``: the node's runs (or one run's ranks) and their health.
+"""``ampscope status [RUN]``: the node's runs (or one run's ranks) and their health; with
+several ``--url`` or ``--targets FILE``, the whole job's, merged from every node's exporter
+(``ampscope.status.fanout``).
 
 Reads the exporter's JSON API with the standard library only, so it works wherever
 ampscope is installed, without the server extras. Exit status: 0 ok, 1 warning, 2
-critical (the worst verdict of the runs shown), 3 when the exporter cannot be reached,
-4 when it holds no such run, 5 when it refuses our credentials (401), 6 when TLS fails
-(untrusted server certificate, client certificate missing or refused).
+critical (the worst verdict of the runs shown), 3 when the exporter cannot be reached
+(of several: when none can), 4 when it holds no such run, 5 when it refuses our
+credentials (401), 6 when TLS fails (untrusted server certificate, client certificate
+missing or refused).
 """
 
 from __future__ import annotations
 
 import argparse
-import base64
 import json
-import os
-import ssl
 import sys
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TextIO
 
 from ampscope.reporter.schema import DEFAULT_URL
-from ampscope.reporter.tls import ClientTls, explain_401, explain_tls_failure
-
-EXIT_UNREACHABLE = 3
-EXIT_NO_SUCH_RUN = 4
-EXIT_UNAUTHORIZED = 5
-EXIT_TLS_REFUSED = 6
-PASSWORD_ENV = "AMPSCOPE_PASSWORD"
+from ampscope.reporter.tls import explain_401, explain_tls_failure
+from ampscope.service.rules import Thresholds
+from ampscope.status import fanout, merge, prometheus
+from ampscope.status.access import (
+    EXIT_TLS_REFUSED,
+    EXIT_UNAUTHORIZED,
+    PASSWORD_ENV,
+    TOKEN_ENV,
+    Exporter,
+    Refused,
+    exporters_from_args,
+    prometheus_client_from_args,
+)
+from ampscope.status.fanout import EXIT_NO_SUCH_RUN, EXIT_UNREACHABLE, TargetResult
+from ampscope.status.targets import TargetsError
 
 
 class Unreachable(Exception):
     """The exporter did not answer, or did not answer with the API's JSON."""
-
-
-class Refused(Exception):
-    """The exporter refused us: ``code`` is ``EXIT_UNAUTHORIZED`` or ``EXIT_TLS_REFUSED``."""
-
-    def __init__(self, reason: str, code: int) -> None:
-        super().__init__(reason)
-        self.code = code
-
-
-@dataclass(frozen=True)
-class Exporter:
-    """Where the exporter is and how to talk to it."""
-
-    url: str
-    context: ssl.SSLContext | None = None
-    """For ``https://``: whom to trust, which client certificate to show."""
-    authorization: str | None = None
-    """``Basic ...`` when a user is given."""
-    client_cert: bool = False
 
 
 class NoSuchRun(Exception):
@@ -73,8 +59,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run", nargs="?", metavar="RUN", help="show this run's ranks")
     parser.add_argument(
         "--url",
+        action="append",
         default=None,
-        help=f"the exporter (default: $AMPSCOPE_URL, else {DEFAULT_URL})",
+        help=f"the exporter (default: $AMPSCOPE_URL, else {DEFAULT_URL}); repeat it for "
+        "every node's exporter of a job to see the whole job",
+    )
+    parser.add_argument(
+        "--targets",
+        metavar="FILE",
+        default=None,
+        help="the job's exporters from a Prometheus file_sd file (JSON or YAML, "
+        "host:port targets), asked in parallel with any --url",
+    )
+    parser.add_argument(
+        "--prometheus",
+        metavar="URL",
+        default=None,
+        help="read the whole job from this Prometheus-compatible query API instead of the "
+        "exporters (Prometheus, VictoriaMetrics, a Thanos or Mimir query frontend)",
+    )
+    parser.add_argument(
+        "--bearer-token-file",
+        metavar="PATH",
+        default=None,
+        help=f"file holding --prometheus' bearer token (default: ${TOKEN_ENV}; never on the "
+        "command line); --user with --password-file gives basic auth instead",
+    )
+    parser.add_argument(
+        "--scheme",
+        choices=("http", "https"),
+        default="http",
+        help="scheme of the --targets file's host:port targets (default http)",
     )
     parser.add_argument("--watch", action="store_true", help="redraw every --interval seconds")
     parser.add_argument(
@@ -116,50 +131,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.epilog = (
         "Exit status: 0 ok, 1 warning, 2 critical (the worst health verdict shown), "
-        "3 the exporter cannot be reached, 4 it holds no such run, 5 it refused the "
+        "3 the exporter cannot be reached (of several: none can), 4 it holds no such run, "
+        "5 it refused the "
         "credentials (401), 6 TLS failed (untrusted server certificate, client certificate "
         "missing or refused)."
     )
-
-
-def base_url(given: str | None) -> str:
-    """``--url``, else ``AMPSCOPE_URL`` (where the ranks report), else the default address."""
-    return (given or os.environ.get("AMPSCOPE_URL") or DEFAULT_URL).rstrip("/")
-
-
-def exporter_from_args(args: argparse.Namespace) -> Exporter:
-    """The exporter and the credentials from the flags, else ``AMPSCOPE_*``.
-
-    Raises:
-        Refused: unreadable TLS files (``EXIT_TLS_REFUSED``), an unreadable password file or
-            ``--user`` without a password (``EXIT_UNAUTHORIZED``).
-    """
-    url = base_url(args.url)
-    env = ClientTls.from_env()
-    tls = ClientTls(
-        ca_file=args.ca_file or env.ca_file,
-        cert_file=args.cert_file or env.cert_file,
-        key_file=args.key_file or env.key_file,
-    )
-    try:
-        context = tls.context() if url.startswith("https://") else None
-    except ValueError as exc:
-        raise Refused(str(exc), EXIT_TLS_REFUSED) from None
-    authorization = None
-    if args.user is not None:
-        if args.password_file is not None:
-            try:
-                password = Path(args.password_file).read_text(encoding="utf-8").rstrip("\r\n")
-            except OSError as exc:
-                message = f"cannot read --password-file {args.password_file}: {exc.strerror}"
-                raise Refused(message, EXIT_UNAUTHORIZED) from None
-        elif PASSWORD_ENV in os.environ:
-            password = os.environ[PASSWORD_ENV]
-        else:
-            raise Refused(f"--user needs --password-file or {PASSWORD_ENV}", EXIT_UNAUTHORIZED)
-        token = base64.b64encode(f"{args.user}:{password}".encode()).decode()
-        authorization = f"Basic {token}"
-    return Exporter(url, context, authorization, client_cert=tls.cert_file is not None)
 
 
 def _get(exporter: Exporter, path: str) -> Any:
@@ -227,12 +203,21 @@ def exit_status(answer: dict[str, Any]) -> int:
     return max((SEVERITY[report["status"]] for report in reports), default=0)
 
 
+def with_missing(answer: dict[str, Any]) -> dict[str, Any]:
+    """``answer`` with its top-level ``missing_ranks``, as one exporter can judge them: only
+    where the ranks say their node holds the whole job (``ampscope.service.rules``)."""
+    if "run" in answer:
+        return {**answer, "missing_ranks": merge.missing_of(answer["ranks"], judged=False)}
+    missing = {run: merge.missing_of(views, judged=False) for run, views in answer["ranks"].items()}
+    return {**answer, "missing_ranks": missing}
+
+
 def _frame(exporter: Exporter, run: str | None, as_json: bool) -> tuple[str, int]:
     from ampscope.status import render
 
     url = exporter.url
     try:
-        answer = fetch(exporter, run)
+        answer = with_missing(fetch(exporter, run))
     except Refused as exc:
         return f"ampscope status: {exc}.", exc.code
     except Unreachable as exc:
@@ -258,17 +243,99 @@ def _frame(exporter: Exporter, run: str | None, as_json: bool) -> tuple[str, int
     return "\n".join(lines), code
 
 
+def ask(exporter: Exporter, run: str | None) -> TargetResult:
+    """One target's answer or why there is none; never raises."""
+    try:
+        return TargetResult(exporter.url, fetch(exporter, run), "ok")
+    except Refused as exc:
+        return TargetResult(exporter.url, None, "refused", str(exc), exc.code)
+    except Unreachable as exc:
+        return TargetResult(exporter.url, None, "unreachable", str(exc), EXIT_UNREACHABLE)
+    except NoSuchRun:
+        why = f"holds no run {run!r}"
+        return TargetResult(exporter.url, None, "no_such_run", why, EXIT_NO_SUCH_RUN)
+
+
+def _job_frame(exporters: list[Exporter], run: str | None, as_json: bool) -> tuple[str, int]:
+    from ampscope.status import render
+
+    answer, code = fanout.job_answer(fanout.fetch_each(exporters, run, ask), run)
+    if as_json:
+        return json.dumps(answer), code
+    targets = answer["targets"]
+    if code >= EXIT_UNREACHABLE:
+        if code == EXIT_NO_SUCH_RUN:
+            return (
+                f"ampscope status: none of the {len(targets)} exporter(s) holds run {run!r} "
+                "(it never reported, or retention dropped it); `ampscope status` with the "
+                "same targets lists the runs held.",
+                code,
+            )
+        failed = "\n".join(render.target_lines(targets))
+        return f"ampscope status: no exporter answered:\n{failed}", code
+    if run is not None:
+        lines = render.job_table(
+            run, answer["ranks"], answer["health"], answer["missing_ranks"], targets
+        )
+    else:
+        lines = render.runs_table(answer["runs"], answer["ranks"], answer["health"])
+        failed_lines = render.target_lines(targets)
+        if failed_lines:
+            lines += ["", "exporters that did not answer:", *failed_lines]
+    return "\n".join(lines), code
+
+
+def _prometheus_frame(
+    client: prometheus.PrometheusClient, run: str | None, as_json: bool
+) -> tuple[str, int]:
+    from ampscope.status import render
+
+    try:
+        answer = prometheus.fetch(client, run, Thresholds())
+    except prometheus.QueryError as exc:
+        return f"ampscope status: {exc}.", exc.code
+    code = exit_status(answer)
+    if as_json:
+        return json.dumps(answer), code
+    if run is not None:
+        lines = render.job_table(
+            run, answer["ranks"], answer["health"], answer["missing_ranks"], [],
+            source=f"from Prometheus at {client.url}",
+        )  # fmt: skip
+    else:
+        lines = render.runs_table(answer["runs"], answer["ranks"], answer["health"])
+    return "\n".join(lines), code
+
+
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Print the status once (or until Ctrl-C with ``--watch``); returns the exit status."""
     out = out or sys.stdout
     try:
-        exporter = exporter_from_args(args)
+        exporters = exporters_from_args(args)
     except Refused as exc:
         print(f"ampscope status: {exc}", file=sys.stderr)
         return exc.code
-    url = exporter.url
+    except TargetsError as exc:
+        print(f"ampscope status: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    whole_job = len(exporters) > 1 or args.targets is not None
+    if args.prometheus is not None:
+        try:
+            client = prometheus_client_from_args(args, exporters[0])
+        except Refused as exc:
+            print(f"ampscope status: {exc}", file=sys.stderr)
+            return exc.code
+
+    def frame() -> tuple[str, int]:
+        if args.prometheus is not None:
+            return _prometheus_frame(client, args.run, args.json)
+        if whole_job:
+            return _job_frame(exporters, args.run, args.json)
+        return _frame(exporters[0], args.run, args.json)
+
+    url = ", ".join(exporter.url for exporter in exporters)
     if not args.watch:
-        text, code = _frame(exporter, args.run, args.json)
+        text, code = frame()
         stream = out if code < EXIT_UNREACHABLE else sys.stderr
         print(text, file=stream, flush=True)
         return code
@@ -276,7 +343,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     code = 0
     try:
         while True:
-            text, code = _frame(exporter, args.run, args.json)
+            text, code = frame()
             if redraw:
                 # Home and clear, then the frame: redraws in place like `watch` does.
                 stamp = time.strftime("%H:%M:%S")

@@ -176,3 +176,110 @@ def run_table(run: str, views: Sequence[Mapping[str, Any]], health: Mapping[str,
     )
     table = _table(header, rows, right={0, 3, 6, 7, 8, 9, 10, 11})
     return [head, "", *table, "", "health:", *_verdict_lines(health["verdicts"])]
+
+
+def _named(value: Any, key: str, into: set[Any]) -> None:
+    """Every ``key`` of the dicts nested in ``value`` (a verdict's evidence)."""
+    if isinstance(value, Mapping):
+        if key in value and isinstance(value[key], (int, str)):
+            into.add(value[key])
+        for item in value.values():
+            _named(item, key, into)
+    elif isinstance(value, list):
+        for item in value:
+            _named(item, key, into)
+
+
+def named_in(verdict: Mapping[str, Any], key: str) -> set[Any]:
+    """The ranks (``key="rank"``) or nodes (``"node"``) a verdict's evidence names."""
+    found: set[Any] = set()
+    _named(verdict["evidence"], key, found)
+    if key == "rank":  # scale_desync names its ranks as the keys of its scales
+        found |= {int(rank) for rank in verdict["evidence"].get("scales_at_newest", {})}
+    return found
+
+
+def _steps_text(views: Sequence[Mapping[str, Any]]) -> str:
+    low, high = min(v["step"] for v in views), max(v["step"] for v in views)
+    return str(low) if low == high else f"{low}..{high}"
+
+
+def target_lines(targets: Sequence[Mapping[str, Any]]) -> list[str]:
+    """One line per target that did not answer (a target without the run is no failure)."""
+    return [
+        f"  {t['status']:<11}  {t['url']}: {t['error']}"
+        for t in targets
+        if t["status"] not in ("ok", "no_such_run")
+    ]
+
+
+def job_table(
+    run: str,
+    views: Sequence[Mapping[str, Any]],
+    health: Mapping[str, Any],
+    missing: Sequence[int],
+    targets: Sequence[Mapping[str, Any]],
+    source: str | None = None,
+) -> list[str]:
+    """One run over every node's exporter (or from ``source``, e.g. Prometheus): a line per
+    node (ranks, states, steps, worst verdict naming it), then the outlier ranks (named by
+    a flagged verdict, or neither running nor finished), then every verdict and the targets
+    that did not answer."""
+    flagged = [v for v in health["verdicts"] if v["status"] != "ok"]
+    nodes: dict[str, list[Mapping[str, Any]]] = {}
+    for view in views:
+        nodes.setdefault(view["node"], []).append(view)
+    rows = []
+    for node in sorted(nodes):
+        worst = max(
+            (v["status"] for v in flagged if node in named_in(v, "node")),
+            key=SEVERITY.__getitem__,
+            default="ok",
+        )
+        members = nodes[node]
+        rows.append(
+            [node, str(len(members)), states_text(members), _steps_text(members), worst.upper()]
+        )
+    answered = sum(1 for t in targets if t["status"] in ("ok", "no_such_run"))
+    world = max((v["world_size"] for v in views), default=0)
+    head = (
+        f"run {run}: {health['status'].upper()}, {health['up']}/{health['ranks']} rank(s) up "
+        f"({states_text(views)}) of world size {world} on {len(nodes)} node(s); "
+        + (source or f"{answered}/{len(targets)} exporter(s) answered")
+    )
+    lines = [head]
+    if views:
+        lines[0] += f"; {setup_line(views)}"
+    if missing:
+        shown = ", ".join(map(str, missing[:32])) + (" …" if len(missing) > 32 else "")
+        lines.append(f"missing ranks ({len(missing)}): {shown}")
+    lines += ["", *_table(["NODE", "RANKS", "STATES", "STEP", "HEALTH"], rows, right={1})]
+    rules_of: dict[int, list[str]] = {}
+    for verdict in flagged:
+        for rank in named_in(verdict, "rank"):
+            rules_of.setdefault(rank, []).append(verdict["rule"])
+    outliers = [
+        view
+        for view in views
+        if view["rank"] in rules_of or rank_state(view) not in ("running", "finished")
+    ]
+    if outliers:
+        header = ["RANK", "NODE", "STATE", "STEP", "SCALE", "SKIPPED", "INF L/O", "FLAGGED"]
+        outlier_rows = [
+            [
+                str(view["rank"]),
+                view["node"],
+                rank_state(view),
+                str(view["step"]),
+                "none" if is_watch(view) else scale_text(view["scale"]),
+                f"{view['totals']['skipped_steps']}/{view['totals']['steps']}",
+                f"{sum(view['totals']['found_inf_local'].values())}/"
+                f"{sum(view['totals']['found_inf_origin'].values())}",
+                ",".join(rules_of.get(view["rank"], [])) or "-",
+            ]
+            for view in outliers
+        ]
+        lines += ["", "outlier ranks:", *_table(header, outlier_rows, right={0, 3, 5, 6})]
+    lines += ["", "health:", *_verdict_lines(health["verdicts"])]
+    failed = target_lines(targets)
+    return lines + (["", "exporters that did not answer:", *failed] if failed else [])

@@ -7,7 +7,13 @@ import socket
 
 import pytest
 
-from ampscope.scaler.identity import resolve_identity, resolve_run_id, sanitize_label
+from ampscope.scaler.identity import (
+    JOB_ID_VARIABLES,
+    resolve_identity,
+    resolve_job_id,
+    resolve_run_id,
+    sanitize_label,
+)
 
 
 def test_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -27,7 +33,11 @@ def test_identity_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert resolve_identity("r1").local_world_size is None
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     identity = resolve_identity("r1")
+    assert identity.local_world_size == 4
     assert (identity.run, identity.rank, identity.world_size, identity.local_rank) == (
         "r1",
         3,
@@ -35,6 +45,28 @@ def test_identity_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
         1,
     )
     assert identity.node
+
+
+def test_job_id_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
+    for variable in JOB_ID_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    assert resolve_job_id() is None
+    assert resolve_identity("r1").job_id is None
+    # torchrun's placeholder is no id; a real rendezvous id is the last resort.
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    assert resolve_job_id() is None
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "rdzv-9")
+    assert resolve_job_id() == "rdzv-9"
+    monkeypatch.setenv("LSB_JOBID", "lsf-1")
+    assert resolve_job_id() == "lsf-1"
+    monkeypatch.setenv("PBS_JOBID", "77.pbs server")
+    assert resolve_job_id() == "77.pbs_server"
+    monkeypatch.setenv("SLURM_JOB_ID", "123456")
+    assert resolve_job_id() == "123456"
+    # Kubernetes: the Job's name through the downward API, sanitised like every label.
+    monkeypatch.setenv("AMPSCOPE_JOB_ID", ' train-llama "7b" ')
+    assert resolve_job_id() == "train-llama__7b_"
+    assert resolve_identity("r1").job_id == "train-llama__7b_"
 
 
 def test_sanitize() -> None:

@@ -72,6 +72,8 @@ def record(
     rank: int = 0,
     node: str = "node0",
     world_size: int = 2,
+    job_id: str | None = None,
+    local_world_size: int | None = None,
     time: float | None = None,
     scale: float = 65536.0,
     scale_before: float | None = None,
@@ -88,7 +90,13 @@ def record(
     found_inf = skipped if found_inf is None else found_inf
     return StepRecord(
         identity=Identity(
-            run=run, node=node, rank=rank, local_rank=rank % 8, world_size=world_size
+            run=run,
+            node=node,
+            rank=rank,
+            local_rank=rank % 8,
+            world_size=world_size,
+            local_world_size=local_world_size,
+            job_id=job_id,
         ),
         step=step,
         time=T0 + step if time is None else time,

@@ -29,6 +29,10 @@ def _labels(rank: int = 0, node: str = "node0", **extra: str) -> frozenset:
     )
 
 
+_JOB = {"world_size": "2", "job_id": ""}
+"""The job labels of ``ampscope_rank_info`` for the factory's records (no job id)."""
+
+
 def _post(client: TestClient, *records, dropped: int = 0) -> None:
     response = client.post(URL, content=body(*records, dropped=dropped))
     assert response.status_code == 200, response.text
@@ -73,7 +77,7 @@ def test_values_match_the_newest_record(make_client: MakeClient) -> None:
     assert got[("ampscope_nonfinite_grads_total", _labels(param="layers.0.attn.wo.weight"))] == 4096
     assert got[("ampscope_nonfinite_grads_total", _labels(param="blocks.0.ff[1].w{a=b,c}"))] == 7
     # A record without a setup comes from a reporter that predates it: an fp16 scaler.
-    info = _labels(mode="scaler", policy="skip", grad_dtype="unknown")
+    info = _labels(mode="scaler", policy="skip", grad_dtype="unknown", **_JOB)
     assert got[("ampscope_rank_info", info)] == 1
     assert got[("ampscope_nonfinite_updates_applied_total", me)] == 0
     assert got[("ampscope_exporter_tracked_runs", frozenset())] == 1
@@ -115,9 +119,9 @@ def test_a_watch_rank_exposes_no_scale(make_client: MakeClient) -> None:
     )
     got = _samples(client)
     me, scaler = _labels(), _labels(rank=1)
-    watch_info = _labels(mode="watch", policy="observe", grad_dtype="bfloat16")
+    watch_info = _labels(mode="watch", policy="observe", grad_dtype="bfloat16", **_JOB)
     assert got[("ampscope_rank_info", watch_info)] == 1
-    scaler_info = _labels(1, mode="scaler", policy="skip", grad_dtype="unknown")
+    scaler_info = _labels(1, mode="scaler", policy="skip", grad_dtype="unknown", **_JOB)
     assert got[("ampscope_rank_info", scaler_info)] == 1
     exposed = {name for name, labels in got if labels >= me}
     assert exposed & SCALER_ONLY == set()
@@ -140,8 +144,10 @@ def test_tracked_series_count_what_is_exposed(make_client: MakeClient) -> None:
     got = _samples(client)
     per_rank = [labels for name, labels in got if {n for n, _ in labels} >= set(RANK_LABELS)]
     assert got[("ampscope_exporter_tracked_series", frozenset())] == len(per_rank)
-    assert got[("ampscope_rank_info", _labels(mode="watch", policy="skip", grad_dtype="unknown"))]
-    info = _labels(3, mode="watch", policy="raise", grad_dtype="float32")
+    assert got[
+        ("ampscope_rank_info", _labels(mode="watch", policy="skip", grad_dtype="unknown", **_JOB))
+    ]
+    info = _labels(3, mode="watch", policy="raise", grad_dtype="float32", **_JOB)
     assert got[("ampscope_rank_info", info)] == 1
 
 

@@ -161,11 +161,38 @@ def test_ranks_count_while_their_last_report_is_within_the_window() -> None:
         "skip_storm": "ok",
         "scale_desync": "ok",
         "lost_rank": "critical",
+        "missing_rank": "ok",
         "stalled_rank": "ok",
         "inf_hotspot": "ok",
         "nonfinite_update_applied": "ok",
     }
     assert report.status == "critical"
+
+
+def test_missing_rank_is_judged_only_where_the_node_holds_the_whole_job() -> None:
+    def node(rank: int, local_world_size: int | None) -> RankSnapshot:
+        one = record(1, rank=rank, world_size=4, local_world_size=local_world_size)
+        return _rank((T0 + 1, [one]))
+
+    # A single-node job of 4 (torchrun's LOCAL_WORLD_SIZE 4): ranks 1 and 3 never reported.
+    v = _verdict([node(0, 4), node(2, 4)], "missing_rank", T0 + 1)
+    assert v["status"] == "warning"
+    assert v["evidence"] == {
+        "judged": True,
+        "world_size": 4,
+        "seen": 2,
+        "missing": 2,
+        "ranks": [1, 3],
+    }
+    assert "2 of 4 rank(s) never reported" in v["summary"]
+    assert evaluate("run-a", [node(0, 4), node(2, 4)], T0 + 1, T).status == "warning"
+    assert _verdict([node(r, 4) for r in range(4)], "missing_rank", T0 + 1)["status"] == "ok"
+    # One node of two (2 ranks here, 4 in all), or ranks that did not say: the exporter
+    # cannot tell a missing rank from one that reports to another node's exporter.
+    for local in (2, None):
+        v = _verdict([node(0, local), node(1, local)], "missing_rank", T0 + 1)
+        assert (v["status"], v["evidence"]["judged"]) == ("ok", False)
+        assert "not judged" in v["summary"]
 
 
 def _infs(rank: int, *, local: dict[str, int], origin: dict[str, int]) -> RankSnapshot:
@@ -218,6 +245,7 @@ def test_overall_status_is_the_worst_verdict() -> None:
         "skip_storm",
         "scale_desync",
         "lost_rank",
+        "missing_rank",
         "stalled_rank",
         "inf_hotspot",
         "nonfinite_update_applied",

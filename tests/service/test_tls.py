@@ -182,6 +182,34 @@ def test_status_says_why_it_was_refused(mtls: Exporter, pki: Pki, tmp_path: Path
     assert ok.stdout.strip(), "the table"
 
 
+def test_status_over_several_exporters_gives_each_the_same_credentials(
+    mtls: Exporter, pki: Pki, tmp_path: Path
+) -> None:
+    directory = tmp_path / "second"
+    directory.mkdir()
+    relative = os.path.relpath(pki.ca.cert, directory)
+    config = _web_config(
+        pki, directory, client_auth_type="RequireAndVerifyClientCert", client_ca_file=relative
+    )
+    second = _start(directory, config, pki)
+    try:
+        password_file = tmp_path / "password"
+        password_file.write_text(PASSWORD + "\n")
+        both = ["--url", mtls.url, "--url", second.url, "--ca-file", str(pki.ca.cert),
+                "--cert-file", str(pki.client.cert), "--key-file", str(pki.client.key)]  # fmt: skip
+        ok = _status(*both, "--json", "--user", "prometheus", "--password-file", str(password_file))
+        assert ok.returncode == 0, ok.stderr
+        targets = json.loads(ok.stdout)["targets"]
+        assert [(t["url"], t["status"]) for t in targets] == [(mtls.url, "ok"), (second.url, "ok")]
+        # Every target refuses a wrong password: the refusal's own exit status, each named.
+        wrong = _status(*both, "--user", "prometheus", env={"AMPSCOPE_PASSWORD": "nope"})
+        assert wrong.returncode == 5, wrong.stderr
+        for url in (mtls.url, second.url):
+            assert f"{url}: {url} refused the request (HTTP 401)" in wrong.stderr
+    finally:
+        stop_process(second.process)
+
+
 def test_reporter_logs_one_line_saying_why_it_was_refused(
     mtls: Exporter, pki: Pki, caplog: pytest.LogCaptureFixture
 ) -> None:

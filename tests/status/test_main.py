@@ -204,7 +204,7 @@ def test_watch_redraws_until_interrupted(exporter: str) -> None:
 
 def test_default_url(monkeypatch: pytest.MonkeyPatch) -> None:
     from ampscope.reporter.schema import DEFAULT_URL
-    from ampscope.status.main import base_url
+    from ampscope.status.access import base_url
 
     monkeypatch.delenv("AMPSCOPE_URL", raising=False)
     assert base_url(None) == DEFAULT_URL

@@ -29,6 +29,8 @@ def _view(snap: RankSnapshot, now: float, settings: Settings) -> RankView:
         rank=who.rank,
         local_rank=who.local_rank,
         world_size=who.world_size,
+        local_world_size=who.local_world_size,
+        job_id=who.job_id,
         step=record.step,
         step_time=record.time,
         setup=record.setup,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
@@ -170,18 +171,23 @@ def test_a_restart_timed_ahead_within_the_skew_cannot_freeze_the_rank(
 
 def test_a_live_rank_cannot_be_relabelled(client: TestClient) -> None:
     assert _post(client, *steps(1, 5)) == 200
-    for change in ({"node": "elsewhere"}, {"world_size": 64}):
+    # Another scheduler job reusing the run id is another process, as another node is.
+    changes: list[dict[str, Any]] = [{"node": "elsewhere"}, {"world_size": 64}, {"job_id": "42"}]
+    for change in changes:
         forged = client.post(URL, content=body(record(6, **change)))
         assert forged.status_code == 409
         assert forged.json()["error"] == "identity_conflict"
+    assert "job_id 42; the live rank is node 'node0'" in forged.json()["detail"]
     forged = client.post(URL, content=body(*steps(6, 7), record(8, rank=0, node="elsewhere")))
     assert forged.status_code == 409
-    assert _rejected(client, "identity_conflict") == 3
+    assert _rejected(client, "identity_conflict") == 4
     assert _post(client, *steps(6, 7)) == 200  # the genuine rank: no spurious restart
     rank = client.get("/api/v1/runs/run-a/ranks/0").json()
     assert (rank["node"], rank["step"], rank["restarts"]) == ("node0", 7, 0)
-    # A restart (a lower step, produced later) may move the rank to another node.
-    assert _post(client, record(1, time=T0 + 100, node="elsewhere")) == 200
+    # A restart (a lower step, produced later) may move the rank to another node and
+    # another scheduler job (a requeue keeps the run id, not the job id).
+    assert _post(client, record(1, time=T0 + 100, node="elsewhere", job_id="43")) == 200
+    assert _post(client, record(2, time=T0 + 101, node="elsewhere", job_id="43")) == 200
     assert client.get("/api/v1/runs/run-a/ranks/0").json()["node"] == "elsewhere"
 
 

@@ -126,6 +126,7 @@ def test_health_endpoint_reports_a_collapse(client: TestClient) -> None:
         "skip_storm",
         "scale_desync",
         "lost_rank",
+        "missing_rank",
         "stalled_rank",
         "inf_hotspot",
         "nonfinite_update_applied",

@@ -1,0 +1,110 @@
+"""Merging several exporters' answers into one whole-job answer: pure functions over the
+JSON API's data, so hand-made answers drive them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ampscope.status.fanout import TargetResult, job_answer
+from ampscope.status.merge import merge_health, merge_ranks, merge_summaries
+
+
+def _view(rank: int, node: str, state: str = "running", heard: float = 100.0) -> dict[str, Any]:
+    return {
+        "rank": rank,
+        "node": node,
+        "state": state,
+        "up": state != "lost",
+        "world_size": 16,
+        "local_world_size": 4,
+        "step": 50,
+        "last_report_time": heard,
+        "seconds_since_report": 200.0 - heard,
+    }
+
+
+def _verdict(rule: str, status: str = "ok", summary: str = "fine", **evidence: Any) -> dict:
+    thresholds = {"stale_after_s": 60.0, "critical_share": 0.25} if rule == "lost_rank" else {}
+    return {
+        "rule": rule,
+        "status": status,
+        "summary": summary,
+        "evidence": evidence,
+        "thresholds": thresholds,
+    }
+
+
+def _report(*verdicts: dict) -> dict[str, Any]:
+    rules = {v["rule"]: v for v in verdicts}
+    names = ("scale_collapse", "skip_storm", "lost_rank", "missing_rank", "stalled_rank")
+    return {
+        "run": "r",
+        "status": "ok",
+        "evaluated_at": 200.0,
+        "verdicts": [rules.get(name) or _verdict(name) for name in names],
+    }
+
+
+def test_a_rank_two_exporters_hold_counts_once_as_its_newest_copy() -> None:
+    old, new = _view(3, "n0", "lost", heard=50.0), _view(3, "n1", heard=150.0)
+    merged = merge_ranks([[_view(0, "n0"), old], [new, _view(1, "n1")]])
+    assert [(v["rank"], v["node"]) for v in merged] == [(0, "n0"), (1, "n1"), (3, "n1")]
+
+
+def test_whole_job_rules_are_computed_again_over_every_node() -> None:
+    lost_node = [_view(r, "n0", "lost", heard=90.0) for r in range(3)] + [_view(3, "n0")]
+    live = [_view(r, f"n{r // 4}") for r in range(4, 15)]  # rank 15 never reported
+    node0 = _report(
+        _verdict("lost_rank", "critical", "3 of 4 lost", lost=3),
+        _verdict("stalled_rank", summary="the live rank is making progress (3 lost)"),
+    )
+    node1 = _report(
+        _verdict("skip_storm", "warning", "storm on rank 5", ranks=[{"rank": 5, "node": "n1"}])
+    )
+    views = merge_ranks([lost_node, live])
+    health = merge_health("r", [("http://n0", node0), ("http://n1", node1)], views)
+    verdicts = {v["rule"]: v for v in health["verdicts"]}
+    # The node's exporter saw 3 of its 4 ranks lost (critical); the job lost 3 of 15.
+    assert verdicts["lost_rank"]["status"] == "warning"
+    assert verdicts["lost_rank"]["evidence"]["lost"] == 3
+    assert verdicts["missing_rank"]["status"] == "warning"
+    assert verdicts["missing_rank"]["evidence"]["ranks"] == [15]
+    # Per-rank verdicts: the worst exporter's, naming the exporters that flagged it.
+    storm = verdicts["skip_storm"]
+    assert (storm["status"], storm["summary"]) == ("warning", "storm on rank 5")
+    assert storm["evidence"]["exporters"] == [
+        {"url": "http://n1", "status": "warning", "summary": "storm on rank 5"}
+    ]
+    assert verdicts["stalled_rank"]["summary"] == "all 12 live ranks are making progress (3 lost)"
+    assert (health["status"], health["ranks"], health["up"]) == ("warning", 15, 12)
+    assert health["states"] == {"running": 12, "stalled": 0, "lost": 3, "finished": 0}
+
+
+def test_summaries_of_one_run_on_several_exporters_are_one_line() -> None:
+    a = {"run": "r", "ranks": 2, "up": 2, "stale": 0, "states": {"running": 2},
+         "world_size": 8, "newest_step": 40, "last_report_time": 10.0}  # fmt: skip
+    b = {**a, "ranks": 1, "up": 0, "stale": 1, "states": {"lost": 1}, "world_size": 4,
+         "newest_step": 55, "last_report_time": 20.0}  # fmt: skip
+    (merged,) = merge_summaries([[a], [b]])
+    assert merged == {"run": "r", "ranks": 3, "up": 2, "stale": 1,
+                      "states": {"running": 2, "lost": 1}, "world_size": 4,
+                      "newest_step": 55, "last_report_time": 20.0}  # fmt: skip
+    assert a["states"] == {"running": 2}  # the inputs are left alone
+
+
+def test_exit_status_when_targets_fail() -> None:
+    def failed(url: str, status: str, code: int) -> TargetResult:
+        return TargetResult(url, None, status, f"{status} at {url}", code)
+
+    dead = [failed("http://a", "unreachable", 3), failed("http://b", "refused", 5)]
+    answer, code = job_answer(dead, "r")
+    assert code == 3
+    assert [t["status"] for t in answer["targets"]] == ["unreachable", "refused"]
+    assert job_answer([failed("http://b", "refused", 5)] * 2, "r")[1] == 5
+    assert job_answer([failed("http://a", "no_such_run", 4)] * 2, "r")[1] == 4
+    # One target answers: its verdicts decide, the others are named.
+    held = {"run": "r", "ranks": [_view(0, "n0")], "health": _report()}
+    answer, code = job_answer([TargetResult("http://c", held, "ok"), *dead], "r")
+    assert code == 1  # 15 of 16 ranks never reported
+    assert answer["missing_ranks"] == list(range(1, 16))
+    assert answer["url"] == "http://c, http://a, http://b"
