@@ -218,7 +218,13 @@ class SimulatedRank:
         base = f'node="{self.identity.node}",local_rank="{self.identity.local_rank}"'
         values: dict[str, list[tuple[str, float]]] = {
             # A simulated rank is an fp16 scaler.
-            "ampscope_rank_info": [(',mode="scaler",policy="skip",grad_dtype="float16"', 1)],
+            "ampscope_rank_info": [
+                (
+                    ',mode="scaler",policy="skip",grad_dtype="float16"'
+                    f',world_size="{self.identity.world_size}",job_id=""',
+                    1,
+                )
+            ],
             "ampscope_loss_scale": [("", self.scale)],
             "ampscope_growth_tracker": [("", self.tracker)],
             "ampscope_last_step": [("", self.step)],
