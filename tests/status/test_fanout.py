@@ -5,7 +5,6 @@ identities say node, rank and world size as torchrun's environment would."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from status_cli import run_status, train_scaler
 from support import DEADLOCK_GUARD_S, free_port
 
 from ampscope.demo.exporter import ExporterProcess
@@ -31,11 +31,6 @@ LAYOUT = {"n0": (0, 1), "n1": (2, 3), "n2": (4,)}
 
 def _train(url: str, node: str, rank: int, overflow: set[int]) -> None:
     """A real ampscope GradScaler on CPU reporting ``RUN`` to ``url`` as ``rank`` of 6."""
-    import torch
-
-    import ampscope
-    from ampscope.reporter.http import HttpReporter
-
     env = {
         "AMPSCOPE_NODE": node,
         "RANK": str(rank),
@@ -48,36 +43,7 @@ def _train(url: str, node: str, rank: int, overflow: set[int]) -> None:
         for name, value in env.items():
             patch.setenv(name, value)
         patch.delenv("AMPSCOPE_JOB_ID", raising=False)
-        model = torch.nn.Linear(4, 1)
-        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-        scaler = ampscope.GradScaler(
-            "cpu",
-            init_scale=2.0**10,
-            growth_interval=1000,
-            reporter=HttpReporter(url, flush_interval=0.05),
-            run_id=RUN,
-        )
-        for step in range(1, STEPS + 1):
-            batch = torch.ones(2, 4)
-            if step in overflow:
-                batch[0, 0] = float("inf")
-            scaler.scale(model(batch).pow(2).mean()).backward()
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad()
-        scaler.close()
-
-
-def _status(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != "AMPSCOPE_URL"}
-    return subprocess.run(
-        [sys.executable, "-m", "ampscope.cli", "status", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        env=env,
-    )
+        train_scaler(url, RUN, STEPS, overflow)
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +84,7 @@ def _urls(nodes: dict[str, str]) -> list[str]:
 def test_each_exporter_alone_sees_one_node_and_cannot_judge_missing_ranks(
     nodes: dict[str, str],
 ) -> None:
-    answer = json.loads(_status(RUN, "--json", "--url", nodes["n2"]).stdout)
+    answer = json.loads(run_status(RUN, "--json", "--url", nodes["n2"]).stdout)
     assert [r["rank"] for r in answer["ranks"]] == [4]
     assert answer["missing_ranks"] == []
     (verdict,) = [v for v in answer["health"]["verdicts"] if v["rule"] == "missing_rank"]
@@ -129,7 +95,7 @@ def test_each_exporter_alone_sees_one_node_and_cannot_judge_missing_ranks(
 def test_the_merged_run_names_the_missing_rank_and_the_warning_node(
     nodes: dict[str, str],
 ) -> None:
-    result = _status(RUN, *_urls(nodes))
+    result = run_status(RUN, *_urls(nodes))
     assert result.returncode == 2, result.stderr  # the desync between nodes
     lines = result.stdout.splitlines()
     assert lines[0].startswith(f"run {RUN}: CRITICAL, 5/5 rank(s) up (5 finished) of world size 6")
@@ -154,15 +120,15 @@ def test_the_merged_run_names_the_missing_rank_and_the_warning_node(
     ]
     # Each node's exporter alone sees no desync: its ranks agree with each other.
     for url in nodes.values():
-        alone = json.loads(_status(RUN, "--json", "--url", url).stdout)
+        alone = json.loads(run_status(RUN, "--json", "--url", url).stdout)
         assert {v["rule"]: v["status"] for v in alone["health"]["verdicts"]}["scale_desync"] == "ok"
 
 
 def test_merged_json_has_the_single_exporter_keys_and_missing_ranks(
     nodes: dict[str, str],
 ) -> None:
-    single = json.loads(_status(RUN, "--json", "--url", nodes["n0"]).stdout)
-    result = _status(RUN, "--json", *_urls(nodes))
+    single = json.loads(run_status(RUN, "--json", "--url", nodes["n0"]).stdout)
+    result = run_status(RUN, "--json", *_urls(nodes))
     merged = json.loads(result.stdout)
     assert result.returncode == 2
     assert set(single) <= set(merged)
@@ -183,7 +149,7 @@ def test_merged_json_has_the_single_exporter_keys_and_missing_ranks(
     assert [e["url"] for e in storm["evidence"]["exporters"]] == [nodes["n1"]]
     assert [t["status"] for t in merged["targets"]] == ["ok", "ok", "ok"]
     # Without RUN: the run listed once, its ranks counted over every node.
-    listing = json.loads(_status("--json", *_urls(nodes)).stdout)
+    listing = json.loads(run_status("--json", *_urls(nodes)).stdout)
     (summary,) = listing["runs"]
     assert (summary["run"], summary["ranks"], summary["world_size"]) == (RUN, 5, 6)
     assert listing["missing_ranks"] == {RUN: [5]}
@@ -198,7 +164,7 @@ def test_a_dead_target_is_named_and_hides_nothing(nodes: dict[str, str], tmp_pat
     json_file = tmp_path / "ampscope-4242.json"
     json_file.write_text(json.dumps([{"targets": hosts[:2]}, {"targets": [hosts[2], dead]}]))
     for targets in (yaml_file, json_file):
-        result = _status(RUN, "--targets", str(targets))
+        result = run_status(RUN, "--targets", str(targets))
         assert result.returncode == 2, result.stderr
         assert "3/4 exporter(s) answered" in result.stdout
         assert "missing ranks (1): 5" in result.stdout
@@ -206,18 +172,18 @@ def test_a_dead_target_is_named_and_hides_nothing(nodes: dict[str, str], tmp_pat
         assert failed[:2] == ["unreachable", f"http://{dead}:"]
     # No target answers: 3, each named.
     other = f"127.0.0.1:{free_port()}"
-    result = _status(RUN, "--url", f"http://{dead}", "--url", f"http://{other}")
+    result = run_status(RUN, "--url", f"http://{dead}", "--url", f"http://{other}")
     assert result.returncode == 3
     assert f"http://{dead}:" in result.stderr
     assert f"http://{other}:" in result.stderr
     # Every answering target lacks the run: 4.
-    result = _status("no-such-run", *_urls(nodes))
+    result = run_status("no-such-run", *_urls(nodes))
     assert result.returncode == 4
     assert "none of the 3 exporter(s) holds run 'no-such-run'" in result.stderr
     # A malformed targets file is an error of its own.
     bad = tmp_path / "bad.yml"
     bad.write_text("targets: 7\n")
-    result = _status(RUN, "--targets", str(bad))
+    result = run_status(RUN, "--targets", str(bad))
     assert result.returncode == 3
     assert "--targets" in result.stderr
 

@@ -4,7 +4,6 @@ by real scalers: the tables, ``--json``, ``--watch`` and every exit status."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -12,53 +11,13 @@ import urllib.request
 from collections.abc import Iterator
 
 import pytest
+from status_cli import run_status, train_scaler
 from support import DEADLOCK_GUARD_S, free_port
 
 from ampscope.demo.exporter import ExporterProcess
 
 RUNS = {"calm": 0, "stormy": 1, "collapsed": 2}
 """Run id -> the exit status its health must give: ok, warning (skip storm), critical."""
-
-
-def _train(url: str, run: str, steps: int, overflow: set[int]) -> None:
-    """A real ampscope GradScaler on CPU reporting to ``url``, inf injected at ``overflow``."""
-    import torch
-
-    import ampscope
-    from ampscope.reporter.http import HttpReporter
-
-    model = torch.nn.Linear(4, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    scaler = ampscope.GradScaler(
-        "cpu",
-        init_scale=2.0**10,
-        growth_interval=1000,
-        reporter=HttpReporter(url, flush_interval=0.05),
-        run_id=run,
-    )
-    for step in range(1, steps + 1):
-        batch = torch.ones(2, 4)
-        if step in overflow:
-            batch[0, 0] = float("inf")
-        scaler.scale(model(batch).pow(2).mean()).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad()
-    scaler.close()
-
-
-def _status(*args: str, url: str | None = None) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != "AMPSCOPE_URL"}
-    if url is not None:
-        env["AMPSCOPE_URL"] = url
-    return subprocess.run(
-        [sys.executable, "-m", "ampscope.cli", "status", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        env=env,
-    )
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +27,9 @@ def exporter() -> Iterator[str]:
     try:
         # 12 steps each: 4 skipped of 12 is a skip storm (scale 2^10 -> 2^6, no collapse);
         # 9 backoffs in a row take 2^10 to 2^1, a fall of 2^9: a collapse.
-        _train(process.url, "calm", 12, set())
-        _train(process.url, "stormy", 12, {3, 6, 9, 12})
-        _train(process.url, "collapsed", 12, set(range(2, 11)))
+        train_scaler(process.url, "calm", 12, set())
+        train_scaler(process.url, "stormy", 12, {3, 6, 9, 12})
+        train_scaler(process.url, "collapsed", 12, set(range(2, 11)))
         deadline = time.monotonic() + DEADLOCK_GUARD_S
         while True:
             runs_url = process.url + "/api/v1/runs"
@@ -88,7 +47,7 @@ def exporter() -> Iterator[str]:
 
 
 def test_runs_table_and_worst_status(exporter: str) -> None:
-    result = _status(url=exporter)  # AMPSCOPE_URL, as the ranks use it
+    result = run_status(url=exporter)  # AMPSCOPE_URL, as the ranks use it
     assert result.returncode == 2, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].split() == [
@@ -109,7 +68,7 @@ def test_runs_table_and_worst_status(exporter: str) -> None:
 
 @pytest.mark.parametrize(("run", "code"), RUNS.items())
 def test_one_run_exits_with_its_health(exporter: str, run: str, code: int) -> None:
-    result = _status(run, "--url", exporter)
+    result = run_status(run, "--url", exporter)
     assert result.returncode == code, result.stdout + result.stderr
     lines = result.stdout.splitlines()
     status = ["OK", "WARNING", "CRITICAL"][code]
@@ -124,13 +83,13 @@ def test_one_run_exits_with_its_health(exporter: str, run: str, code: int) -> No
 
 def test_a_run_whose_ranks_all_finished_says_so(exporter: str) -> None:
     # The scalers were closed: their final records marked every rank finished.
-    result = _status("calm", "--url", exporter)
+    result = run_status("calm", "--url", exporter)
     verdicts = [line.split(maxsplit=2) for line in result.stdout.splitlines()]
     assert ["ok", "stalled_rank", "no live ranks: 1 finished"] in verdicts
 
 
 def test_json_is_the_apis_answers(exporter: str) -> None:
-    result = _status("stormy", "--json", "--url", exporter)
+    result = run_status("stormy", "--json", "--url", exporter)
     assert result.returncode == 1
     answer = json.loads(result.stdout)
     with urllib.request.urlopen(
@@ -139,7 +98,7 @@ def test_json_is_the_apis_answers(exporter: str) -> None:
         health = json.load(response)
     assert answer["health"]["verdicts"] == health["verdicts"]
     assert [r["totals"]["skipped_steps"] for r in answer["ranks"]] == [4]
-    listing = json.loads(_status("--json", "--url", exporter).stdout)
+    listing = json.loads(run_status("--json", "--url", exporter).stdout)
     assert sorted(r["run"] for r in listing["runs"]) == sorted(RUNS)
     assert {run: h["status"] for run, h in listing["health"].items()} == {
         "calm": "ok",
@@ -149,16 +108,16 @@ def test_json_is_the_apis_answers(exporter: str) -> None:
 
 
 def test_unknown_run_and_unreachable_exporter(exporter: str) -> None:
-    result = _status("nope", "--url", exporter)
+    result = run_status("nope", "--url", exporter)
     assert result.returncode == 4
     assert "holds no run 'nope'" in result.stderr
     dead = f"http://127.0.0.1:{free_port()}"
-    result = _status("--url", dead)
+    result = run_status("--url", dead)
     assert result.returncode == 3
     assert f"no exporter answers at {dead}" in result.stderr
     assert "ampscope serve" in result.stderr
     # Without --url, AMPSCOPE_URL (where the ranks report) is the exporter asked.
-    result = _status(url=dead)
+    result = run_status(url=dead)
     assert result.returncode == 3
     assert dead in result.stderr
 

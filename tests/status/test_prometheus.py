@@ -5,9 +5,6 @@ give the same answer for the run as the multi-``--url`` fan-out over those expor
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 import urllib.parse
 import urllib.request
@@ -16,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from status_cli import run_status
 from support import DEADLOCK_GUARD_S, free_port, need_tool, start_prometheus, stop_process
 
 from ampscope.demo.exporter import ExporterProcess
@@ -44,18 +42,6 @@ def _until(prometheus: str, promql: str, expected: set[tuple[str, float]]) -> No
             return
         assert time.monotonic() < deadline, (promql, got)
         time.sleep(0.2)
-
-
-def _status(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != "AMPSCOPE_URL"}
-    return subprocess.run(
-        [sys.executable, "-m", "ampscope.cli", "status", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        env=env,
-    )
 
 
 @pytest.fixture(scope="module")
@@ -136,8 +122,8 @@ def test_prometheus_and_the_fan_out_give_the_same_answer(
 ) -> None:
     prometheus_url, nodes = job
     urls = [arg for url in nodes.values() for arg in ("--url", url)]
-    via_prometheus = _status(RUN, "--json", "--prometheus", prometheus_url)
-    via_exporters = _status(RUN, "--json", *urls)
+    via_prometheus = run_status(RUN, "--json", "--prometheus", prometheus_url)
+    via_exporters = run_status(RUN, "--json", *urls)
     assert via_prometheus.returncode == via_exporters.returncode == 1, via_prometheus.stderr
     answers = [json.loads(via_prometheus.stdout), json.loads(via_exporters.stdout)]
     for answer in answers:
@@ -181,18 +167,18 @@ def test_prometheus_and_the_fan_out_give_the_same_answer(
 
 def test_the_prometheus_table_and_its_failures(job: tuple[str, dict[str, str]]) -> None:
     prometheus_url, _ = job
-    result = _status(RUN, "--prometheus", prometheus_url)
+    result = run_status(RUN, "--prometheus", prometheus_url)
     assert result.returncode == 1
     lines = result.stdout.splitlines()
     assert f"from Prometheus at {prometheus_url}" in lines[0]
     assert lines[1] == "missing ranks (1): 5"
     rows = {line.split()[0]: line.split()[-1] for line in lines[4:7]}
     assert rows == {"n0": "OK", "n1": "WARNING", "n2": "OK"}
-    listing = _status("--prometheus", prometheus_url)
+    listing = run_status("--prometheus", prometheus_url)
     assert listing.returncode == 1
     assert listing.stdout.splitlines()[1].split()[:3] == [RUN, "WARNING", "5/5"]
-    assert _status("no-such-run", "--prometheus", prometheus_url).returncode == 4
-    dead = _status(RUN, "--prometheus", f"http://127.0.0.1:{free_port()}")
+    assert run_status("no-such-run", "--prometheus", prometheus_url).returncode == 4
+    dead = run_status(RUN, "--prometheus", f"http://127.0.0.1:{free_port()}")
     assert dead.returncode == 3
     assert "no Prometheus answers at" in dead.stderr
 
@@ -201,11 +187,11 @@ def test_credentials_come_from_a_file_or_the_environment(
     job: tuple[str, dict[str, str]], tmp_path: Path
 ) -> None:
     prometheus_url, _ = job
-    missing = _status(RUN, "--prometheus", prometheus_url, "--bearer-token-file", "/nonexistent")
+    missing = run_status(RUN, "--prometheus", prometheus_url, "--bearer-token-file", "/nonexistent")
     assert missing.returncode == 5
     assert "cannot read --bearer-token-file" in missing.stderr
     # Prometheus itself ignores an Authorization header it does not require.
     token = tmp_path / "token"
     token.write_text("s3cret\n")
-    result = _status(RUN, "--prometheus", prometheus_url, "--bearer-token-file", str(token))
+    result = run_status(RUN, "--prometheus", prometheus_url, "--bearer-token-file", str(token))
     assert result.returncode == 1
