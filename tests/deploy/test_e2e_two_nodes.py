@@ -449,15 +449,16 @@ def _assert_verdicts(evaluate: Callable[[str, float], list[dict[str, Any]]], job
     assert [(s["metric"]["run"], s["metric"]["node"], s["metric"]["rank"]) for s in hotspot] == [
         (f"{job.run_id}-hotspot", FAULTY, job.faulty_rank())
     ]
-    # Within the healthy node one rank holds every detection, at least the alert's 5:
-    # compared per node, that rank would be a hotspot too.
-    healthy = _first_answer(
-        evaluate,
-        'sum by (node, rank) (ampscope_rank_device:found_inf_source:increase_10m{run="'
-        f'{job.run_id}-hotspot", node!="{FAULTY}"}}) >= 5',
-        job,
+    # Within the healthy node one rank holds every detection, the alert's 5: compared per
+    # node, that rank would be a hotspot too. Read from the origin counters themselves, not
+    # the rule's increase(): increase() cannot count what a counter held at its first scrape,
+    # and how many of the 5 (steps 7, 19, ...) precede that scrape is the machine's speed.
+    healthy = evaluate(
+        'sum by (node, rank) (ampscope_found_inf_origin_total{run="'
+        f'{job.run_id}-hotspot", node!="{FAULTY}"}}) > 0',
+        job.released,
     )
-    assert len(healthy) == 1, healthy
+    assert [float(s["value"][1]) for s in healthy] == [5.0], healthy
 
     desync = _first_answer(evaluate, alerts["AmpscopeScaleDesync"]["expr"], job)
     assert {s["metric"]["run"] for s in desync} == {f"{job.run_id}-desync"}
