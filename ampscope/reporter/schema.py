@@ -172,6 +172,53 @@ class NonfiniteApplied(_Model):
     origin tracking is off."""
 
 
+SpikeKind = Literal["loss", "grad_norm"]
+"""What a rank's own spike rule (``ampscope.reporter.spikes``) judged a spike."""
+Norm = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+
+
+class ParamNorm(_Model):
+    """A parameter and the L2 norm of its unscaled local gradient."""
+
+    name: ParamName
+    norm: Norm
+
+
+def _unique_param_norms(params: list[ParamNorm]) -> list[ParamNorm]:
+    seen: set[str] = set()
+    for param in params:
+        if param.name in seen:
+            raise ValueError(f"parameter {param.name!r} is listed twice")
+        seen.add(param.name)
+    return params
+
+
+class StepStats(_Model):
+    """The iteration's loss and gradient norms, for spike detection.
+
+    All three values are ``None`` on an iteration whose gradients were not finite (an
+    overflow), and such iterations stay out of every spike window.
+    """
+
+    loss: Annotated[float, Field(allow_inf_nan=False)] | None
+    """This rank's loss as passed to ``scale()``, unscaled; with gradient accumulation, the
+    mean over the update's ``scale()`` calls. ``None`` when ``scale()`` was not called."""
+    grad_norm: Norm | None
+    """Total L2 norm of the unscaled gradients before clipping, over the whole model: what
+    ``clip_grad_norm_`` returns after ``unscale_``; the same on every rank."""
+    grad_norm_origin: Norm | None
+    """L2 norm of this rank's own, unreduced, unscaled gradients (origin tracking), never
+    divided by the world size; ``None`` without origin tracking."""
+    spikes: list[SpikeKind] = Field(default=[], max_length=2)
+    """What the rank's own spike rule flagged at this iteration."""
+    top_params: Annotated[
+        list[ParamNorm],
+        Field(max_length=MAX_NONFINITE_PARAMS),
+        AfterValidator(_unique_param_norms),
+    ] = []
+    """On a spike iteration: the top-K local parameters by gradient norm, largest first."""
+
+
 class AlignedScale(_Model):
     """A rank's loss scale after one update() whose step is a multiple of SCALE_ALIGN_STEPS."""
 
@@ -237,6 +284,9 @@ class StepRecord(_Model):
     totals: RankTotals
     setup: Setup = Setup()
     """What this rank runs: scaler or watch, its policy, its gradient dtype."""
+    stats: StepStats | None = None
+    """Loss and gradient norms; ``None`` when the rank runs with ``stats=False`` (or a
+    reporter older than them)."""
 
 
 class IngestBatch(_Model):

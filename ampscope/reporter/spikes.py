@@ -1,0 +1,98 @@
+"""The spike rule, defined once: when a value stands far above its own recent history.
+
+Both sides apply it, which is why it lives beside the record schema: a rank to its own loss
+and gradient norm (to know which iterations are spikes, and record their top parameters),
+the exporter to each rank's reported history (the ``loss_spike`` and ``grad_norm_spike``
+verdicts and ``ampscope_spikes_total``). The default is OLMo-core's rule: more than 6 sigma above
+the mean of the preceding 100 iterations once at least 20 are known; on top of it a ratio
+guard, at least 3 times the window's median, so that a window with almost no variance (a plateau)
+does not turn every ripple into a spike.
+
+Only the standard library is imported. ``SpikeWindow.observe`` is O(window) when called and
+O(window log window) on the rare values that pass the sigma test; it keeps no clock.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpikeRule:
+    """Thresholds of the spike test. The defaults are OLMo-core's, plus the ratio guard."""
+
+    sigmas: float = 6.0
+    """A spike stands more than this many standard deviations above the window's mean."""
+    window: int = 100
+    """Preceding values the test compares against (non-overflow iterations only)."""
+    min_window: int = 20
+    """No value is a spike before this many preceding values are known."""
+    ratio: float = 3.0
+    """A spike is also at least this many times the window's median."""
+
+    def __post_init__(self) -> None:
+        if not (self.sigmas > 0 and math.isfinite(self.sigmas)):
+            raise ValueError(f"sigmas must be a positive finite number, not {self.sigmas!r}")
+        if not (self.ratio >= 1 and math.isfinite(self.ratio)):
+            raise ValueError(f"ratio must be a finite number >= 1, not {self.ratio!r}")
+        if not 2 <= self.min_window <= self.window:
+            raise ValueError(
+                f"need 2 <= min_window <= window, not min_window={self.min_window}, "
+                f"window={self.window}"
+            )
+
+
+@dataclass(frozen=True)
+class Spike:
+    """A value the rule flagged, with the baseline it was judged against."""
+
+    value: float
+    mean: float
+    """Mean of the preceding window."""
+    stdev: float
+    """Population standard deviation of the preceding window."""
+    median: float
+    """Median of the preceding window."""
+
+
+class SpikeWindow:
+    """One series' recent history (one rank's loss, say) and the rule applied to it.
+
+    Not thread-safe: one owner feeds it in step order.
+    """
+
+    def __init__(self, rule: SpikeRule | None = None) -> None:
+        self.rule = rule or SpikeRule()
+        self._values: deque[float] = deque(maxlen=self.rule.window)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def observe(self, value: float | None) -> Spike | None:
+        """Judges ``value`` against the preceding window, then adds it to the window.
+
+        ``None`` (an overflow iteration) and non-finite values are neither judged nor kept:
+        they are the overflow detectors' business, and would poison the baseline. A spike is
+        kept, so a lasting change of level becomes the new baseline instead of firing
+        forever.
+        """
+        if value is None or not math.isfinite(value):
+            return None
+        spike = self._judge(value)
+        self._values.append(value)
+        return spike
+
+    def _judge(self, value: float) -> Spike | None:
+        if len(self._values) < self.rule.min_window:
+            return None
+        mean = statistics.fmean(self._values)
+        stdev = statistics.pstdev(self._values, mu=mean)
+        if value <= mean + self.rule.sigmas * stdev:
+            return None
+        median = statistics.median(self._values)
+        if value < self.rule.ratio * median:
+            return None
+        return Spike(value=value, mean=mean, stdev=stdev, median=median)

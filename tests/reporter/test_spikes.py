@@ -1,0 +1,84 @@
+"""The spike rule both the ranks and the exporter apply."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from ampscope.reporter.spikes import SpikeRule, SpikeWindow
+
+
+def _noisy(seed: int, n: int, level: float = 2.0, noise: float = 0.2) -> list[float]:
+    rng = random.Random(seed)
+    return [level + rng.gauss(0.0, noise) for _ in range(n)]
+
+
+def test_a_noisy_but_stable_series_has_no_spike() -> None:
+    window = SpikeWindow()
+    assert [v for v in _noisy(1, 5000) if window.observe(v)] == []
+
+
+def test_a_planted_spike_is_named_with_its_baseline() -> None:
+    window = SpikeWindow()
+    history = _noisy(2, 100)
+    for value in history:
+        assert window.observe(value) is None
+    spike = window.observe(40.0)
+    assert spike is not None
+    assert spike.value == 40.0
+    assert spike.mean == pytest.approx(sum(history) / 100)
+    assert 0.1 < spike.stdev < 0.3
+    assert 1.5 < spike.median < 2.5
+
+
+@pytest.mark.parametrize(("known", "fires"), [(19, False), (20, True)])
+def test_nothing_fires_before_the_minimum_window(known: int, fires: bool) -> None:
+    window = SpikeWindow(SpikeRule(min_window=20, window=100))
+    for value in _noisy(3, known):
+        window.observe(value)
+    assert (window.observe(1000.0) is not None) is fires
+
+
+def test_overflows_and_non_finite_values_stay_out_of_the_window() -> None:
+    window = SpikeWindow()
+    for value in _noisy(4, 30):
+        window.observe(value)
+    for value in (None, math.inf, math.nan):
+        assert window.observe(value) is None
+    assert len(window) == 30
+
+
+def test_the_ratio_guard_spares_a_flat_window() -> None:
+    # A plateau has almost no variance: 6 sigma is a hair above it, but not 3x its median.
+    window = SpikeWindow()
+    for i in range(50):
+        window.observe(1.0 + (i % 2) * 1e-6)
+    assert window.observe(1.5) is None
+    assert window.observe(3.5) is not None
+
+
+def test_a_lasting_change_of_level_stops_firing() -> None:
+    window = SpikeWindow(SpikeRule(window=100))
+    for value in _noisy(5, 100):
+        window.observe(value)
+    fired = [i for i, v in enumerate(_noisy(6, 300, level=20.0)) if window.observe(v)]
+    # Once the new level fills the window it is the baseline, not a spike.
+    assert fired
+    assert fired[-1] < 100
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"sigmas": 0.0},
+        {"sigmas": math.inf},
+        {"ratio": 0.5},
+        {"min_window": 1},
+        {"min_window": 200, "window": 100},
+    ],
+)
+def test_impossible_thresholds_are_refused(bad: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match=r"must be|need"):
+        SpikeRule(**bad)  # type: ignore[arg-type]
