@@ -59,6 +59,16 @@ def need_module(name: str) -> None:
     pytest.skip(message, allow_module_level=True)
 
 
+def wait_until(condition: Callable[[], bool], what: str, timeout: float = DEADLOCK_GUARD_S) -> None:
+    """Poll ``condition`` until it holds; fail the test naming ``what`` after ``timeout``
+    seconds, a deadlock guard: the poll interval decides nothing."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not within {timeout:.0f}s")
+        time.sleep(0.02)
+
+
 def get_json(url: str, timeout: float = DEADLOCK_GUARD_S) -> Any:
     """GET ``url`` and decode its JSON answer."""
     with urllib.request.urlopen(url, timeout=timeout) as response:
