@@ -34,8 +34,14 @@ class VictoriaClient:
 
     def _call(self, method: str, path: str, body: bytes | None = None) -> bytes:
         headers = {"Content-Type": "application/x-www-form-urlencoded"} if method == "POST" else {}
-        self._conn.request(method, path, body=body, headers=headers)
-        response = self._conn.getresponse()
+        try:
+            self._conn.request(method, path, body=body, headers=headers)
+            response = self._conn.getresponse()
+        except http.client.RemoteDisconnected:
+            # The server closed the idle keep-alive connection before reading the request.
+            self._conn.close()
+            self._conn.request(method, path, body=body, headers=headers)
+            response = self._conn.getresponse()
         data = response.read()
         if response.status >= 300:
             raise RuntimeError(f"{method} {path} answered {response.status}: {data[:500]!r}")
@@ -52,9 +58,10 @@ class VictoriaClient:
 
     def query(self, promql: str, at: float) -> tuple[float, list[dict[str, Any]]]:
         """``(seconds, result)`` of an instant query at ``at``."""
-        form = urllib.parse.urlencode({"query": promql, "time": f"{at:.3f}"}).encode()
+        # nocache: every figure is a cold evaluation, not VictoriaMetrics' result cache.
+        form = urllib.parse.urlencode({"query": promql, "time": f"{at:.3f}", "nocache": "1"})
         started = time.perf_counter()
-        answer = json.loads(self._call("POST", "/api/v1/query", form))
+        answer = json.loads(self._call("POST", "/api/v1/query", form.encode()))
         return time.perf_counter() - started, answer["data"]["result"]
 
     def query_range(
@@ -62,11 +69,25 @@ class VictoriaClient:
     ) -> tuple[float, list[dict[str, Any]]]:
         """``(seconds, result)`` of a range query, as a Grafana panel sends it."""
         form = urllib.parse.urlencode(
-            {"query": promql, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": f"{step:g}s"}
+            {
+                "query": promql,
+                "start": f"{start:.3f}",
+                "end": f"{end:.3f}",
+                "step": f"{step:g}s",
+                "nocache": "1",
+            }
         ).encode()
         started = time.perf_counter()
         answer = json.loads(self._call("POST", "/api/v1/query_range", form))
         return time.perf_counter() - started, answer["data"]["result"]
+
+    def label_values(self, label: str, match: str) -> tuple[float, list[str]]:
+        """``(seconds, values)`` of ``label`` over the series ``match`` selects: what
+        Grafana's ``label_values(match, label)`` variable query asks."""
+        query = urllib.parse.urlencode({"match[]": match})
+        started = time.perf_counter()
+        answer = json.loads(self._call("GET", f"/api/v1/label/{label}/values?{query}"))
+        return time.perf_counter() - started, list(answer["data"])
 
     def series_count(self, selector: str, start: float, end: float) -> int:
         """Distinct series matching ``selector`` with samples in [start, end]."""
