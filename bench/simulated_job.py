@@ -15,7 +15,7 @@ The job runs in step: every rank skips the same steps (an overflow every
 ranks report a step or two behind (laggards), and every rank tracks found-inf origins.
 Four faults are planted (:class:`Faults`): a hotspot (most overflows originate on one
 rank's device), a scale desync (one rank holds twice the job's scale), a lost rank (silent
-for the last four scrapes, so its exporter marks it lost) and a missing rank (never
+for the last four minutes, so its exporter marks it lost) and a missing rank (never
 reports, though ``world_size`` counts it).
 
 Cost: one record built and validated, ingested and rendered per rank per scrape (about
@@ -47,8 +47,10 @@ from ampscope.service.store import Store, StoreLimits
 
 BASE_SCALE = 65536.0
 RANKS_PER_NODE = 8
-LOST_FOR_SCRAPES = 4
-"""The lost rank's last report is this many scrapes before the newest."""
+LOST_FOR_S = 240.0
+"""The lost rank's last report is at least this long before the newest scrape: four times
+the exporters' ``stale_after_s``, so that a query evaluated a little in the past (as
+VictoriaMetrics evaluates one 30 s back by default) still finds the rank lost."""
 PARAMS = tuple(
     f"model.layers.{i}.self_attn.o_proj.weight" if i % 2 else f"model.layers.{i}.mlp.up_proj.weight"
     for i in range(64)
@@ -213,11 +215,11 @@ class SimulatedJob:
             setup=Setup(mode="scaler", policy="skip", grad_dtype="float16"),
         )
 
-    def reports(self, rank: int, scrape: int) -> bool:
-        """Whether ``rank`` reported before scrape number ``scrape`` (0 = the oldest)."""
+    def reports(self, rank: int, when: float, end: float) -> bool:
+        """Whether ``rank`` reported before the scrape at ``when`` (newest at ``end``)."""
         if rank == self.faults.missing:
             return False
-        return rank != self.faults.lost or scrape < self.scrapes_per_series - LOST_FOR_SCRAPES
+        return rank != self.faults.lost or when <= end - LOST_FOR_S
 
     def scrapes(self, end: float | None = None) -> Iterator[tuple[int, float, bytes]]:
         """``(node index, scrape time, exposition with millisecond timestamps)`` of every
@@ -238,7 +240,7 @@ class SimulatedJob:
             for index, exporter in enumerate(self.exporters):
                 exporter.now = now
                 for rank in range(index * RANKS_PER_NODE, (index + 1) * RANKS_PER_NODE):
-                    if not self.reports(rank, scrape):
+                    if not self.reports(rank, now, started):
                         continue
                     record = self.record(rank, step_now - rank % 3, now - 0.25)
                     batch = IngestBatch(schema_version=1, records=[record], dropped_records=0)
