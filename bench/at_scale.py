@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import statistics
@@ -263,13 +264,37 @@ def _ms(cell: dict[str, Any] | None) -> str:
     return f"{cell['first_ms']:.0f}" + (f" / {median:.0f}" if median is not None else "")
 
 
+def _package_version(package: str) -> str:
+    """The Debian package's version, for builds whose binary does not say (Debian's
+    victoria-metrics 1.79 reports an empty ``vm_app_version``)."""
+    try:
+        out = subprocess.run(
+            ["dpkg-query", "-W", "-f=${Version}", package],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+    except OSError:
+        return "unknown"
+    return f"{out.stdout.strip()} (Debian package)" if out.returncode == 0 else "unknown"
+
+
+def _loads(machine: dict[str, Any]) -> str:
+    start, end = machine["load_average"], machine.get("load_average_end")
+    text = "/".join(f"{x:.1f}" for x in start)
+    if end:
+        text += " at the start, " + "/".join(f"{x:.1f}" for x in end) + " at the end"
+    return text
+
+
 def render_markdown(results: dict[str, Any]) -> str:
     status, size, load = results["status"], results["size"], results["load"]
     lines = [
         f"# ampscope at scale: {results['nodes']} nodes x 8 ranks ({results['ranks']} ranks)",
         "",
         f"`{results['command']}` on {results['machine']['cpu_cores_usable']} CPUs, "
-        f"load average {results['machine']['load_average']}; VictoriaMetrics "
+        f"load average {_loads(results['machine'])}; VictoriaMetrics "
         f"{results['victoria_metrics']}.",
         "",
         f"- Loaded {load['samples']:,} samples ({results['scrapes']} scrapes "
@@ -319,11 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     job = SimulatedJob(
         run=RUN, nodes=args.nodes, interval_s=args.interval, scrapes_per_series=args.scrapes
     )
-    version = subprocess.run([path, "-version"], capture_output=True, text=True, check=False)
     results: dict[str, Any] = {
         "command": "python -m bench.at_scale " + " ".join(argv or sys.argv[1:]),
         "machine": machine_info(pushgateway=None),
-        "victoria_metrics": (version.stdout or version.stderr).strip() or "unknown",
         "nodes": args.nodes,
         "ranks": job.world_size,
         "interval_s": args.interval,
@@ -333,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as data, victoria_metrics(path, Path(data)) as server:
         client = VictoriaClient(server.host, server.port)
+        results["victoria_metrics"] = client.version() or _package_version(VICTORIA_METRICS)
         results["load"] = load_job(job, client)
         end = results["load"]["newest_scrape"]
         start = end - (args.scrapes - 1) * args.interval
@@ -343,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
         results["rules"] = measure_rules(client, end, args.repeats)
         results["dashboards"] = measure_dashboards(client, start, end, args.interval, args.repeats)
         client.close()
+    # Other work on the host shows here: compare figures within one run.
+    results["machine"]["load_average_end"] = list(os.getloadavg())
     (args.out / "at-scale.json").write_text(json.dumps(results, indent=2) + "\n")
     markdown = render_markdown(results)
     (args.out / "at-scale.md").write_text(markdown)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import time
 import urllib.parse
 from typing import Any
@@ -99,6 +100,18 @@ class VictoriaClient:
     def tsdb_status(self) -> dict[str, Any]:
         """``/api/v1/status/tsdb``: the largest metric names by series count, and more."""
         return dict(json.loads(self._call("GET", "/api/v1/status/tsdb?topN=50"))["data"])
+
+    def version(self) -> str:
+        """The server's version, from its ``vm_app_version`` self-metric; empty when the
+        build does not say."""
+        for key in self.metrics():
+            if key.startswith("vm_app_version{"):
+                found = re.search(r'short_version="([^"]*)"', key) or re.search(
+                    r'version="([^"]*)"', key
+                )
+                if found and found.group(1):
+                    return found.group(1)
+        return ""
 
     def metrics(self) -> dict[str, float]:
         """The server's own ``/metrics`` (``name{labels}`` -> value)."""
