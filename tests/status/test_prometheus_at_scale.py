@@ -11,9 +11,7 @@ and times the command (bench/README.md, "Whole job at scale").
 from __future__ import annotations
 
 import json
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,11 +27,12 @@ NODES = 64
 
 
 @pytest.fixture(scope="module")
-def loaded() -> Iterator[tuple[str, SimulatedJob]]:
+def loaded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, SimulatedJob]]:
     """(VictoriaMetrics URL, the job it holds)."""
     path = need_tool("victoria-metrics")
     job = SimulatedJob(run=RUN, nodes=NODES)
-    with tempfile.TemporaryDirectory() as data, victoria_metrics(path, Path(data)) as server:
+    data = tmp_path_factory.mktemp("victoria")
+    with victoria_metrics(path, data) as server:
         client = VictoriaClient(server.host, server.port)
         try:
             load_job(job, client)
