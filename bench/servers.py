@@ -19,6 +19,7 @@ from pathlib import Path
 from types import TracebackType
 
 PUSHGATEWAY = "prometheus-pushgateway"
+VICTORIA_METRICS = "victoria-metrics"
 
 
 def free_port() -> int:
@@ -152,4 +153,26 @@ def pushgateway(path: str) -> ServerProcess:
             "--log.level=warn",
         ],
         ready_path="/-/ready",
+    )
+
+
+def victoria_metrics(path: str, data_dir: Path, *extra_args: str) -> ServerProcess:
+    """VictoriaMetrics (single node) on a free loopback port, storing under ``data_dir``.
+
+    ``-search.maxLookback=5m`` is Prometheus' default lookback delta: samples imported
+    ``bench.simulated_job``'s scrape interval apart are then found by instant queries as
+    Prometheus would find them (VictoriaMetrics otherwise derives the lookback from the
+    interval between samples).
+    """
+    return ServerProcess(
+        name="victoria-metrics",
+        argv=[
+            path,
+            f"-storageDataPath={data_dir}",
+            "-httpListenAddr=127.0.0.1:{port}",
+            "-search.maxLookback=5m",
+            "-loggerLevel=ERROR",
+            *extra_args,
+        ],
+        ready_path="/health",
     )

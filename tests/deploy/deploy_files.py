@@ -81,6 +81,15 @@ def recording_rules() -> dict[str, dict[str, Any]]:
     return {rule["record"]: rule for rule in rules() if "record" in rule}
 
 
+def selected_families(expr: str) -> set[str]:
+    """Raw families an expression selects, through the recording rules it reads."""
+    recorded = recording_rules()
+    names = set()
+    for name in metric_names(expr):
+        names |= selected_families(recorded[name]["expr"]) if name in recorded else {name}
+    return names
+
+
 def substitute(expr: str) -> str:
     """The expression with Grafana's template variables replaced by TEMPLATE_VALUES."""
     # Longest names first, so that a short name never replaces the prefix of a longer one.

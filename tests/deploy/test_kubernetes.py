@@ -134,6 +134,28 @@ def test_operator_manifests_match_the_prometheus_operator_schemas() -> None:
     assert "expr" in bad[1]["errors"][0]
 
 
+def test_the_sample_limit_trips_only_past_the_exporters_own_series_limit() -> None:
+    """The ServiceMonitor's ``sampleLimit`` is the TSDB's backstop: an exporter at its own
+    ``max_series`` (plus its own families) still scrapes, and a wrong type is refused."""
+    from fastapi.testclient import TestClient
+
+    from ampscope.service.app import create_app
+    from ampscope.service.settings import Settings
+
+    settings = Settings()
+    with TestClient(create_app(settings)) as client:
+        body = client.get("/metrics").text
+    own = sum(1 for line in body.splitlines() if line and not line.startswith("#"))
+    assert own > 0
+    limit = _by_kind("ServiceMonitor")["spec"]["sampleLimit"]
+    assert isinstance(limit, int)
+    assert settings.max_series + own < limit <= 2 * settings.max_series
+    monitor = copy.deepcopy(_by_kind("ServiceMonitor"))
+    monitor["spec"]["sampleLimit"] = "sixty thousand"
+    (verdict,) = _operator_errors([monitor])
+    assert any("sampleLimit" in error for error in verdict["errors"]), verdict
+
+
 def test_exporter_daemonset_runs_hardened_and_reachable_on_its_node() -> None:
     daemonset = _by_kind("DaemonSet")
     pod = daemonset["spec"]["template"]["spec"]

@@ -6,7 +6,14 @@ import subprocess
 
 import pytest
 import yaml
-from deploy_files import PROMETHEUS_DIR, RULES_FILE, alert_rules, metric_names, recording_rules
+from deploy_files import (
+    PROMETHEUS_DIR,
+    RULES_FILE,
+    alert_rules,
+    metric_names,
+    recording_rules,
+    selected_families,
+)
 from support import need_tool
 
 from ampscope.service.catalogue import BY_NAME, SCALER_ONLY
@@ -120,22 +127,13 @@ def test_no_alert_fires_for_a_finished_rank() -> None:
         ), name
 
 
-def _selected(expr: str) -> set[str]:
-    """Raw families an expression selects, through the recording rules it reads."""
-    recorded = recording_rules()
-    names = set()
-    for name in metric_names(expr):
-        names |= _selected(recorded[name]["expr"]) if name in recorded else {name}
-    return names
-
-
 def test_scale_alerts_select_only_what_watch_ranks_do_not_export() -> None:
     # A watch rank (bf16/fp32) exports none of SCALER_ONLY, so an alert that reads a scale
     # from those families alone (besides liveness) cannot fire for it; promtool shows it
     # on a bf16 run's series.
     liveness = {"ampscope_rank_state", "ampscope_rank_up"}
     for name in ("AmpscopeScaleCollapse", "AmpscopeScaleDesync"):
-        families = _selected(alert_rules()[name]["expr"])
+        families = selected_families(alert_rules()[name]["expr"])
         assert families & SCALER_ONLY, name
         assert families <= SCALER_ONLY | liveness, (name, families - SCALER_ONLY - liveness)
 
