@@ -3,7 +3,8 @@ state and how long since it was heard (``RankFacts``), and what changed within e
 window (``ScaleFacts``, ``StepFacts``, ``InfFacts``), not how the exporter stores it.
 
 One implementation of each rule (``scale_collapse``, ``skip_storm``, ``inf_hotspot``,
-``lost_rank``, ``missing_rank``) serves every caller: the exporter's health
+``lost_rank``, ``missing_rank``, and the spike rules ``loss_spike``, ``grad_norm_spike`` and
+``origin_outlier`` over ``SpikeFacts``) serves every caller: the exporter's health
 (``ampscope.service.health``, which builds the facts from its store's snapshots and their
 window samples) and ``ampscope status``'s merged view of several exporters (which builds
 them from each exporter's ``/ranks`` JSON); a view over Prometheus builds the window facts

@@ -10,7 +10,7 @@ reported it. A rank whose own gradients stand ``factor`` times above the median 
 other ranks at that step is an origin outlier. The comparison is made again whenever
 another rank's record of the step arrives (ranks report at their own pace), and each
 (rank, step) counts once. One exporter sees one node's ranks: across nodes, nothing
-compares origin norms step by step (docs/web-view.md, "Spikes").
+compares origin norms step by step (docs/exporter.md, "Spikes").
 
 Not thread-safe: the store calls everything under its lock. Every method is O(1) or
 O(ranks at one step x log of it) unless noted.
