@@ -8,8 +8,8 @@ the mean of the preceding 100 iterations once at least 20 are known; on top of i
 guard, at least 3 times the window's median, so that a window with almost no variance (a plateau)
 does not turn every ripple into a spike.
 
-Only the standard library is imported. ``SpikeWindow.observe`` is O(window) when called (about
-10 us over 100 values) and O(window log window) on the rare values that pass the sigma test;
+Only the standard library is imported. ``SpikeWindow.observe`` is O(window) when called (tens of
+microseconds over 100 values) and O(window log window) on the rare values that pass the sigma test;
 it keeps no clock.
 """
 
