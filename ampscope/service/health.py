@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ampscope.service import rules
+from ampscope.service import rules, spike_rules
 from ampscope.service.lifecycle import STATES, Lifecycle, RankStateName
 from ampscope.service.models import HealthReport, Status, Verdict
 from ampscope.service.ranks import RankSnapshot, WindowCounts
@@ -337,7 +337,7 @@ def nonfinite_update_applied(ranks: Sequence[RankSnapshot], now: float, t: Thres
 
 def spike_facts(
     ranks: Sequence[RankSnapshot], kind: SpikeKindName, now: float, t: Thresholds
-) -> list[rules.SpikeFacts]:
+) -> list[spike_rules.SpikeFacts]:
     """Each rank's spikes of ``kind`` found within ``spike_verdict_window_s`` before ``now``
     (exporter clock), with the newest one's details. O(ranks x MAX_RECENT_SPIKES)."""
     start = now - t.spike_verdict_window_s
@@ -348,11 +348,11 @@ def spike_facts(
             continue
         newest = within[-1]
         facts.append(
-            rules.SpikeFacts(
+            spike_rules.SpikeFacts(
                 rank=snap.identity.rank,
                 node=snap.identity.node,
                 spikes=len(within),
-                newest=rules.SpikeDetail(
+                newest=spike_rules.SpikeDetail(
                     step=newest.step,
                     value=newest.value,
                     median=newest.median,
@@ -367,19 +367,19 @@ def spike_facts(
 
 
 def loss_spike(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
-    """``rules.loss_spike`` over the store's snapshots."""
-    return rules.loss_spike(spike_facts(ranks, "loss", now, t), t)
+    """``spike_rules.loss_spike`` over the store's snapshots."""
+    return spike_rules.loss_spike(spike_facts(ranks, "loss", now, t), t)
 
 
 def grad_norm_spike(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
-    """``rules.grad_norm_spike`` over the store's snapshots."""
-    return rules.grad_norm_spike(spike_facts(ranks, "grad_norm", now, t), t)
+    """``spike_rules.grad_norm_spike`` over the store's snapshots."""
+    return spike_rules.grad_norm_spike(spike_facts(ranks, "grad_norm", now, t), t)
 
 
 def origin_outlier(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
-    """``rules.origin_outlier`` over the store's snapshots: the ranks of this exporter only
+    """``spike_rules.origin_outlier`` over the store's snapshots: the ranks of this exporter only
     (one node's), compared at equal steps as they arrived."""
-    return rules.origin_outlier(spike_facts(ranks, "origin_outlier", now, t), t)
+    return spike_rules.origin_outlier(spike_facts(ranks, "origin_outlier", now, t), t)
 
 
 def _isolated(rule: Rule, ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ampscope.service import rules
+from ampscope.service import rules, spike_rules
 from ampscope.service.models import Verdict
 from ampscope.service.rules import Thresholds
 from ampscope.status import merge
@@ -284,10 +284,14 @@ def health_of(
             "thresholds": {},
         }
 
-    def spikes(kind: str) -> list[rules.SpikeFacts]:
+    def spikes(kind: str) -> list[spike_rules.SpikeFacts]:
         # increase() of a counter that rose by n reads n or a little more (extrapolation).
         counted = [(v, round(window("spikes", v, kind))) for v in views]
-        return [rules.SpikeFacts(rank=v["rank"], node=v["node"], spikes=n) for v, n in counted if n]
+        return [
+            spike_rules.SpikeFacts(rank=v["rank"], node=v["node"], spikes=n)
+            for v, n in counted
+            if n
+        ]
 
     def counted(verdict: Verdict) -> dict[str, Any]:
         out = verdict.model_dump()
@@ -305,9 +309,9 @@ def health_of(
         lacking("stalled_rank"),
         rules.inf_hotspot(infs, t).model_dump(),
         lacking("nonfinite_update_applied"),
-        counted(rules.loss_spike(spikes("loss"), t)),
-        counted(rules.grad_norm_spike(spikes("grad_norm"), t)),
-        counted(rules.origin_outlier(spikes("origin_outlier"), t)),
+        counted(spike_rules.loss_spike(spikes("loss"), t)),
+        counted(spike_rules.grad_norm_spike(spikes("grad_norm"), t)),
+        counted(spike_rules.origin_outlier(spikes("origin_outlier"), t)),
     ]
     states = {name: sum(1 for f in facts if f.state == name) for name in merge.STATES}
     finished = bool(facts) and states["finished"] == len(facts)
