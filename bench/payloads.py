@@ -35,6 +35,8 @@ _EXPORTER_SIDE = {
     "ampscope_rank_up",
     "ampscope_rank_state",
     "ampscope_last_report_timestamp_seconds",
+    # The exporter's judgement of each rank's history (and of its ranks against each other).
+    "ampscope_spikes_total",
 }
 PUSHED_FAMILIES = tuple(
     spec
@@ -228,6 +230,10 @@ class SimulatedRank:
             "ampscope_loss_scale": [("", self.scale)],
             "ampscope_growth_tracker": [("", self.tracker)],
             "ampscope_last_step": [("", self.step)],
+            # A simulated rank reports no stats (loss, gradient norms): no samples.
+            "ampscope_loss": [],
+            "ampscope_grad_norm": [],
+            "ampscope_grad_norm_origin": [],
             "ampscope_loss_scale_aligned": [("", self.aligned.scale)] if self.aligned else [],
             "ampscope_loss_scale_aligned_step": [("", self.aligned.step)] if self.aligned else [],
             "ampscope_steps_total": [("", self.step)],

@@ -8,8 +8,9 @@ the mean of the preceding 100 iterations once at least 20 are known; on top of i
 guard, at least 3 times the window's median, so that a window with almost no variance (a plateau)
 does not turn every ripple into a spike.
 
-Only the standard library is imported. ``SpikeWindow.observe`` is O(window) when called and
-O(window log window) on the rare values that pass the sigma test; it keeps no clock.
+Only the standard library is imported. ``SpikeWindow.observe`` is O(window) when called (tens of
+microseconds over 100 values) and O(window log window) on the rare values that pass the sigma test;
+it keeps no clock.
 """
 
 from __future__ import annotations
@@ -88,8 +89,12 @@ class SpikeWindow:
     def _judge(self, value: float) -> Spike | None:
         if len(self._values) < self.rule.min_window:
             return None
-        mean = statistics.fmean(self._values)
-        stdev = statistics.pstdev(self._values, mu=mean)
+        # Two passes of math.fsum (exactly rounded sums) rather than statistics.pstdev,
+        # whose exact rational arithmetic costs ~100 us per call over 100 values: this runs
+        # for every value of every rank in the exporter.
+        count = len(self._values)
+        mean = math.fsum(self._values) / count
+        stdev = math.sqrt(math.fsum((v - mean) ** 2 for v in self._values) / count)
         if value <= mean + self.rule.sigmas * stdev:
             return None
         median = statistics.median(self._values)

@@ -69,7 +69,9 @@ def _build_state(app: FastAPI, settings: Settings, clock: Callable[[], float]) -
             max_ranks=settings.max_ranks,
             history_bytes=settings.history_bytes,
             max_clock_skew_s=settings.max_clock_skew_s,
-        )
+        ),
+        spike_rule=settings.thresholds().spike_rule(),
+        origin_factor=settings.origin_outlier_factor,
     )
     # Created with the app, not here: the server protocol counts into it from the start.
     stats: IngestStats = app.state.stats

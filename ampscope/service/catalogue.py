@@ -80,6 +80,26 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "taken.",
     ),
     _rank(
+        "ampscope_loss",
+        "gauge",
+        "The rank's loss at its newest iteration, as passed to scale() and unscaled (with "
+        "gradient accumulation, the mean over the update's scale() calls). Absent while the "
+        "newest iteration overflowed, and for ranks that report no stats.",
+    ),
+    _rank(
+        "ampscope_grad_norm",
+        "gauge",
+        "Total L2 norm of the unscaled gradients before clipping at the rank's newest "
+        "iteration (what clip_grad_norm_ returns; the same on every rank).",
+    ),
+    _rank(
+        "ampscope_grad_norm_origin",
+        "gauge",
+        "L2 norm of this rank's own, unreduced gradients at its newest iteration (origin "
+        "tracking), in ampscope_grad_norm's units: a rank far above the others points at its "
+        "data or its GPU.",
+    ),
+    _rank(
         "ampscope_last_report_timestamp_seconds",
         "gauge",
         "Unix time at which the exporter last received a report from the rank.",
@@ -132,6 +152,16 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "Iterations whose optimizer step ran on inf/NaN gradients (a watch under policy "
         "observe): from the first one on, the rank's weights hold inf/NaN. Always 0 for "
         "scalers and for the skip and raise policies.",
+    ),
+    _rank(
+        "ampscope_spikes_total",
+        "counter",
+        "Spike iterations the exporter found for the rank, by kind: loss and grad_norm (the "
+        "value more than 6 sigma above the mean of the rank's preceding 100 iterations and at "
+        "least 3 times their median, by default), origin_outlier (the rank's own gradient norm "
+        "at least 10 times the median of the other ranks this exporter holds at that step). "
+        "Counted from the exporter's start, or the rank process's.",
+        "kind",
     ),
     _rank(
         "ampscope_reporter_dropped_records_total",

@@ -17,6 +17,7 @@ from ampscope.service.catalogue import BY_NAME, CATALOGUE, RANK_LABELS
 from ampscope.service.health import Thresholds
 from ampscope.service.lifecycle import STATES, Lifecycle
 from ampscope.service.ranks import RankSnapshot
+from ampscope.service.spikes import SPIKE_KINDS
 from ampscope.service.stats import IngestStats
 from ampscope.service.store import Store
 
@@ -136,6 +137,15 @@ class StoreCollector(Collector):
             rows.append(("ampscope_loss_scale", labels, float(record.scale_after)))
             rows.append(("ampscope_growth_tracker", labels, float(record.growth_tracker)))
         rows.append(("ampscope_last_step", labels, float(record.step)))
+        stats = record.stats
+        if stats is not None:
+            for name, value in (
+                ("ampscope_loss", stats.loss),
+                ("ampscope_grad_norm", stats.grad_norm),
+                ("ampscope_grad_norm_origin", stats.grad_norm_origin),
+            ):
+                if value is not None:
+                    rows.append((name, labels, float(value)))
         if scaler and totals.aligned_scale is not None:
             rows.append(("ampscope_loss_scale_aligned", labels, float(totals.aligned_scale.scale)))
             rows.append(
@@ -161,6 +171,12 @@ class StoreCollector(Collector):
         rows.append(
             ("ampscope_nonfinite_updates_applied_total", labels, float(totals.nonfinite_applied))
         )
+        if stats is not None:
+            counts = snap.spike_counts
+            for kind in SPIKE_KINDS:
+                rows.append(
+                    ("ampscope_spikes_total", [*labels, kind], float(getattr(counts, kind)))
+                )
         rows.append(
             ("ampscope_reporter_dropped_records_total", labels, float(snap.dropped_records))
         )

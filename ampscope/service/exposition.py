@@ -7,9 +7,9 @@ samples change only when a batch of it is accepted, while Prometheus scrapes eve
 and ranks report every 0.5 s, or when it stops reporting and is scraped again and again.
 
 :class:`Exposition` keeps, per rank, its sample lines of each family as bytes, keyed by
-the state they were rendered from (the newest record object, the last report time and
-the reporter's drop count). A scrape snapshots the store (O(ranks) under its lock),
-re-renders only the ranks whose state changed, from the collector's own rows
+the state they were rendered from (the newest record object, the last report time, the
+reporter's drop count and the rank's spike counts). A scrape snapshots the store (O(ranks)
+under its lock), re-renders only the ranks whose state changed, from the collector's own rows
 (``StoreCollector.rank_rows``, so a rank that cannot be rendered is left out and counted
 the same way), computes the families that depend on the current time
 (``ampscope_rank_up``) and the exporter's own counters, and joins the parts in catalogue
@@ -96,14 +96,17 @@ class _RankEntry:
     newest: object
     last_report: float
     dropped_records: int
+    spike_counts: tuple[int, ...]
     templates: _RankTemplates
     lines: dict[str, bytes]
 
     def matches(self, snap: RankSnapshot) -> bool:
+        # The spike counts too: another rank's record can make this one an origin outlier.
         return (
             self.newest is snap.newest
             and self.last_report == snap.last_report
             and self.dropped_records == snap.dropped_records
+            and self.spike_counts == snap.spike_counts
         )
 
 
@@ -123,7 +126,9 @@ def _render_rank(
     else:
         templates = _RankTemplates(labels)
     lines = {name: templates.lines(name, v) for name, v in values.items()}
-    return _RankEntry(snap.newest, snap.last_report, snap.dropped_records, templates, lines)
+    return _RankEntry(
+        snap.newest, snap.last_report, snap.dropped_records, snap.spike_counts, templates, lines
+    )
 
 
 class _Families:

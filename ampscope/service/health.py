@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ampscope.service import rules
+from ampscope.service import rules, spike_rules
 from ampscope.service.lifecycle import STATES, Lifecycle, RankStateName
 from ampscope.service.models import HealthReport, Status, Verdict
 from ampscope.service.ranks import RankSnapshot, WindowCounts
@@ -29,6 +29,7 @@ from ampscope.service.rules import (
     Thresholds,
     progress_summary,
 )
+from ampscope.service.spikes import SpikeKindName
 
 log = logging.getLogger(__name__)
 
@@ -334,6 +335,53 @@ def nonfinite_update_applied(ranks: Sequence[RankSnapshot], now: float, t: Thres
     )
 
 
+def spike_facts(
+    ranks: Sequence[RankSnapshot], kind: SpikeKindName, now: float, t: Thresholds
+) -> list[spike_rules.SpikeFacts]:
+    """Each rank's spikes of ``kind`` found within ``spike_verdict_window_s`` before ``now``
+    (exporter clock), with the newest one's details. O(ranks x MAX_RECENT_SPIKES)."""
+    start = now - t.spike_verdict_window_s
+    facts = []
+    for snap in ranks:
+        within = [e for e in snap.spikes if e.kind == kind and start <= e.received <= now]
+        if not within:
+            continue
+        newest = within[-1]
+        facts.append(
+            spike_rules.SpikeFacts(
+                rank=snap.identity.rank,
+                node=snap.identity.node,
+                spikes=len(within),
+                newest=spike_rules.SpikeDetail(
+                    step=newest.step,
+                    value=newest.value,
+                    median=newest.median,
+                    mean=newest.mean,
+                    stdev=newest.stdev,
+                    compared=newest.compared,
+                    top_params=newest.top_params,
+                ),
+            )
+        )
+    return facts
+
+
+def loss_spike(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
+    """``spike_rules.loss_spike`` over the store's snapshots."""
+    return spike_rules.loss_spike(spike_facts(ranks, "loss", now, t), t)
+
+
+def grad_norm_spike(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
+    """``spike_rules.grad_norm_spike`` over the store's snapshots."""
+    return spike_rules.grad_norm_spike(spike_facts(ranks, "grad_norm", now, t), t)
+
+
+def origin_outlier(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
+    """``spike_rules.origin_outlier`` over the store's snapshots: the ranks of this exporter only
+    (one node's), compared at equal steps as they arrived."""
+    return spike_rules.origin_outlier(spike_facts(ranks, "origin_outlier", now, t), t)
+
+
 def _isolated(rule: Rule, ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
     """``rule`` over ``ranks``, leaving out any rank it cannot evaluate on its own.
 
@@ -387,6 +435,9 @@ def evaluate(run: str, ranks: Sequence[RankSnapshot], now: float, t: Thresholds)
         _isolated(stalled_rank, ranks, now, t),
         _isolated(inf_hotspot, recent(t.hotspot_window_s), at, t),
         _isolated(nonfinite_update_applied, ranks, at, t),
+        _isolated(loss_spike, ranks, at, t),
+        _isolated(grad_norm_spike, ranks, at, t),
+        _isolated(origin_outlier, ranks, at, t),
     ]
     status = max((v.status for v in verdicts), key=_SEVERITY.__getitem__)
     return HealthReport(

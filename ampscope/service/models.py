@@ -122,6 +122,9 @@ class Verdict(BaseModel):
         "stalled_rank",
         "inf_hotspot",
         "nonfinite_update_applied",
+        "loss_spike",
+        "grad_norm_spike",
+        "origin_outlier",
     ]
     status: Status
     summary: str

@@ -37,11 +37,13 @@ from __future__ import annotations
 import bisect
 import sys
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 from ampscope.reporter.schema import Heartbeat, Identity, RankTotals, StepRecord
+from ampscope.reporter.spikes import SpikeRule
+from ampscope.service.spikes import RankSpikes, SpikeCounts, SpikeEvent
 
 PER_RANK_SERIES = 12
 """Per-rank label sets of every rank besides devices and parameters: info, last step, last
@@ -51,6 +53,11 @@ SCALER_SERIES = 4
 """A scaler rank's scale, growth tracker, backoffs and growths (a watch has no scale)."""
 ALIGNED_SERIES = 2
 """A scaler's aligned scale and its step, once it has reached its first aligned step."""
+SPIKE_SERIES = 3
+"""A rank that reports stats: ``ampscope_spikes_total`` of each kind (its loss and gradient
+norm gauges count when its newest record holds them)."""
+
+NO_SPIKES = SpikeCounts()
 
 _Outcome = Literal["newest", "restart", "late", "ignored"]
 
@@ -86,9 +93,13 @@ class HeldRecord(NamedTuple):
     inf_origin: tuple[str, ...]
     """Devices whose pre-reduction gradients held inf/NaN at this step (usually none)."""
     json: str
+    loss: float | None = None
+    grad_norm: float | None = None
+    """The record's stats (``None``: not reported, or an overflow iteration)."""
 
     @classmethod
     def of(cls, record: StepRecord) -> HeldRecord:
+        stats = record.stats
         return cls(
             record.step,
             record.time,
@@ -98,6 +109,8 @@ class HeldRecord(NamedTuple):
             _hits(record.found_inf_local),
             _hits(record.found_inf_origin),
             record.model_dump_json(),
+            None if stats is None else stats.loss,
+            None if stats is None else stats.grad_norm,
         )
 
     def record(self) -> StepRecord:
@@ -171,6 +184,10 @@ class RankSnapshot:
     """Exporter clock of the batch that last advanced the newest step (the stall clock)."""
     finished_at: float | None = None
     """Exporter clock of the rank's final heartbeat; ``None`` while it has not finished."""
+    spike_counts: SpikeCounts = NO_SPIKES
+    """Spike iterations per kind the exporter found (``ampscope_spikes_total``)."""
+    spikes: tuple[SpikeEvent, ...] = ()
+    """The most recent of them, oldest first (empty in ``Store.latest``'s snapshots)."""
 
     @property
     def identity(self) -> Identity:
@@ -186,6 +203,7 @@ def series_of(record: StepRecord) -> int:
     """Label sets the collector exposes for a rank whose newest record is ``record``."""
     totals = record.totals
     scaler = record.setup.mode == "scaler"
+    stats = record.stats
     return (
         PER_RANK_SERIES
         + (SCALER_SERIES if scaler else 0)
@@ -193,6 +211,12 @@ def series_of(record: StepRecord) -> int:
         + len(totals.found_inf_local)
         + len(totals.found_inf_origin)
         + len(totals.nonfinite_params)
+        + (
+            0
+            if stats is None
+            else SPIKE_SERIES
+            + sum(v is not None for v in (stats.loss, stats.grad_norm, stats.grad_norm_origin))
+        )
     )
 
 
@@ -290,9 +314,17 @@ class RankState:
         history_length: records kept (oldest dropped first).
         sample_interval_s: least spacing of window samples: while the newest sample is
             closer than that to the one before it, a batch replaces it instead of adding.
+        spike_rule: the spike rule applied to the rank's loss and gradient norm.
     """
 
-    def __init__(self, *, history_length: int, sample_interval_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        *,
+        history_length: int,
+        sample_interval_s: float = 0.0,
+        spike_rule: SpikeRule | None = None,
+    ) -> None:
+        self.spikes = RankSpikes(spike_rule or SpikeRule())
         self.newest: StepRecord | None = None
         self.last_report = 0.0
         self.dropped_records = 0
@@ -313,14 +345,20 @@ class RankState:
         return newest_after(self.newest, self._process_start, records, now)
 
     def apply_batch(
-        self, records: list[StepRecord], dropped_records: int, now: float
+        self,
+        records: list[StepRecord],
+        dropped_records: int,
+        now: float,
+        on_accept: Callable[[StepRecord], None] | None = None,
     ) -> tuple[int, int]:
         """Apply one batch's records (oldest first) received at exporter time ``now``.
 
         Contract: the caller checked the batch is from this rank, within limits and free
         of identity conflicts (``newest_after``). Updates newest, history, the dropped
         count and, when the newest advanced, the window samples. ``last_report`` moves to
-        ``now`` for any batch from a live process.
+        ``now`` for any batch from a live process. Records that advance the newest step feed
+        the spike windows, in step order; late ones (retries of older steps) do not, as the
+        windows hold the past of each value. ``on_accept`` sees every accepted record.
 
         Returns:
             (records accepted, records ignored as duplicates or from a dead process).
@@ -334,6 +372,8 @@ class RankState:
                 ignored += 1
                 continue
             accepted += 1
+            if on_accept is not None:
+                on_accept(record)
             if outcome in ("newest", "restart"):
                 if outcome == "restart":
                     restarted, peak = True, 0.0
@@ -411,15 +451,18 @@ class RankState:
                 self.first_step = record.step
             self.newest = record
             self._append(HeldRecord.of(record))
+            self.spikes.observe(record, now)
         elif outcome == "restart":
             self._process_start = min(record.time, now)
             self.restarts += 1
             self.history.clear()
             self.history_bytes = 0
             self.samples.clear()
+            self.spikes.reset()
             self.newest = record
             self.first_step = record.step
             self._append(HeldRecord.of(record))
+            self.spikes.observe(record, now)
         elif outcome == "late" and not self._insert_late(record):
             return "ignored"
         return outcome
@@ -429,6 +472,15 @@ class RankState:
             self.history_bytes -= self.history[0].nbytes
         self.history.append(held)
         self.history_bytes += held.nbytes
+
+    def record_at(self, step: int) -> StepRecord | None:
+        """The held record of ``step``, parsed again, or ``None``. O(history) + ~50 us: for
+        the rare step that turned out an outlier."""
+        steps = [held.step for held in self.history]
+        at = bisect.bisect_left(steps, step)
+        if at < len(steps) and steps[at] == step:
+            return self.history[at].record()
+        return None
 
     def drop_oldest(self) -> int:
         """Drop the oldest history entry (the store's byte budget); returns its bytes."""
@@ -470,4 +522,6 @@ class RankState:
             samples=tuple(self.samples),
             last_progress=self.last_progress,
             finished_at=self.finished_at,
+            spike_counts=self.spikes.counts,
+            spikes=tuple(self.spikes.recent),
         )

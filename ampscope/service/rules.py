@@ -3,7 +3,8 @@ state and how long since it was heard (``RankFacts``), and what changed within e
 window (``ScaleFacts``, ``StepFacts``, ``InfFacts``), not how the exporter stores it.
 
 One implementation of each rule (``scale_collapse``, ``skip_storm``, ``inf_hotspot``,
-``lost_rank``, ``missing_rank``) serves every caller: the exporter's health
+``lost_rank``, ``missing_rank``; the spike rules live in ``ampscope.service.spike_rules``)
+serves every caller: the exporter's health
 (``ampscope.service.health``, which builds the facts from its store's snapshots and their
 window samples) and ``ampscope status``'s merged view of several exporters (which builds
 them from each exporter's ``/ranks`` JSON); a view over Prometheus builds the window facts
@@ -19,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from ampscope.reporter.spikes import SpikeRule
 from ampscope.service.models import Verdict
 
 RankStateName = Literal["running", "stalled", "lost", "finished"]
@@ -51,8 +53,36 @@ class Thresholds:
     """Inf hotspot (warning): one rank/device holds at least this share of detections."""
     hotspot_window_s: float = 600.0
     hotspot_min_detections: int = 5
+    spike_sigmas: float = SpikeRule.sigmas
+    """Loss/grad-norm spike (warning): the value stands more than this many standard
+    deviations above the mean of the rank's preceding window."""
+    spike_window: int = SpikeRule.window
+    """Preceding (non-overflow) iterations the spike test compares against."""
+    spike_min_window: int = SpikeRule.min_window
+    """No spike before this many preceding iterations are known."""
+    spike_ratio: float = SpikeRule.ratio
+    """A spike is also at least this many times the window's median."""
+    spike_verdict_window_s: float = 600.0
+    """A spike verdict keeps firing while its newest spike is at most this old."""
+    origin_outlier_factor: float = 10.0
+    """Origin outlier (warning): a rank's own gradient norm exceeds this many times the
+    median of the other ranks' at the same step."""
+
+    def spike_rule(self) -> SpikeRule:
+        """The spike rule these thresholds describe."""
+        return SpikeRule(
+            sigmas=self.spike_sigmas,
+            window=self.spike_window,
+            min_window=self.spike_min_window,
+            ratio=self.spike_ratio,
+        )
 
     def __post_init__(self) -> None:
+        self.spike_rule()  # raises ValueError on thresholds the rule refuses
+        if not self.spike_verdict_window_s > 0:
+            raise ValueError("spike_verdict_window_s must be positive")
+        if not self.origin_outlier_factor > 1:
+            raise ValueError("origin_outlier_factor must be > 1")
         for name in ("collapse_window_s", "skip_storm_window_s", "stale_after_s", "stall_after_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive")

@@ -4,8 +4,9 @@
 ranks x 1024 steps would be 64 requests and ~90 MB of JSON. The web view needs only the
 scale of every rank at every step and the few steps where something happened (a skip, a
 backoff, a found-inf on a device), so this module folds the held histories into one
-document: the scale as one array per rank aligned on the union of steps, and sparse lists
-of steps for the events (~0.6 MB for 64 x 1024, most of it the scales).
+document: the scale, loss and gradient norm as one array per rank aligned on the union of
+steps, and sparse lists of steps for the events, spikes included (~0.6 MB for 64 x 1024
+without stats, most of it the scales; the loss and norm columns triple that).
 
 Pure functions of snapshots, like ``health``: no lock, no I/O.
 """
@@ -18,6 +19,7 @@ from collections.abc import Sequence
 from pydantic import BaseModel, Field
 
 from ampscope.service.ranks import HeldRecord, RankSnapshot
+from ampscope.service.spikes import SPIKE_KINDS, SpikeKindName
 
 
 class DeviceSteps(BaseModel):
@@ -26,6 +28,14 @@ class DeviceSteps(BaseModel):
     rank: int
     device: str
     steps: list[int] = Field(description="Ascending; a subset of RunSeries.steps.")
+
+
+class SpikeSteps(BaseModel):
+    """The steps at which one rank had spikes of one kind."""
+
+    rank: int
+    kind: SpikeKindName
+    steps: list[int] = Field(description="Ascending.")
 
 
 class RunSeries(BaseModel):
@@ -51,6 +61,22 @@ class RunSeries(BaseModel):
     found_inf_origin: list[DeviceSteps] = Field(
         description="Likewise for origin detections (a rank's own pre-reduction gradients); "
         "only ranks that track origin have rows."
+    )
+    loss: list[list[float | None]] = Field(
+        default=[],
+        description="Each rank's loss per step, like `scale`; null where the rank holds no "
+        "record of the step, reports no stats, or overflowed.",
+    )
+    grad_norm: list[list[float | None]] = Field(
+        default=[],
+        description="The total gradient norm per rank per step (the same on every rank), "
+        "like `loss`.",
+    )
+    spikes: list[SpikeSteps] = Field(
+        default=[],
+        description="Every rank's spikes the exporter still holds (the most recent 32 per "
+        "rank), whatever since_step: an origin outlier is found when another rank's record "
+        "of its step arrives, possibly after a poll has passed that step.",
     )
     oldest_held_step: int | None = Field(
         description="Oldest step any rank still holds: older steps are gone from the exporter."
@@ -79,6 +105,9 @@ def build(run: str, snaps: Sequence[RankSnapshot], *, since_step: int, max_steps
     first = union[0] if union else 0
     column = {step: index for index, step in enumerate(union)}
     scale: list[list[float | None]] = []
+    loss: list[list[float | None]] = []
+    grad_norm: list[list[float | None]] = []
+    spikes: list[SpikeSteps] = []
     skipped: list[list[int]] = []
     backoffs: list[list[int]] = []
     local: list[DeviceSteps] = []
@@ -89,6 +118,8 @@ def build(run: str, snaps: Sequence[RankSnapshot], *, since_step: int, max_steps
         # record's mode is the mode of every held one.
         scaler = snap.newest.setup.mode == "scaler"
         row: list[float | None] = [None] * len(union)
+        loss_row: list[float | None] = [None] * len(union)
+        norm_row: list[float | None] = [None] * len(union)
         rank_skipped: list[int] = []
         rank_backoffs: list[int] = []
         local_steps: dict[str, list[int]] = {d: [] for d in snap.newest.totals.found_inf_local}
@@ -96,8 +127,10 @@ def build(run: str, snaps: Sequence[RankSnapshot], *, since_step: int, max_steps
         for held in tail:
             if held.step < first:
                 continue
+            at = column[held.step]
             if scaler:
-                row[column[held.step]] = held.scale_after
+                row[at] = held.scale_after
+            loss_row[at], norm_row[at] = held.loss, held.grad_norm
             if held.skipped:
                 rank_skipped.append(held.step)
             if held.backoff:
@@ -107,6 +140,12 @@ def build(run: str, snaps: Sequence[RankSnapshot], *, since_step: int, max_steps
             for device in held.inf_origin:
                 origin_steps.setdefault(device, []).append(held.step)
         scale.append(row)
+        loss.append(loss_row)
+        grad_norm.append(norm_row)
+        for kind in SPIKE_KINDS:
+            steps = sorted({e.step for e in snap.spikes if e.kind == kind})
+            if steps:
+                spikes.append(SpikeSteps(rank=rank, kind=kind, steps=steps))
         skipped.append(rank_skipped)
         backoffs.append(rank_backoffs)
         local += [DeviceSteps(rank=rank, device=d, steps=s) for d, s in sorted(local_steps.items())]
@@ -123,6 +162,9 @@ def build(run: str, snaps: Sequence[RankSnapshot], *, since_step: int, max_steps
         backoffs=backoffs,
         found_inf_local=local,
         found_inf_origin=origin,
+        loss=loss,
+        grad_norm=grad_norm,
+        spikes=spikes,
         oldest_held_step=min(held_oldest) if held_oldest else None,
         truncated=truncated,
     )

@@ -130,11 +130,30 @@ class Settings(BaseSettings):
     """Inf hotspot: one rank/device holds at least this share of the run's detections."""
     hotspot_window_s: Seconds = _DEFAULTS.hotspot_window_s
     hotspot_min_detections: Positive = _DEFAULTS.hotspot_min_detections
+    spike_sigmas: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] = _DEFAULTS.spike_sigmas
+    """Loss/grad-norm spike: more than this many standard deviations above the mean of the
+    rank's preceding window."""
+    spike_window: Annotated[int, Field(ge=2)] = _DEFAULTS.spike_window
+    """Preceding (non-overflow) iterations the spike test compares against."""
+    spike_min_window: Annotated[int, Field(ge=2)] = _DEFAULTS.spike_min_window
+    """No spike before this many preceding iterations are known (at most spike_window)."""
+    spike_ratio: Annotated[float, Field(ge=1.0, allow_inf_nan=False)] = _DEFAULTS.spike_ratio
+    """A spike is also at least this many times the window's median."""
+    spike_verdict_window_s: Seconds = _DEFAULTS.spike_verdict_window_s
+    """loss_spike, grad_norm_spike and origin_outlier keep firing while their newest spike is
+    at most this old."""
+    origin_outlier_factor: Annotated[float, Field(gt=1.0, allow_inf_nan=False)] = (
+        _DEFAULTS.origin_outlier_factor
+    )
+    """Origin outlier: a rank's own gradient norm above this many times the median of the
+    other ranks' at the same step."""
 
     @model_validator(mode="after")
     def _check(self) -> Settings:
         if self.retention_s < self.stale_after_s:
             raise ValueError("retention_s must be at least stale_after_s")
+        if self.spike_min_window > self.spike_window:
+            raise ValueError("spike_min_window must be at most spike_window")
         if self.token_file is not None:
             try:
                 text = self.token_file.read_text(encoding="utf-8").strip()

@@ -11,7 +11,8 @@ import heapq
 import threading
 from dataclasses import dataclass
 
-from ampscope.reporter.schema import Heartbeat, IngestBatch
+from ampscope.reporter.schema import Heartbeat, IngestBatch, StepRecord
+from ampscope.reporter.spikes import SpikeRule
 from ampscope.service.ranks import (
     SAMPLES_PER_WINDOW,
     IdentityConflict,
@@ -19,6 +20,7 @@ from ampscope.service.ranks import (
     RankState,
     series_of,
 )
+from ampscope.service.spikes import OriginBoard, SpikeEvent, top_params
 
 HISTORY_LOW_WATER = 7 / 8
 """Over its byte budget, the history is cut to this fraction of it, so the O(ranks log
@@ -97,17 +99,38 @@ class IngestOutcome:
     """Duplicates (retried records) and records from a process that has since restarted."""
 
 
+def _peers(record: StepRecord) -> int:
+    # The ranks that can report a step to this exporter: the rank's node's, when it said.
+    who = record.identity
+    return who.local_world_size or who.world_size
+
+
 class Store:
     """Thread-safe state of every run and rank the exporter has heard from.
 
     Args:
         limits: Cardinality limits and sizes.
+        spike_rule: The spike rule applied to every rank's loss and gradient norm.
+        origin_factor: A rank whose ``grad_norm_origin`` exceeds this many times the median
+            of the other ranks held at the same step is an origin outlier.
     """
 
-    def __init__(self, limits: StoreLimits) -> None:
+    def __init__(
+        self,
+        limits: StoreLimits,
+        *,
+        spike_rule: SpikeRule | None = None,
+        origin_factor: float = 10.0,
+    ) -> None:
+        if not origin_factor > 1:
+            raise ValueError("origin_factor must be > 1")
         self.limits = limits
+        self._spike_rule = spike_rule or SpikeRule()
+        self._origin_factor = origin_factor
         self._lock = threading.Lock()
         self._runs: dict[str, dict[int, RankState]] = {}
+        self._boards: dict[str, OriginBoard] = {}
+        """Per run: the origin norms of its ranks at recent steps."""
         self._series = 0
         self._ranks = 0
         self._history_bytes = 0
@@ -177,14 +200,22 @@ class Store:
                 )
             if ranks is None:
                 ranks = self._runs[run_id] = {}
+                self._boards[run_id] = OriginBoard(self._origin_factor)
             if state is None:
                 state = ranks[rank] = RankState(
                     history_length=self.limits.history_length,
                     sample_interval_s=self.limits.window_s / SAMPLES_PER_WINDOW,
+                    spike_rule=self._spike_rule,
                 )
                 self._ranks += 1
             held_before = state.history_bytes
-            accepted, ignored = state.apply_batch(batch.records, batch.dropped_records, now)
+            restarts = state.restarts
+            accepted_records: list[StepRecord] = []
+            accepted, ignored = state.apply_batch(
+                batch.records, batch.dropped_records, now, accepted_records.append
+            )
+            self._compare_origins(run_id, ranks, state.restarts != restarts, rank,
+                                  accepted_records, now)  # fmt: skip
             # A fresh RankState takes any first record, so newest is set from here on.
             assert state.newest is not None
             self._series += series_of(state.newest) - before
@@ -193,6 +224,42 @@ class Store:
             if self._history_bytes > self.limits.history_bytes:
                 self._evict_history()
         return IngestOutcome(accepted=accepted, ignored=ignored)
+
+    def _compare_origins(
+        self,
+        run_id: str,
+        ranks: dict[int, RankState],
+        restarted: bool,
+        rank: int,
+        records: list[StepRecord],
+        now: float,
+    ) -> None:
+        # Any accepted record may complete a step's comparison, late ones included: the
+        # board does not depend on the order records arrive in.
+        board = self._boards[run_id]
+        if restarted:
+            board.forget(rank)  # the new process's steps are not the old one's
+        for record in records:
+            stats = record.stats
+            if stats is None:
+                continue
+            for outlier in board.observe(rank, record.step, stats.grad_norm_origin, _peers(record)):
+                held = ranks[outlier.rank]
+                own = record if outlier.rank == rank else held.record_at(outlier.step)
+                held.spikes.add(
+                    SpikeEvent(
+                        kind="origin_outlier",
+                        step=outlier.step,
+                        value=outlier.value,
+                        mean=None,
+                        stdev=None,
+                        median=outlier.median,
+                        time=(own or record).time,
+                        received=now,
+                        compared=outlier.compared,
+                        top_params=top_params(own) if own is not None else (),
+                    )
+                )
 
     def _evict_history(self) -> None:
         # Oldest first across ranks, by record time: times are capped at the exporter's
@@ -262,11 +329,13 @@ class Store:
                         self._history_bytes -= state.history_bytes
                         self._ranks -= 1
                         del ranks[rank]
+                        self._boards[run_id].forget(rank)
                         dropped += 1
                     else:
                         state.trim_samples(now - self.limits.window_s)
                 if not ranks:
                     del self._runs[run_id]
+                    del self._boards[run_id]
         return dropped
 
     def runs(self) -> list[str]:
@@ -311,6 +380,7 @@ class Store:
                                 samples=(),
                                 last_progress=state.last_progress,
                                 finished_at=state.finished_at,
+                                spike_counts=state.spikes.counts,
                             ),
                         )
                     )

@@ -8,8 +8,11 @@ implementations (``ampscope.service.rules``) from instant vectors and ``max_over
 ``increase`` over each rule's window; ``scale_desync`` compares the ranks' aligned scales
 (``ampscope_loss_scale_aligned`` at the same ``_step``), as the alert rule does. Verdicts
 that need the exporter's per-step history (``stalled_rank``'s progress times,
-``nonfinite_update_applied``'s first step and origin) say so instead. Cost: six instant
-queries, run in parallel; the answer holds O(ranks x devices) samples.
+``nonfinite_update_applied``'s first step and origin) say so instead. The spike verdicts
+(``loss_spike``, ``grad_norm_spike``, ``origin_outlier``) count ``increase`` of
+``ampscope_spikes_total`` over their window: which rank and how many, not the step, value or
+baseline, which only the exporters hold (``SPIKE_DETAIL``). Cost: seven instant queries,
+run in parallel; the answer holds O(ranks x devices) samples.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ampscope.service import rules
+from ampscope.service import rules, spike_rules
+from ampscope.service.models import Verdict
 from ampscope.service.rules import Thresholds
 from ampscope.status import merge
 
@@ -56,6 +60,12 @@ NEEDS_HISTORY = {
 }
 """Rules Prometheus lacks the data for, and what they would need."""
 
+SPIKE_DETAIL = (
+    "counted from Prometheus (increase of ampscope_spikes_total): the step, the value and the "
+    "baseline are in each exporter's GET /api/v1/runs/{run}/health"
+)
+"""What a spike verdict computed from Prometheus says it lacks."""
+
 
 class QueryError(Exception):
     """Prometheus did not answer, or answered with an error: ``code`` is the exit status."""
@@ -83,6 +93,7 @@ def queries(run: str | None, t: Thresholds) -> dict[str, str]:
         "inf_local": f"increase(ampscope_found_inf_total{{{sel}}}[{t.hotspot_window_s:g}s])",
         "inf_origin": f"increase(ampscope_found_inf_origin_total{{{sel}}}"
         f"[{t.hotspot_window_s:g}s])",
+        "spikes": f"increase(ampscope_spikes_total{{{sel}}}[{t.spike_verdict_window_s:g}s])",
     }
 
 
@@ -201,13 +212,14 @@ def build_views(samples: list[dict[str, Any]], now: float) -> dict[tuple[str, in
 
 
 def _per_rank(samples: list[dict[str, Any]], views: Mapping[tuple[str, int], dict]) -> dict:
-    """(run, rank) -> {device or "": value} of a windowed query, for the ranks held."""
+    """(run, rank) -> {device, spike kind or "": value} of a windowed query, for the ranks
+    held."""
     out: dict[tuple[str, int], dict[str, float]] = {}
     for sample in samples:
         labels = sample["metric"]
         key = _key(labels)
         if key in views and views[key]["node"] == labels["node"]:
-            device = labels.get("device", "")
+            device = labels.get("device") or labels.get("kind", "")
             out.setdefault(key, {})[device] = float(sample["value"][1])
     return out
 
@@ -272,6 +284,22 @@ def health_of(
             "thresholds": {},
         }
 
+    def spikes(kind: str) -> list[spike_rules.SpikeFacts]:
+        # increase() of a counter that rose by n reads n or a little more (extrapolation).
+        counted = [(v, round(window("spikes", v, kind))) for v in views]
+        return [
+            spike_rules.SpikeFacts(rank=v["rank"], node=v["node"], spikes=n)
+            for v, n in counted
+            if n
+        ]
+
+    def counted(verdict: Verdict) -> dict[str, Any]:
+        out = verdict.model_dump()
+        out["evidence"]["source"] = "prometheus"
+        if out["status"] != "ok":
+            out["summary"] += f" ({SPIKE_DETAIL.format(run=run)})"
+        return out
+
     verdicts = [
         rules.scale_collapse(scale, t).model_dump(),
         rules.skip_storm(steps, t).model_dump(),
@@ -281,6 +309,9 @@ def health_of(
         lacking("stalled_rank"),
         rules.inf_hotspot(infs, t).model_dump(),
         lacking("nonfinite_update_applied"),
+        counted(spike_rules.loss_spike(spikes("loss"), t)),
+        counted(spike_rules.grad_norm_spike(spikes("grad_norm"), t)),
+        counted(spike_rules.origin_outlier(spikes("origin_outlier"), t)),
     ]
     states = {name: sum(1 for f in facts if f.state == name) for name in merge.STATES}
     finished = bool(facts) and states["finished"] == len(facts)

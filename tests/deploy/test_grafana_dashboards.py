@@ -160,3 +160,41 @@ def test_scale_panels_draw_only_what_scaler_ranks_export(dashboard: dict[str, An
             assert names <= SCALER_ONLY, (title, names - SCALER_ONLY)
     (row,) = [p for p in dashboard["panels"] if p["type"] == "row" and "scale" in p["title"]]
     assert "watch ranks have none" in row["title"]
+
+
+def test_loss_and_norms_per_rank_on_log_axes_and_spikes_marked(
+    dashboard: dict[str, Any], tmp_path: Path
+) -> None:
+    by_title = {p["title"]: p for p in panels(dashboard)}
+    selector = 'run=~"$run", node=~"$node", rank=~"$rank"'
+    for title, family in (
+        ("Loss per rank", "ampscope_loss"),
+        ("Gradient norm per rank", "ampscope_grad_norm"),
+        ("Own (origin) gradient norm per rank", "ampscope_grad_norm_origin"),
+    ):
+        panel = by_title[title]
+        (target,) = panel["targets"]
+        assert target["expr"] == f"{family}{{{selector}}}", title
+        assert "{{rank}}" in target["legendFormat"], title  # one line per rank
+        distribution = panel["fieldConfig"]["defaults"]["custom"]["scaleDistribution"]
+        assert distribution == {"type": "log", "log": 10}, title
+    spikes = [t["expr"] for t in by_title["Spike iterations"]["targets"]]
+    assert all("ampscope_spikes_total" in expr for expr in spikes)
+    # The grad norm is the same on every rank: counted once per run, not summed.
+    assert any(expr.startswith("max by (run) (") and 'kind="grad_norm"' in expr for expr in spikes)
+    # Spike times are marked on every time series panel, by a Prometheus annotation.
+    (marks,) = [a for a in dashboard["annotations"]["list"] if a.get("name") == "Spikes"]
+    assert marks["datasource"] == DATASOURCE
+    assert metric_names(marks["expr"]) == {"ampscope_spikes_total"}
+    assert selector in marks["expr"]
+    path = tmp_path / "annotation.yml"
+    rule = {"record": "dashboard:annotation", "expr": substitute(marks["expr"])}
+    path.write_text(yaml.safe_dump({"groups": [{"name": "a", "rules": [rule]}]}))
+    result = subprocess.run(
+        [need_tool("promtool"), "check", "rules", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -17,6 +17,7 @@ from deploy_files import (
 from support import need_tool
 
 from ampscope.service.catalogue import BY_NAME, SCALER_ONLY
+from ampscope.service.rules import Thresholds
 
 ALERTS = {
     "AmpscopeScaleCollapse",
@@ -26,6 +27,9 @@ ALERTS = {
     "AmpscopeRankStalled",
     "AmpscopeInfHotspot",
     "AmpscopeNonfiniteUpdateApplied",
+    "AmpscopeLossSpike",
+    "AmpscopeGradNormSpike",
+    "AmpscopeOriginOutlier",
 }
 UNIT_TESTS = sorted((PROMETHEUS_DIR / "tests").glob("*.yml"))
 
@@ -111,6 +115,19 @@ def test_alert_thresholds_are_the_shared_defaults() -> None:
     assert ">= 0.8" in hotspot
     assert ">= 5" in hotspot
     assert "[10m]" in recorded["ampscope_rank_device:found_inf_source:increase_10m"]["expr"]
+    # Spike alerts fire while a spike lies within the verdicts' 600 s window.
+    window = f"[{Thresholds().spike_verdict_window_s / 60:g}m]"
+    for name, kind in (
+        ("AmpscopeLossSpike", "loss"),
+        ("AmpscopeGradNormSpike", "grad_norm"),
+        ("AmpscopeOriginOutlier", "origin_outlier"),
+    ):
+        expr = alerts[name]["expr"]
+        assert f'increase(ampscope_spikes_total{{kind="{kind}"}}{window})' in expr, name
+        assert ") > 0\n" in expr, name
+        assert alerts[name]["labels"]["severity"] == "warning", name
+    # The grad norm is the same on every rank: one alert per run, not one per rank.
+    assert alerts["AmpscopeGradNormSpike"]["expr"].startswith("max by (run) (")
 
 
 def test_no_alert_fires_for_a_finished_rank() -> None:

@@ -10,11 +10,13 @@ from ampscope.reporter.schema import (
     IngestBatch,
     NonfiniteApplied,
     NonfiniteParam,
+    ParamNorm,
     Policy,
     RankTotals,
     ScaleEvent,
     Setup,
     StepRecord,
+    StepStats,
 )
 
 T0 = 1_700_000_000.0
@@ -146,3 +148,20 @@ def steps(first: int, last: int, **kwargs: Any) -> list[StepRecord]:
 
 def body(*records: StepRecord, dropped: int = 0) -> bytes:
     return batch(*records, dropped=dropped).model_dump_json().encode()
+
+
+def stats(
+    loss: float | None,
+    grad_norm: float | None = None,
+    origin: float | None = None,
+    *,
+    top: dict[str, float] | None = None,
+) -> StepStats:
+    """A record's stats: ``grad_norm`` defaults to the loss, ``top`` (name: norm) lists the
+    top parameters by gradient norm, as a rank records them on its own spike iterations."""
+    return StepStats(
+        loss=loss,
+        grad_norm=loss if grad_norm is None else grad_norm,
+        grad_norm_origin=origin,
+        top_params=[ParamNorm(name=n, norm=v) for n, v in (top or {}).items()],
+    )

@@ -9,7 +9,7 @@ from support import need_tool, promtool_check_metrics
 
 from ampscope.service.catalogue import CATALOGUE, RANK_LABELS, SCALER_ONLY
 from service.conftest import MakeClient
-from service.factory import T0, body, record, totals, watch
+from service.factory import T0, body, record, stats, totals, watch
 
 URL = "/api/v1/ingest"
 
@@ -149,6 +149,50 @@ def test_tracked_series_count_what_is_exposed(make_client: MakeClient) -> None:
     ]
     info = _labels(3, mode="watch", policy="raise", grad_dtype="float32", **_JOB)
     assert got[("ampscope_rank_info", info)] == 1
+
+
+def test_loss_norms_and_spike_counts(make_client: MakeClient) -> None:
+    client, _ = make_client()
+    loss = [2.0 + 0.01 * (s % 5) for s in range(1, 31)]
+    for rank in range(3):
+        records = [
+            record(s, rank=rank, world_size=3, stats=stats(loss[s - 1], 1.0, 1.0 + rank / 10))
+            for s in range(1, 31)
+        ]
+        _post(client, *records)
+    got = _samples(client)
+    for rank in range(3):
+        me = _labels(rank)
+        assert got[("ampscope_loss", me)] == loss[29]
+        assert got[("ampscope_grad_norm", me)] == 1.0
+        assert got[("ampscope_grad_norm_origin", me)] == 1.0 + rank / 10
+        for kind in ("loss", "grad_norm", "origin_outlier"):
+            assert got[("ampscope_spikes_total", _labels(rank, kind=kind))] == 0
+    # Step 31: rank 1's loss spikes, everyone's grad norm does, and rank 2's own gradients
+    # stand out, which shows only once a third rank reported the step: the cached lines of
+    # rank 2 must follow although its own newest record did not change.
+    _post(client, record(31, rank=2, world_size=3, stats=stats(2.0, 50.0, 500.0)))
+    _post(client, record(31, rank=0, world_size=3, stats=stats(2.0, 50.0, 1.0)))
+    assert _samples(client)[("ampscope_spikes_total", _labels(2, kind="origin_outlier"))] == 0
+    _post(client, record(31, rank=1, world_size=3, stats=stats(40.0, 50.0, 1.2)))
+    got = _samples(client)
+    counts = {
+        (rank, kind): got[("ampscope_spikes_total", _labels(rank, kind=kind))]
+        for rank in range(3)
+        for kind in ("loss", "grad_norm", "origin_outlier")
+    }
+    assert counts == {
+        (0, "loss"): 0, (0, "grad_norm"): 1, (0, "origin_outlier"): 0,
+        (1, "loss"): 1, (1, "grad_norm"): 1, (1, "origin_outlier"): 0,
+        (2, "loss"): 0, (2, "grad_norm"): 1, (2, "origin_outlier"): 1,
+    }  # fmt: skip
+    # An overflow iteration has no values: its gauges are absent until the next one.
+    _post(client, record(32, rank=0, world_size=3, stats=stats(None, None, None)))
+    got = _samples(client)
+    assert ("ampscope_loss", _labels(0)) not in got
+    assert got[("ampscope_spikes_total", _labels(0, kind="grad_norm"))] == 1
+    per_rank = [labels for name, labels in got if {n for n, _ in labels} >= set(RANK_LABELS)]
+    assert got[("ampscope_exporter_tracked_series", frozenset())] == len(per_rank)
 
 
 def test_every_catalogue_family_is_exposed_as_specified(client: TestClient) -> None:

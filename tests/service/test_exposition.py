@@ -10,7 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ampscope.service.routes.metrics import accepts_gzip
 from service.conftest import MakeClient
-from service.factory import T0, body, record, totals, watch
+from service.factory import T0, body, record, stats, totals, watch
 
 URL = "/api/v1/ingest"
 
@@ -82,6 +82,28 @@ def test_bytes_equal_the_collectors_through_changes(make_client: MakeClient) -> 
     clock.advance(61)  # every rank is down now
     _post(client, record(21, run="run-b", rank=1, scale=1e-7))  # ...but this one
     assert _scrape(client) == _reference(client)
+
+
+def test_spike_counts_found_later_refresh_the_cached_lines(make_client: MakeClient) -> None:
+    client, _ = make_client()
+    for rank in range(3):
+        _post(client, *(record(s, rank=rank, world_size=3, stats=stats(2.0, 1.0, 1.0))
+                        for s in range(1, 6)))  # fmt: skip
+    _post(client, record(6, rank=2, world_size=3, stats=stats(2.0, 1.0, 50.0)))
+    _post(client, record(6, rank=0, world_size=3, stats=stats(2.0, 1.0, 1.0)))
+    before = _scrape(client)
+    assert before == _reference(client)
+    marker = b'ampscope_spikes_total{kind="origin_outlier",local_rank="2",node="node0",rank="2"'
+    assert marker + b',run="run-a"} 0.0' in before
+    # Rank 1's record of step 6 makes rank 2 the outlier: its lines change though its own
+    # newest record, report time and drop count did not.
+    _post(client, record(6, rank=1, world_size=3, stats=stats(2.0, 1.0, 1.1)))
+    after = _scrape(client)
+    assert after == _reference(client)
+    assert marker + b',run="run-a"} 1.0' in after
+    assert b'ampscope_grad_norm_origin{local_rank="2",node="node0",rank="2",run="run-a"} 50.0' in (
+        after
+    )
 
 
 def test_only_changed_ranks_are_rendered_again(make_client: MakeClient) -> None:

@@ -165,6 +165,9 @@ def test_ranks_count_while_their_last_report_is_within_the_window() -> None:
         "stalled_rank": "ok",
         "inf_hotspot": "ok",
         "nonfinite_update_applied": "ok",
+        "loss_spike": "ok",
+        "grad_norm_spike": "ok",
+        "origin_outlier": "ok",
     }
     assert report.status == "critical"
 
@@ -249,6 +252,9 @@ def test_overall_status_is_the_worst_verdict() -> None:
         "stalled_rank",
         "inf_hotspot",
         "nonfinite_update_applied",
+        "loss_spike",
+        "grad_norm_spike",
+        "origin_outlier",
     ]
     ranks = [_run(r, [65536.0, 65536.0], now=T0 + 61) for r in range(4)]
     report = evaluate("run-a", [*ranks, _run(4, [65536.0, 65536.0], now=T0)], T0 + 61, T)

@@ -195,3 +195,60 @@ def test_credentials_come_from_a_file_or_the_environment(
     token.write_text("s3cret\n")
     result = run_status(RUN, "--prometheus", prometheus_url, "--bearer-token-file", str(token))
     assert result.returncode == 1
+
+
+def _sample(name: str, rank: int, value: float, **labels: str) -> dict[str, Any]:
+    metric = {"__name__": name, "run": RUN, "node": f"n{rank // 2}", "rank": str(rank),
+              "local_rank": str(rank % 2), **labels}  # fmt: skip
+    return {"metric": metric, "value": [0.0, str(value)]}
+
+
+def test_spike_verdicts_count_what_prometheus_holds() -> None:
+    from ampscope.service.rules import Thresholds
+    from ampscope.status import prometheus
+
+    t = Thresholds()
+    assert prometheus.queries(RUN, t)["spikes"] == (
+        f'increase(ampscope_spikes_total{{run="{RUN}"}}[600s])'
+    )
+    now = 1_700_000_000.0
+    samples = []
+    for rank in range(4):
+        samples += [
+            _sample("ampscope_rank_info", rank, 1.0, mode="scaler", world_size="4"),
+            _sample("ampscope_last_report_timestamp_seconds", rank, now - 1),
+            _sample("ampscope_rank_up", rank, 1.0),
+            _sample("ampscope_rank_state", rank, 1.0, state="running"),
+        ]
+    views = prometheus.build_views(samples, now)
+    # increase() extrapolates: one spike reads a little more than 1. The grad norm is the
+    # same on every rank, so every rank counted it; rank 3's own gradients stood out twice.
+    spikes = [
+        *(_sample("", r, 1.07, kind="grad_norm") for r in range(4)),
+        _sample("", 1, 1.07, kind="loss"),
+        _sample("", 3, 2.1, kind="origin_outlier"),
+        _sample("", 0, 0.0, kind="loss"),
+    ]
+    windows = {name: {} for name in ("peak", "steps", "skipped", "inf_local", "inf_origin")}
+    windows["spikes"] = prometheus._per_rank(spikes, views)
+    ranks = sorted(views.values(), key=lambda v: v["rank"])
+    report = prometheus.health_of(RUN, ranks, windows, t, now)
+    verdicts = {v["rule"]: v for v in report["verdicts"]}
+    loss = verdicts["loss_spike"]
+    assert loss["status"] == "warning"
+    assert [(r["rank"], r["node"], r["spikes"]) for r in loss["evidence"]["ranks"]] == [
+        (1, "n0", 1)
+    ]
+    assert loss["summary"].startswith("rank 1 (node n0) had a loss spike; 1 spike iteration(s)")
+    assert prometheus.SPIKE_DETAIL.format(run=RUN) in loss["summary"]
+    norm = verdicts["grad_norm_spike"]
+    assert (norm["status"], norm["evidence"]["spikes"], norm["evidence"]["ranks_seen"]) == (
+        "warning",
+        1,
+        4,
+    )
+    outlier = verdicts["origin_outlier"]
+    assert outlier["summary"].startswith("rank 3's own gradients stood out (node n1)")
+    assert "it stood out at 2 steps" in outlier["summary"]
+    assert outlier["evidence"]["source"] == "prometheus"
+    assert report["status"] == "warning"

@@ -130,6 +130,9 @@ def test_health_endpoint_reports_a_collapse(client: TestClient) -> None:
         "stalled_rank",
         "inf_hotspot",
         "nonfinite_update_applied",
+        "loss_spike",
+        "grad_norm_spike",
+        "origin_outlier",
     }
     assert verdicts["scale_collapse"]["status"] == "critical"
     assert verdicts["scale_collapse"]["evidence"]["ranks"][0]["fall_factor"] == 512.0

@@ -87,6 +87,10 @@ def test_columns_align_ranks_on_the_union_of_steps(client: TestClient) -> None:
             {"rank": 1, "device": "cuda:0", "steps": [3]},
             {"rank": 1, "device": "cuda:1", "steps": []},
         ],
+        # No stats reported: no loss or norm, no spikes.
+        "loss": [[None] * 5, [None] * 5],
+        "grad_norm": [[None] * 5, [None] * 5],
+        "spikes": [],
         "oldest_held_step": 1,
         "truncated": False,
     }
@@ -120,3 +124,29 @@ def test_documented_in_the_openapi(client: TestClient) -> None:
     assert "RunSeries" in spec["components"]["schemas"]
     # The web pages are not API operations.
     assert not {"/", "/run", "/docs"} & set(spec["paths"])
+
+
+def test_loss_grad_norm_and_spike_steps(client: TestClient) -> None:
+    from service.factory import stats
+
+    # Rank 0's loss spikes at step 25; rank 1 has no stats (stats=False); step 10 overflowed.
+    losses = {s: 2.0 + 0.01 * (s % 3) for s in range(1, 26)}
+    losses[25] = 30.0
+    _post(
+        client,
+        *(
+            record(s, stats=stats(None, None) if s == 10 else stats(losses[s], 1.5))
+            for s in range(1, 26)
+        ),
+    )
+    _post(client, *(record(s, rank=1) for s in range(1, 26)))
+    got = client.get("/api/v1/runs/run-a/series").json()
+    assert got["steps"] == list(range(1, 26))
+    expected = [None if s == 10 else losses[s] for s in range(1, 26)]
+    assert got["loss"] == [expected, [None] * 25]
+    assert got["grad_norm"][0] == [None if s == 10 else 1.5 for s in range(1, 26)]
+    assert got["spikes"] == [{"rank": 0, "kind": "loss", "steps": [25]}]
+    # A poll after the spike's step still lists it (spikes come whole on every answer).
+    polled = client.get("/api/v1/runs/run-a/series?since_step=25").json()
+    assert polled["steps"] == []
+    assert polled["spikes"] == got["spikes"]

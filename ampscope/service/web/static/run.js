@@ -19,6 +19,8 @@
   let seriesKey = null; // ranks and their restarts when the series was loaded in full
   let scalePlot = null;
   let skipsPlot = null;
+  let lossPlot = null;
+  let normPlot = null;
   let plottedRanks = null;
   let watches = new Set(); // ranks that run a watch: no loss scale, no line on the scale chart
   const heatmaps = {
@@ -44,7 +46,9 @@
     if (extra <= 0) return;
     const first = series.steps[extra];
     series.steps = series.steps.slice(extra);
-    series.scale = series.scale.map((row) => row.slice(extra));
+    for (const column of ["scale", "loss", "grad_norm"]) {
+      series[column] = series[column].map((row) => row.slice(extra));
+    }
     const keep = (steps) => steps.filter((s) => s >= first);
     series.skipped = series.skipped.map(keep);
     series.backoffs = series.backoffs.map(keep);
@@ -62,7 +66,11 @@
       for (const row of delta[kind]) known.get(rowKey(row)).steps.push(...row.steps);
     }
     series.steps.push(...delta.steps);
-    delta.scale.forEach((row, i) => series.scale[i].push(...row));
+    for (const column of ["scale", "loss", "grad_norm"]) {
+      delta[column].forEach((row, i) => series[column][i].push(...row));
+    }
+    // Spikes come whole with every answer: an origin outlier may be found late.
+    series.spikes = delta.spikes;
     delta.skipped.forEach((steps, i) => series.skipped[i].push(...steps));
     delta.backoffs.forEach((steps, i) => series.backoffs[i].push(...steps));
     trim();
@@ -75,7 +83,8 @@
     if (series !== null && key === seriesKey && series.steps.length) {
       const last = series.steps[series.steps.length - 1];
       const delta = await a.getJSON(`${base}/series?since_step=${last}&max_steps=${MAX_STEPS}`);
-      if (merge(delta)) return delta.steps.length > 0;
+      const spikes = JSON.stringify(series.spikes);
+      if (merge(delta)) return delta.steps.length > 0 || JSON.stringify(delta.spikes) !== spikes;
     }
     series = await a.getJSON(`${base}/series?max_steps=${MAX_STEPS}`);
     seriesKey = key;
@@ -91,10 +100,64 @@
     return series.ranks.map((rank, i) => i).filter((i) => !watches.has(series.ranks[i]));
   }
 
+  /** Whether any rank reports a loss or gradient norm (stats), so the charts have data. */
+  function hasStats() {
+    const any = (rows) => rows.some((row) => row.some((v) => v != null));
+    return any(series.loss) || any(series.grad_norm);
+  }
+
+  /** A per-rank chart on a log10 axis, with ringed markers for spikes (one series per kind). */
+  function statsPlot(target, label, marks) {
+    const rows = series.ranks.map((rank, i) => i);
+    return new uPlot(
+      {
+        width: chartWidth(), height: 240,
+        scales: { x: { time: false }, y: { distr: 3, log: 10 } },
+        axes: [stepAxis(), { label, size: AXIS_SIZE, values: (u, vs) => vs.map((v) => (v == null ? "" : v.toPrecision(2))) }],
+        series: [
+          { label: "step" },
+          ...rows.map((i) => ({
+            label: `rank ${series.ranks[i]}`, stroke: rankColor(i), width: 1.2, spanGaps: false,
+            points: { show: false }, value: (u, v) => (v == null ? "-" : v.toPrecision(4)),
+          })),
+          ...marks.map(([name, color]) => ({
+            label: name, stroke: color, width: 0, paths: () => null,
+            points: { show: true, size: 11, width: 2, stroke: color, fill: "transparent" },
+          })),
+        ],
+        legend: { show: rows.length <= 16 },
+        cursor: { sync: { key: "ampscope-run" } },
+      },
+      [[]],
+      document.getElementById(target),
+    );
+  }
+
+  /** Per step, the value to ring for spikes of `kinds`: the spiking rank's own value in
+   *  `column` (the largest when several ranks spiked at that step), else null. */
+  function spikeMarks(column, kinds) {
+    const index = new Map(series.steps.map((step, i) => [step, i]));
+    const rowOf = new Map(series.ranks.map((rank, i) => [rank, i]));
+    const marks = new Array(series.steps.length).fill(null);
+    for (const entry of series.spikes || []) {
+      if (!kinds.includes(entry.kind)) continue;
+      const row = series[column][rowOf.get(entry.rank)];
+      for (const step of entry.steps) {
+        const i = index.get(step);
+        const v = i === undefined || !row ? null : row[i];
+        if (v != null && v > 0) marks[i] = Math.max(marks[i] ?? v, v);
+      }
+    }
+    return marks;
+  }
+
   function makePlots() {
-    for (const plot of [scalePlot, skipsPlot]) if (plot) plot.destroy();
-    scalePlot = skipsPlot = null;
+    for (const plot of [scalePlot, skipsPlot, lossPlot, normPlot]) if (plot) plot.destroy();
+    scalePlot = skipsPlot = lossPlot = normPlot = null;
     const width = chartWidth();
+    lossPlot = statsPlot("loss-chart", "loss", [["loss spike", "#e65100"]]);
+    normPlot = statsPlot("norm-chart", "grad norm",
+      [["grad-norm spike", "#e65100"], ["origin outlier", "#6a1b9a"]]);
     const rows = scalerRows();
     const showLegend = rows.length <= 16;
     // A run of watches only has no scale: the note replaces the chart (see refresh()).
@@ -164,6 +227,12 @@
     const skipped = countPerStep(series.skipped).map((n) => (n > 0 ? n : null));
     const backoffs = countPerStep(series.backoffs).map((n) => (n > 0 ? n : null));
     skipsPlot.setData([series.steps, skipped, backoffs]);
+    // A log axis cannot place 0 or a negative loss: those show as gaps.
+    const positive = (rows) => rows.map((row) => row.map((v) => (v > 0 ? v : null)));
+    document.getElementById("stats-section").hidden = !hasStats();
+    lossPlot.setData([series.steps, ...positive(series.loss), spikeMarks("loss", ["loss"])]);
+    normPlot.setData([series.steps, ...positive(series.grad_norm),
+      spikeMarks("grad_norm", ["grad_norm"]), spikeMarks("grad_norm", ["origin_outlier"])]);
     document.getElementById("origin-empty").hidden = series.found_inf_origin.length > 0;
   }
 
@@ -318,7 +387,7 @@
   }
   window.addEventListener("resize", () => {
     if (skipsPlot === null) return;
-    for (const plot of [scalePlot, skipsPlot]) {
+    for (const plot of [scalePlot, skipsPlot, lossPlot, normPlot]) {
       if (plot) plot.setSize({ width: chartWidth(), height: plot.height });
     }
     drawCharts();
@@ -331,6 +400,8 @@
     get series() { return series; },
     get scalePlot() { return scalePlot; },
     get skipsPlot() { return skipsPlot; },
+    get lossPlot() { return lossPlot; },
+    get normPlot() { return normPlot; },
     heatmaps,
     rankColor,
   };
