@@ -1,0 +1,266 @@
+"""The iteration's loss and gradient norms, gathered on the training thread at the least cost.
+
+:class:`GradStats` sees three things per iteration, each where the front-end already is:
+
+* ``scale(loss)``: the loss, detached (no copy, no kernel); with gradient accumulation
+  the next ones are added into one device tensor (one add per extra micro-batch) and
+  counted, so the record holds their mean.
+* the unscale pass (a scaler's ``_unscale_grads_``, a watch's non-finite check): right
+  after torch's kernel, one ``torch._foreach_norm`` over the optimizer's local gradients
+  (one more read of gradient memory) and a stack of the per-parameter norms. Sharded
+  gradients (FSDP1 flat shards, FSDP2/tensor-parallel DTensor shards) add one dot product
+  and one all-reduce (sum) of that one-element squared norm per mesh layout, issued by
+  every rank at the same place every iteration, clean or not, so no rank waits alone.
+* update(): :meth:`GradStats.take` hands the tensors to the pending step, which moves them
+  like the scale (read at once on the CPU, else in the step's one non-blocking copy).
+
+Nothing here reads a device value on the host. The telemetry thread turns the values into
+a :class:`~ampscope.reporter.schema.StepStats` (:mod:`ampscope.scaler.stats_record`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ampscope.scaler import compat
+from ampscope.scaler.capture import OptimizerInfo
+from ampscope.scaler.names import ParamNames
+
+SquareSumReduce = Callable[[torch.Tensor], torch.Tensor]
+"""Sums a 0-dim local squared norm over the ranks that hold the other shards."""
+
+
+def sum_over(group: Any) -> SquareSumReduce:
+    """A reduce that all-reduces (sum) a squared norm over ``group`` (``None``: the default
+    group) when it has several ranks; decided per call, identically on every rank."""
+
+    def reduce(square: torch.Tensor) -> torch.Tensor:
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(square, op=dist.ReduceOp.SUM, group=group)
+        return square
+
+    return reduce
+
+
+@dataclass(frozen=True)
+class NormPlan:
+    """How one optimizer's gradients become named norms; rebuilt when its parameter groups
+    or the attached names change. Shared by every iteration's :class:`OptimizerNorms`."""
+
+    names: tuple[str, ...]
+    """One per norm, in the order of the norms (a parameter, or a FlatParameter's segment)."""
+    segments: tuple[tuple[int, int, int | None], ...]
+    """Per norm: (parameter index, offset, numel or ``None`` for the whole gradient)."""
+    reductions: tuple[tuple[compat.FoundInfReduction, tuple[int, ...]], ...]
+    """DTensor gradients: for each mesh layout, the norms whose squares it sums."""
+    whole: tuple[int, ...]
+    """With ``reductions``: the norms of gradients every rank holds whole (plain tensors,
+    replicated DTensors), added once."""
+    groups: int
+    names_version: int
+
+
+class OptimizerNorms:
+    """One optimizer's norms of one iteration (immutable once built)."""
+
+    __slots__ = ("names", "norms", "scaled", "square")
+
+    def __init__(
+        self,
+        names: tuple[str, ...],
+        norms: torch.Tensor,
+        scaled: bool,
+        square: torch.Tensor,
+    ) -> None:
+        self.names = names
+        self.norms = norms
+        """float32 vector of the per-parameter (segment) norms of the local gradients."""
+        self.scaled = scaled
+        """The norms are of the still scaled gradients (a fused optimizer's check, which
+        unscales nothing): the telemetry thread divides them by the scale."""
+        self.square = square
+        """The squared norm of the optimizer's whole gradient (0-dim float32): of the
+        local norms, summed over the ranks for sharded gradients."""
+
+
+class TakenStats:
+    """What :meth:`GradStats.take` hands to update(): tensors and how to read them."""
+
+    __slots__ = ("loss", "loss_count", "optimizers", "origin")
+
+    def __init__(
+        self,
+        loss: torch.Tensor | None,
+        loss_count: int,
+        optimizers: tuple[OptimizerNorms, ...],
+        origin: Mapping[str, torch.Tensor],
+    ) -> None:
+        self.loss = loss
+        self.loss_count = loss_count
+        self.optimizers = optimizers
+        self.origin = origin
+        """Per device: this rank's own squared gradient norm, in the units its gradient
+        collective saw them (scaled by the loss scale, undivided)."""
+
+    def scalars(self) -> list[torch.Tensor]:
+        """The one-value tensors to move with the step: the loss sum (if any), each
+        sharded optimizer's squared norm, each device's origin squared norm."""
+        out = [] if self.loss is None else [self.loss]
+        out += [o.square for o in self.optimizers]
+        out += self.origin.values()
+        return out
+
+
+class GradStats:
+    """Per-front-end gatherer of the loss and gradient norms (training thread only).
+
+    Args:
+        names: The front-end's parameter names (``attach``): the norms' names.
+        reduce: Sums a squared norm over the data-parallel group for plain sharded
+            gradients (FSDP1's ``ShardedGradScaler``); ``None``: plain gradients are whole.
+    """
+
+    def __init__(self, names: ParamNames, reduce: SquareSumReduce | None = None) -> None:
+        self._names = names
+        self.reduce = reduce
+        """Settable: ``attach`` sets it from the model (FSDP1 sharded or ``NO_SHARD``)."""
+        self._plans: dict[int, tuple[weakref.ref[torch.optim.Optimizer], NormPlan]] = {}
+        self._loss: torch.Tensor | None = None
+        self._loss_count = 0
+        self._optimizers: list[OptimizerNorms] = []
+        self._empty: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+    def add_loss(self, outputs: object) -> None:
+        """Note what ``scale()`` got, when it is one loss value (a one-element tensor);
+        anything else (several outputs) is not a loss and is left out. A detach, then an
+        add per further call of the same iteration; no sync."""
+        if not isinstance(outputs, torch.Tensor) or outputs.numel() != 1:
+            return
+        loss = outputs.detach().reshape(())
+        if self._loss is None:
+            self._loss = loss
+        else:
+            self._loss = self._loss + loss.to(self._loss.device)
+        self._loss_count += 1
+
+    def add_grads(
+        self, optimizer: torch.optim.Optimizer, info: OptimizerInfo, scaled: bool
+    ) -> None:
+        """Norm ``optimizer``'s local gradients (after their unscale, or ``scaled`` when
+        the check unscaled nothing). One multi-tensor norm per device and a stack; for
+        sharded gradients a dot product and one all-reduce per mesh layout (every rank
+        calls this for the same optimizers in the same order)."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        plan = self._plan(optimizer, params)
+        tensors = []
+        for index, offset, numel in plan.segments:
+            param = params[index]
+            grad = param.grad
+            if grad is None:
+                tensors.append(self._empty_like(param))
+                continue
+            local = compat.local_tensor(grad) if info.dtensor else grad
+            if local.is_sparse:
+                local = local.coalesce()._values()
+            tensors.append(local if numel is None else local.reshape(-1).narrow(0, offset, numel))
+        each, norms = _norms(tensors, info.place is not None)
+        square: torch.Tensor | None = None
+        if plan.reductions:
+            for reduction, indices in plan.reductions:
+                # Several mesh layouts (tensor parallelism): a stack of each one's norms.
+                part = norms if len(indices) == len(tensors) else _stack(each, indices)
+                summed = compat.reduce_square_sum(torch.dot(part, part), reduction)
+                square = summed if square is None else square + summed
+            if plan.whole:
+                part = _stack(each, plan.whole)
+                assert square is not None
+                square = square + torch.dot(part, part)
+        elif self.reduce is not None:
+            square = self.reduce(torch.dot(norms, norms))
+        else:
+            square = torch.dot(norms, norms)
+        assert square is not None
+        self._optimizers.append(OptimizerNorms(plan.names, norms, scaled, square))
+
+    def take(self, origin: Mapping[str, torch.Tensor]) -> TakenStats:
+        """The iteration's values, then start the next iteration afresh (update())."""
+        taken = TakenStats(self._loss, self._loss_count, tuple(self._optimizers), origin)
+        self._loss, self._loss_count, self._optimizers = None, 0, []
+        return taken
+
+    def discard(self) -> None:
+        """Forget the open iteration (its record could not be made)."""
+        self._loss, self._loss_count, self._optimizers = None, 0, []
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _empty_like(self, param: torch.Tensor) -> torch.Tensor:
+        local = compat.local_tensor(param)
+        key = (local.device, local.dtype)
+        empty = self._empty.get(key)
+        if empty is None:
+            empty = self._empty[key] = torch.empty(0, device=local.device, dtype=local.dtype)
+        return empty
+
+    def _plan(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> NormPlan:
+        entry = self._plans.get(id(optimizer))
+        groups = len(optimizer.param_groups)
+        version = self._names.version
+        if entry is not None and entry[0]() is optimizer:
+            plan = entry[1]
+            if plan.groups == groups and plan.names_version == version:
+                return plan
+        plan = self._build_plan(optimizer, groups)
+        self._plans[id(optimizer)] = (weakref.ref(optimizer), plan)
+        return plan
+
+    def _build_plan(self, optimizer: torch.optim.Optimizer, groups: int) -> NormPlan:
+        names: list[str] = []
+        segments: list[tuple[int, int, int | None]] = []
+        layouts: dict[int, tuple[compat.FoundInfReduction, list[int]]] = {}
+        whole: list[int] = []
+        index = 0
+        for g, group in enumerate(optimizer.param_groups):
+            for i, param in enumerate(group["params"]):
+                reduction = compat.square_sum_reduction(param)
+                for segment in self._names.segments(param, g, i):
+                    if reduction is not None:
+                        key = hash((id(reduction.mesh), reduction.placements))
+                        layouts.setdefault(key, (reduction, []))[1].append(len(segments))
+                    else:
+                        whole.append(len(segments))
+                    names.append(segment.name)
+                    segments.append((index, segment.offset, segment.numel))
+                index += 1
+        return NormPlan(
+            names=tuple(names),
+            segments=tuple(segments),
+            reductions=tuple((r, tuple(ix)) for r, ix in layouts.values()),
+            whole=tuple(whole) if layouts else (),
+            groups=groups,
+            # Read after naming: a name lookup may re-walk the model (and bump it).
+            names_version=self._names.version,
+        )
+
+
+def _stack(norms: tuple[torch.Tensor, ...], indices: tuple[int, ...]) -> torch.Tensor:
+    return torch.stack([norms[i] for i in indices])
+
+
+def _norms(
+    tensors: list[torch.Tensor], one_place: bool
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """The tensors' L2 norms, each and as one float32 vector on the first one's device."""
+    if not tensors:
+        return (), torch.zeros(0)
+    norms = compat.foreach_norm(tensors)
+    if not one_place:
+        device = norms[0].device
+        norms = tuple(n if n.device == device else n.to(device) for n in norms)
+    return norms, torch.stack(norms)
