@@ -28,12 +28,13 @@ from bench.workload import Variant, build_model, make_variant
 POLICIES = ("observe", "skip")
 """``raise`` does on a clean iteration exactly what ``skip`` does."""
 SYNC_ITERATIONS = 20
+_STATS_PAIR = ("watch_observe_stats_off", "watch_observe")
 
 
-def _watch(policy: str) -> Any:
+def _watch(policy: str, stats: bool = True) -> Any:
     from ampscope import GradWatch
 
-    return GradWatch(policy, reporter=None, run_id="bench-watch")  # type: ignore[arg-type]
+    return GradWatch(policy, reporter=None, run_id="bench-watch", stats=stats)  # type: ignore[arg-type]
 
 
 def _stepper(variant: Variant) -> Callable[[], None]:
@@ -72,6 +73,8 @@ def _measure(
     device = inputs.device
     variants = [make_variant("plain", model, None)]
     variants += [make_variant(f"watch_{p}", model, _watch(p)) for p in POLICIES]
+    # observe without the loss and gradient norms: what the norm pass costs.
+    variants.append(make_variant("watch_observe_stats_off", model, _watch("observe", False)))
     for v in variants[1:]:
         v.scaler.attach(v.model)
     dtype = torch.bfloat16
@@ -123,6 +126,15 @@ def _measure(
         "extra_us_iqr": {n: (d["p25"], d["p75"]) for n, d in wall.items()},
         "extra_cpu_us": {n: d["median"] for n, d in thread.items()},
         "extra_cpu_us_iqr": {n: (d["p25"], d["p75"]) for n, d in thread.items()},
+        # observe with stats minus observe without, paired per block group.
+        "stats_extra_us": _paired(
+            {n: [statistics.median(b) * 1e6 for b in blocks[n]] for n in _STATS_PAIR},
+            "watch_observe_stats_off",
+        )["watch_observe"],
+        "stats_extra_cpu_us": _paired(
+            {n: [statistics.median(b) * 1e6 for b in cpu[n]] for n in _STATS_PAIR},
+            "watch_observe_stats_off",
+        )["watch_observe"],
         "syncs_per_iteration": syncs,
         "records": records,
         "warmup_iterations": per_block,
@@ -139,8 +151,8 @@ def watch_cost(config: ScalerBenchConfig, *, device: str) -> dict[str, Any]:
     """
     tiny = nn.Linear(16, 16).to(device)
     per_block = min(UPDATE_BLOCK, max(5, config.micro_iterations // 6))
-    # Multiples of 6 groups: every contender takes every position equally often.
-    groups = max(6, config.micro_iterations // per_block // 6 * 6)
+    # Multiples of 8 groups: each of the 4 contenders takes every position equally often.
+    groups = max(8, config.micro_iterations // per_block // 8 * 8)
     mlp = build_model(width=config.width, depth=config.depth).to(device)
     return {
         "device": device,
@@ -151,6 +163,6 @@ def watch_cost(config: ScalerBenchConfig, *, device: str) -> dict[str, Any]:
             mlp,
             torch.randn(config.batch, config.width, device=device),
             per_block=config.steps_per_block,
-            groups=max(6, config.groups // 12 * 6),
+            groups=max(8, config.groups // 16 * 8),
         ),
     }
