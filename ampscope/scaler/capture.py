@@ -87,6 +87,7 @@ class OptimizerInfo:
         "handle",
         "index",
         "name",
+        "norm_plan",
         "place",
         "ref",
         "unscaled_at",
@@ -120,6 +121,9 @@ class OptimizerInfo:
         self.dtypes: frozenset[str] = frozenset()
         """Names of the parameters' dtypes, which are their gradients' (autograd keeps a
         gradient in its parameter's dtype); decided with ``dtensor``."""
+        self.norm_plan: Any = None
+        """How the gradient norms (``stats``) read this optimizer's gradients
+        (:class:`~ampscope.scaler.grad_stats.NormPlan`), kept by the stats."""
         self.place: tuple[torch.device, torch.dtype] | None = None
         """The one device and dtype of every parameter, hence of every gradient (plain
         tensors only); ``None`` when they differ or are DTensors."""
@@ -160,8 +164,9 @@ class PendingStep:
 
     The training thread fills it and never touches it again; the telemetry thread turns
     it into a record. :meth:`read` gives the values in the layout ``[scale_before,
-    *optimizer flags, *local flags, scale_after, growth_tracker, *origin flags,
-    *stats scalars]`` (the stats' per-parameter norms stay apart: ``host_norms``).
+    *optimizer flags, *local flags, scale_after, growth_tracker, *origin flags]``, and
+    on the device transport the stats' scalars after them (their per-parameter norms
+    stay apart: ``host_norms``; on the host transport ``stats`` holds CPU tensors).
     A plain class with positional arguments first: built on every update(), where a
     dataclass's keyword ``__init__`` costs over twice as much.
     """
@@ -282,18 +287,14 @@ def copy_with_norms(
     pending: PendingStep, values: torch.Tensor, stats: TakenStats | None
 ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
     """Start the host copy of ``values`` (the step's stacked scalars) followed by the
-    stats' per-parameter norms, if any: one cat more, still one copy. Sets
+    stats' per-parameter norms, if any: one stack and one cat more, still one copy. Sets
     ``pending.host_norms`` to the norms' part of the host copy."""
-    norms = [o.norms for o in stats.optimizers] if stats is not None else []
-    if not any(n.numel() for n in norms):
+    norms = [n for o in stats.optimizers for n in o.norms] if stats is not None else []
+    if not norms:
         return to_host_async(values)
-    device = values.device
-    count = sum(n.numel() for n in norms)
-    joined = torch.cat(
-        [values, *(n if n.device == device else n.to(device, non_blocking=True) for n in norms)]
-    )
+    joined = torch.cat([values, stack_scalars(norms, values.device)])
     host, ready = to_host_async(joined)
-    pending.host_norms = host[len(host) - count :]
+    pending.host_norms = host[len(host) - len(norms) :]
     return host, ready
 
 
@@ -523,8 +524,7 @@ class StepCapture:
             values.append(float(tracker.item()))
             if origin:
                 values.extend(flag.item() for flag in origin.values())
-            if stats is not None:
-                values.extend(part.item() for part in stats.scalars())
+            # The stats' tensors stay as they are: the telemetry thread reads them.
         else:
             parts = [scale, tracker, *origin.values()]
             if stats is not None:

@@ -127,12 +127,15 @@ def non_finite_check_(
     torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
 
 
-def foreach_norm(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """The L2 norm of each tensor, as float32 0-dim tensors: torch's multi-tensor norm, the one
-    ``clip_grad_norm_`` runs (one read of the tensors' memory, one kernel per device and
-    dtype group on accelerators). Computed in float32 whatever the tensors' dtype, so that
-    a float16 gradient's norm cannot overflow."""
-    return torch._foreach_norm(tensors, 2, dtype=torch.float32)
+def foreach_norm(tensors: list[torch.Tensor], low_precision: bool) -> tuple[torch.Tensor, ...]:
+    """The L2 norm of each tensor: torch's multi-tensor norm, the one ``clip_grad_norm_``
+    runs (one read of the tensors' memory, one kernel per device and dtype group on
+    accelerators). ``low_precision``: some tensors are narrower than float32, and their
+    norms are computed and returned in float32 (a float16 norm overflows at 65504); else
+    the norms keep the tensors' dtype (float32 or wider), which spares the argument's cost."""
+    if low_precision:
+        return torch._foreach_norm(tensors, 2, dtype=torch.float32)
+    return torch._foreach_norm(tensors, 2)
 
 
 def tensor_version(tensor: torch.Tensor) -> int:
@@ -397,7 +400,7 @@ def _check_stats() -> list[str]:
     factor the way :func:`fully_shard_predivide_factor` reads it."""
     problems = []
     try:
-        norms = foreach_norm([torch.tensor([3.0, 4.0], dtype=torch.float16)])
+        norms = foreach_norm([torch.tensor([3.0, 4.0], dtype=torch.float16)], True)
         if norms[0].dtype != torch.float32 or norms[0].item() != 5.0:
             problems.append("torch._foreach_norm(dtype=float32) no longer gives a float32 norm")
     except (AttributeError, RuntimeError, TypeError) as exc:

@@ -156,6 +156,7 @@ class TelemetryFrontEnd:
         seconds (default 1), even with the exporter down.
         """
         capture, self._ampscope_capture = self._ampscope_capture, None
+        self._ampscope_stats = None
         if capture is not None:
             capture.close()
         for handle in self._ampscope_origin_handles:

@@ -7,12 +7,13 @@
   counted, so the record holds their mean.
 * the unscale pass (a scaler's ``_unscale_grads_``, a watch's non-finite check): right
   after torch's kernel, one ``torch._foreach_norm`` over the optimizer's local gradients
-  (one more read of gradient memory) and a stack of the per-parameter norms. Sharded
-  gradients (FSDP1 flat shards, FSDP2/tensor-parallel DTensor shards) add one dot product
-  and one all-reduce (sum) of that one-element squared norm per mesh layout, issued by
-  every rank at the same place every iteration, clean or not, so no rank waits alone.
+  (one more read of gradient memory). Sharded gradients (FSDP1 flat shards,
+  FSDP2/tensor-parallel DTensor shards) add a stack, a dot product and one all-reduce
+  (sum) of that one-element squared norm per mesh layout, issued by every rank at the
+  same place every iteration, clean or not, so no rank waits alone.
 * update(): :meth:`GradStats.take` hands the tensors to the pending step, which moves them
-  like the scale (read at once on the CPU, else in the step's one non-blocking copy).
+  like the scale: on the CPU the telemetry thread reads them (host memory; nothing
+  writes them any more), on accelerators they join the step's one non-blocking copy.
 
 Nothing here reads a device value on the host. The telemetry thread turns the values into
 a :class:`~ampscope.reporter.schema.StepStats` (:mod:`ampscope.scaler.stats_record`).
@@ -20,7 +21,6 @@ a :class:`~ampscope.reporter.schema.StepStats` (:mod:`ampscope.scaler.stats_reco
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -64,6 +64,14 @@ class NormPlan:
     replicated DTensors), added once."""
     groups: int
     names_version: int
+    simple: bool
+    """One whole gradient per parameter, in order (no FlatParameter segments)."""
+    params: tuple[torch.Tensor, ...]
+    """The optimizer's parameters, in order: re-read, like the plan, only when a parameter
+    group is added (as torch's optimizers change them). The plan lives on the optimizer's
+    :class:`~ampscope.scaler.capture.OptimizerInfo`, as long as the capture does."""
+    low_precision: bool
+    """Some parameter (hence its gradient) is narrower than float32: norms in float32."""
 
 
 class OptimizerNorms:
@@ -74,23 +82,30 @@ class OptimizerNorms:
     def __init__(
         self,
         names: tuple[str, ...],
-        norms: torch.Tensor,
+        norms: tuple[torch.Tensor, ...],
         scaled: bool,
-        square: torch.Tensor,
+        square: torch.Tensor | None,
     ) -> None:
         self.names = names
         self.norms = norms
-        """float32 vector of the per-parameter (segment) norms of the local gradients."""
+        """The per-parameter (segment) norms of the local gradients: float32 0-dim
+        tensors, all on one device, not stacked (the host transport stacks them on the
+        telemetry thread, the device transport in its copy)."""
         self.scaled = scaled
         """The norms are of the still scaled gradients (a fused optimizer's check, which
         unscales nothing): the telemetry thread divides them by the scale."""
         self.square = square
-        """The squared norm of the optimizer's whole gradient (0-dim float32): of the
-        local norms, summed over the ranks for sharded gradients."""
+        """Sharded gradients: the squared norm of the optimizer's whole gradient, summed
+        over the ranks (0-dim float32). ``None``: the local norms are the whole gradient's
+        and the telemetry thread sums their squares."""
 
 
 class TakenStats:
-    """What :meth:`GradStats.take` hands to update(): tensors and how to read them."""
+    """What :meth:`GradStats.take` hands to update(): tensors and how to read them.
+
+    The tensors are fresh (nothing writes them after the iteration), except a single
+    micro-batch's loss, a detached view of the loss the training loop holds.
+    """
 
     __slots__ = ("loss", "loss_count", "optimizers", "origin")
 
@@ -109,12 +124,16 @@ class TakenStats:
         collective saw them (scaled by the loss scale, undivided)."""
 
     def scalars(self) -> list[torch.Tensor]:
-        """The one-value tensors to move with the step: the loss sum (if any), each
-        sharded optimizer's squared norm, each device's origin squared norm."""
+        """The one-value tensors, in the order the device transport copies them: the loss
+        sum (if any), each sharded optimizer's squared norm, each device's origin squared
+        norm."""
         out = [] if self.loss is None else [self.loss]
-        out += [o.square for o in self.optimizers]
+        out += [o.square for o in self.optimizers if o.square is not None]
         out += self.origin.values()
         return out
+
+    def norm_count(self) -> int:
+        return sum(len(o.norms) for o in self.optimizers)
 
 
 class GradStats:
@@ -130,7 +149,6 @@ class GradStats:
         self._names = names
         self.reduce = reduce
         """Settable: ``attach`` sets it from the model (FSDP1 sharded or ``NO_SHARD``)."""
-        self._plans: dict[int, tuple[weakref.ref[torch.optim.Optimizer], NormPlan]] = {}
         self._loss: torch.Tensor | None = None
         self._loss_count = 0
         self._optimizers: list[OptimizerNorms] = []
@@ -140,9 +158,14 @@ class GradStats:
         """Note what ``scale()`` got, when it is one loss value (a one-element tensor);
         anything else (several outputs) is not a loss and is left out. A detach, then an
         add per further call of the same iteration; no sync."""
-        if not isinstance(outputs, torch.Tensor) or outputs.numel() != 1:
+        if not isinstance(outputs, torch.Tensor):
             return
-        loss = outputs.detach().reshape(())
+        if outputs.ndim:  # a reshape is an op: only for a one-element vector
+            if outputs.numel() != 1:
+                return
+            loss = outputs.detach().reshape(())
+        else:
+            loss = outputs.detach()
         if self._loss is None:
             self._loss = loss
         else:
@@ -156,9 +179,25 @@ class GradStats:
         the check unscaled nothing). One multi-tensor norm per device and a stack; for
         sharded gradients a dot product and one all-reduce per mesh layout (every rank
         calls this for the same optimizers in the same order)."""
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        plan = self._plan(optimizer, params)
-        tensors = []
+        plan: NormPlan | None = info.norm_plan
+        if plan is None or plan.groups != info.groups or plan.names_version != self._names.version:
+            plan = info.norm_plan = self._build_plan(optimizer, info.groups)
+        params = plan.params
+        tensors: list[torch.Tensor] = []
+        if plan.simple and not info.dtensor:
+            # The common case: one dense gradient per parameter, named whole.
+            tensors = [p.grad for p in params]  # type: ignore[misc]
+            for whole in tensors:
+                if whole is None or whole.is_sparse:
+                    tensors = []
+                    break
+            else:
+                self._optimizers.append(
+                    OptimizerNorms(plan.names, _norms(tensors, plan, info), scaled, None)
+                    if self.reduce is None
+                    else self._reduced(plan, tensors, info, scaled)
+                )
+                return
         for index, offset, numel in plan.segments:
             param = params[index]
             grad = param.grad
@@ -169,24 +208,33 @@ class GradStats:
             if local.is_sparse:
                 local = local.coalesce()._values()
             tensors.append(local if numel is None else local.reshape(-1).narrow(0, offset, numel))
-        each, norms = _norms(tensors, info.place is not None)
+        if plan.reductions or self.reduce is not None:
+            self._optimizers.append(self._reduced(plan, tensors, info, scaled))
+        else:
+            self._optimizers.append(
+                OptimizerNorms(plan.names, _norms(tensors, plan, info), scaled, None)
+            )
+
+    def _reduced(
+        self, plan: NormPlan, tensors: list[torch.Tensor], info: OptimizerInfo, scaled: bool
+    ) -> OptimizerNorms:
+        """Sharded gradients: the norms, and the whole gradient's squared norm summed over
+        the ranks (a stack, a dot and one all-reduce per mesh layout)."""
+        norms = _norms(tensors, plan, info)
         square: torch.Tensor | None = None
         if plan.reductions:
             for reduction, indices in plan.reductions:
-                # Several mesh layouts (tensor parallelism): a stack of each one's norms.
-                part = norms if len(indices) == len(tensors) else _stack(each, indices)
+                part = _stack(norms, indices)
                 summed = compat.reduce_square_sum(torch.dot(part, part), reduction)
                 square = summed if square is None else square + summed
             if plan.whole:
-                part = _stack(each, plan.whole)
+                part = _stack(norms, plan.whole)
                 assert square is not None
                 square = square + torch.dot(part, part)
         elif self.reduce is not None:
-            square = self.reduce(torch.dot(norms, norms))
-        else:
-            square = torch.dot(norms, norms)
-        assert square is not None
-        self._optimizers.append(OptimizerNorms(plan.names, norms, scaled, square))
+            stacked = torch.stack(norms) if norms else torch.zeros(0)
+            square = self.reduce(torch.dot(stacked, stacked))
+        return OptimizerNorms(plan.names, norms, scaled, square)
 
     def take(self, origin: Mapping[str, torch.Tensor]) -> TakenStats:
         """The iteration's values, then start the next iteration afresh (update())."""
@@ -208,26 +256,16 @@ class GradStats:
             empty = self._empty[key] = torch.empty(0, device=local.device, dtype=local.dtype)
         return empty
 
-    def _plan(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> NormPlan:
-        entry = self._plans.get(id(optimizer))
-        groups = len(optimizer.param_groups)
-        version = self._names.version
-        if entry is not None and entry[0]() is optimizer:
-            plan = entry[1]
-            if plan.groups == groups and plan.names_version == version:
-                return plan
-        plan = self._build_plan(optimizer, groups)
-        self._plans[id(optimizer)] = (weakref.ref(optimizer), plan)
-        return plan
-
     def _build_plan(self, optimizer: torch.optim.Optimizer, groups: int) -> NormPlan:
         names: list[str] = []
         segments: list[tuple[int, int, int | None]] = []
         layouts: dict[int, tuple[compat.FoundInfReduction, list[int]]] = {}
         whole: list[int] = []
+        params: list[torch.Tensor] = []
         index = 0
         for g, group in enumerate(optimizer.param_groups):
             for i, param in enumerate(group["params"]):
+                params.append(param)
                 reduction = compat.square_sum_reduction(param)
                 for segment in self._names.segments(param, g, i):
                     if reduction is not None:
@@ -246,21 +284,27 @@ class GradStats:
             groups=groups,
             # Read after naming: a name lookup may re-walk the model (and bump it).
             names_version=self._names.version,
+            simple=segments == [(i, 0, None) for i in range(index)],
+            params=tuple(params),
+            low_precision=any(p.dtype.itemsize < 4 for p in params if p.is_floating_point()),
         )
 
 
 def _stack(norms: tuple[torch.Tensor, ...], indices: tuple[int, ...]) -> torch.Tensor:
+    if len(indices) == len(norms):
+        return torch.stack(norms)
+    # Several mesh layouts (tensor parallelism): each one's norms.
     return torch.stack([norms[i] for i in indices])
 
 
 def _norms(
-    tensors: list[torch.Tensor], one_place: bool
-) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    """The tensors' L2 norms, each and as one float32 vector on the first one's device."""
+    tensors: list[torch.Tensor], plan: NormPlan, info: OptimizerInfo
+) -> tuple[torch.Tensor, ...]:
+    """The tensors' L2 norms (float32, 0-dim), all on the first one's device."""
     if not tensors:
-        return (), torch.zeros(0)
-    norms = compat.foreach_norm(tensors)
-    if not one_place:
+        return ()
+    norms = compat.foreach_norm(tensors, plan.low_precision)
+    if info.place is None:
         device = norms[0].device
         norms = tuple(n if n.device == device else n.to(device) for n in norms)
-    return norms, torch.stack(norms)
+    return norms

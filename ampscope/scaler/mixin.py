@@ -67,13 +67,12 @@ class TelemetryMixin(TelemetryFrontEnd):
         """As torch's ``scale()``; also keeps the loss (detached, on its device) for the
         record's ``stats.loss``: no copy, no sync."""
         stats = self._ampscope_stats
-        if stats is not None and self._ampscope_capture is not None:
+        if stats is not None:
             try:
                 stats.add_loss(outputs)
             except Exception:
                 self._ampscope_failed()
-        parent: Any = super()
-        return parent.scale(outputs)
+        return super().scale(outputs)  # type: ignore[misc]
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> Any:
         parent: Any = super()
@@ -186,3 +185,4 @@ class TelemetryMixin(TelemetryFrontEnd):
         # sinks, threads and hooks do not travel.
         self._ampscope_init(TelemetryConfig(reporter=None))
         self._ampscope_capture = None
+        self._ampscope_stats = None

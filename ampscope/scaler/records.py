@@ -206,6 +206,7 @@ class RecordBuilder:
                 overflow=overflow,
                 scale=1.0 if watch else scale_before,
                 host_norms=pending.host_norms,
+                on_host=pending.values is not None,
             )
             stats = _build(StepStats, validate or named, **fields)
         details = [self._detail(slot, found, validate) for slot, found in found_by_slot]

@@ -249,7 +249,6 @@ class WatchCapture:
         if nonfinite:
             pending.nonfinite = nonfinite
         pending.stats = stats
-        scalars = stats.scalars() if stats is not None else []
         flags = opt_flags + list(local.values())
         accelerator = None
         for flag in (*flags, *origin.values()):
@@ -264,11 +263,11 @@ class WatchCapture:
             values += [flag.item() for flag in flags]
             values += (1.0, 0.0)
             values += [flag.item() for flag in origin.values()]
-            values += [part.item() for part in scalars]
-            pending.values = values
+            pending.values = values  # the stats' CPU tensors: read by the telemetry thread
             return pending
         device = torch.device("cpu") if accelerator is None else accelerator
         one, zero = self._constants_on(device)
+        scalars = stats.scalars() if stats is not None else []
         stacked = stack_scalars([one, *flags, one, zero, *origin.values(), *scalars], device)
         pending.host, pending.ready = copy_with_norms(pending, stacked, stats)
         return pending
