@@ -134,7 +134,8 @@ def _watch(w: dict[str, Any]) -> list[str]:
     """The GradWatch's per-iteration cost next to the plain bf16 loop."""
     lines = [
         "GradWatch (bf16 autocast, no scaler): median us of the plain loop's "
-        "`optimizer.step()` and of `watch.step(opt)` + `watch.update()`; in brackets the "
+        "`optimizer.step()` and of `watch.scale(loss)` + `watch.step(opt)` + `watch.update()`; "
+        "in brackets the "
         "watch's extra cost per iteration, paired per block group as above (wall clock, "
         "then training-thread CPU):",
         "",

@@ -50,7 +50,7 @@ def _stepper(variant: Variant) -> Callable[[], None]:
     return watched
 
 
-def _syncs(variant: Variant, backward: Callable[[Variant], None]) -> float:
+def _syncs(variant: Variant, backward: Callable[[Variant], object]) -> float:
     """Host-device syncs per iteration that torch's sync debug mode reports (CUDA)."""
     step = _stepper(variant)
     with warnings.catch_warnings(record=True) as caught:
@@ -79,10 +79,19 @@ def _measure(
         v.scaler.attach(v.model)
     dtype = torch.bfloat16
 
-    def backward(variant: Variant) -> None:
+    def backward(variant: Variant) -> tuple[float, float]:
+        """Forward and backward; returns the (wall, thread CPU) seconds of the watch's
+        ``scale(loss)``, which keeps the loss for the record's stats."""
         with torch.autocast(device_type=device.type, dtype=dtype):
             loss = variant.model(inputs).float().square().mean()
-        (loss if variant.scaler is None else variant.scaler.scale(loss)).backward()
+        if variant.scaler is None:
+            loss.backward()
+            return 0.0, 0.0
+        start, start_cpu = time.perf_counter(), time.thread_time()
+        scaled = variant.scaler.scale(loss)
+        spent = time.perf_counter() - start, time.thread_time() - start_cpu
+        scaled.backward()
+        return spent
 
     cpu: dict[str, list[list[float]]] = {v.name: [] for v in variants}
 
@@ -92,13 +101,13 @@ def _measure(
         cpu[variant.name].append([])
         for _ in range(per_block):
             variant.optimizer.zero_grad(set_to_none=True)
-            backward(variant)
+            scale_wall, scale_cpu = backward(variant)
             if device.type == "cuda":
                 torch.cuda.synchronize()  # time the host side of the step alone
             start, start_cpu = time.perf_counter(), time.thread_time()
             step()
-            times.append(time.perf_counter() - start)
-            cpu[variant.name][-1].append(time.thread_time() - start_cpu)
+            times.append(time.perf_counter() - start + scale_wall)
+            cpu[variant.name][-1].append(time.thread_time() - start_cpu + scale_cpu)
         return times
 
     try:
