@@ -21,6 +21,7 @@ a :class:`~ampscope.reporter.schema.StepStats` (:mod:`ampscope.scaler.stats_reco
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -72,6 +73,9 @@ class NormPlan:
     :class:`~ampscope.scaler.capture.OptimizerInfo`, as long as the capture does."""
     low_precision: bool
     """Some parameter (hence its gradient) is narrower than float32: norms in float32."""
+    device: torch.device
+    """Where the plain gradients' squared norm is all-reduced (the first parameter's
+    device; the CPU without parameters)."""
 
 
 class OptimizerNorms:
@@ -176,28 +180,43 @@ class GradStats:
         self, optimizer: torch.optim.Optimizer, info: OptimizerInfo, scaled: bool
     ) -> None:
         """Norm ``optimizer``'s local gradients (after their unscale, or ``scaled`` when
-        the check unscaled nothing). One multi-tensor norm per device and a stack; for
-        sharded gradients a dot product and one all-reduce per mesh layout (every rank
-        calls this for the same optimizers in the same order)."""
+        the check unscaled nothing): one multi-tensor norm per device. Sharded gradients add
+        a stack, a dot and one all-reduce per mesh layout; every rank calls this for the
+        same optimizers in the same order, and the all-reduces run even when the local
+        norms fail (this rank then contributes NaN, and the error is raised afterwards), so
+        that no rank waits alone."""
         plan: NormPlan | None = info.norm_plan
         if plan is None or plan.groups != info.groups or plan.names_version != self._names.version:
             plan = info.norm_plan = self._build_plan(optimizer, info.groups)
+        sharded = bool(plan.reductions) or self.reduce is not None
+        if not sharded:
+            self._optimizers.append(
+                OptimizerNorms(plan.names, self._local_norms(plan, info), scaled, None)
+            )
+            return
+        failure: Exception | None = None
+        norms: tuple[torch.Tensor, ...] | None
+        try:
+            norms = self._local_norms(plan, info)
+        except Exception as exc:
+            failure, norms = exc, None
+        square = self._summed_square(plan, norms)
+        if failure is not None or norms is None:
+            raise failure or RuntimeError("no local gradient norms")
+        self._optimizers.append(OptimizerNorms(plan.names, norms, scaled, square))
+
+    def _local_norms(self, plan: NormPlan, info: OptimizerInfo) -> tuple[torch.Tensor, ...]:
+        """The plan's per-parameter (segment) norms of this rank's local gradients."""
         params = plan.params
-        tensors: list[torch.Tensor] = []
         if plan.simple and not info.dtensor:
             # The common case: one dense gradient per parameter, named whole.
-            tensors = [p.grad for p in params]  # type: ignore[misc]
-            for whole in tensors:
-                if whole is None or whole.is_sparse:
-                    tensors = []
+            grads = [p.grad for p in params]
+            for grad in grads:
+                if grad is None or grad.is_sparse:
                     break
             else:
-                self._optimizers.append(
-                    OptimizerNorms(plan.names, _norms(tensors, plan, info), scaled, None)
-                    if self.reduce is None
-                    else self._reduced(plan, tensors, info, scaled)
-                )
-                return
+                return _norms(grads, plan, info)  # type: ignore[arg-type]
+        tensors: list[torch.Tensor] = []
         for index, offset, numel in plan.segments:
             param = params[index]
             grad = param.grad
@@ -208,33 +227,27 @@ class GradStats:
             if local.is_sparse:
                 local = local.coalesce()._values()
             tensors.append(local if numel is None else local.reshape(-1).narrow(0, offset, numel))
-        if plan.reductions or self.reduce is not None:
-            self._optimizers.append(self._reduced(plan, tensors, info, scaled))
-        else:
-            self._optimizers.append(
-                OptimizerNorms(plan.names, _norms(tensors, plan, info), scaled, None)
-            )
+        return _norms(tensors, plan, info)
 
-    def _reduced(
-        self, plan: NormPlan, tensors: list[torch.Tensor], info: OptimizerInfo, scaled: bool
-    ) -> OptimizerNorms:
-        """Sharded gradients: the norms, and the whole gradient's squared norm summed over
-        the ranks (a stack, a dot and one all-reduce per mesh layout)."""
-        norms = _norms(tensors, plan, info)
-        square: torch.Tensor | None = None
+    def _summed_square(
+        self, plan: NormPlan, norms: tuple[torch.Tensor, ...] | None
+    ) -> torch.Tensor:
+        """The whole gradient's squared norm, summed over the ranks: one all-reduce per
+        mesh layout (DTensors) or over the reduce's group. ``norms`` ``None`` (they
+        failed): this rank adds NaN, and still takes part."""
         if plan.reductions:
+            square: torch.Tensor | None = None
             for reduction, indices in plan.reductions:
-                part = _stack(norms, indices)
-                summed = compat.reduce_square_sum(torch.dot(part, part), reduction)
+                local = _local_square(norms, indices, reduction.mesh.device_type)
+                summed = compat.reduce_square_sum(local, reduction)
                 square = summed if square is None else square + summed
+            assert square is not None
             if plan.whole:
-                part = _stack(norms, plan.whole)
-                assert square is not None
-                square = square + torch.dot(part, part)
-        elif self.reduce is not None:
-            stacked = torch.stack(norms) if norms else torch.zeros(0)
-            square = self.reduce(torch.dot(stacked, stacked))
-        return OptimizerNorms(plan.names, norms, scaled, square)
+                return square + _local_square(norms, plan.whole, square.device)
+            return square
+        assert self.reduce is not None
+        every = tuple(range(len(plan.names)))
+        return self.reduce(_local_square(norms, every, plan.device))
 
     def take(self, origin: Mapping[str, torch.Tensor]) -> TakenStats:
         """The iteration's values, then start the next iteration afresh (update())."""
@@ -286,15 +299,25 @@ class GradStats:
             names_version=self._names.version,
             simple=segments == [(i, 0, None) for i in range(index)],
             params=tuple(params),
+            device=compat.local_tensor(params[0]).device if params else torch.device("cpu"),
             low_precision=any(p.dtype.itemsize < 4 for p in params if p.is_floating_point()),
         )
 
 
-def _stack(norms: tuple[torch.Tensor, ...], indices: tuple[int, ...]) -> torch.Tensor:
-    if len(indices) == len(norms):
-        return torch.stack(norms)
+def _local_square(
+    norms: tuple[torch.Tensor, ...] | None,
+    indices: tuple[int, ...],
+    device: torch.device | str,
+) -> torch.Tensor:
+    """The sum of the squares of ``norms[indices]`` (0-dim float32); NaN on ``device`` when
+    the norms failed, 0 when there are none."""
+    if norms is None:
+        return torch.full((), math.nan, device=device)
+    if not indices:
+        return torch.zeros((), device=norms[0].device if norms else device)
     # Several mesh layouts (tensor parallelism): each one's norms.
-    return torch.stack([norms[i] for i in indices])
+    part = torch.stack(norms if len(indices) == len(norms) else [norms[i] for i in indices])
+    return torch.dot(part, part)
 
 
 def _norms(

@@ -26,6 +26,8 @@ FACTOR = 30.0
 RULE = SpikeRule(window=10, min_window=4)
 """Can fire from the fifth iteration on, so the runs stay short."""
 SCALE = 2.0**10
+FAIL_AT = 2
+"""``fsdp1_failing``: the iteration at which one rank's local norms raise."""
 
 
 def _own_norm(plain: nn.Module, x: torch.Tensor) -> float:
@@ -61,8 +63,10 @@ def _train(
         scaler.update()
         opt.zero_grad()
     records = scaler.telemetry.history()
+    errors = scaler._ampscope_errors
     scaler.close()
     return {
+        "errors": errors,
         "clip": clipped,
         "own": own,
         "skipped": [r.skipped for r in records],
@@ -129,10 +133,23 @@ def _fsdp2(
     )
 
 
-def _fsdp1(rank: int) -> dict[str, Any]:
+def _fsdp1(rank: int, fail_at: int | None = None) -> dict[str, Any]:
+    """FSDP1; ``fail_at``: rank ``BAD_RANK``'s local norms raise at that iteration."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     import ampscope
+    from ampscope.scaler import compat
+
+    if fail_at is not None and rank == BAD_RANK:
+        original, calls = compat.foreach_norm, [0]
+
+        def failing(tensors: list[torch.Tensor], low_precision: bool) -> Any:
+            calls[0] += 1
+            if calls[0] == fail_at + 1:
+                raise RuntimeError("injected: the local norms fail on one rank")
+            return original(tensors, low_precision)
+
+        compat.foreach_norm = failing  # type: ignore[assignment]
 
     model = FSDP(make_model(), device_id=torch.device("cpu"))
     scaler = ampscope.ShardedGradScaler("cpu", init_scale=SCALE, reporter=None, spike_rule=RULE)
@@ -142,7 +159,11 @@ def _fsdp1(rank: int) -> dict[str, Any]:
         with FSDP.summon_full_params(model):
             return [p.detach().clone() for p in model.module.parameters()]
 
-    return _train(rank, model, scaler, lambda: model.clip_grad_norm_(math.inf), full_params)
+    try:
+        return _train(rank, model, scaler, lambda: model.clip_grad_norm_(math.inf), full_params)
+    finally:
+        if fail_at is not None and rank == BAD_RANK:
+            compat.foreach_norm = original
 
 
 def stats_worker(rank: int, world_size: int) -> dict[str, Any]:
@@ -153,4 +174,5 @@ def stats_worker(rank: int, world_size: int) -> dict[str, Any]:
         # A float16 reduce-scatter: FSDP2 pre-divides its input (by 2 on 2 ranks).
         "fsdp2_fp16_reduce": _fsdp2(rank, world_size, "scaler", torch.float16),
         "fsdp1": _fsdp1(rank),
+        "fsdp1_failing": _fsdp1(rank, fail_at=FAIL_AT),
     }

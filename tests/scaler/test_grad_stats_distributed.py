@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from stats_setups import BAD_RANK, SPIKE, STEPS, stats_worker
+from stats_setups import BAD_RANK, FAIL_AT, SPIKE, STEPS, stats_worker
 from support import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -64,3 +64,19 @@ def test_each_rank_flags_its_own_spikes(ranks: list[dict[str, Any]], setup: str)
         norms = [p["norm"] for p in top]
         assert norms == sorted(norms, reverse=True)
         assert all(s["top_params"] == [] for step, s in enumerate(stats) if step != SPIKE)
+
+
+def test_a_rank_whose_norms_fail_still_takes_part_in_the_all_reduce(
+    ranks: list[dict[str, Any]],
+) -> None:
+    """FSDP1's norm all-reduce runs on every rank even when one rank's local norms raise
+    (a missing collective would hang the others until the deadlock guard): the job's
+    norm is unknown (None) at that iteration on every rank, and the failing rank counts
+    one telemetry error."""
+    for rank, result in enumerate(ranks):
+        run = result["fsdp1_failing"]
+        norms = [s["grad_norm"] for s in run["stats"]]
+        assert norms[FAIL_AT] is None, f"rank {rank}"
+        assert all(n is not None for i, n in enumerate(norms) if i != FAIL_AT), f"rank {rank}"
+        assert run["errors"] == (1 if rank == BAD_RANK else 0)
+        assert run["skipped"] == [False] * STEPS
