@@ -1,11 +1,13 @@
 """The one mixin that turns torch's scalers into instrumented ones.
 
-It overrides two hook points and calls torch for all the work: ``_unscale_grads_``
-(notes the optimizer and keeps this rank's pre-reduction found-inf where torch's
-differs) and ``update`` (captures the step's scalars; see :mod:`ampscope.scaler.capture`).
-Whether each optimizer's step ran is counted by a public step pre-hook. Numerics are
-torch's: nothing here writes to gradients, parameters or found-inf, except the optional
-scale clamp.
+It overrides torch's hook points and calls torch for all the work: ``_unscale_grads_``
+(notes the optimizer, keeps this rank's pre-reduction found-inf where torch's differs, and
+takes the gradient norms right after torch's kernel), ``update`` (captures the step's
+scalars; see :mod:`ampscope.scaler.capture`), ``scale`` (keeps the loss for the record's
+stats) and ``_check_inf_per_device`` (marks a fused optimizer's check, which unscales
+nothing). Whether each optimizer's step ran is counted by a public step pre-hook.
+Numerics are torch's: nothing here writes to gradients, parameters or found-inf, except
+the optional scale clamp.
 """
 
 from __future__ import annotations
