@@ -89,6 +89,10 @@ class SpikeWindow:
         if len(self._values) < self.rule.min_window:
             return None
         values = self._values
+        # The window's minimum is at most its median: below ratio x minimum, the value
+        # fails the ratio guard. One C loop settles most values of a steady series.
+        if value < self.rule.ratio * min(values):
+            return None
         mean = statistics.fmean(values)
         # The population standard deviation; statistics.pstdev computes it in exact
         # fractions, ten times slower, and a rank judges two series per iteration.

@@ -188,22 +188,33 @@ class GradStats:
         plan: NormPlan | None = info.norm_plan
         if plan is None or plan.groups != info.groups or plan.names_version != self._names.version:
             plan = info.norm_plan = self._build_plan(optimizer, info.groups)
-        sharded = bool(plan.reductions) or self.reduce is not None
-        if not sharded:
+        if not plan.reductions and self.reduce is None:
+            if plan.simple and not info.dtensor:
+                # The common case, inlined: one dense gradient per parameter, named whole.
+                grads = [p.grad for p in plan.params]
+                for grad in grads:
+                    if grad is None or grad.is_sparse:
+                        break
+                else:
+                    each = compat.foreach_norm(grads, plan.low_precision)  # type: ignore[arg-type]
+                    if info.place is None:
+                        each = _on_one_device(each)
+                    self._optimizers.append(OptimizerNorms(plan.names, each, scaled, None))
+                    return
             self._optimizers.append(
                 OptimizerNorms(plan.names, self._local_norms(plan, info), scaled, None)
             )
             return
         failure: Exception | None = None
-        norms: tuple[torch.Tensor, ...] | None
+        local: tuple[torch.Tensor, ...] | None
         try:
-            norms = self._local_norms(plan, info)
+            local = self._local_norms(plan, info)
         except Exception as exc:
-            failure, norms = exc, None
-        square = self._summed_square(plan, norms)
-        if failure is not None or norms is None:
+            failure, local = exc, None
+        square = self._summed_square(plan, local)
+        if failure is not None or local is None:
             raise failure or RuntimeError("no local gradient norms")
-        self._optimizers.append(OptimizerNorms(plan.names, norms, scaled, square))
+        self._optimizers.append(OptimizerNorms(plan.names, local, scaled, square))
 
     def _local_norms(self, plan: NormPlan, info: OptimizerInfo) -> tuple[torch.Tensor, ...]:
         """The plan's per-parameter (segment) norms of this rank's local gradients."""
@@ -327,7 +338,12 @@ def _norms(
     if not tensors:
         return ()
     norms = compat.foreach_norm(tensors, plan.low_precision)
-    if info.place is None:
-        device = norms[0].device
-        norms = tuple(n if n.device == device else n.to(device) for n in norms)
-    return norms
+    return norms if info.place is not None else _on_one_device(norms)
+
+
+def _on_one_device(norms: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """The norms, moved to the first one's device (model parallelism on one rank)."""
+    if not norms:
+        return norms
+    device = norms[0].device
+    return tuple(n if n.device == device else n.to(device) for n in norms)
