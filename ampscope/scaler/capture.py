@@ -289,12 +289,20 @@ def copy_with_norms(
     """Start the host copy of ``values`` (the step's stacked scalars) followed by the
     stats' per-parameter norms, if any: one stack and one cat more, still one copy. Sets
     ``pending.host_norms`` to the norms' part of the host copy."""
-    norms = [n for o in stats.optimizers for n in o.norms] if stats is not None else []
-    if not norms:
+    if stats is None or not stats.norm_count():
         return to_host_async(values)
-    joined = torch.cat([values, stack_scalars(norms, values.device)])
-    host, ready = to_host_async(joined)
-    pending.host_norms = host[len(host) - len(norms) :]
+    device, float32 = values.device, torch.float32
+    parts = [values]
+    for optimizer in stats.optimizers:
+        if optimizer.norms:
+            # One stack per optimizer (its norms share a device); a cast only when they
+            # are not float32 on the values' device.
+            stacked = torch.stack(optimizer.norms)
+            if stacked.dtype is not float32 or stacked.device != device:
+                stacked = stacked.to(device=device, dtype=float32, non_blocking=True)
+            parts.append(stacked)
+    host, ready = to_host_async(torch.cat(parts))
+    pending.host_norms = host[len(host) - stats.norm_count() :]
     return host, ready
 
 

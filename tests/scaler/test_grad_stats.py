@@ -288,3 +288,31 @@ def test_stats_add_no_host_reads_to_a_watch(monkeypatch: pytest.MonkeyPatch) -> 
         return count
 
     assert reads_with(stats=True) == reads_with(stats=False)
+
+
+@pytest.mark.parametrize("device_transport", [False, True], ids=["host", "device"])
+def test_float16_gradients_are_normed_in_float32(device_transport: bool) -> None:
+    """fp16 gradients (a model cast to half; torch unscales those only for optimizers that
+    step themselves, like fused Adam): the norms are taken in float32, so they neither
+    round to float16 nor overflow at 65504, and divided by the scale (the fused check
+    unscales nothing)."""
+    model = Net(dtype=torch.float16)
+    (opt,) = _fused_adam(model)
+    scaler = ampscope.GradScaler("cpu", init_scale=8.0, reporter=None)
+    if device_transport:
+        use_device_transport(scaler)
+    expected = []
+    # Two clean iterations: the third overflows (fp16 Adam on this tiny model).
+    for step in range(2):
+        scaler.scale(model(batch(step))).backward()
+        norms = [p.grad.float().norm() for p in model.parameters()]
+        scaled = torch.linalg.vector_norm(torch.stack(norms)).item()
+        expected.append(scaled / scaler.get_scale())
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    records = _stats(scaler)
+    assert all(r.setup.grad_dtype == "float16" for r in records)
+    assert [r.skipped for r in records] == [False] * 2
+    assert [r.stats.grad_norm for r in records] == pytest.approx(expected, rel=1e-5)
+    scaler.close()
