@@ -316,3 +316,28 @@ def test_float16_gradients_are_normed_in_float32(device_transport: bool) -> None
     assert [r.skipped for r in records] == [False] * 2
     assert [r.stats.grad_norm for r in records] == pytest.approx(expected, rel=1e-5)
     scaler.close()
+
+
+@pytest.mark.parametrize("front_end", ["scaler", "watch"])
+def test_a_clean_run_of_hundreds_of_iterations_flags_no_spike(front_end: str) -> None:
+    """Real training, a new random batch every iteration: the loss and gradient norm are
+    noisy but stable, and the rank's default rule (OLMo-core's plus the ratio guard)
+    flags nothing."""
+    model = Net()
+    (opt,) = _sgd(model)
+    scaler: torch.amp.GradScaler | ampscope.GradWatch = (
+        ampscope.GradScaler("cpu", reporter=None, history=400)
+        if front_end == "scaler"
+        else ampscope.GradWatch(reporter=None, history=400)
+    )
+    for step in range(400):
+        scaler.scale(model(batch(step))).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    records = _stats(scaler)
+    assert len(records) == 400
+    losses = [r.stats.loss for r in records]
+    assert max(losses) > 1.5 * min(losses), "the series must be noisy, not flat"
+    assert [r.step for r in records if r.stats.spikes] == []
+    scaler.close()
