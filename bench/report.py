@@ -61,6 +61,9 @@ def _scaler(s: dict[str, Any]) -> list[str]:
         f"{_ratio(single['ratio']['ampscope_no_reporter'])} |",
         f"| 1 process, reporter on | {_f(ss['stock']['median'])} | "
         f"{_f(ss['ampscope']['median'])} | {_ratio(single['ratio']['ampscope'])} |",
+        f"| 1 process, no reporter, `stats=False` | {_f(ss['stock']['median'])} | "
+        f"{_f(ss['ampscope_stats_off']['median'])} | "
+        f"{_ratio(single['ratio']['ampscope_stats_off'])} |",
         f"| {dist['world_size']} ranks, {dist['wrapper']} on {dist['backend']}, reporter on | "
         f"{_f(ds['stock']['median'])} | {_f(ds['ampscope']['median'])} | "
         f"{_ratio(dist['ratio']['ampscope'])} |",
@@ -69,29 +72,43 @@ def _scaler(s: dict[str, Any]) -> list[str]:
         "",
         f"Origin tracking alone (vs ampscope without it): "
         f"{_ratio(dist['origin_vs_ampscope'])}, "
-        f"{dist['origin_vs_ampscope']['delta']:+.3f} ms per step.",
+        f"{dist['origin_vs_ampscope']['delta']:+.3f} ms per step. The loss and gradient "
+        f"norms (stats on vs `stats=False`, 1 process): {_ratio(single['stats_vs_off'])}.",
         "",
-        "Per-update cost: median us of `scaler.step(opt)` + `scaler.update()` on a 16x16 "
+        "Per-update cost: median us of `scaler.scale(loss)` + `scaler.step(opt)` + "
+        "`scaler.update()` on a 16x16 "
         f"Linear ({micro['iterations_per_contender']} iterations each, in "
         f"{micro.get('groups', '?')} interleaved block groups); in brackets ampscope's extra "
         "cost, the median over block groups of (its block median - stock's in the same "
         "group), and that difference's interquartile range:",
         "",
-        "| stock | ampscope, no reporter | ampscope, HTTP reporter |",
-        "|---:|---:|---:|",
+        "| stock | ampscope, no reporter, `stats=False` | ampscope, no reporter "
+        "| ampscope, HTTP reporter |",
+        "|---:|---:|---:|---:|",
         f"| {_f(micro['step_update_us']['stock'], 1)} | "
+        f"{_f(micro['step_update_us']['ampscope_stats_off'], 1)} "
+        f"({_extra(micro, 'extra_us', 'ampscope_stats_off')}) | "
         f"{_f(micro['step_update_us']['ampscope_no_reporter'], 1)} "
         f"({_extra(micro, 'extra_us', 'ampscope_no_reporter')}) | "
         f"{_f(micro['step_update_us']['ampscope_reporter'], 1)} "
         f"({_extra(micro, 'extra_us', 'ampscope_reporter')}) |",
         f"| {_f(micro['step_update_cpu_us']['stock'], 1)} thread CPU | "
+        f"{_f(micro['step_update_cpu_us']['ampscope_stats_off'], 1)} "
+        f"({_extra(micro, 'extra_cpu_us', 'ampscope_stats_off')}) | "
         f"{_f(micro['step_update_cpu_us']['ampscope_no_reporter'], 1)} "
         f"({_extra(micro, 'extra_cpu_us', 'ampscope_no_reporter')}) | "
         f"{_f(micro['step_update_cpu_us']['ampscope_reporter'], 1)} "
         f"({_extra(micro, 'extra_cpu_us', 'ampscope_reporter')}) |",
         "",
+        "The loss and gradient norms alone (stats on minus `stats=False`, paired): "
+        f"{micro['stats_extra_us']['median']:+.1f} us wall "
+        f"(IQR {micro['stats_extra_us']['p25']:+.1f} to {micro['stats_extra_us']['p75']:+.1f}), "
+        f"{micro['stats_extra_cpu_us']['median']:+.1f} us thread CPU.",
+        "",
         "Background threads, CPU per record: telemetry thread "
-        f"{micro['telemetry_thread_cpu_us_per_record']:.1f} us (builds the record), reporter "
+        f"{micro['telemetry_thread_cpu_us_per_record']:.1f} us (builds the record; "
+        f"{micro['telemetry_thread_cpu_us_per_record_stats_off']:.1f} us with `stats=False`), "
+        "reporter "
         f"thread {micro['reporter_thread_cpu_us_per_record']:.1f} us (encodes and sends it).",
         "",
         "Overflow iteration (inf/NaN in two parameters): median ms of `step()` + `update()` "
@@ -117,23 +134,25 @@ def _watch(w: dict[str, Any]) -> list[str]:
     """The GradWatch's per-iteration cost next to the plain bf16 loop."""
     lines = [
         "GradWatch (bf16 autocast, no scaler): median us of the plain loop's "
-        "`optimizer.step()` and of `watch.step(opt)` + `watch.update()`; in brackets the "
+        "`optimizer.step()` and of `watch.scale(loss)` + `watch.step(opt)` + `watch.update()`; "
+        "in brackets the "
         "watch's extra cost per iteration, paired per block group as above (wall clock, "
         "then training-thread CPU):",
         "",
-        "| model | plain | observe | skip |",
-        "|---|---:|---:|---:|",
+        "| model | plain | observe | skip | observe, `stats=False` |",
+        "|---|---:|---:|---:|---:|",
     ]
     for key, label in (("tiny", "16x16 Linear"), ("mlp", "benchmark MLP")):
         m = w[key]
         cells = [
             f"{_f(m['step_us'][f'watch_{p}'], 1)} ({_extra(m, 'extra_us', f'watch_{p}')}; "
             f"CPU {_extra(m, 'extra_cpu_us', f'watch_{p}')})"
-            for p in ("observe", "skip")
+            for p in ("observe", "skip", "observe_stats_off")
         ]
         lines.append(
             f"| {label} ({m['parameter_tensors']} tensors, {m['iterations_per_contender']} "
-            f"iterations) | {_f(m['step_us']['plain'], 1)} | {cells[0]} | {cells[1]} |"
+            f"iterations) | {_f(m['step_us']['plain'], 1)} | {cells[0]} | {cells[1]} "
+            f"| {cells[2]} |"
         )
     syncs = w["tiny"]["syncs_per_iteration"]
     lines += [

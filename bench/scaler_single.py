@@ -56,6 +56,12 @@ def step_time_ab(config: ScalerBenchConfig, *, device: str, url: str) -> dict[st
         make_variant(
             "ampscope_no_reporter", model, ampscope_scaler(device, url=None, run_id="bench-nr")
         ),
+        # Without the loss and gradient norms (stats=False): what the norm pass costs.
+        make_variant(
+            "ampscope_stats_off",
+            model,
+            ampscope_scaler(device, url=None, run_id="bench-nr", stats=False),
+        ),
         make_variant("ampscope", model, ampscope_scaler(device, url=url, run_id="bench-single")),
     ]
     for v in variants[1:]:
@@ -76,20 +82,35 @@ def step_time_ab(config: ScalerBenchConfig, *, device: str, url: str) -> dict[st
     finally:
         _close_all(variants)
     result = compare_groups(blocks, baseline="stock")
+    stats_pair = {k: blocks[k] for k in ("ampscope_stats_off", "ampscope_no_reporter")}
+    result["stats_vs_off"] = compare_groups(stats_pair, baseline="ampscope_stats_off")["ratio"][
+        "ampscope_no_reporter"
+    ]
     result["reported_updates"] = config.warmup_steps + config.groups * config.steps_per_block
     result["parameters"] = sum(p.numel() for p in model.parameters())
     result["parameter_tensors"] = len(list(model.parameters()))
     return result
 
 
-def _timed_step_update(variant: Variant, cpu: list[float] | None = None) -> float:
+def _timed_step_update(
+    variant: Variant, cpu: list[float] | None = None, *, before: tuple[float, float] = (0.0, 0.0)
+) -> float:
+    """Seconds of ``step()`` + ``update()``, plus ``before`` (wall, thread CPU) already
+    timed in the iteration (its ``scale()``)."""
     start, start_cpu = time.perf_counter(), time.thread_time()
     variant.scaler.step(variant.optimizer)
     variant.scaler.update()
-    elapsed = time.perf_counter() - start
+    elapsed = time.perf_counter() - start + before[0]
     if cpu is not None:
-        cpu.append(time.thread_time() - start_cpu)
+        cpu.append(time.thread_time() - start_cpu + before[1])
     return elapsed
+
+
+def _timed_scale(variant: Variant, loss: torch.Tensor) -> tuple[torch.Tensor, tuple[float, float]]:
+    """``scaler.scale(loss)`` and its (wall, thread CPU) seconds."""
+    start, start_cpu = time.perf_counter(), time.thread_time()
+    scaled = variant.scaler.scale(loss)
+    return scaled, (time.perf_counter() - start, time.thread_time() - start_cpu)
 
 
 def _thread_cpu_seconds(prefix: str) -> float:
@@ -100,6 +121,19 @@ def _thread_cpu_seconds(prefix: str) -> float:
             with contextlib.suppress(OSError, ProcessLookupError):  # it ended meanwhile
                 total += time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
     return total
+
+
+_STATS_PAIR = ("ampscope_stats_off", "ampscope_no_reporter")
+
+
+def _telemetry_thread_cpu(variant: Variant) -> float:
+    """CPU time so far of ``variant``'s scaler's telemetry thread (0 before it started)."""
+    thread = variant.scaler.telemetry._thread
+    if thread is None or thread.ident is None:
+        return 0.0
+    with contextlib.suppress(OSError, ProcessLookupError):
+        return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+    return 0.0
 
 
 UPDATE_BLOCK = 250
@@ -123,7 +157,8 @@ def _paired(per_block: dict[str, list[float]], baseline: str) -> dict[str, dict[
 
 
 def update_cost(config: ScalerBenchConfig, *, device: str, url: str) -> dict[str, Any]:
-    """The scaler's own cost per iteration: ``step()`` + ``update()`` on a tiny model.
+    """The scaler's own cost per iteration: ``scale()`` + ``step()`` + ``update()`` on a
+    tiny model, with the loss and gradient norms (the default) and without (``stats=False``).
 
     The tiny model (one 16x16 Linear) makes the optimizer's share negligible, so the
     difference to the stock scaler is ampscope's extra work on the training thread. Work
@@ -140,12 +175,18 @@ def update_cost(config: ScalerBenchConfig, *, device: str, url: str) -> dict[str
             "ampscope_no_reporter", model, ampscope_scaler(device, url=None, run_id="bench-micro")
         ),
         make_variant(
+            "ampscope_stats_off",
+            model,
+            ampscope_scaler(device, url=None, run_id="bench-micro", stats=False),
+        ),
+        make_variant(
             "ampscope_reporter", model, ampscope_scaler(device, url=url, run_id="bench-micro")
         ),
     ]
     per_block = min(UPDATE_BLOCK, max(5, config.micro_iterations // 6))
-    # A multiple of 6 groups: every contender takes every position equally often.
-    groups = max(6, config.micro_iterations // per_block // 6 * 6)
+    # A multiple of 2 x contenders groups: every contender takes every position equally often.
+    period = 2 * len(variants)
+    groups = max(period, config.micro_iterations // per_block // period * period)
     cpu: dict[str, list[list[float]]] = {v.name: [] for v in variants}
 
     def block(variant: Variant) -> list[float]:
@@ -153,8 +194,9 @@ def update_cost(config: ScalerBenchConfig, *, device: str, url: str) -> dict[str
         cpu[variant.name].append([])
         for _ in range(per_block):
             variant.optimizer.zero_grad(set_to_none=True)
-            variant.scaler.scale(variant.model(inputs).square().mean()).backward()
-            times.append(_timed_step_update(variant, cpu[variant.name][-1]))
+            scaled, before = _timed_scale(variant, variant.model(inputs).square().mean())
+            scaled.backward()
+            times.append(_timed_step_update(variant, cpu[variant.name][-1], before=before))
         return times
 
     try:
@@ -162,7 +204,7 @@ def update_cost(config: ScalerBenchConfig, *, device: str, url: str) -> dict[str
             block(v)  # warm-up
         for samples in cpu.values():
             samples.clear()
-        telemetry_cpu = _thread_cpu_seconds("ampscope-telemetry")
+        telemetry_cpu = {v.name: _telemetry_thread_cpu(v) for v in variants[1:]}
         reporter_cpu = _thread_cpu_seconds("ampscope-reporter")
         blocks = run_interleaved({v.name: v for v in variants}, block, groups=groups)
         for v in variants[1:]:
@@ -170,7 +212,10 @@ def update_cost(config: ScalerBenchConfig, *, device: str, url: str) -> dict[str
         # The reporter sends every flush_interval (0.5 s): let it encode and send the rest
         # while its thread is alive to be measured.
         time.sleep(1.5)
-        telemetry_cpu = _thread_cpu_seconds("ampscope-telemetry") - telemetry_cpu
+        telemetry_cpu = {
+            n: _telemetry_thread_cpu(v) - telemetry_cpu[n]
+            for n, v in ((v.name, v) for v in variants[1:])
+        }
         reporter_cpu = _thread_cpu_seconds("ampscope-reporter") - reporter_cpu
     finally:
         _close_all(variants)
@@ -192,14 +237,30 @@ def update_cost(config: ScalerBenchConfig, *, device: str, url: str) -> dict[str
         "step_update_cpu_us": cpu_us,
         "extra_cpu_us": {n: d["median"] for n, d in thread.items()},
         "extra_cpu_us_iqr": {n: (d["p25"], d["p75"]) for n, d in thread.items()},
-        # Telemetry threads of both ampscope contenders, per record they built; the
+        # Telemetry threads of the ampscope contenders with stats, per record they built; the
         # reporter's sender thread per record it encoded and sent.
-        "telemetry_thread_cpu_us_per_record": telemetry_cpu / (2 * timed) * 1e6,
+        "telemetry_thread_cpu_us_per_record": (
+            telemetry_cpu["ampscope_no_reporter"] + telemetry_cpu["ampscope_reporter"]
+        )
+        / (2 * timed)
+        * 1e6,
+        "telemetry_thread_cpu_us_per_record_stats_off": telemetry_cpu["ampscope_stats_off"]
+        / timed
+        * 1e6,
         "reporter_thread_cpu_us_per_record": reporter_cpu / timed * 1e6,
         "step_update_us": {n: s["median"] for n, s in result["samples"].items()},
         "extra_us": {n: d["median"] for n, d in wall.items()},
         "extra_us_iqr": {n: (d["p25"], d["p75"]) for n, d in wall.items()},
         "ratio": {n: r["median"] for n, r in result["ratio"].items()},
+        # The stats' own cost: stats on minus stats off, both without a reporter, paired.
+        "stats_extra_us": _paired(
+            {n: [statistics.median(b) * 1e6 for b in blocks[n]] for n in _STATS_PAIR},
+            "ampscope_stats_off",
+        )["ampscope_no_reporter"],
+        "stats_extra_cpu_us": _paired(
+            {n: [statistics.median(b) * 1e6 for b in cpu[n]] for n in _STATS_PAIR},
+            "ampscope_stats_off",
+        )["ampscope_no_reporter"],
         "groups": groups,
         "iterations_per_contender": result["samples"]["stock"]["n"],
         # warm-up block + timed blocks of the one contender with a reporter

@@ -28,12 +28,13 @@ from bench.workload import Variant, build_model, make_variant
 POLICIES = ("observe", "skip")
 """``raise`` does on a clean iteration exactly what ``skip`` does."""
 SYNC_ITERATIONS = 20
+_STATS_PAIR = ("watch_observe_stats_off", "watch_observe")
 
 
-def _watch(policy: str) -> Any:
+def _watch(policy: str, stats: bool = True) -> Any:
     from ampscope import GradWatch
 
-    return GradWatch(policy, reporter=None, run_id="bench-watch")  # type: ignore[arg-type]
+    return GradWatch(policy, reporter=None, run_id="bench-watch", stats=stats)  # type: ignore[arg-type]
 
 
 def _stepper(variant: Variant) -> Callable[[], None]:
@@ -49,7 +50,7 @@ def _stepper(variant: Variant) -> Callable[[], None]:
     return watched
 
 
-def _syncs(variant: Variant, backward: Callable[[Variant], None]) -> float:
+def _syncs(variant: Variant, backward: Callable[[Variant], object]) -> float:
     """Host-device syncs per iteration that torch's sync debug mode reports (CUDA)."""
     step = _stepper(variant)
     with warnings.catch_warnings(record=True) as caught:
@@ -72,14 +73,25 @@ def _measure(
     device = inputs.device
     variants = [make_variant("plain", model, None)]
     variants += [make_variant(f"watch_{p}", model, _watch(p)) for p in POLICIES]
+    # observe without the loss and gradient norms: what the norm pass costs.
+    variants.append(make_variant("watch_observe_stats_off", model, _watch("observe", False)))
     for v in variants[1:]:
         v.scaler.attach(v.model)
     dtype = torch.bfloat16
 
-    def backward(variant: Variant) -> None:
+    def backward(variant: Variant) -> tuple[float, float]:
+        """Forward and backward; returns the (wall, thread CPU) seconds of the watch's
+        ``scale(loss)``, which keeps the loss for the record's stats."""
         with torch.autocast(device_type=device.type, dtype=dtype):
             loss = variant.model(inputs).float().square().mean()
-        (loss if variant.scaler is None else variant.scaler.scale(loss)).backward()
+        if variant.scaler is None:
+            loss.backward()
+            return 0.0, 0.0
+        start, start_cpu = time.perf_counter(), time.thread_time()
+        scaled = variant.scaler.scale(loss)
+        spent = time.perf_counter() - start, time.thread_time() - start_cpu
+        scaled.backward()
+        return spent
 
     cpu: dict[str, list[list[float]]] = {v.name: [] for v in variants}
 
@@ -89,13 +101,13 @@ def _measure(
         cpu[variant.name].append([])
         for _ in range(per_block):
             variant.optimizer.zero_grad(set_to_none=True)
-            backward(variant)
+            scale_wall, scale_cpu = backward(variant)
             if device.type == "cuda":
                 torch.cuda.synchronize()  # time the host side of the step alone
             start, start_cpu = time.perf_counter(), time.thread_time()
             step()
-            times.append(time.perf_counter() - start)
-            cpu[variant.name][-1].append(time.thread_time() - start_cpu)
+            times.append(time.perf_counter() - start + scale_wall)
+            cpu[variant.name][-1].append(time.thread_time() - start_cpu + scale_cpu)
         return times
 
     try:
@@ -123,6 +135,15 @@ def _measure(
         "extra_us_iqr": {n: (d["p25"], d["p75"]) for n, d in wall.items()},
         "extra_cpu_us": {n: d["median"] for n, d in thread.items()},
         "extra_cpu_us_iqr": {n: (d["p25"], d["p75"]) for n, d in thread.items()},
+        # observe with stats minus observe without, paired per block group.
+        "stats_extra_us": _paired(
+            {n: [statistics.median(b) * 1e6 for b in blocks[n]] for n in _STATS_PAIR},
+            "watch_observe_stats_off",
+        )["watch_observe"],
+        "stats_extra_cpu_us": _paired(
+            {n: [statistics.median(b) * 1e6 for b in cpu[n]] for n in _STATS_PAIR},
+            "watch_observe_stats_off",
+        )["watch_observe"],
         "syncs_per_iteration": syncs,
         "records": records,
         "warmup_iterations": per_block,
@@ -139,8 +160,8 @@ def watch_cost(config: ScalerBenchConfig, *, device: str) -> dict[str, Any]:
     """
     tiny = nn.Linear(16, 16).to(device)
     per_block = min(UPDATE_BLOCK, max(5, config.micro_iterations // 6))
-    # Multiples of 6 groups: every contender takes every position equally often.
-    groups = max(6, config.micro_iterations // per_block // 6 * 6)
+    # Multiples of 8 groups: each of the 4 contenders takes every position equally often.
+    groups = max(8, config.micro_iterations // per_block // 8 * 8)
     mlp = build_model(width=config.width, depth=config.depth).to(device)
     return {
         "device": device,
@@ -151,6 +172,6 @@ def watch_cost(config: ScalerBenchConfig, *, device: str) -> dict[str, Any]:
             mlp,
             torch.randn(config.batch, config.width, device=device),
             per_block=config.steps_per_block,
-            groups=max(6, config.groups // 12 * 6),
+            groups=max(8, config.groups // 16 * 8),
         ),
     }

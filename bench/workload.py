@@ -97,10 +97,15 @@ def stock_scaler(device: str) -> Any:
     return torch.amp.GradScaler(device)
 
 
-def ampscope_scaler(device: str, *, url: str | None, run_id: str, attribution: bool = True) -> Any:
-    """ampscope's drop-in scaler; reporting to the exporter at ``url`` (None: no reporter)."""
+def ampscope_scaler(
+    device: str, *, url: str | None, run_id: str, attribution: bool = True, stats: bool = True
+) -> Any:
+    """ampscope's drop-in scaler; reporting to the exporter at ``url`` (None: no reporter);
+    ``stats=False``: without the loss and gradient norms."""
     from ampscope import GradScaler
     from ampscope.reporter.http import HttpReporter
 
     reporter = HttpReporter(url) if url is not None else None
-    return GradScaler(device, reporter=reporter, run_id=run_id, attribution=attribution)
+    return GradScaler(
+        device, reporter=reporter, run_id=run_id, attribution=attribution, stats=stats
+    )

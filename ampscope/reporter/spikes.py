@@ -89,12 +89,15 @@ class SpikeWindow:
     def _judge(self, value: float) -> Spike | None:
         if len(self._values) < self.rule.min_window:
             return None
-        # Two passes of math.fsum (exactly rounded sums) rather than statistics.pstdev,
-        # whose exact rational arithmetic costs ~100 us per call over 100 values: this runs
-        # for every value of every rank in the exporter.
-        count = len(self._values)
-        mean = math.fsum(self._values) / count
-        stdev = math.sqrt(math.fsum((v - mean) ** 2 for v in self._values) / count)
+        values = self._values
+        # The window's minimum is at most its median: below ratio x minimum, the value
+        # fails the ratio guard. One C loop settles most values of a steady series.
+        if value < self.rule.ratio * min(values):
+            return None
+        mean = statistics.fmean(values)
+        # The population standard deviation; statistics.pstdev computes it in exact
+        # fractions, ten times slower, and a rank judges two series per iteration.
+        stdev = math.sqrt(math.fsum([(v - mean) * (v - mean) for v in values]) / len(values))
         if value <= mean + self.rule.sigmas * stdev:
             return None
         median = statistics.median(self._values)

@@ -33,13 +33,16 @@ import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.hooks import RemovableHandle
 
 from ampscope.reporter.schema import Identity, Setup
 from ampscope.scaler import compat
+
+if TYPE_CHECKING:
+    from ampscope.scaler.grad_stats import TakenStats
 
 _NO_COUNTS: Mapping[str, int] = MappingProxyType({})
 
@@ -84,6 +87,7 @@ class OptimizerInfo:
         "handle",
         "index",
         "name",
+        "norm_plan",
         "place",
         "ref",
         "unscaled_at",
@@ -117,6 +121,9 @@ class OptimizerInfo:
         self.dtypes: frozenset[str] = frozenset()
         """Names of the parameters' dtypes, which are their gradients' (autograd keeps a
         gradient in its parameter's dtype); decided with ``dtensor``."""
+        self.norm_plan: Any = None
+        """How the gradient norms (``stats``) read this optimizer's gradients
+        (:class:`~ampscope.scaler.grad_stats.NormPlan`), kept by the stats."""
         self.place: tuple[torch.device, torch.dtype] | None = None
         """The one device and dtype of every parameter, hence of every gradient (plain
         tensors only); ``None`` when they differ or are DTensors."""
@@ -157,7 +164,9 @@ class PendingStep:
 
     The training thread fills it and never touches it again; the telemetry thread turns
     it into a record. :meth:`read` gives the values in the layout ``[scale_before,
-    *optimizer flags, *local flags, scale_after, growth_tracker, *origin flags]``.
+    *optimizer flags, *local flags, scale_after, growth_tracker, *origin flags]``, and
+    on the device transport the stats' scalars after them (their per-parameter norms
+    stay apart: ``host_norms``; on the host transport ``stats`` holds CPU tensors).
     A plain class with positional arguments first: built on every update(), where a
     dataclass's keyword ``__init__`` costs over twice as much.
     """
@@ -166,6 +175,7 @@ class PendingStep:
         "before",
         "clean",
         "host",
+        "host_norms",
         "identity",
         "local_devices",
         "manual",
@@ -176,6 +186,7 @@ class PendingStep:
         "setup",
         "shape",
         "snapshot",
+        "stats",
         "step",
         "time",
         "values",
@@ -224,6 +235,11 @@ class PendingStep:
         *optimizer flags, *local flags]`` stacked on the device."""
         self.setup: Setup | None = None
         """What the rank runs; a scaler's is named from ``shape`` by :meth:`read`."""
+        self.stats: TakenStats | None = None
+        """The loss and gradient norms' tensors and layout; ``None`` with ``stats=False``."""
+        self.host_norms: torch.Tensor | None = None
+        """Device transport: the tail of ``host`` holding the per-parameter norms, read
+        only on a spike iteration; the values stop before it."""
 
     def read(self) -> list[float]:
         """The step's scalars on the host; waits for the device copy (telemetry thread)."""
@@ -239,7 +255,10 @@ class PendingStep:
             own = self.values
         else:
             assert self.host is not None
-            own = self.host.tolist()
+            host = self.host
+            if self.host_norms is not None:
+                host = host[: len(host) - len(self.host_norms)]
+            own = host.tolist()
         if not self.clean:
             return own
         before = self.before
@@ -262,6 +281,29 @@ def to_host_async(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event 
         return host, event
     # Other accelerators: a plain copy (may synchronise on some backends).
     return values.to("cpu"), None
+
+
+def copy_with_norms(
+    pending: PendingStep, values: torch.Tensor, stats: TakenStats | None
+) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """Start the host copy of ``values`` (the step's stacked scalars) followed by the
+    stats' per-parameter norms, if any: one stack and one cat more, still one copy. Sets
+    ``pending.host_norms`` to the norms' part of the host copy."""
+    if stats is None or not stats.norm_count():
+        return to_host_async(values)
+    device, float32 = values.device, torch.float32
+    parts = [values]
+    for optimizer in stats.optimizers:
+        if optimizer.norms:
+            # One stack per optimizer (its norms share a device); a cast only when they
+            # are not float32 on the values' device.
+            stacked = torch.stack(optimizer.norms)
+            if stacked.dtype is not float32 or stacked.device != device:
+                stacked = stacked.to(device=device, dtype=float32, non_blocking=True)
+            parts.append(stacked)
+    host, ready = to_host_async(torch.cat(parts))
+    pending.host_norms = host[len(host) - stats.norm_count() :]
+    return host, ready
 
 
 def stack_scalars(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -318,10 +360,10 @@ class StepCapture:
 
     # -- during the iteration ------------------------------------------------------------
 
-    def unscaling(self, optimizer: torch.optim.Optimizer) -> bool:
+    def unscaling(self, optimizer: torch.optim.Optimizer) -> OptimizerInfo:
         """Note that torch is unscaling ``optimizer``'s gradients in this iteration
-        (registering it, with its step pre-hook, on first sight); whether they are
-        DTensors."""
+        (registering it, with its step pre-hook, on first sight); what is known of it
+        (``dtensor``: whether its gradients are DTensors)."""
         key = id(optimizer)
         info = self._optimizers.get(key)
         if info is None or info.ref() is not optimizer:
@@ -331,7 +373,7 @@ class StepCapture:
         info.unscaled_at = info.calls[0]
         if len(optimizer.param_groups) != info.groups:
             info.refresh(optimizer)
-        return info.dtensor
+        return info
 
     def record_local(
         self, optimizer: torch.optim.Optimizer, found_inf: FoundInf, *, fresh: bool
@@ -468,8 +510,10 @@ class StepCapture:
         scaler: torch.amp.GradScaler,
         pending: PendingStep | None,
         origin: Mapping[str, torch.Tensor],
+        stats: TakenStats | None = None,
     ) -> PendingStep | None:
-        """Close the iteration: read the step's scalars (CPU) or start their host copy."""
+        """Close the iteration: read the step's scalars (CPU) or start their host copy;
+        ``stats`` travel with them (their per-parameter norms only in the copy)."""
         self._seen = {}
         if self._local:
             self._local = {}
@@ -481,20 +525,25 @@ class StepCapture:
         self._step = pending.step
         if origin:
             pending.origin_devices = tuple(origin)
+        pending.stats = stats
         values = pending.values
         if values is not None:  # the host transport
             values.append(scale.item())
             values.append(float(tracker.item()))
             if origin:
                 values.extend(flag.item() for flag in origin.values())
+            # The stats' tensors stay as they are: the telemetry thread reads them.
         else:
-            after = stack_scalars([scale, tracker, *origin.values()], scale.device)
+            parts = [scale, tracker, *origin.values()]
+            if stats is not None:
+                parts += stats.scalars()
+            after = stack_scalars(parts, scale.device)
             snapshot, pending.snapshot = pending.snapshot, None
             if snapshot is None:
-                host, ready = to_host_async(after)
+                host, ready = copy_with_norms(pending, after, stats)
                 index = 0
             else:
-                host, ready = to_host_async(torch.cat([snapshot, after]))
+                host, ready = copy_with_norms(pending, torch.cat([snapshot, after]), stats)
                 index = len(snapshot)
             pending.host, pending.ready = host, ready
             self._scale_at = (host, index)

@@ -45,19 +45,23 @@ __all__ = [
     "ddp_comm_hooks",
     "ddp_uses_python_reducer",
     "flat_param_segments",
+    "foreach_norm",
     "found_inf_reduction",
     "fsdp1_comm_hook",
     "fsdp_default_hooks",
     "fully_shard_param_groups",
+    "fully_shard_predivide_factor",
     "is_dtensor",
     "local_tensor",
     "non_finite_check_",
     "param_group_reduce_scatter",
     "param_group_reduce_scatter_size",
     "reduce_found_inf",
+    "reduce_square_sum",
     "scale_and_tracker",
     "scale_tensor",
     "scaler_device",
+    "square_sum_reduction",
     "steps_itself",
     "tensor_version",
     "update_inputs",
@@ -121,6 +125,17 @@ def non_finite_check_(
     multiplication), except that a NaN may come back as a NaN of another bit pattern when
     the gradient dtype is narrower than float32. One read of the group's memory, no sync."""
     torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+
+
+def foreach_norm(tensors: list[torch.Tensor], low_precision: bool) -> tuple[torch.Tensor, ...]:
+    """The L2 norm of each tensor: torch's multi-tensor norm, the one ``clip_grad_norm_``
+    runs (one read of the tensors' memory, one kernel per device and dtype group on
+    accelerators). ``low_precision``: some tensors are narrower than float32, and their
+    norms are computed and returned in float32 (a float16 norm overflows at 65504); else
+    the norms keep the tensors' dtype (float32 or wider), which spares the argument's cost."""
+    if low_precision:
+        return torch._foreach_norm(tensors, 2, dtype=torch.float32)
+    return torch._foreach_norm(tensors, 2)
 
 
 def tensor_version(tensor: torch.Tensor) -> int:
@@ -187,6 +202,35 @@ def reduce_found_inf(found_inf: torch.Tensor, reduction: FoundInfReduction) -> N
         found_inf, reduction.mesh, reduction.placements, run_check=False
     ).full_tensor()
     found_inf.copy_(reduced)
+
+
+def square_sum_reduction(param: torch.Tensor) -> FoundInfReduction | None:
+    """How to sum a squared norm of ``param``'s local gradient shard over the ranks holding
+    the other shards: over its mesh, ``Partial("sum")`` on every sharded mesh dimension
+    (replicated ones hold the same values and are not summed). ``None`` when ``param`` is
+    no DTensor or is replicated everywhere."""
+    if not is_dtensor(param):
+        return None
+    from torch.distributed.tensor import Partial, Replicate
+
+    placements = tuple(
+        p if isinstance(p, Replicate) else Partial("sum")
+        for p in param.placements  # type: ignore[attr-defined]
+    )
+    if all(isinstance(p, Replicate) for p in placements):
+        return None
+    return FoundInfReduction(mesh=param.device_mesh, placements=placements)  # type: ignore[attr-defined]
+
+
+def reduce_square_sum(square_sum: torch.Tensor, reduction: FoundInfReduction) -> torch.Tensor:
+    """``square_sum`` (a 0-dim local sum of squares) summed over ``reduction``'s sharded mesh
+    dimensions: one all-reduce, as ``clip_grad_norm_`` does for DTensor gradients."""
+    from torch.distributed.tensor import DTensor
+
+    reduced: torch.Tensor = DTensor.from_local(
+        square_sum.reshape(1), reduction.mesh, reduction.placements, run_check=False
+    ).full_tensor()
+    return reduced.reshape(())
 
 
 # -- FSDP1 ------------------------------------------------------------------------------
@@ -271,6 +315,32 @@ def param_group_reduce_scatter_size(group: object) -> int:
     return int(mesh_info.shard_mesh_size)
 
 
+def fully_shard_predivide_factor(
+    group: object, reduce_scatter_group: Any, dtype: torch.dtype, device_type: str
+) -> float:
+    """What FSDP2 divided a reduce-scatter input by before handing it to the comm: its
+    pre-divide factor for this parameter group, gradient dtype and device (1.0 when it
+    lets the collective average instead)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+        _get_gradient_divide_factors,
+    )
+    from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo
+
+    mesh_info = group.mesh_info  # type: ignore[attr-defined]
+    all_reduce_group = (
+        mesh_info.replicate_process_group if isinstance(mesh_info, DDPMeshInfo) else None
+    )
+    pre, _, _, _ = _get_gradient_divide_factors(
+        reduce_scatter_group,
+        all_reduce_group,
+        dtype,
+        device_type,
+        group.gradient_divide_factor,  # type: ignore[attr-defined]
+        group.force_sum_reduction_for_comms,  # type: ignore[attr-defined]
+    )
+    return float(pre) if pre else 1.0
+
+
 # -- self-check -------------------------------------------------------------------------
 
 
@@ -321,7 +391,42 @@ def check_torch() -> tuple[str, ...]:
     problems.extend(_check_dtensor())
     problems.extend(_check_flat_param())
     problems.extend(_check_collectives())
+    problems.extend(_check_stats())
     return tuple(problems)
+
+
+def _check_stats() -> list[str]:
+    """The multi-tensor norm must take a dtype, and FSDP2 must still say its pre-divide
+    factor the way :func:`fully_shard_predivide_factor` reads it."""
+    problems = []
+    try:
+        norms = foreach_norm([torch.tensor([3.0, 4.0], dtype=torch.float16)], True)
+        if norms[0].dtype != torch.float32 or norms[0].item() != 5.0:
+            problems.append("torch._foreach_norm(dtype=float32) no longer gives a float32 norm")
+    except (AttributeError, RuntimeError, TypeError) as exc:
+        problems.append(f"torch._foreach_norm changed: {exc}")
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+            _get_gradient_divide_factors,
+        )
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    except ImportError as exc:
+        return [*problems, f"FSDP2 gradient divide factors moved: {exc}"]
+    expected = [
+        "reduce_scatter_group",
+        "all_reduce_group",
+        "reduce_dtype",
+        "device_type",
+        "factor",
+        "force_sum_reduction_for_comms",
+    ]
+    if _signature_names(_get_gradient_divide_factors) != expected:
+        problems.append("FSDP2 _get_gradient_divide_factors signature changed")
+    init = inspect.getsource(FSDPParamGroup.__init__)
+    for attr in ("gradient_divide_factor", "force_sum_reduction_for_comms"):
+        if attr not in init:
+            problems.append(f"FSDP2 parameter groups no longer keep {attr}")
+    return problems
 
 
 def _check_non_finite_kernel() -> list[str]:

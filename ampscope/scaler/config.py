@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from ampscope.reporter.schema import MAX_LABEL_LENGTH, MAX_NONFINITE_PARAMS, Policy
 from ampscope.reporter.sink import Sink
+from ampscope.reporter.spikes import SpikeRule
 
 LABEL_PATTERN = re.compile(r"^[A-Za-z0-9_.:/@+=-]+$")
 """The schema's label pattern (run ids, node names, devices)."""
@@ -41,6 +42,13 @@ class TelemetryConfig:
     """Clamp the scale from below after each automatic update(); ``None``: torch's behaviour."""
     max_scale: float | None = None
     """Clamp the scale from above after each automatic update(); ``None``: torch's behaviour."""
+    stats: bool = True
+    """Record each iteration's loss, gradient norm and (origin tracking) this rank's own
+    gradient norm, and name the top-K parameters by gradient norm on the rank's spike
+    iterations (``StepRecord.stats``). ``False``: no norm pass, records carry ``None``."""
+    spike_rule: SpikeRule | None = None
+    """The rank's own spike rule for its loss and gradient norm; ``None``: the default
+    :class:`~ampscope.reporter.spikes.SpikeRule` (the exporter's)."""
 
     def __post_init__(self) -> None:
         if not (
@@ -64,6 +72,8 @@ class TelemetryConfig:
             raise ValueError(
                 f"top_k must be between 1 and {MAX_NONFINITE_PARAMS}, not {self.top_k}"
             )
+        if self.spike_rule is not None and not isinstance(self.spike_rule, SpikeRule):
+            raise TypeError(f"spike_rule must be a SpikeRule, not {self.spike_rule!r}")
         if self.history < 1:
             raise ValueError(f"history must be at least 1, not {self.history}")
         for name in ("min_scale", "max_scale"):

@@ -22,6 +22,7 @@ from torch import nn
 from ampscope.reporter.schema import Identity
 from ampscope.scaler import compat
 from ampscope.scaler.config import TelemetryConfig
+from ampscope.scaler.grad_stats import GradStats, SquareSumReduce, TakenStats
 from ampscope.scaler.identity import resolve_identity
 from ampscope.scaler.names import ParamNames
 from ampscope.scaler.outputs import build_sinks
@@ -40,6 +41,7 @@ OWN_ATTRIBUTES = (
     "_ampscope_origin",
     "_ampscope_origin_handles",
     "_ampscope_errors",
+    "_ampscope_stats",
 )
 """Attributes a front-end adds; dropped when it is pickled (threads, hooks, sinks)."""
 
@@ -70,14 +72,18 @@ class TelemetryFrontEnd:
     _ampscope_origin: Any
     _ampscope_origin_handles: list[Any]
     _ampscope_errors: int
+    _ampscope_stats: GradStats | None
 
-    def _ampscope_start(self, config: TelemetryConfig, enabled: bool) -> None:
+    def _ampscope_start(
+        self, config: TelemetryConfig, enabled: bool, reduce: SquareSumReduce | None = None
+    ) -> None:
         """Build the telemetry (no reporter, thread or records when not ``enabled``)."""
         self._ampscope_config = config
         self._ampscope_telemetry = Telemetry(
             sinks=build_sinks(config) if enabled else (),
             history=config.history,
             top_k=config.top_k,
+            spike_rule=config.spike_rule,
         )
         self._ampscope_capture = None
         self._ampscope_names = ParamNames()
@@ -85,6 +91,9 @@ class TelemetryFrontEnd:
         self._ampscope_origin = None
         self._ampscope_origin_handles = []
         self._ampscope_errors = 0
+        self._ampscope_stats = (
+            GradStats(self._ampscope_names, reduce) if enabled and config.stats else None
+        )
         # Collected without close(): flush and stop the threads off the collecting thread.
         # The callback holds the telemetry only, never the front-end.
         finalizer = weakref.finalize(self, self._ampscope_telemetry.close_soon)
@@ -101,7 +110,10 @@ class TelemetryFrontEnd:
         """Name ``model``'s parameters in records; optionally track found-inf origin.
 
         Call once, after wrapping the model (FSDP1, ``fully_shard``, DDP) and before the
-        first backward. Costs one walk over ``named_parameters()``.
+        first backward. Costs one walk over ``named_parameters()``. With FSDP1 it also
+        tells the gradient norm (``stats``) how the gradients are sharded: a
+        ``ShardedGradScaler`` not attached assumes a sharded strategy, a ``GradWatch`` not
+        attached whole gradients.
 
         Args:
             model: The wrapped model whose parameters the optimizer(s) hold.
@@ -114,11 +126,24 @@ class TelemetryFrontEnd:
                 supported gradient collective.
         """
         self._ampscope_names.attach(model)
+        stats = self._ampscope_stats
+        if stats is not None:
+            from ampscope.scaler.grad_stats import sum_over
+            from ampscope.scaler.origin_collectives import fsdp1_gradient_group
+
+            try:
+                fsdp1, group = fsdp1_gradient_group(model)
+            except ValueError:  # several FSDP1 roots: origin tracking says so below
+                fsdp1, group = False, None
+            if fsdp1:
+                # FSDP1 gradients are flat shards (summed over the group) or, NO_SHARD,
+                # whole on every rank (not summed).
+                stats.reduce = None if group is None else sum_over(group)
         if track_origin and self._ampscope_capture is not None:
             from ampscope.scaler.origin import OriginFlags, install_origin_hooks
 
             if self._ampscope_origin is None:
-                self._ampscope_origin = OriginFlags()
+                self._ampscope_origin = OriginFlags(norms=self._ampscope_stats is not None)
             self._ampscope_origin_handles.append(install_origin_hooks(model, self._ampscope_origin))
 
     def close(self, timeout: float = 1.0) -> None:
@@ -131,6 +156,7 @@ class TelemetryFrontEnd:
         seconds (default 1), even with the exporter down.
         """
         capture, self._ampscope_capture = self._ampscope_capture, None
+        self._ampscope_stats = None
         if capture is not None:
             capture.close()
         for handle in self._ampscope_origin_handles:
@@ -144,6 +170,15 @@ class TelemetryFrontEnd:
         """This iteration's origin flags (and fresh ones for the next); none untracked."""
         origin = self._ampscope_origin
         return NO_FLAGS if origin is None else origin.take()
+
+    def _ampscope_take_stats(self) -> TakenStats | None:
+        """This iteration's loss and norms (with the origin norms), for update(); ``None``
+        with ``stats=False``. Call right after :meth:`_ampscope_take_origin`."""
+        stats = self._ampscope_stats
+        if stats is None:
+            return None
+        origin = self._ampscope_origin
+        return stats.take(NO_FLAGS if origin is None else origin.take_squares())
 
     def _ampscope_identity_now(self) -> Identity:
         """The identity, resolved by the first call: a collective every rank reaches in

@@ -1,11 +1,13 @@
 """The one mixin that turns torch's scalers into instrumented ones.
 
-It overrides two hook points and calls torch for all the work: ``_unscale_grads_``
-(notes the optimizer and keeps this rank's pre-reduction found-inf where torch's
-differs) and ``update`` (captures the step's scalars; see :mod:`ampscope.scaler.capture`).
-Whether each optimizer's step ran is counted by a public step pre-hook. Numerics are
-torch's: nothing here writes to gradients, parameters or found-inf, except the optional
-scale clamp.
+It overrides torch's hook points and calls torch for all the work: ``_unscale_grads_``
+(notes the optimizer, keeps this rank's pre-reduction found-inf where torch's differs, and
+takes the gradient norms right after torch's kernel), ``update`` (captures the step's
+scalars; see :mod:`ampscope.scaler.capture`), ``scale`` (keeps the loss for the record's
+stats) and ``_check_inf_per_device`` (marks a fused optimizer's check, which unscales
+nothing). Whether each optimizer's step ran is counted by a public step pre-hook.
+Numerics are torch's: nothing here writes to gradients, parameters or found-inf, except
+the optional scale clamp.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from ampscope.scaler.attribution import count_nonfinite
 from ampscope.scaler.capture import StepCapture
 from ampscope.scaler.config import TelemetryConfig
 from ampscope.scaler.frontend import OWN_ATTRIBUTES, TelemetryFrontEnd, warn_if_torch_changed
+from ampscope.scaler.grad_stats import sum_over
 from ampscope.scaler.local_unscale import unscale_local_shards
 
 
@@ -31,12 +34,19 @@ class TelemetryMixin(TelemetryFrontEnd):
     """Whether torch changes the found-inf tensors ``_unscale_grads_`` returns before
     update() (FSDP1's sharded scaler all-reduces them in place): then capture copies them."""
 
+    _ampscope_unscales_nothing = False
+    """torch's ``_check_inf_per_device`` is running: it checks a fused optimizer's
+    gradients with an inverse scale of 1, so their norms are still scaled."""
+
     def _ampscope_init(self, config: TelemetryConfig) -> None:
         """Called at the end of ``__init__``, after torch's constructor."""
         warn_if_torch_changed()
         enabled = self.is_enabled()  # type: ignore[attr-defined]
         # A disabled scaler is a pure pass-through: no reporter, no thread, no records.
-        self._ampscope_start(config, enabled)
+        reduce = None
+        if self._ampscope_reduces_found_inf_in_place:  # FSDP1: flat gradient shards
+            reduce = sum_over(getattr(self, "process_group", None))
+        self._ampscope_start(config, enabled, reduce)
         self._ampscope_capture = StepCapture() if enabled else None
 
     # -- public API ----------------------------------------------------------------------
@@ -55,6 +65,25 @@ class TelemetryMixin(TelemetryFrontEnd):
 
     # -- torch hook points ---------------------------------------------------------------
 
+    def scale(self, outputs: Any) -> Any:
+        """As torch's ``scale()``; also keeps the loss (detached, on its device) for the
+        record's ``stats.loss``: no copy, no sync."""
+        stats = self._ampscope_stats
+        if stats is not None:
+            try:
+                stats.add_loss(outputs)
+            except Exception:
+                self._ampscope_failed()
+        return super().scale(outputs)  # type: ignore[misc]
+
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> Any:
+        parent: Any = super()
+        self._ampscope_unscales_nothing = True
+        try:
+            return parent._check_inf_per_device(optimizer)
+        finally:
+            self._ampscope_unscales_nothing = False
+
     def _unscale_grads_(
         self,
         optimizer: torch.optim.Optimizer,
@@ -72,20 +101,28 @@ class TelemetryMixin(TelemetryFrontEnd):
         # Inline guards on the per-step path: _ampscope_guard's frame and argument packing
         # cost more than the try itself.
         try:
-            dtensor = capture.unscaling(optimizer)
+            info = capture.unscaling(optimizer)
         except Exception:
             self._ampscope_failed()
-            dtensor = False
-        if dtensor:
+            info = None
+        if info is not None and info.dtensor:
             result, local = unscale_local_shards(
                 parent._unscale_grads_, optimizer, inv_scale, found_inf, allow_fp16
             )
             self._ampscope_guard(capture.record_local, optimizer, local, fresh=True)
-            return result
-        result = parent._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
-        if self._ampscope_reduces_found_inf_in_place:
-            self._ampscope_guard(capture.record_local, optimizer, result, fresh=False)
-        # Otherwise torch's found-inf is the local one: nothing to keep.
+        else:
+            result = parent._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+            if self._ampscope_reduces_found_inf_in_place:
+                self._ampscope_guard(capture.record_local, optimizer, result, fresh=False)
+            # Otherwise torch's found-inf is the local one: nothing to keep.
+        stats = self._ampscope_stats
+        if stats is not None and info is not None:
+            # After torch's kernel: the norms are of the unscaled gradients. Sharded
+            # gradients all-reduce here, on every rank, clean step or not.
+            try:
+                stats.add_grads(optimizer, info, self._ampscope_unscales_nothing)
+            except Exception:
+                self._ampscope_failed()
         return result
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
@@ -116,10 +153,12 @@ class TelemetryMixin(TelemetryFrontEnd):
             if scale is not None:
                 scale.clamp_(min=config.min_scale, max=config.max_scale)
         try:
+            origin = self._ampscope_take_origin()
             pending = capture.after_update(
                 self,  # type: ignore[arg-type]
                 pending,
-                self._ampscope_take_origin(),
+                origin,
+                self._ampscope_take_stats(),
             )
             if pending is not None:
                 self._ampscope_telemetry.submit(pending)
@@ -148,3 +187,4 @@ class TelemetryMixin(TelemetryFrontEnd):
         # sinks, threads and hooks do not travel.
         self._ampscope_init(TelemetryConfig(reporter=None))
         self._ampscope_capture = None
+        self._ampscope_stats = None

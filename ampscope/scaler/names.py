@@ -41,6 +41,8 @@ class ParamNames:
     def __init__(self) -> None:
         self._model: weakref.ref[nn.Module] | None = None
         self._names: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}
+        self.version = 0
+        """Bumped by every walk: whoever caches names derived from these re-derives them."""
 
     def attach(self, model: nn.Module) -> None:
         """Name ``model``'s parameters. Call after wrapping (FSDP, DDP, ``fully_shard``)."""
@@ -51,6 +53,7 @@ class ParamNames:
         model = self._model() if self._model is not None else None
         if model is None:
             return
+        self.version += 1
         self._names = {
             id(param): (weakref.ref(param), name)
             for name, param in _unwrap(model).named_parameters(remove_duplicate=False)

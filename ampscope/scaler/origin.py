@@ -37,22 +37,32 @@ class OriginFlags:
     lose each other's detections.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, norms: bool = False) -> None:
         self._lock = threading.Lock()
         self._flags: dict[str, torch.Tensor] = {}
+        self._norms = norms
+        self._squares: dict[str, torch.Tensor] = {}
+        """Per device: the sum of the squared L2 norms of the rank's own gradient buckets
+        this iteration (``norms=True``), in the units the hooks saw, times their factor."""
         # Every device ever marked: take() hands out a flag for each of them, so a clean
         # iteration reads as an explicit 0 rather than as a missing device.
         self._devices: dict[str, torch.device] = {}
         self.errors = 0
         """Number of :meth:`mark` calls that failed (the training step went on regardless)."""
 
-    def mark(self, tensor: torch.Tensor) -> None:
-        """Record whether ``tensor`` holds any inf/NaN into the flag of ``tensor.device``.
+    def mark(self, tensor: torch.Tensor, factor: float = 1.0) -> None:
+        """Record whether ``tensor`` holds any inf/NaN into the flag of ``tensor.device``;
+        with ``norms``, also add its squared L2 norm times ``factor**2`` to the device's
+        sum (``factor`` undoes a division the collective's caller already applied).
 
         Called from inside gradient-collective hooks, before the collective, on the
         rank's own (unreduced) gradients. Enqueues device work only: an inf-norm of
         ``tensor`` (one read of it), ``isfinite``, ``logical_not`` and a masked fill of
-        the flag; never a host-device sync. Safe to call from several threads. Never
+        the flag; with ``norms`` a second read (a float32 L2 norm: float32 squares would
+        call a finite value above 1.8e19 non-finite, so the norm cannot stand in for the
+        ``aminmax``) and one accumulate. Never a host-device sync. Safe to call from
+        several threads (autograd runs one thread per device, so the sums of one device
+        are never added to concurrently). Never
         raises: a failure is counted in :attr:`errors` and warned about once, because
         telemetry must not break a training step. Empty, sparse and non-floating
         tensors are ignored.
@@ -77,6 +87,13 @@ class OriginFlags:
                 low, high = torch.aminmax(tensor)
                 finite = torch.isfinite(low).logical_and_(torch.isfinite(high))
                 flag.masked_fill_(finite.logical_not_(), 1.0)
+                if self._norms:
+                    norm = torch.linalg.vector_norm(tensor, dtype=torch.float32)
+                    square = self._squares.get(key)
+                    if square is None:
+                        self._squares[key] = norm.square().mul_(factor * factor)
+                    else:
+                        square.addcmul_(norm, norm, value=factor * factor)
         except Exception as exc:  # telemetry must never break a backward pass
             with self._lock:
                 self.errors += 1
@@ -104,6 +121,16 @@ class OriginFlags:
         with self._lock:
             taken = self._flags
             self._flags = {key: _zero_flag(device) for key, device in self._devices.items()}
+        return taken
+
+    def take_squares(self) -> dict[str, torch.Tensor]:
+        """This iteration's squared norms by device (see :meth:`mark`), then start afresh.
+
+        Called by the front-end right after :meth:`take`. Empty without ``norms`` or when
+        no collective ran; no allocation, no sync.
+        """
+        with self._lock:
+            taken, self._squares = self._squares, {}
         return taken
 
     def _flag_for(self, key: str, device: torch.device) -> torch.Tensor:

@@ -24,6 +24,7 @@ from ampscope.scaler.compat import (
     fsdp1_comm_hook,
     fsdp_default_hooks,
     fully_shard_param_groups,
+    fully_shard_predivide_factor,
     param_group_reduce_scatter,
     param_group_reduce_scatter_size,
 )
@@ -50,6 +51,18 @@ def find_fsdp1_root(model: torch.nn.Module) -> FSDP | None:
             "attach the one root that wraps them all"
         )
     return root
+
+
+def fsdp1_gradient_group(model: torch.nn.Module) -> tuple[bool, dist.ProcessGroup | None]:
+    """Whether ``model`` holds FSDP1, and the process group over which its gradients are
+    sharded (``None`` when every unit keeps whole gradients: ``NO_SHARD``)."""
+    root = find_fsdp1_root(model)
+    if root is None:
+        return False, None
+    units = FSDP.fsdp_modules(root)
+    if all(unit.sharding_strategy == ShardingStrategy.NO_SHARD for unit in units):
+        return True, None
+    return True, root.process_group
 
 
 def find_fully_shard_modules(model: torch.nn.Module) -> list[FSDPModule]:
@@ -193,9 +206,12 @@ class OriginReduceScatter(ReduceScatter):
     the pre-division, which cannot turn finite values into inf/NaN.
     """
 
-    def __init__(self, inner: ReduceScatter, flags: OriginFlags) -> None:
+    def __init__(self, inner: ReduceScatter, flags: OriginFlags, group: object) -> None:
         self.inner = inner
         self.flags = flags
+        self.group = group
+        """The FSDP2 parameter group whose gradients this comm reduces."""
+        self._factors: dict[tuple[torch.dtype, str, object, object], float] = {}
 
     def allocate(
         self,
@@ -214,13 +230,29 @@ class OriginReduceScatter(ReduceScatter):
         op: dist.ReduceOp | dist.ReduceOp.RedOpType,
         async_op: bool = False,
     ) -> dist.Work | None:
-        self.flags.mark(input_tensor)
+        self.flags.mark(input_tensor, self._predivide(input_tensor, group))
         return self.inner(output_tensor, input_tensor, group, op, async_op)
+
+    def _predivide(self, input_tensor: torch.Tensor, group: dist.ProcessGroup) -> float:
+        """What FSDP2 divided ``input_tensor`` by: the norm of the rank's own gradients is
+        the input's times this. Cached per dtype, device and divide settings."""
+        key = (
+            input_tensor.dtype,
+            input_tensor.device.type,
+            getattr(self.group, "gradient_divide_factor", None),
+            getattr(self.group, "force_sum_reduction_for_comms", None),
+        )
+        factor = self._factors.get(key)
+        if factor is None:
+            factor = self._factors[key] = fully_shard_predivide_factor(
+                self.group, group, input_tensor.dtype, input_tensor.device.type
+            )
+        return factor
 
 
 def install_fully_shard(modules: list[FSDPModule], flags: OriginFlags) -> Callable[[], None]:
     """Wrap the reduce-scatter of every FSDP2 module; returns the undo."""
-    previous: list[tuple[FSDPModule, ReduceScatter]] = []
+    previous: list[tuple[FSDPModule, ReduceScatter, object]] = []
     for module in modules:
         groups = fully_shard_param_groups(module)
         if not groups:
@@ -243,14 +275,14 @@ def install_fully_shard(modules: list[FSDPModule], flags: OriginFlags) -> Callab
                 "origin tracking is already installed on this fully_shard model; call "
                 "remove() on that handle (or close that scaler) first"
             )
-        previous.append((module, inner))
+        previous.append((module, inner, groups[0]))
     if not previous:
         raise ValueError("no fully_shard module of this model manages parameters")
-    for module, inner in previous:
-        module.set_custom_reduce_scatter(OriginReduceScatter(inner, flags))
+    for module, inner, group in previous:
+        module.set_custom_reduce_scatter(OriginReduceScatter(inner, flags, group))
 
     def undo() -> None:
-        for module, inner in previous:
+        for module, inner, _ in previous:
             module.set_custom_reduce_scatter(inner)
 
     return undo

@@ -36,9 +36,12 @@ from ampscope.reporter.schema import (
     ScaleEvent,
     Setup,
     StepRecord,
+    StepStats,
 )
+from ampscope.reporter.spikes import SpikeRule
 from ampscope.scaler.attribution import top_k
 from ampscope.scaler.capture import OptimizerSlot, PendingStep
+from ampscope.scaler.stats_record import StatsBuilder
 
 _Model = TypeVar("_Model", bound=BaseModel)
 
@@ -106,11 +109,13 @@ class RecordBuilder:
 
     Args:
         k: How many parameters a record and the totals name at most.
+        spike_rule: The rank's own spike rule for its loss and gradient norm.
     """
 
-    def __init__(self, k: int) -> None:
+    def __init__(self, k: int, spike_rule: SpikeRule | None = None) -> None:
         self.totals = RunningTotals()
         self._k = k
+        self.stats = StatsBuilder(k, spike_rule)
         self._labels: set[str] = set()
         self._param_names: set[str] = set()
         self._details: dict[tuple[OptimizerSlot, bool], OptimizerDetail] = {}
@@ -151,6 +156,7 @@ class RecordBuilder:
         tracker = int(values[offset + 1])
         offset += 2
         origin = self._flag_dict(pending.origin_devices, values, offset)
+        offset += len(pending.origin_devices)
 
         event: ScaleEvent
         if watch:
@@ -188,6 +194,21 @@ class RecordBuilder:
             and len(local_counts) <= MAX_DEVICES
             and len(origin_counts) <= MAX_DEVICES
         )
+        stats = None
+        if pending.stats is not None:
+            # Any inf/NaN, here or on another rank, makes the iteration an overflow: its
+            # values say nothing of the training's trend and stay out of the windows.
+            overflow = found_global or any(local.values()) or any(origin.values())
+            fields, named = self.stats.build(
+                pending.stats,
+                values,
+                offset,
+                overflow=overflow,
+                scale=1.0 if watch else scale_before,
+                host_norms=pending.host_norms,
+                on_host=pending.values is not None,
+            )
+            stats = _build(StepStats, validate or named, **fields)
         details = [self._detail(slot, found, validate) for slot, found in found_by_slot]
         if new_aligned:
             aligned = _build(AlignedScale, validate, step=pending.step, scale=scale_after)
@@ -234,6 +255,7 @@ class RecordBuilder:
             event=event,
             optimizers=details,
             nonfinite_params=step_params,
+            stats=stats,
             totals=_build(
                 RankTotals,
                 validate,

@@ -15,6 +15,7 @@ from torch.distributed.distributed_c10d import ProcessGroup
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as _TorchShardedGradScaler
 
 from ampscope.reporter.sink import Sink
+from ampscope.reporter.spikes import SpikeRule
 from ampscope.scaler.config import TelemetryConfig
 from ampscope.scaler.mixin import TelemetryMixin
 
@@ -44,6 +45,8 @@ class GradScaler(TelemetryMixin, torch.amp.GradScaler):
         history: int = 1024,
         min_scale: float | None = None,
         max_scale: float | None = None,
+        stats: bool = True,
+        spike_rule: SpikeRule | None = None,
     ) -> None:
         config = TelemetryConfig(
             reporter=reporter,
@@ -54,6 +57,8 @@ class GradScaler(TelemetryMixin, torch.amp.GradScaler):
             history=history,
             min_scale=min_scale,
             max_scale=max_scale,
+            stats=stats,
+            spike_rule=spike_rule,
         )
         super().__init__(
             device,
@@ -95,6 +100,8 @@ class ShardedGradScaler(TelemetryMixin, _TorchShardedGradScaler):
         history: int = 1024,
         min_scale: float | None = None,
         max_scale: float | None = None,
+        stats: bool = True,
+        spike_rule: SpikeRule | None = None,
     ) -> None:
         config = TelemetryConfig(
             reporter=reporter,
@@ -105,6 +112,8 @@ class ShardedGradScaler(TelemetryMixin, _TorchShardedGradScaler):
             history=history,
             min_scale=min_scale,
             max_scale=max_scale,
+            stats=stats,
+            spike_rule=spike_rule,
         )
         super().__init__(
             device,

@@ -21,6 +21,7 @@ from typing import Any
 
 from ampscope.reporter.schema import NonfiniteParam, StepRecord
 from ampscope.reporter.sink import Sink
+from ampscope.reporter.spikes import SpikeRule
 from ampscope.scaler.attribution import top_k
 from ampscope.scaler.capture import PendingStep
 from ampscope.scaler.records import RecordBuilder
@@ -103,13 +104,20 @@ class TelemetrySnapshot:
 class Telemetry:
     """Pending steps in, records out. Thread-safe; see the module docstring."""
 
-    def __init__(self, *, sinks: Sequence[Sink], history: int, top_k: int) -> None:
+    def __init__(
+        self,
+        *,
+        sinks: Sequence[Sink],
+        history: int,
+        top_k: int,
+        spike_rule: SpikeRule | None = None,
+    ) -> None:
         self._sinks = tuple(sinks)
         self._top_k = top_k
         self._pending: deque[PendingStep] = deque()
         self._outbox: deque[StepRecord] = deque()
         self._history: deque[StepRecord] = deque(maxlen=history)
-        self._builder = RecordBuilder(top_k)
+        self._builder = RecordBuilder(top_k, spike_rule)
         self._totals = self._builder.totals  # changed in place by the builder
         self._last: StepRecord | None = None
         self._dropped = 0

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from ampscope.reporter.schema import Policy
 from ampscope.reporter.sink import Sink
+from ampscope.reporter.spikes import SpikeRule
 from ampscope.scaler import stop
 from ampscope.scaler.attribution import count_nonfinite
 from ampscope.scaler.config import TelemetryConfig, WatchConfig
@@ -66,8 +67,8 @@ class GradWatch(TelemetryFrontEnd):
         process_group: The ranks that agree under ``skip``/``raise`` (the gradients'
             data-parallel group); ``None``: the default group.
         enabled: ``False``: a pass-through (``step()`` steps, no checks, no records).
-        reporter, sinks, run_id, attribution, top_k, history: As the scalers'
-            (:class:`~ampscope.scaler.config.TelemetryConfig`).
+        reporter, sinks, run_id, attribution, top_k, history, stats, spike_rule: As the
+            scalers' (:class:`~ampscope.scaler.config.TelemetryConfig`).
     """
 
     _ampscope_capture: WatchCapture | None
@@ -85,6 +86,8 @@ class GradWatch(TelemetryFrontEnd):
         attribution: bool = True,
         top_k: int = 8,
         history: int = 1024,
+        stats: bool = True,
+        spike_rule: SpikeRule | None = None,
     ) -> None:
         self._watch = WatchConfig(
             policy=policy,
@@ -98,6 +101,8 @@ class GradWatch(TelemetryFrontEnd):
             attribution=attribution,
             top_k=top_k,
             history=history,
+            stats=stats,
+            spike_rule=spike_rule,
         )
         warn_if_torch_changed()
         self._enabled = enabled
@@ -124,7 +129,14 @@ class GradWatch(TelemetryFrontEnd):
 
     def scale(self, outputs: Any) -> Any:
         """``outputs`` unchanged (a tensor or an iterable of them): no multiplication, no
-        copy, no kernel. Exists so that a scaler loop runs as it is."""
+        copy, no kernel. Exists so that a scaler loop runs as it is; keeps a one-element
+        loss (detached) for the record's ``stats.loss``."""
+        stats = self._ampscope_stats
+        if stats is not None and self._ampscope_capture is not None:
+            try:
+                stats.add_loss(outputs)
+            except Exception:
+                self._ampscope_failed()
         return outputs
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
@@ -220,12 +232,18 @@ class GradWatch(TelemetryFrontEnd):
         skipped = any(e.skipped for e in capture.iteration.values())
         self._consecutive_skips = self._consecutive_skips + 1 if skipped else 0
         try:
+            origin = self._ampscope_take_origin()
             pending = capture.close_iteration(
-                self._ampscope_identity_now(), self._ampscope_take_origin(), self._counts(capture)
+                self._ampscope_identity_now(),
+                origin,
+                self._counts(capture),
+                self._ampscope_take_stats(),
             )
             self._ampscope_telemetry.submit(pending)
         except Exception:
             capture.iteration = {}
+            if self._ampscope_stats is not None:
+                self._ampscope_stats.discard()
             self._ampscope_failed()
 
     @property
@@ -290,6 +308,13 @@ class GradWatch(TelemetryFrontEnd):
             # agree(): this rank then takes part as clean (counted, logged once).
             self._ampscope_failed()
             found = {}
+        stats = self._ampscope_stats
+        if stats is not None:
+            # Sharded gradients all-reduce their squared norm here, on every rank alike.
+            try:
+                stats.add_grads(optimizer, info, scaled=False)
+            except Exception:
+                self._ampscope_failed()
         agreed = (
             None if self._watch.policy == "observe" else agree(found, self._watch.process_group)
         )
@@ -335,7 +360,9 @@ class GradWatch(TelemetryFrontEnd):
         self._consecutive_skips = 0
         capture.closed_by_raise = True
         try:
-            pending = capture.close_iteration(self._ampscope_identity_now(), origin, counts)
+            pending = capture.close_iteration(
+                self._ampscope_identity_now(), origin, counts, self._ampscope_take_stats()
+            )
             self._ampscope_telemetry.submit(pending)
             self._ampscope_telemetry.flush(RAISE_FLUSH_TIMEOUT_S)
         except Exception:

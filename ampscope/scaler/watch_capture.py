@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -34,11 +35,14 @@ from ampscope.scaler.capture import (
     OptimizerInfo,
     OptimizerSlot,
     PendingStep,
+    copy_with_norms,
     grad_dtype,
     stack_scalars,
-    to_host_async,
 )
 from ampscope.scaler.identity import collective_device
+
+if TYPE_CHECKING:
+    from ampscope.scaler.grad_stats import TakenStats
 
 _NO_FLAGS: Mapping[torch.device, torch.Tensor] = MappingProxyType({})
 
@@ -210,6 +214,7 @@ class WatchCapture:
         identity: Identity,
         origin: Mapping[str, torch.Tensor],
         nonfinite: Mapping[str, int],
+        stats: TakenStats | None = None,
     ) -> PendingStep:
         """End the open iteration: its pending step (values read on the CPU, or their host
         copy started). One ``.item()`` per flag on the CPU; on accelerators one small stack
@@ -243,6 +248,7 @@ class WatchCapture:
         pending.origin_devices = tuple(origin)
         if nonfinite:
             pending.nonfinite = nonfinite
+        pending.stats = stats
         flags = opt_flags + list(local.values())
         accelerator = None
         for flag in (*flags, *origin.values()):
@@ -257,12 +263,13 @@ class WatchCapture:
             values += [flag.item() for flag in flags]
             values += (1.0, 0.0)
             values += [flag.item() for flag in origin.values()]
-            pending.values = values
+            pending.values = values  # the stats' CPU tensors: read by the telemetry thread
             return pending
         device = torch.device("cpu") if accelerator is None else accelerator
         one, zero = self._constants_on(device)
-        stacked = stack_scalars([one, *flags, one, zero, *origin.values()], device)
-        pending.host, pending.ready = to_host_async(stacked)
+        scalars = stats.scalars() if stats is not None else []
+        stacked = stack_scalars([one, *flags, one, zero, *origin.values(), *scalars], device)
+        pending.host, pending.ready = copy_with_norms(pending, stacked, stats)
         return pending
 
     # -- shared immutable parts ----------------------------------------------------------

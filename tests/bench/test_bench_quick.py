@@ -93,10 +93,11 @@ def test_machine_and_run_description(results: tuple[dict[str, Any], str]) -> Non
 def test_scaler_section(results: tuple[dict[str, Any], str]) -> None:
     scaler = results[0]["scaler"]
     single = scaler["single_process"]
-    for name in ("stock", "ampscope_no_reporter", "ampscope"):
+    for name in ("stock", "ampscope_no_reporter", "ampscope_stats_off", "ampscope"):
         _check_summary(single["samples"][name])
-    for name in ("ampscope_no_reporter", "ampscope"):
+    for name in ("ampscope_no_reporter", "ampscope_stats_off", "ampscope"):
         _check_ratio(single["ratio"][name])
+    _check_ratio(single["stats_vs_off"])
     dist = scaler["distributed"]
     assert (dist["world_size"], dist["backend"]) == (2, "gloo")
     for name in ("stock", "ampscope", "ampscope_origin"):
@@ -105,11 +106,26 @@ def test_scaler_section(results: tuple[dict[str, Any], str]) -> None:
         _check_ratio(dist["ratio"][name])
     _check_ratio(dist["origin_vs_ampscope"])
     micro = scaler["update_cost"]
-    assert set(micro["step_update_us"]) == {"stock", "ampscope_no_reporter", "ampscope_reporter"}
+    assert set(micro["step_update_us"]) == {
+        "stock",
+        "ampscope_no_reporter",
+        "ampscope_stats_off",
+        "ampscope_reporter",
+    }
     assert all(_positive(v) for v in micro["step_update_us"].values())
     assert set(micro["step_update_cpu_us"]) == set(micro["step_update_us"])
     assert all(_positive(v) for v in micro["step_update_cpu_us"].values())
     assert _positive(micro["telemetry_thread_cpu_us_per_record"])
+    assert _positive(micro["telemetry_thread_cpu_us_per_record_stats_off"])
+    assert (
+        set(micro["stats_extra_us"])
+        == set(micro["stats_extra_cpu_us"])
+        == {
+            "median",
+            "p25",
+            "p75",
+        }
+    )
     assert _positive(micro["reporter_thread_cpu_us_per_record"])
     overflow = scaler["overflow"]
     assert all(_positive(v) for v in overflow["step_update_ms"].values())
@@ -120,9 +136,11 @@ def test_scaler_section(results: tuple[dict[str, Any], str]) -> None:
     watch = scaler["watch"]
     for model in ("tiny", "mlp"):
         cost = watch[model]
-        assert set(cost["step_us"]) == {"plain", "watch_observe", "watch_skip"}
+        watches = {"watch_observe", "watch_skip", "watch_observe_stats_off"}
+        assert set(cost["step_us"]) == {"plain", *watches}
         assert all(_positive(v) for v in cost["step_us"].values())
-        assert set(cost["extra_cpu_us"]) == {"watch_observe", "watch_skip"}
+        assert set(cost["extra_cpu_us"]) == watches
+        assert set(cost["stats_extra_us"]) == {"median", "p25", "p75"}
         # Every timed and warm-up iteration of each watch made its record.
         made = cost["iterations_per_contender"] + cost["warmup_iterations"]
         assert set(cost["records"].values()) == {made}

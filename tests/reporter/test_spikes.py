@@ -82,3 +82,32 @@ def test_a_lasting_change_of_level_stops_firing() -> None:
 def test_impossible_thresholds_are_refused(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError, match=r"must be|need"):
         SpikeRule(**bad)  # type: ignore[arg-type]
+
+
+def test_the_minimum_shortcut_judges_as_the_full_rule() -> None:
+    """Values below ratio x the window's minimum are rejected without the full test; the
+    verdicts must be those of the rule itself, for positive, mixed and negative series."""
+    rule = SpikeRule(window=30, min_window=5)
+    for level, noise in ((2.0, 0.2), (0.0, 1.0), (-10.0, 0.5)):
+        rng = random.Random(level)
+        values = [level + rng.gauss(0.0, noise) for _ in range(400)]
+        values += [level + 50 * noise, abs(level) * 4 + 8 * noise]
+        window, history, fired = SpikeWindow(rule), [], 0
+        for value in values:
+            spike = window.observe(value)
+            recent = history[-rule.window :]
+            expected = None
+            if len(recent) >= rule.min_window:
+                mean = sum(recent) / len(recent)
+                stdev = math.sqrt(sum((v - mean) ** 2 for v in recent) / len(recent))
+                median = (
+                    sorted(recent)[len(recent) // 2]
+                    if len(recent) % 2
+                    else sum(sorted(recent)[len(recent) // 2 - 1 : len(recent) // 2 + 1]) / 2
+                )
+                if value > mean + rule.sigmas * stdev and value >= rule.ratio * median:
+                    expected = value
+            assert (spike.value if spike else None) == expected, (level, value)
+            fired += spike is not None
+            history.append(value)
+        assert fired >= 1, f"the planted spikes of level {level} must fire"
