@@ -1,35 +1,36 @@
 """A clean run with real training fires no spike verdict; one bad batch then does.
 
-Four ranks train their own replica of a small MLP in bf16 on CPU (AdamW, a realizable
-teacher-student regression with label noise), in lockstep in one process (each with its own rank
-identity, data shard and ``GradWatch``), for 300 iterations with a noisy but stable loss,
+Four real DDP ranks (gloo, CPU) train a small MLP in bf16 autocast (AdamW, a realizable
+teacher-student regression with label noise, each rank its own data shard) for 300
+iterations with a noisy but stable loss, each rank's ``GradWatch`` (origin tracking on)
 reporting through the real ``HttpReporter`` to a real exporter process. The exporter must find
 no spike: ``loss_spike``, ``grad_norm_spike`` and ``origin_outlier`` stay ok and
 ``ampscope_spikes_total`` stays 0. Then rank 2 alone gets one batch with its inputs multiplied
 by 30: the same exporter names it (a loss spike on rank 2, rank 2's own gradients the outlier),
 so the quiet part is a judgement, not an unarmed detector.
 
-Until the scalers fill ``StepRecord.stats`` (the rank side of #24), the stats come from this
-training loop: the loss it computes and ``clip_grad_norm_``'s return value, set on each record
-by a thin sink in front of the reporter. Without cross-rank reduction, a rank's own gradient
-norm (``grad_norm_origin``) is its whole gradient norm.
+The stats are the watches' own (``StepRecord.stats``), checked against what each rank's loop
+saw: the loss it computed and ``clip_grad_norm_``'s return value.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
-from support import DEADLOCK_GUARD_S, free_port
+from support import DEADLOCK_GUARD_S, free_port, run_distributed, wait_until
 
 from ampscope.demo.exporter import ExporterProcess
-from ampscope.reporter.schema import StepRecord, StepStats
+
+pytestmark = pytest.mark.distributed
 
 RUN = "clean-run"
 RANKS = 4
@@ -38,48 +39,66 @@ BAD_RANK = 2
 BAD_FACTOR = 30.0
 
 
-class LoopStats:
-    """A sink that sets each record's stats from what the training loop measured, then
-    hands it to the reporter. Records are emitted after their update(), by which time the
-    loop noted the step."""
+def _mlp() -> Any:
+    import torch
 
-    def __init__(self, reporter: Any) -> None:
-        self._reporter = reporter
-        self._lock = threading.Lock()
-        self._by_step: dict[int, StepStats] = {}
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
 
-    def note(self, step: int, loss: float, grad_norm: float) -> None:
-        with self._lock:
-            self._by_step[step] = StepStats(
-                loss=loss, grad_norm=grad_norm, grad_norm_origin=grad_norm
-            )
 
-    def emit(self, record: StepRecord) -> None:
-        with self._lock:
-            stats = self._by_step.pop(record.step)
-        self._reporter.emit(record.model_copy(update={"stats": stats}))
+def _rank(rank: int, world_size: int, url: str, go: str) -> dict[str, list[float]]:
+    """One DDP rank: STEPS clean iterations, then (once ``go`` exists) one more, with its
+    inputs multiplied by BAD_FACTOR on BAD_RANK. Returns the loop's losses and norms."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
 
-    def flush(self, timeout: float) -> bool:
-        return bool(self._reporter.flush(timeout))
+    import ampscope
+    from ampscope.reporter.http import HttpReporter
 
-    def close(self, timeout: float) -> None:
-        self._reporter.close(timeout)
+    torch.set_num_threads(1)
+    # The target is a network of the same shape: every batch is within the model's reach.
+    # (A linear target under a tanh network makes rare batches the model cannot fit, whose
+    # loss jumps 5x: real spikes, which the exporter rightly names.)
+    torch.manual_seed(0)
+    teacher = _mlp().requires_grad_(False)
+    model = DistributedDataParallel(_mlp())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    watch = ampscope.GradWatch("skip", reporter=HttpReporter(url, flush_interval=0.05), run_id=RUN)
+    watch.attach(model, track_origin=True)
+    data = torch.Generator().manual_seed(100 + rank)
+    seen: dict[str, list[float]] = {"loss": [], "norm": []}
+
+    def train(factor: float) -> None:
+        x = torch.randn(64, 16, generator=data)
+        y = teacher(x) + 0.1 * torch.randn(64, 1, generator=data)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = torch.nn.functional.mse_loss(model(x * factor).float(), y)
+        watch.scale(loss).backward()
+        watch.unscale_(optimizer)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+        seen["loss"].append(loss.item())
+        seen["norm"].append(norm.item())
+        watch.step(optimizer)
+        watch.update()
+        optimizer.zero_grad()
+
+    for _ in range(STEPS):
+        train(1.0)
+    deadline = time.monotonic() + 4 * DEADLOCK_GUARD_S
+    while not os.path.exists(go):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the test never released the bad step ({go})")
+        time.sleep(0.05)
+    train(BAD_FACTOR if rank == BAD_RANK else 1.0)
+    dist.barrier()
+    watch.close()
+    return seen
 
 
 def _get(url: str) -> Any:
     with urllib.request.urlopen(url, timeout=DEADLOCK_GUARD_S) as response:
         body = response.read()
     return body.decode() if url.endswith("/metrics") else json.loads(body)
-
-
-def _until_step(url: str, step: int) -> None:
-    deadline = time.monotonic() + DEADLOCK_GUARD_S
-    while True:
-        ranks = _get(f"{url}/api/v1/runs/{RUN}/ranks") if _has_run(url) else []
-        if len(ranks) == RANKS and all(r["step"] == step for r in ranks):
-            return
-        assert time.monotonic() < deadline, ranks
-        time.sleep(0.1)
 
 
 def _has_run(url: str) -> bool:
@@ -111,79 +130,52 @@ def exporter() -> Iterator[str]:
         process.stop()
 
 
-def test_a_clean_run_fires_no_spike_and_one_bad_batch_does(
-    exporter: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import torch
+def _at_step(url: str, step: int) -> bool:
+    if not _has_run(url):
+        return False
+    ranks = _get(f"{url}/api/v1/runs/{RUN}/ranks")
+    return len(ranks) == RANKS and all(r["step"] == step for r in ranks)
 
-    import ampscope
-    from ampscope.reporter.http import HttpReporter
 
-    def mlp() -> torch.nn.Module:
-        return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
-
-    # The target is a network of the same shape: every batch is within the model's reach.
-    # (A linear target under a tanh network makes rare batches the model cannot fit, whose
-    # loss jumps 5x: real spikes, which the exporter rightly names.)
-    torch.manual_seed(0)
-    teacher = mlp().requires_grad_(False)
-    ranks = []
-    for rank in range(RANKS):
-        model = mlp()
-        sink = LoopStats(HttpReporter(exporter, flush_interval=0.05))
-        ranks.append(
-            {
-                "model": model,
-                "optimizer": torch.optim.AdamW(model.parameters(), lr=3e-3),
-                "watch": ampscope.GradWatch("skip", reporter=sink, run_id=RUN),  # type: ignore[arg-type]
-                "sink": sink,
-                "data": torch.Generator().manual_seed(100 + rank),
-            }
-        )
-
-    def train(rank: int, step: int, factor: float = 1.0) -> float:
-        env = {"AMPSCOPE_NODE": "node0", "RANK": str(rank), "LOCAL_RANK": str(rank),
-               "WORLD_SIZE": str(RANKS), "LOCAL_WORLD_SIZE": str(RANKS)}  # fmt: skip
-        for name, value in env.items():
-            monkeypatch.setenv(name, value)
-        r = ranks[rank]
-        x = torch.randn(64, 16, generator=r["data"])
-        y = teacher(x) + 0.1 * torch.randn(64, 1, generator=r["data"])
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = torch.nn.functional.mse_loss(r["model"](x * factor).float(), y)
-        r["watch"].scale(loss).backward()
-        r["watch"].unscale_(r["optimizer"])
-        norm = torch.nn.utils.clip_grad_norm_(r["model"].parameters(), max_norm=1.0)
-        r["sink"].note(step, loss.item(), norm.item())
-        r["watch"].step(r["optimizer"])
-        r["watch"].update()
-        r["optimizer"].zero_grad()
-        return loss.item()
-
-    losses = [[train(rank, step) for rank in range(RANKS)] for step in range(1, STEPS + 1)]
-    _until_step(exporter, STEPS)
-
+def test_a_clean_run_fires_no_spike_and_one_bad_batch_does(exporter: str, tmp_path: Path) -> None:
+    go = tmp_path / "go"
+    results: list[Any] = []
+    ranks = threading.Thread(
+        target=lambda: results.extend(
+            run_distributed(
+                _rank, RANKS, args=(exporter, str(go)), env={"AMPSCOPE_NODE": "node0"}, timeout=300
+            )
+        ),
+        daemon=True,
+    )
+    ranks.start()
+    try:
+        wait_until(lambda: _at_step(exporter, STEPS), f"all ranks at step {STEPS}", 240)
+        verdicts = _verdicts(exporter)
+        for rule in ("loss_spike", "grad_norm_spike", "origin_outlier"):
+            assert verdicts[rule]["status"] == "ok", verdicts[rule]
+        counts = _spike_counts(exporter)
+        assert len(counts) == RANKS * 3
+        assert set(counts.values()) == {0.0}
+    finally:
+        go.touch()  # the ranks end either way
+        ranks.join(300)
+    assert len(results) == RANKS, "the ranks failed (run_distributed reported why)"
+    losses = [r["loss"] for r in results]
     # The loss is noisy (batch to batch) but stable: no trend over the last 200 iterations.
     for rank in range(RANKS):
-        tail = [row[rank] for row in losses[100:]]
+        tail = losses[rank][100:STEPS]
         assert statistics.pstdev(tail) / statistics.fmean(tail) > 0.1  # noisy
         assert abs(sum(tail[:100]) - sum(tail[100:])) / sum(tail) < 0.1  # stable
-    verdicts = _verdicts(exporter)
-    for rule in ("loss_spike", "grad_norm_spike", "origin_outlier"):
-        assert verdicts[rule]["status"] == "ok", verdicts[rule]
-    counts = _spike_counts(exporter)
-    assert len(counts) == RANKS * 3
-    assert set(counts.values()) == {0.0}
-    # The exporter held every step's stats: the windows were fed.
-    series = _get(f"{exporter}/api/v1/runs/{RUN}/series?max_steps={STEPS}")
+    wait_until(lambda: _at_step(exporter, STEPS + 1), f"all ranks at step {STEPS + 1}")
+    # The exporter held every step's stats, the watches' own: the windows were fed.
+    series = _get(f"{exporter}/api/v1/runs/{RUN}/series?max_steps={STEPS + 1}")
     for rank in range(RANKS):
-        assert series["loss"][rank] == pytest.approx([row[rank] for row in losses])
+        assert series["loss"][rank] == pytest.approx(losses[rank])
+        assert series["grad_norm"][rank] == pytest.approx(results[rank]["norm"], rel=1e-5)
 
     # One bad batch on rank 2: its loss and its own gradients jump, the others' do not.
     step = STEPS + 1
-    for rank in range(RANKS):
-        train(rank, step, BAD_FACTOR if rank == BAD_RANK else 1.0)
-    _until_step(exporter, step)
     verdicts = _verdicts(exporter)
     loss = verdicts["loss_spike"]
     assert loss["status"] == "warning"
@@ -195,6 +187,4 @@ def test_a_clean_run_fires_no_spike_and_one_bad_batch_does(
     counts = _spike_counts(exporter)
     assert counts[(str(BAD_RANK), "loss")] == 1
     assert counts[(str(BAD_RANK), "origin_outlier")] == 1
-    assert sum(counts.values()) == 2 + counts[(str(BAD_RANK), "grad_norm")]
-    for r in ranks:
-        r["watch"].close()
+    assert sum(counts.values()) == 2 + RANKS * counts[(str(BAD_RANK), "grad_norm")]
