@@ -165,7 +165,7 @@ class OriginBoard:
     """The ``grad_norm_origin`` of a run's ranks at its most recent steps.
 
     Args:
-        factor: An outlier's norm exceeds this many times the median of the others.
+        factor: An outlier's norm is at least this many times the median of the others.
         steps: Most recent steps held (``ORIGIN_STEPS``); older ones are dropped.
     """
 
@@ -214,14 +214,22 @@ class OriginBoard:
             if other_rank in flagged:
                 continue
             median = _median_without(ordered, ordered.index(value))
-            if median > 0 and value > self._factor * median:
+            if median > 0 and value >= self._factor * median:
                 flagged.add(other_rank)
                 found.append(Outlier(other_rank, step, value, median, len(at) - 1))
         return found
 
     def forget(self, rank: int) -> None:
-        """Drop ``rank``'s norms (it restarted or was pruned). O(steps held)."""
-        for at in self._norms.values():
+        """Drop ``rank``'s norms (it restarted or was pruned), and the steps no rank holds
+        any more: a job resumed from an older checkpoint reports steps below them, which a
+        full board of empty steps would refuse. O(steps held)."""
+        for step, at in list(self._norms.items()):
             at.pop(rank, None)
+            if not at:
+                del self._norms[step]
+                self._flagged.pop(step, None)
         for flagged in self._flagged.values():
             flagged.discard(rank)
+        if len(self._order) != len(self._norms):
+            self._order = list(self._norms)
+            heapq.heapify(self._order)

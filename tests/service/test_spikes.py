@@ -154,6 +154,21 @@ def test_the_origin_board_is_bounded_and_forgets_ranks() -> None:
     assert board.observe(1, 7, 50.0) == []  # rank 0's norms are gone
 
 
+def test_a_job_resumed_from_an_older_checkpoint_is_compared_again() -> None:
+    """Every rank restarts (forgotten) and reports steps below those the full board held:
+    the emptied steps go, so the resumed steps are compared at once."""
+    board = OriginBoard(factor=10.0, steps=4)
+    for step in range(301, 311):
+        for rank in range(4):
+            board.observe(rank, step, 1.0, ranks=4)
+    for rank in range(4):
+        board.forget(rank)
+    for rank in range(3):
+        assert board.observe(rank, 101, 1.0, ranks=4) == []
+    (hit,) = board.observe(3, 101, 10.0, ranks=4)  # exactly the factor: an outlier
+    assert (hit.rank, hit.step, hit.median, hit.compared) == (3, 101, 1.0, 3)
+
+
 def _store() -> Store:
     return Store(
         StoreLimits(
