@@ -21,7 +21,6 @@ from deploy_files import (
     alert_rules,
     dashboard_expressions,
     dashboards,
-    metric_names,
     recording_rules,
     substitute,
 )
@@ -43,14 +42,6 @@ STEPS = 60
 a margin over the alert's 5 detections: 12 outliers, 1 s scrapes, a 0.1 s step delay."""
 STALE_AFTER_S = 6.0
 """Long enough for the ranks to stay up until the demo has exited."""
-
-STATS_FAMILIES = {
-    "ampscope_loss",
-    "ampscope_grad_norm",
-    "ampscope_grad_norm_origin",
-    "ampscope_spikes_total",
-}
-"""Families only ranks that report stats (loss, gradient norms) have."""
 
 pytestmark = [pytest.mark.prometheus, pytest.mark.distributed]
 
@@ -149,14 +140,13 @@ def test_every_dashboard_and_alert_expression_returns_data(
     assert not unanswered, f"suggested PromQL without data: {unanswered}"
 
     (dashboard,) = dashboards().values()
-    # The loss and gradient-norm panels need ranks that report stats; while the demo's
-    # scalers report none (their records' stats are None), those panels are left out, and
-    # the moment any rank reports a loss they must have data like every other panel.
-    reported = bool(evaluate("ampscope_loss"))
+    # The demo's scalers report their loss and gradient norms (stats are on by default), so
+    # the loss and gradient-norm panels have data like every other panel.
+    assert evaluate("ampscope_loss"), "the demo's ranks reported no loss"
     empty = [
         (title, expr)
         for title, expr in dashboard_expressions(dashboard)
-        if (reported or not STATS_FAMILIES & metric_names(expr)) and not evaluate(substitute(expr))
+        if not evaluate(substitute(expr))
     ]
     assert not empty, f"dashboard queries without data: {empty}"
     unrecorded = [name for name, rule in recording_rules().items() if not evaluate(rule["expr"])]

@@ -12,10 +12,9 @@ import socket
 import ssl
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -32,8 +31,6 @@ from service.factory import record
 
 TOKEN = "rank-token-1"
 PASSWORD = "scrape-pw"
-DEADLINE_S = 30.0
-"""Deadlock guard for conditions waited on (rotation promises 10 s; CI machines are slow)."""
 
 
 @dataclass
@@ -77,15 +74,6 @@ def _get(url: str, context: ssl.SSLContext, auth: bool = True) -> Any:
     return urllib.request.urlopen(request, timeout=10, context=context)
 
 
-def _wait(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.2)
-    pytest.fail(f"{what} not within {DEADLINE_S:.0f}s")
-
-
 def _start(directory: Path, config: dict[str, Any], pki: Pki) -> Exporter:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "web-config.yml"
@@ -110,7 +98,7 @@ def _start(directory: Path, config: dict[str, Any], pki: Pki) -> Exporter:
         except OSError:
             return False
 
-    _wait(up, "exporter answering over TLS")
+    wait_until(up, "exporter answering over TLS")
     return exporter
 
 
@@ -334,7 +322,7 @@ def test_real_prometheus_scrapes_over_tls_with_basic_auth(
                 active = json.load(response)["data"]["activeTargets"]
             return active[0] if active and active[0]["health"] != "unknown" else None
 
-        _wait(lambda: target() is not None, "a scrape")
+        wait_until(lambda: target() is not None, "a scrape")
         scraped = target()
         assert scraped is not None
         assert scraped["health"] == "up", scraped["lastError"]
@@ -425,7 +413,10 @@ def test_rotation_without_restart(pki: Pki, tmp_path: Path) -> None:
         own.server.cert.write_bytes(fresh.cert.read_bytes())
         second = _serial(own.server.cert)
         assert second != first
-        _wait(lambda: _served_serial(exporter.url, own.ca.cert) == second, "the new cert served")
+        wait_until(
+            lambda: _served_serial(exporter.url, own.ca.cert) == second,
+            "the new cert served",
+        )
 
         config["basic_auth_users"] = {"grafana": bcrypt_hash("rotated")}
         exporter.config.write_text(yaml.safe_dump(config))
@@ -442,11 +433,11 @@ def test_rotation_without_restart(pki: Pki, tmp_path: Path) -> None:
             except urllib.error.HTTPError:
                 return False
 
-        _wait(new_user_only, "the rotated user accepted")
+        wait_until(new_user_only, "the rotated user accepted")
         assert exporter.process.poll() is None, "SIGHUP must not kill the exporter"
 
         exporter.config.write_text("basic_auth_users: {grafana: plain}\n")
-        _wait(lambda: "not reloaded" in exporter.log_text(), "the invalid reload logged")
+        wait_until(lambda: "not reloaded" in exporter.log_text(), "the invalid reload logged")
         assert "basic_auth_users.grafana" in exporter.log_text()
         assert new_user_only(), "the previous configuration stays in force"
     finally:
