@@ -36,6 +36,7 @@ from ampscope.reporter.sink import Sink
 from ampscope.reporter.spikes import SpikeRule
 from ampscope.scaler import stop
 from ampscope.scaler.attribution import count_nonfinite
+from ampscope.scaler.capture import FoundInf
 from ampscope.scaler.config import TelemetryConfig, WatchConfig
 from ampscope.scaler.frontend import OWN_ATTRIBUTES, TelemetryFrontEnd, warn_if_torch_changed
 from ampscope.scaler.stop import NonFiniteGradientsError
@@ -301,27 +302,34 @@ class GradWatch(TelemetryFrontEnd):
 
     def _check(self, capture: WatchCapture, optimizer: torch.optim.Optimizer) -> Checked:
         info = capture.info(optimizer)
-        try:
-            found = check_local(optimizer, info, capture.ones)
-        except Exception:
-            # Never break training for the check, nor leave the other ranks waiting in
-            # agree(): this rank then takes part as clean (counted, logged once).
-            self._ampscope_failed()
-            found = {}
+        found: FoundInf | None = None
         stats = self._ampscope_stats
         if stats is not None:
             # Sharded gradients all-reduce their squared norm here, on every rank alike.
             try:
-                stats.add_grads(optimizer, info, scaled=False)
+                norms = stats.add_grads(optimizer, info, scaled=False)
             except Exception:
                 self._ampscope_failed()
+                norms = None
+            place = info.place
+            if norms is not None and place is not None and place[0].type == "cpu":
+                found = capture.clean_from_norms(norms, place[0])
+        clean = found is not None
+        if found is None:
+            try:
+                found = check_local(optimizer, info, capture.ones)
+            except Exception:
+                # Never break training for the check, nor leave the other ranks waiting
+                # in agree(): this rank then takes part as clean (counted, logged once).
+                self._ampscope_failed()
+                found = {}
         agreed = (
             None if self._watch.policy == "observe" else agree(found, self._watch.process_group)
         )
         entry = capture.iteration[id(optimizer)] = Checked(info, found, agreed)
         # Parameters are named where the host knows the flag for free (the CPU); on an
         # accelerator under skip/raise, once the agreed flag says so (step()).
-        if self._ampscope_config.attribution:
+        if not clean and self._ampscope_config.attribution:
             place = info.place
             on_cpu = place[0].type == "cpu" if place is not None else _all_cpu(found)
             if on_cpu and any(flag.item() for flag in found.values()):

@@ -20,6 +20,7 @@ pending step's :class:`~ampscope.reporter.schema.Setup` tells it which kind.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -43,6 +44,9 @@ from ampscope.scaler.identity import collective_device
 
 if TYPE_CHECKING:
     from ampscope.scaler.grad_stats import TakenStats
+
+_READ_EACH = 8
+"""Up to this many norms, reading each costs less than stacking them first."""
 
 _NO_FLAGS: Mapping[torch.device, torch.Tensor] = MappingProxyType({})
 
@@ -187,10 +191,42 @@ class WatchCapture:
         """Whether the last closed iteration skipped; flags to read when the host does
         not know (fused optimizers under skip)."""
         self.ones: dict[torch.device, torch.Tensor] = {}
+        self._zeros: dict[torch.device, torch.Tensor] = {}
+        self._zero_ids: set[int] = set()
         self._constants: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._slots: dict[tuple[int, str, bool, bool, int], OptimizerSlot] = {}
         self._device_names: dict[tuple[torch.device, ...], tuple[str, ...]] = {}
         self._setups: dict[frozenset[str], Setup] = {}
+
+    def clean_from_norms(
+        self, norms: tuple[torch.Tensor, ...], device: torch.device
+    ) -> dict[torch.device, torch.Tensor] | None:
+        """The found-inf of gradients on the CPU whose norms (one per gradient, every
+        element counted) were just taken, without the non-finite kernel: when every norm is
+        finite no element is inf/NaN (one would make its norm inf or NaN), and the flag is
+        this capture's zero on ``device``. ``None`` when some norm is not finite: that may
+        come from finite elements too (a float32 square overflows above ~1.8e19), so the
+        kernel must decide. Reads the norms on the host: only for CPU tensors (no sync),
+        and never when the capture is told to use the device transport (which stands for
+        an accelerator in tests): then ``None``.
+
+        The zero flag is shared by every clean iteration: nothing writes a flag in place
+        (:func:`agree` reduces a copy; records read them).
+        """
+        if self._read_on_host is False:
+            return None
+        if len(norms) <= _READ_EACH:
+            total = sum([norm.item() for norm in norms])
+        else:
+            total = sum(torch.stack(norms).tolist())
+        # float64 sums of float32 norms do not overflow; wider norms may (then: the kernel).
+        if not math.isfinite(total):
+            return None
+        zero = self._zeros.get(device)
+        if zero is None:
+            zero = self._zeros[device] = torch.zeros(1, dtype=torch.float32, device=device)
+            self._zero_ids.add(id(zero))
+        return {device: zero}
 
     def close(self) -> None:
         """Nothing to undo: the watch registers no hooks on optimizers."""
@@ -226,16 +262,24 @@ class WatchCapture:
         local: Mapping[torch.device, torch.Tensor] = _NO_FLAGS
         dtypes: frozenset[str] = frozenset()
         skipped: bool | None = False
-        for entry in iteration.values():
-            info, found = entry.info, entry.found
-            flags = list(found.values()) if entry.agreed is None else [entry.agreed]
-            slots.append(self._slot(info, entry.stepped, len(flags)))
-            opt_flags += flags
+        if len(iteration) == 1:
             # The common single optimizer keeps its own objects: no merge, no new set.
-            dtypes = info.dtypes if not dtypes else dtypes | info.dtypes
-            local = found if not local else _merged(local, found)
-            if entry.stepped and skipped is not None:
-                skipped = None if entry.skipped is None else skipped or entry.skipped
+            for entry in iteration.values():
+                local, dtypes = entry.found, entry.info.dtypes
+                opt_flags = list(local.values()) if entry.agreed is None else [entry.agreed]
+                slots.append(self._slot(entry.info, entry.stepped, len(opt_flags)))
+                if entry.stepped:
+                    skipped = entry.skipped
+        else:
+            for entry in iteration.values():
+                info, found = entry.info, entry.found
+                flags = list(found.values()) if entry.agreed is None else [entry.agreed]
+                slots.append(self._slot(info, entry.stepped, len(flags)))
+                opt_flags += flags
+                dtypes = info.dtypes if not dtypes else dtypes | info.dtypes
+                local = found if not local else _merged(local, found)
+                if entry.stepped and skipped is not None:
+                    skipped = None if entry.skipped is None else skipped or entry.skipped
         self.last_skipped = (
             [e.agreed for e in iteration.values() if e.agreed is not None]
             if skipped is None
@@ -250,17 +294,26 @@ class WatchCapture:
             pending.nonfinite = nonfinite
         pending.stats = stats
         flags = opt_flags + list(local.values())
+        # The local flags' devices are their keys (under observe the optimizers' flags
+        # are those); only agreed and origin flags are asked (each ask builds a device).
         accelerator = None
-        for flag in (*flags, *origin.values()):
-            if flag.device.type != "cpu":
-                accelerator = flag.device
+        for device in local:
+            if device.type != "cpu":
+                accelerator = device
                 break
+        if accelerator is None:
+            others = () if self.policy == "observe" else opt_flags
+            for flag in (*others, *origin.values()):
+                if flag.device.type != "cpu":
+                    accelerator = flag.device
+                    break
         on_host = self._read_on_host
         if on_host is None:
             on_host = accelerator is None
         if on_host:
             values = [1.0]
-            values += [flag.item() for flag in flags]
+            zeros = self._zero_ids  # the shared clean flags: known 0, not read
+            values += [0.0 if id(flag) in zeros else flag.item() for flag in flags]
             values += (1.0, 0.0)
             values += [flag.item() for flag in origin.values()]
             pending.values = values  # the stats' CPU tensors: read by the telemetry thread
