@@ -17,10 +17,11 @@ A loop written for ``GradScaler`` runs on bf16 or fp32 by swapping the object::
 
 Costs per iteration (see ``bench/watch_single.py``): one fused non-finite check per
 optimizer (torch's unscale kernel with an inverse scale of 1; one pass over gradient
-memory). ``observe`` adds no host-device sync and no collective. ``skip`` and ``raise``
-add one all-reduce of a one-element tensor per optimizer, on the process group, and one
-``.item()`` to decide (none for fused optimizers under ``skip``, which take the flag as
-``found_inf`` and skip on the device).
+memory); on the CPU with ``stats`` on, none on a clean iteration, which the gradient
+norms, one read of gradient memory, decide alone. ``observe`` adds no host-device sync
+and no collective. ``skip`` and ``raise`` add one all-reduce of a one-element tensor
+per optimizer, on the process group, and one ``.item()`` to decide (none for fused
+optimizers under ``skip``, which take the flag as ``found_inf`` and skip on the device).
 """
 
 from __future__ import annotations
@@ -214,9 +215,10 @@ class GradWatch(TelemetryFrontEnd):
         return None
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
-        """Close the iteration: one record. On the CPU it reads the flags (host memory,
-        no sync); on accelerators one small stack and its non-blocking copy. The first
-        call resolves the run id (a collective every rank reaches in its first update()).
+        """Close the iteration: one record. On the CPU the telemetry thread reads the
+        flags (host memory, no sync); on accelerators one small stack and its non-blocking
+        copy. The first call resolves the run id (a collective every rank reaches in its
+        first update()).
 
         Raises:
             ValueError: ``new_scale`` given: a watch has no scale.
@@ -352,8 +354,9 @@ class GradWatch(TelemetryFrontEnd):
     def _counts(capture: WatchCapture) -> Mapping[str, int]:
         merged: dict[str, int] = {}
         for entry in capture.iteration.values():
-            for name, count in (entry.nonfinite or {}).items():
-                merged[name] = merged.get(name, 0) + count
+            if entry.nonfinite:  # counted only on non-finite iterations
+                for name, count in entry.nonfinite.items():
+                    merged[name] = merged.get(name, 0) + count
         return merged
 
     def _stop(self, reason: str) -> None:
