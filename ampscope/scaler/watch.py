@@ -203,7 +203,7 @@ class GradWatch(TelemetryFrontEnd):
         ):
             entry.skipped = None  # decided on the device; read only when asked
             return _fused_step(optimizer, agreed, args, kwargs)
-        if not agreed.item():
+        if id(agreed) in capture.zero_ids or not agreed.item():
             return optimizer.step(*args, **kwargs)
         entry.skipped = True
         self._attribute(entry, optimizer)

@@ -197,7 +197,9 @@ class WatchCapture:
         not know (fused optimizers under skip)."""
         self.ones: dict[torch.device, torch.Tensor] = {}
         self._zeros: dict[torch.device, torch.Tensor] = {}
-        self._zero_ids: set[int] = set()
+        self.zero_ids: set[int] = set()
+        """``id()`` of the shared clean flags (:meth:`clean_from_norms`): known to be 0,
+        so never read."""
         self._constants: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._slots: dict[tuple[int, str, bool, bool, int], OptimizerSlot] = {}
         self._device_names: dict[tuple[torch.device, ...], tuple[str, ...]] = {}
@@ -230,7 +232,7 @@ class WatchCapture:
         zero = self._zeros.get(device)
         if zero is None:
             zero = self._zeros[device] = torch.zeros(1, dtype=torch.float32, device=device)
-            self._zero_ids.add(id(zero))
+            self.zero_ids.add(id(zero))
         return {device: zero}
 
     def close(self) -> None:
@@ -303,7 +305,7 @@ class WatchCapture:
         iteration's own objects and this capture's caches (dict lookups and inserts,
         atomic under the GIL)."""
         flags = self._lay_out(pending, iteration, origin)
-        zeros = self._zero_ids  # the shared clean flags: known 0, not read
+        zeros = self.zero_ids  # the shared clean flags: known 0, not read
         values = [1.0]
         values += [0.0 if id(flag) in zeros else flag.item() for flag in flags]
         values += (1.0, 0.0)
