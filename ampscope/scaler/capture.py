@@ -174,6 +174,7 @@ class PendingStep:
     __slots__ = (
         "before",
         "clean",
+        "fill",
         "host",
         "host_norms",
         "identity",
@@ -240,9 +241,17 @@ class PendingStep:
         self.host_norms: torch.Tensor | None = None
         """Device transport: the tail of ``host`` holding the per-parameter norms, read
         only on a spike iteration; the values stop before it."""
+        self.fill: tuple[Any, ...] | None = None
+        """A watch's host transport: ``(capture, *args)``; :meth:`read` first calls
+        ``capture.fill(self, *args)`` (telemetry thread), which sets the layout, the setup
+        and ``values``."""
 
     def read(self) -> list[float]:
         """The step's scalars on the host; waits for the device copy (telemetry thread)."""
+        if self.fill is not None:
+            capture, *args = self.fill
+            self.fill = None
+            capture.fill(self, *args)
         if self.shape is not None:
             self.optimizers, self.local_devices = self.shape[0].layout(self.shape)
             self.setup = self.shape[0].setup(self.shape)

@@ -178,13 +178,19 @@ class GradStats:
 
     def add_grads(
         self, optimizer: torch.optim.Optimizer, info: OptimizerInfo, scaled: bool
-    ) -> None:
+    ) -> tuple[torch.Tensor, ...] | None:
         """Norm ``optimizer``'s local gradients (after their unscale, or ``scaled`` when
         the check unscaled nothing): one multi-tensor norm per device. Sharded gradients add
         a stack, a dot and one all-reduce per mesh layout; every rank calls this for the
         same optimizers in the same order, and the all-reduces run even when the local
         norms fail (this rank then contributes NaN, and the error is raised afterwards), so
-        that no rank waits alone."""
+        that no rank waits alone.
+
+        Returns:
+            In the common case (every parameter has a dense, whole, non-DTensor gradient,
+            and nothing is summed over ranks) the norms, one per gradient, in which an
+            inf/NaN element always shows as a non-finite norm; else ``None``.
+        """
         plan: NormPlan | None = info.norm_plan
         if plan is None or plan.groups != info.groups or plan.names_version != self._names.version:
             plan = info.norm_plan = self._build_plan(optimizer, info.groups)
@@ -200,11 +206,11 @@ class GradStats:
                     if info.place is None:
                         each = _on_one_device(each)
                     self._optimizers.append(OptimizerNorms(plan.names, each, scaled, None))
-                    return
+                    return each
             self._optimizers.append(
                 OptimizerNorms(plan.names, self._local_norms(plan, info), scaled, None)
             )
-            return
+            return None
         failure: Exception | None = None
         local: tuple[torch.Tensor, ...] | None
         try:
@@ -215,6 +221,7 @@ class GradStats:
         if failure is not None or local is None:
             raise failure or RuntimeError("no local gradient norms")
         self._optimizers.append(OptimizerNorms(plan.names, local, scaled, square))
+        return None
 
     def _local_norms(self, plan: NormPlan, info: OptimizerInfo) -> tuple[torch.Tensor, ...]:
         """The plan's per-parameter (segment) norms of this rank's local gradients."""

@@ -17,10 +17,11 @@ A loop written for ``GradScaler`` runs on bf16 or fp32 by swapping the object::
 
 Costs per iteration (see ``bench/watch_single.py``): one fused non-finite check per
 optimizer (torch's unscale kernel with an inverse scale of 1; one pass over gradient
-memory). ``observe`` adds no host-device sync and no collective. ``skip`` and ``raise``
-add one all-reduce of a one-element tensor per optimizer, on the process group, and one
-``.item()`` to decide (none for fused optimizers under ``skip``, which take the flag as
-``found_inf`` and skip on the device).
+memory); on the CPU with ``stats`` on, none on a clean iteration, which the gradient
+norms, one read of gradient memory, decide alone. ``observe`` adds no host-device sync
+and no collective. ``skip`` and ``raise`` add one all-reduce of a one-element tensor
+per optimizer, on the process group, and one ``.item()`` to decide (none for fused
+optimizers under ``skip``, which take the flag as ``found_inf`` and skip on the device).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from ampscope.reporter.sink import Sink
 from ampscope.reporter.spikes import SpikeRule
 from ampscope.scaler import stop
 from ampscope.scaler.attribution import count_nonfinite
+from ampscope.scaler.capture import FoundInf
 from ampscope.scaler.config import TelemetryConfig, WatchConfig
 from ampscope.scaler.frontend import OWN_ATTRIBUTES, TelemetryFrontEnd, warn_if_torch_changed
 from ampscope.scaler.stop import NonFiniteGradientsError
@@ -201,7 +203,7 @@ class GradWatch(TelemetryFrontEnd):
         ):
             entry.skipped = None  # decided on the device; read only when asked
             return _fused_step(optimizer, agreed, args, kwargs)
-        if not agreed.item():
+        if id(agreed) in capture.zero_ids or not agreed.item():
             return optimizer.step(*args, **kwargs)
         entry.skipped = True
         self._attribute(entry, optimizer)
@@ -213,9 +215,10 @@ class GradWatch(TelemetryFrontEnd):
         return None
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
-        """Close the iteration: one record. On the CPU it reads the flags (host memory,
-        no sync); on accelerators one small stack and its non-blocking copy. The first
-        call resolves the run id (a collective every rank reaches in its first update()).
+        """Close the iteration: one record. On the CPU the telemetry thread reads the
+        flags (host memory, no sync); on accelerators one small stack and its non-blocking
+        copy. The first call resolves the run id (a collective every rank reaches in its
+        first update()).
 
         Raises:
             ValueError: ``new_scale`` given: a watch has no scale.
@@ -301,27 +304,34 @@ class GradWatch(TelemetryFrontEnd):
 
     def _check(self, capture: WatchCapture, optimizer: torch.optim.Optimizer) -> Checked:
         info = capture.info(optimizer)
-        try:
-            found = check_local(optimizer, info, capture.ones)
-        except Exception:
-            # Never break training for the check, nor leave the other ranks waiting in
-            # agree(): this rank then takes part as clean (counted, logged once).
-            self._ampscope_failed()
-            found = {}
+        found: FoundInf | None = None
         stats = self._ampscope_stats
         if stats is not None:
             # Sharded gradients all-reduce their squared norm here, on every rank alike.
             try:
-                stats.add_grads(optimizer, info, scaled=False)
+                norms = stats.add_grads(optimizer, info, scaled=False)
             except Exception:
                 self._ampscope_failed()
+                norms = None
+            place = info.place
+            if norms is not None and place is not None and place[0].type == "cpu":
+                found = capture.clean_from_norms(norms, place[0])
+        clean = found is not None
+        if found is None:
+            try:
+                found = check_local(optimizer, info, capture.ones)
+            except Exception:
+                # Never break training for the check, nor leave the other ranks waiting
+                # in agree(): this rank then takes part as clean (counted, logged once).
+                self._ampscope_failed()
+                found = {}
         agreed = (
             None if self._watch.policy == "observe" else agree(found, self._watch.process_group)
         )
         entry = capture.iteration[id(optimizer)] = Checked(info, found, agreed)
         # Parameters are named where the host knows the flag for free (the CPU); on an
         # accelerator under skip/raise, once the agreed flag says so (step()).
-        if self._ampscope_config.attribution:
+        if not clean and self._ampscope_config.attribution:
             place = info.place
             on_cpu = place[0].type == "cpu" if place is not None else _all_cpu(found)
             if on_cpu and any(flag.item() for flag in found.values()):
@@ -344,8 +354,9 @@ class GradWatch(TelemetryFrontEnd):
     def _counts(capture: WatchCapture) -> Mapping[str, int]:
         merged: dict[str, int] = {}
         for entry in capture.iteration.values():
-            for name, count in (entry.nonfinite or {}).items():
-                merged[name] = merged.get(name, 0) + count
+            if entry.nonfinite:  # counted only on non-finite iterations
+                for name, count in entry.nonfinite.items():
+                    merged[name] = merged.get(name, 0) + count
         return merged
 
     def _stop(self, reason: str) -> None:

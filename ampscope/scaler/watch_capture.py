@@ -4,13 +4,18 @@ Per optimizer, :func:`check_local` runs torch's fused multi-tensor non-finite ke
 (the one its unscale runs) once per (device, dtype) group of this rank's local gradients
 (DTensor shards, under FSDP2 and tensor parallelism) with an inverse scale of 1: one
 pass over gradient memory (the kernel writes each value back unchanged), no sync. Its
-one-element flags stay on the device.
+one-element flags stay on the device. On the CPU with the gradient norms on (``stats``),
+the norms, taken first, decide a clean iteration alone
+(:meth:`WatchCapture.clean_from_norms`): an inf/NaN element always makes its norm
+non-finite, so finite norms spare the kernel; a non-finite norm (which finite elements
+above ~1.8e19 also give, in float32) leaves the decision to it.
 
 Under ``skip`` and ``raise``, :func:`agree` max-reduces them into one flag with a single
 all-reduce on the watch's process group, so that every rank decides alike. Under
 ``observe`` nothing more happens until update(), which hands the flags to the telemetry
-thread the way the scalers' capture does: read at once on the CPU (host memory, no
-sync), else stacked and copied to pinned memory without blocking.
+thread the way the scalers' capture does: on the CPU the telemetry thread lays the
+step out and reads them (host memory, no sync; nothing writes them any more), else they
+are stacked and copied to pinned memory without blocking.
 
 The values follow the scalers' layout, ``[scale_before, *optimizer flags, *local flags,
 scale_after, growth_tracker, *origin flags]``, with a scale of 1 and a tracker of 0, so
@@ -20,6 +25,7 @@ pending step's :class:`~ampscope.reporter.schema.Setup` tells it which kind.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -43,6 +49,9 @@ from ampscope.scaler.identity import collective_device
 
 if TYPE_CHECKING:
     from ampscope.scaler.grad_stats import TakenStats
+
+_READ_EACH = 8
+"""Up to this many norms, reading each costs less than stacking them first."""
 
 _NO_FLAGS: Mapping[torch.device, torch.Tensor] = MappingProxyType({})
 
@@ -187,10 +196,44 @@ class WatchCapture:
         """Whether the last closed iteration skipped; flags to read when the host does
         not know (fused optimizers under skip)."""
         self.ones: dict[torch.device, torch.Tensor] = {}
+        self._zeros: dict[torch.device, torch.Tensor] = {}
+        self.zero_ids: set[int] = set()
+        """``id()`` of the shared clean flags (:meth:`clean_from_norms`): known to be 0,
+        so never read."""
         self._constants: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._slots: dict[tuple[int, str, bool, bool, int], OptimizerSlot] = {}
         self._device_names: dict[tuple[torch.device, ...], tuple[str, ...]] = {}
         self._setups: dict[frozenset[str], Setup] = {}
+
+    def clean_from_norms(
+        self, norms: tuple[torch.Tensor, ...], device: torch.device
+    ) -> dict[torch.device, torch.Tensor] | None:
+        """The found-inf of gradients on the CPU whose norms (one per gradient, every
+        element counted) were just taken, without the non-finite kernel: when every norm is
+        finite no element is inf/NaN (one would make its norm inf or NaN), and the flag is
+        this capture's zero on ``device``. ``None`` when some norm is not finite: that may
+        come from finite elements too (a float32 square overflows above ~1.8e19), so the
+        kernel must decide. Reads the norms on the host: only for CPU tensors (no sync),
+        and never when the capture is told to use the device transport (which stands for
+        an accelerator in tests): then ``None``.
+
+        The zero flag is shared by every clean iteration: nothing writes a flag in place
+        (:func:`agree` reduces a copy; records read them).
+        """
+        if self._read_on_host is False:
+            return None
+        if len(norms) <= _READ_EACH:
+            total = sum([norm.item() for norm in norms])
+        else:
+            total = sum(torch.stack(norms).tolist())
+        # float64 sums of float32 norms do not overflow; wider norms may (then: the kernel).
+        if not math.isfinite(total):
+            return None
+        zero = self._zeros.get(device)
+        if zero is None:
+            zero = self._zeros[device] = torch.zeros(1, dtype=torch.float32, device=device)
+            self.zero_ids.add(id(zero))
+        return {device: zero}
 
     def close(self) -> None:
         """Nothing to undo: the watch registers no hooks on optimizers."""
@@ -216,24 +259,14 @@ class WatchCapture:
         nonfinite: Mapping[str, int],
         stats: TakenStats | None = None,
     ) -> PendingStep:
-        """End the open iteration: its pending step (values read on the CPU, or their host
-        copy started). One ``.item()`` per flag on the CPU; on accelerators one small stack
-        and a non-blocking copy, never a sync."""
+        """End the open iteration: its pending step. On the CPU (host transport) the
+        telemetry thread lays it out and reads its flags (host memory; nothing writes them
+        any more); on accelerators one small stack and a non-blocking copy here, never a
+        sync."""
         iteration, self.iteration = self.iteration, {}
         self.step += 1
-        opt_flags: list[torch.Tensor] = []
-        slots: list[OptimizerSlot] = []
-        local: Mapping[torch.device, torch.Tensor] = _NO_FLAGS
-        dtypes: frozenset[str] = frozenset()
         skipped: bool | None = False
         for entry in iteration.values():
-            info, found = entry.info, entry.found
-            flags = list(found.values()) if entry.agreed is None else [entry.agreed]
-            slots.append(self._slot(info, entry.stepped, len(flags)))
-            opt_flags += flags
-            # The common single optimizer keeps its own objects: no merge, no new set.
-            dtypes = info.dtypes if not dtypes else dtypes | info.dtypes
-            local = found if not local else _merged(local, found)
             if entry.stepped and skipped is not None:
                 skipped = None if entry.skipped is None else skipped or entry.skipped
         self.last_skipped = (
@@ -242,35 +275,86 @@ class WatchCapture:
             else skipped
         )
         pending = PendingStep(identity, self.step, time.time(), False)
-        pending.setup = self._setup(dtypes)
-        pending.optimizers = tuple(slots)
-        pending.local_devices = self._device_names_of(local)
-        pending.origin_devices = tuple(origin)
         if nonfinite:
             pending.nonfinite = nonfinite
         pending.stats = stats
-        flags = opt_flags + list(local.values())
-        accelerator = None
-        for flag in (*flags, *origin.values()):
-            if flag.device.type != "cpu":
-                accelerator = flag.device
-                break
         on_host = self._read_on_host
+        accelerator = None
         if on_host is None:
+            accelerator = self._accelerator(iteration, origin)
             on_host = accelerator is None
         if on_host:
-            values = [1.0]
-            values += [flag.item() for flag in flags]
-            values += (1.0, 0.0)
-            values += [flag.item() for flag in origin.values()]
-            pending.values = values  # the stats' CPU tensors: read by the telemetry thread
+            pending.fill = (self, iteration, origin)
             return pending
+        flags = self._lay_out(pending, iteration, origin)
         device = torch.device("cpu") if accelerator is None else accelerator
         one, zero = self._constants_on(device)
         scalars = stats.scalars() if stats is not None else []
         stacked = stack_scalars([one, *flags, one, zero, *origin.values(), *scalars], device)
         pending.host, pending.ready = copy_with_norms(pending, stacked, stats)
         return pending
+
+    def fill(
+        self,
+        pending: PendingStep,
+        iteration: Mapping[int, Checked],
+        origin: Mapping[str, torch.Tensor],
+    ) -> None:
+        """Lay out a host-transport step and read its flags (CPU tensors: host memory).
+        Runs on the telemetry thread (:meth:`PendingStep.read`), reading only the
+        iteration's own objects and this capture's caches (dict lookups and inserts,
+        atomic under the GIL)."""
+        flags = self._lay_out(pending, iteration, origin)
+        zeros = self.zero_ids  # the shared clean flags: known 0, not read
+        values = [1.0]
+        values += [0.0 if id(flag) in zeros else flag.item() for flag in flags]
+        values += (1.0, 0.0)
+        values += [flag.item() for flag in origin.values()]
+        pending.values = values  # the stats' CPU tensors: read by the records' builder
+
+    def _lay_out(
+        self,
+        pending: PendingStep,
+        iteration: Mapping[int, Checked],
+        origin: Mapping[str, torch.Tensor],
+    ) -> list[torch.Tensor]:
+        """Set the step's setup, optimizer slots and device names; return its optimizer
+        and local flags, in the order of its values."""
+        opt_flags: list[torch.Tensor] = []
+        slots: list[OptimizerSlot] = []
+        local: Mapping[torch.device, torch.Tensor] = _NO_FLAGS
+        dtypes: frozenset[str] = frozenset()
+        for entry in iteration.values():
+            info, found = entry.info, entry.found
+            flags = list(found.values()) if entry.agreed is None else [entry.agreed]
+            slots.append(self._slot(info, entry.stepped, len(flags)))
+            opt_flags += flags
+            # The common single optimizer keeps its own objects: no merge, no new set.
+            dtypes = info.dtypes if not dtypes else dtypes | info.dtypes
+            local = found if not local else _merged(local, found)
+        pending.setup = self._setup(dtypes)
+        pending.optimizers = tuple(slots)
+        pending.local_devices = self._device_names_of(local)
+        pending.origin_devices = tuple(origin)
+        return opt_flags + list(local.values())
+
+    @staticmethod
+    def _accelerator(
+        iteration: Mapping[int, Checked], origin: Mapping[str, torch.Tensor]
+    ) -> torch.device | None:
+        """The first flag's device that is not the CPU. The local flags' devices are
+        their keys; only agreed and origin flags are asked (each ask builds a device)."""
+        for entry in iteration.values():
+            for device in entry.found:
+                if device.type != "cpu":
+                    return device
+            agreed = entry.agreed
+            if agreed is not None and agreed.device.type != "cpu":
+                return agreed.device
+        for flag in origin.values():
+            if flag.device.type != "cpu":
+                return flag.device
+        return None
 
     # -- shared immutable parts ----------------------------------------------------------
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -340,12 +341,46 @@ def test_a_failing_check_never_breaks_training(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(compat, "non_finite_check_", broken)
     plain, watched = make_model(), make_model()
     train(plain, sgd(plain), None, overflow=frozenset())
-    watch = ampscope.GradWatch("skip", reporter=None)
+    # Without stats: with them, clean CPU iterations are decided by the norms alone.
+    watch = ampscope.GradWatch("skip", reporter=None, stats=False)
     assert train(watched, sgd(watched), watch, overflow=frozenset()) == [False] * STEPS
     for a, b in zip(plain.parameters(), watched.parameters(), strict=True):
         assert torch.equal(a, b)
     assert watch._ampscope_errors == STEPS  # counted; logged once
     watch.close()
+
+
+def test_on_the_cpu_finite_norms_spare_the_kernel_and_overflowing_norms_flag_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ampscope.scaler import compat
+
+    kernel, calls = compat.non_finite_check_, []
+
+    def counted(grads: list[torch.Tensor], found: torch.Tensor, one: torch.Tensor) -> None:
+        calls.append(len(grads))
+        kernel(grads, found, one)
+
+    monkeypatch.setattr(compat, "non_finite_check_", counted)
+    sink = ListSink()
+    watch = ampscope.GradWatch("skip", reporter=None, sinks=[sink])
+    param = nn.Parameter(torch.zeros(3))
+    opt = torch.optim.SGD([param], lr=0.0)
+    # Clean; finite but its float32 norm overflows; inf; NaN.
+    for grad in ([1.0, 2.0, 2.0], [1e20, 0.0, 0.0], [math.inf, 0.0, 0.0], [math.nan, 0.0, 0.0]):
+        param.grad = torch.tensor(grad)
+        watch.step(opt)
+        watch.update()
+    watch.close()
+    assert calls == [1, 1, 1]  # the clean iteration was decided by its finite norm
+    records = sink.records
+    assert [r.found_inf_local["cpu"] for r in records] == [False, False, True, True]
+    assert [r.skipped for r in records] == [False, False, True, True]
+    stats = [r.stats for r in records]
+    assert stats[0] is not None
+    assert stats[0].grad_norm == 3.0
+    assert stats[1] is not None
+    assert stats[1].grad_norm is None  # its norm is not finite
 
 
 def test_disabled_watch_is_a_pass_through() -> None:
