@@ -60,7 +60,8 @@ class OriginFlags:
         ``tensor`` (one read of it), ``isfinite``, ``logical_not`` and a masked fill of
         the flag; with ``norms`` a second read (a float32 L2 norm: float32 squares would
         call a finite value above 1.8e19 non-finite, so the norm cannot stand in for the
-        ``aminmax``) and one accumulate. Never a host-device sync. Safe to call from
+        ``aminmax``) and one accumulate, except for float16 buckets, whose squares cannot
+        overflow: there the norm is the check, one read. Never a host-device sync. Safe to call from
         several threads (autograd runs one thread per device, so the sums of one device
         are never added to concurrently). Never
         raises: a failure is counted in :attr:`errors` and warned about once, because
@@ -80,15 +81,23 @@ class OriginFlags:
             if flag is None:
                 flag = self._flag_for(key, tensor.device)
             with torch.no_grad():
-                # min and max are non-finite exactly when some element is: +-inf lands in
-                # one of them, NaN propagates to both, and unlike a sum they cannot overflow
-                # on large finite values. aminmax is one vectorised read-only pass (on CPU,
-                # vector_norm(ord=inf) is an order of magnitude slower).
-                low, high = torch.aminmax(tensor)
-                finite = torch.isfinite(low).logical_and_(torch.isfinite(high))
-                flag.masked_fill_(finite.logical_not_(), 1.0)
-                if self._norms:
+                if self._norms and tensor.dtype == torch.float16:
+                    # The squares of float16 values (at most 65504^2) cannot overflow a
+                    # float32 sum, so the norm is non-finite exactly when an element is:
+                    # one read gives the check and the norm.
                     norm = torch.linalg.vector_norm(tensor, dtype=torch.float32)
+                    flag.masked_fill_(torch.isfinite(norm).logical_not_(), 1.0)
+                else:
+                    # min and max are non-finite exactly when some element is: +-inf lands
+                    # in one of them, NaN propagates to both, and unlike a sum they cannot
+                    # overflow on large finite values. aminmax is one vectorised read-only
+                    # pass (on CPU, vector_norm(ord=inf) is an order of magnitude slower).
+                    low, high = torch.aminmax(tensor)
+                    finite = torch.isfinite(low).logical_and_(torch.isfinite(high))
+                    flag.masked_fill_(finite.logical_not_(), 1.0)
+                    if self._norms:
+                        norm = torch.linalg.vector_norm(tensor, dtype=torch.float32)
+                if self._norms:
                     square = self._squares.get(key)
                     if square is None:
                         self._squares[key] = norm.square().mul_(factor * factor)

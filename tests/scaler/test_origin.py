@@ -43,16 +43,24 @@ def _values(flags: dict[str, torch.Tensor]) -> dict[str, float]:
         ([0.0, -0.0, 1e-45], torch.float32, 0.0),
     ],
 )
+@pytest.mark.parametrize("norms", [False, True], ids=["check", "check-and-norm"])
 def test_mark_flags_exactly_the_non_finite(
-    values: list[float], dtype: torch.dtype, expected: float
+    values: list[float], dtype: torch.dtype, expected: float, norms: bool
 ):
-    flags = OriginFlags()
-    flags.mark(torch.tensor(values, dtype=dtype))
+    # With norms, a float16 bucket's norm is its check: the largest finite values must not
+    # read as non-finite.
+    flags = OriginFlags(norms=norms)
+    tensor = torch.tensor(values, dtype=dtype)
+    flags.mark(tensor, factor=2.0)
     taken = flags.take()
     assert list(taken) == ["cpu"]
     assert taken["cpu"].dtype == torch.float32
     assert taken["cpu"].shape == (1,)
     assert taken["cpu"].item() == expected
+    if norms and dtype == torch.float16 and not expected:
+        (square,) = flags.take_squares().values()
+        exact = 4.0 * sum(float(v) ** 2 for v in tensor.tolist())
+        assert square.item() == pytest.approx(exact, rel=1e-6)
 
 
 def test_mark_reads_a_strided_view_and_accumulates_until_take():
