@@ -119,4 +119,5 @@ def where_to_look(base_url: str, run_ids: Sequence[str], hotspot_run: str | None
         "    ampscope_run:loss_scale:max_over_min   # ranks compared at the same step",
         "    increase(ampscope_found_inf_origin_total[5m])",
         "    topk(5, ampscope_nonfinite_grads_total)",
+        "    increase(ampscope_spikes_total[5m])   # kind: loss, grad_norm, origin_outlier",
     ]

@@ -34,6 +34,11 @@ class Scenario:
     stale_restore_at: float | None = None
     """At this fraction of the run, the last rank reloads the scaler state it saved after
     step 1, as a rank restarted from a stale checkpoint would."""
+    bad_batch_at: float | None = None
+    """At this fraction of the run, the last rank draws one bad batch: its inputs are
+    ``bad_batch_factor`` times larger, its loss and its own gradients spike, and the step
+    is not skipped as long as the scaled gradients stay finite in fp16."""
+    bad_batch_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.init_scale) and self.init_scale > 0):
@@ -42,7 +47,11 @@ class Scenario:
             raise ValueError(f"{self.name}: growth_interval must be at least 1")
         if self.outlier_rank is not None and self.outlier_every < 1:
             raise ValueError(f"{self.name}: outlier_every must be at least 1 with an outlier_rank")
-        for name in ("corrupt_from", "stale_restore_at"):
+        if self.bad_batch_at is not None and not (
+            math.isfinite(self.bad_batch_factor) and self.bad_batch_factor > 1
+        ):
+            raise ValueError(f"{self.name}: bad_batch_factor must be finite and above 1")
+        for name in ("corrupt_from", "stale_restore_at", "bad_batch_at"):
             value = getattr(self, name)
             if value is not None and not 0 < value < 1:
                 raise ValueError(f"{self.name}: {name} must be a fraction within (0, 1)")
@@ -63,6 +72,14 @@ class Scenario:
         if self.stale_restore_at is None:
             return None
         return max(2, math.floor(self.stale_restore_at * steps))
+
+    def bad_batch_step(self, steps: int) -> int | None:
+        """The step whose batch is bad on the last rank, if any: the first past the fraction,
+        so that at ``bad_batch_at=0.75`` a 30-step run has 22 clean iterations before it,
+        enough for the spike rule's window of at least 20."""
+        if self.bad_batch_at is None:
+            return None
+        return math.floor(self.bad_batch_at * steps) + 1
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -102,6 +119,20 @@ SCENARIOS: dict[str, Scenario] = {
             init_scale=2.0**10,
             growth_interval=4,
             stale_restore_at=0.4,
+        ),
+        Scenario(
+            name="spike",
+            story="at 3/4 of the run the last rank gets one bad batch, 20x larger than the "
+            "rest but finite in fp16 at scale 2^5: its loss and its own gradients spike, "
+            "and the step is not skipped",
+            expect=("loss_spike", "grad_norm_spike", "origin_outlier"),
+            # Measured on the demo's 2 ranks: the bad batch's gradients first overflow fp16
+            # at scale 2^9 (60 steps) and 2^11 (30 steps), at a factor of 40 already at 2^6;
+            # 2^5 leaves at least 8x headroom. With torch's growth interval of 2000 the scale
+            # never grows, so every iteration before the spike joins the rule's window.
+            init_scale=2.0**5,
+            bad_batch_at=0.75,
+            bad_batch_factor=20.0,
         ),
     )
 }

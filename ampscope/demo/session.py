@@ -17,7 +17,8 @@ STOP_TIMEOUT_S = 3.0
 (``runner.ABANDON_GRACE_S``), the demo and its children end within 5 s of a stop signal."""
 MIN_STEPS = 30
 """The hotspot run's outliers come every 5th step and inf_hotspot needs 5 of them, with room
-for the collapse run's second half to pass skip_storm's minimum of 10 steps."""
+for the collapse run's second half to pass skip_storm's minimum of 10 steps, and for the spike
+run's bad batch (at 3/4) to follow the spike rule's minimum window of 20 clean iterations."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,7 +47,8 @@ class DemoOptions:
         if self.steps < MIN_STEPS:
             raise ValueError(
                 f"--steps must be at least {MIN_STEPS}: fewer steps cannot reach the health "
-                "rules' thresholds (inf_hotspot needs 5 detections, skip_storm 10 steps)"
+                "rules' thresholds (inf_hotspot needs 5 detections, skip_storm 10 steps, the "
+                "spike rules 20 clean iterations before the spike)"
             )
         if self.ranks < 2 and any(SCENARIOS[s].expect for s in self.scenarios):
             raise ValueError(

@@ -105,6 +105,8 @@ class ScenarioRun:
         y = x @ self.target / FEATURES**0.5
         if self.scenario.outliers_at(step, self.rank, self.world_size):
             x[:OUTLIER_SAMPLES] *= self.scenario.outlier_factor
+        if self.rank == self.world_size - 1 and step == self.scenario.bad_batch_step(self.steps):
+            x *= self.scenario.bad_batch_factor
         if self.scenario.corrupt_at(step, self.steps):
             x *= self.scenario.corrupt_factor
         return x, y

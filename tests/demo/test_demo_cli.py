@@ -21,6 +21,7 @@ from support import DEADLOCK_GUARD_S, free_port
 
 STEPS = 30
 PREFIX = "t"
+BAD_BATCH_STEP = 23  # the spike run's bad batch: the first step past 3/4 of 30
 
 
 def _demo(*args: str) -> subprocess.Popen[str]:
@@ -88,12 +89,30 @@ def test_demo_trains_into_every_expected_verdict_and_keeps_serving() -> None:
         assert f"web view      {base}/   (run page: {base}/run?id={PREFIX}-hotspot)" in text
         with urllib.request.urlopen(f"{base}/", timeout=DEADLOCK_GUARD_S) as page:
             assert "ampscope" in page.read().decode()
-        for rule in ("inf_hotspot", "scale_collapse", "skip_storm", "scale_desync"):
+        for rule in (
+            "inf_hotspot",
+            "scale_collapse",
+            "skip_storm",
+            "scale_desync",
+            "loss_spike",
+            "grad_norm_spike",
+            "origin_outlier",
+        ):
             assert re.search(rf"(CRIT|WARN) {rule} .*\(expected\)", text), rule
+        # The spike run's warnings name the last rank and the bad batch's step.
+        assert re.search(
+            rf"WARN loss_spike +loss spiked on rank 1 \(node [^)]+\) at step {BAD_BATCH_STEP}: ",
+            text,
+        )
+        assert re.search(
+            rf"WARN origin_outlier +rank 1's own gradients were x\S+ the median of the other "
+            rf"ranks at step {BAD_BATCH_STEP} ",
+            text,
+        )
 
         # The exporter the demo started still serves everything it was told.
         runs = {run["run"]: run for run in _get(f"{base}/api/v1/runs")}
-        names = ["overflow", "hotspot", "collapse", "desync"]
+        names = ["overflow", "hotspot", "collapse", "desync", "spike"]
         assert set(runs) == {f"{PREFIX}-{name}" for name in names}
         for run in runs.values():
             assert (run["ranks"], run["up"], run["newest_step"]) == (2, 2, STEPS)
@@ -109,6 +128,26 @@ def test_demo_trains_into_every_expected_verdict_and_keeps_serving() -> None:
         assert verdicts["collapse"]["skip_storm"]["status"] == "warning"
         assert verdicts["desync"]["scale_desync"]["status"] == "critical"
         assert verdicts["desync"]["scale_collapse"]["status"] == "ok"
+
+        # The spike run: rank 1's one bad batch, finite in fp16, so nothing was skipped; its
+        # loss and its own gradients stood out at that step, and only there.
+        spike = verdicts["spike"]
+        assert health["spike"]["status"] == "warning"
+        assert {rule for rule, v in spike.items() if v["status"] != "ok"} == {
+            "loss_spike",
+            "grad_norm_spike",
+            "origin_outlier",
+        }
+        for rule in ("loss_spike", "origin_outlier"):
+            assert spike[rule]["status"] == "warning"
+            [hit] = spike[rule]["evidence"]["ranks"]
+            assert (hit["rank"], hit["spikes"], hit["step"]) == (1, 1, BAD_BATCH_STEP), rule
+        assert spike["origin_outlier"]["evidence"]["ranks"][0]["ratio"] >= 10
+        assert [s["step"] for s in spike["grad_norm_spike"]["evidence"]["steps"]] == [
+            BAD_BATCH_STEP
+        ]
+        spike_ranks = _get(f"{base}/api/v1/runs/{PREFIX}-spike/ranks")
+        assert [r["totals"]["skipped_steps"] for r in spike_ranks] == [0, 0]
 
         ranks = _get(f"{base}/api/v1/runs/{PREFIX}-hotspot/ranks")
         origin = [sum(r["totals"]["found_inf_origin"].values()) for r in ranks]

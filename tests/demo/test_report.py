@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from ampscope.demo.report import (
@@ -10,9 +11,11 @@ from ampscope.demo.report import (
     progress_lines,
     rank_table,
     ranks_text,
+    where_to_look,
 )
 from ampscope.demo.scenarios import SCENARIOS
 from ampscope.demo.trainer import Progress
+from ampscope.service.catalogue import BY_NAME
 from ampscope.status.render import scale_text
 
 
@@ -102,3 +105,12 @@ def test_health_lines_and_missing_verdicts() -> None:
     assert lines[3].split() == ["ok", "skip_storm,", "scale_desync"]
     assert missing_verdicts(HEALTH, ("scale_collapse", "skip_storm")) == ["skip_storm"]
     assert missing_verdicts(HEALTH, ("inf_hotspot",)) == []
+
+
+def test_the_promql_to_try_names_catalogued_metrics_only() -> None:
+    lines = where_to_look("http://127.0.0.1:9478", ["d-overflow", "d-spike"], None)
+    promql = "\n".join(lines[next(i for i, line in enumerate(lines) if "PromQL" in line) + 1 :])
+    # Recording rules (ampscope_run:loss_scale:...) come from the rules file, not the catalogue.
+    names = set(re.findall(r"\bampscope_\w+\b(?!:)", promql))
+    assert {"ampscope_loss_scale", "ampscope_spikes_total"} <= names
+    assert names <= set(BY_NAME), names - set(BY_NAME)

@@ -5,14 +5,24 @@ from __future__ import annotations
 import pytest
 
 from ampscope.demo.scenarios import SCENARIOS, Scenario
+from ampscope.demo.session import MIN_STEPS
+from ampscope.reporter.spikes import SpikeRule
 
 
 def test_the_default_mix_provokes_every_instability_verdict() -> None:
     expected = {rule for scenario in SCENARIOS.values() for rule in scenario.expect}
     # lost_rank and stalled_rank need ranks that die or hang: the demo's ranks finish
     # (tests/integration/test_run_lifecycle.py provokes both with real processes).
-    assert expected == {"inf_hotspot", "scale_collapse", "skip_storm", "scale_desync"}
-    assert list(SCENARIOS) == ["overflow", "hotspot", "collapse", "desync"]
+    assert expected == {
+        "inf_hotspot",
+        "scale_collapse",
+        "skip_storm",
+        "scale_desync",
+        "loss_spike",
+        "grad_norm_spike",
+        "origin_outlier",
+    }
+    assert list(SCENARIOS) == ["overflow", "hotspot", "collapse", "desync", "spike"]
 
 
 def test_outliers_only_on_the_chosen_rank_and_period() -> None:
@@ -40,6 +50,19 @@ def test_stale_restore_step() -> None:
     assert SCENARIOS["hotspot"].restore_step(60) is None
 
 
+def test_the_bad_batch_follows_a_full_spike_window_even_in_the_shortest_run() -> None:
+    spike = SCENARIOS["spike"]
+    assert spike.bad_batch_step(60) == 46
+    assert spike.bad_batch_step(MIN_STEPS) == 23
+    # Nothing else in the run overflows (no outliers, no corruption, no growth within the
+    # demo), so every iteration before the bad batch joins the rule's window.
+    assert spike.bad_batch_step(MIN_STEPS) - 1 >= SpikeRule().min_window
+    assert spike.growth_interval > 60
+    assert spike.outlier_rank is None
+    assert spike.corrupt_from is None
+    assert SCENARIOS["hotspot"].bad_batch_step(60) is None
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
@@ -49,6 +72,9 @@ def test_stale_restore_step() -> None:
         ({"outlier_rank": 1}, "outlier_every"),
         ({"corrupt_from": 1.0}, "corrupt_from"),
         ({"stale_restore_at": 0.0}, "stale_restore_at"),
+        ({"bad_batch_at": 1.5, "bad_batch_factor": 20.0}, "bad_batch_at"),
+        ({"bad_batch_at": 0.5}, "bad_batch_factor"),
+        ({"bad_batch_at": 0.5, "bad_batch_factor": float("nan")}, "bad_batch_factor"),
     ],
 )
 def test_invalid_scenarios_are_rejected(kwargs: dict[str, float], message: str) -> None:

@@ -171,6 +171,16 @@ def test_every_dashboard_and_alert_expression_returns_data(
     hotspot = [s["metric"] for s in hits["AmpscopeInfHotspot"]]
     assert [m["rank"] for m in hotspot if m["run"] == f"{PREFIX}-hotspot"] == ["1"]
 
+    # The spike run's one bad batch on rank 1, as Prometheus holds it once every rank
+    # finished: a loss spike and an origin outlier on rank 1, the shared norm's spike on both.
+    spiked = prometheus.query(f'ampscope_spikes_total{{run="{PREFIX}-spike"}} > 0', finished)
+    assert sorted((s["metric"]["kind"], s["metric"]["rank"], s["value"][1]) for s in spiked) == [
+        ("grad_norm", "0", "1"),
+        ("grad_norm", "1", "1"),
+        ("loss", "1", "1"),
+        ("origin_outlier", "1", "1"),
+    ]
+
     # Prometheus itself loaded the rules and started the collapse alert's `for:` clock.
     groups = get_json(f"{prometheus.url}/api/v1/rules")["data"]["groups"]
     loaded = {rule["name"] for group in groups for rule in group["rules"]}
