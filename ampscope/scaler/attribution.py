@@ -19,7 +19,7 @@ def _local_values(grad: torch.Tensor) -> torch.Tensor:
     if local.is_sparse:
         # Sparse grads hold their values uncoalesced; counting the stored values is what
         # torch's own check looked at.
-        return local._values()
+        return compat.sparse_values(local)
     return local
 
 

@@ -173,6 +173,12 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def sparse_values(tensor: torch.Tensor, *, coalesce: bool = False) -> torch.Tensor:
+    """The values a sparse COO tensor stores (``_values()``), duplicates summed first when
+    ``coalesce`` (as a norm needs; a non-finite check does not). No copy unless coalescing."""
+    return (tensor.coalesce() if coalesce else tensor)._values()
+
+
 @dataclass(frozen=True)
 class FoundInfReduction:
     """How DTensor's dispatch reduces found-inf for a group of grads: over ``mesh``, with

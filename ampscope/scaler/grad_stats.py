@@ -243,7 +243,7 @@ class GradStats:
                 continue
             local = compat.local_tensor(grad) if info.dtensor else grad
             if local.is_sparse:
-                local = local.coalesce()._values()
+                local = compat.sparse_values(local, coalesce=True)
             tensors.append(local if numel is None else local.reshape(-1).narrow(0, offset, numel))
         return _norms(tensors, plan, info)
 

@@ -66,8 +66,9 @@ class ParamNames:
         return None
 
     def segments(self, param: torch.Tensor, group: int, index: int) -> list[Segment]:
-        """The named pieces of ``param``'s local gradient. Only called on overflow
-        iterations: re-walks the attached model once if ``param`` is unknown."""
+        """The named pieces of ``param``'s local gradient. Called on overflow iterations,
+        and when the gradient-norm plan is (re)built: re-walks the attached model once if
+        ``param`` is unknown."""
         name = self._lookup(param)
         if name is None and self._model is not None:
             self._walk()

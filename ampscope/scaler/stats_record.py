@@ -73,7 +73,7 @@ class StatsBuilder:
             on_host: The host transport: the stats' tensors are on the CPU, and read here.
         """
         if overflow:
-            return dict(_OVERFLOW), False
+            return {**_OVERFLOW, "spikes": [], "top_params": []}, False
         # A scale that underflowed to 0 leaves scaled norms unknown (None), not infinite.
         inverse = 1.0 / scale if scale > 0 else math.nan
         scalars: Sequence[float] = values
@@ -154,6 +154,7 @@ def _square_sum(optimizer: OptimizerNorms, host_norms: torch.Tensor | None, star
         return 0.0
     if count > SMALL:
         norms = _norms(optimizer, host_norms, start)
+        norms = norms.double()  # as fsum below: no float32 rounding in the sum
         return float(torch.dot(norms, norms).item())
     if host_norms is not None:
         values = host_norms[start : start + count].tolist()

@@ -117,7 +117,7 @@ def check_local(
             continue
         local = compat.local_tensor(grad) if info.dtensor else grad
         if local.is_sparse:
-            local = local._values()
+            local = compat.sparse_values(local)
         per_dtype = groups.get(local.device)
         if per_dtype is None:
             per_dtype = groups[local.device] = {}
