@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+import pytest
 import torch
 from torch import nn
 
@@ -85,3 +86,21 @@ def use_device_transport(scaler: torch.amp.GradScaler) -> None:
     """Make an instrumented CPU scaler capture as it does on accelerators: stacked copies
     read later by the telemetry thread, instead of reading host memory at update()."""
     scaler._ampscope_capture = StepCapture(read_on_host=False)  # type: ignore[attr-defined]
+
+
+def count_host_reads(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts, under ``["n"]``, every read of a tensor's value on the calling thread
+    (``item``, ``tolist``, ``bool``, ``float``, ``int``): on an accelerator each one is a
+    host-device sync. Other threads (the telemetry thread) are not counted."""
+    main = threading.current_thread()
+    reads = {"n": 0}
+    for method in ("item", "tolist", "__bool__", "__float__", "__int__"):
+        original = getattr(torch.Tensor, method)
+
+        def counted(self: torch.Tensor, *a: object, _original: object = original) -> object:
+            if threading.current_thread() is main:
+                reads["n"] += 1
+            return _original(self, *a)  # type: ignore[operator]
+
+        monkeypatch.setattr(torch.Tensor, method, counted)
+    return reads

@@ -7,12 +7,11 @@ CPU's own, and the accelerators' stacked copy run on the CPU (``use_device_trans
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Callable
 
 import pytest
 import torch
-from helpers import Net, batch, poison, use_device_transport
+from helpers import Net, batch, count_host_reads, poison, use_device_transport
 
 import ampscope
 from ampscope.reporter.schema import StepRecord
@@ -257,17 +256,7 @@ def test_stats_add_no_host_reads_to_a_watch(monkeypatch: pytest.MonkeyPatch) -> 
     """With stats on, a watch's training thread reads tensors exactly as often as with
     stats off (the scalers' ``test_no_extra_host_reads_on_clean_steps`` runs with stats
     on, against torch's stock scaler)."""
-    main = threading.current_thread()
-    reads = {"n": 0}
-    for method in ("item", "tolist", "__bool__", "__float__", "__int__"):
-        original = getattr(torch.Tensor, method)
-
-        def counted(self: torch.Tensor, *a: object, _original: object = original) -> object:
-            if threading.current_thread() is main:
-                reads["n"] += 1
-            return _original(self, *a)  # type: ignore[operator]
-
-        monkeypatch.setattr(torch.Tensor, method, counted)
+    reads = count_host_reads(monkeypatch)
 
     def reads_with(stats: bool) -> int:
         model = Net()

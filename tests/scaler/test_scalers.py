@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from helpers import ListSink, Net, batch, poison, run, use_device_transport
+from helpers import ListSink, Net, batch, count_host_reads, poison, run, use_device_transport
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as TorchSharded
 
 import ampscope
@@ -352,17 +352,7 @@ def test_no_extra_host_reads_on_clean_steps(monkeypatch: pytest.MonkeyPatch) -> 
     """On accelerators the training thread reads the device exactly as often as torch's
     scaler does. The device transport runs here on the CPU; the CPU's own transport reads
     host memory, which is not a device read."""
-    main = threading.current_thread()
-    reads = {"n": 0}
-    for method in ("item", "tolist", "__bool__", "__float__", "__int__"):
-        original = getattr(torch.Tensor, method)
-
-        def counted(self: torch.Tensor, *a: object, _original: object = original) -> object:
-            if threading.current_thread() is main:
-                reads["n"] += 1
-            return _original(self, *a)  # type: ignore[operator]
-
-        monkeypatch.setattr(torch.Tensor, method, counted)
+    reads = count_host_reads(monkeypatch)
 
     def reads_in(scaler: torch.amp.GradScaler, factory: Factory) -> int:
         model = Net()
