@@ -43,14 +43,12 @@ from ampscope.service.collector import StoreCollector
 from ampscope.service.exposition import Exposition
 from ampscope.service.settings import Settings
 from ampscope.service.stats import IngestStats
-from ampscope.service.store import Store, StoreLimits
 
 BASE_SCALE = 65536.0
 RANKS_PER_NODE = 8
 LOST_FOR_S = 240.0
 """The lost rank's last report is at least this long before the newest scrape: four times
-the exporters' ``stale_after_s``, so that a query evaluated a little in the past (as
-VictoriaMetrics evaluates one 30 s back by default) still finds the rank lost."""
+the exporters' ``stale_after_s``, well past it: the newest scrapes all show the rank lost."""
 PARAMS = tuple(
     f"model.layers.{i}.self_attn.o_proj.weight" if i % 2 else f"model.layers.{i}.mlp.up_proj.weight"
     for i in range(64)
@@ -78,18 +76,7 @@ class NodeExporter:
 
     def __init__(self, settings: Settings) -> None:
         self.now = 0.0
-        self.store = Store(
-            StoreLimits(
-                max_runs=settings.max_runs,
-                max_ranks_per_run=settings.max_ranks_per_run,
-                max_series=settings.max_series,
-                history_length=settings.history_length,
-                window_s=settings.window_s,
-                max_ranks=settings.max_ranks,
-                history_bytes=settings.history_bytes,
-                max_clock_skew_s=settings.max_clock_skew_s,
-            )
-        )
+        self.store = settings.store()
         self.stats = IngestStats()
         collector = StoreCollector(
             self.store, self.stats, self.clock, settings.stale_after_s, settings.stall_after_s
