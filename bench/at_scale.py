@@ -1,6 +1,6 @@
 """``python -m bench.at_scale``: the whole job at 1,024 nodes x 8 ranks, held by VictoriaMetrics.
 
-Loads a :class:`~bench.simulated_job.SimulatedJob` (every node a real exporter core, four
+Loads a :class:`~bench.simulated_job.SimulatedJob` (every node a real exporter core, five
 planted faults) into a fresh single-node VictoriaMetrics through its Prometheus import
 endpoint, one sample per series every ``--interval`` seconds (the shipped scrape interval),
 then measures:
@@ -92,6 +92,8 @@ def _named(job: SimulatedJob, answer: dict[str, Any]) -> dict[str, bool]:
         "desync": [r["rank"] for r in ranks("scale_desync")] == [faults.desync],
         "lost": [r["rank"] for r in ranks("lost_rank")] == [faults.lost],
         "missing": answer["missing_ranks"] == [faults.missing],
+        "loss spike": [r["rank"] for r in ranks("loss_spike")] == [faults.spike],
+        "origin outlier": [r["rank"] for r in ranks("origin_outlier")] == [faults.spike],
     }
 
 

@@ -162,7 +162,9 @@ def victoria_metrics(path: str, data_dir: Path, *extra_args: str) -> ServerProce
     ``-search.maxLookback=5m`` is Prometheus' default lookback delta: samples imported
     ``bench.simulated_job``'s scrape interval apart are then found by instant queries as
     Prometheus would find them (VictoriaMetrics otherwise derives the lookback from the
-    interval between samples).
+    interval between samples). ``-search.latencyOffset=0s``: by default VictoriaMetrics
+    evaluates a query timed within 30 s of now 30 s in the past unless it says
+    ``nocache=1`` (``ampscope status`` does not), so the newest scrapes would not count.
     """
     return ServerProcess(
         name="victoria-metrics",
@@ -171,6 +173,7 @@ def victoria_metrics(path: str, data_dir: Path, *extra_args: str) -> ServerProce
             f"-storageDataPath={data_dir}",
             "-httpListenAddr=127.0.0.1:{port}",
             "-search.maxLookback=5m",
+            "-search.latencyOffset=0s",
             "-loggerLevel=ERROR",
             *extra_args,
         ],

@@ -6,17 +6,22 @@ serve`` builds them), fed one schema-validated ``StepRecord`` per rank per scrap
 rendered at that scrape's time. So the series, label sets and values are what Prometheus
 would scrape from ``/metrics``: per rank the info series with ``world_size`` and
 ``job_id``, the lifecycle state enum, one device, the top-K non-finite parameters, and the
-exporter's own counters per node. :meth:`SimulatedJob.scrapes` yields the documents with a
+exporter's own counters per node, and the iteration's stats (loss, gradient norms) with
+the spike counters. :meth:`SimulatedJob.scrapes` yields the documents with a
 millisecond timestamp on every sample, for VictoriaMetrics' ``/api/v1/import/prometheus``
 (``bench.victoria``).
 
 The job runs in step: every rank skips the same steps (an overflow every
 ``overflow_every`` steps halves the scale, which grows back half-way to the next), some
 ranks report a step or two behind (laggards), and every rank tracks found-inf origins.
-Four faults are planted (:class:`Faults`): a hotspot (most overflows originate on one
-rank's device), a scale desync (one rank holds twice the job's scale), a lost rank (silent
-for the last four minutes, so its exporter marks it lost) and a missing rank (never
-reports, though ``world_size`` counts it).
+Every rank reports a noisy loss around 2, the job's gradient norm (one per step, the same
+on every rank: it is all-reduced) and its own unreduced gradient norm (per rank, about twice
+the job's); overflow iterations report none. Five faults are planted (:class:`Faults`): a
+hotspot (most overflows originate on one rank's device), a scale desync (one rank holds
+twice the job's scale), a lost rank (silent for the last four minutes, so its exporter
+marks it lost), a missing rank (never reports, though ``world_size`` counts it) and a bad
+batch (one rank's loss x4.5 and own gradient norm about x20 its node peers' at one recent
+step: a loss spike and an origin outlier, found by that rank's exporter).
 
 Cost: one record built and validated, ingested and rendered per rank per scrape (about
 0.2 ms of Python each), with O(ranks) memory.
@@ -35,22 +40,25 @@ from ampscope.reporter.schema import (
     IngestBatch,
     NonfiniteParam,
     OptimizerDetail,
+    ParamNorm,
     RankTotals,
     Setup,
     StepRecord,
+    StepStats,
 )
 from ampscope.service.collector import StoreCollector
 from ampscope.service.exposition import Exposition
 from ampscope.service.settings import Settings
 from ampscope.service.stats import IngestStats
-from ampscope.service.store import Store, StoreLimits
 
 BASE_SCALE = 65536.0
 RANKS_PER_NODE = 8
+SPIKE_SCRAPES_AGO = 2
+"""The bad batch is in the record sent this many scrapes before the newest (or the first
+non-overflow step after it): recent enough for every 10-minute spike window."""
 LOST_FOR_S = 240.0
 """The lost rank's last report is at least this long before the newest scrape: four times
-the exporters' ``stale_after_s``, so that a query evaluated a little in the past (as
-VictoriaMetrics evaluates one 30 s back by default) still finds the rank lost."""
+the exporters' ``stale_after_s``, well past it: the newest scrapes all show the rank lost."""
 PARAMS = tuple(
     f"model.layers.{i}.self_attn.o_proj.weight" if i % 2 else f"model.layers.{i}.mlp.up_proj.weight"
     for i in range(64)
@@ -65,12 +73,22 @@ class Faults:
     desync: int
     lost: int
     missing: int
+    spike: int
+    """The bad batch's rank."""
 
     @classmethod
     def spread(cls, world_size: int) -> Faults:
-        """One fault per quarter of the job, each on a different node."""
+        """One fault per quarter of the job, each on a different node; the bad batch on the
+        hotspot's node, local rank 0, so that local ranks 3 and 6 report the same steps
+        (laggards lag by ``rank % 3``) and its exporter can compare the origin norms."""
         quarter = world_size // 4
-        return cls(hotspot=quarter + 3, desync=2 * quarter + 5, lost=3 * quarter + 1, missing=6)
+        return cls(
+            hotspot=quarter + 3,
+            desync=2 * quarter + 5,
+            lost=3 * quarter + 1,
+            missing=6,
+            spike=quarter - quarter % RANKS_PER_NODE,
+        )
 
 
 class NodeExporter:
@@ -78,18 +96,7 @@ class NodeExporter:
 
     def __init__(self, settings: Settings) -> None:
         self.now = 0.0
-        self.store = Store(
-            StoreLimits(
-                max_runs=settings.max_runs,
-                max_ranks_per_run=settings.max_ranks_per_run,
-                max_series=settings.max_series,
-                history_length=settings.history_length,
-                window_s=settings.window_s,
-                max_ranks=settings.max_ranks,
-                history_bytes=settings.history_bytes,
-                max_clock_skew_s=settings.max_clock_skew_s,
-            )
-        )
+        self.store = settings.store()
         self.stats = IngestStats()
         collector = StoreCollector(
             self.store, self.stats, self.clock, settings.stale_after_s, settings.stall_after_s
@@ -98,6 +105,19 @@ class NodeExporter:
 
     def clock(self) -> float:
         return self.now
+
+
+def _noise(*key: int) -> float:
+    """A deterministic pseudo-random number in [-1, 1) for ``key`` (splitmix64's mixer):
+    the same step gives the same gradient norm on every rank, without a shared generator."""
+    mask = (1 << 64) - 1
+    x = 0
+    for part in key:
+        x = (x ^ part) * 0x9E3779B97F4A7C15 & mask
+        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & mask
+        x = (x ^ (x >> 27)) * 0x94D049BB133111EB & mask
+        x ^= x >> 31
+    return x / (1 << 63) - 1.0
 
 
 def _scale_after(step: int, every: int) -> float:
@@ -121,7 +141,8 @@ class SimulatedJob:
             called). They must span more than the longest rule window (600 s) plus the
             lookback, so that every window has a sample before it, as a live scrape's has:
             VictoriaMetrics' ``increase`` counts a counter that starts inside the window
-            from zero.
+            from zero. And at least ``spike_min_window`` + 4: the exporter finds the bad
+            batch's spike only after that many values of its rank.
     """
 
     run: str
@@ -131,7 +152,7 @@ class SimulatedJob:
     steps_per_s: float = 2.0
     overflow_every: int = 100
     interval_s: float = 60.0
-    scrapes_per_series: int = 13
+    scrapes_per_series: int = 24
     faults: Faults = field(init=False)
 
     def __post_init__(self) -> None:
@@ -142,6 +163,11 @@ class SimulatedJob:
         self.world_size = self.nodes * RANKS_PER_NODE
         self.faults = Faults.spread(self.world_size)
         settings = Settings()
+        if self.scrapes_per_series < settings.spike_min_window + SPIKE_SCRAPES_AGO + 2:
+            raise ValueError(
+                f"scrapes_per_series >= {settings.spike_min_window + SPIKE_SCRAPES_AGO + 2} "
+                "required: the bad batch's rank needs spike_min_window values before it"
+            )
         self.settings = settings
         self.exporters = [NodeExporter(settings) for _ in range(self.nodes)]
 
@@ -162,8 +188,29 @@ class SimulatedJob:
             return overflows - overflows // 20
         return sum(1 for k in range(20, overflows + 1, 20) if (k * 7919) % self.world_size == rank)
 
-    def record(self, rank: int, step: int, when: float) -> StepRecord:
-        """Rank ``rank``'s record of ``step``, sent at ``when``."""
+    def stats(self, rank: int, step: int, *, bad_batch: bool = False) -> StepStats:
+        """Rank ``rank``'s loss and gradient norms at ``step`` (none on an overflow step).
+        ``bad_batch``: the planted loss spike and origin outlier, flagged by the rank's own
+        spike rule, with its top parameters."""
+        if step % self.overflow_every == 0:
+            return StepStats(loss=None, grad_norm=None, grad_norm_origin=None)
+        grad_norm = 1.0 + 0.1 * _noise(step)
+        own = grad_norm * (2.0 + 0.2 * _noise(step, rank))
+        if not bad_batch:
+            return StepStats(
+                loss=2.0 + 0.05 * _noise(step, rank, 1), grad_norm=grad_norm, grad_norm_origin=own
+            )
+        return StepStats(
+            loss=9.0,
+            grad_norm=grad_norm,
+            grad_norm_origin=40.0 * grad_norm,
+            spikes=["loss"],
+            top_params=[ParamNorm(name=PARAMS[1], norm=35.0 * grad_norm)],
+        )
+
+    def record(self, rank: int, step: int, when: float, *, bad_batch: bool = False) -> StepRecord:
+        """Rank ``rank``'s record of ``step``, sent at ``when`` (``bad_batch``: see
+        :meth:`stats`)."""
         every = self.overflow_every
         factor = 2.0 if rank == self.faults.desync else 1.0
         device = f"cuda:{rank % RANKS_PER_NODE}"
@@ -213,6 +260,7 @@ class SimulatedJob:
                 ),
             ),
             setup=Setup(mode="scaler", policy="skip", grad_dtype="float16"),
+            stats=self.stats(rank, step, bad_batch=bad_batch),
         )
 
     def reports(self, rank: int, when: float, end: float) -> bool:
@@ -229,6 +277,7 @@ class SimulatedJob:
         started = time.time() if end is None else end
         # The run started an hour before the oldest scrape: steps are in the thousands.
         run_start = started - self.interval_s * self.scrapes_per_series - 3600.0
+        bad_batch_due = self.scrapes_per_series - 1 - SPIKE_SCRAPES_AGO
         for scrape in range(self.scrapes_per_series):
             newest = scrape == self.scrapes_per_series - 1
             if newest and end is None:
@@ -242,7 +291,15 @@ class SimulatedJob:
                 for rank in range(index * RANKS_PER_NODE, (index + 1) * RANKS_PER_NODE):
                     if not self.reports(rank, now, started):
                         continue
-                    record = self.record(rank, step_now - rank % 3, now - 0.25)
+                    step = step_now - rank % 3
+                    bad_batch = (
+                        rank == self.faults.spike
+                        and scrape >= bad_batch_due
+                        and step % self.overflow_every != 0
+                    )
+                    if bad_batch:
+                        bad_batch_due = self.scrapes_per_series  # once
+                    record = self.record(rank, step, now - 0.25, bad_batch=bad_batch)
                     batch = IngestBatch(schema_version=1, records=[record], dropped_records=0)
                     exporter.store.ingest(batch, now)
                     exporter.stats.accepted(1)

@@ -24,7 +24,6 @@ from ampscope.service.routes import heartbeat, ingest, metrics, probes, runs, se
 from ampscope.service.security import SecurityMiddleware, WebSecurity, watch
 from ampscope.service.settings import Settings
 from ampscope.service.stats import IngestStats
-from ampscope.service.store import Store, StoreLimits
 
 log = logging.getLogger("ampscope.service")
 
@@ -59,20 +58,7 @@ def _openapi_with_ingest_schema(app: FastAPI) -> dict[str, Any]:
 
 
 def _build_state(app: FastAPI, settings: Settings, clock: Callable[[], float]) -> None:
-    store = Store(
-        StoreLimits(
-            max_runs=settings.max_runs,
-            max_ranks_per_run=settings.max_ranks_per_run,
-            max_series=settings.max_series,
-            history_length=settings.history_length,
-            window_s=settings.window_s,
-            max_ranks=settings.max_ranks,
-            history_bytes=settings.history_bytes,
-            max_clock_skew_s=settings.max_clock_skew_s,
-        ),
-        spike_rule=settings.thresholds().spike_rule(),
-        origin_factor=settings.origin_outlier_factor,
-    )
+    store = settings.store()
     # Created with the app, not here: the server protocol counts into it from the start.
     stats: IngestStats = app.state.stats
     # One registry per app, never prometheus_client's global one: two apps in one process

@@ -22,6 +22,7 @@ from ampscope.reporter.schema import (
 )
 from ampscope.service.health import Thresholds
 from ampscope.service.lifecycle import Lifecycle
+from ampscope.service.store import Store, StoreLimits
 
 _DEFAULTS = Thresholds()
 """Health thresholds are defined once, in ``Thresholds``; settings take their defaults."""
@@ -172,6 +173,24 @@ class Settings(BaseSettings):
     def thresholds(self) -> Thresholds:
         """The health rules' thresholds (the same numbers as the Prometheus alert rules)."""
         return Thresholds(**{f.name: getattr(self, f.name) for f in fields(Thresholds)})
+
+    def store(self) -> Store:
+        """A new, empty store with these limits, spike rule and origin-outlier factor: what
+        ``create_app`` holds, and what ``bench.simulated_job`` builds per simulated node."""
+        return Store(
+            StoreLimits(
+                max_runs=self.max_runs,
+                max_ranks_per_run=self.max_ranks_per_run,
+                max_series=self.max_series,
+                history_length=self.history_length,
+                window_s=self.window_s,
+                max_ranks=self.max_ranks,
+                history_bytes=self.history_bytes,
+                max_clock_skew_s=self.max_clock_skew_s,
+            ),
+            spike_rule=self.thresholds().spike_rule(),
+            origin_factor=self.origin_outlier_factor,
+        )
 
     def lifecycle(self) -> Lifecycle:
         """The rank-state clocks (the API, /metrics and health all read the same ones)."""

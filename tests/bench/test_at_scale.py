@@ -24,7 +24,7 @@ def test_every_rule_and_dashboard_query_is_timed_and_every_fault_named(tmp_path:
     subprocess.run(
         [
             *(sys.executable, "-m", "bench.at_scale", "--nodes", "4", "--interval", "60"),
-            *("--scrapes", "16", "--repeats", "1", "--out", str(tmp_path)),
+            *("--scrapes", "24", "--repeats", "1", "--out", str(tmp_path)),
         ],
         cwd=REPO,
         check=True,
@@ -38,16 +38,24 @@ def test_every_rule_and_dashboard_query_is_timed_and_every_fault_named(tmp_path:
         "desync": True,
         "lost": True,
         "missing": True,
+        "loss spike": True,
+        "origin outlier": True,
     }
     assert results["status"]["json"]["exit"] == 2
-    assert results["size"]["series"] > 28 * 31
+    assert results["size"]["series"] > 34 * 31
 
     shipped = RULES.read_text()
     timed = {rule["name"]: rule for rule in results["rules"]}
     assert all(f"record: {name}" in shipped or f"alert: {name}" in shipped for name in timed)
     assert shipped.count("- record:") + shipped.count("- alert:") == len(timed)
     firing = {name for name, rule in timed.items() if rule["kind"] == "alert" and rule["series"]}
-    assert firing == {"AmpscopeScaleDesync", "AmpscopeRankLost", "AmpscopeInfHotspot"}
+    assert firing == {
+        "AmpscopeScaleDesync",
+        "AmpscopeRankLost",
+        "AmpscopeInfHotspot",
+        "AmpscopeLossSpike",
+        "AmpscopeOriginOutlier",
+    }
 
     targets = sum(
         len(panel.get("targets", []))

@@ -245,3 +245,36 @@ def test_settings_carry_the_spike_thresholds_to_the_store() -> None:
         Settings(spike_min_window=200)
     with pytest.raises(ValueError, match="origin_outlier_factor"):
         Thresholds(origin_outlier_factor=1.0)
+
+
+def test_settings_build_the_store_with_their_limits_and_spike_thresholds() -> None:
+    from ampscope.service.settings import Settings
+
+    settings = Settings(max_runs=3, spike_min_window=5, origin_outlier_factor=4.0)
+    store = settings.store()
+    assert (store.limits.max_runs, store.limits.window_s) == (3, settings.window_s)
+    # A loss x5 after six steady values, and rank 2's own gradients x5 its peers': both
+    # spikes under these settings, neither under the defaults (20 values, x10).
+    for rank in range(4):
+        records = [
+            record(s, rank=rank, world_size=4, stats=stats(2.0, 1.0, 1.0 + 0.01 * rank))
+            for s in range(1, 7)
+        ]
+        spike = rank == 2
+        records.append(
+            record(
+                7,
+                rank=rank,
+                world_size=4,
+                stats=stats(10.0 if spike else 2.0, 1.0, 5.0 if spike else 1.0),
+            )
+        )
+        store.ingest(batch(*records), T0)
+    ranks = store.ranks("run-a")
+    assert ranks is not None
+    assert [(s.spike_counts.loss, s.spike_counts.origin_outlier) for s in ranks] == [
+        (0, 0),
+        (0, 0),
+        (1, 1),
+        (0, 0),
+    ]

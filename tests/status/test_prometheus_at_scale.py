@@ -1,5 +1,6 @@
 """``ampscope status --prometheus`` over a many-node job held by VictoriaMetrics: every
-planted fault is named, and the missing rank listed.
+planted fault (the bad batch's loss spike and origin outlier too) is named, and the missing
+rank listed.
 
 The job is ``bench.simulated_job``'s: each node a real exporter core (store, collector,
 exposition) fed schema-validated records, its scrapes imported with timestamps through
@@ -64,6 +65,8 @@ def test_json_names_every_planted_fault_and_the_missing_rank(
         "lost_rank": "warning",
         "missing_rank": "warning",
         "inf_hotspot": "warning",
+        "loss_spike": "warning",
+        "origin_outlier": "warning",
     }
     desync = verdicts["scale_desync"]["evidence"]
     assert [(r["rank"], r["node"]) for r in desync["ranks"]] == [
@@ -79,6 +82,12 @@ def test_json_names_every_planted_fault_and_the_missing_rank(
     )
     assert hotspot["top"][0]["device"] == job.hotspot_device
     assert hotspot["top"][0]["share"] >= 0.8
+    # The bad batch: one spike of each kind on its rank, counted from ampscope_spikes_total.
+    for rule in ("loss_spike", "origin_outlier"):
+        evidence = verdicts[rule]["evidence"]
+        assert [(r["rank"], r["node"], r["spikes"]) for r in evidence["ranks"]] == [
+            (faults.spike, job.node_of(faults.spike), 1)
+        ]
     states = answer["health"]["states"]
     assert (states["running"], states["lost"]) == (job.world_size - 2, 1)
 
@@ -102,6 +111,10 @@ def test_the_table_names_each_fault_its_node_and_the_missing_rank(
     assert lines[str(faults.desync)].split()[1] == job.node_of(faults.desync)
     assert lines[str(faults.desync)].endswith("scale_desync")
     assert lines[str(faults.lost)].split()[1:3] == [job.node_of(faults.lost), "lost"]
+    assert lines[str(faults.spike)].split()[1] == job.node_of(faults.spike)
+    assert lines[str(faults.spike)].endswith("loss_spike,origin_outlier")
+    assert f"rank {faults.spike} (node {job.node_of(faults.spike)}) had a loss spike" in out
+    assert f"rank {faults.spike}'s own gradients stood out" in out
     assert f"on node(s) {job.node_of(faults.desync)}" in out
     assert f"rank {faults.hotspot} device {job.hotspot_device} holds" in out
     assert f"rank {faults.lost} last heard" in out
