@@ -9,7 +9,7 @@ Only pydantic is imported: the rank side never pulls in the server stack.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Protocol, TypeVar
 
 from pydantic import (
     AfterValidator,
@@ -118,9 +118,17 @@ class NonfiniteParam(_Model):
     """Number of non-finite elements (in a record: this iteration; in totals: cumulative)."""
 
 
-def _unique_names(params: list[NonfiniteParam]) -> list[NonfiniteParam]:
-    # Each name is one label set of ampscope_nonfinite_grads_total; Prometheus would keep
-    # one of two samples with the same labels and silently lose the other.
+class _Named(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
+_NamedT = TypeVar("_NamedT", bound=_Named)
+
+
+def _unique_names(params: list[_NamedT]) -> list[_NamedT]:
+    # Each name is one label set (e.g. of ampscope_nonfinite_grads_total); Prometheus would
+    # keep one of two samples with the same labels and silently lose the other.
     seen: set[str] = set()
     for param in params:
         if param.name in seen:
@@ -184,15 +192,6 @@ class ParamNorm(_Model):
     norm: Norm
 
 
-def _unique_param_norms(params: list[ParamNorm]) -> list[ParamNorm]:
-    seen: set[str] = set()
-    for param in params:
-        if param.name in seen:
-            raise ValueError(f"parameter {param.name!r} is listed twice")
-        seen.add(param.name)
-    return params
-
-
 class StepStats(_Model):
     """The iteration's loss and gradient norms, for spike detection.
 
@@ -214,7 +213,7 @@ class StepStats(_Model):
     top_params: Annotated[
         list[ParamNorm],
         Field(max_length=MAX_NONFINITE_PARAMS),
-        AfterValidator(_unique_param_norms),
+        AfterValidator(_unique_names),
     ] = []
     """On a spike iteration: the top-K local parameters by gradient norm, largest first."""
 
