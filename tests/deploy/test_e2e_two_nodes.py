@@ -5,10 +5,12 @@ the shipped rules. VictoriaMetrics scrapes the same exporters and vmalert evalua
 rules, so both engines are held to the same verdicts.
 
 The faults (two_node_rank.py) sit on one node and are only visible across nodes: the alerts
-must compare ranks of the whole job, not of one exporter. After their last step the ranks
-linger, alive and heartbeating, until both engines showed their verdicts: a rank that closes
-sends its final record, turns finished and every alert on it resolves. Costs 50-70 s of wall
-time on the 2-core development VM under other load (40-47 s of CPU).
+must compare ranks of the whole job, not of one exporter. The ranks wait twice, alive and
+heartbeating, so that no verdict depends on how fast the machine trains: at the first aligned
+step until every engine holds every rank's series (a rule that reads a partial set of ranks
+errs), and after their last step until both engines showed their verdicts (a rank that
+closes sends its final record, turns finished and every alert on it resolves). Costs 50-70 s
+of wall time on the 2-core development VM under other load (40-47 s of CPU).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from support import (
     stop_process,
     wait_for_http,
 )
-from two_node_rank import STEPS
+from two_node_rank import GATE_STEP, STEPS
 
 from ampscope.demo.exporter import ExporterProcess
 
@@ -50,6 +52,9 @@ FAULTY = "node-b"
 RANK_SCRIPT = Path(__file__).with_name("two_node_rank.py")
 STALE_AFTER_S = 60.0
 """Ranks stay up on their exporters while the test reads the verdicts."""
+GATE_WITHIN_S = 300.0
+"""Deadlock guard of the wait for every engine to hold every rank's series at the gate step;
+the wait ends as soon as they do."""
 VERDICTS_WITHIN_S = 300.0
 """Deadlock guard of the lingering ranks' wait for both engines' verdicts: vmalert's chained
 rules (rank -> run recording rules -> alert, each written back into VictoriaMetrics before
@@ -171,15 +176,55 @@ class Job:
         return str(rank)
 
 
-def _at_last_step(exporters: dict[str, ExporterProcess], run_id: str) -> bool:
-    """Whether all four ranks of both runs reported their last step (and now linger)."""
+def _at_step(exporters: dict[str, ExporterProcess], run_id: str, step: int) -> bool:
+    """Whether all four ranks of both runs reported ``step`` (and now wait there)."""
     steps = [
         rank["step"]
         for exporter in exporters.values()
         for run in ("hotspot", "desync")
         for rank in get_json(f"{exporter.url}/api/v1/runs/{run_id}-{run}/ranks")
     ]
-    return steps == [STEPS] * 8
+    return steps == [step] * 8
+
+
+def _gate_series(run_id: str) -> dict[str, int]:
+    """The series the hotspot and desync alerts read, and how many the job has of each."""
+    runs = f'run=~"{run_id}-(hotspot|desync)"'
+    return {
+        f'ampscope_rank_device:found_inf_source:increase_10m{{run="{run_id}-hotspot"}}': 4,
+        f"ampscope_rank:loss_scale_aligned:newest_step{{{runs}}}": 8,
+        f"ampscope_run:loss_scale:max_over_min{{{runs}}}": 2,
+        f'ampscope_rank_state{{{runs}, state="finished"}}': 8,
+    }
+
+
+def _open_gate(
+    exporters: dict[str, ExporterProcess],
+    engines: dict[str, str],
+    run_id: str,
+    agents: list[subprocess.Popen[bytes]],
+    gate: Path,
+) -> None:
+    """Lets the ranks go on from GATE_STEP once every engine (its query API: Prometheus, or
+    the VictoriaMetrics that vmalert reads) holds every series in ``_gate_series``; or when an
+    agent exited, or after GATE_WITHIN_S, a deadlock guard (the assertions report what is
+    missing). A series once searchable stays so, so vmalert's later queries see them too."""
+    deadline = time.monotonic() + GATE_WITHIN_S
+    at_gate = False
+    try:
+        while time.monotonic() < deadline and all(agent.poll() is None for agent in agents):
+            # A run not reported yet answers 404; a slow answer under load is asked again.
+            with contextlib.suppress(OSError):
+                at_gate = at_gate or _at_step(exporters, run_id, GATE_STEP)
+                if at_gate and all(
+                    query(url, f"count({series}) == {count}", time.time())
+                    for url in engines.values()
+                    for series, count in _gate_series(run_id).items()
+                ):
+                    return
+            time.sleep(0.5)  # a poll interval: the conditions above are what is waited for
+    finally:
+        gate.touch()
 
 
 def _newest_step(run_id: str) -> str:
@@ -216,7 +261,7 @@ def _wait_for_verdicts(
     while time.monotonic() < deadline and all(agent.poll() is None for agent in agents):
         # A run not reported yet answers 404; a slow answer under load is asked again.
         with contextlib.suppress(OSError):
-            lingering = lingering or _at_last_step(exporters, run_id)
+            lingering = lingering or _at_step(exporters, run_id, STEPS)
             if (
                 lingering
                 and _verdicts_shown(watched)
@@ -258,7 +303,7 @@ def job() -> Iterator[Job]:
             pytest.fail("victoria-metrics is not installed (scripts/setup.sh test installs it)")
 
         run_id = f"two-nodes-{os.getpid()}"
-        release = workdir / "release"
+        gate, release = workdir / "gate", workdir / "release"
         rendezvous = f"127.0.0.1:{free_port()}"
         agents = []
         for node in NODES:
@@ -267,6 +312,7 @@ def job() -> Iterator[Job]:
                 "AMPSCOPE_NODE": node,
                 "AMPSCOPE_URL": exporters[node].url,
                 "TWO_NODE_FAULTY": "1" if node == FAULTY else "0",
+                "TWO_NODE_GATE": str(gate),
                 "TWO_NODE_RELEASE": str(release),
                 "PYTHONUNBUFFERED": "1",
             }
@@ -281,6 +327,10 @@ def job() -> Iterator[Job]:
         engines = {"prometheus": prometheus_url} | ({"vmalert": vmalert_url} if vmalert_url else {})
         watcher = _Watcher(engines)
         watcher.start()
+        stores = {"prometheus": prometheus_url}
+        if victoria_url:
+            stores["victoria"] = victoria_url  # what vmalert reads
+        _open_gate(exporters, stores, run_id, agents, gate)
         _wait_for_verdicts(exporters, prometheus_url, run_id, agents, watcher.watched)
         released = time.time()
         release.touch()

@@ -11,10 +11,19 @@ whose agent sets ``TWO_NODE_FAULTY=1``, so that only a comparison across nodes f
 Run ids come from TORCHELASTIC_RUN_ID (torchrun's --rdzv-id), the exporter from AMPSCOPE_URL
 and the node label from AMPSCOPE_NODE, as a real job's would.
 
-After the last step the ranks linger, their scalers open (heartbeating, in state running),
-until the file named by TWO_NODE_RELEASE exists: a closed scaler sends its final record, the
-rank turns finished, and every alert on it resolves. The test releases the ranks once both
-engines showed their verdicts, however long a loaded machine makes vmalert's chained rules lag.
+Two waits, each on a file the test creates, keep the verdicts independent of how fast the
+machine trains compared with how fast the engines see the data:
+- at step ``GATE_STEP``, the first aligned step, until TWO_NODE_GATE exists. The test
+  creates it once every engine holds every rank's series that the hotspot and desync alerts
+  read. VictoriaMetrics makes a new series searchable seconds after it arrives, and a rule
+  that reads a partial set of ranks errs: the healthy node's rank 0 looks like the hotspot
+  once it holds 4 of its 5 detections (step 43) while the faulty rank's series is missing,
+  and ranks seen at two different aligned steps look desynced. Before the gate neither can
+  happen: that rank has 1 detection, and there is one aligned step;
+- after the last step, their scalers open (heartbeating, in state running), until
+  TWO_NODE_RELEASE exists: a closed scaler sends its final record, the rank turns finished,
+  and every alert on it resolves. The test releases the ranks once both engines showed their
+  verdicts, however long a loaded machine makes vmalert's chained rules lag.
 """
 
 from __future__ import annotations
@@ -29,23 +38,25 @@ import torch.distributed as dist
 
 from ampscope.demo import trainer
 from ampscope.demo.scenarios import SCENARIOS, Scenario
+from ampscope.reporter.schema import SCALE_ALIGN_STEPS
 
 STEPS = 60
+GATE_STEP = SCALE_ALIGN_STEPS
+"""Every rank's aligned-scale series exist from here: the desync rule reads them."""
 RESTORE_STEP = 24
 OUTLIER_FACTOR = 1e5
 """Large enough to overflow fp16 at any loss scale: every outlier step is one detection."""
-LINGER_MAX_S = 420.0
-"""Deadlock guard: most seconds to wait for the release after the last step, so that an
-orphaned job still ends; longer than the test's own guard on the verdicts
-(VERDICTS_WITHIN_S)."""
+WAIT_MAX_S = 420.0
+"""Deadlock guard: most seconds to wait for the gate or the release, so that an orphaned job
+still ends; longer than the test's own guards (GATE_WITHIN_S, VERDICTS_WITHIN_S)."""
 
 
-def _linger(release: Path) -> None:
-    """Keep the open scalers (and their reporters' heartbeats) alive until released."""
-    deadline = time.monotonic() + LINGER_MAX_S
-    while not release.exists():
+def _wait_for(path: Path) -> None:
+    """Keep the open scalers (and their reporters' heartbeats) alive until ``path`` exists."""
+    deadline = time.monotonic() + WAIT_MAX_S
+    while not path.exists():
         if time.monotonic() > deadline:
-            raise SystemExit(f"not released within {LINGER_MAX_S:.0f}s: {release}")
+            raise SystemExit(f"not let go within {WAIT_MAX_S:.0f}s: {path}")
         time.sleep(0.2)
 
 
@@ -97,8 +108,10 @@ def main() -> None:
             if faulty and step == RESTORE_STEP:
                 assert stale is not None
                 desync_scaler.load_state_dict(stale)
+            if step == GATE_STEP:
+                _wait_for(Path(os.environ["TWO_NODE_GATE"]))
             time.sleep(plan.step_delay)
-        _linger(Path(os.environ["TWO_NODE_RELEASE"]))
+        _wait_for(Path(os.environ["TWO_NODE_RELEASE"]))
     finally:
         for run in runs:
             run.close()
