@@ -222,7 +222,8 @@ def series_of(record: StepRecord) -> int:
 
 def _map_fell(new: Mapping[str, int], old: Mapping[str, int]) -> bool:
     # Per-device counts only grow in one process; a device that vanished fell to zero.
-    return any(new.get(key, 0) < count for key, count in old.items())
+    # Most records repeat the previous counts: one comparison in C settles those.
+    return new != old and any(new.get(key, 0) < count for key, count in old.items())
 
 
 def counters_fell(new: RankTotals, old: RankTotals) -> bool:
