@@ -16,10 +16,14 @@ machine trains compared with how fast the engines see the data:
 - at step ``GATE_STEP``, the first aligned step, until TWO_NODE_GATE exists. The test
   creates it once every engine holds every rank's series that the hotspot and desync alerts
   read. VictoriaMetrics makes a new series searchable seconds after it arrives, and a rule
-  that reads a partial set of ranks errs: the healthy node's rank 0 looks like the hotspot
-  once it holds 4 of its 5 detections (step 43) while the faulty rank's series is missing,
-  and ranks seen at two different aligned steps look desynced. Before the gate neither can
-  happen: that rank has 1 detection, and there is one aligned step;
+  that reads a partial set of ranks errs. The healthy node's rank 0 looks like the hotspot
+  once its 5 detections (step 55) meet the rule's minimum while the faulty rank's series is
+  missing. Aligned-scale series that first show at different evaluations compare two
+  aligned steps, which looks like a desync. Before the gate neither can happen: that rank
+  has 1 detection, and there is one aligned step. The gate covers series appearing. A rule
+  that mixed two evaluations of series that already exist was not seen; in production the
+  alerts' ``for:`` clauses would outlast one, and this test, which counts pending alerts,
+  would fail on it;
 - after the last step, their scalers open (heartbeating, in state running), until
   TWO_NODE_RELEASE exists: a closed scaler sends its final record, the rank turns finished,
   and every alert on it resolves. The test releases the ranks once both engines showed their
