@@ -6,12 +6,13 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
 import traceback
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,19 @@ DEADLOCK_GUARD_S = 30.0
 """How long a test waits for something that must happen (a delivery, a process serving, a
 thread ending): only a hang gets there, so no verdict depends on the machine's speed. Waits
 that check something does NOT happen may be short: a slower machine only makes them pass."""
+
+
+def interruptible(argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[str]:
+    """Start ``argv`` as a terminal's foreground job is started: Ctrl-C (SIGINT) reaches it as
+    a KeyboardInterrupt, even when this test process inherited SIGINT ignored, as a job that a
+    non-interactive shell starts with ``&`` does. An ignored signal stays ignored across exec
+    and Python then installs no KeyboardInterrupt; a handled one is reset to its default. So
+    SIGINT is handled here while the child is started (tests run in the main thread)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return subprocess.Popen(argv, text=True, **kwargs)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def free_port() -> int:

@@ -5,6 +5,7 @@ identities say node, rank and world size as torchrun's environment would."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from status_cli import run_status, train_scaler
-from support import DEADLOCK_GUARD_S, free_port
+from support import DEADLOCK_GUARD_S, free_port, interruptible
 
 from ampscope.demo.exporter import ExporterProcess
 
@@ -189,11 +190,10 @@ def test_a_dead_target_is_named_and_hides_nothing(nodes: dict[str, str], tmp_pat
 
 
 def test_watch_redraws_the_whole_job_until_interrupted(nodes: dict[str, str]) -> None:
-    process = subprocess.Popen(
+    process = interruptible(
         [sys.executable, "-m", "ampscope.cli", "status", RUN, "--watch", "--interval", "0.2",
          *_urls(nodes)],
         stdout=subprocess.PIPE,
-        text=True,
     )  # fmt: skip
     assert process.stdout is not None
     frames = 0
@@ -201,7 +201,7 @@ def test_watch_redraws_the_whole_job_until_interrupted(nodes: dict[str, str]) ->
         frames += line.startswith(f"run {RUN}: CRITICAL") and "3/3 exporter(s)" in line
         if frames == 2:
             break
-    process.send_signal(2)  # SIGINT, as Ctrl-C
+    process.send_signal(signal.SIGINT)  # as Ctrl-C
     out, _ = process.communicate(timeout=DEADLOCK_GUARD_S)
     assert process.returncode == 2  # the last frame's worst verdict
     assert frames == 2, out

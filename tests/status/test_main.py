@@ -4,6 +4,7 @@ by real scalers: the tables, ``--json``, ``--watch`` and every exit status."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -12,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 from status_cli import run_status, train_scaler
-from support import DEADLOCK_GUARD_S, free_port
+from support import DEADLOCK_GUARD_S, free_port, interruptible
 
 from ampscope.demo.exporter import ExporterProcess
 
@@ -143,11 +144,10 @@ def test_a_run_dropped_after_the_list_is_left_out(
 
 
 def test_watch_redraws_until_interrupted(exporter: str) -> None:
-    process = subprocess.Popen(
+    process = interruptible(
         [sys.executable, "-m", "ampscope.cli", "status", "calm", "--watch", "--interval", "0.2",
          "--url", exporter],
         stdout=subprocess.PIPE,
-        text=True,
     )  # fmt: skip
     assert process.stdout is not None
     frames = 0
@@ -155,7 +155,7 @@ def test_watch_redraws_until_interrupted(exporter: str) -> None:
         frames += line.startswith("run calm: OK")
         if frames == 2:
             break
-    process.send_signal(2)  # SIGINT, as Ctrl-C
+    process.send_signal(signal.SIGINT)  # as Ctrl-C
     out, _ = process.communicate(timeout=DEADLOCK_GUARD_S)
     assert process.returncode == 0
     assert frames == 2, out
