@@ -52,7 +52,7 @@ FAULTY = "node-b"
 RANK_SCRIPT = Path(__file__).with_name("two_node_rank.py")
 STALE_AFTER_S = 60.0
 """Ranks stay up on their exporters while the test reads the verdicts."""
-GATE_WITHIN_S = 120.0
+GATE_WITHIN_S = 300.0
 """Deadlock guard of the wait for every engine to hold every rank's series at the gate step;
 the wait ends as soon as they do."""
 VERDICTS_WITHIN_S = 300.0
@@ -64,7 +64,7 @@ QUIET_WITHIN_S = 300.0
 """Deadlock guard of the wait for every engine to resolve all of its alerts once the job
 finished; the wait ends as soon as they are quiet."""
 
-pytestmark = [pytest.mark.prometheus, pytest.mark.distributed, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.prometheus, pytest.mark.distributed, pytest.mark.timeout(1800)]
 """Above the sum of the deadlock guards below, so that each reports its own failure."""
 
 
@@ -232,13 +232,14 @@ def _open_gate(
                     return
             time.sleep(0.5)  # a poll interval: the conditions above are what is waited for
         if all(agent.poll() is None for agent in agents):
-            held = {
-                engine: {
-                    series: [r["value"][1] for r in query(url, f"count({series})", time.time())]
-                    for series in _gate_series(run_id)
-                }
-                for engine, url in engines.items()
-            }
+            held: dict[str, dict[str, object]] = {}
+            for engine, url in engines.items():
+                for series in _gate_series(run_id):
+                    try:
+                        answer = query(url, f"count({series})", time.time())
+                        held.setdefault(engine, {})[series] = [r["value"][1] for r in answer]
+                    except OSError as exc:  # the report names what it could not read
+                        held.setdefault(engine, {})[series] = repr(exc)
             pytest.fail(
                 f"the engines did not hold every rank's series within {GATE_WITHIN_S:.0f}s "
                 f"(ranks at step {GATE_STEP}: {at_gate}); expected {_gate_series(run_id)}, "
