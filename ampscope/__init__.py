@@ -19,14 +19,14 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from ampscope.scaler import GradScaler, GradWatch, NonFiniteGradientsError, ShardedGradScaler
+    from ampscope.rank import GradScaler, GradWatch, NonFiniteGradientsError, ShardedGradScaler
 
 _LAZY = ("GradScaler", "GradWatch", "NonFiniteGradientsError", "ShardedGradScaler")
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        from ampscope import scaler
+        from ampscope import rank
 
-        return getattr(scaler, name)
+        return getattr(rank, name)
     raise AttributeError(f"module 'ampscope' has no attribute {name!r}")

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 # name -> (module, one-line help). A module provides add_arguments(parser) and run(args) -> int.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("ampscope.service.main", "run the per-node exporter (/metrics and a JSON API)"),
+    "serve": ("ampscope.exporter.main", "run the per-node exporter (/metrics and a JSON API)"),
     "status": ("ampscope.status.main", "show the node's runs and their health (exit 0/1/2/3)"),
     "demo": ("ampscope.demo.main", "train a small FSDP2 model into instability and watch ampscope"),
     "export": ("ampscope.bundle.export", "write the dashboards, Prometheus rules and manifests"),

@@ -8,7 +8,7 @@ threads post wrong passwords as fast as they are answered, each on a new connect
 medians, 95th percentiles and the ratio flood/quiet, and how many wrong passwords the
 exporter answered meanwhile.
 
-``flood`` is shared with ``tests/service/test_auth_flood.py``, which asserts only that
+``flood`` is shared with ``tests/exporter/security/test_auth_flood.py``, which asserts only that
 every authorised request is answered.
 """
 

@@ -155,7 +155,7 @@ def _measure_memory(
 def _add_rss_per_held_record(memory: dict[str, Any], config: ExporterBenchConfig) -> None:
     """RSS growth over the records the exporter holds at the last checkpoint: each rank
     keeps its newest ``history_length`` records (the server runs with the default)."""
-    from ampscope.service.settings import Settings
+    from ampscope.exporter.settings import Settings
 
     last = memory["checkpoints"][-1]
     per_rank = last["records"] // config.max_ranks

@@ -2,7 +2,7 @@
 limits, and /metrics at the series limit.
 
 ``python -m bench.limits`` prints a JSON report. ``record_at_limits`` is also what
-``tests/service/test_memory_limits.py`` posts. Every record is as large as the schema
+``tests/exporter/test_memory_limits.py`` posts. Every record is as large as the schema
 and the exporter's per-rank limits let it be: 128-character labels, 512-character
 parameter names, ``max_devices_per_rank`` devices, ``max_params_per_rank`` parameters in
 both lists, ``MAX_OPTIMIZERS`` optimizers, counts near ``MAX_COUNT``.

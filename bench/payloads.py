@@ -16,6 +16,7 @@ import json
 import time
 from dataclasses import dataclass, field
 
+from ampscope.exporter.metrics.catalogue import CATALOGUE, RANK_LABELS
 from ampscope.reporter.schema import (
     SCALE_ALIGN_STEPS,
     SCHEMA_VERSION,
@@ -27,7 +28,6 @@ from ampscope.reporter.schema import (
     RankTotals,
     StepRecord,
 )
-from ampscope.service.catalogue import CATALOGUE, RANK_LABELS
 
 # Families the exporter computes itself rather than receives from a rank; a Pushgateway
 # adds its own push_time_seconds instead.

@@ -134,7 +134,7 @@ def _measure(server: ServerProcess, *, seconds: float, posters: int, mib: float)
 
 def _stalls(parse: Callable[[bytes], Any], bodies: list[bytes]) -> dict[str, float]:
     """Validate and store ``bodies`` in a worker thread; how long a 1 ms ticker waited."""
-    from ampscope.service.store import Store, StoreLimits
+    from ampscope.exporter.state.store import Store, StoreLimits
 
     store = Store(
         StoreLimits(
@@ -176,9 +176,9 @@ def _stalls(parse: Callable[[bytes], Any], bodies: list[bytes]) -> dict[str, flo
 
 
 def _gil_stalls(batches: int, mib: float) -> dict[str, dict[str, float]]:
+    from ampscope.exporter.http.parse import parse_batch
+    from ampscope.exporter.main import _tune_gc
     from ampscope.reporter.schema import IngestBatch
-    from ampscope.service.main import _tune_gc
-    from ampscope.service.parse import parse_batch
 
     def bodies() -> list[bytes]:
         rank = SimulatedRank(run="gil", rank=0, world_size=1, devices=16, top_k=32)

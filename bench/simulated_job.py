@@ -33,6 +33,10 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from ampscope.exporter.metrics.collector import StoreCollector
+from ampscope.exporter.metrics.exposition import Exposition
+from ampscope.exporter.settings import Settings
+from ampscope.exporter.state.ingest_counters import IngestStats
 from ampscope.reporter.schema import (
     SCALE_ALIGN_STEPS,
     AlignedScale,
@@ -46,10 +50,6 @@ from ampscope.reporter.schema import (
     StepRecord,
     StepStats,
 )
-from ampscope.service.collector import StoreCollector
-from ampscope.service.exposition import Exposition
-from ampscope.service.settings import Settings
-from ampscope.service.stats import IngestStats
 
 BASE_SCALE = 65536.0
 RANKS_PER_NODE = 8

@@ -26,8 +26,8 @@ SPHINX_ROLE = re.compile(r":(?:class|meth|func|mod|attr|data|exc|obj):`(~?)([^`]
 
 
 def metric_table() -> str:
-    """The metric reference: one row per family of ``ampscope/service/catalogue.py``."""
-    from ampscope.service.catalogue import CATALOGUE, RANK_LABELS
+    """The metric reference: one row per family of ``ampscope/exporter/metrics/catalogue.py``."""
+    from ampscope.exporter.metrics.catalogue import CATALOGUE, RANK_LABELS
 
     rows = ["| metric | type | labels | meaning |", "|---|---|---|---|"]
     for spec in CATALOGUE:
@@ -39,8 +39,8 @@ def metric_table() -> str:
 
 
 def _openapi() -> dict:
-    from ampscope.service.app import create_app
-    from ampscope.service.settings import Settings
+    from ampscope.exporter.app import create_app
+    from ampscope.exporter.settings import Settings
 
     # Defaults, not this machine's AMPSCOPE_* environment: the schema does not depend on them.
     return create_app(Settings.model_construct()).openapi()

@@ -50,7 +50,7 @@ if [ "$mode" = test ]; then
     # Node runs the Prometheus Operator's schema validators (tests/deploy/test_kubernetes.py).
     command -v node >/dev/null || need+=(nodejs)
     command -v npm >/dev/null || need+=(npm)
-    # The TLS tests make their CA, server and client certificates with it (tests/service/credentials.py).
+    # The TLS tests make their CA, server and client certificates with it (tests/exporter/credentials.py).
     command -v openssl >/dev/null || need+=(openssl)
     if [ ${#need[@]} -gt 0 ]; then
         sudo=""

@@ -7,8 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import ampscope
 
 SERVER_STACK = ("fastapi", "starlette", "uvicorn", "prometheus_client")
@@ -29,12 +27,13 @@ def _imported_after(modules: list[str]) -> set[str]:
 
 
 def _rank_side_modules() -> list[str]:
-    modules = ["ampscope", "ampscope.reporter", "ampscope.reporter.http", "ampscope.reporter.sinks"]
-    # The scaler package lands separately; check it as soon as it provides the scalers.
-    scaler_init = PACKAGE / "scaler" / "__init__.py"
-    if scaler_init.exists() and "GradScaler" in scaler_init.read_text():
-        modules += ["ampscope.scaler"]
-    return modules
+    return [
+        "ampscope",
+        "ampscope.reporter",
+        "ampscope.reporter.http",
+        "ampscope.reporter.sinks",
+        "ampscope.rank",
+    ]
 
 
 def test_rank_side_does_not_import_the_server_stack():
@@ -47,18 +46,30 @@ def test_rank_side_does_not_import_the_server_stack():
 
 
 def test_exporter_does_not_import_torch():
-    if not (PACKAGE / "service" / "app.py").exists():
-        pytest.skip("ampscope.service has no app yet")
-    modules = ["ampscope.service", "ampscope.service.app", "ampscope.cli"]
-    if (PACKAGE / "service" / "main.py").exists():
-        modules.append("ampscope.service.main")  # what `ampscope serve` runs
+    # ampscope.exporter.main is what `ampscope serve` runs.
+    modules = [
+        "ampscope.exporter",
+        "ampscope.exporter.app",
+        "ampscope.exporter.main",
+        "ampscope.cli",
+    ]
     loaded = _imported_after(modules)
     assert "fastapi" in loaded  # proof the app really was imported
     assert "torch" not in loaded, f"importing {modules} pulled in torch"
 
 
 def test_status_needs_neither_torch_nor_the_server_stack():
-    loaded = _imported_after(["ampscope.status.main", "ampscope.status.render"])
+    loaded = _imported_after(
+        ["ampscope.status.main", "ampscope.status.render", "ampscope.status.prometheus"]
+    )
     assert "pydantic" in loaded  # the default address comes from the schema module
     leaked = sorted(loaded.intersection({"torch", *SERVER_STACK}))
     assert not leaked, f"`ampscope status` pulled in {leaked}"
+
+
+def test_verdicts_are_pure():
+    """The rules are shared by the exporter and `ampscope status`: plain Python over plain data."""
+    modules = [f"ampscope.verdicts.{p.stem}" for p in (PACKAGE / "verdicts").glob("*.py")]
+    loaded = _imported_after(modules)
+    leaked = sorted(loaded.intersection({"torch", *SERVER_STACK}))
+    assert not leaked, f"importing {modules} pulled in {leaked}"

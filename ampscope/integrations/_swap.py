@@ -4,7 +4,7 @@ An integration never chooses the numerics: the twin copies the stock scaler's cl
 (``torch.amp.GradScaler`` or FSDP1's ``ShardedGradScaler``), device, factors, interval,
 process group and current state through torch's public API, so training continues exactly
 as the library configured it. Torch's private state is read only through
-:mod:`ampscope.scaler.compat`.
+:mod:`ampscope.rank.compat`.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as _TorchSharded
 
+from ampscope.rank import compat
+from ampscope.rank.config import TelemetryConfig, WatchConfig
+from ampscope.rank.frontends.base import TelemetryFrontEnd
+from ampscope.rank.frontends.scaler_mixin import TelemetryMixin
+from ampscope.rank.frontends.scalers import GradScaler, ShardedGradScaler
+from ampscope.rank.frontends.watch import GradWatch
 from ampscope.reporter.schema import Policy
-from ampscope.scaler import compat
-from ampscope.scaler.config import TelemetryConfig, WatchConfig
-from ampscope.scaler.frontend import TelemetryFrontEnd
-from ampscope.scaler.mixin import TelemetryMixin
-from ampscope.scaler.scalers import GradScaler, ShardedGradScaler
-from ampscope.scaler.watch import GradWatch
 
 logger = logging.getLogger("ampscope")
 

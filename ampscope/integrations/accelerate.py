@@ -33,9 +33,9 @@ from ampscope.integrations._swap import (
     make_watch,
     twin,
 )
+from ampscope.rank.config import WatchConfig
+from ampscope.rank.frontends.base import TelemetryFrontEnd
 from ampscope.reporter.schema import Policy
-from ampscope.scaler.config import WatchConfig
-from ampscope.scaler.frontend import TelemetryFrontEnd
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -164,7 +164,7 @@ def swap_into(accelerator: Accelerator, scaler: TelemetryFrontEnd) -> None:
     A watch also goes to optimizers prepared without a scaler (bf16, fp32), set up as
     ``AcceleratedOptimizer.__init__`` sets up one built with a scaler.
     """
-    from ampscope.scaler.watch import GradWatch
+    from ampscope.rank.frontends.watch import GradWatch
 
     accelerator.scaler = scaler
     for optimizer in accelerator._optimizers:

@@ -41,9 +41,9 @@ from ampscope.integrations._swap import (
     make_watch,
     twin,
 )
+from ampscope.rank.frontends.base import TelemetryFrontEnd
+from ampscope.rank.frontends.watch import GradWatch
 from ampscope.reporter.schema import Policy
-from ampscope.scaler.frontend import TelemetryFrontEnd
-from ampscope.scaler.watch import GradWatch
 
 _HOOK = "lr_scheduler_step"
 

@@ -28,9 +28,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
 
 from ampscope.integrations._swap import check_options, check_policy
 from ampscope.integrations.accelerate import attacher_of, instrument_accelerator
+from ampscope.rank.frontends.base import TelemetryFrontEnd
+from ampscope.rank.frontends.watch import GradWatch
 from ampscope.reporter.schema import Policy
-from ampscope.scaler.frontend import TelemetryFrontEnd
-from ampscope.scaler.watch import GradWatch
 
 if TYPE_CHECKING:
     from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments

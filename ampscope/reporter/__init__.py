@@ -12,15 +12,14 @@ __all__ = ["CallbackSink", "HttpReporter", "HttpReporterConfig", "JsonlSink", "S
 
 if TYPE_CHECKING:
     from ampscope.reporter.http import HttpReporter, HttpReporterConfig
-    from ampscope.reporter.sink import Sink
-    from ampscope.reporter.sinks import CallbackSink, JsonlSink
+    from ampscope.reporter.sinks import CallbackSink, JsonlSink, Sink
 
 _HOMES = {
     "HttpReporter": "ampscope.reporter.http",
     "HttpReporterConfig": "ampscope.reporter.http",
     "CallbackSink": "ampscope.reporter.sinks",
     "JsonlSink": "ampscope.reporter.sinks",
-    "Sink": "ampscope.reporter.sink",
+    "Sink": "ampscope.reporter.sinks",
 }
 
 

@@ -105,7 +105,7 @@ class Identity(_Model):
     """Ranks on the rank's node (torchrun's ``LOCAL_WORLD_SIZE``): equal to ``world_size``,
     the node holds the whole job, so its exporter can tell which ranks never reported."""
     job_id: Label | None = None
-    """The scheduler's job id (see ``ampscope.scaler.identity.resolve_job_id``); ``None``
+    """The scheduler's job id (see ``ampscope.rank.telemetry.identity.resolve_job_id``); ``None``
     when no scheduler said one, and from reporters that predate the field."""
 
 
@@ -181,7 +181,7 @@ class NonfiniteApplied(_Model):
 
 
 SpikeKind = Literal["loss", "grad_norm"]
-"""What a rank's own spike rule (``ampscope.reporter.spikes``) judged a spike."""
+"""What a rank's own spike rule (``ampscope.reporter.spike_rule``) judged a spike."""
 Norm = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
 
 

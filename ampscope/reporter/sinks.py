@@ -1,6 +1,7 @@
-"""Local sinks: hand records to a function, or append them to a JSON Lines file.
+"""Where records go on the rank: the ``Sink`` interface every destination implements, and two
+local sinks (hand records to a function, or append them to a JSON Lines file).
 
-Both implement the ``Sink`` protocol and are safe to call from several threads.
+Both local sinks are safe to call from several threads.
 """
 
 from __future__ import annotations
@@ -9,11 +10,30 @@ import os
 import threading
 import weakref
 from collections.abc import Callable
-from typing import IO
+from typing import IO, Protocol, runtime_checkable
 
 from ampscope.reporter.schema import StepRecord
 
-__all__ = ["CallbackSink", "JsonlSink"]
+__all__ = ["CallbackSink", "JsonlSink", "Sink"]
+
+
+@runtime_checkable
+class Sink(Protocol):
+    """A destination for step records.
+
+    ampscope calls ``emit`` from its own background thread, never from the training
+    thread, one record at a time in step order. A sink may raise: the caller counts
+    the error, logs it once, and keeps going, so a broken sink never breaks training.
+    """
+
+    def emit(self, record: StepRecord) -> None:
+        """Accept one record. Must not block for long; buffer and send elsewhere if slow."""
+
+    def close(self, timeout: float) -> None:
+        """Flush what is buffered, waiting at most ``timeout`` seconds, and release resources.
+
+        Called once; ``emit`` is not called afterwards.
+        """
 
 
 class CallbackSink:

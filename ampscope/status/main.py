@@ -23,7 +23,6 @@ from typing import Any, TextIO
 
 from ampscope.reporter.schema import DEFAULT_URL
 from ampscope.reporter.tls import explain_401, explain_tls_failure
-from ampscope.service.rules import Thresholds
 from ampscope.status import fanout, merge, prometheus
 from ampscope.status.access import (
     EXIT_TLS_REFUSED,
@@ -37,6 +36,7 @@ from ampscope.status.access import (
 )
 from ampscope.status.fanout import EXIT_NO_SUCH_RUN, EXIT_UNREACHABLE, TargetResult
 from ampscope.status.targets import TargetsError
+from ampscope.verdicts.rules import Thresholds
 
 
 class Unreachable(Exception):
@@ -205,7 +205,7 @@ def exit_status(answer: dict[str, Any]) -> int:
 
 def with_missing(answer: dict[str, Any]) -> dict[str, Any]:
     """``answer`` with its top-level ``missing_ranks``, as one exporter can judge them: only
-    where the ranks say their node holds the whole job (``ampscope.service.rules``)."""
+    where the ranks say their node holds the whole job (``ampscope.verdicts.rules``)."""
     if "run" in answer:
         return {**answer, "missing_ranks": merge.missing_of(answer["ranks"], judged=False)}
     missing = {run: merge.missing_of(views, judged=False) for run, views in answer["ranks"].items()}

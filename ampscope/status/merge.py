@@ -5,7 +5,7 @@ prints for one exporter, so a script written for one works for the other. Ranks 
 concatenated (a rank held by two exporters, after a restart onto another node, counts once:
 its most recently heard copy). The verdicts that need the whole job are computed again over
 the merged ranks by the same rule implementations the exporter runs
-(``ampscope.service.rules``): ``lost_rank`` (its critical share is of the whole job) and
+(``ampscope.verdicts.rules``): ``lost_rank`` (its critical share is of the whole job) and
 ``missing_rank``, ``stalled_rank``'s ok summary (the live ranks of every node), and a
 ``scale_desync`` across nodes at the ranks' aligned steps (``rules.aligned_scale_desync``),
 which replaces the exporters' own when it is worse. The other rules are per-rank facts
@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ampscope.service import rules
-from ampscope.service.rules import RankFacts, Thresholds
+from ampscope.verdicts import rules
+from ampscope.verdicts.rules import RankFacts, Thresholds
 
 SEVERITY = {"ok": 0, "warning": 1, "critical": 2}
 STATES = ("running", "stalled", "lost", "finished")

@@ -4,7 +4,7 @@ VictoriaMetrics, or a Thanos/Mimir query frontend) through ``/api/v1/query`` onl
 Builds the same answer as one exporter's ``--json`` (``ranks`` and ``health`` of a run, or
 every run's), with ``null`` where Prometheus does not hold a value (a rank's step time,
 last event, restarts), and computes the verdicts by the exporter's own rule
-implementations (``ampscope.service.rules``) from instant vectors and ``max_over_time`` /
+implementations (``ampscope.verdicts.rules``) from instant vectors and ``max_over_time`` /
 ``increase`` over each rule's window; ``scale_desync`` compares the ranks' aligned scales
 (``ampscope_loss_scale_aligned`` at the same ``_step``), as the alert rule does. Verdicts
 that need the exporter's per-step history (``stalled_rank``'s progress times,
@@ -26,10 +26,11 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ampscope.service import rules, spike_rules
-from ampscope.service.models import Verdict
-from ampscope.service.rules import Thresholds
+from ampscope.exporter.api.models import Verdict
 from ampscope.status import merge
+from ampscope.verdicts import rules
+from ampscope.verdicts import spikes as spike_rules
+from ampscope.verdicts.rules import Thresholds
 
 GAUGES = (
     "ampscope_rank_info",

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from ampscope.exporter.metrics.catalogue import BY_NAME
 from ampscope.reporter.schema import SCALE_ALIGN_STEPS
-from ampscope.service.catalogue import BY_NAME
 from bench.payloads import PUSHED_FAMILIES, SimulatedRank, check_batch
 
 

@@ -15,7 +15,7 @@ from ampscope.demo.report import (
 )
 from ampscope.demo.scenarios import SCENARIOS
 from ampscope.demo.trainer import Progress
-from ampscope.service.catalogue import BY_NAME
+from ampscope.exporter.metrics.catalogue import BY_NAME
 from ampscope.status.render import scale_text
 
 

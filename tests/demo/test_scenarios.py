@@ -6,7 +6,7 @@ import pytest
 
 from ampscope.demo.scenarios import SCENARIOS, Scenario
 from ampscope.demo.session import MIN_STEPS
-from ampscope.reporter.spikes import SpikeRule
+from ampscope.reporter.spike_rule import SpikeRule
 
 
 def test_the_default_mix_provokes_every_instability_verdict() -> None:

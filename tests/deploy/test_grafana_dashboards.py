@@ -21,7 +21,7 @@ from deploy_files import (
 )
 from support import need_tool
 
-from ampscope.service.catalogue import BY_NAME, RANK_LABELS, SCALER_ONLY
+from ampscope.exporter.metrics.catalogue import BY_NAME, RANK_LABELS, SCALER_ONLY
 
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 RANK_FAMILIES = {spec.name for spec in BY_NAME.values() if spec.labels[:4] == RANK_LABELS}

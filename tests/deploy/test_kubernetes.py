@@ -139,8 +139,8 @@ def test_the_sample_limit_trips_only_past_the_exporters_own_series_limit() -> No
     ``max_series`` (plus its own families) still scrapes, and a wrong type is refused."""
     from fastapi.testclient import TestClient
 
-    from ampscope.service.app import create_app
-    from ampscope.service.settings import Settings
+    from ampscope.exporter.app import create_app
+    from ampscope.exporter.settings import Settings
 
     settings = Settings()
     with TestClient(create_app(settings)) as client:
@@ -229,9 +229,9 @@ def test_exporter_daemonset_runs_hardened_and_reachable_on_its_node() -> None:
 def test_example_web_config_passes_promtool_and_ampscope(tmp_path: Path) -> None:
     """deploy/kubernetes/web-config.yml beside real certificates named as the DaemonSet
     mounts them: the toolkit's own check and ampscope's loader both accept it."""
-    from service.credentials import make_ca, make_leaf
+    from exporter.credentials import make_ca, make_leaf
 
-    from ampscope.service.security import WebSecurity
+    from ampscope.exporter.security.policy import WebSecurity
 
     ca = make_ca(tmp_path)
     server = make_leaf(tmp_path, "server", ca, "DNS:ampscope-exporter.ampscope.svc")

@@ -16,8 +16,8 @@ from deploy_files import (
 )
 from support import need_tool
 
-from ampscope.service.catalogue import BY_NAME, SCALER_ONLY
-from ampscope.service.rules import Thresholds
+from ampscope.exporter.metrics.catalogue import BY_NAME, SCALER_ONLY
+from ampscope.verdicts.rules import Thresholds
 
 ALERTS = {
     "AmpscopeScaleCollapse",

@@ -11,7 +11,7 @@ from urllib.parse import unquote, urlsplit
 
 import yaml
 
-from ampscope.service.catalogue import CATALOGUE
+from ampscope.exporter.metrics.catalogue import CATALOGUE
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -208,8 +208,8 @@ def test_the_metric_reference_lists_every_catalogue_metric(built_site: Path) -> 
 
 
 def test_the_openapi_page_holds_the_app_factorys_document(built_site: Path) -> None:
-    from ampscope.service.app import create_app
-    from ampscope.service.settings import Settings
+    from ampscope.exporter.app import create_app
+    from ampscope.exporter.settings import Settings
 
     schema = create_app(Settings()).openapi()
     html = (built_site / "openapi" / "index.html").read_text(encoding="utf-8")

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import yaml
 
-from ampscope.service import main as serve_main
-from ampscope.service.catalogue import CATALOGUE, RANK_LABELS
+from ampscope.exporter import main as serve_main
+from ampscope.exporter.metrics.catalogue import CATALOGUE, RANK_LABELS
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"

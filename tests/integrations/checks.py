@@ -36,7 +36,7 @@ def expected_skips() -> list[bool]:
 def check_same_training(stock: dict[str, Any], ours: dict[str, Any]) -> None:
     """ampscope's scaler, and bit-identical parameters and scale trajectory."""
     assert stock["scaler_class"] == "torch.amp.grad_scaler.GradScaler"
-    assert ours["scaler_class"] == "ampscope.scaler.scalers.GradScaler"
+    assert ours["scaler_class"] == "ampscope.rank.frontends.scalers.GradScaler"
     assert ours["scales"] == stock["scales"]
     assert ours["record_scales"] == stock["scales"]
     initial = [p.detach().flatten().tolist() for p in Net().parameters()]

@@ -8,8 +8,7 @@ import pytest
 from loopback_server import make_record
 
 from ampscope.reporter.schema import StepRecord
-from ampscope.reporter.sink import Sink
-from ampscope.reporter.sinks import CallbackSink, JsonlSink
+from ampscope.reporter.sinks import CallbackSink, JsonlSink, Sink
 
 
 def test_callback_sink_passes_records_and_closes_once():

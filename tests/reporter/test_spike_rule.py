@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from ampscope.reporter.spikes import SpikeRule, SpikeWindow
+from ampscope.reporter.spike_rule import SpikeRule, SpikeWindow
 
 
 def _noisy(seed: int, n: int, level: float = 2.0, noise: float = 0.2) -> list[float]:

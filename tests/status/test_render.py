@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from exporter.factory import FakeClock, body, record, totals, watch
 from fastapi.testclient import TestClient
-from service.factory import FakeClock, body, record, totals, watch
 
-from ampscope.service.app import create_app
-from ampscope.service.settings import Settings
+from ampscope.exporter.app import create_app
+from ampscope.exporter.settings import Settings
 from ampscope.status import render
 from ampscope.status.main import exit_status
 

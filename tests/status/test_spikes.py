@@ -10,7 +10,7 @@ import urllib.request
 from collections.abc import Iterator
 
 import pytest
-from service.factory import body, record, stats
+from exporter.factory import body, record, stats
 from status_cli import run_status
 from support import DEADLOCK_GUARD_S, free_port
 

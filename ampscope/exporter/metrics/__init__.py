@@ -1,0 +1,2 @@
+"""Prometheus exposition: the metric catalogue (data, defined once), the collector over the
+store, and the ``/metrics`` bytes."""

@@ -1,0 +1,218 @@
+"""The Prometheus collector: fresh metric families from the store on every scrape.
+
+Registered on a per-app ``CollectorRegistry`` (never the global one). Names, types,
+help texts and label names all come from the catalogue. Cost per scrape: O(series)
+with the store's lock held only for an O(ranks) snapshot.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ampscope.exporter.health import Thresholds
+from ampscope.exporter.metrics.catalogue import BY_NAME, CATALOGUE, RANK_LABELS
+from ampscope.exporter.state.ingest_counters import IngestStats
+from ampscope.exporter.state.lifecycle import STATES, Lifecycle
+from ampscope.exporter.state.ranks import RankSnapshot
+from ampscope.exporter.state.spike_windows import SPIKE_KINDS
+from ampscope.exporter.state.store import Store
+
+log = logging.getLogger(__name__)
+
+MAX_LOGGED_RANKS = 1024
+"""Unrenderable ranks remembered so each is logged once; beyond this, no more logs."""
+
+Row = tuple[str, list[str], float]
+"""(family name, label values, value) of one sample."""
+
+UNRENDERABLE = (ArithmeticError, ValueError, TypeError)
+"""What ``rank_rows`` raises for a rank whose data cannot be rendered."""
+
+TIME_DEPENDENT = frozenset({"ampscope_rank_up", "ampscope_rank_state"})
+"""Per-rank families whose values move with the clock alone (``time_rows``)."""
+
+
+def _family(name: str) -> GaugeMetricFamily | CounterMetricFamily:
+    spec = BY_NAME[name]
+    if spec.type == "counter":
+        # CounterMetricFamily wants the name without the _total suffix it adds back.
+        return CounterMetricFamily(spec.name.removesuffix("_total"), spec.help, labels=spec.labels)
+    return GaugeMetricFamily(spec.name, spec.help, labels=spec.labels)
+
+
+_RANK_FAMILIES = tuple(
+    spec.name for spec in CATALOGUE if spec.labels[: len(RANK_LABELS)] == RANK_LABELS
+)
+"""Per-rank families, in the order they are served."""
+
+
+class StoreCollector(Collector):
+    """Exposes every rank's newest state and the exporter's ingest counters.
+
+    Args:
+        store: Where rank state lives.
+        stats: The ingest self-metrics.
+        clock: Current Unix time (injectable for tests).
+        stale_after_s: A rank with no report for this long has ``ampscope_rank_up`` 0.
+        stall_after_s: A rank heard from without a new step for this long is stalled.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        stats: IngestStats,
+        clock: Callable[[], float],
+        stale_after_s: float,
+        stall_after_s: float = Thresholds().stall_after_s,
+    ) -> None:
+        self._store = store
+        self._stats = stats
+        self._clock = clock
+        self._stale_after_s = stale_after_s
+        self._lifecycle = Lifecycle(stale_after_s=stale_after_s, stall_after_s=stall_after_s)
+        self._logged: set[tuple[str, int]] = set()
+
+    def collect(self) -> Iterator[Metric]:
+        now = self._clock()
+        families = {name: _family(name) for name in _RANK_FAMILIES}
+        skipped = 0
+        for run, rank, snap in self._store.latest():
+            # Every value is made a float before any is added, so a rank whose data cannot
+            # be rendered (schema bounds make that a bug, not an input) is left out whole
+            # instead of failing the scrape for every other rank.
+            try:
+                rows = self.rank_rows(snap, now)
+            except UNRENDERABLE as exc:
+                skipped += 1
+                self.note_unrenderable(run, rank, exc)
+                continue
+            for name, labels, value in rows:
+                families[name].add_metric(labels, value)
+        yield from families.values()
+        yield from self.self_metrics(unrenderable=skipped)
+
+    def time_rows(self, snap: RankSnapshot, now: float) -> list[Row]:
+        """The samples of one rank's ``TIME_DEPENDENT`` families at time ``now``."""
+        who = snap.newest.identity
+        labels = [who.run, who.node, str(who.rank), str(who.local_rank)]
+        up = snap.reported_within(now, self._stale_after_s)
+        current = self._lifecycle.state(snap, now)
+        # Prometheus' enum convention: every state, 1 for the current one.
+        return [
+            ("ampscope_rank_up", labels, float(up)),
+            *(("ampscope_rank_state", [*labels, name], float(name == current)) for name in STATES),
+        ]
+
+    def rank_rows(self, snap: RankSnapshot, now: float) -> list[Row]:
+        """Every sample of one rank at time ``now``, ``time_rows`` included. Raises one of
+        ``UNRENDERABLE`` for a rank whose data cannot be rendered; the exposition cache
+        (``ampscope.exporter.metrics.exposition``) builds on this too."""
+        record = snap.newest
+        who = record.identity
+        labels = [who.run, who.node, str(who.rank), str(who.local_rank)]
+        totals = record.totals
+        setup = record.setup
+        # A watch rank has no loss scale: its records carry 1.0 and zero counts, which are
+        # not data, so none of the scale families is exposed for it.
+        scaler = setup.mode == "scaler"
+        rows: list[Row] = [
+            (
+                "ampscope_rank_info",
+                [
+                    *labels,
+                    setup.mode,
+                    setup.policy,
+                    setup.grad_dtype or "unknown",
+                    str(who.world_size),
+                    who.job_id or "",
+                ],
+                1.0,
+            )
+        ]
+        if scaler:
+            rows.append(("ampscope_loss_scale", labels, float(record.scale_after)))
+            rows.append(("ampscope_growth_tracker", labels, float(record.growth_tracker)))
+        rows.append(("ampscope_last_step", labels, float(record.step)))
+        stats = record.stats
+        if stats is not None:
+            for name, value in (
+                ("ampscope_loss", stats.loss),
+                ("ampscope_grad_norm", stats.grad_norm),
+                ("ampscope_grad_norm_origin", stats.grad_norm_origin),
+            ):
+                if value is not None:
+                    rows.append((name, labels, float(value)))
+        if scaler and totals.aligned_scale is not None:
+            rows.append(("ampscope_loss_scale_aligned", labels, float(totals.aligned_scale.scale)))
+            rows.append(
+                ("ampscope_loss_scale_aligned_step", labels, float(totals.aligned_scale.step))
+            )
+        rows.append(("ampscope_last_report_timestamp_seconds", labels, float(snap.last_report)))
+        rows += self.time_rows(snap, now)
+        rows += [
+            ("ampscope_steps_total", labels, float(totals.steps)),
+            ("ampscope_skipped_steps_total", labels, float(totals.skipped_steps)),
+        ]
+        if scaler:
+            rows.append(("ampscope_scale_backoffs_total", labels, float(totals.backoffs)))
+            rows.append(("ampscope_scale_growths_total", labels, float(totals.growths)))
+        for device, count in totals.found_inf_local.items():
+            rows.append(("ampscope_found_inf_total", [*labels, device], float(count)))
+        for device, count in totals.found_inf_origin.items():
+            rows.append(("ampscope_found_inf_origin_total", [*labels, device], float(count)))
+        for param in totals.nonfinite_params:
+            rows.append(
+                ("ampscope_nonfinite_grads_total", [*labels, param.name], float(param.count))
+            )
+        rows.append(
+            ("ampscope_nonfinite_updates_applied_total", labels, float(totals.nonfinite_applied))
+        )
+        if stats is not None:
+            counts = snap.spike_counts
+            for kind in SPIKE_KINDS:
+                rows.append(
+                    ("ampscope_spikes_total", [*labels, kind], float(getattr(counts, kind)))
+                )
+        rows.append(
+            ("ampscope_reporter_dropped_records_total", labels, float(snap.dropped_records))
+        )
+        return rows
+
+    def note_unrenderable(self, run: str, rank: int, exc: Exception) -> None:
+        """Log a rank left out of a scrape, once per rank."""
+        key = (run, rank)
+        if key in self._logged or len(self._logged) >= MAX_LOGGED_RANKS:
+            return
+        self._logged.add(key)
+        log.error(
+            "rank %d of run %r left out of /metrics: its data cannot be rendered (%s: %s)",
+            rank,
+            run,
+            type(exc).__name__,
+            exc,
+        )
+
+    def self_metrics(self, unrenderable: int) -> Iterator[Metric]:
+        """The exporter's own families; ``unrenderable``: ranks this scrape left out."""
+        batches = _family("ampscope_exporter_ingest_batches_total")
+        batches.add_metric([], self._stats.batches)
+        records = _family("ampscope_exporter_ingest_records_total")
+        records.add_metric([], self._stats.records)
+        rejections = _family("ampscope_exporter_ingest_rejections_total")
+        for reason, count in self._stats.rejections().items():
+            rejections.add_metric([reason], count)
+        runs, ranks, series = self._store.counts()
+        tracked_runs = _family("ampscope_exporter_tracked_runs")
+        tracked_runs.add_metric([], runs)
+        tracked_ranks = _family("ampscope_exporter_tracked_ranks")
+        tracked_ranks.add_metric([], ranks)
+        tracked_series = _family("ampscope_exporter_tracked_series")
+        tracked_series.add_metric([], series)
+        left_out = _family("ampscope_exporter_unrenderable_ranks")
+        left_out.add_metric([], unrenderable)
+        yield from (batches, records, rejections, tracked_runs, tracked_ranks, tracked_series)
+        yield left_out

@@ -1,0 +1,122 @@
+"""The scalers' and the watch's options, validated once at construction."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ampscope.reporter.schema import MAX_LABEL_LENGTH, MAX_NONFINITE_PARAMS, Policy
+from ampscope.reporter.sinks import Sink
+from ampscope.reporter.spike_rule import SpikeRule
+
+LABEL_PATTERN = re.compile(r"^[A-Za-z0-9_.:/@+=-]+$")
+"""The schema's label pattern (run ids, node names, devices)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TelemetryConfig:
+    """Telemetry options of :class:`ampscope.GradScaler`, :class:`ampscope.ShardedGradScaler`
+    and :class:`ampscope.GradWatch` (which has no scale to clamp: no ``min_scale`` or
+    ``max_scale``).
+
+    They take these as keyword-only constructor arguments of the same names.
+    """
+
+    reporter: Sink | Literal["auto"] | None = "auto"
+    """``"auto"``: an ``HttpReporter`` to ``AMPSCOPE_URL`` (default the local exporter);
+    ``AMPSCOPE_URL=off`` disables it. ``None``: no reporter. Or any :class:`Sink`."""
+    sinks: Sequence[Sink] = field(default=())
+    """Further destinations for every record, called after the reporter, in step order."""
+    run_id: str | None = None
+    """Overrides ``AMPSCOPE_RUN_ID``/``TORCHELASTIC_RUN_ID``; must be the same on every rank."""
+    attribution: bool = True
+    """Name the parameters holding non-finite gradients on overflow iterations."""
+    top_k: int = 8
+    """How many parameters a record (and the cumulative totals) name at most."""
+    history: int = 1024
+    """Length of the in-process ring buffer behind ``scaler.telemetry.history()``."""
+    min_scale: float | None = None
+    """Clamp the scale from below after each automatic update(); ``None``: torch's behaviour."""
+    max_scale: float | None = None
+    """Clamp the scale from above after each automatic update(); ``None``: torch's behaviour."""
+    stats: bool = True
+    """Record each iteration's loss, gradient norm and (origin tracking) this rank's own
+    gradient norm, and name the top-K parameters by gradient norm on the rank's spike
+    iterations (``StepRecord.stats``). ``False``: no norm pass, records carry ``None``."""
+    spike_rule: SpikeRule | None = None
+    """The rank's own spike rule for its loss and gradient norm; ``None``: the default
+    :class:`~ampscope.reporter.spike_rule.SpikeRule` (the exporter's)."""
+
+    def __post_init__(self) -> None:
+        if not (
+            self.reporter is None or self.reporter == "auto" or isinstance(self.reporter, Sink)
+        ):
+            raise TypeError(f"reporter must be 'auto', None or a Sink, not {self.reporter!r}")
+        if isinstance(self.sinks, (str, bytes)) or not isinstance(self.sinks, Sequence):
+            raise TypeError("sinks must be a sequence of Sink objects")
+        for sink in self.sinks:
+            if not isinstance(sink, Sink):
+                raise TypeError(f"{sink!r} does not implement emit(record) and close(timeout)")
+        object.__setattr__(self, "sinks", tuple(self.sinks))
+        if self.run_id is not None and (
+            len(self.run_id) > MAX_LABEL_LENGTH or not LABEL_PATTERN.match(self.run_id)
+        ):
+            raise ValueError(
+                f"run_id {self.run_id!r} must be 1-{MAX_LABEL_LENGTH} characters of "
+                "letters, digits and _.:/@+=-"
+            )
+        if not 1 <= self.top_k <= MAX_NONFINITE_PARAMS:
+            raise ValueError(
+                f"top_k must be between 1 and {MAX_NONFINITE_PARAMS}, not {self.top_k}"
+            )
+        if self.spike_rule is not None and not isinstance(self.spike_rule, SpikeRule):
+            raise TypeError(f"spike_rule must be a SpikeRule, not {self.spike_rule!r}")
+        if self.history < 1:
+            raise ValueError(f"history must be at least 1, not {self.history}")
+        for name in ("min_scale", "max_scale"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive finite number, not {value}")
+        if (
+            self.min_scale is not None
+            and self.max_scale is not None
+            and self.min_scale > self.max_scale
+        ):
+            raise ValueError(f"min_scale {self.min_scale} exceeds max_scale {self.max_scale}")
+
+
+POLICIES = ("observe", "skip", "raise")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WatchConfig:
+    """What :class:`ampscope.GradWatch` does with an iteration whose gradients hold inf/NaN.
+
+    The watch takes these as keyword arguments of the same names.
+    """
+
+    policy: Policy = "observe"
+    """``observe``: record it, change nothing (no sync, no collective); ``skip``: every
+    rank skips ``optimizer.step()``; ``raise``: every rank raises
+    :class:`~ampscope.NonFiniteGradientsError` from ``step()``."""
+    max_consecutive_skips: int | None = None
+    """Under ``skip``: raise from the ``step()`` of the N-th consecutive skipped
+    iteration (whose step is not taken) instead of skipping for ever."""
+    process_group: Any = None
+    """The group whose ranks agree on skipping or raising (``skip``, ``raise``): the
+    gradients' data-parallel group. ``None``: the default (world) group."""
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, not {self.policy!r}")
+        limit = self.max_consecutive_skips
+        if limit is not None:
+            if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+                raise ValueError(f"max_consecutive_skips must be a positive int, not {limit!r}")
+            if self.policy != "skip":
+                raise ValueError(
+                    f"max_consecutive_skips applies to policy 'skip', not {self.policy!r}"
+                )

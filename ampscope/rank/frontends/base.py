@@ -1,0 +1,217 @@
+"""What every telemetry front-end shares: the scalers' mixin and the bf16/fp32 watch.
+
+A front-end decides what one iteration was (a scaler's skip and scale, a watch's policy)
+and hands a :class:`~ampscope.rank.capture.scaler.PendingStep` to the same machinery: parameter
+names, origin hooks, the identity, the telemetry thread and its sinks. This base owns
+that machinery's life cycle (``attach``, ``close``, the first update()'s identity) and
+the rule that telemetry never raises into training.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+import weakref
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+import torch
+from torch import nn
+
+from ampscope.rank import compat
+from ampscope.rank.config import TelemetryConfig
+from ampscope.rank.gradients.names import ParamNames
+from ampscope.rank.gradients.stats import GradStats, SquareSumReduce, TakenStats
+from ampscope.rank.telemetry.identity import resolve_identity
+from ampscope.rank.telemetry.outputs import build_sinks
+from ampscope.rank.telemetry.pipeline import Telemetry
+from ampscope.reporter.schema import Identity
+
+logger = logging.getLogger("ampscope")
+
+NO_FLAGS: Mapping[str, torch.Tensor] = MappingProxyType({})
+
+OWN_ATTRIBUTES = (
+    "_ampscope_config",
+    "_ampscope_telemetry",
+    "_ampscope_capture",
+    "_ampscope_names",
+    "_ampscope_identity",
+    "_ampscope_origin",
+    "_ampscope_origin_handles",
+    "_ampscope_errors",
+    "_ampscope_stats",
+)
+"""Attributes a front-end adds; dropped when it is pickled (threads, hooks, sinks)."""
+
+
+def warn_if_torch_changed() -> None:
+    """Warn once per process (the check is cached) when this torch breaks an assumption
+    of :mod:`ampscope.rank.compat`."""
+    problems = compat.check_torch()
+    if problems:
+        warnings.warn(
+            "ampscope: this torch differs from what the instrumented scalers and the watch "
+            "expect; telemetry may be wrong: " + "; ".join(problems),
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+class TelemetryFrontEnd:
+    """Shared state and life cycle of a front-end. Subclasses set ``_ampscope_capture``
+    (anything with ``close()``; ``None`` when telemetry is off) after
+    :meth:`_ampscope_start`."""
+
+    _ampscope_config: TelemetryConfig
+    _ampscope_telemetry: Telemetry
+    _ampscope_capture: Any
+    _ampscope_names: ParamNames
+    _ampscope_identity: Identity | None
+    _ampscope_origin: Any
+    _ampscope_origin_handles: list[Any]
+    _ampscope_errors: int
+    _ampscope_stats: GradStats | None
+
+    def _ampscope_start(
+        self, config: TelemetryConfig, enabled: bool, reduce: SquareSumReduce | None = None
+    ) -> None:
+        """Build the telemetry (no reporter, thread or records when not ``enabled``)."""
+        self._ampscope_config = config
+        self._ampscope_telemetry = Telemetry(
+            sinks=build_sinks(config) if enabled else (),
+            history=config.history,
+            top_k=config.top_k,
+            spike_rule=config.spike_rule,
+        )
+        self._ampscope_capture = None
+        self._ampscope_names = ParamNames()
+        self._ampscope_identity = None
+        self._ampscope_origin = None
+        self._ampscope_origin_handles = []
+        self._ampscope_errors = 0
+        self._ampscope_stats = (
+            GradStats(self._ampscope_names, reduce) if enabled and config.stats else None
+        )
+        # Collected without close(): flush and stop the threads off the collecting thread.
+        # The callback holds the telemetry only, never the front-end.
+        finalizer = weakref.finalize(self, self._ampscope_telemetry.close_soon)
+        finalizer.atexit = False  # interpreter exit is the telemetry module's job
+
+    # -- public API ----------------------------------------------------------------------
+
+    @property
+    def telemetry(self) -> Telemetry:
+        """This front-end's telemetry: ``snapshot()``, ``history(n)``."""
+        return self._ampscope_telemetry
+
+    def attach(self, model: nn.Module, track_origin: bool = False) -> None:
+        """Name ``model``'s parameters in records; optionally track found-inf origin.
+
+        Call once, after wrapping the model (FSDP1, ``fully_shard``, DDP) and before the
+        first backward. Costs one walk over ``named_parameters()``. With FSDP1 it also
+        tells the gradient norm (``stats``) how the gradients are sharded: a
+        ``ShardedGradScaler`` not attached assumes a sharded strategy, a ``GradWatch`` not
+        attached whole gradients.
+
+        Args:
+            model: The wrapped model whose parameters the optimizer(s) hold.
+            track_origin: Install origin hooks on the model's gradient collectives, so
+                records say which rank's own gradients held inf/NaN before the reduction
+                (``found_inf_origin``). Costs one read-only pass per gradient bucket.
+
+        Raises:
+            TypeError, ValueError: from ``install_origin_hooks`` when the model runs no
+                supported gradient collective.
+        """
+        self._ampscope_names.attach(model)
+        stats = self._ampscope_stats
+        if stats is not None:
+            from ampscope.rank.gradients.origin_hooks import fsdp1_gradient_group
+            from ampscope.rank.gradients.stats import sum_over
+
+            try:
+                fsdp1, group = fsdp1_gradient_group(model)
+            except ValueError:  # several FSDP1 roots: origin tracking says so below
+                fsdp1, group = False, None
+            if fsdp1:
+                # FSDP1 gradients are flat shards (summed over the group) or, NO_SHARD,
+                # whole on every rank (not summed).
+                stats.reduce = None if group is None else sum_over(group)
+        if track_origin and self._ampscope_capture is not None:
+            from ampscope.rank.gradients.origin import OriginFlags, install_origin_hooks
+
+            if self._ampscope_origin is None:
+                self._ampscope_origin = OriginFlags(norms=self._ampscope_stats is not None)
+            self._ampscope_origin_handles.append(install_origin_hooks(model, self._ampscope_origin))
+
+    def close(self, timeout: float = 1.0) -> None:
+        """Flush pending records, close the sinks and remove hooks. Idempotent.
+
+        The reporter then sends its final record: the exporter shows the rank as
+        ``finished`` and no alert fires for it. Training goes on working afterwards,
+        without telemetry. Also runs at interpreter exit, and on a background thread when
+        the object is garbage collected without it. Waits at most about ``timeout``
+        seconds (default 1), even with the exporter down.
+        """
+        capture, self._ampscope_capture = self._ampscope_capture, None
+        self._ampscope_stats = None
+        if capture is not None:
+            capture.close()
+        for handle in self._ampscope_origin_handles:
+            handle.remove()
+        self._ampscope_origin_handles = []
+        self._ampscope_telemetry.close(timeout)
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _ampscope_take_origin(self) -> Mapping[str, torch.Tensor]:
+        """This iteration's origin flags (and fresh ones for the next); none untracked."""
+        origin = self._ampscope_origin
+        return NO_FLAGS if origin is None else origin.take()
+
+    def _ampscope_take_stats(self) -> TakenStats | None:
+        """This iteration's loss and norms (with the origin norms), for update(); ``None``
+        with ``stats=False``. Call right after :meth:`_ampscope_take_origin`."""
+        stats = self._ampscope_stats
+        if stats is None:
+            return None
+        origin = self._ampscope_origin
+        return stats.take(NO_FLAGS if origin is None else origin.take_squares())
+
+    def _ampscope_identity_now(self) -> Identity:
+        """The identity, resolved by the first call: a collective every rank reaches in
+        its first update() (it may broadcast the run id from rank 0)."""
+        identity = self._ampscope_identity
+        if identity is None:
+            identity = self._ampscope_identity = self._ampscope_resolve_identity()
+        return identity
+
+    def _ampscope_resolve_identity(self) -> Identity:
+        # Attempted exactly once per front-end: a retry on a later update() could pair
+        # this rank's broadcast with a different collective on the other ranks.
+        try:
+            return resolve_identity(self._ampscope_config.run_id)
+        except Exception:
+            logger.warning(
+                "ampscope: could not agree on a run id with the other ranks; using a local one",
+                exc_info=True,
+            )
+            return resolve_identity(self._ampscope_config.run_id, collective=False)
+
+    def _ampscope_guard(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run telemetry work; an exception is counted and logged once, never raised."""
+        try:
+            return fn(*args, **kwargs)
+        except Exception:
+            self._ampscope_failed()
+            return None
+
+    def _ampscope_failed(self) -> None:
+        """Count the exception being handled; log it the first time. Call in ``except``."""
+        self._ampscope_errors += 1
+        if self._ampscope_errors == 1:
+            logger.warning(
+                "ampscope: telemetry error, training continues (logged once)", exc_info=True
+            )

@@ -1,0 +1,190 @@
+"""The one mixin that turns torch's scalers into instrumented ones.
+
+It overrides torch's hook points and calls torch for all the work: ``_unscale_grads_``
+(notes the optimizer, keeps this rank's pre-reduction found-inf where torch's differs, and
+takes the gradient norms right after torch's kernel), ``update`` (captures the step's
+scalars; see :mod:`ampscope.rank.capture.scaler`), ``scale`` (keeps the loss for the record's
+stats) and ``_check_inf_per_device`` (marks a fused optimizer's check, which unscales
+nothing). Whether each optimizer's step ran is counted by a public step pre-hook.
+Numerics are torch's: nothing here writes to gradients, parameters or found-inf, except
+the optional scale clamp.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ampscope.rank import compat
+from ampscope.rank.capture.scaler import StepCapture
+from ampscope.rank.config import TelemetryConfig
+from ampscope.rank.frontends.base import OWN_ATTRIBUTES, TelemetryFrontEnd, warn_if_torch_changed
+from ampscope.rank.gradients.attribution import count_nonfinite
+from ampscope.rank.gradients.local_unscale import unscale_local_shards
+from ampscope.rank.gradients.stats import sum_over
+
+
+class TelemetryMixin(TelemetryFrontEnd):
+    """Adds telemetry to a subclass of ``torch.amp.GradScaler``. See :mod:`ampscope.rank`."""
+
+    _ampscope_capture: StepCapture | None
+    _ampscope_reduces_found_inf_in_place = False
+    """Whether torch changes the found-inf tensors ``_unscale_grads_`` returns before
+    update() (FSDP1's sharded scaler all-reduces them in place): then capture copies them."""
+
+    _ampscope_unscales_nothing = False
+    """torch's ``_check_inf_per_device`` is running: it checks a fused optimizer's
+    gradients with an inverse scale of 1, so their norms are still scaled."""
+
+    def _ampscope_init(self, config: TelemetryConfig) -> None:
+        """Called at the end of ``__init__``, after torch's constructor."""
+        warn_if_torch_changed()
+        enabled = self.is_enabled()  # type: ignore[attr-defined]
+        # A disabled scaler is a pure pass-through: no reporter, no thread, no records.
+        reduce = None
+        if self._ampscope_reduces_found_inf_in_place:  # FSDP1: flat gradient shards
+            reduce = sum_over(getattr(self, "process_group", None))
+        self._ampscope_start(config, enabled, reduce)
+        self._ampscope_capture = StepCapture() if enabled else None
+
+    # -- public API ----------------------------------------------------------------------
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the newest iteration skipped its optimizer step for inf/NaN gradients.
+
+        After ``update()``: the iteration it closed; between ``step()`` and ``update()``:
+        the current one. Free for ordinary optimizers (torch's ``step()`` already read
+        found-inf on the host) and on CPU. For fused optimizers on an accelerator it reads
+        the device flag, i.e. one host-device sync. ``False`` when disabled.
+        """
+        capture = self._ampscope_capture
+        return False if capture is None else capture.last_step_skipped(self)  # type: ignore[arg-type]
+
+    # -- torch hook points ---------------------------------------------------------------
+
+    def scale(self, outputs: Any) -> Any:
+        """As torch's ``scale()``; also keeps the loss (detached, on its device) for the
+        record's ``stats.loss``: no copy, no sync."""
+        stats = self._ampscope_stats
+        if stats is not None:
+            try:
+                stats.add_loss(outputs)
+            except Exception:
+                self._ampscope_failed()
+        return super().scale(outputs)  # type: ignore[misc]
+
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> Any:
+        parent: Any = super()
+        self._ampscope_unscales_nothing = True
+        try:
+            return parent._check_inf_per_device(optimizer)
+        finally:
+            self._ampscope_unscales_nothing = False
+
+    def _unscale_grads_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor,
+        allow_fp16: bool = True,
+    ) -> dict[torch.device, torch.Tensor]:
+        parent: Any = super()
+        capture = self._ampscope_capture
+        if capture is None:
+            result: dict[torch.device, torch.Tensor] = parent._unscale_grads_(
+                optimizer, inv_scale, found_inf, allow_fp16
+            )
+            return result
+        # Inline guards on the per-step path: _ampscope_guard's frame and argument packing
+        # cost more than the try itself.
+        try:
+            info = capture.unscaling(optimizer)
+        except Exception:
+            self._ampscope_failed()
+            info = None
+        if info is not None and info.dtensor:
+            result, local = unscale_local_shards(
+                parent._unscale_grads_, optimizer, inv_scale, found_inf, allow_fp16
+            )
+            self._ampscope_guard(capture.record_local, optimizer, local, fresh=True)
+        else:
+            result = parent._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+            if self._ampscope_reduces_found_inf_in_place:
+                self._ampscope_guard(capture.record_local, optimizer, result, fresh=False)
+            # Otherwise torch's found-inf is the local one: nothing to keep.
+        stats = self._ampscope_stats
+        if stats is not None and info is not None:
+            # After torch's kernel: the norms are of the unscaled gradients. Sharded
+            # gradients all-reduce here, on every rank, clean step or not.
+            try:
+                stats.add_grads(optimizer, info, self._ampscope_unscales_nothing)
+            except Exception:
+                self._ampscope_failed()
+        return result
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """As torch's ``update()``, then records the step. On the CPU it reads the scale and
+        growth tracker (host memory: no copy, no sync). On accelerators, one small stack
+        and its non-blocking copy to pinned memory; never a sync. The first call also
+        resolves the run id, which may broadcast it from rank 0 (a collective every
+        rank reaches in its first update())."""
+        parent: Any = super()
+        capture = self._ampscope_capture
+        if capture is None:
+            parent.update(new_scale)
+            return
+        try:
+            pending = capture.before_update(
+                self,  # type: ignore[arg-type]
+                self._ampscope_identity_now(),
+                new_scale is not None,
+                self._ampscope_attribute if self._ampscope_config.attribution else None,
+            )
+        except Exception:
+            self._ampscope_failed()
+            pending = None
+        parent.update(new_scale)
+        config = self._ampscope_config
+        if new_scale is None and (config.min_scale is not None or config.max_scale is not None):
+            scale = compat.scale_tensor(self)  # type: ignore[arg-type]
+            if scale is not None:
+                scale.clamp_(min=config.min_scale, max=config.max_scale)
+        try:
+            origin = self._ampscope_take_origin()
+            pending = capture.after_update(
+                self,  # type: ignore[arg-type]
+                pending,
+                origin,
+                self._ampscope_take_stats(),
+            )
+            if pending is not None:
+                self._ampscope_telemetry.submit(pending)
+        except Exception:
+            self._ampscope_failed()
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _ampscope_attribute(self, optimizer: torch.optim.Optimizer) -> Mapping[str, int]:
+        """Non-finite element counts of a skipped step's gradients, by parameter name;
+        empty when counting fails (counted and logged once, never raised)."""
+        counts = self._ampscope_guard(count_nonfinite, optimizer, self._ampscope_names)
+        return counts if counts is not None else {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        parent: Any = super()
+        state: dict[str, Any] = parent.__getstate__()
+        for name in OWN_ATTRIBUTES:
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        parent: Any = super()
+        parent.__setstate__(state)
+        # An unpickled copy keeps torch's behaviour and state but has telemetry off:
+        # sinks, threads and hooks do not travel.
+        self._ampscope_init(TelemetryConfig(reporter=None))
+        self._ampscope_capture = None
+        self._ampscope_stats = None

@@ -1,0 +1,412 @@
+"""``ampscope.GradWatch``: the scalers' telemetry for bf16 and fp32 runs, with a policy.
+
+A loop written for ``GradScaler`` runs on bf16 or fp32 by swapping the object::
+
+    watch = ampscope.GradWatch(policy="skip")      # "observe" (default) | "skip" | "raise"
+    watch.attach(model, track_origin=True)
+    for batch in loader:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(batch)
+        watch.scale(loss).backward()               # the loss itself: nothing is multiplied
+        watch.unscale_(optimizer)                  # optional: checks now (e.g. before clipping)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        watch.step(optimizer)                      # steps, unless the policy says otherwise
+        watch.update()                             # one record per iteration
+        if not watch.last_step_skipped:
+            lr_scheduler.step()
+
+Costs per iteration (see ``bench/watch_single.py``): one fused non-finite check per
+optimizer (torch's unscale kernel with an inverse scale of 1; one pass over gradient
+memory); on the CPU with ``stats`` on, none on a clean iteration, which the gradient
+norms, one read of gradient memory, decide alone. ``observe`` adds no host-device sync
+and no collective. ``skip`` and ``raise`` add one all-reduce of a one-element tensor
+per optimizer, on the process group, and one ``.item()`` to decide (none for fused
+optimizers under ``skip``, which take the flag as ``found_inf`` and skip on the device).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from ampscope.rank.capture.scaler import FoundInf
+from ampscope.rank.capture.watch import Checked, WatchCapture, agree, check_local
+from ampscope.rank.config import TelemetryConfig, WatchConfig
+from ampscope.rank.frontends import stop
+from ampscope.rank.frontends.base import OWN_ATTRIBUTES, TelemetryFrontEnd, warn_if_torch_changed
+from ampscope.rank.frontends.stop import NonFiniteGradientsError
+from ampscope.rank.gradients.attribution import count_nonfinite
+from ampscope.reporter.schema import Policy
+from ampscope.reporter.sinks import Sink
+from ampscope.reporter.spike_rule import SpikeRule
+
+__all__ = ["GradWatch", "NonFiniteGradientsError"]
+
+RAISE_FLUSH_TIMEOUT_S = 2.0
+"""How long a raising ``step()`` waits at most for the sinks to take the last record."""
+
+
+class GradWatch(TelemetryFrontEnd):
+    """Finds inf/NaN gradients in bf16/fp32 runs; observes, skips or stops. No scale.
+
+    Speaks the scaler protocol: ``scale``, ``unscale_``, ``step``, ``update``,
+    ``get_scale()`` (1.0), ``is_enabled``, ``state_dict``/``load_state_dict``,
+    ``telemetry``, ``last_step_skipped``, ``attach``, ``close``. Every ``update()`` sends
+    one record, built on a background thread, as the scalers do.
+
+    Args:
+        policy: ``"observe"``: record, change nothing: training is bit-identical to the
+            loop without the watch (finite and infinite values; a NaN in a bf16/fp16
+            gradient may come back as another NaN bit pattern). ``"skip"``: when any
+            rank's gradients hold inf/NaN, every rank skips that iteration's
+            ``optimizer.step()``. ``"raise"``: every rank raises
+            :class:`NonFiniteGradientsError` from ``step()``.
+        max_consecutive_skips: Under ``skip``: raise from the N-th consecutive skipped
+            iteration's ``step()`` instead (its step is not taken).
+        process_group: The ranks that agree under ``skip``/``raise`` (the gradients'
+            data-parallel group); ``None``: the default group.
+        enabled: ``False``: a pass-through (``step()`` steps, no checks, no records).
+        reporter, sinks, run_id, attribution, top_k, history, stats, spike_rule: As the
+            scalers' (:class:`~ampscope.rank.config.TelemetryConfig`).
+    """
+
+    _ampscope_capture: WatchCapture | None
+
+    def __init__(
+        self,
+        policy: Policy = "observe",
+        *,
+        max_consecutive_skips: int | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        enabled: bool = True,
+        reporter: Sink | Literal["auto"] | None = "auto",
+        sinks: Sequence[Sink] = (),
+        run_id: str | None = None,
+        attribution: bool = True,
+        top_k: int = 8,
+        history: int = 1024,
+        stats: bool = True,
+        spike_rule: SpikeRule | None = None,
+    ) -> None:
+        self._watch = WatchConfig(
+            policy=policy,
+            max_consecutive_skips=max_consecutive_skips,
+            process_group=process_group,
+        )
+        config = TelemetryConfig(
+            reporter=reporter,
+            sinks=sinks,
+            run_id=run_id,
+            attribution=attribution,
+            top_k=top_k,
+            history=history,
+            stats=stats,
+            spike_rule=spike_rule,
+        )
+        warn_if_torch_changed()
+        self._enabled = enabled
+        self._consecutive_skips = 0
+        self._ampscope_start(config, enabled)
+        self._ampscope_capture = WatchCapture(policy) if enabled else None
+
+    # -- the scaler protocol -------------------------------------------------------------
+
+    @property
+    def policy(self) -> Policy:
+        return self._watch.policy
+
+    @property
+    def max_consecutive_skips(self) -> int | None:
+        return self._watch.max_consecutive_skips
+
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    def get_scale(self) -> float:
+        """Always 1.0: a watch scales nothing."""
+        return 1.0
+
+    def scale(self, outputs: Any) -> Any:
+        """``outputs`` unchanged (a tensor or an iterable of them): no multiplication, no
+        copy, no kernel. Exists so that a scaler loop runs as it is; keeps a one-element
+        loss (detached) for the record's ``stats.loss``."""
+        stats = self._ampscope_stats
+        if stats is not None and self._ampscope_capture is not None:
+            try:
+                stats.add_loss(outputs)
+            except Exception:
+                self._ampscope_failed()
+        return outputs
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Check ``optimizer``'s gradients now, e.g. before clipping (nothing is scaled).
+
+        Optional: ``step()`` checks if this was not called. Cost: one fused kernel per
+        (device, dtype) group; under ``skip``/``raise`` also one all-reduce of a
+        one-element tensor. No sync.
+
+        Raises:
+            RuntimeError: called twice for ``optimizer`` since the last ``update()``, or
+                after its ``step()``.
+        """
+        capture = self._ampscope_capture
+        if capture is None:
+            return
+        entry = capture.iteration.get(id(optimizer))
+        if entry is not None:
+            if entry.stepped:
+                raise RuntimeError("unscale_() is being called after step().")
+            raise RuntimeError(
+                "unscale_() has already been called on this optimizer since the last update()."
+            )
+        self._check(capture, optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """Check ``optimizer``'s gradients unless ``unscale_`` did, then apply the policy.
+
+        ``observe``: ``optimizer.step(*args, **kwargs)``, as without the watch, and its
+        return value. ``skip``: the step unless any rank found inf/NaN (then ``None``);
+        one ``.item()`` decides, except for fused optimizers, which get the agreed flag
+        as ``found_inf`` and skip on the device. ``raise``: the step, or
+        :class:`NonFiniteGradientsError` on every rank after this iteration's record
+        reached the sinks.
+
+        Raises:
+            NonFiniteGradientsError: policy ``raise`` and inf/NaN, or ``skip`` and the
+                ``max_consecutive_skips``-th consecutive skipped iteration.
+            RuntimeError: a second ``step()`` for ``optimizer`` before ``update()``, or a
+                ``closure`` keyword (as torch's scaler).
+        """
+        capture = self._ampscope_capture
+        if capture is None:
+            return optimizer.step(*args, **kwargs)
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradWatch is enabled.")
+        entry = capture.iteration.get(id(optimizer))
+        if entry is None:
+            entry = self._check(capture, optimizer)
+        elif entry.stepped:
+            raise RuntimeError("step() has already been called since the last update().")
+        entry.stepped = True
+        policy = self._watch.policy
+        agreed = entry.agreed
+        if policy == "observe" or agreed is None:
+            return optimizer.step(*args, **kwargs)
+        if (
+            entry.info.fused
+            and policy == "skip"
+            and self._watch.max_consecutive_skips is None
+            and agreed.device.type != "cpu"
+        ):
+            entry.skipped = None  # decided on the device; read only when asked
+            return _fused_step(optimizer, agreed, args, kwargs)
+        if id(agreed) in capture.zero_ids or not agreed.item():
+            return optimizer.step(*args, **kwargs)
+        entry.skipped = True
+        self._attribute(entry, optimizer)
+        limit = self._watch.max_consecutive_skips
+        if policy == "raise":
+            self._stop("policy 'raise' stops at the first non-finite iteration")
+        elif limit is not None and self._consecutive_skips + 1 >= limit:
+            self._stop(f"{limit} consecutive iterations skipped (max_consecutive_skips={limit})")
+        return None
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """Close the iteration: one record. On the CPU the telemetry thread reads the
+        flags (host memory, no sync); on accelerators one small stack and its non-blocking
+        copy. The first call resolves the run id (a collective every rank reaches in its
+        first update()).
+
+        Raises:
+            ValueError: ``new_scale`` given: a watch has no scale.
+        """
+        if new_scale is not None:
+            raise ValueError("GradWatch has no scale to set; update() takes no new_scale")
+        capture = self._ampscope_capture
+        if capture is None:
+            return
+        if capture.closed_by_raise:
+            capture.closed_by_raise = False
+            if not capture.iteration:
+                return  # the raise recorded this iteration already
+        skipped = any(e.skipped for e in capture.iteration.values())
+        self._consecutive_skips = self._consecutive_skips + 1 if skipped else 0
+        try:
+            origin = self._ampscope_take_origin()
+            pending = capture.close_iteration(
+                self._ampscope_identity_now(),
+                origin,
+                self._counts(capture),
+                self._ampscope_take_stats(),
+            )
+            self._ampscope_telemetry.submit(pending)
+        except Exception:
+            capture.iteration = {}
+            if self._ampscope_stats is not None:
+                self._ampscope_stats.discard()
+            self._ampscope_failed()
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the newest iteration skipped its optimizer step (policy ``skip``).
+
+        After ``update()``: the iteration it closed; between ``step()`` and ``update()``:
+        the current one. Free, except for fused optimizers under ``skip`` on an
+        accelerator, whose flag it reads (one sync). ``False`` under ``observe``.
+        """
+        capture = self._ampscope_capture
+        if capture is None:
+            return False
+        stepped = [e for e in capture.iteration.values() if e.stepped]
+        if stepped:
+            return any(
+                bool(e.agreed.item()) if e.skipped is None and e.agreed is not None else e.skipped
+                for e in stepped
+            )
+        last = capture.last_skipped
+        if isinstance(last, list):
+            capture.last_skipped = any(bool(flag.item()) for flag in last)
+            return capture.last_skipped
+        return last
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"consecutive_skips": n}`` (empty when disabled), for checkpoints."""
+        return {"consecutive_skips": self._consecutive_skips} if self._enabled else {}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`. A disabled watch's or a missing count is 0.
+
+        Raises:
+            ValueError: a loss scaler's state (``scale``...): a watch has no scale.
+        """
+        if "scale" in state_dict:
+            raise ValueError("this is a loss scaler's state_dict; a GradWatch has no scale to load")
+        self._consecutive_skips = int(state_dict.get("consecutive_skips", 0))
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        for name in OWN_ATTRIBUTES:
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # An unpickled copy keeps the policy and its count, checks and applies it as
+        # before, and keeps its records in its own history: sinks, the reporter, threads
+        # and hooks do not travel.
+        self.__dict__.update(state)
+        self._ampscope_start(TelemetryConfig(reporter=None), False)
+        self._ampscope_capture = WatchCapture(self._watch.policy) if self._enabled else None
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _check(self, capture: WatchCapture, optimizer: torch.optim.Optimizer) -> Checked:
+        info = capture.info(optimizer)
+        found: FoundInf | None = None
+        stats = self._ampscope_stats
+        if stats is not None:
+            # Sharded gradients all-reduce their squared norm here, on every rank alike.
+            try:
+                norms = stats.add_grads(optimizer, info, scaled=False)
+            except Exception:
+                self._ampscope_failed()
+                norms = None
+            place = info.place
+            if norms is not None and place is not None and place[0].type == "cpu":
+                found = capture.clean_from_norms(norms, place[0])
+        clean = found is not None
+        if found is None:
+            try:
+                found = check_local(optimizer, info, capture.ones)
+            except Exception:
+                # Never break training for the check, nor leave the other ranks waiting
+                # in agree(): this rank then takes part as clean (counted, logged once).
+                self._ampscope_failed()
+                found = {}
+        agreed = (
+            None if self._watch.policy == "observe" else agree(found, self._watch.process_group)
+        )
+        entry = capture.iteration[id(optimizer)] = Checked(info, found, agreed)
+        # Parameters are named where the host knows the flag for free (the CPU); on an
+        # accelerator under skip/raise, once the agreed flag says so (step()).
+        if not clean and self._ampscope_config.attribution:
+            place = info.place
+            on_cpu = place[0].type == "cpu" if place is not None else _all_cpu(found)
+            if on_cpu and any(flag.item() for flag in found.values()):
+                self._attribute(entry, optimizer)
+        return entry
+
+    def _attribute(self, entry: Checked, optimizer: torch.optim.Optimizer) -> None:
+        """Count the non-finite elements per parameter, once per check, when the local
+        gradients held some. Reads the local flags (a sync on accelerators): call only
+        where the host already knows, or on the skip/raise path."""
+        if entry.nonfinite is not None or not self._ampscope_config.attribution:
+            return
+        if not any(flag.item() for flag in entry.found.values()):
+            entry.nonfinite = {}
+            return
+        counts = self._ampscope_guard(count_nonfinite, optimizer, self._ampscope_names)
+        entry.nonfinite = counts if counts is not None else {}
+
+    @staticmethod
+    def _counts(capture: WatchCapture) -> Mapping[str, int]:
+        merged: dict[str, int] = {}
+        for entry in capture.iteration.values():
+            if entry.nonfinite:  # counted only on non-finite iterations
+                for name, count in entry.nonfinite.items():
+                    merged[name] = merged.get(name, 0) + count
+        return merged
+
+    def _stop(self, reason: str) -> None:
+        """Record the iteration, deliver it, agree on the words, raise. Every rank of the
+        group calls this at the same ``step()``: one gather is its only collective."""
+        capture = self._ampscope_capture
+        assert capture is not None
+        step = capture.step + 1
+        origin = self._ampscope_take_origin()
+        local = any(bool(f.item()) for e in capture.iteration.values() for f in e.found.values())
+        counts = self._counts(capture)
+        self._consecutive_skips = 0
+        capture.closed_by_raise = True
+        try:
+            pending = capture.close_iteration(
+                self._ampscope_identity_now(), origin, counts, self._ampscope_take_stats()
+            )
+            self._ampscope_telemetry.submit(pending)
+            self._ampscope_telemetry.flush(RAISE_FLUSH_TIMEOUT_S)
+        except Exception:
+            capture.iteration = {}
+            capture.step = step
+            self._ampscope_failed()
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        report = stop.RankReport(
+            rank=rank,
+            origin=any(bool(f.item()) for f in origin.values()) if origin else None,
+            local=local,
+            params=stop.own_params(counts),
+        )
+        raise stop.build_error(stop.gather(report, self._watch.process_group), step, reason)
+
+
+def _all_cpu(found: Mapping[torch.device, torch.Tensor]) -> bool:
+    return all(device.type == "cpu" for device in found)
+
+
+def _fused_step(
+    optimizer: torch.optim.Optimizer,
+    found_inf: torch.Tensor,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """Step a fused optimizer that skips itself when ``found_inf`` is set, as torch's
+    scaler hands it the flag (``grad_scale`` none: nothing to unscale). No sync."""
+    opt: Any = optimizer
+    opt.grad_scale = None
+    opt.found_inf = found_inf
+    try:
+        return optimizer.step(*args, **kwargs)
+    finally:
+        del opt.grad_scale
+        del opt.found_inf

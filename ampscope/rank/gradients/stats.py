@@ -1,0 +1,356 @@
+"""The iteration's loss and gradient norms, gathered on the training thread at the least cost.
+
+:class:`GradStats` sees three things per iteration, each where the front-end already is:
+
+* ``scale(loss)``: the loss, detached (no copy, no kernel); with gradient accumulation
+  the next ones are added into one device tensor (one add per extra micro-batch) and
+  counted, so the record holds their mean.
+* the unscale pass (a scaler's ``_unscale_grads_``, a watch's non-finite check): right
+  after torch's kernel, one ``torch._foreach_norm`` over the optimizer's local gradients
+  (one more read of gradient memory). Sharded gradients (FSDP1 flat shards,
+  FSDP2/tensor-parallel DTensor shards) add a stack, a dot product and one all-reduce
+  (sum) of that one-element squared norm per mesh layout, issued by every rank at the
+  same place every iteration, clean or not, so no rank waits alone.
+* update(): :meth:`GradStats.take` hands the tensors to the pending step, which moves them
+  like the scale: on the CPU the telemetry thread reads them (host memory; nothing
+  writes them any more), on accelerators they join the step's one non-blocking copy.
+
+Nothing here reads a device value on the host. The telemetry thread turns the values into
+a :class:`~ampscope.reporter.schema.StepStats` (:mod:`ampscope.rank.telemetry.stats_record`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ampscope.rank import compat
+from ampscope.rank.capture.scaler import OptimizerInfo
+from ampscope.rank.gradients.names import ParamNames
+
+SquareSumReduce = Callable[[torch.Tensor], torch.Tensor]
+"""Sums a 0-dim local squared norm over the ranks that hold the other shards."""
+
+
+def sum_over(group: Any) -> SquareSumReduce:
+    """A reduce that all-reduces (sum) a squared norm over ``group`` (``None``: the default
+    group) when it has several ranks; decided per call, identically on every rank."""
+
+    def reduce(square: torch.Tensor) -> torch.Tensor:
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(square, op=dist.ReduceOp.SUM, group=group)
+        return square
+
+    return reduce
+
+
+@dataclass(frozen=True)
+class NormPlan:
+    """How one optimizer's gradients become named norms; rebuilt when its parameter groups
+    or the attached names change. Shared by every iteration's :class:`OptimizerNorms`."""
+
+    names: tuple[str, ...]
+    """One per norm, in the order of the norms (a parameter, or a FlatParameter's segment)."""
+    segments: tuple[tuple[int, int, int | None], ...]
+    """Per norm: (parameter index, offset, numel or ``None`` for the whole gradient)."""
+    reductions: tuple[tuple[compat.FoundInfReduction, tuple[int, ...]], ...]
+    """DTensor gradients: for each mesh layout, the norms whose squares it sums."""
+    whole: tuple[int, ...]
+    """With ``reductions``: the norms of gradients every rank holds whole (plain tensors,
+    replicated DTensors), added once."""
+    groups: int
+    names_version: int
+    simple: bool
+    """One whole gradient per parameter, in order (no FlatParameter segments)."""
+    params: tuple[torch.Tensor, ...]
+    """The optimizer's parameters, in order: re-read, like the plan, only when a parameter
+    group is added (as torch's optimizers change them). The plan lives on the optimizer's
+    :class:`~ampscope.rank.capture.scaler.OptimizerInfo`, as long as the capture does."""
+    low_precision: bool
+    """Some parameter (hence its gradient) is narrower than float32: norms in float32."""
+    device: torch.device
+    """Where the plain gradients' squared norm is all-reduced (the first parameter's
+    device; the CPU without parameters)."""
+
+
+class OptimizerNorms:
+    """One optimizer's norms of one iteration (immutable once built)."""
+
+    __slots__ = ("names", "norms", "scaled", "square")
+
+    def __init__(
+        self,
+        names: tuple[str, ...],
+        norms: tuple[torch.Tensor, ...],
+        scaled: bool,
+        square: torch.Tensor | None,
+    ) -> None:
+        self.names = names
+        self.norms = norms
+        """The per-parameter (segment) norms of the local gradients: float32 0-dim
+        tensors, all on one device, not stacked (the host transport stacks them on the
+        telemetry thread, the device transport in its copy)."""
+        self.scaled = scaled
+        """The norms are of the still scaled gradients (a fused optimizer's check, which
+        unscales nothing): the telemetry thread divides them by the scale."""
+        self.square = square
+        """Sharded gradients: the squared norm of the optimizer's whole gradient, summed
+        over the ranks (0-dim float32). ``None``: the local norms are the whole gradient's
+        and the telemetry thread sums their squares."""
+
+
+class TakenStats:
+    """What :meth:`GradStats.take` hands to update(): tensors and how to read them.
+
+    The tensors are fresh (nothing writes them after the iteration), except a single
+    micro-batch's loss, a detached view of the loss the training loop holds.
+    """
+
+    __slots__ = ("loss", "loss_count", "optimizers", "origin")
+
+    def __init__(
+        self,
+        loss: torch.Tensor | None,
+        loss_count: int,
+        optimizers: tuple[OptimizerNorms, ...],
+        origin: Mapping[str, torch.Tensor],
+    ) -> None:
+        self.loss = loss
+        self.loss_count = loss_count
+        self.optimizers = optimizers
+        self.origin = origin
+        """Per device: this rank's own squared gradient norm, in the units its gradient
+        collective saw them (scaled by the loss scale, undivided)."""
+
+    def scalars(self) -> list[torch.Tensor]:
+        """The one-value tensors, in the order the device transport copies them: the loss
+        sum (if any), each sharded optimizer's squared norm, each device's origin squared
+        norm."""
+        out = [] if self.loss is None else [self.loss]
+        out += [o.square for o in self.optimizers if o.square is not None]
+        out += self.origin.values()
+        return out
+
+    def norm_count(self) -> int:
+        return sum(len(o.norms) for o in self.optimizers)
+
+
+class GradStats:
+    """Per-front-end gatherer of the loss and gradient norms (training thread only).
+
+    Args:
+        names: The front-end's parameter names (``attach``): the norms' names.
+        reduce: Sums a squared norm over the data-parallel group for plain sharded
+            gradients (FSDP1's ``ShardedGradScaler``); ``None``: plain gradients are whole.
+    """
+
+    def __init__(self, names: ParamNames, reduce: SquareSumReduce | None = None) -> None:
+        self._names = names
+        self.reduce = reduce
+        """Settable: ``attach`` sets it from the model (FSDP1 sharded or ``NO_SHARD``)."""
+        self._loss: torch.Tensor | None = None
+        self._loss_count = 0
+        self._optimizers: list[OptimizerNorms] = []
+        self._empty: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+    def add_loss(self, outputs: object) -> None:
+        """Note what ``scale()`` got, when it is one loss value (a one-element tensor);
+        anything else (several outputs) is not a loss and is left out. A detach, then an
+        add per further call of the same iteration; no sync."""
+        if not isinstance(outputs, torch.Tensor):
+            return
+        if outputs.ndim:  # a reshape is an op: only for a one-element vector
+            if outputs.numel() != 1:
+                return
+            loss = outputs.detach().reshape(())
+        else:
+            loss = outputs.detach()
+        if self._loss is None:
+            self._loss = loss
+        else:
+            self._loss = self._loss + loss.to(self._loss.device)
+        self._loss_count += 1
+
+    def add_grads(
+        self, optimizer: torch.optim.Optimizer, info: OptimizerInfo, scaled: bool
+    ) -> tuple[torch.Tensor, ...] | None:
+        """Norm ``optimizer``'s local gradients (after their unscale, or ``scaled`` when
+        the check unscaled nothing): one multi-tensor norm per device. Sharded gradients add
+        a stack, a dot and one all-reduce per mesh layout; every rank calls this for the
+        same optimizers in the same order, and the all-reduces run even when the local
+        norms fail (this rank then contributes NaN, and the error is raised afterwards), so
+        that no rank waits alone.
+
+        Returns:
+            In the common case (every parameter has a dense, whole, non-DTensor gradient,
+            and nothing is summed over ranks) the norms, one per gradient, in which an
+            inf/NaN element always shows as a non-finite norm; else ``None``.
+        """
+        plan: NormPlan | None = info.norm_plan
+        if plan is None or plan.groups != info.groups or plan.names_version != self._names.version:
+            plan = info.norm_plan = self._build_plan(optimizer, info.groups)
+        if not plan.reductions and self.reduce is None:
+            if plan.simple and not info.dtensor:
+                # The common case, inlined: one dense gradient per parameter, named whole.
+                grads = [p.grad for p in plan.params]
+                for grad in grads:
+                    if grad is None or grad.is_sparse:
+                        break
+                else:
+                    each = compat.foreach_norm(grads, plan.low_precision)  # type: ignore[arg-type]
+                    if info.place is None:
+                        each = _on_one_device(each)
+                    self._optimizers.append(OptimizerNorms(plan.names, each, scaled, None))
+                    return each
+            self._optimizers.append(
+                OptimizerNorms(plan.names, self._local_norms(plan, info), scaled, None)
+            )
+            return None
+        failure: Exception | None = None
+        local: tuple[torch.Tensor, ...] | None
+        try:
+            local = self._local_norms(plan, info)
+        except Exception as exc:
+            failure, local = exc, None
+        square = self._summed_square(plan, local)
+        if failure is not None or local is None:
+            raise failure or RuntimeError("no local gradient norms")
+        self._optimizers.append(OptimizerNorms(plan.names, local, scaled, square))
+        return None
+
+    def _local_norms(self, plan: NormPlan, info: OptimizerInfo) -> tuple[torch.Tensor, ...]:
+        """The plan's per-parameter (segment) norms of this rank's local gradients."""
+        params = plan.params
+        if plan.simple and not info.dtensor:
+            # The common case: one dense gradient per parameter, named whole.
+            grads = [p.grad for p in params]
+            for grad in grads:
+                if grad is None or grad.is_sparse:
+                    break
+            else:
+                return _norms(grads, plan, info)  # type: ignore[arg-type]
+        tensors: list[torch.Tensor] = []
+        for index, offset, numel in plan.segments:
+            param = params[index]
+            grad = param.grad
+            if grad is None:
+                tensors.append(self._empty_like(param))
+                continue
+            local = compat.local_tensor(grad) if info.dtensor else grad
+            if local.is_sparse:
+                local = compat.sparse_values(local, coalesce=True)
+            tensors.append(local if numel is None else local.reshape(-1).narrow(0, offset, numel))
+        return _norms(tensors, plan, info)
+
+    def _summed_square(
+        self, plan: NormPlan, norms: tuple[torch.Tensor, ...] | None
+    ) -> torch.Tensor:
+        """The whole gradient's squared norm, summed over the ranks: one all-reduce per
+        mesh layout (DTensors) or over the reduce's group. ``norms`` ``None`` (they
+        failed): this rank adds NaN, and still takes part."""
+        if plan.reductions:
+            square: torch.Tensor | None = None
+            for reduction, indices in plan.reductions:
+                local = _local_square(norms, indices, reduction.mesh.device_type)
+                summed = compat.reduce_square_sum(local, reduction)
+                square = summed if square is None else square + summed
+            assert square is not None
+            if plan.whole:
+                return square + _local_square(norms, plan.whole, square.device)
+            return square
+        assert self.reduce is not None
+        every = tuple(range(len(plan.names)))
+        return self.reduce(_local_square(norms, every, plan.device))
+
+    def take(self, origin: Mapping[str, torch.Tensor]) -> TakenStats:
+        """The iteration's values, then start the next iteration afresh (update())."""
+        taken = TakenStats(self._loss, self._loss_count, tuple(self._optimizers), origin)
+        self._loss, self._loss_count, self._optimizers = None, 0, []
+        return taken
+
+    def discard(self) -> None:
+        """Forget the open iteration (its record could not be made)."""
+        self._loss, self._loss_count, self._optimizers = None, 0, []
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _empty_like(self, param: torch.Tensor) -> torch.Tensor:
+        local = compat.local_tensor(param)
+        key = (local.device, local.dtype)
+        empty = self._empty.get(key)
+        if empty is None:
+            empty = self._empty[key] = torch.empty(0, device=local.device, dtype=local.dtype)
+        return empty
+
+    def _build_plan(self, optimizer: torch.optim.Optimizer, groups: int) -> NormPlan:
+        names: list[str] = []
+        segments: list[tuple[int, int, int | None]] = []
+        layouts: dict[int, tuple[compat.FoundInfReduction, list[int]]] = {}
+        whole: list[int] = []
+        params: list[torch.Tensor] = []
+        index = 0
+        for g, group in enumerate(optimizer.param_groups):
+            for i, param in enumerate(group["params"]):
+                params.append(param)
+                reduction = compat.square_sum_reduction(param)
+                for segment in self._names.segments(param, g, i):
+                    if reduction is not None:
+                        key = hash((id(reduction.mesh), reduction.placements))
+                        layouts.setdefault(key, (reduction, []))[1].append(len(segments))
+                    else:
+                        whole.append(len(segments))
+                    names.append(segment.name)
+                    segments.append((index, segment.offset, segment.numel))
+                index += 1
+        return NormPlan(
+            names=tuple(names),
+            segments=tuple(segments),
+            reductions=tuple((r, tuple(ix)) for r, ix in layouts.values()),
+            whole=tuple(whole) if layouts else (),
+            groups=groups,
+            # Read after naming: a name lookup may re-walk the model (and bump it).
+            names_version=self._names.version,
+            simple=segments == [(i, 0, None) for i in range(index)],
+            params=tuple(params),
+            device=compat.local_tensor(params[0]).device if params else torch.device("cpu"),
+            low_precision=any(p.dtype.itemsize < 4 for p in params if p.is_floating_point()),
+        )
+
+
+def _local_square(
+    norms: tuple[torch.Tensor, ...] | None,
+    indices: tuple[int, ...],
+    device: torch.device | str,
+) -> torch.Tensor:
+    """The sum of the squares of ``norms[indices]`` (0-dim float32); NaN on ``device`` when
+    the norms failed, 0 when there are none."""
+    if norms is None:
+        return torch.full((), math.nan, device=device)
+    if not indices:
+        return torch.zeros((), device=norms[0].device if norms else device)
+    # Several mesh layouts (tensor parallelism): each one's norms.
+    part = torch.stack(norms if len(indices) == len(norms) else [norms[i] for i in indices])
+    return torch.dot(part, part)
+
+
+def _norms(
+    tensors: list[torch.Tensor], plan: NormPlan, info: OptimizerInfo
+) -> tuple[torch.Tensor, ...]:
+    """The tensors' L2 norms (float32, 0-dim), all on the first one's device."""
+    if not tensors:
+        return ()
+    norms = compat.foreach_norm(tensors, plan.low_precision)
+    return norms if info.place is not None else _on_one_device(norms)
+
+
+def _on_one_device(norms: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """The norms, moved to the first one's device (model parallelism on one rank)."""
+    if not norms:
+        return norms
+    device = norms[0].device
+    return tuple(n if n.device == device else n.to(device) for n in norms)

@@ -1,0 +1,35 @@
+"""Where a scaler's records go: the reporter (``reporter="auto"`` builds one) and sinks."""
+
+from __future__ import annotations
+
+import logging
+
+from ampscope.rank.config import TelemetryConfig
+from ampscope.reporter.sinks import Sink
+
+logger = logging.getLogger("ampscope")
+
+
+def auto_reporter() -> Sink | None:
+    """An ``HttpReporter`` to ``AMPSCOPE_URL`` (default: the local exporter), or ``None``
+    when ``AMPSCOPE_URL`` says ``off`` or the reporter cannot be built (logged)."""
+    from ampscope.reporter.transport import url_from_env
+
+    url = url_from_env()
+    if url is None:
+        return None
+    try:
+        from ampscope.reporter.http import HttpReporter
+
+        return HttpReporter(url)
+    except Exception:
+        logger.warning("ampscope: could not start the HTTP reporter to %s", url, exc_info=True)
+        return None
+
+
+def build_sinks(config: TelemetryConfig) -> list[Sink]:
+    """The reporter (if any) followed by ``config.sinks``, in that order."""
+    reporter = auto_reporter() if config.reporter == "auto" else config.reporter
+    sinks: list[Sink] = [] if reporter is None else [reporter]
+    sinks.extend(config.sinks)
+    return sinks

@@ -1,0 +1,360 @@
+"""Turning a pending step's host values into a :class:`StepRecord` and running totals.
+
+Runs on the telemetry thread (or in ``snapshot()``), never on the hot path.
+
+Validating a record with pydantic costs about as much as everything else the telemetry
+thread does for it, and on clean iterations nearly all of it is the same as the previous
+record's: the identity, the optimizer details, the per-device counts, the top-K list.
+:class:`RecordBuilder` therefore checks the few values that vary (scales, counts) and
+each label or parameter name once, shares the unchanged immutable parts between records,
+and builds the models without validating them again. Anything its checks cannot vouch for
+goes through strict validation instead, which raises exactly as before; the exporter
+validates every record strictly either way.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
+
+from ampscope.rank.capture.scaler import OptimizerSlot, PendingStep
+from ampscope.rank.gradients.attribution import top_k
+from ampscope.rank.telemetry.stats_record import StatsBuilder
+from ampscope.reporter.schema import (
+    MAX_DEVICES,
+    MAX_LABEL_LENGTH,
+    MAX_NONFINITE_PARAMS,
+    MAX_OPTIMIZERS,
+    MAX_PARAM_NAME_LENGTH,
+    SCALE_ALIGN_STEPS,
+    AlignedScale,
+    NonfiniteApplied,
+    NonfiniteParam,
+    OptimizerDetail,
+    RankTotals,
+    ScaleEvent,
+    Setup,
+    StepRecord,
+    StepStats,
+)
+from ampscope.reporter.spike_rule import SpikeRule
+
+_Model = TypeVar("_Model", bound=BaseModel)
+
+# The schema's patterns for Label and ParamName (see ampscope.reporter.schema).
+_LABEL = re.compile(r"^[A-Za-z0-9_.:/@+=-]+$")
+_PARAM_NAME = re.compile(r'^[^\s"\\]+$')
+
+
+@dataclass
+class RunningTotals:
+    """Cumulative counters of one rank, as the records' ``totals`` carry them.
+
+    The dicts are replaced, never changed in place, once a record holds them.
+    """
+
+    steps: int = 0
+    skipped_steps: int = 0
+    backoffs: int = 0
+    growths: int = 0
+    found_inf_local: dict[str, int] = field(default_factory=dict)
+    found_inf_origin: dict[str, int] = field(default_factory=dict)
+    nonfinite: dict[str, int] = field(default_factory=dict)
+    min_scale: float | None = None
+    max_scale: float | None = None
+    last_growth_tracker: int | None = None
+    aligned_scale: AlignedScale | None = None
+    nonfinite_applied: int = 0
+    first_nonfinite_applied: NonfiniteApplied | None = None
+
+
+def _count(counter: dict[str, int], flags: dict[str, bool]) -> dict[str, int]:
+    """``counter`` plus one per true flag: the same dict when nothing changes, else a new one."""
+    if all(flag is False and device in counter for device, flag in flags.items()):
+        return counter
+    out = dict(counter)
+    for device, found in flags.items():
+        out[device] = out.get(device, 0) + int(found)
+    return out
+
+
+_SCALER = Setup()
+"""An fp16 scaler whose gradient dtype is not known."""
+
+
+def _is_scale(value: float) -> bool:
+    return 0.0 <= value < math.inf  # False for NaN too
+
+
+def _build(cls: type[_Model], validate: bool, **fields: Any) -> _Model:
+    if validate:
+        return cls(**fields)
+    # Values were checked by RecordBuilder; what strict validation would do on top is
+    # only to copy them. Frozen models: set the instance state as pydantic stores it.
+    model = cls.__new__(cls)
+    object.__setattr__(model, "__dict__", fields)
+    object.__setattr__(model, "__pydantic_fields_set__", set(fields))
+    object.__setattr__(model, "__pydantic_extra__", None)
+    object.__setattr__(model, "__pydantic_private__", None)
+    return model
+
+
+class RecordBuilder:
+    """Builds each pending step's record and keeps the running totals. Not thread-safe:
+    :class:`~ampscope.rank.telemetry.pipeline.Telemetry` calls it under its resolve lock.
+
+    Args:
+        k: How many parameters a record and the totals name at most.
+        spike_rule: The rank's own spike rule for its loss and gradient norm.
+    """
+
+    def __init__(self, k: int, spike_rule: SpikeRule | None = None) -> None:
+        self.totals = RunningTotals()
+        self._k = k
+        self.stats = StatsBuilder(k, spike_rule)
+        self._labels: set[str] = set()
+        self._param_names: set[str] = set()
+        self._details: dict[tuple[OptimizerSlot, bool], OptimizerDetail] = {}
+        self._flags: dict[tuple[tuple[str, ...], tuple[bool, ...]], dict[str, bool]] = {}
+        self._top: list[NonfiniteParam] = []
+        self._no_params: list[NonfiniteParam] = []
+
+    def build(self, pending: PendingStep, values: list[float]) -> StepRecord:
+        """The record of ``pending``; the totals include it afterwards.
+
+        A scaler's iteration skipped its step when a stepped optimizer found inf/NaN. A
+        watch (``setup.mode == "watch"``) has no scale: its values carry a scale of 1 and
+        a tracker of 0, its event is always ``none`` and its totals hold no scale. Under
+        ``observe`` a stepped optimizer that found inf/NaN applied the update instead of
+        skipping it (``nonfinite_applied``).
+
+        Raises:
+            pydantic.ValidationError: a value the schema rejects (e.g. an infinite scale);
+                the totals are then unchanged.
+        """
+        totals = self.totals
+        setup = pending.setup or _SCALER
+        watch = setup.mode == "watch"
+        offset = 1
+        found_by_slot = []
+        stepped_on_nonfinite = False
+        for slot in pending.optimizers:
+            found = any(v > 0 for v in values[offset : offset + slot.num_flags])
+            offset += slot.num_flags
+            stepped_on_nonfinite = stepped_on_nonfinite or (slot.stepped and found)
+            found_by_slot.append((slot, found))
+        applied = watch and setup.policy == "observe" and stepped_on_nonfinite
+        skipped = stepped_on_nonfinite and not applied
+        found_global = any(found for _, found in found_by_slot)
+        local = self._flag_dict(pending.local_devices, values, offset)
+        offset += len(pending.local_devices)
+        scale_before, scale_after = values[0], values[offset]
+        tracker = int(values[offset + 1])
+        offset += 2
+        origin = self._flag_dict(pending.origin_devices, values, offset)
+        offset += len(pending.origin_devices)
+
+        event: ScaleEvent
+        if watch:
+            event = "none"
+        elif pending.manual:
+            event = "manual"
+        elif found_global:
+            event = "backoff"
+        elif tracker == 0:
+            # Without found-inf, torch's update either grows the scale and resets the
+            # tracker to 0 or increments the tracker: 0 here means it grew (even if a
+            # clamp held it).
+            event = "growth"
+        else:
+            event = "none"
+
+        local_counts = _count(totals.found_inf_local, local)
+        origin_counts = _count(totals.found_inf_origin, origin)
+        nonfinite = totals.nonfinite
+        if pending.nonfinite:
+            nonfinite = dict(nonfinite)
+            for name, count in pending.nonfinite.items():
+                nonfinite[name] = nonfinite.get(name, 0) + count
+        min_scale, max_scale = totals.min_scale, totals.max_scale
+        aligned = totals.aligned_scale
+        new_aligned = False
+        if not watch:  # a watch has no scale to keep
+            for scale in (scale_before, scale_after):
+                min_scale = scale if min_scale is None else min(min_scale, scale)
+                max_scale = scale if max_scale is None else max(max_scale, scale)
+            new_aligned = pending.step % SCALE_ALIGN_STEPS == 0
+
+        validate = not (
+            self._checked(pending, scale_before, scale_after, tracker)
+            and len(local_counts) <= MAX_DEVICES
+            and len(origin_counts) <= MAX_DEVICES
+        )
+        stats = None
+        if pending.stats is not None:
+            # Any inf/NaN, here or on another rank, makes the iteration an overflow: its
+            # values say nothing of the training's trend and stay out of the windows.
+            overflow = found_global or any(local.values()) or any(origin.values())
+            fields, named = self.stats.build(
+                pending.stats,
+                values,
+                offset,
+                overflow=overflow,
+                scale=1.0 if watch else scale_before,
+                host_norms=pending.host_norms,
+                on_host=pending.values is not None,
+            )
+            stats = _build(StepStats, validate or named, **fields)
+        details = [self._detail(slot, found, validate) for slot, found in found_by_slot]
+        if new_aligned:
+            aligned = _build(AlignedScale, validate, step=pending.step, scale=scale_after)
+        first_applied = totals.first_nonfinite_applied
+        if applied and first_applied is None:
+            first_applied = _build(
+                NonfiniteApplied,
+                validate,
+                step=pending.step,
+                origin=any(origin.values()) if origin else None,
+            )
+        top = self._top if nonfinite is totals.nonfinite and not validate else None
+        if top is None:
+            top = [
+                _build(NonfiniteParam, validate, name=n, count=c)
+                for n, c in top_k(nonfinite, self._k)
+            ]
+        step_params = (
+            [
+                _build(NonfiniteParam, validate, name=n, count=c)
+                for n, c in top_k(dict(pending.nonfinite), self._k)
+            ]
+            if pending.nonfinite
+            else self._no_params
+        )
+        steps = totals.steps + 1
+        skipped_steps = totals.skipped_steps + int(skipped)
+        backoffs = totals.backoffs + int(event == "backoff")
+        growths = totals.growths + int(event == "growth")
+        nonfinite_applied = totals.nonfinite_applied + int(applied)
+        record = _build(
+            StepRecord,
+            validate,
+            identity=pending.identity,
+            step=pending.step,
+            time=pending.time,
+            found_inf_local=local,
+            found_inf_origin=origin,
+            found_inf_global=found_global,
+            skipped=skipped,
+            scale_before=scale_before,
+            scale_after=scale_after,
+            growth_tracker=tracker,
+            event=event,
+            optimizers=details,
+            nonfinite_params=step_params,
+            stats=stats,
+            totals=_build(
+                RankTotals,
+                validate,
+                steps=steps,
+                skipped_steps=skipped_steps,
+                backoffs=backoffs,
+                growths=growths,
+                found_inf_local=local_counts,
+                found_inf_origin=origin_counts,
+                nonfinite_params=top,
+                min_scale=min_scale,
+                max_scale=max_scale,
+                aligned_scale=aligned,
+                nonfinite_applied=nonfinite_applied,
+                first_nonfinite_applied=first_applied,
+            ),
+            setup=setup,
+        )
+        # The record exists: only now do the totals move.
+        totals.steps, totals.skipped_steps = steps, skipped_steps
+        totals.backoffs, totals.growths = backoffs, growths
+        totals.found_inf_local, totals.found_inf_origin = local_counts, origin_counts
+        totals.nonfinite = nonfinite
+        totals.min_scale, totals.max_scale = min_scale, max_scale
+        totals.last_growth_tracker = tracker
+        totals.aligned_scale = aligned
+        totals.nonfinite_applied, totals.first_nonfinite_applied = nonfinite_applied, first_applied
+        self._top = top
+        return record
+
+    # -- cheap checks, each standing for what strict validation would check --------------
+
+    def _checked(
+        self, pending: PendingStep, scale_before: float, scale_after: float, tracker: int
+    ) -> bool:
+        """Whether every value that strict validation would look at is known to pass."""
+        return (
+            pending.step >= 1
+            and 0.0 <= pending.time < math.inf
+            and _is_scale(scale_before)
+            and _is_scale(scale_after)
+            and tracker >= 0
+            and len(pending.local_devices) <= MAX_DEVICES
+            and len(pending.origin_devices) <= MAX_DEVICES
+            and len(pending.optimizers) <= MAX_OPTIMIZERS
+            and self._k <= MAX_NONFINITE_PARAMS
+            and all(self._label(d) for d in pending.local_devices)
+            and all(self._label(d) for d in pending.origin_devices)
+            and all(self._label(slot.name) for slot in pending.optimizers)
+            and all(
+                self._param_name(name) and type(count) is int and count >= 0
+                for name, count in pending.nonfinite.items()
+            )
+        )
+
+    def _label(self, value: str) -> bool:
+        if value in self._labels:
+            return True
+        if type(value) is str and len(value) <= MAX_LABEL_LENGTH and _LABEL.match(value):
+            self._labels.add(value)
+            return True
+        return False
+
+    def _param_name(self, value: str) -> bool:
+        if value in self._param_names:
+            return True
+        if type(value) is str and len(value) <= MAX_PARAM_NAME_LENGTH and _PARAM_NAME.match(value):
+            self._param_names.add(value)
+            return True
+        return False
+
+    # -- shared immutable parts ----------------------------------------------------------
+
+    def _detail(self, slot: OptimizerSlot, found: bool, validate: bool) -> OptimizerDetail:
+        key = (slot, found)
+        detail = None if validate else self._details.get(key)
+        if detail is None:
+            detail = _build(
+                OptimizerDetail,
+                validate,
+                index=slot.index,
+                name=slot.name,
+                found_inf=found,
+                fused=slot.fused,
+            )
+            if not validate:
+                self._details[key] = detail
+        return detail
+
+    def _flag_dict(
+        self, devices: tuple[str, ...], values: list[float], offset: int
+    ) -> dict[str, bool]:
+        """``{device: flag}``; one shared dict per distinct combination (records never
+        change theirs)."""
+        flags = tuple(v > 0 for v in values[offset : offset + len(devices)])
+        key = (devices, flags)
+        out = self._flags.get(key)
+        if out is None:
+            out = dict(zip(devices, flags, strict=True))
+            if len(self._flags) < 1024:  # bounded: devices x flags combinations
+                self._flags[key] = out
+        return out

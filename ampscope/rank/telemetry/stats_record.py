@@ -1,0 +1,173 @@
+"""A pending step's loss and gradient norms → the record's :class:`StepStats`; the rank's
+own spike rule.
+
+Runs on the telemetry thread, in step order, inside
+:class:`~ampscope.rank.telemetry.records.RecordBuilder`. Per record it reads a few host values and
+feeds two :class:`~ampscope.reporter.spike_rule.SpikeWindow` (loss, grad norm); only on a spike
+iteration does it read the per-parameter norms (host memory: the CPU tensors themselves,
+or the tail of the step's pinned host copy) to name the top-K parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ampscope.rank.gradients.stats import OptimizerNorms, TakenStats
+from ampscope.reporter.schema import ParamNorm, SpikeKind
+from ampscope.reporter.spike_rule import SpikeRule, SpikeWindow
+
+_OVERFLOW: dict[str, Any] = {
+    "loss": None,
+    "grad_norm": None,
+    "grad_norm_origin": None,
+    "spikes": [],
+    "top_params": [],
+}
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+class StatsBuilder:
+    """The rank's spike windows and the builder of each record's stats.
+
+    Args:
+        k: How many parameters a spike iteration names at most.
+        rule: The rank's spike rule (default: OLMo-core's, as the exporter's).
+    """
+
+    def __init__(self, k: int, rule: SpikeRule | None = None) -> None:
+        self._k = k
+        self.loss_window = SpikeWindow(rule)
+        self.grad_norm_window = SpikeWindow(rule)
+
+    def build(
+        self,
+        taken: TakenStats,
+        values: Sequence[float],
+        offset: int,
+        *,
+        overflow: bool,
+        scale: float,
+        host_norms: torch.Tensor | None,
+        on_host: bool,
+    ) -> tuple[dict[str, Any], bool]:
+        """The fields of one step's :class:`StepStats`; and whether they need validation (a
+        spike names parameters: names the schema has not seen). Every number is finite or
+        ``None``.
+
+        Args:
+            taken: The step's stats as the training thread took them.
+            values: The step's host values; on the device transport the stats' scalars
+                (:meth:`TakenStats.scalars`) start at ``values[offset]``.
+            overflow: The iteration's gradients held inf/NaN: every value is ``None`` and
+                the windows see nothing.
+            scale: The loss scale the gradients were scaled by in backward (1 for a watch).
+            host_norms: Device transport: the host copy of every optimizer's
+                per-parameter norms, concatenated (``None`` when there are none).
+            on_host: The host transport: the stats' tensors are on the CPU, and read here.
+        """
+        if overflow:
+            return {**_OVERFLOW, "spikes": [], "top_params": []}, False
+        # A scale that underflowed to 0 leaves scaled norms unknown (None), not infinite.
+        inverse = 1.0 / scale if scale > 0 else math.nan
+        scalars: Sequence[float] = values
+        if on_host:
+            scalars = [t.item() for t in taken.scalars()]
+            offset = 0
+        loss = None
+        if taken.loss is not None:
+            loss = _finite(scalars[offset] / taken.loss_count)
+            offset += 1
+        grad_square = 0.0
+        start = 0
+        for optimizer in taken.optimizers:
+            count = len(optimizer.norms)
+            if optimizer.square is not None:
+                square = scalars[offset]
+                offset += 1
+            else:
+                square = _square_sum(optimizer, host_norms, start)
+            start += count
+            factor = inverse if optimizer.scaled else 1.0
+            grad_square += square * factor * factor
+        grad_norm = _finite(math.sqrt(grad_square)) if taken.optimizers else None
+        origin = None
+        if taken.origin:
+            own = sum(scalars[offset : offset + len(taken.origin)])
+            origin = _finite(math.sqrt(own) * inverse) if own >= 0 else None
+        spikes: list[SpikeKind] = []
+        if self.loss_window.observe(loss) is not None:
+            spikes.append("loss")
+        if self.grad_norm_window.observe(grad_norm) is not None:
+            spikes.append("grad_norm")
+        top: list[ParamNorm] = []
+        if spikes:
+            top = self._top_params(taken, inverse, host_norms)
+        fields = {
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "grad_norm_origin": origin,
+            "spikes": spikes,
+            "top_params": top,
+        }
+        return fields, bool(top)
+
+    def _top_params(
+        self, taken: TakenStats, inverse: float, host_norms: torch.Tensor | None
+    ) -> list[ParamNorm]:
+        """The K largest per-parameter norms, largest first, ties by name; a name met in
+        several optimizers gets the L2 norm of its parts."""
+        squares: dict[str, float] = {}
+        start = 0
+        for optimizer in taken.optimizers:
+            norms = _norms(optimizer, host_norms, start).tolist()
+            start += len(optimizer.norms)
+            factor = inverse if optimizer.scaled else 1.0
+            for name, norm in zip(optimizer.names, norms, strict=True):
+                value = norm * factor
+                squares[name] = squares.get(name, 0.0) + value * value
+        ranked = sorted(
+            ((name, math.sqrt(square)) for name, square in squares.items()),
+            key=lambda item: (-item[1], item[0]),
+        )
+        return [
+            ParamNorm.model_construct(name=name, norm=norm)
+            for name, norm in ranked[: self._k]
+            if math.isfinite(norm)
+        ]
+
+
+SMALL = 64
+"""Up to this many norms, Python sums their squares faster than two more tensor ops."""
+
+
+def _square_sum(optimizer: OptimizerNorms, host_norms: torch.Tensor | None, start: int) -> float:
+    """The sum of one optimizer's squared per-parameter norms."""
+    count = len(optimizer.norms)
+    if not count:
+        return 0.0
+    if count > SMALL:
+        norms = _norms(optimizer, host_norms, start)
+        norms = norms.double()  # as fsum below: no float32 rounding in the sum
+        return float(torch.dot(norms, norms).item())
+    if host_norms is not None:
+        values = host_norms[start : start + count].tolist()
+    else:
+        values = [norm.item() for norm in optimizer.norms]
+    return math.fsum(v * v for v in values)
+
+
+def _norms(optimizer: OptimizerNorms, host_norms: torch.Tensor | None, start: int) -> torch.Tensor:
+    """One optimizer's per-parameter norms as a CPU vector: its slice of the host copy, or
+    its own CPU tensors stacked."""
+    if host_norms is not None:
+        return host_norms[start : start + len(optimizer.norms)]
+    if not optimizer.norms:
+        return torch.zeros(0)
+    return torch.stack(optimizer.norms)

@@ -1,0 +1,174 @@
+"""POST /api/v1/heartbeat: keeps an idle rank from being lost, marks a rank finished, and
+shows in the API and on /metrics as the rank's state."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+from support import DEADLOCK_GUARD_S
+
+from ampscope.reporter.schema import Heartbeat, Identity
+from exporter.conftest import MakeClient
+from exporter.factory import T0, body, record
+
+URL = "/api/v1/heartbeat"
+
+
+def _beat(
+    *,
+    rank: int = 0,
+    step: int = 1,
+    final: bool = False,
+    time: float = T0 + 1,
+    node: str = "node0",
+    local_rank: int | None = None,
+    world_size: int = 2,
+) -> bytes:
+    local = rank if local_rank is None else local_rank
+    return (
+        Heartbeat(
+            schema_version=1,
+            identity=Identity(
+                run="run-a", node=node, rank=rank, local_rank=local, world_size=world_size
+            ),
+            time=time,
+            step=step,
+            final=final,
+            dropped_records=0,
+        )
+        .model_dump_json()
+        .encode()
+    )
+
+
+def _states(client: TestClient) -> dict[str, dict[str, float]]:
+    """{rank: {state: value}} of ampscope_rank_state on one scrape."""
+    out: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(client.get("/metrics").text):
+        if family.name == "ampscope_rank_state":
+            for sample in family.samples:
+                out.setdefault(sample.labels["rank"], {})[sample.labels["state"]] = sample.value
+    return out
+
+
+def _rejected(client: TestClient, reason: str) -> float:
+    for family in text_string_to_metric_families(client.get("/metrics").text):
+        if family.name == "ampscope_exporter_ingest_rejections":
+            for sample in family.samples:
+                if sample.labels["reason"] == reason:
+                    return sample.value
+    raise AssertionError(f"no rejection count for {reason!r}")
+
+
+def _state(client: TestClient, rank: int = 0) -> str:
+    return str(client.get(f"/api/v1/runs/run-a/ranks/{rank}").json()["state"])
+
+
+def test_heartbeats_move_a_rank_through_every_state(make_client: MakeClient) -> None:
+    client, clock = make_client(stale_after_s=60, stall_after_s=120)
+    assert client.post("/api/v1/ingest", content=body(record(1))).status_code == 200
+    assert _state(client) == "running"
+    assert _states(client) == {"0": {"running": 1, "stalled": 0, "lost": 0, "finished": 0}}
+    # Idle but beating every 50 s: never lost, stalled once no step for 120 s.
+    for _ in range(3):
+        clock.advance(50)
+        answer = client.post(URL, content=_beat())
+        assert answer.json() == {"applied": True, "heartbeat_interval_s": 15.0}
+    assert _state(client) == "stalled"
+    assert _states(client)["0"] == {"running": 0, "stalled": 1, "lost": 0, "finished": 0}
+    clock.advance(61)
+    assert _state(client) == "lost"
+    assert client.get("/api/v1/runs/run-a/ranks/0").json()["up"] is False
+    # A new step: running again; the final heartbeat: finished, for good.
+    assert client.post("/api/v1/ingest", content=body(record(2, time=T0 + 300))).status_code == 200
+    assert _state(client) == "running"
+    assert client.post(URL, content=_beat(step=2, final=True)).json()["applied"] is True
+    clock.advance(10_000)
+    assert _state(client) == "finished"
+    assert _states(client)["0"] == {"running": 0, "stalled": 0, "lost": 0, "finished": 1}
+    report = client.get("/api/v1/runs/run-a/health").json()
+    assert (report["status"], report["state"]) == ("ok", "finished")
+
+
+def test_heartbeat_of_an_unknown_rank_creates_nothing(client: TestClient) -> None:
+    answer = client.post(URL, content=_beat(rank=3))
+    assert answer.status_code == 200
+    assert answer.json()["applied"] is False
+    assert client.get("/api/v1/runs").json() == []
+
+
+def test_heartbeat_is_validated_strictly_and_needs_the_token(make_client: MakeClient) -> None:
+    client, _ = make_client(token="secret")
+    auth = {"Authorization": "Bearer secret"}
+    assert client.post(URL, content=_beat()).status_code == 401
+    bad = _beat().replace(b'"final":false', b'"final":"no"')
+    answer = client.post(URL, content=bad, headers=auth)
+    assert answer.status_code == 422
+    assert "final" in answer.json()["detail"]
+    assert client.post(URL, content=b"{", headers=auth).status_code == 400
+    assert client.post(URL, content=b" " * 10_000, headers=auth).status_code == 413
+
+
+def test_finished_ranks_are_dropped_after_finished_retention(make_client: MakeClient) -> None:
+    import time
+
+    client, clock = make_client(
+        retention_s=100_000, finished_retention_s=600, prune_interval_s=0.02
+    )
+    client.post("/api/v1/ingest", content=body(record(1, rank=0), record(2, rank=0)))
+    client.post("/api/v1/ingest", content=body(record(1, rank=1)))
+    client.post(URL, content=_beat(rank=0, step=2, final=True))
+    clock.advance(601)
+    deadline = time.monotonic() + DEADLOCK_GUARD_S  # only a hang waits this long
+    while len(client.get("/api/v1/runs/run-a/ranks").json()) > 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    # The finished rank is gone; the silent one (lost) stays until --retention.
+    assert [r["rank"] for r in client.get("/api/v1/runs/run-a/ranks").json()] == [1]
+
+
+def test_an_oversized_heartbeat_names_its_own_limit(client: TestClient) -> None:
+    response = client.post(URL, content=b" " * 5000 + _beat())
+    assert response.status_code == 413
+    error = response.json()
+    assert error["error"] == "too_large"
+    assert error["limit"] == "heartbeat_bytes"
+    assert error["value"] == 4096
+    assert "a heartbeat is a few hundred bytes" in error["detail"]
+    assert "records per batch" not in error["detail"]
+
+
+def test_a_heartbeat_naming_another_identity_is_refused_as_a_record_would_be(
+    make_client: MakeClient,
+) -> None:
+    client, clock = make_client(stale_after_s=60)
+    assert client.post("/api/v1/ingest", content=body(record(1), record(2))).status_code == 200
+    # Another job reusing the run id: same (run, rank), another node, local rank or world
+    # size. Its beats must neither keep the silent rank alive nor finish it.
+    changes: list[dict[str, Any]] = [{"node": "other"}, {"local_rank": 5}, {"world_size": 64}]
+    for change in changes:
+        clock.advance(20)
+        for final in (False, True):
+            answer = client.post(URL, content=_beat(step=9, final=final, **change))
+            assert answer.status_code == 409
+            error = answer.json()
+            assert error["error"] == "identity_conflict"
+            assert "the live rank is node 'node0', local_rank 0, world_size 2" in error["detail"]
+    assert _rejected(client, "identity_conflict") == 6
+    clock.advance(1)
+    rank = client.get("/api/v1/runs/run-a/ranks/0").json()
+    assert (rank["state"], rank["seconds_since_report"], rank["step"]) == ("lost", 61.0, 2)
+    # The genuine rank's beat still applies.
+    answer = client.post(URL, content=_beat(step=2))
+    assert (answer.status_code, answer.json()["applied"]) == (200, True)
+    assert _state(client) == "running"
+    # After a restart onto another node, a late beat of the dead process is merely not
+    # applied (as its records are ignored), and the new process's beats apply.
+    restart = record(1, time=T0 + 55, node="other")
+    assert client.post("/api/v1/ingest", content=body(restart)).status_code == 200
+    assert client.post(URL, content=_beat(step=2, time=T0 + 50)).json()["applied"] is False
+    answer = client.post(URL, content=_beat(step=1, time=T0 + 56, node="other", final=True))
+    assert answer.json()["applied"] is True
+    assert _state(client) == "finished"
+    assert _rejected(client, "identity_conflict") == 6

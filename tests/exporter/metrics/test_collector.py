@@ -1,0 +1,237 @@
+"""/metrics: every catalogue family, values equal to the posted records, promtool-clean."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+from support import need_tool, promtool_check_metrics
+
+from ampscope.exporter.metrics.catalogue import CATALOGUE, RANK_LABELS, SCALER_ONLY
+from exporter.conftest import MakeClient
+from exporter.factory import T0, body, record, stats, totals, watch
+
+URL = "/api/v1/ingest"
+
+
+def _samples(client: TestClient) -> dict[tuple[str, frozenset], float]:
+    """{(sample name, labels): value} of one scrape."""
+    out = {}
+    for family in text_string_to_metric_families(client.get("/metrics").text):
+        for sample in family.samples:
+            out[(sample.name, frozenset(sample.labels.items()))] = sample.value
+    return out
+
+
+def _labels(rank: int = 0, node: str = "node0", **extra: str) -> frozenset:
+    return frozenset(
+        {"run": "run-a", "node": node, "rank": str(rank), "local_rank": str(rank), **extra}.items()
+    )
+
+
+_JOB = {"world_size": "2", "job_id": ""}
+"""The job labels of ``ampscope_rank_info`` for the factory's records (no job id)."""
+
+
+def _post(client: TestClient, *records, dropped: int = 0) -> None:
+    response = client.post(URL, content=body(*records, dropped=dropped))
+    assert response.status_code == 200, response.text
+
+
+def _rich_totals(steps: int, aligned: tuple[int, float] | None = None) -> object:
+    return totals(
+        steps,
+        skipped=3,
+        backoffs=3,
+        growths=1,
+        local={"cuda:0": 2, "cuda:1": 1},
+        origin={"cuda:0": 1},
+        params={"layers.0.attn.wo.weight": 4096, "blocks.0.ff[1].w{a=b,c}": 7},
+        aligned=aligned,
+    )
+
+
+def test_values_match_the_newest_record(make_client: MakeClient) -> None:
+    client, clock = make_client()
+    _post(client, record(1), dropped=1)
+    newest = record(12, scale=8192.0, growth_tracker=5, total=_rich_totals(12, (10, 4096.0)))
+    _post(client, newest, dropped=4)
+    _post(client, record(5, time=T0 + 5), dropped=2)  # a late retry: no effect
+    got = _samples(client)
+    me = _labels()
+    assert got[("ampscope_loss_scale", me)] == 8192.0
+    assert got[("ampscope_growth_tracker", me)] == 5
+    assert got[("ampscope_last_step", me)] == 12
+    assert got[("ampscope_loss_scale_aligned", me)] == 4096.0
+    assert got[("ampscope_loss_scale_aligned_step", me)] == 10
+    assert got[("ampscope_last_report_timestamp_seconds", me)] == clock.now
+    assert got[("ampscope_rank_up", me)] == 1
+    assert got[("ampscope_steps_total", me)] == 12
+    assert got[("ampscope_skipped_steps_total", me)] == 3
+    assert got[("ampscope_scale_backoffs_total", me)] == 3
+    assert got[("ampscope_scale_growths_total", me)] == 1
+    assert got[("ampscope_reporter_dropped_records_total", me)] == 4
+    assert got[("ampscope_found_inf_total", _labels(device="cuda:0"))] == 2
+    assert got[("ampscope_found_inf_total", _labels(device="cuda:1"))] == 1
+    assert got[("ampscope_found_inf_origin_total", _labels(device="cuda:0"))] == 1
+    assert got[("ampscope_nonfinite_grads_total", _labels(param="layers.0.attn.wo.weight"))] == 4096
+    assert got[("ampscope_nonfinite_grads_total", _labels(param="blocks.0.ff[1].w{a=b,c}"))] == 7
+    # A record without a setup comes from a reporter that predates it: an fp16 scaler.
+    info = _labels(mode="scaler", policy="skip", grad_dtype="unknown", **_JOB)
+    assert got[("ampscope_rank_info", info)] == 1
+    assert got[("ampscope_nonfinite_updates_applied_total", me)] == 0
+    assert got[("ampscope_exporter_tracked_runs", frozenset())] == 1
+    assert got[("ampscope_exporter_tracked_ranks", frozenset())] == 1
+    assert got[("ampscope_exporter_tracked_series", frozenset())] == 16 + 2 + 2 + 1 + 2
+    assert got[("ampscope_exporter_ingest_records_total", frozenset())] == 3
+
+
+def test_aligned_scale_appears_from_the_first_aligned_step(make_client: MakeClient) -> None:
+    client, _ = make_client()
+    _post(client, record(9))
+    got = _samples(client)
+    assert ("ampscope_loss_scale_aligned", _labels()) not in got
+    assert got[("ampscope_exporter_tracked_series", frozenset())] == 16 + 1
+    _post(client, record(10, scale=512.0, total=totals(10, aligned=(10, 512.0))))
+    got = _samples(client)
+    assert got[("ampscope_loss_scale_aligned", _labels())] == 512.0
+    assert got[("ampscope_loss_scale_aligned_step", _labels())] == 10
+    assert got[("ampscope_exporter_tracked_series", frozenset())] == 16 + 2 + 1
+
+
+def _watch_totals(steps: int) -> object:
+    return totals(
+        steps,
+        local={"cuda:0": 3},
+        origin={"cuda:0": 1},
+        params={"layers.0.attn.wo.weight": 12},
+        applied=3,
+        first_applied=(steps - 2, True),
+    )
+
+
+def test_a_watch_rank_exposes_no_scale(make_client: MakeClient) -> None:
+    client, _ = make_client()
+    _post(client, watch(11, policy="observe", grad_dtype="bfloat16", total=_watch_totals(11)))
+    _post(
+        client,
+        record(12, rank=1, scale=4096.0, total=totals(12, backoffs=2, aligned=(10, 4096.0))),
+    )
+    got = _samples(client)
+    me, scaler = _labels(), _labels(rank=1)
+    watch_info = _labels(mode="watch", policy="observe", grad_dtype="bfloat16", **_JOB)
+    assert got[("ampscope_rank_info", watch_info)] == 1
+    scaler_info = _labels(1, mode="scaler", policy="skip", grad_dtype="unknown", **_JOB)
+    assert got[("ampscope_rank_info", scaler_info)] == 1
+    exposed = {name for name, labels in got if labels >= me}
+    assert exposed & SCALER_ONLY == set()
+    assert {name for name, labels in got if labels >= scaler} >= SCALER_ONLY
+    assert got[("ampscope_nonfinite_updates_applied_total", me)] == 3
+    assert got[("ampscope_last_step", me)] == 11
+    assert got[("ampscope_steps_total", me)] == 11
+    assert got[("ampscope_found_inf_total", _labels(device="cuda:0"))] == 3
+    assert got[("ampscope_found_inf_origin_total", _labels(device="cuda:0"))] == 1
+    assert got[("ampscope_nonfinite_grads_total", _labels(param="layers.0.attn.wo.weight"))] == 12
+    assert got[("ampscope_nonfinite_updates_applied_total", scaler)] == 0
+
+
+def test_tracked_series_count_what_is_exposed(make_client: MakeClient) -> None:
+    client, _ = make_client()
+    _post(client, watch(11, policy="skip", grad_dtype=None, total=_watch_totals(11)))
+    _post(client, record(12, rank=1, total=_rich_totals(12, (10, 1024.0))))
+    _post(client, record(7, rank=2, total=_rich_totals(7)))
+    _post(client, watch(12, rank=3, policy="raise", grad_dtype="float32"))
+    got = _samples(client)
+    per_rank = [labels for name, labels in got if {n for n, _ in labels} >= set(RANK_LABELS)]
+    assert got[("ampscope_exporter_tracked_series", frozenset())] == len(per_rank)
+    assert got[
+        ("ampscope_rank_info", _labels(mode="watch", policy="skip", grad_dtype="unknown", **_JOB))
+    ]
+    info = _labels(3, mode="watch", policy="raise", grad_dtype="float32", **_JOB)
+    assert got[("ampscope_rank_info", info)] == 1
+
+
+def test_loss_norms_and_spike_counts(make_client: MakeClient) -> None:
+    client, _ = make_client()
+    loss = [2.0 + 0.01 * (s % 5) for s in range(1, 31)]
+    for rank in range(3):
+        records = [
+            record(s, rank=rank, world_size=3, stats=stats(loss[s - 1], 1.0, 1.0 + rank / 10))
+            for s in range(1, 31)
+        ]
+        _post(client, *records)
+    got = _samples(client)
+    for rank in range(3):
+        me = _labels(rank)
+        assert got[("ampscope_loss", me)] == loss[29]
+        assert got[("ampscope_grad_norm", me)] == 1.0
+        assert got[("ampscope_grad_norm_origin", me)] == 1.0 + rank / 10
+        for kind in ("loss", "grad_norm", "origin_outlier"):
+            assert got[("ampscope_spikes_total", _labels(rank, kind=kind))] == 0
+    # Step 31: rank 1's loss spikes, everyone's grad norm does, and rank 2's own gradients
+    # stand out, which shows only once a third rank reported the step: the cached lines of
+    # rank 2 must follow although its own newest record did not change.
+    _post(client, record(31, rank=2, world_size=3, stats=stats(2.0, 50.0, 500.0)))
+    _post(client, record(31, rank=0, world_size=3, stats=stats(2.0, 50.0, 1.0)))
+    assert _samples(client)[("ampscope_spikes_total", _labels(2, kind="origin_outlier"))] == 0
+    _post(client, record(31, rank=1, world_size=3, stats=stats(40.0, 50.0, 1.2)))
+    got = _samples(client)
+    counts = {
+        (rank, kind): got[("ampscope_spikes_total", _labels(rank, kind=kind))]
+        for rank in range(3)
+        for kind in ("loss", "grad_norm", "origin_outlier")
+    }
+    assert counts == {
+        (0, "loss"): 0, (0, "grad_norm"): 1, (0, "origin_outlier"): 0,
+        (1, "loss"): 1, (1, "grad_norm"): 1, (1, "origin_outlier"): 0,
+        (2, "loss"): 0, (2, "grad_norm"): 1, (2, "origin_outlier"): 1,
+    }  # fmt: skip
+    # An overflow iteration has no values: its gauges are absent until the next one.
+    _post(client, record(32, rank=0, world_size=3, stats=stats(None, None, None)))
+    got = _samples(client)
+    assert ("ampscope_loss", _labels(0)) not in got
+    assert got[("ampscope_spikes_total", _labels(0, kind="grad_norm"))] == 1
+    per_rank = [labels for name, labels in got if {n for n, _ in labels} >= set(RANK_LABELS)]
+    assert got[("ampscope_exporter_tracked_series", frozenset())] == len(per_rank)
+
+
+def test_every_catalogue_family_is_exposed_as_specified(client: TestClient) -> None:
+    _post(client, record(12, total=_rich_totals(12, (10, 1024.0))))
+    families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
+    for spec in CATALOGUE:
+        # The parser strips _total from counter family names.
+        name = spec.name.removesuffix("_total") if spec.type == "counter" else spec.name
+        family = families[name]
+        assert family.type == spec.type, spec.name
+        assert family.documentation == spec.help, spec.name
+        for sample in family.samples:
+            if not sample.name.endswith("_created"):
+                assert sorted(sample.labels) == sorted(spec.labels), spec.name
+    assert len(families) == len(CATALOGUE)
+
+
+def test_restart_resets_counters_and_silence_marks_rank_down(make_client: MakeClient) -> None:
+    client, clock = make_client(stale_after_s=60)
+    _post(client, record(40, total=totals(40, skipped=10)), dropped=7)
+    clock.advance(500)
+    _post(client, record(2, time=T0 + 500, total=totals(2, skipped=1)))  # the process restarted
+    got = _samples(client)
+    assert got[("ampscope_steps_total", _labels())] == 2
+    assert got[("ampscope_skipped_steps_total", _labels())] == 1
+    assert got[("ampscope_reporter_dropped_records_total", _labels())] == 0
+    clock.advance(60)
+    assert _samples(client)[("ampscope_rank_up", _labels())] == 1
+    clock.advance(1)
+    assert _samples(client)[("ampscope_rank_up", _labels())] == 0
+
+
+@pytest.mark.prometheus
+def test_promtool_accepts_the_exposition(make_client: MakeClient) -> None:
+    need_tool("promtool")  # skips before any work when it is missing
+    client, _ = make_client()
+    for rank in range(3):
+        _post(client, record(7, rank=rank, node=f"n{rank}", total=_rich_totals(7)), dropped=rank)
+    _post(client, watch(9, rank=3, node="n3", total=_watch_totals(9)))
+    text = client.get("/metrics").text
+    lint = promtool_check_metrics(text)
+    assert lint == "", lint  # no lint warnings either

@@ -1,0 +1,43 @@
+"""The words every rank stops with: built from the gathered reports alone."""
+
+from __future__ import annotations
+
+from ampscope.rank.frontends.stop import MESSAGE_PARAMS, RankReport, build_error, gather, own_params
+
+
+def _reports() -> list[RankReport]:
+    return [
+        RankReport(rank=0, origin=False, local=True, params=(("w", 4),)),
+        RankReport(rank=1, origin=True, local=True, params=(("w", 9), ("b", 4))),
+        RankReport(rank=2, origin=True, local=False, params=()),
+    ]
+
+
+def test_the_message_names_origin_local_ranks_and_top_parameters() -> None:
+    error = build_error(_reports(), 7, "policy 'raise'")
+    assert error.step == 7
+    assert error.origin_ranks == (1, 2)
+    assert error.local_ranks == (0, 1)
+    # Most elements first; ties by name, then rank.
+    assert error.params == ((1, "w", 9), (1, "b", 4), (0, "w", 4))
+    assert str(error) == (
+        "ampscope: non-finite gradients at step 7: policy 'raise'. Origin rank(s): 1, 2. "
+        "Local gradients held inf/NaN on rank(s) 0, 1. "
+        "Top parameters: w (9 on rank 1), b (4 on rank 1), w (4 on rank 0)."
+    )
+
+
+def test_untracked_origin_and_a_clean_origin_are_told_apart() -> None:
+    untracked = [RankReport(rank=0, origin=None, local=True, params=())]
+    assert build_error(untracked, 1, "r").origin_ranks is None
+    assert "Origin not tracked" in str(build_error(untracked, 1, "r"))
+    clean = [RankReport(rank=0, origin=False, local=True, params=())]
+    assert build_error(clean, 1, "r").origin_ranks == ()
+    assert "No rank's own gradients" in str(build_error(clean, 1, "r"))
+
+
+def test_one_process_gathers_its_own_report_and_names_at_most_the_top() -> None:
+    report = RankReport(rank=0, origin=None, local=True, params=())
+    assert gather(report, None) == [report]
+    counts = {f"p{i}": i for i in range(1, 10)}
+    assert own_params(counts) == tuple((f"p{i}", i) for i in range(9, 9 - MESSAGE_PARAMS, -1))

@@ -1,0 +1,128 @@
+"""RecordBuilder: records built without re-validation are exactly what strict validation
+accepts, and anything strict validation rejects is still rejected."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pydantic
+import pytest
+
+from ampscope.rank.capture.scaler import OptimizerSlot, PendingStep
+from ampscope.rank.telemetry.records import RecordBuilder
+from ampscope.reporter.schema import Identity, StepRecord
+
+IDENTITY = Identity(run="run-1", node="n0", rank=0, local_rank=0, world_size=1)
+SLOTS = (
+    OptimizerSlot(index=0, name="AdamW", fused=False, stepped=True, num_flags=2),
+    OptimizerSlot(index=1, name="SGD", fused=True, stepped=True, num_flags=1),
+)
+
+
+def _pending(
+    step: int,
+    values: list[float],
+    *,
+    local: tuple[str, ...] = ("cuda:0", "cuda:1"),
+    origin: tuple[str, ...] = ("cuda:0",),
+    nonfinite: dict[str, int] | None = None,
+    slots: tuple[OptimizerSlot, ...] = SLOTS,
+    manual: bool = False,
+) -> PendingStep:
+    return PendingStep(
+        identity=IDENTITY,
+        step=step,
+        time=1_700_000_000.0 + step,
+        manual=manual,
+        optimizers=slots,
+        local_devices=local,
+        origin_devices=origin,
+        nonfinite=nonfinite or {},
+        values=list(values),
+    )
+
+
+def _strict(record: StepRecord) -> StepRecord:
+    """The record as the exporter sees it: serialised, then validated strictly."""
+    return StepRecord.model_validate_json(record.model_dump_json(), strict=True)
+
+
+def test_records_equal_their_strict_validation_over_a_random_run() -> None:
+    rng = random.Random(3)
+    builder = RecordBuilder(k=3)
+    scale, tracker = 2.0**16, 0
+    records = []
+    for step in range(1, 301):
+        overflow = rng.random() < 0.2
+        flags = [float(overflow and rng.random() < 0.7) for _ in range(3)]
+        overflow = any(flags)
+        before = scale
+        scale, tracker = (scale / 2, 0) if overflow else (scale, tracker + 1)
+        local = [float(rng.random() < 0.3 and overflow), float(overflow)]
+        origin = [float(rng.random() < 0.1)]
+        nonfinite = (
+            {f"layers.{rng.randrange(6)}.weight": rng.randrange(1, 9) for _ in range(2)}
+            if overflow
+            else {}
+        )
+        values = [before, *flags, *local, scale, float(tracker), *origin]
+        record = builder.build(_pending(step, values, nonfinite=nonfinite), values)
+        assert record == _strict(record)
+        records.append(record)
+    last = records[-1]
+    assert last.totals.steps == 300
+    assert last.totals.backoffs == sum(r.event == "backoff" for r in records)
+    assert last.totals.skipped_steps == sum(r.skipped for r in records)
+    assert last.totals.found_inf_local == {
+        d: sum(r.found_inf_local[d] for r in records) for d in ("cuda:0", "cuda:1")
+    }
+    assert last.totals.aligned_scale is not None
+    assert last.totals.aligned_scale.step == 300
+    # Records keep their own values although they share unchanged parts.
+    assert [r.totals.steps for r in records] == list(range(1, 301))
+
+
+@pytest.mark.parametrize(
+    ("values", "kwargs"),
+    [
+        ([math.inf, 0, 0, 0, 0, 0, 8.0, 1.0, 0], {}),  # scale_before not finite
+        ([8.0, 0, 0, 0, 0, 0, math.nan, 1.0, 0], {}),  # scale_after NaN
+        ([8.0, 0, 0, 0, 0, 0, -1.0, 1.0, 0], {}),  # negative scale
+        ([8.0, 0, 0, 0, 0, 0, 8.0, 1.0, 0], {"local": ("cuda 0", "cuda:1")}),  # bad label
+        ([8.0, 0, 0, 0, 0, 0, 8.0, 1.0, 0], {"nonfinite": {'bad"name': 1}}),
+        ([8.0, 0, 0, 0, 0, 0, 8.0, 1.0, 0], {"nonfinite": {"w": -1}}),
+        (
+            [8.0, 0, 8.0, 1.0, 0],
+            {
+                "slots": (
+                    OptimizerSlot(index=0, name="My Opt", fused=False, stepped=True, num_flags=1),
+                ),
+                "local": (),
+            },
+        ),
+    ],
+)
+def test_what_strict_validation_rejects_is_rejected_and_leaves_totals(
+    values: list[float], kwargs: dict
+) -> None:
+    builder = RecordBuilder(k=8)
+    good = [8.0, 0, 0, 0, 0, 0, 8.0, 1.0, 0]
+    builder.build(_pending(1, good), good)
+    before = (builder.totals.steps, builder.totals.found_inf_local, builder.totals.min_scale)
+    with pytest.raises(pydantic.ValidationError):
+        builder.build(_pending(2, values, **kwargs), values)
+    assert (builder.totals.steps, builder.totals.found_inf_local, builder.totals.min_scale) == (
+        before
+    )
+    # The builder goes on as before with the next valid step.
+    record = builder.build(_pending(2, good), good)
+    assert record.totals.steps == 2
+    assert record == _strict(record)
+
+
+def test_manual_and_growth_events() -> None:
+    builder = RecordBuilder(k=8)
+    values = [8.0, 0, 0, 0, 0, 0, 16.0, 0.0, 0]
+    assert builder.build(_pending(1, values), values).event == "growth"
+    assert builder.build(_pending(2, values, manual=True), values).event == "manual"

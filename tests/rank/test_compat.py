@@ -1,0 +1,45 @@
+"""Fails loudly, naming what changed, when torch moves what ampscope reads."""
+
+from __future__ import annotations
+
+import pytest
+
+from ampscope.rank import compat
+
+
+def test_torch_still_matches_what_ampscope_reads() -> None:
+    problems = compat.check_torch()
+    assert problems == (), "torch changed under ampscope.rank.compat:\n" + "\n".join(problems)
+
+
+def test_wrapper_prefixes_are_removed() -> None:
+    assert compat.clean_param_name("_fsdp_wrapped_module.layers.0.w") == ("layers.0.w", False)
+    assert compat.clean_param_name("_orig_mod.layers.0._checkpoint_wrapped_module.w") == (
+        "layers.0.w",
+        False,
+    )
+    assert compat.clean_param_name("_fsdp_wrapped_module._flat_param") == ("", True)
+    assert compat.clean_param_name("layers.1._fsdp_wrapped_module._flat_param") == (
+        "layers.1.",
+        True,
+    )
+
+
+def test_check_names_what_a_changed_torch_broke(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The self-check must be able to fail: simulate a torch that renamed three things.
+    from torch.amp.grad_scaler import GradScaler
+    from torch.distributed.fsdp import FSDPModule
+
+    def renamed(self: object, optimizer: object, inv_scale: object, found: object) -> None: ...
+
+    monkeypatch.setattr(GradScaler, "_unscale_grads_", renamed)
+    monkeypatch.delattr(FSDPModule, "set_custom_reduce_scatter")
+    monkeypatch.delattr(compat.fsdp_default_hooks, "reduce_scatter_hook")
+    compat.check_torch.cache_clear()
+    try:
+        problems = "\n".join(compat.check_torch())
+    finally:
+        compat.check_torch.cache_clear()
+    assert "GradScaler._unscale_grads_ signature changed" in problems
+    assert "set_custom_reduce_scatter no longer exists" in problems
+    assert "no longer define reduce_scatter_hook" in problems
