@@ -1,4 +1,8 @@
-"""Instrumented loss scalers: torch's ``GradScaler``/``ShardedGradScaler`` plus telemetry.
+"""The rank side: everything that runs inside a training process.
+
+The front-ends a loop calls are torch's ``GradScaler``/``ShardedGradScaler`` plus telemetry
+(fp16), and :class:`GradWatch` for bf16/fp32 runs; ``capture/``, ``gradients/`` and
+``telemetry/`` hold what they share, ``compat.py`` every read of torch internals.
 
 Change one import and keep the training loop::
 
