@@ -70,11 +70,38 @@ def bench_results() -> str:
     return "\n".join("#" + line if line.startswith("#") else line for line in lines)
 
 
+_TEMPLATE = re.compile(r"\{\{\s*(.*?)\s*\}\}")
+
+
+def _template_as_words(match: re.Match[str]) -> str:
+    """``{{ $labels.rank }}`` -> *rank*, ``{{ $value | humanizePercentage }}`` -> *value*."""
+    expression = match.group(1).split("|")[0].strip()
+    return "*" + expression.removeprefix("$labels.").removeprefix("$") + "*"
+
+
+def alert_actions() -> str:
+    """What to do when each shipped alert fires: its severity and its own description, read
+    from ``deploy/prometheus/rules/`` so the page says what the pager says."""
+    import yaml
+
+    rows = ["| alert | severity | what it says, and what to do |", "|---|---|---|"]
+    for path in sorted((ROOT / "deploy" / "prometheus" / "rules").glob("*.yml")):
+        for group in yaml.safe_load(path.read_text())["groups"]:
+            for rule in group["rules"]:
+                if "alert" not in rule:
+                    continue
+                text = _TEMPLATE.sub(_template_as_words, rule["annotations"]["description"])
+                text = " ".join(text.split()).replace("|", "\\|")
+                rows.append(f"| `{rule['alert']}` | {rule['labels']['severity']} | {text} |")
+    return "\n".join(rows)
+
+
 GENERATORS: dict[str, Callable[[], str]] = {
     "metric-table": metric_table,
     "openapi-endpoints": openapi_endpoints,
     "openapi-schema": openapi_schema,
     "bench-results": bench_results,
+    "alert-actions": alert_actions,
 }
 
 
