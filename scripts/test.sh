@@ -8,8 +8,8 @@ bash scripts/setup.sh test
 . .venv/bin/activate
 
 echo "==> ruff"
-ruff check ampscope tests bench
-ruff format --check ampscope tests bench
+ruff check ampscope tests bench dashboards
+ruff format --check ampscope tests bench dashboards
 echo "==> mypy"
 mypy
 echo "==> docs (strict build into site/)"

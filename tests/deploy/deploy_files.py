@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD_DIR = ROOT / "dashboards"
+# Writes dashboards/ampscope.json (to standard output without --write).
+DASHBOARD_GENERATOR = DASHBOARD_DIR / "src" / "ampscope_dashboard.py"
 PROMETHEUS_DIR = ROOT / "deploy" / "prometheus"
 RULES_FILE = PROMETHEUS_DIR / "rules" / "ampscope-alerts.yml"
 
@@ -65,6 +69,57 @@ def panels(dashboard: dict[str, Any]) -> Iterator[dict[str, Any]]:
 def dashboard_expressions(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
     """(panel title, PromQL) for every target of every panel."""
     return [(p["title"], t["expr"]) for p in panels(dashboard) for t in p["targets"]]
+
+
+def generated_dashboard() -> str:
+    """The JSON text the dashboard generator writes, from a fresh interpreter."""
+    result = subprocess.run(
+        [sys.executable, str(DASHBOARD_GENERATOR)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def _differences(old: Any, new: Any, path: str) -> Iterator[str]:
+    if isinstance(old, dict) and isinstance(new, dict):
+        for key in sorted(old.keys() | new.keys()):
+            if key not in new:
+                yield f"{path}{key} only in the committed file"
+            elif key not in old:
+                yield f"{path}{key} only in the generated one"
+            else:
+                yield from _differences(old[key], new[key], f"{path}{key}.")
+    elif isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        for index, (a, b) in enumerate(zip(old, new, strict=True)):
+            yield from _differences(a, b, f"{path}{index}.")
+    elif old != new or type(old) is not type(new):
+        shown = (json.dumps(value)[:80] for value in (old, new))
+        yield "{}: committed {}, generated {}".format(path.rstrip("."), *shown)
+
+
+def dashboard_differences(committed: dict[str, Any], generated: dict[str, Any]) -> list[str]:
+    """Where two dashboards differ, panel by panel (by id, with its title), then elsewhere."""
+    found = []
+    old = {panel["id"]: panel for panel in committed.get("panels", [])}
+    new = {panel["id"]: panel for panel in generated.get("panels", [])}
+    for panel_id in sorted(old.keys() | new.keys()):
+        title = (new.get(panel_id) or old[panel_id]).get("title")
+        where = f"panel {panel_id} ({title!r})"
+        if panel_id not in new:
+            found.append(f"{where}: only in the committed file")
+        elif panel_id not in old:
+            found.append(f"{where}: only in the generated one")
+        else:
+            found += [f"{where}: {d}" for d in _differences(old[panel_id], new[panel_id], "")]
+    if not found and list(old) != list(new):
+        found.append(f"panel order: committed {list(old)}, generated {list(new)}")
+    rest = ({k: v for k, v in d.items() if k != "panels"} for d in (committed, generated))
+    found += [f"dashboard: {d}" for d in _differences(*rest, "")]
+    return found
 
 
 def rules() -> list[dict[str, Any]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -11,15 +12,18 @@ import pytest
 import yaml
 from deploy_files import (
     DASHBOARD_DIR,
+    DASHBOARD_GENERATOR,
+    dashboard_differences,
     dashboard_expressions,
     dashboards,
+    generated_dashboard,
     metric_names,
     panels,
     recording_rules,
     selected_families,
     substitute,
 )
-from support import need_tool
+from support import need_module, need_tool
 
 from ampscope.exporter.metrics.catalogue import BY_NAME, RANK_LABELS, SCALER_ONLY
 
@@ -42,6 +46,59 @@ def test_dashboard_identity_and_schema(dashboard: dict[str, Any]) -> None:
     kinds = {p["type"] for p in panels(dashboard)}
     assert "timeseries" in kinds
     assert "graph" not in kinds  # the pre-8.0 panel type
+
+
+def test_committed_json_is_what_the_generator_writes(dashboard: dict[str, Any]) -> None:
+    # The dashboard is written from Python (grafana-foundation-sdk); a hand edit of the JSON,
+    # or a generator change not written out, shows here with the panel it touches.
+    need_module("grafana_foundation_sdk")
+    text = generated_dashboard()
+    regenerate = (
+        f"regenerate with: python {DASHBOARD_GENERATOR.relative_to(DASHBOARD_DIR.parent)} --write"
+    )
+    differences = dashboard_differences(dashboard, json.loads(text))
+    assert not differences, "\n".join([regenerate, *differences])
+    # Same content: the committed text is byte for byte the generator's (a reformatted
+    # file would make the next regeneration a noisy diff).
+    assert (DASHBOARD_DIR / "ampscope.json").read_text() == text, regenerate
+
+
+def test_dashboard_differences_name_the_panel() -> None:
+    committed = {
+        "uid": "u",
+        "panels": [{"id": 1, "title": "Loss", "fieldConfig": {"defaults": {"unit": "short"}}}],
+    }
+    generated = {
+        "uid": "u",
+        "panels": [{"id": 1, "title": "Loss", "fieldConfig": {"defaults": {"unit": "s"}}}],
+    }
+    assert dashboard_differences(committed, generated) == [
+        'panel 1 (\'Loss\'): fieldConfig.defaults.unit: committed "short", generated "s"'
+    ]
+    assert dashboard_differences(committed, committed) == []
+
+
+def test_panels_tile_the_grid_under_their_rows(dashboard: dict[str, Any]) -> None:
+    # Grafana pushes overlapping panels down and files a panel under the row above it on
+    # screen, not the one before it in the file: the file's order must be the screen's.
+    boxes = [(p["title"], p["type"], p["gridPos"]) for p in dashboard["panels"]]
+    cells: dict[tuple[int, int], str] = {}
+    for title, _, grid in boxes:
+        assert grid["x"] + grid["w"] <= 24, title
+        for x in range(grid["x"], grid["x"] + grid["w"]):
+            for y in range(grid["y"], grid["y"] + grid["h"]):
+                assert (x, y) not in cells, f"{title!r} overlaps {cells[(x, y)]!r}"
+                cells[(x, y)] = title
+    tops = [(grid["y"], grid["x"]) for _, _, grid in boxes]
+    assert tops == sorted(tops), "panels are not in screen order"
+    rows = [grid["y"] for _, kind, grid in boxes if kind == "row"]
+    assert rows[0] == 0, "the first row is not at the top"
+    # No gap: each row starts where the panels above it end.
+    bottom = 0
+    for title, kind, grid in boxes:
+        if kind == "row":
+            assert grid["y"] == bottom, title
+        bottom = max(bottom, grid["y"] + grid["h"])
 
 
 def test_variables_are_chained(dashboard: dict[str, Any]) -> None:

@@ -1,0 +1,480 @@
+"""The ampscope Grafana dashboard, as code: ``dashboards/ampscope.json`` is written from here.
+
+Built with Grafana's grafana-foundation-sdk (the version pinned in constraints/pins.txt);
+the panel shapes are in ``panels.py``, the variables and annotations in ``templating.py``.
+Edit this file, never the JSON, then regenerate it::
+
+    python dashboards/src/ampscope_dashboard.py --write
+
+and, since the Kubernetes ConfigMap carries the dashboard,
+``python -m ampscope.bundle.kubernetes deploy/kubernetes``. Without ``--write`` the JSON goes
+to standard output. tests/deploy/test_grafana_dashboards.py fails while the committed JSON
+and this file disagree, and names the panel that differs.
+
+A new panel is one call in its row's list below; give it the next unused id (the largest
+in use plus one), so that links to existing panels keep their target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from grafana_foundation_sdk.builders import dashboard as dashboard_builders
+from grafana_foundation_sdk.cog import builder as cog_builder
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models import dashboard as dashboard_models
+from panels import (
+    LINEAR,
+    RANK_LEGEND,
+    Query,
+    bars,
+    label_table,
+    number,
+    per_rank,
+    row,
+    series,
+    states,
+    top_bars,
+)
+from templating import (
+    datasource_variable,
+    grafana_annotations,
+    label_values,
+    prometheus_annotation,
+)
+
+OUTPUT = Path(__file__).resolve().parents[1] / "ampscope.json"
+
+Panel = cog_builder.Builder[dashboard_models.Panel]
+
+# Every rank exports ampscope_rank_info, scaler or watch, so a bf16 run (no loss scale) is
+# listed too.
+RUNS = "label_values(ampscope_rank_info, run)"
+NODES = 'label_values(ampscope_rank_info{run=~"$run"}, node)'
+RANKS = 'label_values(ampscope_rank_info{run=~"$run", node=~"$node"}, rank)'
+
+SPIKE_MARKS = f"changes({per_rank('ampscope_spikes_total')}[1m]) > 0"
+
+
+def _increase(selector: str) -> str:
+    return f"increase({selector}[$__rate_interval])"
+
+
+def _rate(selector: str) -> str:
+    return f"rate({selector}[$__rate_interval])"
+
+
+def what_the_ranks_run() -> list[Panel]:
+    """Mode, policy and gradient dtype per rank; optimizer steps on inf/NaN gradients."""
+    info = per_rank("ampscope_rank_info")
+    return [
+        label_table(
+            24,
+            "Mode and policy per rank",
+            "From ampscope_rank_info. mode scaler: an fp16 loss scaler (it skips every step "
+            "with inf/NaN gradients). mode watch: a GradWatch on a bf16/fp32 run, which has no "
+            "loss scale; policy observe steps anyway, skip skips the step on every rank, raise "
+            "stops the run.",
+            Query(info, instant=True, table=True),
+            columns=["run", "node", "rank", "local_rank", "mode", "policy", "grad_dtype"],
+            hidden=["Time", "Value", "__name__", "instance", "job"],
+            width=12,
+            height=7,
+        ),
+        number(
+            25,
+            "Ranks by mode and policy",
+            "Ranks per run by what they run (ampscope_rank_info). scaler: an fp16 loss scaler. "
+            'watch: a GradWatch on a bf16/fp32 run, marked "no loss scale": the loss scale row '
+            "shows nothing for those ranks, which is not missing data. Their skips (policy "
+            "skip), found-inf origins and non-finite parameters show in the rows below as for "
+            "scalers.",
+            Query(
+                f"label_replace(count by (run, mode, policy) ({info}), "
+                '"scale", "(no loss scale)", "mode", "watch")',
+                "{{run}}: {{mode}}, policy {{policy}} {{scale}}",
+                instant=True,
+            ),
+            width=6,
+            height=7,
+            no_value="no ranks",
+            color="blue",
+        ),
+        number(
+            26,
+            "Optimizer steps on inf/NaN gradients",
+            "ampscope_nonfinite_updates_applied_total: steps a GradWatch under policy observe "
+            "let the optimizer take on inf/NaN gradients. Anything above 0 means the weights "
+            "hold inf/NaN from the first such step on (AmpscopeNonfiniteUpdateApplied fires; "
+            "the run's health names the step and the origin rank). Scalers and the skip and "
+            "raise policies never take such a step.",
+            Query(
+                f"max by (run) ({per_rank('ampscope_nonfinite_updates_applied_total')})",
+                "{{run}}",
+            ),
+            width=6,
+            height=7,
+            no_value="0",
+            red_at=1,
+            background=True,
+            sparkline=True,
+        ),
+    ]
+
+
+def loss_and_gradient_norm() -> list[Panel]:
+    """Loss, gradient norm and own gradient norm per rank on log axes; spike iterations."""
+    # The norm is the same on every rank: counted once per run, whatever ranks are selected.
+    grad_norm_spikes = 'ampscope_spikes_total{run=~"$run", kind="grad_norm"}'
+    return [
+        series(
+            28,
+            "Loss per rank",
+            "Each rank's loss at its newest iteration (ampscope_loss, log10 axis), as passed "
+            "to scale(). A spike on one rank only points at that rank's batch; every rank at "
+            "once, at the learning rate or the model. Absent while a rank's newest iteration "
+            "overflowed.",
+            Query(per_rank("ampscope_loss"), RANK_LEGEND),
+            interpolation=LINEAR,
+            log=10,
+        ),
+        series(
+            29,
+            "Gradient norm per rank",
+            "Total L2 norm of the unscaled gradients before clipping (ampscope_grad_norm, "
+            "log10 axis): what clip_grad_norm_ returns, the same on every rank.",
+            Query(per_rank("ampscope_grad_norm"), RANK_LEGEND),
+            interpolation=LINEAR,
+            log=10,
+        ),
+        series(
+            30,
+            "Own (origin) gradient norm per rank",
+            "L2 norm of each rank's own gradients before the cross-rank reduction "
+            "(ampscope_grad_norm_origin, log10 axis, one line per rank). At a gradient-norm "
+            "spike, the rank whose line jumps made it: one that repeats across spikes points "
+            "at its GPU or its data shard. Ranks report at their own pace, so lines at one "
+            "instant may be a step apart.",
+            Query(per_rank("ampscope_grad_norm_origin"), RANK_LEGEND),
+            interpolation=LINEAR,
+            log=10,
+        ),
+        bars(
+            31,
+            "Spike iterations",
+            "Spike iterations the exporters found per scrape interval: loss and origin "
+            "outliers per rank; the gradient norm once per run (every rank sees the same norm, "
+            "so the most any rank counted).",
+            Query(
+                _increase(per_rank("ampscope_spikes_total", 'kind=~"loss|origin_outlier"')),
+                f"{{{{kind}}}}: {RANK_LEGEND}",
+            ),
+            Query(f"max by (run) ({_increase(grad_norm_spikes)})", "grad_norm: {{run}}"),
+        ),
+    ]
+
+
+def loss_scale() -> list[Panel]:
+    """The scalers' loss scale, its desync across ranks, growth tracker, backoffs, growths."""
+    newest_step = "ampscope_rank:loss_scale_aligned:newest_step"
+    return [
+        series(
+            2,
+            "Loss scale per rank",
+            "Current loss scale of every rank's GradScaler (log2 axis: one grid line per "
+            "halving). A staircase down is a burst of overflows; a slope down to 1 or below "
+            "is a collapse. Only ranks that run a loss scaler appear: a bf16/fp32 rank watched "
+            "by a GradWatch has no scale and exports none.",
+            Query(per_rank("ampscope_loss_scale"), RANK_LEGEND),
+            log=2,
+        ),
+        series(
+            3,
+            "Scale desync across ranks (at one step)",
+            "Largest over smallest loss scale among the ranks of a run, compared at the newest "
+            "step that is a multiple of 10 (ampscope_loss_scale_aligned), so a rank whose "
+            "report lags behind a backoff does not count; read from the recording rules "
+            "ampscope_run:loss_scale:max_over_min and "
+            "ampscope_rank:loss_scale_aligned:newest_step (reporting ranks only). 1 when the "
+            "ranks agree; above 1 they unscale their gradients by different factors (alert "
+            "AmpscopeScaleDesync). The per-rank lines name the ranks below the run's largest "
+            "scale, and by what factor.",
+            Query(
+                'ampscope_run:loss_scale:max_over_min{run=~"$run"}', "{{run}}: largest / smallest"
+            ),
+            Query(
+                f'max by (run) ({newest_step}{{run=~"$run"}}) / on (run) group_right () '
+                f"{per_rank(newest_step)} > 1",
+                "{{run}}: largest / rank {{rank}} ({{node}})",
+            ),
+            min_value=1,
+            red_at=1.0001,
+        ),
+        series(
+            4,
+            "Growth tracker",
+            "Consecutive unskipped iterations since the scale last changed; the scale grows "
+            "when it reaches growth_interval and resets to 0 on every overflow.",
+            Query(per_rank("ampscope_growth_tracker"), RANK_LEGEND),
+        ),
+        bars(
+            5,
+            "Scale backoffs and growths",
+            "Loss scale changes per rate interval: backoffs (overflow seen) and growths "
+            "(growth_interval clean steps).",
+            Query(_increase(per_rank("ampscope_scale_backoffs_total")), f"backoff {RANK_LEGEND}"),
+            Query(_increase(per_rank("ampscope_scale_growths_total")), f"growth {RANK_LEGEND}"),
+        ),
+    ]
+
+
+def skipped_steps() -> list[Panel]:
+    """Skipped and all steps per second; the skipped ratio against the skip storm line."""
+    skipped = _rate(per_rank("ampscope_skipped_steps_total"))
+    steps = _rate(per_rank("ampscope_steps_total"))
+    return [
+        series(
+            7,
+            "Skipped steps per second",
+            "Iterations whose optimizer step was skipped for inf/NaN gradients, and all "
+            "iterations.",
+            Query(skipped, f"skipped {RANK_LEGEND}"),
+            Query(steps, f"all {RANK_LEGEND}"),
+            unit="ops",
+            min_value=0,
+        ),
+        series(
+            8,
+            "Skipped step ratio",
+            "Fraction of iterations skipped. Above 25% over 5 minutes is a skip storm (alert "
+            "AmpscopeSkipStorm).",
+            Query(f"{skipped} / {steps}", RANK_LEGEND),
+            unit="percentunit",
+            min_value=0,
+            red_at=0.25,
+        ),
+    ]
+
+
+def overflow_origins() -> list[Panel]:
+    """Found-inf per rank and device, local and origin; top non-finite parameters."""
+    device_legend = f"{RANK_LEGEND} {{{{device}}}}"
+    return [
+        bars(
+            10,
+            "Local found-inf by rank and device",
+            "Iterations with inf/NaN in a rank's local gradient shards, after the gradient "
+            "reduce-scatter. Under FSDP one rank's inf reaches every rank's shard, so this "
+            "shows who saw it, not who caused it.",
+            Query(_increase(per_rank("ampscope_found_inf_total")), device_legend),
+        ),
+        bars(
+            11,
+            "Origin found-inf by rank and device",
+            "Iterations with inf/NaN in a rank's own gradients before the cross-rank "
+            "reduction (scaler.attach(model, track_origin=True)). The rank that stands out "
+            "caused the overflow (alert AmpscopeInfHotspot).",
+            Query(_increase(per_rank("ampscope_found_inf_origin_total")), device_legend),
+        ),
+        top_bars(
+            12,
+            "Top non-finite parameters",
+            "Parameters whose local gradient shards held the most non-finite elements since "
+            "their scaler started, summed over the selected nodes' ranks (each rank reports "
+            "its top K; the recording rule ampscope_node_param:nonfinite_grads:sum sums them "
+            "per node, so the rank variable does not apply).",
+            Query(
+                "topk(10, sum by (run, param) "
+                '(ampscope_node_param:nonfinite_grads:sum{run=~"$run", node=~"$node"}))',
+                "{{run}} {{param}}",
+                instant=True,
+            ),
+        ),
+        top_bars(
+            13,
+            "Found-inf totals by rank and device",
+            "Cumulative found-inf iterations per rank and device: origin (own gradients, "
+            "before the reduction) and local (shards, after it).",
+            Query(
+                per_rank("ampscope_found_inf_origin_total"),
+                f"origin {device_legend}",
+                instant=True,
+            ),
+            Query(per_rank("ampscope_found_inf_total"), f"local {device_legend}", instant=True),
+        ),
+    ]
+
+
+def ranks() -> list[Panel]:
+    """Rank state over time, up, time since the last report, last step, dropped records."""
+    # running 0, stalled 1, lost 2, finished 3: each state's series is 1 while it holds.
+    state = " + ignoring (state) ".join(
+        factor + per_rank("ampscope_rank_state", f'state="{name}"')
+        for factor, name in (("", "stalled"), ("2 * ", "lost"), ("3 * ", "finished"))
+    )
+    return [
+        states(
+            22,
+            "Rank state",
+            "Each rank's state over time: running (steps advancing), stalled (heartbeats "
+            "arrive but no new step for the exporter's --stall-after, 10 min by default: a "
+            "hang or a long pause; alert AmpscopeRankStalled), lost (nothing heard for "
+            "--stale-after, 60 s by default, and no final record: the process died; alert "
+            "AmpscopeRankLost), finished (the scaler closed and said so; no alert fires for "
+            "it).",
+            Query(state, RANK_LEGEND),
+            names=[
+                ("running", "green"),
+                ("stalled", "orange"),
+                ("lost", "red"),
+                ("finished", "blue"),
+            ],
+        ),
+        series(
+            15,
+            "Rank up",
+            "1 while the exporter hears from the rank (records or heartbeats) within its "
+            "stale TTL (60 s by default), else 0: a lost or finished rank (see Rank state).",
+            Query(per_rank("ampscope_rank_up"), RANK_LEGEND),
+            width=8,
+            min_value=0,
+            max_value=1,
+        ),
+        series(
+            16,
+            "Time since last report",
+            "Seconds since the exporter last received a record from the rank.",
+            Query(f"time() - {per_rank('ampscope_last_report_timestamp_seconds')}", RANK_LEGEND),
+            unit="s",
+            width=8,
+            min_value=0,
+        ),
+        series(
+            17,
+            "Last reported step",
+            "Newest iteration (update() count) each rank reported; ranks of one run should "
+            "move together.",
+            Query(per_rank("ampscope_last_step"), RANK_LEGEND),
+            width=8,
+        ),
+        bars(
+            18,
+            "Reporter dropped records",
+            "Records a rank's reporter dropped (queue full or exporter unreachable). Counters "
+            "stay exact regardless: every record carries cumulative totals.",
+            Query(_increase(per_rank("ampscope_reporter_dropped_records_total")), RANK_LEGEND),
+            width=24,
+            height=6,
+        ),
+    ]
+
+
+def exporter() -> list[Panel]:
+    """The exporters' own ingest and memory (no rank labels: one series per exporter)."""
+    return [
+        series(
+            20,
+            "Ingest",
+            "Batches and records the exporter accepted, and requests it rejected by reason.",
+            Query(_rate("ampscope_exporter_ingest_batches_total"), "batches {{instance}}"),
+            Query(_rate("ampscope_exporter_ingest_records_total"), "records {{instance}}"),
+            Query(
+                f"sum by (instance, reason) ({_rate('ampscope_exporter_ingest_rejections_total')})",
+                "rejected {{reason}} {{instance}}",
+            ),
+            unit="reqps",
+            min_value=0,
+        ),
+        series(
+            21,
+            "Tracked runs, ranks and series; unrenderable ranks",
+            "What the exporter holds in memory; bounded by its limits (stale ranks are "
+            "dropped after the retention, 1 h by default).",
+            Query("ampscope_exporter_tracked_runs", "runs {{instance}}"),
+            Query("ampscope_exporter_tracked_ranks", "ranks {{instance}}"),
+            Query("ampscope_exporter_tracked_series", "series {{instance}}"),
+            Query("ampscope_exporter_unrenderable_ranks", "unrenderable ranks {{instance}}"),
+            min_value=0,
+        ),
+    ]
+
+
+def build() -> dashboard_models.Dashboard:
+    """The whole dashboard: settings, variables, annotations, then each row and its panels."""
+    dashboard = (
+        dashboard_builders.Dashboard("ampscope: mixed-precision loss scaling")
+        .uid("ampscope-loss-scaling")
+        .description(
+            "Per-rank loss scale, skipped steps and overflow origins reported by ampscope; for "
+            "bf16/fp32 runs watched by a GradWatch (no loss scale), each rank's mode and policy "
+            "and the optimizer steps taken on inf/NaN gradients."
+        )
+        .tags(["ampscope", "pytorch", "mixed-precision"])
+        .editable()
+        .tooltip(dashboard_models.DashboardCursorSync.CROSSHAIR)
+        .version(1)
+        .time("now-30m", "now")
+        .refresh("10s")
+        .timezone("")
+        .links([])
+        .with_variable(datasource_variable())
+        .with_variable(
+            label_values("run", "Run", RUNS, dashboard_models.VariableSort.ALPHABETICAL_ASC)
+        )
+        .with_variable(
+            label_values("node", "Node", NODES, dashboard_models.VariableSort.ALPHABETICAL_ASC)
+        )
+        .with_variable(
+            label_values("rank", "Rank", RANKS, dashboard_models.VariableSort.NUMERICAL_ASC)
+        )
+        .annotation(grafana_annotations())
+        .annotation(
+            prometheus_annotation(
+                "Spikes",
+                SPIKE_MARKS,
+                color="orange",
+                title="{{kind}} spike",
+                text="run {{run}} rank {{rank}} (node {{node}})",
+                tags=["kind", "rank"],
+            )
+        )
+    )
+    rows = [
+        (23, "What the ranks run", what_the_ranks_run()),
+        (27, "Loss and gradient norm: spikes, and which rank made them", loss_and_gradient_norm()),
+        # A watch rank exports none of the scaler-only families: say so where they are drawn.
+        (1, "Loss scale (fp16 scaler ranks only: bf16/fp32 watch ranks have none)", loss_scale()),
+        (6, "Skipped steps", skipped_steps()),
+        (9, "Where the overflows come from", overflow_origins()),
+        (14, "Ranks", ranks()),
+        (19, "Exporter", exporter()),
+    ]
+    for row_id, title, panels in rows:
+        dashboard = dashboard.with_row(row(row_id, title))
+        for panel in panels:
+            dashboard = dashboard.with_panel(panel)
+    return dashboard.build()
+
+
+def render() -> str:
+    """The dashboard's JSON text as committed: keys sorted, two-space indent, final newline."""
+    return json.dumps(build(), cls=JSONEncoder, indent=2, sort_keys=True) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--write", action="store_true", help=f"write {OUTPUT.name} in place")
+    args = parser.parse_args(argv)
+    if args.write:
+        OUTPUT.write_text(render(), encoding="utf-8")
+        print(OUTPUT)
+    else:
+        sys.stdout.write(render())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
