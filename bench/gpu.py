@@ -358,7 +358,10 @@ def _start_exporter(out: dict[str, Any]) -> tuple[Any, str | None]:
     return context, f"http://{server.host}:{server.port}"
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(
+    args: argparse.Namespace, after_section: Callable[[dict[str, Any]], None] | None = None
+) -> dict[str, Any]:
+    """Run the chosen sections; ``after_section(results so far)`` after each one."""
     from bench.gpu_setups import ProcessGroup
 
     config = PRESETS[args.preset]
@@ -395,6 +398,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 section_start = time.monotonic()
                 results[name] = guarded(runners[name], config, device)
                 results[name]["duration_s"] = time.monotonic() - section_start
+                results["duration_s"] = time.monotonic() - started
+                if after_section is not None:
+                    after_section(results)
     results["duration_s"] = time.monotonic() - started
     return results
 
@@ -406,17 +412,25 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    results = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"gpu-{device_slug(results['device']['name'])}"
-    json_path, md_path = args.out / f"{stem}.json", args.out / f"{stem}.md"
-    try:
-        text = json.dumps(results, indent=2, allow_nan=False)
-    except ValueError:  # a NaN or infinity: keep the run's figures anyway, flagged
-        results["non_finite_values"] = True
-        text = json.dumps(results, indent=2)
-    json_path.write_text(text + "\n")
-    md_path.write_text(render_markdown(results))
+    paths: list[Path] = []
+
+    def write(results: dict[str, Any]) -> None:
+        # After every section: a run cut short on a lent machine keeps what it measured.
+        stem = f"gpu-{device_slug(results['device']['name'])}"
+        json_path, md_path = args.out / f"{stem}.json", args.out / f"{stem}.md"
+        try:
+            text = json.dumps(results, indent=2, allow_nan=False)
+        except ValueError:  # a NaN or infinity: keep the run's figures anyway, flagged
+            results["non_finite_values"] = True
+            text = json.dumps(results, indent=2)
+        json_path.write_text(text + "\n")
+        md_path.write_text(render_markdown(results))
+        paths[:] = [json_path, md_path]
+
+    results = run(args, after_section=write)
+    write(results)
+    json_path, md_path = paths
     print(f"wrote {json_path} and {md_path} in {results['duration_s']:.0f}s")
     return 0
 
