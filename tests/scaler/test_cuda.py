@@ -4,17 +4,22 @@ Each trains ampscope's scaler and torch's stock one side by side (same init, dat
 injected inf, :func:`dist_setups.train_side_by_side`) and checks parity and the records.
 FSDP1 runs on a one-rank NCCL group in this process (FSDP1 then uses ``NO_SHARD``): one GPU
 cannot host two NCCL ranks, and the offloaded gradients are on the CPU either way.
+
+On the GPU machine (torch 2.11, H200) two stock FSDP1 ``CPUOffload`` runs were bitwise
+equal on an idle device but both ended with NaN parameters while another process loaded
+the GPU and the CPUs, ampscope or not. So the parity test first trains two stock models
+side by side and skips, saying so, when torch itself does not reproduce.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from dist_setups import INJECT_STEPS, STEPS, make_model, train_side_by_side
+from dist_setups import INJECT_STEPS, STEPS, batch, make_model, train_side_by_side
 from torch import nn
 
 import ampscope
@@ -72,6 +77,30 @@ def test_fused_adam_on_cuda_matches_stock_and_is_recorded() -> None:
     )
 
 
+def _skip_unless_stock_reproduces(
+    wrap: Callable[[], nn.Module], inject: Callable[[nn.Module, int], None]
+) -> None:
+    """Train two stock copies side by side as the parity test does; skip the test if
+    their parameters differ or are not finite (torch's run is then not reproducible)."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as TorchSharded
+
+    models = [wrap(), wrap()]
+    scalers = [TorchSharded("cuda", init_scale=2.0**10, growth_interval=3) for _ in models]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
+    for step in range(STEPS):
+        x = batch(0, step).cuda()
+        for model, scaler, opt in zip(models, scalers, optimizers, strict=True):
+            scaler.scale(model(x).square().mean()).backward()
+            if step in INJECT_STEPS:
+                inject(model, step)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    pairs = list(zip(models[0].parameters(), models[1].parameters(), strict=True))
+    if not all(torch.equal(a, b) and bool(a.isfinite().all()) for a, b in pairs):
+        pytest.skip("two stock FSDP1 CPUOffload runs differ on this device now: no parity verdict")
+
+
 @pytest.mark.parametrize("use_orig_params", [False, True])
 def test_fsdp1_cpu_offload_matches_stock(one_rank_nccl: None, use_orig_params: bool) -> None:
     """Offloaded parameters and gradients live on the CPU while the scale is on the GPU."""
@@ -94,6 +123,7 @@ def test_fsdp1_cpu_offload_matches_stock(one_rank_nccl: None, use_orig_params: b
             # One flat parameter: 0.weight (128), 0.bias (16), 2.weight (64), 2.bias (4).
             next(model.parameters()).grad[136] = float("inf")
 
+    _skip_unless_stock_reproduces(wrap, inject)
     ours_model = wrap()
     assert next(ours_model.parameters()).device.type == "cpu", "CPUOffload did not offload"
     ours = ampscope.ShardedGradScaler("cuda", init_scale=2.0**10, growth_interval=3, reporter=None)

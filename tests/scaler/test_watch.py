@@ -456,7 +456,8 @@ def test_cuda_clean_iterations_add_no_sync() -> None:
                 loss = model(x).float().square().mean()
             (loss if watch is None else watch.scale(loss)).backward()
             if step == inject:
-                next(model.parameters()).grad.view(-1)[0] = float("inf")
+                # fill_ of a slice: an item assignment would copy a host scalar (a sync).
+                next(model.parameters()).grad.view(-1)[:1].fill_(float("inf"))
             if watch is None:
                 if step != inject:
                     opt.step()
