@@ -353,7 +353,8 @@ def _start_exporter(out: dict[str, Any]) -> tuple[Any, str | None]:
         context = ampscope_exporter()
         server = context.__enter__()
     except Exception as exc:
-        out["reporter_error"] = f"{type(exc).__name__}: {exc}"
+        # The exception's last line (its log tail ends with the cause), not its paths.
+        out["reporter_error"] = str(exc).strip().splitlines()[-1]
         return None, None
     return context, f"http://{server.host}:{server.port}"
 

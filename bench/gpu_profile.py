@@ -5,9 +5,10 @@ Profiles ``iterations`` iterations of a setup (CPU and CUDA activities; one
 iteration and per host thread, the runtime calls that make the host wait
 (``cudaStreamSynchronize``, ``cudaEventSynchronize``, ``cudaDeviceSynchronize``,
 synchronous ``cudaMemcpy``) and the device-to-host copies, by destination (pageable
-memory: a copy the host waits for; pinned: ampscope's non-blocking copy). The training
-thread is the one that launched the most kernels; every other thread (ampscope's
-telemetry thread, NCCL's watchdog) is counted apart.
+memory: a copy the host waits for; pinned: ampscope's non-blocking copy). Threads that
+launch kernels (the training thread and autograd's device thread, which runs backward)
+are counted apart from threads that launch none (ampscope's telemetry thread, NCCL's
+watchdog).
 """
 
 from __future__ import annotations
@@ -34,24 +35,23 @@ RUNTIME_CATEGORIES = ("cuda_runtime", "cuda_driver")
 def count_trace(trace: dict[str, Any], iterations: int) -> dict[str, Any]:
     """Per-iteration counts from a Chrome trace (``export_chrome_trace``'s JSON).
 
-    Returns ``{"training_thread": {...}, "other_threads": {...}, "threads": n}``; each
-    part holds every name of :data:`SYNC_CALLS` plus ``d2h_copies``,
+    Returns ``{"launching_threads": {...}, "other_threads": {...}, "threads": n}``;
+    each part holds every name of :data:`SYNC_CALLS` plus ``d2h_copies``,
     ``d2h_to_pageable``, ``d2h_to_pinned`` and ``kernel_launches``, divided by
     ``iterations``.
     """
     events = [e for e in trace.get("traceEvents", []) if isinstance(e, dict)]
     runtime = [e for e in events if e.get("cat") in RUNTIME_CATEGORIES]
-    launches: Counter[Any] = Counter(e.get("tid") for e in runtime if "LaunchKernel" in e["name"])
-    training = launches.most_common(1)[0][0] if launches else None
+    launching = {e.get("tid") for e in runtime if "LaunchKernel" in e["name"]}
     thread_of = {
         e["args"]["correlation"]: e.get("tid")
         for e in runtime
         if isinstance(e.get("args"), dict) and "correlation" in e["args"]
     }
-    parts = {"training_thread": Counter[str](), "other_threads": Counter[str]()}
+    parts = {"launching_threads": Counter[str](), "other_threads": Counter[str]()}
 
     def part(tid: Any) -> Counter[str]:
-        return parts["training_thread" if tid == training else "other_threads"]
+        return parts["launching_threads" if tid in launching else "other_threads"]
 
     for e in runtime:
         name = e["name"]
@@ -100,5 +100,5 @@ def profile_setup(
         trace = json.loads(path.read_text())
     counts = count_trace(trace, iterations)
     counts["iterations"] = iterations
-    counts["harness"] = "one cudaDeviceSynchronize at the end, on the training thread"
+    counts["harness"] = "one cudaDeviceSynchronize at the end, on the main thread"
     return counts

@@ -37,14 +37,15 @@ def _runtime(name: str, tid: int, correlation: int) -> dict[str, object]:
 
 
 def test_count_trace_splits_threads_and_copy_destinations() -> None:
-    trainer, telemetry = 11, 22
+    trainer, autograd, telemetry = 11, 12, 22
     events = [
-        *(_runtime("cudaLaunchKernel", trainer, c) for c in range(1, 7)),
+        *(_runtime("cudaLaunchKernel", trainer, c) for c in range(1, 3)),
+        *(_runtime("cudaLaunchKernel", autograd, c) for c in range(3, 7)),
         _runtime("cudaMemcpyAsync", trainer, 7),
         _runtime("cudaStreamSynchronize", trainer, 8),
         _runtime("cudaMemcpyAsync", trainer, 9),
         _runtime("cudaEventSynchronize", telemetry, 10),
-        _runtime("cudaLaunchKernel", telemetry, 11),
+        _runtime("cudaMemcpyAsync", telemetry, 11),
         {
             "cat": "gpu_memcpy",
             "name": "Memcpy DtoH (Device -> Pageable)",
@@ -56,7 +57,7 @@ def test_count_trace_splits_threads_and_copy_destinations() -> None:
         {"ph": "M", "name": "thread_name"},
     ]
     counts = count_trace({"traceEvents": events}, iterations=2)
-    training, other = counts["training_thread"], counts["other_threads"]
+    training, other = counts["launching_threads"], counts["other_threads"]
     assert training["kernel_launches"] == 3.0
     assert training["cudaStreamSynchronize"] == 0.5
     assert training["cudaEventSynchronize"] == 0.0
@@ -66,9 +67,9 @@ def test_count_trace_splits_threads_and_copy_destinations() -> None:
         0.5,
     )
     assert other["cudaEventSynchronize"] == 0.5
-    assert other["kernel_launches"] == 0.5
+    assert other["kernel_launches"] == 0.0
     assert other["d2h_copies"] == 0.0
-    assert counts["threads"] == 2
+    assert counts["threads"] == 3
 
 
 def test_cpu_dry_run_writes_every_section(tmp_path: Path) -> None:
