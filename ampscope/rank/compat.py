@@ -303,8 +303,17 @@ def fsdp1_comm_hook(unit: FSDP) -> tuple[object, object]:
 
 
 def fully_shard_param_groups(module: FSDPModule) -> list[object]:
-    """The FSDP2 parameter groups of one ``fully_shard`` module."""
-    return list(module._get_fsdp_state()._fsdp_param_groups)
+    """The FSDP2 parameter groups of one ``fully_shard`` module.
+
+    Newer torch keeps a list (``_fsdp_param_groups``); torch 2.11 and earlier keep at
+    most one group (``_fsdp_param_group``, ``None`` without parameters).
+    """
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = state._fsdp_param_group
+    return [] if group is None else [group]
 
 
 def param_group_reduce_scatter(group: object) -> ReduceScatter:

@@ -43,3 +43,27 @@ def test_check_names_what_a_changed_torch_broke(monkeypatch: pytest.MonkeyPatch)
     assert "GradScaler._unscale_grads_ signature changed" in problems
     assert "set_custom_reduce_scatter no longer exists" in problems
     assert "no longer define reduce_scatter_hook" in problems
+
+
+class _State:
+    """Stands in for FSDP2's per-module state: only the attribute under test is set."""
+
+
+class _Module:
+    def __init__(self, state: _State) -> None:
+        self._state = state
+
+    def _get_fsdp_state(self) -> _State:
+        return self._state
+
+
+def test_fully_shard_param_groups_reads_both_torch_layouts() -> None:
+    # torch 2.13 keeps a list of groups; torch 2.11 (seen on the GPU machine) one or None.
+    listed, single, empty = _State(), _State(), _State()
+    listed._fsdp_param_groups = ["g0", "g1"]  # type: ignore[attr-defined]
+    single._fsdp_param_group = "g0"  # type: ignore[attr-defined]
+    empty._fsdp_param_group = None  # type: ignore[attr-defined]
+    read = compat.fully_shard_param_groups
+    assert read(_Module(listed)) == ["g0", "g1"]  # type: ignore[arg-type]
+    assert read(_Module(single)) == ["g0"]  # type: ignore[arg-type]
+    assert read(_Module(empty)) == []  # type: ignore[arg-type]

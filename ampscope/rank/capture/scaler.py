@@ -279,13 +279,19 @@ class PendingStep:
 
 
 def to_host_async(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-    """Start copying a small device tensor to the host without blocking the caller."""
+    """Start copying a small device tensor to the host without blocking the caller.
+
+    On CUDA the returned event is a blocking-sync one: the telemetry thread that waits on
+    it sleeps until the copy lands. A default event is waited on by spinning (CUDA's
+    automatic schedule with few contexts per core), which keeps a CPU core busy for as
+    long as the host runs ahead of the device (``bench/gpu_event_wait.py``).
+    """
     if values.device.type == "cpu":
         return values, None
     if values.device.type == "cuda":
         host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
         host.copy_(values, non_blocking=True)
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(blocking=True)
         event.record()
         return host, event
     # Other accelerators: a plain copy (may synchronise on some backends).

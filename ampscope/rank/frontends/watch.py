@@ -401,10 +401,14 @@ def _fused_step(
     kwargs: dict[str, Any],
 ) -> Any:
     """Step a fused optimizer that skips itself when ``found_inf`` is set, as torch's
-    scaler hands it the flag (``grad_scale`` none: nothing to unscale). No sync."""
+    scaler hands it the flag (``grad_scale`` none: nothing to unscale). No sync.
+
+    The flag goes in 0-dim, as torch's scaler makes it: fused Adam subtracts it from each
+    0-dim step counter in place, which a one-element vector cannot broadcast into.
+    """
     opt: Any = optimizer
     opt.grad_scale = None
-    opt.found_inf = found_inf
+    opt.found_inf = found_inf.reshape(())
     try:
         return optimizer.step(*args, **kwargs)
     finally:
