@@ -137,7 +137,7 @@ def runs_table(
                 str(summary["newest_step"]),
                 modes,
                 _scales_text(views),
-                str(max(view["totals"]["skipped_steps"] for view in views)),
+                str(max((view["totals"]["skipped_steps"] for view in views), default=0)),
                 f"{_found_inf(views, 'found_inf_local')}/{_found_inf(views, 'found_inf_origin')}",
                 ",".join(flagged) or "-",
             ]

@@ -51,18 +51,14 @@ _JSON_TYPES = (
 
 def describe(value: Any) -> str:
     """``value`` as the answer held it, in JSON words and short: ``an object ({})``."""
-    kind = (
-        "null"
-        if value is None
-        else next(
-            (name for type_, name in _JSON_TYPES if isinstance(value, type_)), type(value).__name__
-        )
-    )
+    if value is None:
+        return "null"
+    kind = next((name for type_, name in _JSON_TYPES if isinstance(value, type_)), "a value")
     try:
         text = json.dumps(value, allow_nan=True)
     except (TypeError, ValueError):
         text = repr(value)
-    return kind if value is None else f"{kind} ({text if len(text) <= 40 else text[:37] + '...'})"
+    return f"{kind} ({text if len(text) <= 40 else text[:37] + '...'})"
 
 
 def _expected(what: str, value: Any, at: str) -> _Fault:

@@ -189,10 +189,8 @@ def test_sigterm_stops_the_server(server: Server) -> None:
     # Each new run's first record, once (run-a's two ranks, then "after").
     firsts = [line for line in log.splitlines() if ": first record, from rank" in line]
     assert firsts == [
-        "INFO ampscope.service: run 'run-a': first record, from rank 0 of 2 on node node0 "
-        "(step 1)",
-        "INFO ampscope.service: run 'after': first record, from rank 0 of 2 on node node0 "
-        "(step 1)",
+        "INFO ampscope.service: run 'run-a': first record, from rank 0 of 2 on node node0 (step 1)",
+        "INFO ampscope.service: run 'after': first record, from rank 0 of 2 on node node0 (step 1)",
     ]
     # Every refusal of test_bad_requests_over_a_real_socket_then_still_serving, in summaries
     # by reason (the first at once, the rest within a minute or at shutdown).

@@ -165,6 +165,16 @@ def test_a_malformed_target_is_named_and_the_others_answer(
         assert result.stdout.splitlines()[-1].split()[:2] == ["malformed", f"{bad.url}:"]
 
 
+def test_a_listed_run_without_ranks_is_shown_not_a_crash(
+    real: tuple[str, dict[str, Any]],
+) -> None:
+    # The right shape, told inconsistently: the list names a run whose ranks are none.
+    with serving(_routes(real[1], RANKS, lambda _: [])) as api:
+        result = run_status("--url", api.url)
+    assert result.returncode == 1, result.stderr  # the run's health, as the exporter said
+    assert result.stdout.splitlines()[1].split()[:3] == [RUN, "WARNING", "1/1"]
+
+
 def test_no_usable_answer_is_3_or_above(real: tuple[str, dict[str, Any]]) -> None:
     _, answers = real
     with (
