@@ -151,25 +151,29 @@ def run_demo(options: DemoOptions, emit: Callable[[str], None] | None = None) ->
         out(f"trained in {time.monotonic() - started:.1f}s")
         missing = _summarize(options, base_url, run_ids, out)
         out("")
+        if missing:
+            out("Expected verdicts that did not appear: " + "; ".join(missing))
+        else:
+            out("Every scenario drew the verdicts it was built to provoke.")
+        out("")
+        if exporter is not None and not options.keep_serving:
+            # Stopped before its links are printed: a link printed is one that answers, or
+            # one the line before says does not.
+            exporter.stop(STOP_TIMEOUT_S)
+            out(
+                "The exporter has stopped with the demo: rerun with --keep-serving to open the "
+                "web view and these links (and point Prometheus or Grafana at it)."
+            )
         hotspot = next(
             (r for n, r in zip(options.scenarios, run_ids, strict=True) if n == "hotspot"), None
         )
         for line in where_to_look(base_url, run_ids, hotspot):
             out(line)
-        out("")
-        if missing:
-            out("Expected verdicts that did not appear: " + "; ".join(missing))
-        else:
-            out("Every scenario drew the verdicts it was built to provoke.")
-        if exporter is not None and not options.keep_serving:
-            out(
-                "The exporter stops with the demo: rerun with --keep-serving to open the web "
-                "view and these links (and point Prometheus or Grafana at it)."
-            )
         if exporter is not None and options.keep_serving:
             # From the line that says so on, Ctrl-C (or SIGTERM, SIGHUP) is the way serving
             # ends: the status stays the verdict's.
             try:
+                out("")
                 out(
                     f"The exporter keeps serving at {base_url} (log: {exporter.log_path}); "
                     "Ctrl-C stops it."

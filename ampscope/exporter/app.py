@@ -23,6 +23,7 @@ from ampscope.exporter.metrics.exposition import Exposition
 from ampscope.exporter.security.policy import SecurityMiddleware, WebSecurity, watch
 from ampscope.exporter.settings import Settings
 from ampscope.exporter.state.ingest_counters import IngestStats
+from ampscope.exporter.state.refusals import SUMMARY_INTERVAL_S, RefusalLog
 from ampscope.reporter.schema import Heartbeat, IngestBatch
 
 log = logging.getLogger("ampscope.exporter")
@@ -37,6 +38,13 @@ async def _prune_forever(app: FastAPI) -> None:
         )
         if dropped:
             log.info("dropped %d rank(s) silent for over %.0f s", dropped, settings.retention_s)
+
+
+async def _summarise_refusals_forever(refusals: RefusalLog) -> None:
+    # Refusals that stop arriving are still summarised, within an interval.
+    while True:
+        await asyncio.sleep(SUMMARY_INTERVAL_S / 4)
+        refusals.flush()
 
 
 def _openapi_with_ingest_schema(app: FastAPI) -> dict[str, Any]:
@@ -96,6 +104,7 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         _build_state(app, settings, clock)
         tasks = [asyncio.create_task(_prune_forever(app))]
+        tasks.append(asyncio.create_task(_summarise_refusals_forever(refusals)))
         if security is not None:
             tasks.append(asyncio.create_task(watch(security)))
         try:
@@ -108,6 +117,7 @@ def create_app(
                     await task
             if security is not None:
                 security.verifier.close()
+            refusals.flush(final=True)
 
     app = FastAPI(
         title="ampscope exporter",
@@ -121,7 +131,9 @@ def create_app(
     )
     app.state.settings = settings
     app.state.clock = clock
-    app.state.stats = IngestStats()
+    # Refused requests are summarised in the log by reason, at most once a minute.
+    refusals = RefusalLog(log, clock=clock)
+    app.state.stats = IngestStats(refusals)
     app.state.inflight = ByteBudget(settings.max_inflight_bytes)
     app.openapi = lambda: _openapi_with_ingest_schema(app)  # type: ignore[method-assign]
     install_error_handlers(app)

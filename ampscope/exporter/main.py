@@ -159,6 +159,13 @@ def run(args: argparse.Namespace) -> int:
         except WebConfigError as exc:
             print(f"ampscope serve: {settings.web_config_file}: {exc}", file=sys.stderr)
             return 2
+    if security is not None and security.config.tls_ignored:
+        log.warning(
+            "web config %s: tls_server_config sets %s but none of cert_file, key_file, "
+            "client_ca_file, client_auth_type: plain HTTP, as the exporter-toolkit serves it",
+            settings.web_config_file,
+            ", ".join(security.config.tls_ignored),
+        )
     if not _is_loopback(settings.host) and settings.token is None:
         log.warning(
             "listening on %s without a token: anyone who reaches the port can post records "

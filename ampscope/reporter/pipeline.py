@@ -26,7 +26,7 @@ from ampscope.reporter.schema import (
     Identity,
     StepRecord,
 )
-from ampscope.reporter.tls import ClientTls
+from ampscope.reporter.tls import ClientTls, clear_text_warning, credentials_in_clear
 from ampscope.reporter.transport import URL_ENV, IngestTransport, Outcome, PostResult
 
 logger = logging.getLogger("ampscope")
@@ -128,6 +128,10 @@ class Pipeline:
         self.transport = IngestTransport(
             config.url, token=config.token, timeout=config.timeout, tls=config.tls
         )
+        if config.token and credentials_in_clear(config.url):
+            logger.warning(
+                "ampscope reporter: %s", clear_text_warning("the bearer token", config.url)
+            )
         self.cond = threading.Condition()
         self.waiting: deque[tuple[int, StepRecord]] = deque()
         self.next_seq = 0

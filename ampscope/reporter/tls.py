@@ -7,10 +7,12 @@ Shared by the rank's reporter and ``ampscope status``. Standard library only.
 from __future__ import annotations
 
 import http.client
+import ipaddress
 import os
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 TOKEN_ENV = "AMPSCOPE_TOKEN"
 """Bearer token sent with every batch when set."""
@@ -147,3 +149,27 @@ def explain_401(challenge: str | None) -> str:
             "--token-file holds"
         )
     return f"no token sent: the exporter requires one; set {TOKEN_ENV} or {TOKEN_FILE_ENV}"
+
+
+def credentials_in_clear(url: str) -> bool:
+    """Whether credentials sent to ``url`` cross a network in clear text: plain ``http://``
+    to a host that is not this machine's loopback (``localhost``, 127.0.0.0/8, ``::1``)."""
+    parts = urlsplit(url)
+    if parts.scheme.lower() != "http":
+        return False
+    host = (parts.hostname or "").lower()
+    if host == "localhost":
+        return False
+    try:
+        return not ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return True  # a name: it may resolve anywhere
+
+
+def clear_text_warning(what: str, url: str) -> str:
+    """The one line said when ``what`` (``a bearer token``, ``basic-auth credentials``) goes
+    to ``url`` over plain HTTP."""
+    return (
+        f"warning: {what} sent to {url} over plain http://, readable by anyone on the "
+        "network path; use https:// (tls_server_config in the server's web config)"
+    )

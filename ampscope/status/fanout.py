@@ -1,10 +1,10 @@
 """``ampscope status --url A --url B …`` / ``--targets FILE``: every exporter of a job asked
 in parallel (one thread each, up to ``MAX_PARALLEL``), merged into one whole-job answer.
 
-A target that does not answer is named in the answer and does not hide the others. The
-answer has the keys of one exporter's ``--json`` answer, plus ``missing_ranks`` and
-``targets`` (each target's url, ``status`` and error). Wall time: about the slowest
-target's, each bounded by the client's 5 s timeout per request.
+A target that does not answer, or answers something of the wrong shape, is named in the
+answer and does not hide the others. The answer has the keys of one exporter's ``--json``
+answer, plus ``missing_ranks`` and ``targets`` (each target's url, ``status`` and error).
+Wall time: about the slowest target's, each bounded by the client's 5 s timeout per request.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ MAX_PARALLEL = 32
 
 EXIT_UNREACHABLE = 3
 EXIT_NO_SUCH_RUN = 4
+EXIT_MALFORMED = 7
+"""The answer was not JSON, or JSON of another shape than the API's."""
 
 E = TypeVar("E")
 
@@ -32,10 +34,10 @@ class TargetResult:
     url: str
     answer: dict[str, Any] | None
     status: str
-    """``ok``, ``no_such_run``, ``unreachable`` or ``refused``."""
+    """``ok``, ``no_such_run``, ``unreachable``, ``refused`` or ``malformed``."""
     error: str | None = None
     code: int = 0
-    """The exit status this failure gives on its own (3, 4, 5 or 6); 0 when ok."""
+    """The exit status this failure gives on its own (3, 4, 5, 6 or 7); 0 when ok."""
 
 
 def fetch_each(
@@ -53,9 +55,10 @@ def _target_rows(results: Sequence[TargetResult]) -> list[dict[str, Any]]:
 
 
 def job_answer(results: Sequence[TargetResult], run: str | None) -> tuple[dict[str, Any], int]:
-    """The merged answer and its exit status: the worst verdict; when no target answered,
-    3 (or the one failure every target shares: 5 for refused credentials, 6 for TLS); 4
-    when ``run`` is given and no answering target holds it."""
+    """The merged answer and its exit status: the worst verdict of the targets that answered
+    usably; when none did, 3 (or the one failure every target shares: 5 for refused
+    credentials, 6 for TLS, 7 for answers of the wrong shape); 4 when ``run`` is given and
+    no answering target holds it."""
     answered = [r for r in results if r.answer is not None]
     url = ", ".join(r.url for r in results)
     base: dict[str, Any] = {"url": url, "targets": _target_rows(results)}

@@ -3,11 +3,13 @@ several ``--url`` or ``--targets FILE``, the whole job's, merged from every node
 (``ampscope.status.fanout``).
 
 Reads the exporter's JSON API with the standard library only, so it works wherever
-ampscope is installed, without the server extras. Exit status: 0 ok, 1 warning, 2
-critical (the worst verdict of the runs shown), 3 when the exporter cannot be reached
-(of several: when none can), 4 when it holds no such run, 5 when it refuses our
-credentials (401), 6 when TLS fails (untrusted server certificate, client certificate
-missing or refused).
+ampscope is installed, without the server extras. Every answer's shape is checked before
+it is read (``ampscope.status.shapes``). Exit status: 0 ok, 1 warning, 2 critical (the worst
+verdict of the runs shown), 3 when the exporter cannot be reached (of several: when none
+can), 4 when it holds no such run, 5 when it refuses our credentials (401), 6 when TLS fails
+(untrusted server certificate, client certificate missing or refused), 7 when it answers
+something of the wrong shape (of several: when none answers usably), 70 when ampscope
+itself fails (a bug: one line, the traceback with ``--debug``).
 """
 
 from __future__ import annotations
@@ -16,14 +18,20 @@ import argparse
 import json
 import sys
 import time
+import traceback
 import urllib.error
 import urllib.parse
 import urllib.request
 from typing import Any, TextIO
 
 from ampscope.reporter.schema import DEFAULT_URL
-from ampscope.reporter.tls import explain_401, explain_tls_failure
-from ampscope.status import fanout, merge, prometheus
+from ampscope.reporter.tls import (
+    clear_text_warning,
+    credentials_in_clear,
+    explain_401,
+    explain_tls_failure,
+)
+from ampscope.status import fanout, merge, prometheus, shapes
 from ampscope.status.access import (
     EXIT_TLS_REFUSED,
     EXIT_UNAUTHORIZED,
@@ -34,13 +42,25 @@ from ampscope.status.access import (
     exporters_from_args,
     prometheus_client_from_args,
 )
-from ampscope.status.fanout import EXIT_NO_SUCH_RUN, EXIT_UNREACHABLE, TargetResult
+from ampscope.status.fanout import (
+    EXIT_MALFORMED,
+    EXIT_NO_SUCH_RUN,
+    EXIT_UNREACHABLE,
+    TargetResult,
+)
+from ampscope.status.shapes import Malformed
 from ampscope.status.targets import TargetsError
+from ampscope.status.transport import open_url
 from ampscope.verdicts.rules import Thresholds
+
+EXIT_INTERNAL = 70
+"""ampscope itself failed (sysexits' EX_SOFTWARE): never a status a verdict gives."""
+EXIT_INTERRUPTED = 130
+"""Ctrl-C before the first answer (128 + SIGINT, as shells report it)."""
 
 
 class Unreachable(Exception):
-    """The exporter did not answer, or did not answer with the API's JSON."""
+    """The exporter did not answer (or answered an HTTP error)."""
 
 
 class NoSuchRun(Exception):
@@ -129,23 +149,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"file holding --user's password (default: ${PASSWORD_ENV}; never on the "
         "command line)",
     )
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="print the traceback when ampscope itself fails (exit status 70)",
+    )
     parser.epilog = (
         "Exit status: 0 ok, 1 warning, 2 critical (the worst health verdict shown), "
         "3 the exporter cannot be reached (of several: none can), 4 it holds no such run, "
         "5 it refused the "
         "credentials (401), 6 TLS failed (untrusted server certificate, client certificate "
-        "missing or refused)."
+        "missing or refused), 7 it answered something of the wrong shape (of several: none "
+        "answered usably), 70 ampscope itself failed (--debug shows the traceback)."
     )
 
 
-def _get(exporter: Exporter, path: str) -> Any:
+def _get(exporter: Exporter, path: str, shape: shapes.Check) -> Any:
+    """The JSON answer to ``GET {url}{path}``, checked to have ``shape``.
+
+    Raises:
+        Unreachable, NoSuchRun, Refused: as ``fetch``.
+        Malformed: the answer is not JSON, or not of ``shape``.
+    """
     url = exporter.url
     request = urllib.request.Request(url + path)
-    if exporter.authorization is not None:
-        request.add_header("Authorization", exporter.authorization)
     try:
-        with urllib.request.urlopen(request, timeout=5.0, context=exporter.context) as response:
-            return json.load(response)
+        with open_url(
+            request,
+            timeout=5.0,
+            context=exporter.context,
+            authorization=exporter.authorization,
+        ) as response:
+            body = response.read()
     except urllib.error.HTTPError as exc:
         if exc.code == 404 and path.startswith("/api/v1/runs/"):
             raise NoSuchRun(path) from exc
@@ -162,6 +197,12 @@ def _get(exporter: Exporter, path: str) -> Any:
             if refusal is not None:
                 raise Refused(f"{url}: {refusal}", EXIT_TLS_REFUSED) from exc
         raise Unreachable(f"no exporter answers at {url} ({reason})") from exc
+    try:
+        document = json.loads(body)
+    except ValueError:
+        start = body[:40].decode("utf-8", "replace")
+        raise Malformed(url + path, f"not JSON (it begins {start!r})") from None
+    return shapes.check(document, shape, url + path)
 
 
 def fetch(url: str | Exporter, run: str | None) -> dict[str, Any]:
@@ -172,22 +213,23 @@ def fetch(url: str | Exporter, run: str | None) -> dict[str, Any]:
         NoSuchRun: ``run`` is not held. A listed run that retention drops between the list
             and its own requests is left out of the table instead.
         Refused: the exporter refused the credentials or the TLS handshake.
+        Malformed: an answer was not JSON, or JSON of another shape than the API's.
     """
     exporter = Exporter(url) if isinstance(url, str) else url
     url = exporter.url
     if run is not None:
         path = "/api/v1/runs/" + urllib.parse.quote(run, safe="")
-        return {"url": url, "run": run, "ranks": _get(exporter, path + "/ranks"),
-                "health": _get(exporter, path + "/health")}  # fmt: skip
-    summaries = _get(exporter, "/api/v1/runs")
+        return {"url": url, "run": run, "ranks": _get(exporter, path + "/ranks", shapes.RANKS),
+                "health": _get(exporter, path + "/health", shapes.HEALTH)}  # fmt: skip
+    summaries = _get(exporter, "/api/v1/runs", shapes.RUNS)
     ranks: dict[str, Any] = {}
     health: dict[str, Any] = {}
     held = []
     for summary in summaries:
         path = "/api/v1/runs/" + urllib.parse.quote(summary["run"], safe="")
         try:
-            run_ranks = _get(exporter, path + "/ranks")
-            run_health = _get(exporter, path + "/health")
+            run_ranks = _get(exporter, path + "/ranks", shapes.RANKS)
+            run_health = _get(exporter, path + "/health", shapes.HEALTH)
         except NoSuchRun:
             continue
         held.append(summary)
@@ -220,6 +262,8 @@ def _frame(exporter: Exporter, run: str | None, as_json: bool) -> tuple[str, int
         answer = with_missing(fetch(exporter, run))
     except Refused as exc:
         return f"ampscope status: {exc}.", exc.code
+    except Malformed as exc:
+        return f"ampscope status: {exc}.", EXIT_MALFORMED
     except Unreachable as exc:
         return (
             f"ampscope status: {exc}.\nStart one on this node with `ampscope serve` (ranks "
@@ -251,6 +295,8 @@ def ask(exporter: Exporter, run: str | None) -> TargetResult:
         return TargetResult(exporter.url, None, "refused", str(exc), exc.code)
     except Unreachable as exc:
         return TargetResult(exporter.url, None, "unreachable", str(exc), EXIT_UNREACHABLE)
+    except Malformed as exc:
+        return TargetResult(exporter.url, None, "malformed", str(exc), EXIT_MALFORMED)
     except NoSuchRun:
         why = f"holds no run {run!r}"
         return TargetResult(exporter.url, None, "no_such_run", why, EXIT_NO_SUCH_RUN)
@@ -272,7 +318,7 @@ def _job_frame(exporters: list[Exporter], run: str | None, as_json: bool) -> tup
                 code,
             )
         failed = "\n".join(render.target_lines(targets))
-        return f"ampscope status: no exporter answered:\n{failed}", code
+        return f"ampscope status: no exporter answered usably:\n{failed}", code
     if run is not None:
         lines = render.job_table(
             run, answer["ranks"], answer["health"], answer["missing_ranks"], targets
@@ -281,7 +327,7 @@ def _job_frame(exporters: list[Exporter], run: str | None, as_json: bool) -> tup
         lines = render.runs_table(answer["runs"], answer["ranks"], answer["health"])
         failed_lines = render.target_lines(targets)
         if failed_lines:
-            lines += ["", "exporters that did not answer:", *failed_lines]
+            lines += ["", render.FAILED_TARGETS, *failed_lines]
     return "\n".join(lines), code
 
 
@@ -294,6 +340,8 @@ def _prometheus_frame(
         answer = prometheus.fetch(client, run, Thresholds())
     except prometheus.QueryError as exc:
         return f"ampscope status: {exc}.", exc.code
+    except Malformed as exc:
+        return f"ampscope status: {exc}.", EXIT_MALFORMED
     code = exit_status(answer)
     if as_json:
         return json.dumps(answer), code
@@ -308,8 +356,40 @@ def _prometheus_frame(
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
-    """Print the status once (or until Ctrl-C with ``--watch``); returns the exit status."""
-    out = out or sys.stdout
+    """Print the status once (or until Ctrl-C with ``--watch``); returns the exit status.
+
+    Whatever fails inside ampscope itself ends here as one line and ``EXIT_INTERNAL``,
+    never as a status a verdict gives; ``--debug`` adds the traceback.
+    """
+    try:
+        return _run(args, out or sys.stdout)
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    except Exception as exc:
+        if getattr(args, "debug", False):
+            traceback.print_exc(file=sys.stderr)
+        hint = "" if getattr(args, "debug", False) else "; --debug prints the traceback"
+        print(
+            f"ampscope status: internal error, please report it: {type(exc).__name__}: {exc}{hint}",
+            file=sys.stderr,
+        )
+        return EXIT_INTERNAL
+
+
+def _warn_clear_text(args: argparse.Namespace, exporters: list[Exporter]) -> None:
+    """One line when credentials would cross the network unencrypted."""
+    if args.prometheus is None:
+        urls = [e.url for e in exporters if e.authorization and credentials_in_clear(e.url)]
+        what = "basic-auth credentials"
+    else:
+        urls = [args.prometheus] if credentials_in_clear(args.prometheus) else []
+        what = "the Prometheus credentials"
+    if urls:
+        where = urls[0] + (f" (and {len(urls) - 1} more)" if len(urls) > 1 else "")
+        print(f"ampscope status: {clear_text_warning(what, where)}", file=sys.stderr)
+
+
+def _run(args: argparse.Namespace, out: TextIO) -> int:
     try:
         exporters = exporters_from_args(args)
     except Refused as exc:
@@ -325,6 +405,10 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         except Refused as exc:
             print(f"ampscope status: {exc}", file=sys.stderr)
             return exc.code
+        if client.authorization is not None:
+            _warn_clear_text(args, exporters)
+    else:
+        _warn_clear_text(args, exporters)
 
     def frame() -> tuple[str, int]:
         if args.prometheus is not None:

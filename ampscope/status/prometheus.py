@@ -27,7 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ampscope.exporter.api.models import Verdict
-from ampscope.status import merge
+from ampscope.status import merge, shapes
+from ampscope.status.transport import open_url
 from ampscope.verdicts import rules
 from ampscope.verdicts import spikes as spike_rules
 from ampscope.verdicts.rules import Thresholds
@@ -60,6 +61,9 @@ NEEDS_HISTORY = {
     "exporters hold; ampscope_nonfinite_updates_applied_total counts them",
 }
 """Rules Prometheus lacks the data for, and what they would need."""
+
+RANK_QUERIES = ("now", "peak", "steps", "skipped", "inf_local", "inf_origin", "spikes")
+"""The queries whose every series is a rank's (run, rank and node labels), checked so."""
 
 SPIKE_DETAIL = (
     "counted from Prometheus (increase of ampscope_spikes_total): the step, the value and the "
@@ -344,15 +348,21 @@ class PrometheusClient:
         self.context = context
 
     def query(self, promql: str, at: float) -> list[dict[str, Any]]:
-        """The instant vector of ``promql`` at ``at``. Raises ``QueryError``."""
+        """The instant vector of ``promql`` at ``at``, its shape checked.
+
+        Raises:
+            QueryError: no answer, an HTTP error, or an error answer.
+            shapes.Malformed: an answer that is not JSON, or not an instant vector's JSON.
+        """
         body = urllib.parse.urlencode({"query": promql, "time": f"{at:.3f}"}).encode()
-        request = urllib.request.Request(f"{self.url}/api/v1/query", data=body, method="POST")
+        where = f"{self.url}/api/v1/query"
+        request = urllib.request.Request(where, data=body, method="POST")
         request.add_header("Content-Type", "application/x-www-form-urlencoded")
-        if self.authorization is not None:
-            request.add_header("Authorization", self.authorization)
         try:
-            with urllib.request.urlopen(request, timeout=10.0, context=self.context) as response:
-                answer = json.load(response)
+            with open_url(
+                request, timeout=10.0, context=self.context, authorization=self.authorization
+            ) as response:
+                raw = response.read()
         except urllib.error.HTTPError as exc:
             if exc.code in (401, 403):
                 raise QueryError(f"{self.url} refused the query (HTTP {exc.code})", 5) from None
@@ -361,8 +371,15 @@ class PrometheusClient:
         except (urllib.error.URLError, OSError, ValueError) as exc:
             reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
             raise QueryError(f"no Prometheus answers at {self.url} ({reason})", 3) from None
-        if answer.get("status") != "success" or answer["data"]["resultType"] != "vector":
-            raise QueryError(f"{self.url}: {answer.get('error', 'not an instant vector')}", 3)
+        try:
+            answer = json.loads(raw)
+        except ValueError:
+            start = raw[:40].decode("utf-8", "replace")
+            raise shapes.Malformed(where, f"not JSON (it begins {start!r})") from None
+        shapes.check(answer, shapes.QUERY_ANSWER, where)
+        if answer["status"] != "success":
+            raise QueryError(f"{self.url}: {answer.get('error', answer['status'])}", 3)
+        shapes.check(answer.get("data"), shapes.VECTOR, where, at="data")
         return list(answer["data"]["result"])
 
 
@@ -377,6 +394,10 @@ def fetch(client: PrometheusClient, run: str | None, t: Thresholds) -> dict[str,
     with ThreadPoolExecutor(max_workers=len(asked)) as pool:
         futures = {name: pool.submit(client.query, promql, now) for name, promql in asked.items()}
         results = {name: future.result() for name, future in futures.items()}
+    for name in RANK_QUERIES:
+        # The labels every rank's series carries: a series without them is not ampscope's.
+        where = f"{client.url}/api/v1/query ({name!r} query)"
+        shapes.check_series(results.get(name, []), where)
     views = build_views(results["now"], now)
     windows = {name: _per_rank(results[name], views) for name in asked if name != "now"}
     by_run: dict[str, list[dict[str, Any]]] = {}

@@ -8,6 +8,8 @@ from typing import Any
 
 SEVERITY = {"ok": 0, "warning": 1, "critical": 2}
 """Health status -> exit status of ``ampscope status``."""
+FAILED_TARGETS = "exporters without a usable answer:"
+"""Heads the targets that did not answer, or answered something of the wrong shape."""
 
 _MARK = {"ok": "ok", "warning": "WARN", "critical": "CRIT"}
 
@@ -135,7 +137,7 @@ def runs_table(
                 str(summary["newest_step"]),
                 modes,
                 _scales_text(views),
-                str(max(view["totals"]["skipped_steps"] for view in views)),
+                str(max((view["totals"]["skipped_steps"] for view in views), default=0)),
                 f"{_found_inf(views, 'found_inf_local')}/{_found_inf(views, 'found_inf_origin')}",
                 ",".join(flagged) or "-",
             ]
@@ -195,7 +197,9 @@ def named_in(verdict: Mapping[str, Any], key: str) -> set[Any]:
     found: set[Any] = set()
     _named(verdict["evidence"], key, found)
     if key == "rank":  # scale_desync names its ranks as the keys of its scales
-        found |= {int(rank) for rank in verdict["evidence"].get("scales_at_newest", {})}
+        scales = verdict["evidence"].get("scales_at_newest")
+        if isinstance(scales, Mapping):
+            found |= {int(rank) for rank in scales if str(rank).isdigit()}
     return found
 
 
@@ -205,7 +209,8 @@ def _steps_text(views: Sequence[Mapping[str, Any]]) -> str:
 
 
 def target_lines(targets: Sequence[Mapping[str, Any]]) -> list[str]:
-    """One line per target that did not answer (a target without the run is no failure)."""
+    """One line per target without a usable answer (a target without the run is no
+    failure)."""
     return [
         f"  {t['status']:<11}  {t['url']}: {t['error']}"
         for t in targets
@@ -224,7 +229,7 @@ def job_table(
     """One run over every node's exporter (or from ``source``, e.g. Prometheus): a line per
     node (ranks, states, steps, worst verdict naming it), then the outlier ranks (named by
     a flagged verdict, or neither running nor finished), then every verdict and the targets
-    that did not answer."""
+    without a usable answer."""
     flagged = [v for v in health["verdicts"] if v["status"] != "ok"]
     nodes: dict[str, list[Mapping[str, Any]]] = {}
     for view in views:
@@ -282,4 +287,4 @@ def job_table(
         lines += ["", "outlier ranks:", *_table(header, outlier_rows, right={0, 3, 5, 6})]
     lines += ["", "health:", *_verdict_lines(health["verdicts"])]
     failed = target_lines(targets)
-    return lines + (["", "exporters that did not answer:", *failed] if failed else [])
+    return lines + (["", FAILED_TARGETS, *failed] if failed else [])

@@ -185,6 +185,42 @@ def test_demo_trains_into_every_expected_verdict_and_keeps_serving() -> None:
         urllib.request.urlopen(f"{base}/healthz", timeout=2)
 
 
+@pytest.mark.distributed
+def test_without_keep_serving_the_exporter_has_stopped_before_any_link() -> None:
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    process = _demo("--scenario", "overflow", "--steps", str(STEPS), "--port", str(port))
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            lines.put(line.rstrip("\n"))
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    output: list[str] = []
+    stopped_at = None
+    try:
+        while (line := lines.get(timeout=240)) is not None:
+            output.append(line)
+            if stopped_at is None and "The exporter has stopped with the demo" in line:
+                stopped_at = len(output) - 1
+                # Printed once the exporter has exited: nothing answers any more.
+                with pytest.raises(urllib.error.URLError):
+                    urllib.request.urlopen(f"{base}/healthz", timeout=2)
+        assert process.wait(timeout=DEADLOCK_GUARD_S) == 0, "\n".join(output)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert stopped_at is not None, "\n".join(output)
+    trained = next(i for i, line in enumerate(output) if line.startswith("trained in"))
+    # Before the line that says it stopped, only the banner (while it ran) names it.
+    assert not [line for line in output[trained:stopped_at] if base in line]
+    assert output[stopped_at + 1] == "Where to look"
+    assert output[stopped_at + 2].startswith(f"  web view      {base}/")
+
+
 def test_taken_port_and_missing_exporter_are_explained() -> None:
     with socket.socket() as blocker:
         blocker.bind(("127.0.0.1", 0))

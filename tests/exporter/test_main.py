@@ -186,6 +186,26 @@ def test_sigterm_stops_the_server(server: Server) -> None:
         "reads open)" in log
     )
     assert "Application shutdown complete" in log
+    # Each new run's first record, once (run-a's two ranks, then "after").
+    firsts = [line for line in log.splitlines() if ": first record, from rank" in line]
+    assert firsts == [
+        "INFO ampscope.exporter: run 'run-a': first record, from rank 0 of 2 on node node0"
+        " (step 1)",
+        "INFO ampscope.exporter: run 'after': first record, from rank 0 of 2 on node node0"
+        " (step 1)",
+    ]
+    # Every refusal of test_bad_requests_over_a_real_socket_then_still_serving, in summaries
+    # by reason (the first at once, the rest within a minute or at shutdown).
+    summaries = re.findall(r"refused (\d+) request\(s\) by reason: ([^(]+)", log)
+    assert summaries, log
+    counted: dict[str, int] = {}
+    for total, reasons in summaries:
+        for item in reasons.strip().split(", "):
+            n, reason = item.split()
+            counted[reason] = counted.get(reason, 0) + int(n)
+        assert int(total) == sum(int(item.split()[0]) for item in reasons.strip().split(", "))
+    assert counted == {"token_missing": 1, "token_wrong": 1, "malformed": 1, "too_large": 2}
+    assert summaries[0] == ("1", "1 token_missing ")  # the first one at once
 
 
 def test_bad_settings_exit_2(capsys: pytest.CaptureFixture[str]) -> None:

@@ -299,6 +299,19 @@ def test_url_comes_from_the_environment(monkeypatch):
         HttpReporter()
 
 
+def test_a_token_over_plain_http_to_another_machine_warns_once(caplog):
+    caplog.set_level(logging.WARNING, logger="ampscope")
+    far = "http://ampscope-test.invalid:9478"
+    for url, token in ((far, "s3cret"), ("http://127.0.0.1:9", "s3cret"), (far, None)):
+        HttpReporter(url, token=token, **FAST).close(0)
+    warnings = [r.getMessage() for r in caplog.records if "plain http" in r.getMessage()]
+    assert warnings == [
+        f"ampscope reporter: warning: the bearer token sent to {far} over plain http://, "
+        "readable by anyone on the network path; use https:// (tls_server_config in the "
+        "server's web config)"
+    ]
+
+
 _EXIT_SCRIPT = """
 import sys
 sys.path[:0] = [{here!r}, {tests!r}]

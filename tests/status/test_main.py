@@ -10,6 +10,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from status_cli import run_status, train_scaler
@@ -133,8 +134,8 @@ def test_a_run_dropped_after_the_list_is_left_out(
 
     real_get = status_main._get
 
-    def dropping(target: status_main.Exporter, path: str):
-        return real_get(target, path.replace("/runs/calm/", "/runs/dropped/"))
+    def dropping(target: status_main.Exporter, path: str, shape: Any) -> Any:
+        return real_get(target, path.replace("/runs/calm/", "/runs/dropped/"), shape)
 
     monkeypatch.setattr(status_main, "_get", dropping)
     answer = status_main.fetch(exporter, None)

@@ -44,22 +44,46 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
-def _fingerprint(path: Path, config: WebConfig | None) -> bytes:
-    """SHA-256 over the file and every file it names: changes when any of them does."""
-    digest = hashlib.sha256()
+def _files(path: Path, config: WebConfig | None) -> list[Path]:
+    """The file and every file it names."""
     files = [path]
     if config is not None and config.tls is not None:
         tls = config.tls
         files += [tls.cert_file, tls.key_file]
         if tls.client_ca_file is not None:
             files.append(tls.client_ca_file)
+    return files
+
+
+def _file_digest(file: Path) -> bytes:
+    try:
+        return hashlib.sha256(file.read_bytes()).digest()
+    except OSError as exc:
+        return hashlib.sha256(repr(exc).encode()).digest()
+
+
+def _combined(digests: list[bytes]) -> bytes:
+    return hashlib.sha256(b"".join(digests)).digest()
+
+
+def _fingerprint(path: Path, config: WebConfig | None) -> bytes:
+    """SHA-256 over the file and every file it names: changes when any of them does."""
+    return _combined([_file_digest(file) for file in _files(path, config)])
+
+
+def _load_fingerprinted(path: Path, digests: dict[Path, bytes]) -> tuple[WebConfig, bytes]:
+    """``load(path)`` and the fingerprint of what it is read from, each file digested before
+    it is read (``digests`` holds those digested already; the certificates are read after
+    this returns, by ``build_context``). A change landing after a read then differs from
+    the fingerprint recorded, and the next poll reloads. Raises ``WebConfigError``."""
+    if path not in digests:
+        digests[path] = _file_digest(path)
+    config = load(path)
+    files = _files(path, config)
     for file in files:
-        try:
-            digest.update(file.read_bytes())
-        except OSError as exc:
-            digest.update(repr(exc).encode())
-        digest.update(b"\0")
-    return digest.digest()
+        if file not in digests:
+            digests[file] = _file_digest(file)
+    return config, _combined([digests[file] for file in files])
 
 
 class WebSecurity:
@@ -68,12 +92,14 @@ class WebSecurity:
     Args:
         config: A parse of the file.
         path: The file, re-read by ``reload``.
+        fingerprint: Of the files ``config`` was read from, taken before they were read;
+            ``None``: taken now.
 
     Raises:
         WebConfigError: a certificate of ``config`` cannot be loaded.
     """
 
-    def __init__(self, config: WebConfig, path: Path) -> None:
+    def __init__(self, config: WebConfig, path: Path, fingerprint: bytes | None = None) -> None:
         self.path = path
         self.config = config
         self.tls: RotatingContext | None = None
@@ -81,7 +107,7 @@ class WebSecurity:
             self.tls = RotatingContext(build_context(config.tls))
         self.verifier = BasicAuthVerifier()
         self.header_items = _header_items(config)
-        self._fingerprint = _fingerprint(path, config)
+        self._fingerprint = fingerprint or _fingerprint(path, config)
         self._failed: bytes | None = None
         self.reloads = 0
         """Successful reloads so far."""
@@ -89,7 +115,8 @@ class WebSecurity:
     @classmethod
     def from_file(cls, path: Path) -> WebSecurity:
         """Parse ``path`` and load its certificates. Raises ``WebConfigError``."""
-        return cls(load(path), path)
+        config, fingerprint = _load_fingerprinted(path, {})
+        return cls(config, path, fingerprint)
 
     def changed(self) -> bool:
         """Whether the file or a certificate it names differs from the last one read."""
@@ -103,9 +130,12 @@ class WebSecurity:
             True when the new configuration is in force (for new connections and requests);
             False when it is invalid, which is logged, and the old one stays.
         """
-        fingerprint = _fingerprint(self.path, self.config)
+        # Each file is fingerprinted before it is read: a change that lands after the read
+        # is then a change from what was applied, and the next poll reloads again.
+        digests = {file: _file_digest(file) for file in _files(self.path, self.config)}
+        fingerprint = _combined(list(digests.values()))
         try:
-            config = load(self.path)
+            config, applied = _load_fingerprinted(self.path, digests)
             context = None if config.tls is None else build_context(config.tls)
             if (context is None) != (self.tls is None):
                 raise WebConfigError(
@@ -120,7 +150,7 @@ class WebSecurity:
         self.header_items = _header_items(config)
         if context is not None and self.tls is not None:
             self.tls.swap(context)
-        self._fingerprint = _fingerprint(self.path, config)
+        self._fingerprint = applied
         self._failed = None
         self.reloads += 1
         log.info(

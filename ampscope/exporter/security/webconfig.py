@@ -2,7 +2,10 @@
 
 The format is the one node_exporter, the Pushgateway and DCGM-exporter read with
 ``--web.config.file`` (prometheus/exporter-toolkit, ``docs/web-configuration.md``): unknown
-keys and duplicate keys are errors, as with Go's ``yaml.UnmarshalStrict``, and relative paths
+keys and duplicate keys are errors, as with Go's ``yaml.UnmarshalStrict``; a string setting
+given as a YAML number or boolean (``X-XSS-Protection: 1``) is its text, as Go decodes it;
+a ``tls_server_config`` without any of the keys that enable TLS (the toolkit's
+``IsEnabled``: cert, key, client CA or client auth type) means plain HTTP; relative paths
 are resolved against the file's own directory. What Python's ``ssl`` (or uvicorn) cannot do
 is refused with the reason, never ignored: a setting that silently does nothing is worse
 than an exporter that will not start.
@@ -66,6 +69,9 @@ class WebConfig:
     """Added to every response; blank values are left out (unset)."""
     users: Mapping[str, str] = field(default_factory=dict)
     """User name -> bcrypt hash. Empty: reads need no password."""
+    tls_ignored: tuple[str, ...] = ()
+    """``tls_server_config`` keys given without a key that enables TLS: valid, and without
+    effect (plain HTTP, as with the toolkit)."""
 
 
 # The toolkit's extraHTTPHeaders: the only headers it lets a file set, and the values of
@@ -111,7 +117,14 @@ _REFUSED_CLIENT_AUTH = {
     "RequireAnyClientCert": "requires a certificate but accepts it unverified",
     "RequireClientCert": "(the old name of RequireAnyClientCert) accepts it unverified",
 }
-_BCRYPT_HASH = re.compile(r"^\$2[abxy]?\$(\d\d)\$[./A-Za-z0-9]{53}$")
+_BCRYPT_HASH = re.compile(r"\$2[aby]\$(\d\d)\$[./A-Za-z0-9]{53}")
+"""Matched against the whole value: the prefixes bcrypt checks, a cost, salt and hash."""
+_BCRYPT_PREFIX = re.compile(r"\$2[a-z]?\$")
+
+_ENABLING_TLS_KEYS = (
+    "cert_file", "cert", "key_file", "key", "client_ca_file", "client_ca", "client_auth_type",
+)  # fmt: skip
+"""The toolkit's ``TLSConfig.IsEnabled``: any of these non-empty means TLS."""
 
 _TLS_KEYS = frozenset(
     {
@@ -126,14 +139,26 @@ class _StrictLoader(yaml.SafeLoader):
     """SafeLoader that refuses a key given twice (Go's strict decoding does too)."""
 
 
+class _Mapping(dict[Any, Any]):
+    """A YAML mapping that keeps the text of its scalar values: Go's yaml decodes any scalar
+    (``1``, ``true``) into a string setting as the text it was written as."""
+
+    texts: dict[Any, str]
+
+
 def _mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
     seen: set[Any] = set()
-    for key_node, _ in node.value:
+    texts: dict[Any, str] = {}
+    for key_node, value_node in node.value:
         key = loader.construct_object(key_node)
         if key in seen:
             raise WebConfigError(str(key), f"given twice (line {key_node.start_mark.line + 1})")
         seen.add(key)
-    return loader.construct_mapping(node)
+        if isinstance(value_node, yaml.ScalarNode):
+            texts[key] = value_node.value
+    mapping = _Mapping(loader.construct_mapping(node))
+    mapping.texts = texts
+    return mapping
 
 
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping)
@@ -168,14 +193,16 @@ def parse(document: Any, *, base: Path, path: Path) -> WebConfig:
                     key, "not supported by ampscope; --max-connections bounds the load"
                 )
             raise WebConfigError(str(key), "unknown key")
-    tls_section = top.get("tls_server_config")
-    # An empty section is no TLS, as in the toolkit (TLSConfig.IsEnabled).
-    tls = _tls(_dict(tls_section, "tls_server_config"), base) if tls_section else None
+    tls_section = _dict(top.get("tls_server_config") or {}, "tls_server_config")
+    # Without a key that enables TLS the toolkit serves plain HTTP (TLSConfig.IsEnabled),
+    # whatever else the section sets; the other keys must still be valid.
+    enabled = any(_str(tls_section, key, "tls_server_config") for key in _ENABLING_TLS_KEYS)
     return WebConfig(
         path=path,
-        tls=tls,
+        tls=_tls(tls_section, base) if enabled else None,
         headers=_http(_dict(top.get("http_server_config") or {}, "http_server_config")),
         users=_users(top.get("basic_auth_users") or {}),
+        tls_ignored=() if enabled else _not_enabling(tls_section),
     )
 
 
@@ -192,6 +219,9 @@ def _str(section: dict[str, Any], key: str, where: str) -> str | None:
     value = section.get(key)
     if value is None:
         return None
+    texts: dict[Any, str] = getattr(section, "texts", {})
+    if isinstance(value, bool | int | float) and key in texts:
+        return texts[key]  # a YAML number or boolean: the text it was written as
     if not isinstance(value, str):
         raise WebConfigError(f"{where}.{key}", f"must be a string, not {value!r}")
     return value
@@ -284,6 +314,30 @@ def _tls(section: dict[str, Any], base: Path) -> TlsServerConfig:
     )
 
 
+def _not_enabling(section: dict[str, Any]) -> tuple[str, ...]:
+    """The keys a section without TLS sets, each checked as the toolkit decodes it (a known
+    version, cipher or curve name; ampscope's own refusals need TLS to apply)."""
+    where = "tls_server_config"
+    for key in section:
+        if key not in _TLS_KEYS:
+            raise WebConfigError(f"{where}.{key}", "unknown key")
+    for key in ("min_version", "max_version"):
+        value = _str(section, key, where)
+        if value is not None and value not in _VERSIONS:
+            raise WebConfigError(f"{where}.{key}", f"unknown TLS version: {value}")
+    for name in _strings(section, "cipher_suites", where):
+        if name not in TLS12_CIPHERS and name not in TLS13_CIPHERS:
+            raise WebConfigError(f"{where}.cipher_suites", f"unknown cipher: {name}")
+    for name in _strings(section, "curve_preferences", where):
+        if name not in CURVES:
+            raise WebConfigError(f"{where}.curve_preferences", f"unknown curve: {name}")
+    _strings(section, "client_allowed_sans", where)
+    prefer = section.get("prefer_server_cipher_suites")
+    if prefer is not None and not isinstance(prefer, bool):
+        raise WebConfigError(f"{where}.prefer_server_cipher_suites", "must be true or false")
+    return tuple(key for key, value in section.items() if value is not None)
+
+
 def _client_auth(value: str) -> ClientAuth:
     key = "tls_server_config.client_auth_type"
     if value in _REFUSED_CLIENT_AUTH:
@@ -349,12 +403,12 @@ def _http(section: dict[str, Any]) -> dict[str, str]:
         )
     headers = _dict(section.get("headers") or {}, f"{where}.headers")
     result: dict[str, str] = {}
-    for name, value in headers.items():
+    for name in headers:
         key = f"{where}.headers.{name}"
         if name not in ALLOWED_HEADERS:
             raise WebConfigError(key, f"HTTP header {name!r} can not be configured")
-        if not isinstance(value, str):
-            raise WebConfigError(key, "must be a string")
+        # null is Go's empty string: an unset header.
+        value = _str(headers, name, f"{where}.headers") or ""
         allowed = ALLOWED_HEADERS[name]
         if allowed and value not in allowed:
             raise WebConfigError(key, f"expected one of {list(allowed)}, got {value!r}")
@@ -371,12 +425,32 @@ def _users(value: Any) -> dict[str, str]:
         key = f"basic_auth_users.{name}"
         if ":" in name:
             raise WebConfigError(key, "a user name cannot contain ':' (HTTP basic auth)")
-        if not isinstance(hashed, str) or not _BCRYPT_HASH.match(hashed):
+        if (
+            isinstance(hashed, str)
+            and hashed != hashed.rstrip()
+            and _BCRYPT_HASH.fullmatch(hashed.rstrip())
+        ):
+            raise WebConfigError(
+                key,
+                "the bcrypt hash ends with a line break or space, which bcrypt would compare "
+                "too, failing every login (a YAML block scalar '|' keeps the line break: use "
+                "'|-', or put the hash on the user's line)",
+            )
+        prefix = _BCRYPT_PREFIX.match(hashed) if isinstance(hashed, str) else None
+        if prefix is not None and prefix.group() not in ("$2a$", "$2b$", "$2y$"):
+            raise WebConfigError(
+                key,
+                f"a bcrypt hash with the prefix {prefix.group()} cannot be checked (bcrypt "
+                "implements $2a$, $2b$ and $2y$): hash the password again, e.g. with "
+                "`htpasswd -nBC 10 \"\" | tr -d ':\\n'`",
+            )
+        match = _BCRYPT_HASH.fullmatch(hashed) if isinstance(hashed, str) else None
+        if match is None:
             raise WebConfigError(
                 key,
                 "must be a bcrypt hash ($2y$10$..., from `htpasswd -nBC 10 \"\" | tr -d ':\\n'`)",
             )
-        cost = int(_BCRYPT_HASH.match(hashed).group(1))  # type: ignore[union-attr]
+        cost = int(match.group(1))
         if not 4 <= cost <= 31:
             raise WebConfigError(key, f"bcrypt cost {cost} is outside 4..31")
     return dict(users)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 
+from ampscope.exporter.state.refusals import RefusalLog
+
 REJECTION_REASONS = (
     # Bearer token: a rank without one is misconfigured; a wrong one may be an attacker.
     "token_missing",
@@ -28,9 +30,15 @@ known)."""
 
 
 class IngestStats:
-    """Thread-safe counters of accepted and rejected ingest requests."""
+    """Thread-safe counters of accepted and rejected ingest requests.
 
-    def __init__(self) -> None:
+    Args:
+        refusals: Told of every rejection too, to log a summary by reason; ``None``: counted
+            only.
+    """
+
+    def __init__(self, refusals: RefusalLog | None = None) -> None:
+        self.refusals = refusals
         self._lock = threading.Lock()
         self.batches = 0
         self.records = 0
@@ -46,6 +54,8 @@ class IngestStats:
         """Count one rejected request; ``reason`` must be one of ``REJECTION_REASONS``."""
         with self._lock:
             self._rejections[reason] += 1
+        if self.refusals is not None:
+            self.refusals.refused(reason)
 
     def rejections(self) -> dict[str, int]:
         """A copy of the rejection counts by reason."""

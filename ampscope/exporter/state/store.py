@@ -97,6 +97,8 @@ class IngestOutcome:
     """Records that changed the state (newest, history or a restart)."""
     ignored: int
     """Duplicates (retried records) and records from a process that has since restarted."""
+    new_run: bool = False
+    """The batch's run was not held before it: its first record."""
 
 
 def _peers(record: StepRecord) -> int:
@@ -198,6 +200,7 @@ class Store:
                     f"accepting rank {rank} of run {run_id!r} would expose "
                     f"{self._series + growth} series (max_series={self.limits.max_series})",
                 )
+            new_run = ranks is None
             if ranks is None:
                 ranks = self._runs[run_id] = {}
                 self._boards[run_id] = OriginBoard(self._origin_factor)
@@ -223,7 +226,7 @@ class Store:
             state.trim_samples(now - self.limits.window_s)
             if self._history_bytes > self.limits.history_bytes:
                 self._evict_history()
-        return IngestOutcome(accepted=accepted, ignored=ignored)
+        return IngestOutcome(accepted=accepted, ignored=ignored, new_run=new_run)
 
     def _compare_origins(
         self,

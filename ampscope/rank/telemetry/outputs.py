@@ -12,8 +12,9 @@ logger = logging.getLogger("ampscope")
 
 def auto_reporter() -> Sink | None:
     """An ``HttpReporter`` to ``AMPSCOPE_URL`` (default: the local exporter), or ``None``
-    when ``AMPSCOPE_URL`` says ``off`` or the reporter cannot be built (logged)."""
-    from ampscope.reporter.transport import url_from_env
+    when ``AMPSCOPE_URL`` says ``off`` or the reporter cannot be built (logged: a setting
+    that is wrong, such as a URL without a scheme, in one line; training goes on)."""
+    from ampscope.reporter.transport import URL_ENV, url_from_env
 
     url = url_from_env()
     if url is None:
@@ -22,6 +23,10 @@ def auto_reporter() -> Sink | None:
         from ampscope.reporter.http import HttpReporter
 
         return HttpReporter(url)
+    except ValueError as exc:
+        # A setting the user can fix (URL, token file, TLS files): the reason, no traceback.
+        logger.warning("ampscope: not reporting (%s=%s): %s", URL_ENV, url, exc)
+        return None
     except Exception:
         logger.warning("ampscope: could not start the HTTP reporter to %s", url, exc_info=True)
         return None

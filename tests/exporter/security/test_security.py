@@ -15,11 +15,12 @@ from fastapi.testclient import TestClient
 
 from ampscope.exporter.app import create_app
 from ampscope.exporter.security import basic_auth
+from ampscope.exporter.security import policy as security_module
 from ampscope.exporter.security.basic_auth import BasicAuthVerifier, parse_basic
 from ampscope.exporter.security.policy import WebSecurity
 from ampscope.exporter.settings import Settings
 from ampscope.reporter.schema import HEARTBEAT_PATH, INGEST_PATH
-from exporter.credentials import bcrypt_hash
+from exporter.credentials import bcrypt_hash, make_leaf, make_pki
 from exporter.factory import FakeClock, body, record
 
 TOKEN = "rank-token"
@@ -136,6 +137,75 @@ def test_reload_swaps_users_and_headers_and_keeps_the_old_on_error(
     assert "basic_auth_users.grafana" in caplog.text
     assert not security.changed(), "an invalid file is reported once, not at every poll"
     assert client.get("/metrics", auth=("grafana", "new-pw")).status_code == 200
+
+
+def test_a_change_landing_after_the_read_is_reloaded_at_the_next_poll(
+    secured: tuple[TestClient, WebSecurity], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rotation writes the file again while a reload reads it: what was applied is the
+    first change, and the second must show as a change, not be taken as applied."""
+    client, security = secured
+    real_load = security_module.load
+
+    def read_then_changed(path: Path) -> Any:
+        config = real_load(path)
+        _config(path.parent, {"grafana": bcrypt_hash("newest")}, {"X-Frame-Options": "sameorigin"})
+        monkeypatch.setattr(security_module, "load", real_load)  # one change only
+        return config
+
+    _config(security.path.parent, {"grafana": bcrypt_hash("new-pw")}, {"X-Frame-Options": "deny"})
+    monkeypatch.setattr(security_module, "load", read_then_changed)
+    assert security.reload()
+    assert client.get("/metrics", auth=("grafana", "new-pw")).status_code == 200
+    assert security.changed(), "the change after the read was taken as applied"
+    assert security.reload()
+    response = client.get("/metrics", auth=("grafana", "newest"))
+    assert (response.status_code, response.headers["x-frame-options"]) == (200, "sameorigin")
+    assert not security.changed()
+
+
+def test_a_change_landing_while_starting_is_reloaded_at_the_first_poll(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_load = security_module.load
+    path = _config(tmp_path, {"prometheus": bcrypt_hash("pw")}, HEADERS)
+
+    def read_then_changed(read: Path) -> Any:
+        config = real_load(read)
+        _config(tmp_path, {"prometheus": bcrypt_hash("rotated")}, HEADERS)
+        return config
+
+    monkeypatch.setattr(security_module, "load", read_then_changed)
+    security = WebSecurity.from_file(path)
+    monkeypatch.setattr(security_module, "load", real_load)
+    assert security.changed()
+    assert security.reload()
+    assert not security.changed()
+
+
+def test_a_certificate_rotated_while_it_is_loaded_is_loaded_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pki = make_pki(tmp_path / "pki")
+    path = tmp_path / "web.yml"
+    tls = {"cert_file": "pki/server.crt", "key_file": "pki/server.key"}
+    path.write_text(yaml.safe_dump({"tls_server_config": tls}))
+    security = WebSecurity.from_file(path)
+    real_build = security_module.build_context
+
+    def built_then_rotated(config: Any) -> Any:
+        context = real_build(config)
+        make_leaf(pki.directory, "server", pki.ca, "DNS:localhost,IP:127.0.0.1")
+        monkeypatch.setattr(security_module, "build_context", real_build)
+        return context
+
+    headers = {"http_server_config": {"headers": {"X-Frame-Options": "deny"}}}
+    path.write_text(yaml.safe_dump({"tls_server_config": tls, **headers}))
+    monkeypatch.setattr(security_module, "build_context", built_then_rotated)
+    assert security.reload()
+    assert security.changed(), "the certificate rotated after it was loaded"
+    assert security.reload()
+    assert not security.changed()
 
 
 def test_no_users_leaves_reads_open(tmp_path: Path) -> None:

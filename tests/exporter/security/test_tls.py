@@ -31,6 +31,8 @@ from exporter.factory import record
 
 TOKEN = "rank-token-1"
 PASSWORD = "scrape-pw"
+FAKE_HASH = "$2y$10$QOauhQNbBCuQDKes6eFzPeMqBSjb7Mr5DUmpZ/VcEd00UAV/LDeSi"
+"""The exporter-toolkit's bcrypt of "fakepassword"."""
 
 
 @dataclass
@@ -339,6 +341,10 @@ def test_real_prometheus_scrapes_over_tls_with_basic_auth(
         ({"tls_server_config": {"cert_file": "absent.crt", "key_file": "absent.key"}},
          "tls_server_config.cert_file"),
         ({"basic_auth_users": {"alice": "secret"}}, "basic_auth_users.alice"),
+        # Hashes every login would fail against: a line break kept by a YAML block scalar,
+        # a prefix bcrypt does not implement.
+        ({"basic_auth_users": {"alice": FAKE_HASH + "\n"}}, "basic_auth_users.alice"),
+        ({"basic_auth_users": {"bob": "$2$" + FAKE_HASH[4:]}}, "basic_auth_users.bob"),
         ({"http_server_config": {"http2": True}}, "http_server_config.http2"),
     ],
 )  # fmt: skip
@@ -358,6 +364,52 @@ def test_an_invalid_file_exits_2_before_binding(
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith(f"ampscope serve: {path}: {key}: "), lines[0]
     assert "Uvicorn running" not in result.stderr + result.stdout
+
+
+def test_tls_keys_without_a_certificate_serve_plain_http_as_the_toolkit_does(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "web.yml"
+    path.write_text(
+        "tls_server_config:\n"
+        "  min_version: TLS12\n"
+        "  prefer_server_cipher_suites: true\n"
+        "http_server_config:\n"
+        "  headers:\n"
+        "    X-XSS-Protection: 1\n"
+    )
+    port = free_port()
+    log = tmp_path / "exporter.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AMPSCOPE_")}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ampscope.cli", "serve", "--port", str(port),
+         "--web-config-file", str(path)],
+        env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}/healthz"
+    try:
+
+        def up() -> bool:
+            if process.poll() is not None:
+                pytest.fail(f"exporter exited {process.returncode}: {log.read_text()}")
+            try:
+                with urllib.request.urlopen(url, timeout=10) as response:
+                    return bool(response.status == 200)
+            except OSError:
+                return False
+
+        wait_until(up, "exporter answering over plain HTTP")
+        with urllib.request.urlopen(url, timeout=10) as response:
+            assert response.headers["X-XSS-Protection"] == "1"
+    finally:
+        stop_process(process)
+    text = log.read_text()
+    assert (
+        f"web config {path}: tls_server_config sets min_version, prefer_server_cipher_suites "
+        "but none of cert_file, key_file, client_ca_file, client_auth_type: plain HTTP, as "
+        "the exporter-toolkit serves it" in text
+    ), text
+    assert f"ampscope exporter on http://127.0.0.1:{port}" in text
 
 
 def test_the_environment_names_the_file_too(

@@ -171,3 +171,97 @@ def test_missing_file_names_the_path(tmp_path: Path) -> None:
     error = _error(tmp_path / "absent.yml")
     assert error.key == "web_config_file"
     assert "absent.yml" in error.reason
+
+
+def test_header_values_yaml_reads_as_numbers_or_booleans_are_their_text(tmp_path: Path) -> None:
+    # The exporter-toolkit's own web/testdata/web_config_headers.good.yml.
+    toolkit = (
+        "http_server_config:\n"
+        "  headers:\n"
+        "    X-Frame-Options: deny\n"
+        "    Strict-Transport-Security: max-age=31536000; includeSubDomains\n"
+        "    X-Content-Type-Options: nosniff\n"
+        "    X-XSS-Protection: 1\n"
+        "    Content-Security-Policy: \"default-src 'self' *.test.example.net\"\n"
+    )
+    assert dict(load(_write(tmp_path, toolkit)).headers) == {
+        "X-Frame-Options": "deny",
+        "Strict-Transport-Security": "max-age=31536000; includeSubDomains",
+        "X-Content-Type-Options": "nosniff",
+        "X-XSS-Protection": "1",
+        "Content-Security-Policy": "default-src 'self' *.test.example.net",
+    }
+    # As written, not as YAML 1.1 reads it (0o10, 1.0, True) nor as Python prints it.
+    for written in ("010", "1.0", "yes", "true", "0"):
+        document = f"http_server_config:\n  headers:\n    X-XSS-Protection: {written}\n"
+        assert dict(load(_write(tmp_path, document)).headers) == {"X-XSS-Protection": written}
+    # null is Go's empty string: the header stays unset; a list is no header value.
+    document = "http_server_config:\n  headers:\n    X-XSS-Protection:\n"
+    assert dict(load(_write(tmp_path, document)).headers) == {}
+    document = "http_server_config:\n  headers:\n    X-XSS-Protection: [1]\n"
+    error = _error(_write(tmp_path, document))
+    assert error.key == "http_server_config.headers.X-XSS-Protection"
+    assert "must be a string" in error.reason
+
+
+@pytest.mark.parametrize(
+    ("section", "ignored"),
+    [
+        ({"min_version": "TLS12", "prefer_server_cipher_suites": False},
+         ("min_version", "prefer_server_cipher_suites")),
+        # Valid names the toolkit decodes, though ampscope refuses them where TLS is served.
+        ({"min_version": "TLS10", "cipher_suites": ["TLS_AES_128_GCM_SHA256"]},
+         ("min_version", "cipher_suites")),
+        ({"max_version": "TLS13", "curve_preferences": ["X25519", "CurveP256"],
+          "client_allowed_sans": ["rank.ampscope.test"]},
+         ("max_version", "curve_preferences", "client_allowed_sans")),
+        ({"cert_file": "", "key_file": ""}, ("cert_file", "key_file")),
+    ],
+)  # fmt: skip
+def test_tls_without_an_enabling_key_is_plain_http_as_in_the_toolkit(
+    tmp_path: Path, section: dict[str, Any], ignored: tuple[str, ...]
+) -> None:
+    config = load(_write(tmp_path, {"tls_server_config": section}))
+    assert config.tls is None
+    assert sorted(config.tls_ignored) == sorted(ignored)  # in the file's order
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "reason"),
+    [
+        ({"min_version": "TLS14"}, "min_version", "unknown TLS version: TLS14"),
+        ({"cipher_suites": ["TLS_RSA_WITH_RC4_128_SHA"]}, "cipher_suites", "unknown cipher"),
+        ({"curve_preferences": ["CurveP224"]}, "curve_preferences", "unknown curve"),
+        ({"prefer_server_cipher_suites": "maybe"}, "prefer_server_cipher_suites", "true or false"),
+        ({"min_version": "TLS12", "typo": 1}, "typo", "unknown key"),
+        # Any enabling key means TLS, which then needs its certificate (the toolkit's
+        # "missing one of cert or cert_file").
+        ({"client_auth_type": "NoClientCert", "min_version": "TLS12"}, "cert_file", "missing"),
+        ({"key_file": "pki/server.key"}, "cert_file", "missing"),
+    ],
+)  # fmt: skip
+def test_tls_without_an_enabling_key_still_checks_its_keys(
+    tmp_path: Path, section: dict[str, Any], key: str, reason: str
+) -> None:
+    error = _error(_write(tmp_path, {"tls_server_config": section}))
+    assert error.key == f"tls_server_config.{key}", error
+    assert reason in error.reason, error
+
+
+def test_a_bcrypt_hash_must_be_the_whole_value_and_one_bcrypt_checks(tmp_path: Path) -> None:
+    hashed = bcrypt_hash("pw")  # $2y$
+    for prefix in ("$2a$", "$2b$", "$2y$"):
+        users = load(_write(tmp_path, {"basic_auth_users": {"alice": prefix + hashed[4:]}})).users
+        assert dict(users) == {"alice": prefix + hashed[4:]}
+    # A block scalar keeps its line break: every login would fail against it.
+    block = f"basic_auth_users:\n  alice: |\n    {hashed}\n"
+    error = _error(_write(tmp_path, block))
+    assert error.key == "basic_auth_users.alice"
+    assert "ends with a line break" in error.reason
+    assert dict(load(_write(tmp_path, block.replace("|", "|-"))).users) == {"alice": hashed}
+    for prefix in ("$2$", "$2x$"):
+        error = _error(_write(tmp_path, {"basic_auth_users": {"bob": prefix + hashed[4:]}}))
+        assert error.key == "basic_auth_users.bob"
+        assert f"the prefix {prefix} cannot be checked" in error.reason
+    error = _error(_write(tmp_path, {"basic_auth_users": {"carol": hashed + "x"}}))
+    assert (error.key, "must be a bcrypt hash" in error.reason) == ("basic_auth_users.carol", True)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -106,6 +109,40 @@ def test_reporter_auto_follows_ampscope_url(monkeypatch: pytest.MonkeyPatch) -> 
     finally:
         sinks[0].close(0.1)
     assert build_sinks(TelemetryConfig(reporter=None)) == []
+
+
+_SCHEMELESS_SCRIPT = """
+import torch
+import ampscope
+
+model = torch.nn.Linear(4, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+scaler = ampscope.GradScaler("cpu", init_scale=2.0**10)  # reporter="auto": AMPSCOPE_URL
+for step in range(3):
+    scaler.scale(model(torch.ones(2, 4)).sum()).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad()
+print("trained", scaler.get_scale())
+"""
+
+
+def test_a_url_without_a_scheme_is_one_line_and_training_goes_on() -> None:
+    env = {**os.environ, "AMPSCOPE_URL": "127.0.0.1:9478"}
+    done = subprocess.run(
+        [sys.executable, "-c", _SCHEMELESS_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "trained 1024.0\n"
+    assert done.stderr.splitlines() == [
+        "ampscope: not reporting (AMPSCOPE_URL=127.0.0.1:9478): exporter URL must look like "
+        "http://host:port, got '127.0.0.1:9478'"
+    ]
 
 
 class BlockingSink:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
@@ -17,6 +19,7 @@ from ampscope.exporter.state.store import BatchRefused, LimitExceeded, Store
 from ampscope.reporter.schema import INGEST_PATH, IngestBatch
 
 router = APIRouter(tags=["ingest"])
+log = logging.getLogger("ampscope.exporter")
 
 MAX_REPORTED_ERRORS = 20
 """422 answers list at most this many schema violations."""
@@ -111,6 +114,16 @@ def _apply(
         stats.rejected(exc.reason)
         raise ApiError(exc.status, exc.reason, exc.detail) from None
     stats.accepted(len(batch.records))
+    if outcome.new_run:
+        who = batch.records[0].identity
+        log.info(
+            "run %r: first record, from rank %d of %d on node %s (step %d)",
+            who.run,
+            who.rank,
+            who.world_size,
+            who.node,
+            batch.records[0].step,
+        )
     return IngestResult(
         accepted=outcome.accepted,
         ignored=outcome.ignored,
