@@ -3,7 +3,7 @@
 The thread waits on the CUDA event recorded after the copy. With a default event CUDA's
 automatic schedule spins the waiting thread (few contexts per core); with a
 blocking-sync event (``torch.cuda.Event(blocking=True)``, what
-:func:`ampscope.rank.capture.scaler.to_host_async` records) it sleeps. Both are timed on the
+:func:`ampscope.rank.capture.pending.to_host_async` records) it sleeps. Both are timed on the
 same training loop: steps queued without a host sync in between (fused AdamW, so the
 host runs ahead of the device as far as it can) and with torch's per-step ``.item()``
 (foreach AdamW). The ``spinning`` contender swaps in the default event for the run.
@@ -36,7 +36,8 @@ def _spinning_to_host_async(
 
 @contextlib.contextmanager
 def _event_kind(kind: str) -> Iterator[None]:
-    from ampscope.rank.capture import scaler as capture
+    # Both callers look the function up in its own module at call time.
+    from ampscope.rank.capture import pending as capture
 
     if kind == "blocking":
         yield

@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as _TorchSharded
 
 from ampscope.rank import compat
-from ampscope.rank.config import TelemetryConfig, WatchConfig
+from ampscope.rank.config import SCALE_CLAMPS, TelemetryConfig, WatchConfig
 from ampscope.rank.frontends.base import TelemetryFrontEnd
 from ampscope.rank.frontends.scaler_mixin import TelemetryMixin
 from ampscope.rank.frontends.scalers import GradScaler, ShardedGradScaler
@@ -40,9 +40,6 @@ WATCHING = (
     "{policy!r}) checks its gradients for inf/NaN instead."
 )
 """Logged once when an integration installs a watch where there is no scaler."""
-
-SCALER_ONLY = ("min_scale", "max_scale")
-"""Telemetry options that clamp a scale: a watch has none, so they are not passed to it."""
 
 
 def check_options(scaler_options: dict[str, Any]) -> None:
@@ -68,7 +65,7 @@ def check_policy(policy: Policy, max_consecutive_skips: int | None = None) -> Wa
 
 def make_watch(watch: WatchConfig, scaler_options: dict[str, Any]) -> GradWatch:
     """A :class:`GradWatch` with the user's telemetry options (scale clamps left out)."""
-    options = {k: v for k, v in scaler_options.items() if k not in SCALER_ONLY}
+    options = {k: v for k, v in scaler_options.items() if k not in SCALE_CLAMPS}
     return GradWatch(watch.policy, max_consecutive_skips=watch.max_consecutive_skips, **options)
 
 

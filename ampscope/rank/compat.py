@@ -28,7 +28,7 @@ import torch
 from torch.amp.grad_scaler import GradScaler as _TorchGradScaler
 from torch.amp.grad_scaler import OptState
 from torch.distributed.algorithms._comm_hooks import default_hooks as fsdp_default_hooks
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FSDPModule, ShardingStrategy
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
@@ -48,6 +48,7 @@ __all__ = [
     "foreach_norm",
     "found_inf_reduction",
     "fsdp1_comm_hook",
+    "fsdp1_hybrid",
     "fsdp_default_hooks",
     "fully_shard_param_groups",
     "fully_shard_predivide_factor",
@@ -294,6 +295,15 @@ def ddp_comm_hooks(ddp: DDP) -> list[tuple[Callable[..., object], object]]:
 def ddp_uses_python_reducer(ddp: DDP) -> bool:
     """DDP's compiled-autograd mode calls comm hooks with (grad, param), not buckets."""
     return bool(ddp._use_python_reducer)
+
+
+def fsdp1_hybrid(unit: FSDP) -> bool:
+    """Whether an FSDP1 unit shards hybridly: ``HYBRID_SHARD`` or the private
+    ``_HYBRID_SHARD_ZERO2`` (torch's comm hooks support neither)."""
+    return unit.sharding_strategy in (
+        ShardingStrategy.HYBRID_SHARD,
+        ShardingStrategy._HYBRID_SHARD_ZERO2,
+    )
 
 
 def fsdp1_comm_hook(unit: FSDP) -> tuple[object, object]:

@@ -1,19 +1,28 @@
-"""The scalers' and the watch's options, validated once at construction."""
+"""The scalers' and the watch's options, validated once at construction.
+
+The telemetry options are defined once, as :class:`TelemetryConfig`'s fields. The
+front-ends take them as keyword arguments (``**telemetry``), typed for checkers and IDEs
+by :class:`ScalerOptions` and :class:`WatchOptions`, and turn them into a config with
+:func:`telemetry_config`.
+"""
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, TypedDict
 
 from ampscope.reporter.schema import MAX_LABEL_LENGTH, MAX_NONFINITE_PARAMS, Policy
 from ampscope.reporter.sinks import Sink
 from ampscope.reporter.spike_rule import SpikeRule
 
-LABEL_PATTERN = re.compile(r"^[A-Za-z0-9_.:/@+=-]+$")
-"""The schema's label pattern (run ids, node names, devices)."""
+LABEL_CHARS = "A-Za-z0-9_.:/@+=-"
+"""The characters of the schema's labels (run ids, node names, devices), as a regex
+character set's contents."""
+LABEL_PATTERN = re.compile(rf"^[{LABEL_CHARS}]+$")
+"""The schema's label pattern, the rank side's one copy."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,6 +95,57 @@ class TelemetryConfig:
             and self.min_scale > self.max_scale
         ):
             raise ValueError(f"min_scale {self.min_scale} exceeds max_scale {self.max_scale}")
+
+
+SCALE_CLAMPS = ("min_scale", "max_scale")
+"""The options that clamp a scale: a watch has none to clamp, so it takes neither."""
+
+_SCALER_OPTIONS = frozenset(f.name for f in fields(TelemetryConfig))
+_WATCH_OPTIONS = _SCALER_OPTIONS.difference(SCALE_CLAMPS)
+
+
+class WatchOptions(TypedDict, total=False):
+    """The telemetry keyword arguments of :class:`ampscope.GradWatch`: the fields of
+    :class:`TelemetryConfig` but :data:`SCALE_CLAMPS` (a type for checkers and IDEs; the
+    config holds the defaults, the checks and the documentation)."""
+
+    reporter: Sink | Literal["auto"] | None
+    sinks: Sequence[Sink]
+    run_id: str | None
+    attribution: bool
+    top_k: int
+    history: int
+    stats: bool
+    spike_rule: SpikeRule | None
+
+
+class ScalerOptions(WatchOptions, total=False):
+    """The telemetry keyword arguments of :class:`ampscope.GradScaler` and
+    :class:`ampscope.ShardedGradScaler`: every field of :class:`TelemetryConfig`."""
+
+    min_scale: float | None
+    max_scale: float | None
+
+
+def telemetry_config(owner: str, options: Mapping[str, Any], *, scale: bool) -> TelemetryConfig:
+    """The validated telemetry config of a front-end's keyword arguments.
+
+    Args:
+        owner: The callable that took them, as Python names it in a ``TypeError``
+            (``"GradWatch.__init__"``).
+        options: The keyword arguments.
+        scale: The front-end has a scale to clamp (a scaler): it takes ``SCALE_CLAMPS``.
+
+    Raises:
+        TypeError: a keyword ``owner`` does not take (worded as Python words it), or a
+            value of the wrong type.
+        ValueError: a bad value.
+    """
+    allowed = _SCALER_OPTIONS if scale else _WATCH_OPTIONS
+    for name in options:
+        if name not in allowed:
+            raise TypeError(f"{owner}() got an unexpected keyword argument {name!r}")
+    return TelemetryConfig(**options)
 
 
 POLICIES = ("observe", "skip", "raise")

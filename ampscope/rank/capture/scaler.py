@@ -29,315 +29,30 @@ into the first one in place; skipped steps get their non-finite parameters count
 from __future__ import annotations
 
 import time
-import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
-from torch.utils.hooks import RemovableHandle
 
 from ampscope.rank import compat
-from ampscope.reporter.schema import Identity, Setup
+from ampscope.rank.capture import layout
+from ampscope.rank.capture.pending import PendingStep, copy_with_norms, stack_scalars
+from ampscope.rank.capture.registry import CaptureRegistry, OptimizerInfo
+from ampscope.rank.gradients.nonfinite import FoundInf, max_per_device
+from ampscope.reporter.schema import Identity
 
 if TYPE_CHECKING:
     from ampscope.rank.gradients.stats import TakenStats
 
-_NO_COUNTS: Mapping[str, int] = MappingProxyType({})
-
-FoundInf = Mapping[torch.device, torch.Tensor]
-
 _NO_LOCAL: Mapping[int, FoundInf] = MappingProxyType({})
-
-
-@dataclass(frozen=True, kw_only=True)
-class OptimizerSlot:
-    """One optimizer's part of a pending step; its found-inf values sit in the step's values.
-
-    Immutable and shared: a capture reuses one slot per distinct value.
-    """
-
-    index: int
-    name: str
-    fused: bool
-    stepped: bool
-    num_flags: int
-    """How many per-device found-inf values of this optimizer the step's values hold."""
-
-
-def _counter(calls: list[int]) -> Callable[[Any, Any, Any], None]:
-    # Closes over the counter only: the optimizer's hook holds no capture or scaler.
-    def hook(optimizer: Any, args: Any, kwargs: Any) -> None:
-        calls[0] += 1
-
-    return hook
-
-
-class OptimizerInfo:
-    """What a capture knows of one optimizer across iterations (training thread only)."""
-
-    __slots__ = (
-        "calls",
-        "counted",
-        "dtensor",
-        "dtypes",
-        "fused",
-        "groups",
-        "handle",
-        "index",
-        "name",
-        "norm_plan",
-        "place",
-        "ref",
-        "unscaled_at",
-    )
-
-    def __init__(
-        self, optimizer: torch.optim.Optimizer, index: int, *, count_steps: bool = True
-    ) -> None:
-        self.ref = weakref.ref(optimizer)
-        self.index = index
-        self.name = type(optimizer).__name__
-        self.fused = compat.steps_itself(optimizer)
-        self.calls = [0]
-        """``optimizer.step()`` calls so far (public step pre-hook)."""
-        self.unscaled_at = 0
-        """``calls`` when torch last unscaled the optimizer's gradients."""
-        register = getattr(optimizer, "register_step_pre_hook", None) if count_steps else None
-        self.handle: RemovableHandle | None = (
-            register(_counter(self.calls)) if register is not None else None
-        )
-        self.counted = not self.fused and self.handle is not None
-        """Whether ``calls`` tells a skipped step: torch calls a non-fused optimizer's
-        ``step()`` only when its found-inf is zero (fused ones step, and skip, themselves)."""
-        self.groups = -1
-        """How many parameter groups ``dtensor`` was decided for."""
-        self.dtensor = False
-        """Whether the optimizer's gradients are DTensors (FSDP2, tensor parallelism).
-        Decided from the parameters, again only when a parameter group is added: a DTensor
-        parameter's gradient is a DTensor and a plain one's is plain (autograd refuses a
-        gradient of another type), so no per-step walk over gradients."""
-        self.dtypes: frozenset[str] = frozenset()
-        """Names of the parameters' dtypes, which are their gradients' (autograd keeps a
-        gradient in its parameter's dtype); decided with ``dtensor``."""
-        self.norm_plan: Any = None
-        """How the gradient norms (``stats``) read this optimizer's gradients
-        (:class:`~ampscope.rank.gradients.stats.NormPlan`), kept by the stats."""
-        self.place: tuple[torch.device, torch.dtype] | None = None
-        """The one device and dtype of every parameter, hence of every gradient (plain
-        tensors only); ``None`` when they differ or are DTensors."""
-
-    def refresh(self, optimizer: torch.optim.Optimizer) -> None:
-        groups = optimizer.param_groups
-        self.groups = len(groups)
-        params = [p for group in groups for p in group["params"]]
-        self.dtensor = any(compat.is_dtensor(p) for p in params)
-        self.dtypes = frozenset(dtype_name(p.dtype) for p in params)
-        places = {(p.device, p.dtype) for p in params}
-        self.place = places.pop() if len(places) == 1 and not self.dtensor else None
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` → ``"bfloat16"``."""
-    return str(dtype).removeprefix("torch.")
-
-
-def grad_dtype(dtypes: frozenset[str]) -> str | None:
-    """The records' ``grad_dtype`` of a set of dtype names: ``"bfloat16"``, several joined
-    by ``+`` in name order, ``None`` when there is none."""
-    return "+".join(sorted(dtypes)) or None
-
 
 Step = tuple[int, bool, FoundInf]
 """One optimizer of an iteration: (id, whether torch stepped it, found-inf per device)."""
 
-Shape = tuple["StepCapture", list[Step], dict[int, OptimizerInfo], Mapping[int, FoundInf]]
-"""The raw facts of one iteration that name its values, turned into optimizer slots and
-device names on the telemetry thread (:meth:`StepCapture.layout`): the capture, the
-optimizers in the order update() reads them, those unscaled in the iteration by id, and
-the recorded local found-inf by id."""
-
-
-class PendingStep:
-    """One update()'s scalars, on the host or on their way there, plus what the host knows.
-
-    The training thread fills it and never touches it again; the telemetry thread turns
-    it into a record. :meth:`read` gives the values in the layout ``[scale_before,
-    *optimizer flags, *local flags, scale_after, growth_tracker, *origin flags]``, and
-    on the device transport the stats' scalars after them (their per-parameter norms
-    stay apart: ``host_norms``; on the host transport ``stats`` holds CPU tensors).
-    A plain class with positional arguments first: built on every update(), where a
-    dataclass's keyword ``__init__`` costs over twice as much.
-    """
-
-    __slots__ = (
-        "before",
-        "clean",
-        "fill",
-        "host",
-        "host_norms",
-        "identity",
-        "local_devices",
-        "manual",
-        "nonfinite",
-        "optimizers",
-        "origin_devices",
-        "ready",
-        "setup",
-        "shape",
-        "snapshot",
-        "stats",
-        "step",
-        "time",
-        "values",
-    )
-
-    def __init__(
-        self,
-        identity: Identity,
-        step: int,
-        time: float,
-        manual: bool,
-        shape: Shape | None = None,
-        clean: bool = False,
-        *,
-        nonfinite: Mapping[str, int] = _NO_COUNTS,
-        optimizers: tuple[OptimizerSlot, ...] = (),
-        local_devices: tuple[str, ...] = (),
-        origin_devices: tuple[str, ...] = (),
-        values: list[float] | None = None,
-    ) -> None:
-        self.identity = identity
-        self.step = step
-        self.time = time
-        self.manual = manual
-        self.shape = shape
-        """Set until :meth:`read` fills ``optimizers`` and ``local_devices`` from it."""
-        self.clean = clean
-        """Every found-inf value is zero and ``values``/``host`` hold only
-        ``[scale_after, growth_tracker, *origin flags]``; the scale before is ``before``."""
-        self.nonfinite = nonfinite
-        self.optimizers = optimizers
-        self.local_devices = local_devices
-        self.origin_devices = origin_devices
-        self.values = values
-        """Host transport: the values, already read (only the tail when ``clean``)."""
-        self.host: torch.Tensor | None = None
-        """Device transport: the values' host copy (pinned on CUDA; only the tail when
-        ``clean``)."""
-        self.ready: torch.cuda.Event | None = None
-        """Recorded after the non-blocking copy into ``host``; ``None`` when complete."""
-        self.before: float | tuple[torch.Tensor, int] = 0.0
-        """When ``clean``: the scale before update(), or where an earlier step's host
-        copy holds it (device transport)."""
-        self.snapshot: torch.Tensor | None = None
-        """Device transport, not clean, between before and after update(): ``[scale,
-        *optimizer flags, *local flags]`` stacked on the device."""
-        self.setup: Setup | None = None
-        """What the rank runs; a scaler's is named from ``shape`` by :meth:`read`."""
-        self.stats: TakenStats | None = None
-        """The loss and gradient norms' tensors and layout; ``None`` with ``stats=False``."""
-        self.host_norms: torch.Tensor | None = None
-        """Device transport: the tail of ``host`` holding the per-parameter norms, read
-        only on a spike iteration; the values stop before it."""
-        self.fill: tuple[Any, ...] | None = None
-        """A watch's host transport: ``(capture, *args)``; :meth:`read` first calls
-        ``capture.fill(self, *args)`` (telemetry thread), which sets the layout, the setup
-        and ``values``."""
-
-    def read(self) -> list[float]:
-        """The step's scalars on the host; waits for the device copy (telemetry thread)."""
-        if self.fill is not None:
-            capture, *args = self.fill
-            self.fill = None
-            capture.fill(self, *args)
-        if self.shape is not None:
-            self.optimizers, self.local_devices = self.shape[0].layout(self.shape)
-            self.setup = self.shape[0].setup(self.shape)
-            self.shape = None
-        if self.ready is not None:
-            # Events complete in order: an earlier step's copy (``before``) is done too.
-            self.ready.synchronize()
-        own: list[float]
-        if self.values is not None:
-            own = self.values
-        else:
-            assert self.host is not None
-            host = self.host
-            if self.host_norms is not None:
-                host = host[: len(host) - len(self.host_norms)]
-            own = host.tolist()
-        if not self.clean:
-            return own
-        before = self.before
-        if isinstance(before, tuple):
-            earlier, index = before
-            before = earlier[index].item()
-        zeros = sum(s.num_flags for s in self.optimizers) + len(self.local_devices)
-        return [before, *([0.0] * zeros), *own]
-
-
-def to_host_async(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-    """Start copying a small device tensor to the host without blocking the caller.
-
-    On CUDA the returned event is a blocking-sync one: the telemetry thread that waits on
-    it sleeps until the copy lands. A default event is waited on by spinning (CUDA's
-    automatic schedule with few contexts per core), which keeps a CPU core busy for as
-    long as the host runs ahead of the device (``bench/gpu_event_wait.py``).
-    """
-    if values.device.type == "cpu":
-        return values, None
-    if values.device.type == "cuda":
-        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-        host.copy_(values, non_blocking=True)
-        event = torch.cuda.Event(blocking=True)
-        event.record()
-        return host, event
-    # Other accelerators: a plain copy (may synchronise on some backends).
-    return values.to("cpu"), None
-
-
-def copy_with_norms(
-    pending: PendingStep, values: torch.Tensor, stats: TakenStats | None
-) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-    """Start the host copy of ``values`` (the step's stacked scalars) followed by the
-    stats' per-parameter norms, if any: one stack and one cat more, still one copy. Sets
-    ``pending.host_norms`` to the norms' part of the host copy."""
-    if stats is None or not stats.norm_count():
-        return to_host_async(values)
-    device, float32 = values.device, torch.float32
-    parts = [values]
-    for optimizer in stats.optimizers:
-        if optimizer.norms:
-            # One stack per optimizer (its norms share a device); a cast only when they
-            # are not float32 on the values' device.
-            stacked = torch.stack(optimizer.norms)
-            if stacked.dtype is not float32 or stacked.device != device:
-                stacked = stacked.to(device=device, dtype=float32, non_blocking=True)
-            parts.append(stacked)
-    host, ready = to_host_async(torch.cat(parts))
-    pending.host_norms = host[len(host) - stats.norm_count() :]
-    return host, ready
-
-
-def stack_scalars(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """One float32 vector of 0-dim (or one-element) tensors: a single op for the parts
-    already on ``device`` as 0-dim float32 (the scale and found-inf tensors), one more per
-    other part (the int32 growth tracker, flags of other devices)."""
-    float32 = torch.float32
-    return torch.stack(
-        [
-            p
-            if p.dtype is float32 and p.ndim == 0 and p.device == device
-            else p.detach().to(device=device, dtype=float32, non_blocking=True).reshape(())
-            for p in parts
-        ]
-    )
-
 
 class StepCapture:
-    """Per-iteration capture for one scaler; training thread only, except :meth:`layout`.
+    """Per-iteration capture for one scaler; training thread only, except :meth:`lay_out`.
 
     Args:
         read_on_host: Read the step's values at update() (the host transport). ``None``:
@@ -347,7 +62,7 @@ class StepCapture:
 
     def __init__(self, read_on_host: bool | None = None) -> None:
         self._read_on_host = read_on_host
-        self._optimizers: dict[int, OptimizerInfo] = {}
+        self._registry = CaptureRegistry(mode="scaler", policy="skip", count_steps=True)
         # This iteration's, replaced by update():
         self._seen: dict[int, OptimizerInfo] = {}
         """Optimizers unscaled in this iteration, by id."""
@@ -358,9 +73,6 @@ class StepCapture:
         """Whether the iteration that update() is closing skipped a step; ``None``: the
         host does not know (set before torch's update, kept by after_update)."""
         self._last_skipped: bool | PendingStep = False
-        self._slots: dict[tuple[int, str, bool, bool, int], OptimizerSlot] = {}
-        self._device_names: dict[torch.device, str] = {}
-        self._setups: dict[frozenset[str], Setup] = {}
         self._scale_seen: tuple[torch.Tensor, int] | None = None
         """The scale tensor and its version right after the previous update()'s capture."""
         self._scale_at: tuple[torch.Tensor, int] | None = None
@@ -368,10 +80,7 @@ class StepCapture:
 
     def close(self) -> None:
         """Remove the step pre-hooks from every optimizer still alive."""
-        for info in self._optimizers.values():
-            if info.handle is not None:
-                info.handle.remove()
-        self._optimizers.clear()
+        self._registry.close()
 
     # -- during the iteration ------------------------------------------------------------
 
@@ -379,15 +88,9 @@ class StepCapture:
         """Note that torch is unscaling ``optimizer``'s gradients in this iteration
         (registering it, with its step pre-hook, on first sight); what is known of it
         (``dtensor``: whether its gradients are DTensors)."""
-        key = id(optimizer)
-        info = self._optimizers.get(key)
-        if info is None or info.ref() is not optimizer:
-            # A reused id of a collected optimizer gets a fresh entry and index.
-            info = self._optimizers[key] = OptimizerInfo(optimizer, len(self._optimizers))
-        self._seen[key] = info
+        info = self._registry.info(optimizer)
+        self._seen[id(optimizer)] = info
         info.unscaled_at = info.calls[0]
-        if len(optimizer.param_groups) != info.groups:
-            info.refresh(optimizer)
         return info
 
     def record_local(
@@ -435,11 +138,9 @@ class StepCapture:
         last = self._last_skipped
         if isinstance(last, PendingStep):
             values = last.read()
-            offset, skipped = 1, False
-            for slot in last.optimizers:
-                found = any(v > 0 for v in values[offset : offset + slot.num_flags])
-                skipped = skipped or (slot.stepped and found)
-                offset += slot.num_flags
+            skipped = layout.decode(
+                values, last.optimizers, last.local_devices, last.origin_devices
+            ).stepped_on_nonfinite
             self._last_skipped = skipped
             return skipped
         return last
@@ -469,8 +170,10 @@ class StepCapture:
                 clean = False
                 break
         # An empty _local is kept for the next iteration: hand out an immutable one.
-        shape: Shape = (self, steps, seen, self._local or _NO_LOCAL)
-        pending = PendingStep(identity, self._step + 1, time.time(), manual, shape, clean)
+        local = self._local or _NO_LOCAL
+        pending = PendingStep(
+            identity, self._step + 1, time.time(), manual, (self, steps, seen, local), clean
+        )
         if clean:
             self._skipped = False
         else:
@@ -482,8 +185,8 @@ class StepCapture:
             if clean:
                 pending.before, pending.values = scale.item(), []
             else:
-                flags = self._flag_tensors(shape)
-                pending.values = [scale.item(), *(flag.item() for flag in flags)]
+                flags = self._flag_tensors(steps, local)
+                pending.values = layout.head(scale.item(), [flag.item() for flag in flags])
             return pending
         seen_scale, at = self._scale_seen, self._scale_at
         if (
@@ -496,8 +199,8 @@ class StepCapture:
             pending.before = at
         else:
             pending.clean = False
-            flags = self._flag_tensors(shape)
-            pending.snapshot = stack_scalars([scale, *flags], scale.device)
+            flags = self._flag_tensors(steps, local)
+            pending.snapshot = stack_scalars(layout.head(scale, flags), scale.device)
         return pending
 
     def _unclean(
@@ -543,23 +246,21 @@ class StepCapture:
         pending.stats = stats
         values = pending.values
         if values is not None:  # the host transport
-            values.append(scale.item())
-            values.append(float(tracker.item()))
-            if origin:
-                values.extend(flag.item() for flag in origin.values())
+            origin_values = [flag.item() for flag in origin.values()] if origin else ()
+            values += layout.tail(scale.item(), float(tracker.item()), origin_values)
             # The stats' tensors stay as they are: the telemetry thread reads them.
         else:
-            parts = [scale, tracker, *origin.values()]
+            parts = layout.tail(scale, tracker, origin.values())
             if stats is not None:
                 parts += stats.scalars()
             after = stack_scalars(parts, scale.device)
             snapshot, pending.snapshot = pending.snapshot, None
             if snapshot is None:
                 host, ready = copy_with_norms(pending, after, stats)
-                index = 0
+                index = layout.SCALE_AFTER
             else:
                 host, ready = copy_with_norms(pending, torch.cat([snapshot, after]), stats)
-                index = len(snapshot)
+                index = len(snapshot) + layout.SCALE_AFTER
             pending.host, pending.ready = host, ready
             self._scale_at = (host, index)
             self._scale_seen = (scale, compat.tensor_version(scale))
@@ -568,63 +269,47 @@ class StepCapture:
 
     # -- naming the values ---------------------------------------------------------------
 
-    def layout(self, shape: Shape) -> tuple[tuple[OptimizerSlot, ...], tuple[str, ...]]:
-        """The optimizer slots and local device names of an iteration, in the order of its
-        values. Runs on the telemetry thread, reading only the iteration's own objects and
-        this capture's caches (dict lookups and inserts, atomic under the GIL)."""
-        _, steps, seen, _ = shape
+    def lay_out(
+        self,
+        pending: PendingStep,
+        steps: list[Step],
+        seen: Mapping[int, OptimizerInfo],
+        local: Mapping[int, FoundInf],
+    ) -> None:
+        """Name the step's values: its optimizer slots and local device names, in the order
+        of its values, and its setup (a scaler skips; the dtypes of the iteration's
+        optimizers' gradients). Runs on the telemetry thread (:meth:`PendingStep.read`),
+        reading only the iteration's own objects and the registry (dict lookups and
+        inserts, atomic under the GIL)."""
+        registry = self._registry
         slots = []
-        for key, stepped, found_inf in steps:
-            info = seen.get(key) or self._optimizers.get(key)
-            if info is None:
-                slot_key = (0, "unknown", False, stepped, len(found_inf))
-            else:
-                slot_key = (info.index, info.name, info.fused, stepped, len(found_inf))
-            slot = self._slots.get(slot_key)
-            if slot is None:
-                index, name, fused, was_stepped, num_flags = slot_key
-                slot = self._slots[slot_key] = OptimizerSlot(
-                    index=index, name=name, fused=fused, stepped=was_stepped, num_flags=num_flags
-                )
-            slots.append(slot)
-        return tuple(slots), tuple(self._local_flags(shape))
-
-    def setup(self, shape: Shape) -> Setup:
-        """A scaler's setup: it skips, checking the dtypes of the iteration's optimizers'
-        gradients. Telemetry thread; one shared object per dtype combination."""
-        _, steps, seen, _ = shape
         dtypes: frozenset[str] = frozenset()
-        for key, _, _ in steps:
-            info = seen.get(key) or self._optimizers.get(key)
+        for key, stepped, found_inf in steps:
+            info = seen.get(key) or registry.known(key)
+            slots.append(registry.slot(info, stepped, len(found_inf)))
             if info is not None:
                 dtypes |= info.dtypes
-        setup = self._setups.get(dtypes)
-        if setup is None:
-            setup = self._setups[dtypes] = Setup(
-                mode="scaler", policy="skip", grad_dtype=grad_dtype(dtypes)
-            )
-        return setup
+        pending.optimizers = tuple(slots)
+        pending.local_devices = registry.device_names(_local_devices(steps, local))
+        pending.setup = registry.setup(dtypes)
 
-    def _local_flags(self, shape: Shape) -> dict[str, list[torch.Tensor]]:
-        """This rank's found-inf tensors by device name: each optimizer's recorded local
-        ones, else torch's own (equal to local where torch does not reduce them)."""
-        names = self._device_names
-        local: dict[str, list[torch.Tensor]] = {}
-        _, steps, _, recorded = shape
-        for key, _, found_inf in steps:
-            for device, flag in recorded.get(key, found_inf).items():
-                name = names.get(device)
-                if name is None:
-                    name = names[device] = str(device)
-                local.setdefault(name, []).append(flag)
-        return local
-
-    def _flag_tensors(self, shape: Shape) -> list[torch.Tensor]:
-        """Every found-inf tensor in the values' order; one per local device (the max)."""
-        flags = [flag for _, _, found_inf in shape[1] for flag in found_inf.values()]
-        for tensors in self._local_flags(shape).values():
-            merged = tensors[0]
-            for flag in tensors[1:]:
-                merged = torch.maximum(merged, flag.to(merged.device))
-            flags.append(merged)
+    def _flag_tensors(self, steps: list[Step], local: Mapping[int, FoundInf]) -> list[torch.Tensor]:
+        """The flags of the layout's head: every found-inf tensor of every optimizer, then
+        one per local device (their max)."""
+        flags = [flag for _, _, found_inf in steps for flag in found_inf.values()]
+        flags.extend(max_per_device(_local_founds(steps, local)).values())
         return flags
+
+
+def _local_founds(steps: list[Step], local: Mapping[int, FoundInf]) -> list[FoundInf]:
+    """This rank's found-inf of each optimizer: its recorded local one, else torch's own
+    (equal to local where torch does not reduce them)."""
+    return [local.get(key, found_inf) for key, _, found_inf in steps]
+
+
+def _local_devices(steps: list[Step], local: Mapping[int, FoundInf]) -> dict[torch.device, None]:
+    """The local flags' devices, in the order of the values."""
+    devices: dict[torch.device, None] = {}
+    for found in _local_founds(steps, local):
+        devices.update(dict.fromkeys(found))
+    return devices

@@ -1,12 +1,12 @@
 """What one iteration of a :class:`~ampscope.GradWatch` saw, captured at the least cost.
 
-Per optimizer, :func:`check_local` runs torch's fused multi-tensor non-finite kernel
-(the one its unscale runs) once per (device, dtype) group of this rank's local gradients
-(DTensor shards, under FSDP2 and tensor parallelism) with an inverse scale of 1: one
-pass over gradient memory (the kernel writes each value back unchanged), no sync. Its
-one-element flags stay on the device. On the CPU with the gradient norms on (``stats``),
-the norms, taken first, decide a clean iteration alone
-(:meth:`WatchCapture.clean_from_norms`): an inf/NaN element always makes its norm
+Per optimizer, the front-end runs :func:`~ampscope.rank.gradients.nonfinite.check_local`:
+torch's fused multi-tensor non-finite kernel (the one its unscale runs) once per (device,
+dtype) group of this rank's local gradients (DTensor shards, under FSDP2 and tensor
+parallelism) with an inverse scale of 1: one pass over gradient memory (the kernel
+writes each value back unchanged), no sync. Its one-element flags stay on the device. On
+the CPU with the gradient norms on (``stats``), the norms, taken first, decide a clean
+iteration alone (:meth:`WatchCapture.clean_from_norms`): an inf/NaN element always makes its norm
 non-finite, so finite norms spare the kernel; a non-finite norm (which finite elements
 above ~1.8e19 also give, in float32) leaves the decision to it.
 
@@ -17,10 +17,10 @@ thread the way the scalers' capture does: on the CPU the telemetry thread lays t
 step out and reads them (host memory, no sync; nothing writes them any more), else they
 are stacked and copied to pinned memory without blocking.
 
-The values follow the scalers' layout, ``[scale_before, *optimizer flags, *local flags,
-scale_after, growth_tracker, *origin flags]``, with a scale of 1 and a tracker of 0, so
-one :class:`~ampscope.rank.telemetry.records.RecordBuilder` builds both kinds of record; the
-pending step's :class:`~ampscope.reporter.schema.Setup` tells it which kind.
+The values follow the scalers' :mod:`~ampscope.rank.capture.layout`, with a scale of 1
+and a tracker of 0, so one :class:`~ampscope.rank.telemetry.records.RecordBuilder` builds
+both kinds of record; the pending step's :class:`~ampscope.reporter.schema.Setup` tells
+it which kind.
 """
 
 from __future__ import annotations
@@ -28,43 +28,23 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping
-from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from ampscope.rank import compat
-from ampscope.rank.capture.scaler import (
-    FoundInf,
-    OptimizerInfo,
-    OptimizerSlot,
-    PendingStep,
-    copy_with_norms,
-    grad_dtype,
-    stack_scalars,
-)
+from ampscope.rank.capture import layout
+from ampscope.rank.capture.pending import PendingStep, copy_with_norms, stack_scalars
+from ampscope.rank.capture.registry import CaptureRegistry, OptimizerInfo
+from ampscope.rank.gradients.nonfinite import FoundInf, max_of, max_per_device
 from ampscope.rank.telemetry.identity import collective_device
-from ampscope.reporter.schema import Identity, Policy, Setup
+from ampscope.reporter.schema import Identity, Policy
 
 if TYPE_CHECKING:
     from ampscope.rank.gradients.stats import TakenStats
 
 _READ_EACH = 8
 """Up to this many norms, reading each costs less than stacking them first."""
-
-_NO_FLAGS: Mapping[torch.device, torch.Tensor] = MappingProxyType({})
-
-
-def _merged(
-    a: Mapping[torch.device, torch.Tensor], b: FoundInf
-) -> dict[torch.device, torch.Tensor]:
-    """Per device, the max of two optimizers' local flags (one small op per shared device)."""
-    out = dict(a)
-    for device, flag in b.items():
-        mine = out.get(device)
-        out[device] = flag if mine is None else torch.maximum(mine, flag)
-    return out
 
 
 class Checked:
@@ -87,71 +67,6 @@ class Checked:
         """Non-finite element counts by parameter, once counted."""
 
 
-def check_local(
-    optimizer: torch.optim.Optimizer,
-    info: OptimizerInfo,
-    ones: dict[torch.device, torch.Tensor],
-) -> dict[torch.device, torch.Tensor]:
-    """This rank's found-inf per device for ``optimizer``'s local gradients.
-
-    Groups the gradients by device and dtype as torch's unscale does (sparse ones by their
-    stored values, DTensors by their local shards) and runs the fused kernel once per
-    group, into one zeroed flag per device. ``ones`` caches the inverse scale of 1 per
-    device. Cost: one Python walk over the parameters, one small fill per device, one
-    kernel per group; no sync.
-    """
-    grads = [p.grad for group in optimizer.param_groups for p in group["params"]]
-    place = info.place
-    if place is not None:
-        # One device and dtype, known from the parameters: one group, unless sparse.
-        dense = [g for g in grads if g is not None]
-        if not any(g.is_sparse for g in dense):
-            device = place[0]
-            flag = torch.zeros(1, dtype=torch.float32, device=device)
-            if dense:
-                _check_group(dense, flag, _one_on(device, ones))
-            return {device: flag}
-    groups: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = {}
-    for grad in grads:
-        if grad is None:
-            continue
-        local = compat.local_tensor(grad) if info.dtensor else grad
-        if local.is_sparse:
-            local = compat.sparse_values(local)
-        per_dtype = groups.get(local.device)
-        if per_dtype is None:
-            per_dtype = groups[local.device] = {}
-        same = per_dtype.get(local.dtype)
-        if same is None:
-            per_dtype[local.dtype] = [local]
-        else:
-            same.append(local)
-    found: dict[torch.device, torch.Tensor] = {}
-    for device, per_dtype in groups.items():
-        flag = torch.zeros(1, dtype=torch.float32, device=device)
-        for same in per_dtype.values():
-            _check_group(same, flag, _one_on(device, ones))
-        found[device] = flag
-    return found
-
-
-def _one_on(device: torch.device, ones: dict[torch.device, torch.Tensor]) -> torch.Tensor:
-    one = ones.get(device)
-    if one is None:
-        one = ones[device] = torch.ones(1, dtype=torch.float32, device=device)
-    return one
-
-
-def _check_group(grads: list[torch.Tensor], flag: torch.Tensor, one: torch.Tensor) -> None:
-    # Gradients that require grad themselves (create_graph=True) must not record the
-    # kernel; entering no_grad costs more than the kernel, so only for those.
-    if torch.is_grad_enabled() and any(g.requires_grad for g in grads):
-        with torch.no_grad():
-            compat.non_finite_check_(grads, flag, one)
-    else:
-        compat.non_finite_check_(grads, flag, one)
-
-
 def agree(found: FoundInf, group: dist.ProcessGroup | None) -> torch.Tensor:
     """One flag, 1 when any rank of ``group`` found inf/NaN: the local flags' max, then one
     all-reduce (max) of that one-element tensor when the process group has several ranks.
@@ -162,12 +77,10 @@ def agree(found: FoundInf, group: dist.ProcessGroup | None) -> torch.Tensor:
     if not flags:
         device = collective_device(group) if distributed else torch.device("cpu")
         flag = torch.zeros(1, dtype=torch.float32, device=device)
-    elif len(flags) == 1:
-        flag = flags[0].clone() if distributed else flags[0]
     else:
-        flag = flags[0].clone()
-        for other in flags[1:]:
-            torch.maximum(flag, other.to(flag.device), out=flag)
+        flag = max_of(flags)
+        if distributed and len(flags) == 1:
+            flag = flag.clone()  # the all-reduce writes it
     if distributed:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return flag
@@ -185,7 +98,7 @@ class WatchCapture:
     def __init__(self, policy: Policy, read_on_host: bool | None = None) -> None:
         self.policy = policy
         self._read_on_host = read_on_host
-        self._optimizers: dict[int, OptimizerInfo] = {}
+        self._registry = CaptureRegistry(mode="watch", policy=policy, count_steps=False)
         self.iteration: dict[int, Checked] = {}
         """The open iteration's checks by optimizer id, in the order they ran."""
         self.step = 0
@@ -201,9 +114,6 @@ class WatchCapture:
         """``id()`` of the shared clean flags (:meth:`clean_from_norms`): known to be 0,
         so never read."""
         self._constants: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._slots: dict[tuple[int, str, bool, bool, int], OptimizerSlot] = {}
-        self._device_names: dict[tuple[torch.device, ...], tuple[str, ...]] = {}
-        self._setups: dict[frozenset[str], Setup] = {}
 
     def clean_from_norms(
         self, norms: tuple[torch.Tensor, ...], device: torch.device
@@ -236,21 +146,13 @@ class WatchCapture:
         return {device: zero}
 
     def close(self) -> None:
-        """Nothing to undo: the watch registers no hooks on optimizers."""
-        self._optimizers.clear()
+        """Forget the optimizers (the watch registers no hooks on them)."""
+        self._registry.close()
 
     def info(self, optimizer: torch.optim.Optimizer) -> OptimizerInfo:
         """The optimizer's facts (index, fused, DTensor, dtypes), registered on first sight
         and refreshed when a parameter group is added."""
-        key = id(optimizer)
-        info = self._optimizers.get(key)
-        if info is None or info.ref() is not optimizer:
-            info = self._optimizers[key] = OptimizerInfo(
-                optimizer, len(self._optimizers), count_steps=False
-            )
-        if len(optimizer.param_groups) != info.groups:
-            info.refresh(optimizer)
-        return info
+        return self._registry.info(optimizer)
 
     def close_iteration(
         self,
@@ -284,17 +186,19 @@ class WatchCapture:
             accelerator = self._accelerator(iteration, origin)
             on_host = accelerator is None
         if on_host:
-            pending.fill = (self, iteration, origin)
+            pending.deferred = (self, iteration, origin)
             return pending
-        flags = self._lay_out(pending, iteration, origin)
+        flags = self._name_values(pending, iteration, origin)
         device = torch.device("cpu") if accelerator is None else accelerator
-        one, zero = self._constants_on(device)
-        scalars = stats.scalars() if stats is not None else []
-        stacked = stack_scalars([one, *flags, one, zero, *origin.values(), *scalars], device)
+        scale, tracker = self._constants_on(device)
+        parts = layout.head(scale, flags) + layout.tail(scale, tracker, origin.values())
+        if stats is not None:
+            parts += stats.scalars()
+        stacked = stack_scalars(parts, device)
         pending.host, pending.ready = copy_with_norms(pending, stacked, stats)
         return pending
 
-    def fill(
+    def lay_out(
         self,
         pending: PendingStep,
         iteration: Mapping[int, Checked],
@@ -302,17 +206,16 @@ class WatchCapture:
     ) -> None:
         """Lay out a host-transport step and read its flags (CPU tensors: host memory).
         Runs on the telemetry thread (:meth:`PendingStep.read`), reading only the
-        iteration's own objects and this capture's caches (dict lookups and inserts,
-        atomic under the GIL)."""
-        flags = self._lay_out(pending, iteration, origin)
+        iteration's own objects and the registry (dict lookups and inserts, atomic under
+        the GIL)."""
+        flags = self._name_values(pending, iteration, origin)
         zeros = self.zero_ids  # the shared clean flags: known 0, not read
-        values = [1.0]
-        values += [0.0 if id(flag) in zeros else flag.item() for flag in flags]
-        values += (1.0, 0.0)
-        values += [flag.item() for flag in origin.values()]
+        scale, tracker = layout.WATCH_SCALE, layout.WATCH_TRACKER
+        values = layout.head(scale, [0.0 if id(flag) in zeros else flag.item() for flag in flags])
+        values += layout.tail(scale, tracker, [flag.item() for flag in origin.values()])
         pending.values = values  # the stats' CPU tensors: read by the records' builder
 
-    def _lay_out(
+    def _name_values(
         self,
         pending: PendingStep,
         iteration: Mapping[int, Checked],
@@ -320,23 +223,26 @@ class WatchCapture:
     ) -> list[torch.Tensor]:
         """Set the step's setup, optimizer slots and device names; return its optimizer
         and local flags, in the order of its values."""
-        opt_flags: list[torch.Tensor] = []
-        slots: list[OptimizerSlot] = []
-        local: Mapping[torch.device, torch.Tensor] = _NO_FLAGS
+        registry = self._registry
+        flags: list[torch.Tensor] = []
+        slots = []
+        founds = []
         dtypes: frozenset[str] = frozenset()
         for entry in iteration.values():
             info, found = entry.info, entry.found
-            flags = list(found.values()) if entry.agreed is None else [entry.agreed]
-            slots.append(self._slot(info, entry.stepped, len(flags)))
-            opt_flags += flags
+            own = list(found.values()) if entry.agreed is None else [entry.agreed]
+            slots.append(registry.slot(info, entry.stepped, len(own)))
+            flags += own
             # The common single optimizer keeps its own objects: no merge, no new set.
             dtypes = info.dtypes if not dtypes else dtypes | info.dtypes
-            local = found if not local else _merged(local, found)
-        pending.setup = self._setup(dtypes)
+            founds.append(found)
+        local = max_per_device(founds)
+        pending.setup = registry.setup(dtypes)
         pending.optimizers = tuple(slots)
-        pending.local_devices = self._device_names_of(local)
+        pending.local_devices = registry.device_names(local)
         pending.origin_devices = tuple(origin)
-        return opt_flags + list(local.values())
+        flags.extend(local.values())
+        return flags
 
     @staticmethod
     def _accelerator(
@@ -356,43 +262,14 @@ class WatchCapture:
                 return flag.device
         return None
 
-    # -- shared immutable parts ----------------------------------------------------------
-
-    def _slot(self, info: OptimizerInfo, stepped: bool, num_flags: int) -> OptimizerSlot:
-        key = (info.index, info.name, info.fused, stepped, num_flags)
-        slot = self._slots.get(key)
-        if slot is None:
-            slot = self._slots[key] = OptimizerSlot(
-                index=info.index,
-                name=info.name,
-                fused=info.fused,
-                stepped=stepped,
-                num_flags=num_flags,
-            )
-        return slot
-
-    def _device_names_of(self, local: Mapping[torch.device, torch.Tensor]) -> tuple[str, ...]:
-        """The devices' names, one shared tuple per combination."""
-        devices = tuple(local)
-        names = self._device_names.get(devices)
-        if names is None:
-            names = self._device_names[devices] = tuple(str(d) for d in devices)
-        return names
-
-    def _setup(self, dtypes: frozenset[str]) -> Setup:
-        setup = self._setups.get(dtypes)
-        if setup is None:
-            setup = self._setups[dtypes] = Setup(
-                mode="watch", policy=self.policy, grad_dtype=grad_dtype(dtypes)
-            )
-        return setup
+    # -- constants ---------------------------------------------------------------------
 
     def _constants_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """A scale of 1 and a tracker of 0 as 0-dim float32 tensors on ``device``, made once."""
+        """The watch's scale and tracker as 0-dim float32 tensors on ``device``, made once."""
         constants = self._constants.get(device)
         if constants is None:
             constants = self._constants[device] = (
-                torch.ones((), dtype=torch.float32, device=device),
-                torch.zeros((), dtype=torch.float32, device=device),
+                torch.full((), layout.WATCH_SCALE, dtype=torch.float32, device=device),
+                torch.full((), layout.WATCH_TRACKER, dtype=torch.float32, device=device),
             )
         return constants

@@ -1,7 +1,7 @@
 """What every telemetry front-end shares: the scalers' mixin and the bf16/fp32 watch.
 
 A front-end decides what one iteration was (a scaler's skip and scale, a watch's policy)
-and hands a :class:`~ampscope.rank.capture.scaler.PendingStep` to the same machinery: parameter
+and hands a :class:`~ampscope.rank.capture.pending.PendingStep` to the same machinery: parameter
 names, origin hooks, the identity, the telemetry thread and its sinks. This base owns
 that machinery's life cycle (``attach``, ``close``, the first update()'s identity) and
 the rule that telemetry never raises into training.
@@ -140,7 +140,8 @@ class TelemetryFrontEnd:
                 # whole on every rank (not summed).
                 stats.reduce = None if group is None else sum_over(group)
         if track_origin and self._ampscope_capture is not None:
-            from ampscope.rank.gradients.origin import OriginFlags, install_origin_hooks
+            from ampscope.rank.gradients.origin import OriginFlags
+            from ampscope.rank.gradients.origin_hooks import install_origin_hooks
 
             if self._ampscope_origin is None:
                 self._ampscope_origin = OriginFlags(norms=self._ampscope_stats is not None)

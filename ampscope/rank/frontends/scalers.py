@@ -1,23 +1,24 @@
 """``ampscope.GradScaler`` and ``ampscope.ShardedGradScaler``: torch's scalers plus telemetry.
 
 Each takes exactly torch's constructor arguments (same order and defaults) plus the
-keyword-only options of :class:`~ampscope.rank.config.TelemetryConfig`.
+keyword-only options of :class:`~ampscope.rank.config.TelemetryConfig`
+(:class:`~ampscope.rank.config.ScalerOptions`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Literal
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import ProcessGroup
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as _TorchShardedGradScaler
 
-from ampscope.rank.config import TelemetryConfig
+from ampscope.rank.config import ScalerOptions, telemetry_config
 from ampscope.rank.frontends.scaler_mixin import TelemetryMixin
-from ampscope.reporter.sinks import Sink
-from ampscope.reporter.spike_rule import SpikeRule
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 
 class GradScaler(TelemetryMixin, torch.amp.GradScaler):
@@ -36,30 +37,9 @@ class GradScaler(TelemetryMixin, torch.amp.GradScaler):
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
         enabled: bool = True,
-        *,
-        reporter: Sink | Literal["auto"] | None = "auto",
-        sinks: Sequence[Sink] = (),
-        run_id: str | None = None,
-        attribution: bool = True,
-        top_k: int = 8,
-        history: int = 1024,
-        min_scale: float | None = None,
-        max_scale: float | None = None,
-        stats: bool = True,
-        spike_rule: SpikeRule | None = None,
+        **telemetry: Unpack[ScalerOptions],
     ) -> None:
-        config = TelemetryConfig(
-            reporter=reporter,
-            sinks=sinks,
-            run_id=run_id,
-            attribution=attribution,
-            top_k=top_k,
-            history=history,
-            min_scale=min_scale,
-            max_scale=max_scale,
-            stats=stats,
-            spike_rule=spike_rule,
-        )
+        config = telemetry_config("GradScaler.__init__", telemetry, scale=True)
         super().__init__(
             device,
             init_scale=init_scale,
@@ -91,30 +71,9 @@ class ShardedGradScaler(TelemetryMixin, _TorchShardedGradScaler):
         growth_interval: int = 2000,
         enabled: bool = True,
         process_group: ProcessGroup | None = dist.group.WORLD,
-        *,
-        reporter: Sink | Literal["auto"] | None = "auto",
-        sinks: Sequence[Sink] = (),
-        run_id: str | None = None,
-        attribution: bool = True,
-        top_k: int = 8,
-        history: int = 1024,
-        min_scale: float | None = None,
-        max_scale: float | None = None,
-        stats: bool = True,
-        spike_rule: SpikeRule | None = None,
+        **telemetry: Unpack[ScalerOptions],
     ) -> None:
-        config = TelemetryConfig(
-            reporter=reporter,
-            sinks=sinks,
-            run_id=run_id,
-            attribution=attribution,
-            top_k=top_k,
-            history=history,
-            min_scale=min_scale,
-            max_scale=max_scale,
-            stats=stats,
-            spike_rule=spike_rule,
-        )
+        config = telemetry_config("ShardedGradScaler.__init__", telemetry, scale=True)
         super().__init__(
             device,
             init_scale=init_scale,

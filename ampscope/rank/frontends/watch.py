@@ -26,22 +26,23 @@ optimizers under ``skip``, which take the flag as ``found_inf`` and skip on the 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from ampscope.rank.capture.scaler import FoundInf
-from ampscope.rank.capture.watch import Checked, WatchCapture, agree, check_local
-from ampscope.rank.config import TelemetryConfig, WatchConfig
+from ampscope.rank.capture.watch import Checked, WatchCapture, agree
+from ampscope.rank.config import TelemetryConfig, WatchConfig, WatchOptions, telemetry_config
 from ampscope.rank.frontends import stop
 from ampscope.rank.frontends.base import OWN_ATTRIBUTES, TelemetryFrontEnd, warn_if_torch_changed
 from ampscope.rank.frontends.stop import NonFiniteGradientsError
 from ampscope.rank.gradients.attribution import count_nonfinite
+from ampscope.rank.gradients.nonfinite import FoundInf, check_local
 from ampscope.reporter.schema import Policy
-from ampscope.reporter.sinks import Sink
-from ampscope.reporter.spike_rule import SpikeRule
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["GradWatch", "NonFiniteGradientsError"]
 
@@ -69,8 +70,9 @@ class GradWatch(TelemetryFrontEnd):
         process_group: The ranks that agree under ``skip``/``raise`` (the gradients'
             data-parallel group); ``None``: the default group.
         enabled: ``False``: a pass-through (``step()`` steps, no checks, no records).
-        reporter, sinks, run_id, attribution, top_k, history, stats, spike_rule: As the
-            scalers' (:class:`~ampscope.rank.config.TelemetryConfig`).
+        **telemetry: The scalers' telemetry options but the scale clamps
+            (:class:`~ampscope.rank.config.TelemetryConfig`,
+            :class:`~ampscope.rank.config.WatchOptions`).
     """
 
     _ampscope_capture: WatchCapture | None
@@ -82,30 +84,14 @@ class GradWatch(TelemetryFrontEnd):
         max_consecutive_skips: int | None = None,
         process_group: dist.ProcessGroup | None = None,
         enabled: bool = True,
-        reporter: Sink | Literal["auto"] | None = "auto",
-        sinks: Sequence[Sink] = (),
-        run_id: str | None = None,
-        attribution: bool = True,
-        top_k: int = 8,
-        history: int = 1024,
-        stats: bool = True,
-        spike_rule: SpikeRule | None = None,
+        **telemetry: Unpack[WatchOptions],
     ) -> None:
         self._watch = WatchConfig(
             policy=policy,
             max_consecutive_skips=max_consecutive_skips,
             process_group=process_group,
         )
-        config = TelemetryConfig(
-            reporter=reporter,
-            sinks=sinks,
-            run_id=run_id,
-            attribution=attribution,
-            top_k=top_k,
-            history=history,
-            stats=stats,
-            spike_rule=spike_rule,
-        )
+        config = telemetry_config("GradWatch.__init__", telemetry, scale=False)
         warn_if_torch_changed()
         self._enabled = enabled
         self._consecutive_skips = 0

@@ -14,21 +14,15 @@ are equal to torch's.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ampscope.rank import compat
+from ampscope.rank.gradients.nonfinite import group_by_place
 
 UnscaleFn = Callable[[Any, torch.Tensor, torch.Tensor, bool], dict[torch.device, torch.Tensor]]
 """torch's ``_unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)``, bound."""
-
-
-@dataclass
-class _Group:
-    reduction: compat.FoundInfReduction | None
-    stand_ins: list[torch.Tensor] = field(default_factory=list)
 
 
 class _LocalShardsView:
@@ -51,7 +45,8 @@ def unscale_local_shards(
     ``reduced`` equals what torch's ``_unscale_grads_`` returns for DTensor grads; runs
     the same collectives (one per group with DTensor grads).
     """
-    groups: dict[torch.device, dict[torch.dtype, _Group]] = {}
+    stand_ins: list[torch.Tensor] = []
+    dtensors: dict[int, torch.Tensor] = {}  # a stand-in's DTensor gradient, by its id()
     with torch.no_grad():
         for param_group in optimizer.param_groups:
             for param in param_group["params"]:
@@ -59,20 +54,17 @@ def unscale_local_shards(
                 if grad is None:
                     continue
                 local = compat.local_tensor(grad)
-                group = groups.setdefault(local.device, {}).get(local.dtype)
-                if group is None:
-                    group = groups[local.device][local.dtype] = _Group(reduction=None)
-                if group.reduction is None and compat.is_dtensor(grad):
-                    group.reduction = compat.found_inf_reduction(grad)
-                stand_in = local.detach()
+                stand_in = local.detach()  # the local shard's device and dtype
                 stand_in.grad = local
-                group.stand_ins.append(stand_in)
+                stand_ins.append(stand_in)
+                if compat.is_dtensor(grad):
+                    dtensors[id(stand_in)] = grad
 
         reduced: dict[torch.device, torch.Tensor] = {}
         local_found: dict[torch.device, torch.Tensor] = {}
-        for device, per_dtype in groups.items():
+        for device, per_dtype in group_by_place(stand_ins).items():
             for group in per_dtype.values():
-                flags = unscale(_LocalShardsView(group.stand_ins), inv_scale, found_inf, allow_fp16)
+                flags = unscale(_LocalShardsView(group), inv_scale, found_inf, allow_fp16)
                 flag = flags[device]
                 previous_local = local_found.get(device)
                 local_found[device] = (
@@ -80,7 +72,8 @@ def unscale_local_shards(
                 )
                 previous = reduced.get(device)
                 combined = flag if previous is None else torch.maximum(previous, flag)
-                if group.reduction is not None:
-                    compat.reduce_found_inf(combined, group.reduction)
+                first = next((dtensors[id(s)] for s in group if id(s) in dtensors), None)
+                if first is not None:
+                    compat.reduce_found_inf(combined, compat.found_inf_reduction(first))
                 reduced[device] = combined
     return reduced, local_found

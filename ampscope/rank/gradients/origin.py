@@ -6,7 +6,8 @@ rank's *unreduced* gradients inside the gradient collective itself (a DDP comm h
 an FSDP comm hook, or an FSDP2 custom reduce-scatter), accumulating the answer into a
 device-side flag per device, then runs the collective exactly as torch would have.
 
-Call order, per iteration::
+This module holds the flags; :mod:`~ampscope.rank.gradients.origin_hooks` the hooks that
+mark them. Call order, per iteration::
 
     handle = install_origin_hooks(model, flags)   # once, before training
     loss.backward()                               # hooks call flags.mark(bucket)
@@ -19,11 +20,10 @@ scalars. ``bench/scaler_distributed.py`` measures it on DDP.
 
 import threading
 import warnings
-from collections.abc import Callable
 
 import torch
 
-__all__ = ["OriginFlags", "OriginHandle", "install_origin_hooks"]
+__all__ = ["OriginFlags"]
 
 
 class OriginFlags:
@@ -156,95 +156,3 @@ class OriginFlags:
 
 def _zero_flag(device: torch.device) -> torch.Tensor:
     return torch.zeros(1, dtype=torch.float32, device=device)
-
-
-class OriginHandle:
-    """What :func:`install_origin_hooks` installed; :meth:`remove` undoes it.
-
-    Attributes:
-        kind: ``"ddp"``, ``"fsdp"`` (FSDP1 ``FullyShardedDataParallel``) or
-            ``"fully_shard"`` (FSDP2).
-    """
-
-    def __init__(self, kind: str, undo: Callable[[], None]) -> None:
-        self.kind = kind
-        self._undo: Callable[[], None] | None = undo
-
-    @property
-    def active(self) -> bool:
-        """Whether the hooks still mark flags."""
-        return self._undo is not None
-
-    def remove(self) -> None:
-        """Stop origin tracking on the model. Idempotent.
-
-        FSDP2: the previous reduce-scatter comm is put back. DDP and FSDP1 cannot
-        unregister a comm hook, so the hook stays but stops checking; it keeps
-        reducing exactly like torch's default, and a later :func:`install_origin_hooks`
-        on the same model reuses it.
-        """
-        undo, self._undo = self._undo, None
-        if undo is not None:
-            undo()
-
-
-def install_origin_hooks(model: torch.nn.Module, flags: OriginFlags) -> OriginHandle:
-    """Check each rank's unreduced gradients inside the model's gradient collectives.
-
-    Call once, after wrapping the model and before training: torch documents comm
-    hooks as registered before the first forward (FSDP1) or backward (DDP). Training
-    results are bit-identical to training without the hooks.
-
-    Supported models:
-        * ``DistributedDataParallel`` (a DDP comm hook around its default all-reduce);
-        * FSDP1 ``FullyShardedDataParallel``, the root (a comm hook around the default
-          reduce-scatter, or all-reduce for ``NO_SHARD``; hybrid strategies are not
-          supported by torch's comm hooks);
-        * FSDP2 ``fully_shard`` modules (a custom reduce-scatter on every
-          ``FSDPModule``, wrapping the one already set; HSDP is covered because its
-          replica all-reduce follows the checked reduce-scatter).
-
-    The model may also be an outer module holding one such wrapper, e.g. the result of
-    ``torch.compile``. With gradient accumulation (``no_sync()`` or
-    ``set_requires_gradient_sync(False)``) the collective, and so the check, runs on
-    the synchronising micro-batch and sees the accumulated gradients.
-
-    Args:
-        model: The wrapped model.
-        flags: Where detections accumulate.
-
-    Returns:
-        A handle whose ``remove()`` stops the tracking.
-
-    Raises:
-        TypeError: ``model`` runs no gradient collective (a plain module).
-        ValueError: The model already has a user comm hook / custom reduce-scatter
-            that origin tracking cannot wrap, or a configuration in which no
-            collective runs on this rank's unreduced gradients.
-    """
-    # Imported here: torch.distributed is not needed until a model is attached.
-    from ampscope.rank.gradients import origin_hooks as collectives
-
-    ddp = collectives.find_ddp(model)
-    fsdp1 = collectives.find_fsdp1_root(model)
-    fully_shard = collectives.find_fully_shard_modules(model)
-    found = [
-        kind for kind, hit in (("DDP", ddp), ("FSDP", fsdp1), ("fully_shard", fully_shard)) if hit
-    ]
-    if len(found) > 1:
-        raise ValueError(
-            f"{type(model).__name__} mixes {' and '.join(found)}; origin tracking supports "
-            "one data-parallel wrapper per model"
-        )
-    if ddp is not None:
-        return OriginHandle("ddp", collectives.install_ddp(ddp, flags))
-    if fsdp1 is not None:
-        return OriginHandle("fsdp", collectives.install_fsdp1(fsdp1, flags))
-    if fully_shard:
-        return OriginHandle("fully_shard", collectives.install_fully_shard(fully_shard, flags))
-    raise TypeError(
-        f"{type(model).__name__} runs no gradient collective, so there is no pre-reduction "
-        "gradient to check: origin tracking needs DistributedDataParallel, "
-        "FullyShardedDataParallel or fully_shard. Without data parallelism the local "
-        "found-inf already is the origin; attach with track_origin=False."
-    )

@@ -3,7 +3,8 @@
 Each hook marks :class:`~ampscope.rank.gradients.origin.OriginFlags` with the rank's unreduced
 gradients, then runs the same collective with the same pre/post division as torch's
 default path, so training results are bit-identical. Use through
-:func:`ampscope.rank.gradients.origin.install_origin_hooks`.
+:func:`install_origin_hooks`, which finds the model's wrapper and returns an
+:class:`OriginHandle`. The front-ends import it in ``attach()``, not at import.
 
 This module deliberately has no ``from __future__ import annotations``: DDP compares
 a comm hook's ``bucket`` and return annotations with the real classes at registration.
@@ -22,6 +23,7 @@ from ampscope.rank.compat import (
     ddp_comm_hooks,
     ddp_uses_python_reducer,
     fsdp1_comm_hook,
+    fsdp1_hybrid,
     fsdp_default_hooks,
     fully_shard_param_groups,
     fully_shard_predivide_factor,
@@ -103,6 +105,35 @@ def _reattach(state: object, flags: OriginFlags, what: str) -> Callable[[], None
     return state.detach
 
 
+def _hook_taken(what: str, names: str, mark: str, note: str = "") -> ValueError:
+    """The error for a wrapper whose one comm hook is someone else's."""
+    return ValueError(
+        f"{what} already has a comm hook ({names}) and accepts only one. Either drop it, "
+        f"or attach with track_origin=False and call OriginFlags.mark({mark}) inside your "
+        f"own hook before its collective{note}"
+    )
+
+
+def _register(
+    what: str,
+    wrapper: DDP | FSDP,
+    hook: Callable[..., object],
+    flags: OriginFlags,
+    refusal: type[Exception],
+    advice: str = "",
+) -> Callable[[], None]:
+    """Register ``hook`` with a fresh state on ``wrapper``; returns the undo. ``refusal``:
+    what torch raises when it refuses the hook, turned into a ValueError (``advice`` first,
+    then torch's words)."""
+    state = _OriginState(flags, _require_group(wrapper.process_group, what))
+    try:
+        wrapper.register_comm_hook(state, hook)
+    except refusal as exc:
+        said = f"{advice} (torch said: {exc})" if advice else str(exc)
+        raise ValueError(f"{what} refused the origin comm hook: {said}") from exc
+    return state.detach
+
+
 def _ddp_origin_hook(
     state: _OriginState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
@@ -127,11 +158,11 @@ def install_ddp(ddp: DDP, flags: OriginFlags) -> Callable[[], None]:
             return _reattach(state, flags, "DistributedDataParallel")
     if hooks:
         names = ", ".join(getattr(h, "__qualname__", repr(h)) for h, _ in hooks)
-        raise ValueError(
-            f"DistributedDataParallel already has a comm hook ({names}) and accepts only one. "
-            "Either drop it, or attach with track_origin=False and call "
-            "OriginFlags.mark(bucket.buffer()) inside your own hook before its collective "
-            "(DDP's mixed_precision= option registers such a hook too)"
+        raise _hook_taken(
+            "DistributedDataParallel",
+            names,
+            "bucket.buffer()",
+            " (DDP's mixed_precision= option registers such a hook too)",
         )
     if ddp_uses_python_reducer(ddp):
         raise ValueError(
@@ -139,16 +170,14 @@ def install_ddp(ddp: DDP, flags: OriginFlags) -> Callable[[], None]:
             "passes single gradients, not buckets, to comm hooks; origin tracking needs "
             "the C++ reducer"
         )
-    state = _OriginState(flags, _require_group(ddp.process_group, "DistributedDataParallel"))
-    try:
-        ddp.register_comm_hook(state, _ddp_origin_hook)
-    except RuntimeError as exc:
-        raise ValueError(
-            "DistributedDataParallel refused the origin comm hook: attach the scaler "
-            "before the first backward and without a builtin comm hook "
-            f"(torch said: {exc})"
-        ) from exc
-    return state.detach
+    return _register(
+        "DistributedDataParallel",
+        ddp,
+        _ddp_origin_hook,
+        flags,
+        RuntimeError,
+        "attach the scaler before the first backward and without a builtin comm hook",
+    )
 
 
 def _fsdp1_origin_hook(
@@ -167,8 +196,7 @@ def _fsdp1_origin_hook(
 def install_fsdp1(root: FSDP, flags: OriginFlags) -> Callable[[], None]:
     """Register the origin comm hook on the FSDP1 root and its units; returns the undo."""
     units = FSDP.fsdp_modules(root)
-    hybrid = {ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2}
-    if any(unit.sharding_strategy in hybrid for unit in units):
+    if any(fsdp1_hybrid(unit) for unit in units):
         raise ValueError(
             "FullyShardedDataParallel with a hybrid sharding strategy does not support comm "
             "hooks; origin tracking needs FULL_SHARD, SHARD_GRAD_OP or NO_SHARD (or FSDP2)"
@@ -184,17 +212,8 @@ def install_fsdp1(root: FSDP, flags: OriginFlags) -> Callable[[], None]:
     others = [h for h, _ in hooks if h is not None and h is not _fsdp1_origin_hook]
     if any(hook is not None for hook, _ in hooks):
         names = ", ".join(sorted({getattr(h, "__qualname__", repr(h)) for h in others}))
-        raise ValueError(
-            f"FullyShardedDataParallel already has a comm hook ({names or 'origin, partly'}) "
-            "and accepts only one. Either drop it, or attach with track_origin=False and call "
-            "OriginFlags.mark(grad) inside your own hook before its collective"
-        )
-    state = _OriginState(flags, _require_group(root.process_group, "FullyShardedDataParallel"))
-    try:
-        root.register_comm_hook(state, _fsdp1_origin_hook)
-    except AssertionError as exc:
-        raise ValueError(f"FullyShardedDataParallel refused the origin comm hook: {exc}") from exc
-    return state.detach
+        raise _hook_taken("FullyShardedDataParallel", names or "origin, partly", "grad")
+    return _register("FullyShardedDataParallel", root, _fsdp1_origin_hook, flags, AssertionError)
 
 
 class OriginReduceScatter(ReduceScatter):
@@ -286,3 +305,92 @@ def install_fully_shard(modules: list[FSDPModule], flags: OriginFlags) -> Callab
             module.set_custom_reduce_scatter(inner)
 
     return undo
+
+
+class OriginHandle:
+    """What :func:`install_origin_hooks` installed; :meth:`remove` undoes it.
+
+    Attributes:
+        kind: ``"ddp"``, ``"fsdp"`` (FSDP1 ``FullyShardedDataParallel``) or
+            ``"fully_shard"`` (FSDP2).
+    """
+
+    def __init__(self, kind: str, undo: Callable[[], None]) -> None:
+        self.kind = kind
+        self._undo: Callable[[], None] | None = undo
+
+    @property
+    def active(self) -> bool:
+        """Whether the hooks still mark flags."""
+        return self._undo is not None
+
+    def remove(self) -> None:
+        """Stop origin tracking on the model. Idempotent.
+
+        FSDP2: the previous reduce-scatter comm is put back. DDP and FSDP1 cannot
+        unregister a comm hook, so the hook stays but stops checking; it keeps
+        reducing exactly like torch's default, and a later :func:`install_origin_hooks`
+        on the same model reuses it.
+        """
+        undo, self._undo = self._undo, None
+        if undo is not None:
+            undo()
+
+
+def install_origin_hooks(model: torch.nn.Module, flags: OriginFlags) -> OriginHandle:
+    """Check each rank's unreduced gradients inside the model's gradient collectives.
+
+    Call once, after wrapping the model and before training: torch documents comm
+    hooks as registered before the first forward (FSDP1) or backward (DDP). Training
+    results are bit-identical to training without the hooks.
+
+    Supported models:
+        * ``DistributedDataParallel`` (a DDP comm hook around its default all-reduce);
+        * FSDP1 ``FullyShardedDataParallel``, the root (a comm hook around the default
+          reduce-scatter, or all-reduce for ``NO_SHARD``; hybrid strategies are not
+          supported by torch's comm hooks);
+        * FSDP2 ``fully_shard`` modules (a custom reduce-scatter on every
+          ``FSDPModule``, wrapping the one already set; HSDP is covered because its
+          replica all-reduce follows the checked reduce-scatter).
+
+    The model may also be an outer module holding one such wrapper, e.g. the result of
+    ``torch.compile``. With gradient accumulation (``no_sync()`` or
+    ``set_requires_gradient_sync(False)``) the collective, and so the check, runs on
+    the synchronising micro-batch and sees the accumulated gradients.
+
+    Args:
+        model: The wrapped model.
+        flags: Where detections accumulate.
+
+    Returns:
+        A handle whose ``remove()`` stops the tracking.
+
+    Raises:
+        TypeError: ``model`` runs no gradient collective (a plain module).
+        ValueError: The model already has a user comm hook / custom reduce-scatter
+            that origin tracking cannot wrap, or a configuration in which no
+            collective runs on this rank's unreduced gradients.
+    """
+    ddp = find_ddp(model)
+    fsdp1 = find_fsdp1_root(model)
+    fully_shard = find_fully_shard_modules(model)
+    found = [
+        kind for kind, hit in (("DDP", ddp), ("FSDP", fsdp1), ("fully_shard", fully_shard)) if hit
+    ]
+    if len(found) > 1:
+        raise ValueError(
+            f"{type(model).__name__} mixes {' and '.join(found)}; origin tracking supports "
+            "one data-parallel wrapper per model"
+        )
+    if ddp is not None:
+        return OriginHandle("ddp", install_ddp(ddp, flags))
+    if fsdp1 is not None:
+        return OriginHandle("fsdp", install_fsdp1(fsdp1, flags))
+    if fully_shard:
+        return OriginHandle("fully_shard", install_fully_shard(fully_shard, flags))
+    raise TypeError(
+        f"{type(model).__name__} runs no gradient collective, so there is no pre-reduction "
+        "gradient to check: origin tracking needs DistributedDataParallel, "
+        "FullyShardedDataParallel or fully_shard. Without data parallelism the local "
+        "found-inf already is the origin; attach with track_origin=False."
+    )

@@ -22,7 +22,7 @@ a :class:`~ampscope.reporter.schema.StepStats` (:mod:`ampscope.rank.telemetry.st
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ampscope.rank import compat
-from ampscope.rank.capture.scaler import OptimizerInfo
+from ampscope.rank.capture.registry import OptimizerInfo
 from ampscope.rank.gradients.names import ParamNames
 
 SquareSumReduce = Callable[[torch.Tensor], torch.Tensor]
@@ -70,7 +70,7 @@ class NormPlan:
     params: tuple[torch.Tensor, ...]
     """The optimizer's parameters, in order: re-read, like the plan, only when a parameter
     group is added (as torch's optimizers change them). The plan lives on the optimizer's
-    :class:`~ampscope.rank.capture.scaler.OptimizerInfo`, as long as the capture does."""
+    :class:`~ampscope.rank.capture.registry.OptimizerInfo`, as long as the capture does."""
     low_precision: bool
     """Some parameter (hence its gradient) is narrower than float32: norms in float32."""
     device: torch.device
@@ -130,11 +130,30 @@ class TakenStats:
     def scalars(self) -> list[torch.Tensor]:
         """The one-value tensors, in the order the device transport copies them: the loss
         sum (if any), each sharded optimizer's squared norm, each device's origin squared
-        norm."""
+        norm. :meth:`named` reads them back."""
         out = [] if self.loss is None else [self.loss]
         out += [o.square for o in self.optimizers if o.square is not None]
         out += self.origin.values()
         return out
+
+    def named(
+        self, values: Sequence[float]
+    ) -> tuple[float | None, list[float | None], Sequence[float]]:
+        """The host values of :meth:`scalars`, in its order from ``values[0]``, by name:
+        the loss sum (``None`` without a loss), per optimizer its summed squared norm
+        (``None`` where the local norms are the whole gradient's), the origin squares."""
+        at = 0
+        loss = None
+        if self.loss is not None:
+            loss, at = values[0], 1
+        squares: list[float | None] = []
+        for optimizer in self.optimizers:
+            if optimizer.square is None:
+                squares.append(None)
+            else:
+                squares.append(values[at])
+                at += 1
+        return loss, squares, values[at : at + len(self.origin)]
 
     def norm_count(self) -> int:
         return sum(len(o.norms) for o in self.optimizers)

@@ -11,12 +11,13 @@ import uuid
 import torch
 import torch.distributed as dist
 
+from ampscope.rank.config import LABEL_CHARS
 from ampscope.reporter.schema import MAX_LABEL_LENGTH, Identity
 
 # torchrun sets TORCHELASTIC_RUN_ID to "none" unless --rdzv-id/--standalone gives one: it
 # then says nothing about the run, so ampscope generates an id instead.
 _UNSET_ELASTIC_RUN_ID = "none"
-_NOT_LABEL_CHARS = re.compile(r"[^A-Za-z0-9_.:/@+=-]")
+_NOT_LABEL_CHARS = re.compile(rf"[^{LABEL_CHARS}]")
 
 
 def sanitize_label(value: str, fallback: str = "unknown") -> str:

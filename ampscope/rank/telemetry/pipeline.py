@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ampscope.rank.capture.scaler import PendingStep
+from ampscope.rank.capture.pending import PendingStep
 from ampscope.rank.gradients.attribution import top_k
 from ampscope.rank.telemetry.records import RecordBuilder
 from ampscope.reporter.schema import NonfiniteParam, StepRecord

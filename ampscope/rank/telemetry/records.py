@@ -21,7 +21,10 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
-from ampscope.rank.capture.scaler import OptimizerSlot, PendingStep
+from ampscope.rank.capture import layout
+from ampscope.rank.capture.layout import OptimizerSlot
+from ampscope.rank.capture.pending import PendingStep
+from ampscope.rank.config import LABEL_PATTERN
 from ampscope.rank.gradients.attribution import top_k
 from ampscope.rank.telemetry.stats_record import StatsBuilder
 from ampscope.reporter.schema import (
@@ -45,9 +48,28 @@ from ampscope.reporter.spike_rule import SpikeRule
 
 _Model = TypeVar("_Model", bound=BaseModel)
 
-# The schema's patterns for Label and ParamName (see ampscope.reporter.schema).
-_LABEL = re.compile(r"^[A-Za-z0-9_.:/@+=-]+$")
 _PARAM_NAME = re.compile(r'^[^\s"\\]+$')
+"""The schema's ParamName pattern (see ampscope.reporter.schema)."""
+
+
+class _Vouched:
+    """Strings known to pass one of the schema's string checks (a length and a pattern),
+    each checked once."""
+
+    __slots__ = ("_max_length", "_passed", "_pattern")
+
+    def __init__(self, pattern: re.Pattern[str], max_length: int) -> None:
+        self._pattern = pattern
+        self._max_length = max_length
+        self._passed: set[str] = set()
+
+    def __call__(self, value: str) -> bool:
+        if value in self._passed:
+            return True
+        if type(value) is str and len(value) <= self._max_length and self._pattern.match(value):
+            self._passed.add(value)
+            return True
+        return False
 
 
 @dataclass
@@ -116,8 +138,8 @@ class RecordBuilder:
         self.totals = RunningTotals()
         self._k = k
         self.stats = StatsBuilder(k, spike_rule)
-        self._labels: set[str] = set()
-        self._param_names: set[str] = set()
+        self._label = _Vouched(LABEL_PATTERN, MAX_LABEL_LENGTH)
+        self._param_name = _Vouched(_PARAM_NAME, MAX_PARAM_NAME_LENGTH)
         self._details: dict[tuple[OptimizerSlot, bool], OptimizerDetail] = {}
         self._flags: dict[tuple[tuple[str, ...], tuple[bool, ...]], dict[str, bool]] = {}
         self._top: list[NonfiniteParam] = []
@@ -139,24 +161,16 @@ class RecordBuilder:
         totals = self.totals
         setup = pending.setup or _SCALER
         watch = setup.mode == "watch"
-        offset = 1
-        found_by_slot = []
-        stepped_on_nonfinite = False
-        for slot in pending.optimizers:
-            found = any(v > 0 for v in values[offset : offset + slot.num_flags])
-            offset += slot.num_flags
-            stepped_on_nonfinite = stepped_on_nonfinite or (slot.stepped and found)
-            found_by_slot.append((slot, found))
-        applied = watch and setup.policy == "observe" and stepped_on_nonfinite
-        skipped = stepped_on_nonfinite and not applied
-        found_global = any(found for _, found in found_by_slot)
-        local = self._flag_dict(pending.local_devices, values, offset)
-        offset += len(pending.local_devices)
-        scale_before, scale_after = values[0], values[offset]
-        tracker = int(values[offset + 1])
-        offset += 2
-        origin = self._flag_dict(pending.origin_devices, values, offset)
-        offset += len(pending.origin_devices)
+        decoded = layout.decode(
+            values, pending.optimizers, pending.local_devices, pending.origin_devices
+        )
+        applied = watch and setup.policy == "observe" and decoded.stepped_on_nonfinite
+        skipped = decoded.stepped_on_nonfinite and not applied
+        found_global = any(decoded.optimizer_found)
+        local = self._flag_dict(pending.local_devices, decoded.local)
+        origin = self._flag_dict(pending.origin_devices, decoded.origin)
+        scale_before, scale_after = decoded.scale_before, decoded.scale_after
+        tracker = decoded.growth_tracker
 
         event: ScaleEvent
         if watch:
@@ -202,14 +216,17 @@ class RecordBuilder:
             fields, named = self.stats.build(
                 pending.stats,
                 values,
-                offset,
+                decoded.stats_at,
                 overflow=overflow,
                 scale=1.0 if watch else scale_before,
                 host_norms=pending.host_norms,
                 on_host=pending.values is not None,
             )
             stats = _build(StepStats, validate or named, **fields)
-        details = [self._detail(slot, found, validate) for slot, found in found_by_slot]
+        details = [
+            self._detail(slot, found, validate)
+            for slot, found in zip(pending.optimizers, decoded.optimizer_found, strict=True)
+        ]
         if new_aligned:
             aligned = _build(AlignedScale, validate, step=pending.step, scale=scale_after)
         first_applied = totals.first_nonfinite_applied
@@ -311,22 +328,6 @@ class RecordBuilder:
             )
         )
 
-    def _label(self, value: str) -> bool:
-        if value in self._labels:
-            return True
-        if type(value) is str and len(value) <= MAX_LABEL_LENGTH and _LABEL.match(value):
-            self._labels.add(value)
-            return True
-        return False
-
-    def _param_name(self, value: str) -> bool:
-        if value in self._param_names:
-            return True
-        if type(value) is str and len(value) <= MAX_PARAM_NAME_LENGTH and _PARAM_NAME.match(value):
-            self._param_names.add(value)
-            return True
-        return False
-
     # -- shared immutable parts ----------------------------------------------------------
 
     def _detail(self, slot: OptimizerSlot, found: bool, validate: bool) -> OptimizerDetail:
@@ -345,12 +346,9 @@ class RecordBuilder:
                 self._details[key] = detail
         return detail
 
-    def _flag_dict(
-        self, devices: tuple[str, ...], values: list[float], offset: int
-    ) -> dict[str, bool]:
+    def _flag_dict(self, devices: tuple[str, ...], flags: tuple[bool, ...]) -> dict[str, bool]:
         """``{device: flag}``; one shared dict per distinct combination (records never
         change theirs)."""
-        flags = tuple(v > 0 for v in values[offset : offset + len(devices)])
         key = (devices, flags)
         out = self._flags.get(key)
         if out is None:

@@ -50,7 +50,7 @@ class StatsBuilder:
         self,
         taken: TakenStats,
         values: Sequence[float],
-        offset: int,
+        stats_at: int,
         *,
         overflow: bool,
         scale: float,
@@ -64,7 +64,7 @@ class StatsBuilder:
         Args:
             taken: The step's stats as the training thread took them.
             values: The step's host values; on the device transport the stats' scalars
-                (:meth:`TakenStats.scalars`) start at ``values[offset]``.
+                (:meth:`TakenStats.scalars`) start at ``values[stats_at]``.
             overflow: The iteration's gradients held inf/NaN: every value is ``None`` and
                 the windows see nothing.
             scale: The loss scale the gradients were scaled by in backward (1 for a watch).
@@ -76,30 +76,20 @@ class StatsBuilder:
             return {**_OVERFLOW, "spikes": [], "top_params": []}, False
         # A scale that underflowed to 0 leaves scaled norms unknown (None), not infinite.
         inverse = 1.0 / scale if scale > 0 else math.nan
-        scalars: Sequence[float] = values
-        if on_host:
-            scalars = [t.item() for t in taken.scalars()]
-            offset = 0
-        loss = None
-        if taken.loss is not None:
-            loss = _finite(scalars[offset] / taken.loss_count)
-            offset += 1
+        scalars = [t.item() for t in taken.scalars()] if on_host else values[stats_at:]
+        loss_sum, squares, origin_squares = taken.named(scalars)
+        loss = None if loss_sum is None else _finite(loss_sum / taken.loss_count)
         grad_square = 0.0
         start = 0
-        for optimizer in taken.optimizers:
-            count = len(optimizer.norms)
-            if optimizer.square is not None:
-                square = scalars[offset]
-                offset += 1
-            else:
-                square = _square_sum(optimizer, host_norms, start)
-            start += count
+        for optimizer, summed in zip(taken.optimizers, squares, strict=True):
+            square = _square_sum(optimizer, host_norms, start) if summed is None else summed
+            start += len(optimizer.norms)
             factor = inverse if optimizer.scaled else 1.0
             grad_square += square * factor * factor
         grad_norm = _finite(math.sqrt(grad_square)) if taken.optimizers else None
         origin = None
         if taken.origin:
-            own = sum(scalars[offset : offset + len(taken.origin)])
+            own = sum(origin_squares)
             origin = _finite(math.sqrt(own) * inverse) if own >= 0 else None
         spikes: list[SpikeKind] = []
         if self.loss_window.observe(loss) is not None:

@@ -16,7 +16,8 @@ import torch
 from support import run_distributed
 from torch import nn
 
-from ampscope.rank.gradients.origin import OriginFlags, install_origin_hooks
+from ampscope.rank.gradients.origin import OriginFlags
+from ampscope.rank.gradients.origin_hooks import install_origin_hooks
 
 INF = math.inf
 NAN = math.nan

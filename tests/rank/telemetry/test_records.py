@@ -9,7 +9,9 @@ import random
 import pydantic
 import pytest
 
-from ampscope.rank.capture.scaler import OptimizerSlot, PendingStep
+from ampscope.rank.capture import layout
+from ampscope.rank.capture.layout import OptimizerSlot
+from ampscope.rank.capture.pending import PendingStep
 from ampscope.rank.telemetry.records import RecordBuilder
 from ampscope.reporter.schema import Identity, StepRecord
 
@@ -43,6 +45,17 @@ def _pending(
     )
 
 
+def _values(
+    before: float = 8.0,
+    after: float = 8.0,
+    tracker: float = 1.0,
+    flags: tuple[float, ...] = (0, 0, 0, 0, 0),
+    origin: tuple[float, ...] = (0,),
+) -> list[float]:
+    """A step's values; ``flags``: the optimizers' (SLOTS: 3), then the local ones (2)."""
+    return layout.head(before, flags) + layout.tail(after, tracker, origin)
+
+
 def _strict(record: StepRecord) -> StepRecord:
     """The record as the exporter sees it: serialised, then validated strictly."""
     return StepRecord.model_validate_json(record.model_dump_json(), strict=True)
@@ -66,7 +79,7 @@ def test_records_equal_their_strict_validation_over_a_random_run() -> None:
             if overflow
             else {}
         )
-        values = [before, *flags, *local, scale, float(tracker), *origin]
+        values = _values(before, scale, float(tracker), (*flags, *local), tuple(origin))
         record = builder.build(_pending(step, values, nonfinite=nonfinite), values)
         assert record == _strict(record)
         records.append(record)
@@ -86,14 +99,14 @@ def test_records_equal_their_strict_validation_over_a_random_run() -> None:
 @pytest.mark.parametrize(
     ("values", "kwargs"),
     [
-        ([math.inf, 0, 0, 0, 0, 0, 8.0, 1.0, 0], {}),  # scale_before not finite
-        ([8.0, 0, 0, 0, 0, 0, math.nan, 1.0, 0], {}),  # scale_after NaN
-        ([8.0, 0, 0, 0, 0, 0, -1.0, 1.0, 0], {}),  # negative scale
-        ([8.0, 0, 0, 0, 0, 0, 8.0, 1.0, 0], {"local": ("cuda 0", "cuda:1")}),  # bad label
-        ([8.0, 0, 0, 0, 0, 0, 8.0, 1.0, 0], {"nonfinite": {'bad"name': 1}}),
-        ([8.0, 0, 0, 0, 0, 0, 8.0, 1.0, 0], {"nonfinite": {"w": -1}}),
+        (_values(before=math.inf), {}),  # scale_before not finite
+        (_values(after=math.nan), {}),  # scale_after NaN
+        (_values(after=-1.0), {}),  # negative scale
+        (_values(), {"local": ("cuda 0", "cuda:1")}),  # bad label
+        (_values(), {"nonfinite": {'bad"name': 1}}),
+        (_values(), {"nonfinite": {"w": -1}}),
         (
-            [8.0, 0, 8.0, 1.0, 0],
+            _values(flags=(0,)),
             {
                 "slots": (
                     OptimizerSlot(index=0, name="My Opt", fused=False, stepped=True, num_flags=1),
@@ -107,7 +120,7 @@ def test_what_strict_validation_rejects_is_rejected_and_leaves_totals(
     values: list[float], kwargs: dict
 ) -> None:
     builder = RecordBuilder(k=8)
-    good = [8.0, 0, 0, 0, 0, 0, 8.0, 1.0, 0]
+    good = _values()
     builder.build(_pending(1, good), good)
     before = (builder.totals.steps, builder.totals.found_inf_local, builder.totals.min_scale)
     with pytest.raises(pydantic.ValidationError):
@@ -123,6 +136,6 @@ def test_what_strict_validation_rejects_is_rejected_and_leaves_totals(
 
 def test_manual_and_growth_events() -> None:
     builder = RecordBuilder(k=8)
-    values = [8.0, 0, 0, 0, 0, 0, 16.0, 0.0, 0]
+    values = _values(after=16.0, tracker=0.0)
     assert builder.build(_pending(1, values), values).event == "growth"
     assert builder.build(_pending(2, values, manual=True), values).event == "manual"

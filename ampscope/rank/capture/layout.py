@@ -1,0 +1,133 @@
+"""The one layout of a step's values: written here, read here, named everywhere else.
+
+Every pending step reaches the telemetry thread as one flat list of floats (on the device
+transport, one stacked tensor copied to the host), in this order::
+
+    [scale_before, *optimizer flags, *local flags,      # the head, captured before update()
+     scale_after, growth_tracker, *origin flags,        # the tail, after update()
+     *stats scalars]                                    # device transport only
+
+* optimizer flags: each optimizer's found-inf values in update()'s order,
+  :attr:`OptimizerSlot.num_flags` of them per optimizer;
+* local flags: this rank's pre-reduction found-inf, one per local device (the max over
+  the optimizers);
+* origin flags: this rank's own gradients held inf/NaN inside the gradient collective,
+  one per device (origin tracking);
+* stats scalars: :meth:`~ampscope.rank.gradients.stats.TakenStats.scalars`.
+
+A watch has no scale: it writes a scale of :data:`WATCH_SCALE` and a tracker of
+:data:`WATCH_TRACKER`, so one record builder reads both kinds. The encoders take floats
+(the host transport) or tensors (stacked for the device transport) alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple, TypeVar
+
+V = TypeVar("V")
+"""A value of the layout: a float on the host, a 0-dim tensor before the copy."""
+
+WATCH_SCALE = 1.0
+"""The scale a watch writes before and after: it multiplies nothing."""
+WATCH_TRACKER = 0.0
+"""The growth tracker a watch writes."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerSlot:
+    """One optimizer's part of a pending step; its found-inf values sit in the step's values.
+
+    Immutable and shared: a capture reuses one slot per distinct value.
+    """
+
+    index: int
+    name: str
+    fused: bool
+    stepped: bool
+    num_flags: int
+    """How many per-device found-inf values of this optimizer the step's values hold."""
+
+
+def head(scale_before: V, flags: Iterable[V]) -> list[V]:
+    """The values captured before update(): the scale, then every optimizer flag followed
+    by the local flags (``flags``, already in that order)."""
+    out = [scale_before]
+    out.extend(flags)
+    return out
+
+
+def tail(scale_after: V, growth_tracker: V, origin: Iterable[V]) -> list[V]:
+    """The values captured after update(): the scale, the tracker, the origin flags."""
+    out = [scale_after, growth_tracker]
+    out.extend(origin)
+    return out
+
+
+def flag_count(optimizers: Sequence[OptimizerSlot], local_devices: Sequence[str]) -> int:
+    """How many flags the head holds after its scale."""
+    return sum(slot.num_flags for slot in optimizers) + len(local_devices)
+
+
+def clean_head(
+    scale_before: float, optimizers: Sequence[OptimizerSlot], local_devices: Sequence[str]
+) -> list[float]:
+    """The head of an iteration known clean on the host: every flag 0, none copied."""
+    return [scale_before, *([0.0] * flag_count(optimizers, local_devices))]
+
+
+SCALE_AFTER = 0
+"""Where the scale after update() sits in the tail: in a copy of ``head + tail`` at
+``len(head) + SCALE_AFTER``, in a copy of the tail alone at ``SCALE_AFTER``."""
+_TRACKER = 1
+_ORIGIN = 2
+
+
+def _found(values: Sequence[float], optimizers: Sequence[OptimizerSlot]) -> tuple[list[bool], int]:
+    """Per optimizer slot whether any of its flags is set, and where the local flags start."""
+    found = []
+    offset = 1
+    for slot in optimizers:
+        end = offset + slot.num_flags
+        found.append(any(v > 0 for v in values[offset:end]))
+        offset = end
+    return found, offset
+
+
+class StepValues(NamedTuple):
+    """A step's values, by name."""
+
+    scale_before: float
+    optimizer_found: list[bool]
+    """Per optimizer slot: any of its flags set."""
+    stepped_on_nonfinite: bool
+    """An optimizer that was stepped (by torch, or by a watch) had a flag set: a scaler
+    skipped its step, a watch skipped or (``observe``) applied it."""
+    local: tuple[bool, ...]
+    """Per local device (``PendingStep.local_devices``): its flag set."""
+    scale_after: float
+    growth_tracker: int
+    origin: tuple[bool, ...]
+    """Per origin device (``PendingStep.origin_devices``): its flag set."""
+    stats_at: int
+    """Where the stats' scalars start (device transport)."""
+
+
+def decode(
+    values: Sequence[float],
+    optimizers: Sequence[OptimizerSlot],
+    local_devices: Sequence[str],
+    origin_devices: Sequence[str],
+) -> StepValues:
+    """Name a step's values (telemetry thread). A flag is set when its value is above 0."""
+    found, offset = _found(values, optimizers)
+    stepped = any(slot.stepped and hit for slot, hit in zip(optimizers, found, strict=True))
+    end = offset + len(local_devices)
+    local = tuple(v > 0 for v in values[offset:end])
+    scale_after = values[end + SCALE_AFTER]
+    tracker = int(values[end + _TRACKER])
+    offset = end + _ORIGIN
+    end = offset + len(origin_devices)
+    origin = tuple(v > 0 for v in values[offset:end])
+    return StepValues(values[0], found, stepped, local, scale_after, tracker, origin, end)

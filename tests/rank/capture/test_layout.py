@@ -1,0 +1,55 @@
+"""The step's value layout: what the captures write is what the records' builder reads."""
+
+from __future__ import annotations
+
+import torch
+
+from ampscope.rank.capture import layout
+from ampscope.rank.capture.layout import OptimizerSlot
+
+ADAM = OptimizerSlot(index=0, name="AdamW", fused=False, stepped=True, num_flags=2)
+SGD_NOT_STEPPED = OptimizerSlot(index=1, name="SGD", fused=False, stepped=False, num_flags=1)
+
+
+def test_values_read_back_by_name() -> None:
+    # Two optimizers (2 + 1 flags), two local devices, two origin devices, stats after.
+    values = layout.head(1024.0, [0.0, 1.0, 0.0, 1.0, 0.0])
+    values += layout.tail(512.0, 0.0, [0.0, 1.0])
+    values += [3.5]  # a stats scalar (device transport)
+    named = layout.decode(values, (ADAM, SGD_NOT_STEPPED), ("cuda:0", "cuda:1"), ("a", "b"))
+    assert named.scale_before == 1024.0
+    assert named.optimizer_found == [True, False]
+    assert named.stepped_on_nonfinite is True
+    assert named.local == (True, False)
+    assert (named.scale_after, named.growth_tracker) == (512.0, 0)
+    assert named.origin == (False, True)
+    assert values[named.stats_at :] == [3.5]
+
+
+def test_only_a_stepped_optimizer_makes_a_step_nonfinite() -> None:
+    values = layout.head(8.0, [0.0, 0.0, 1.0]) + layout.tail(8.0, 3.0, [])
+    named = layout.decode(values, (ADAM, SGD_NOT_STEPPED), (), ())
+    assert named.optimizer_found == [False, True]
+    assert named.stepped_on_nonfinite is False
+    assert (named.scale_after, named.growth_tracker, named.stats_at) == (8.0, 3, len(values))
+
+
+def test_a_clean_head_is_the_head_of_zero_flags() -> None:
+    clean = layout.clean_head(64.0, (ADAM, SGD_NOT_STEPPED), ("cpu",))
+    assert clean == layout.head(64.0, [0.0] * 4)
+    assert layout.flag_count((ADAM, SGD_NOT_STEPPED), ("cpu",)) == 4
+
+
+def test_tensors_follow_the_same_layout() -> None:
+    # The device transport stacks tensors in the encoders' order; its host copy reads
+    # back like the host transport's floats.
+    scale, tracker = torch.tensor(4.0), torch.tensor(2.0)
+    flags = [torch.tensor(0.0), torch.tensor(1.0)]
+    stacked = torch.stack(layout.head(scale, flags) + layout.tail(scale, tracker, []))
+    floats = layout.head(4.0, [0.0, 1.0]) + layout.tail(4.0, 2.0, [])
+    assert stacked.tolist() == floats
+    assert stacked[len(flags) + 1 + layout.SCALE_AFTER].item() == 4.0
+
+
+def test_a_watch_writes_a_scale_of_one_and_no_tracker() -> None:
+    assert (layout.WATCH_SCALE, layout.WATCH_TRACKER) == (1.0, 0.0)
