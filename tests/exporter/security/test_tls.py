@@ -282,7 +282,7 @@ def test_ranks_report_through_token_ca_and_client_certificate(
 
 def _shown_scrape() -> dict[str, Any]:
     """The https scrape deploy/prometheus/prometheus.yml shows in comments, uncommented."""
-    text = (Path(__file__).parents[2] / "deploy" / "prometheus" / "prometheus.yml").read_text()
+    text = (Path(__file__).parents[3] / "deploy" / "prometheus" / "prometheus.yml").read_text()
     start = text.index("    # scheme: https")
     end = text.index("\n", text.index("password_file", start))
     block = "\n".join(line.removeprefix("    # ") for line in text[start:end].splitlines())
