@@ -43,7 +43,7 @@ from typing import Any
 import yaml
 
 from ampscope.status import prometheus
-from ampscope.verdicts.rules import Thresholds
+from ampscope.verdicts.thresholds import Thresholds
 from bench.machine import machine_info
 from bench.servers import VICTORIA_METRICS, victoria_metrics
 from bench.simulated_job import SimulatedJob

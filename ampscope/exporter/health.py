@@ -1,10 +1,12 @@
-"""Instability verdicts for one run, computed from rank snapshots.
+"""The health of one run from the store's rank snapshots: each rule of ``ampscope.verdicts``
+fed the facts it reads, in report order, and the run's roll-up.
 
-Pure functions of (snapshots, now, thresholds): no lock, no I/O, no clock of their own,
-so tests drive them with hand-made times. Windowed rules difference the cumulative
-totals of a rank's window samples (one per accepted batch) against the sample at the
-window's start, as Prometheus' ``increase()`` does, so they stay exact however long
-the window and however small the record history.
+The rules themselves live in ``ampscope.verdicts``, shared with ``ampscope status``; this
+module builds their facts from snapshots. Pure functions of (snapshots, now, thresholds):
+no lock, no I/O, no clock of their own, so tests drive them with hand-made times. Windowed
+rules difference the cumulative totals of a rank's window samples (one per accepted batch)
+against the sample at the window's start, as Prometheus' ``increase()`` does, so they stay
+exact however long the window and however small the record history.
 
 A rank takes part in a windowed rule while its last report lies within that rule's
 window (scale desync: the collapse window), so a run that just died still shows what
@@ -18,19 +20,16 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ampscope.exporter.api.models import HealthReport, Status, Verdict
-from ampscope.exporter.state.lifecycle import STATES, Lifecycle, RankStateName
+from ampscope.exporter.api.models import HealthReport
+from ampscope.exporter.state.lifecycle import Lifecycle
 from ampscope.exporter.state.ranks import RankSnapshot, WindowCounts
 from ampscope.exporter.state.spike_windows import SpikeKindName
-from ampscope.verdicts import rules
+from ampscope.verdicts import liveness, nonfinite, scale
 from ampscope.verdicts import spikes as spike_rules
-from ampscope.verdicts.rules import (
-    MAX_EVIDENCE_RANKS,
-    NO_SCALE,
-    RankFacts,
-    Thresholds,
-    progress_summary,
-)
+from ampscope.verdicts.ranks import RankFacts, is_scaler
+from ampscope.verdicts.rollup import health_report, run_finished
+from ampscope.verdicts.thresholds import Thresholds
+from ampscope.verdicts.verdict import RULES, RuleName, Verdict
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +38,6 @@ Rule = Callable[[Sequence["RankSnapshot"], float, "Thresholds"], Verdict]
 MAX_LOGGED = 1024
 """(rule, run, rank) left out of a verdict that are logged, once each; then no more."""
 _logged: set[tuple[str, str, int]] = set()
-
-_SEVERITY: dict[Status, int] = {"ok": 0, "warning": 1, "critical": 2}
 
 
 @dataclass(frozen=True)
@@ -69,112 +66,79 @@ def _window(snap: RankSnapshot, start: float) -> _Window:
     return _Window(baseline=None, peak_scale=peak)
 
 
-def _delta(now: Mapping[str, int], base: Mapping[str, int] | None) -> dict[str, int]:
-    base = base or {}
+def _delta(now: Mapping[str, int], base: Mapping[str, int]) -> dict[str, int]:
     return {key: count - base.get(key, 0) for key, count in now.items()}
+
+
+def _increase(snap: RankSnapshot, start: float) -> WindowCounts:
+    """How much the rank's counters rose since exporter time ``start``, as Prometheus'
+    ``increase()`` would: O(samples)."""
+    now = WindowCounts.of(snap.newest.totals)
+    base = _window(snap, start).baseline
+    if base is None:
+        return now
+    return WindowCounts(
+        now.steps - base.steps,
+        now.skipped_steps - base.skipped_steps,
+        _delta(now.found_inf_local, base.found_inf_local),
+        _delta(now.found_inf_origin, base.found_inf_origin),
+    )
 
 
 def _who(snap: RankSnapshot) -> dict[str, Any]:
     return {"rank": snap.identity.rank, "node": snap.identity.node}
 
 
-def _scalers(ranks: Sequence[RankSnapshot]) -> list[RankSnapshot]:
-    """The ranks that run a loss scaler: a watch's records carry scale 1, which is no scale."""
-    return [snap for snap in ranks if snap.newest.setup.mode == "scaler"]
-
-
 def scale_collapse(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
-    """``rules.scale_collapse`` over the store's snapshots: O(ranks x samples)."""
+    """``scale.scale_collapse`` over the store's snapshots: O(ranks x samples)."""
     facts = [
-        rules.ScaleFacts(
-            rank=snap.identity.rank,
-            node=snap.identity.node,
-            scaler=snap.newest.setup.mode == "scaler",
+        scale.ScaleFacts(
+            **_who(snap),
+            scaler=is_scaler(snap.newest.setup.mode),
             scale=snap.newest.scale_after,
             window_peak_scale=_window(snap, now - t.collapse_window_s).peak_scale,
         )
         for snap in ranks
     ]
-    return rules.scale_collapse(facts, t)
+    return scale.scale_collapse(facts, t)
 
 
 def skip_storm(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
-    """``rules.skip_storm`` over the store's snapshots: O(ranks x samples)."""
-    facts = []
-    for snap in ranks:
-        base = _window(snap, now - t.skip_storm_window_s).baseline
-        totals = snap.newest.totals
-        facts.append(
-            rules.StepFacts(
-                rank=snap.identity.rank,
-                node=snap.identity.node,
-                steps=totals.steps - (base.steps if base else 0),
-                skipped=totals.skipped_steps - (base.skipped_steps if base else 0),
-            )
-        )
-    return rules.skip_storm(facts, t)
+    """``nonfinite.skip_storm`` over the store's snapshots: O(ranks x samples)."""
+    rose = [(snap, _increase(snap, now - t.skip_storm_window_s)) for snap in ranks]
+    facts = [
+        nonfinite.StepFacts(**_who(snap), steps=counts.steps, skipped=counts.skipped_steps)
+        for snap, counts in rose
+    ]
+    return nonfinite.skip_storm(facts, t)
 
 
 def scale_desync(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
-    """Critical when ranks report different ``scale_after`` for the same step.
-
-    Compares the held histories of ranks that reported within the collapse window:
-    O(ranks x history_length).
-    """
-    del now
-    thresholds = {"window_s": t.collapse_window_s}
-    by_step: dict[int, set[float]] = {}
-    seen: dict[int, int] = {}
-    scalers = _scalers(ranks)
-    for snap in scalers:
-        for record in snap.history:
-            by_step.setdefault(record.step, set()).add(record.scale_after)
-            seen[record.step] = seen.get(record.step, 0) + 1
-    compared = sum(1 for count in seen.values() if count > 1)
-    mismatched = sorted(step for step, scales in by_step.items() if len(scales) > 1)
-    if not mismatched:
-        return Verdict(
-            rule="scale_desync",
-            status="ok",
-            summary=f"ranks agree on the scale at {compared} shared step(s)"
-            if scalers or not ranks
-            else NO_SCALE,
-            evidence={"compared_steps": compared},
-            thresholds=thresholds,
+    """``scale.scale_desync`` over the ranks' aligned scales (their newest records' totals),
+    as ``ampscope status`` and Prometheus compare them: O(ranks)."""
+    del now, t
+    facts = []
+    for snap in ranks:
+        aligned = snap.newest.totals.aligned_scale
+        facts.append(
+            scale.AlignedFacts(
+                **_who(snap),
+                scaler=is_scaler(snap.newest.setup.mode),
+                step=None if aligned is None else aligned.step,
+                scale=None if aligned is None else aligned.scale,
+            )
         )
-    step = mismatched[-1]
-    scales = {}
-    for snap in scalers:
-        for record in snap.history:
-            if record.step == step:
-                scales[str(snap.identity.rank)] = record.scale_after
-                break
-        if len(scales) >= MAX_EVIDENCE_RANKS:
-            break
-    return Verdict(
-        rule="scale_desync",
-        status="critical",
-        summary=f"ranks disagree on the loss scale at {len(mismatched)} of {compared} shared "
-        f"step(s); newest: step {step}",
-        evidence={
-            "compared_steps": compared,
-            "mismatched_steps": len(mismatched),
-            "first_mismatched_step": mismatched[0],
-            "newest_mismatched_step": step,
-            "scales_at_newest": scales,
-        },
-        thresholds=thresholds,
-    )
+    return scale.scale_desync(facts)
 
 
-def _states(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> list[RankStateName]:
+def _states(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> list[str]:
     life = Lifecycle(stale_after_s=t.stale_after_s, stall_after_s=t.stall_after_s)
     return [life.state(snap, now) for snap in ranks]
 
 
 def facts_of(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> list[RankFacts]:
-    """The neutral view of ``ranks`` at exporter time ``now`` that the shared rules of
-    ``ampscope.verdicts.rules`` read. O(ranks)."""
+    """The neutral view of ``ranks`` at exporter time ``now`` that the liveness rules of
+    ``ampscope.verdicts.liveness`` read. O(ranks)."""
     states = _states(ranks, now, t)
     return [
         RankFacts(
@@ -186,154 +150,56 @@ def facts_of(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> list[R
             last_step=snap.newest.step,
             last_report_time=snap.last_report,
             seconds_since_report=now - snap.last_report,
+            step_time=snap.newest.time,
+            seconds_since_progress=now - snap.last_progress,
         )
         for snap, state in zip(ranks, states, strict=True)
     ]
 
 
 def lost_rank(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
-    """``ampscope.verdicts.rules.lost_rank`` over the store's snapshots."""
-    return rules.lost_rank(facts_of(ranks, now, t), t)
+    """``liveness.lost_rank`` over the store's snapshots."""
+    return liveness.lost_rank(facts_of(ranks, now, t), t)
 
 
 def missing_rank(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
-    """``ampscope.verdicts.rules.missing_rank`` over the store's snapshots, judged only when
-    the ranks say their node holds the whole job (``rules.whole_job``)."""
+    """``liveness.missing_rank`` over the store's snapshots, judged only when the ranks say
+    their node holds the whole job (``liveness.whole_job``)."""
     facts = facts_of(ranks, now, t)
-    return rules.missing_rank(facts, judged=rules.whole_job(facts))
+    return liveness.missing_rank(facts, judged=liveness.whole_job(facts))
 
 
 def stalled_rank(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
-    """Warning when a rank is still heard from but took no new step for ``stall_after_s``.
-
-    When every live (running or stalled) rank stalled, the run hangs: the rank whose last
-    step is lowest, or at equal steps whose last step is oldest on its own clock, is named
-    as the likely culprit (the others typically wait for it in a collective).
-    """
-    thresholds = {"stall_after_s": t.stall_after_s}
-    states = _states(ranks, now, t)
-    stalled = [s for s, state in zip(ranks, states, strict=True) if state == "stalled"]
-    live = sum(1 for state in states if state in ("running", "stalled"))
-    if not stalled:
-        return Verdict(
-            rule="stalled_rank",
-            status="ok",
-            summary=progress_summary(live, states),
-            evidence={"stalled": 0, "live": live},
-            thresholds=thresholds,
-        )
-    listed = [
-        {
-            **_who(snap),
-            "last_step": snap.newest.step,
-            "step_time": snap.newest.time,
-            "seconds_since_progress": now - snap.last_progress,
-        }
-        for snap in sorted(stalled, key=lambda snap: (snap.newest.step, snap.newest.time))
-    ]
-    evidence: dict[str, Any] = {
-        "stalled": len(stalled),
-        "live": live,
-        "ranks": listed[:MAX_EVIDENCE_RANKS],
-    }
-    summary = (
-        f"{len(stalled)} of {live} live rank(s) still report but took no step for over "
-        f"{t.stall_after_s:g} s"
-    )
-    if len(stalled) == live:
-        culprit = listed[0]
-        evidence["culprit"] = culprit
-        summary += (
-            f"; every live rank stalled (a hang?): rank {culprit['rank']} (node "
-            f"{culprit['node']}) stopped first, at step {culprit['last_step']}: the likely "
-            "culprit"
-        )
-    return Verdict(
-        rule="stalled_rank",
-        status="warning",
-        summary=summary,
-        evidence=evidence,
-        thresholds=thresholds,
-    )
+    """``liveness.stalled_rank`` over the store's snapshots, with each rank's progress times."""
+    return liveness.stalled_rank(facts_of(ranks, now, t), t)
 
 
 def inf_hotspot(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
-    """``rules.inf_hotspot`` over the store's snapshots: O(ranks x samples)."""
-    facts = []
-    for snap in ranks:
-        base = _window(snap, now - t.hotspot_window_s).baseline
-        totals = snap.newest.totals
-        facts.append(
-            rules.InfFacts(
-                rank=snap.identity.rank,
-                node=snap.identity.node,
-                local=_delta(totals.found_inf_local, base.found_inf_local if base else None),
-                origin=_delta(totals.found_inf_origin, base.found_inf_origin if base else None),
-            )
-        )
-    return rules.inf_hotspot(facts, t)
+    """``nonfinite.inf_hotspot`` over the store's snapshots: O(ranks x samples)."""
+    rose = [(snap, _increase(snap, now - t.hotspot_window_s)) for snap in ranks]
+    facts = [
+        nonfinite.InfFacts(**_who(snap), local=c.found_inf_local, origin=c.found_inf_origin)
+        for snap, c in rose
+    ]
+    return nonfinite.inf_hotspot(facts, t)
 
 
 def nonfinite_update_applied(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
-    """Critical once a rank's optimizer step ran on inf/NaN gradients (a watch under policy
-    ``observe``): the weights hold inf/NaN from then on, so no window ends it; a restart
-    (counters from zero, e.g. from a checkpoint) does.
-
-    Names the run's first such step (the lowest ``first_nonfinite_applied`` of its ranks)
-    and the ranks whose own gradients held inf/NaN at that step (origin tracking). O(ranks).
-    """
+    """``nonfinite.nonfinite_update_applied`` over the store's snapshots: no window, as the
+    weights stay non-finite until the process restarts (counters from zero). O(ranks)."""
     del now, t
-    hits = sorted(
-        (
-            (first.step, snap.identity.rank, snap, first)
-            for snap in ranks
-            if (first := snap.newest.totals.first_nonfinite_applied) is not None
-        ),
-        key=lambda hit: hit[:2],
-    )
-    if not hits:
-        return Verdict(
-            rule="nonfinite_update_applied",
-            status="ok",
-            summary="no optimizer step ran on inf/NaN gradients",
-            evidence={"ranks_affected": 0},
-            thresholds={},
+    facts = [
+        nonfinite.AppliedFacts(
+            **_who(snap),
+            first_step=first.step,
+            origin=first.origin,
+            applied=snap.newest.totals.nonfinite_applied,
+            policy=snap.newest.setup.policy,
         )
-    first_step = hits[0][0]
-    at_first = [first for step, _, _, first in hits if step == first_step]
-    origins = [rank for step, rank, _, first in hits if step == first_step and first.origin]
-    tracked = any(first.origin is not None for first in at_first)
-    if origins:
-        origin = "origin: rank(s) " + ", ".join(map(str, origins[:MAX_EVIDENCE_RANKS]))
-    elif tracked:
-        origin = "origin: no rank that tracks it held inf/NaN of its own at that step"
-    else:
-        origin = "origin not tracked (attach(model, track_origin=True) names it)"
-    applied = sum(snap.newest.totals.nonfinite_applied for _, _, snap, _ in hits)
-    return Verdict(
-        rule="nonfinite_update_applied",
-        status="critical",
-        summary=f"{len(hits)} rank(s) applied {applied} optimizer step(s) on inf/NaN gradients: "
-        f"the weights hold inf/NaN since step {first_step}; {origin}",
-        evidence={
-            "first_step": first_step,
-            "origin_tracked": tracked,
-            "origin_ranks": origins[:MAX_EVIDENCE_RANKS],
-            "ranks_affected": len(hits),
-            "updates_applied": applied,
-            "ranks": [
-                {
-                    **_who(snap),
-                    "first_step": first.step,
-                    "origin": first.origin,
-                    "updates_applied": snap.newest.totals.nonfinite_applied,
-                    "policy": snap.newest.setup.policy,
-                }
-                for _, _, snap, first in hits[:MAX_EVIDENCE_RANKS]
-            ],
-        },
-        thresholds={},
-    )
+        for snap in ranks
+        if (first := snap.newest.totals.first_nonfinite_applied) is not None
+    ]
+    return nonfinite.nonfinite_update_applied(facts)
 
 
 def spike_facts(
@@ -350,8 +216,7 @@ def spike_facts(
         newest = within[-1]
         facts.append(
             spike_rules.SpikeFacts(
-                rank=snap.identity.rank,
-                node=snap.identity.node,
+                **_who(snap),
                 spikes=len(within),
                 newest=spike_rules.SpikeDetail(
                     step=newest.step,
@@ -413,41 +278,53 @@ def _isolated(rule: Rule, ranks: Sequence[RankSnapshot], now: float, t: Threshol
         return rule(good, now, t)
 
 
+@dataclass(frozen=True)
+class _Scope:
+    """Which ranks a rule reads, and as of when."""
+
+    rule: Rule
+    window: Callable[[Thresholds], float] | None = None
+    """Only the ranks heard within this window take part: a run that just died still shows
+    what killed it, and a rank that left long ago stops counting."""
+    live: bool = False
+    """Judged at the exporter's clock even for a finished run (liveness): otherwise as of
+    the run's last final record."""
+
+
+_SCOPES: dict[RuleName, _Scope] = {
+    "scale_collapse": _Scope(scale_collapse, lambda t: t.collapse_window_s),
+    "skip_storm": _Scope(skip_storm, lambda t: t.skip_storm_window_s),
+    "scale_desync": _Scope(scale_desync, lambda t: t.collapse_window_s),
+    "lost_rank": _Scope(lost_rank, live=True),
+    "missing_rank": _Scope(missing_rank, live=True),
+    "stalled_rank": _Scope(stalled_rank, live=True),
+    "inf_hotspot": _Scope(inf_hotspot, lambda t: t.hotspot_window_s),
+    "nonfinite_update_applied": _Scope(nonfinite_update_applied),
+    "loss_spike": _Scope(loss_spike),
+    "grad_norm_spike": _Scope(grad_norm_spike),
+    "origin_outlier": _Scope(origin_outlier),
+}
+"""Each rule of ``ampscope.verdicts.RULES`` over the store's snapshots."""
+
+
 def evaluate(run: str, ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> HealthReport:
-    """Every rule over one run's ranks. Cost: O(ranks x (samples + history_length)).
+    """Every rule over one run's ranks, in report order (``RULES``). Cost: O(ranks x samples).
 
     A run whose ranks all finished is judged as it ended: the instability rules are
     evaluated at the time of its last final record, so its report stays the same however
     long it is kept, and liveness rules have nothing to say (every rank said goodbye).
     """
     states = _states(ranks, now, t)
-    finished = bool(ranks) and all(state == "finished" for state in states)
+    finished = run_finished(states)
     at = max(snap.finished_at or 0.0 for snap in ranks) if finished else now
-
-    def recent(window_s: float) -> list[RankSnapshot]:
-        return [snap for snap in ranks if snap.reported_within(at, window_s)]
-
-    verdicts = [
-        _isolated(scale_collapse, recent(t.collapse_window_s), at, t),
-        _isolated(skip_storm, recent(t.skip_storm_window_s), at, t),
-        _isolated(scale_desync, recent(t.collapse_window_s), at, t),
-        _isolated(lost_rank, ranks, now, t),
-        _isolated(missing_rank, ranks, now, t),
-        _isolated(stalled_rank, ranks, now, t),
-        _isolated(inf_hotspot, recent(t.hotspot_window_s), at, t),
-        _isolated(nonfinite_update_applied, ranks, at, t),
-        _isolated(loss_spike, ranks, at, t),
-        _isolated(grad_norm_spike, ranks, at, t),
-        _isolated(origin_outlier, ranks, at, t),
-    ]
-    status = max((v.status for v in verdicts), key=_SEVERITY.__getitem__)
-    return HealthReport(
-        run=run,
-        status=status,
-        state="finished" if finished else "active",
-        evaluated_at=now,
-        ranks=len(ranks),
-        up=sum(1 for snap in ranks if snap.reported_within(now, t.stale_after_s)),
-        states={name: states.count(name) for name in STATES},
-        verdicts=verdicts,
-    )
+    verdicts = []
+    for name in RULES:
+        scope = _SCOPES[name]
+        when = now if scope.live else at
+        held = ranks
+        if scope.window is not None:
+            window_s = scope.window(t)
+            held = [snap for snap in ranks if snap.reported_within(when, window_s)]
+        verdicts.append(_isolated(scope.rule, held, when, t))
+    up = sum(1 for snap in ranks if snap.reported_within(now, t.stale_after_s))
+    return HealthReport(**health_report(run, verdicts, states, evaluated_at=now, up=up))

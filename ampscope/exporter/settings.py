@@ -14,7 +14,6 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from ampscope.exporter.health import Thresholds
 from ampscope.exporter.state.lifecycle import Lifecycle
 from ampscope.exporter.state.store import Store, StoreLimits
 from ampscope.reporter.schema import (
@@ -23,6 +22,7 @@ from ampscope.reporter.schema import (
     MAX_NONFINITE_PARAMS,
     MAX_RECORDS_PER_BATCH,
 )
+from ampscope.verdicts.thresholds import Thresholds
 
 _DEFAULTS = Thresholds()
 """Health thresholds are defined once, in ``Thresholds``; settings take their defaults."""
@@ -95,7 +95,8 @@ class Settings(BaseSettings):
     memory that concurrent uploads can take."""
 
     history_length: Positive = 1024
-    """StepRecords kept per rank for /history and the scale-desync rule."""
+    """StepRecords kept per rank for /history, the web view's charts and an origin outlier's
+    top parameters."""
     history_bytes: Positive = 256 * 1024 * 1024
     """Bytes of history held across all ranks; past it the oldest records go first."""
     max_clock_skew_s: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 300.0

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ampscope.status import merge
+from ampscope.verdicts.verdict import SEVERITY
 
 MAX_PARALLEL = 32
 """Targets asked at once; more wait for a free thread."""
@@ -80,7 +81,7 @@ def job_answer(results: Sequence[TargetResult], run: str | None) -> tuple[dict[s
             "health": health,
             "missing_ranks": merge.missing_of(views, judged=True),
         }
-        return answer, merge.SEVERITY[health["status"]]
+        return answer, SEVERITY[health["status"]]
     summaries = merge.merge_summaries([r.answer["runs"] for r in answered if r.answer])
     ranks: dict[str, Any] = {}
     health_by_run: dict[str, Any] = {}
@@ -105,5 +106,5 @@ def job_answer(results: Sequence[TargetResult], run: str | None) -> tuple[dict[s
         "health": health_by_run,
         "missing_ranks": missing,
     }
-    worst = max((merge.SEVERITY[h["status"]] for h in health_by_run.values()), default=0)
+    worst = max((SEVERITY[h["status"]] for h in health_by_run.values()), default=0)
     return answer, worst

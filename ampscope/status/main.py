@@ -51,7 +51,8 @@ from ampscope.status.fanout import (
 from ampscope.status.shapes import Malformed
 from ampscope.status.targets import TargetsError
 from ampscope.status.transport import open_url
-from ampscope.verdicts.rules import Thresholds
+from ampscope.verdicts.thresholds import Thresholds
+from ampscope.verdicts.verdict import SEVERITY
 
 EXIT_INTERNAL = 70
 """ampscope itself failed (sysexits' EX_SOFTWARE): never a status a verdict gives."""
@@ -239,15 +240,13 @@ def fetch(url: str | Exporter, run: str | None) -> dict[str, Any]:
 
 def exit_status(answer: dict[str, Any]) -> int:
     """0/1/2 for the worst health status in ``answer`` (no runs: 0)."""
-    from ampscope.status.render import SEVERITY
-
     reports = [answer["health"]] if "run" in answer else list(answer["health"].values())
     return max((SEVERITY[report["status"]] for report in reports), default=0)
 
 
 def with_missing(answer: dict[str, Any]) -> dict[str, Any]:
     """``answer`` with its top-level ``missing_ranks``, as one exporter can judge them: only
-    where the ranks say their node holds the whole job (``ampscope.verdicts.rules``)."""
+    where the ranks say their node holds the whole job (``ampscope.verdicts.liveness``)."""
     if "run" in answer:
         return {**answer, "missing_ranks": merge.missing_of(answer["ranks"], judged=False)}
     missing = {run: merge.missing_of(views, judged=False) for run, views in answer["ranks"].items()}

@@ -4,14 +4,13 @@ Pure functions over the JSON API's plain data, in the shape ``ampscope status --
 prints for one exporter, so a script written for one works for the other. Ranks are
 concatenated (a rank held by two exporters, after a restart onto another node, counts once:
 its most recently heard copy). The verdicts that need the whole job are computed again over
-the merged ranks by the same rule implementations the exporter runs
-(``ampscope.verdicts.rules``): ``lost_rank`` (its critical share is of the whole job) and
-``missing_rank``, ``stalled_rank``'s ok summary (the live ranks of every node), and a
-``scale_desync`` across nodes at the ranks' aligned steps (``rules.aligned_scale_desync``),
-which replaces the exporters' own when it is worse. The other rules are per-rank facts
-each exporter already judged over its own ranks: the merge keeps the worst exporter's
-verdict and lists every exporter that flagged it under ``evidence["exporters"]``. Costs
-O(ranks + world size).
+the merged ranks by the rules the exporter runs (``ampscope.verdicts``): ``lost_rank`` (its
+critical share is of the whole job), ``missing_rank``, ``scale_desync`` (every node's
+aligned scales: a desync between nodes shows only there) and ``stalled_rank``'s ok summary
+(the live ranks of every node; a stalled rank keeps its exporter's verdict, which holds its
+progress times). The other rules are per-rank facts each exporter already judged over its
+own ranks: the merge keeps the worst exporter's verdict and lists every exporter that
+flagged it under ``evidence["exporters"]``. Costs O(ranks + world size).
 """
 
 from __future__ import annotations
@@ -19,11 +18,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ampscope.verdicts import rules
-from ampscope.verdicts.rules import RankFacts, Thresholds
-
-SEVERITY = {"ok": 0, "warning": 1, "critical": 2}
-STATES = ("running", "stalled", "lost", "finished")
+from ampscope.verdicts import liveness, scale
+from ampscope.verdicts.ranks import RankFacts, is_scaler, mode_of, reported_state
+from ampscope.verdicts.rollup import health_report
+from ampscope.verdicts.thresholds import Thresholds
+from ampscope.verdicts.verdict import SEVERITY, in_report_order
 
 
 def facts_of(views: Sequence[Mapping[str, Any]]) -> list[RankFacts]:
@@ -32,30 +31,33 @@ def facts_of(views: Sequence[Mapping[str, Any]]) -> list[RankFacts]:
         RankFacts(
             rank=view["rank"],
             node=view["node"],
-            state=view.get("state") or ("running" if view.get("up") else "lost"),
+            state=reported_state(view.get("state"), view.get("up")),
             world_size=view["world_size"],
             local_world_size=view.get("local_world_size"),
             last_step=view["step"],
             last_report_time=view["last_report_time"],
             seconds_since_report=view["seconds_since_report"],
+            step_time=view.get("step_time"),
         )
         for view in views
     ]
 
 
-def aligned_of(views: Sequence[Mapping[str, Any]]) -> tuple[list[rules.AlignedFacts], int]:
-    """The aligned scales of the scaler ranks, and how many ranks run a scaler."""
-    scalers = [v for v in views if (v.get("setup") or {}).get("mode", "scaler") == "scaler"]
-    facts = [
-        rules.AlignedFacts(
-            rank=v["rank"], node=v["node"], step=aligned["step"], scale=aligned["scale"]
+def aligned_of(views: Sequence[Mapping[str, Any]]) -> list[scale.AlignedFacts]:
+    """``scale_desync``'s view of ranks: whether each runs a scaler, and its aligned scale."""
+    facts = []
+    for view in views:
+        aligned = (view.get("totals") or {}).get("aligned_scale") or {}
+        facts.append(
+            scale.AlignedFacts(
+                rank=view["rank"],
+                node=view["node"],
+                scaler=is_scaler(mode_of(view)),
+                step=aligned.get("step"),
+                scale=aligned.get("scale"),
+            )
         )
-        for v in scalers
-        if (aligned := (v.get("totals") or {}).get("aligned_scale"))
-        and "step" in aligned
-        and "scale" in aligned
-    ]
-    return facts, len(scalers)
+    return facts
 
 
 def merge_ranks(per_target: Sequence[Sequence[Mapping[str, Any]]]) -> list[Mapping[str, Any]]:
@@ -73,20 +75,16 @@ def missing_of(views: Sequence[Mapping[str, Any]], *, judged: bool) -> list[int]
     """The top-level ``missing_ranks``: every rank the world size says exists but no
     exporter holds; empty when ``judged`` is false (one node's exporter of a larger job)."""
     facts = facts_of(views)
-    return rules.missing_ranks(facts) if judged or rules.whole_job(facts) else []
+    return liveness.missing_ranks(facts) if judged or liveness.whole_job(facts) else []
 
 
 def _thresholds(reports: Sequence[Mapping[str, Any]]) -> Thresholds:
-    """The exporters' lost-rank thresholds, read back from their own verdicts."""
-    for report in reports:
-        for verdict in report["verdicts"]:
-            if verdict["rule"] == "lost_rank" and verdict.get("thresholds"):
-                given = verdict["thresholds"]
-                return Thresholds(
-                    stale_after_s=float(given.get("stale_after_s", 60.0)),
-                    lost_critical_share=float(given.get("critical_share", 0.25)),
-                )
-    return Thresholds()
+    """The exporters' thresholds, read back from their own verdicts; the defaults where
+    none reports one, or where what they report does not hold together."""
+    try:
+        return Thresholds.read_back(v for report in reports for v in report["verdicts"])
+    except (TypeError, ValueError):
+        return Thresholds()
 
 
 def _worst_of(rule: str, reports: Sequence[tuple[str, Mapping[str, Any]]]) -> dict[str, Any]:
@@ -120,43 +118,28 @@ def merge_health(
     facts = facts_of(views)
     thresholds = _thresholds([report for _, report in reports])
     recomputed = {
-        "lost_rank": rules.lost_rank(facts, thresholds).model_dump(),
-        "missing_rank": rules.missing_rank(facts, judged=True).model_dump(),
+        "lost_rank": liveness.lost_rank(facts, thresholds).model_dump(),
+        "missing_rank": liveness.missing_rank(facts, judged=True).model_dump(),
+        "scale_desync": scale.scale_desync(aligned_of(views)).model_dump(),
     }
-    order: list[str] = []
-    for _, report in reports:
-        order += [v["rule"] for v in report["verdicts"] if v["rule"] not in order]
-    for rule in recomputed:
-        if rule not in order:  # exporters that predate the rule
-            order.append(rule)
-    verdicts = [recomputed.get(rule) or _worst_of(rule, reports) for rule in order]
-    # Each exporter compared its own node's ranks step by step; the aligned scales compare
-    # every node's: a desync between nodes shows only there.
-    across = rules.aligned_scale_desync(*aligned_of(views)).model_dump()
+    given = [v["rule"] for _, report in reports for v in report["verdicts"]]
     verdicts = [
-        across
-        if v["rule"] == "scale_desync" and SEVERITY[across["status"]] > SEVERITY[v["status"]]
-        else v
+        recomputed.get(rule) or _worst_of(rule, reports)
+        for rule in in_report_order([*given, *recomputed])
+    ]
+    stalled = liveness.stalled_rank(facts, thresholds).model_dump()
+    verdicts = [
+        # Every node progresses: say so of the whole job, not of the first node.
+        stalled if v["rule"] == "stalled_rank" and v["status"] == "ok" else v
         for v in verdicts
     ]
-    states = {name: sum(1 for f in facts if f.state == name) for name in STATES}
-    for verdict in verdicts:
-        if verdict["rule"] == "stalled_rank" and verdict["status"] == "ok":
-            # Every node progresses: say so of the whole job, not of the first node.
-            live = states["running"] + states["stalled"]
-            verdict["summary"] = rules.progress_summary(live, [f.state for f in facts])
-            verdict["evidence"] = {"stalled": 0, "live": live}
-    finished = bool(facts) and states["finished"] == len(facts)
-    return {
-        "run": run,
-        "status": max((v["status"] for v in verdicts), key=SEVERITY.__getitem__, default="ok"),
-        "state": "finished" if finished else "active",
-        "evaluated_at": max(report["evaluated_at"] for _, report in reports),
-        "ranks": len(views),
-        "up": sum(1 for view in views if view.get("up")),
-        "states": states,
-        "verdicts": verdicts,
-    }
+    return health_report(
+        run,
+        verdicts,
+        [f.state for f in facts],
+        evaluated_at=max(report["evaluated_at"] for _, report in reports),
+        up=sum(1 for view in views if view.get("up")),
+    )
 
 
 def merge_summaries(per_target: Sequence[Sequence[Mapping[str, Any]]]) -> list[dict[str, Any]]:

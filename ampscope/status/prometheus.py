@@ -4,7 +4,7 @@ VictoriaMetrics, or a Thanos/Mimir query frontend) through ``/api/v1/query`` onl
 Builds the same answer as one exporter's ``--json`` (``ranks`` and ``health`` of a run, or
 every run's), with ``null`` where Prometheus does not hold a value (a rank's step time,
 last event, restarts), and computes the verdicts by the exporter's own rule
-implementations (``ampscope.verdicts.rules``) from instant vectors and ``max_over_time`` /
+implementations (``ampscope.verdicts``) from instant vectors and ``max_over_time`` /
 ``increase`` over each rule's window; ``scale_desync`` compares the ranks' aligned scales
 (``ampscope_loss_scale_aligned`` at the same ``_step``), as the alert rule does. Verdicts
 that need the exporter's per-step history (``stalled_rank``'s progress times,
@@ -26,12 +26,14 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ampscope.exporter.api.models import Verdict
 from ampscope.status import merge, shapes
 from ampscope.status.transport import open_url
-from ampscope.verdicts import rules
+from ampscope.verdicts import liveness, nonfinite, scale
 from ampscope.verdicts import spikes as spike_rules
-from ampscope.verdicts.rules import Thresholds
+from ampscope.verdicts.ranks import is_scaler, mode_of
+from ampscope.verdicts.rollup import health_report
+from ampscope.verdicts.thresholds import Thresholds
+from ampscope.verdicts.verdict import Verdict, in_report_order
 
 GAUGES = (
     "ampscope_rank_info",
@@ -242,11 +244,11 @@ def health_of(
         return windows[name].get((run, view["rank"]), {}).get(device, 0.0)
 
     facts = merge.facts_of(views)
-    scale = [
-        rules.ScaleFacts(
+    scale_facts = [
+        scale.ScaleFacts(
             rank=v["rank"],
             node=v["node"],
-            scaler=v["setup"]["mode"] == "scaler",
+            scaler=is_scaler(mode_of(v)),
             scale=v["scale"],
             window_peak_scale=max(v["scale"], window("peak", v)),
         )
@@ -256,7 +258,7 @@ def health_of(
     # would count more than the counter ever held, so it is capped at the counter (a
     # restart inside the window then undercounts, as the exporter's restart rule does).
     steps = [
-        rules.StepFacts(
+        nonfinite.StepFacts(
             rank=v["rank"],
             node=v["node"],
             steps=round(min(window("steps", v), v["totals"]["steps"])),
@@ -271,7 +273,7 @@ def health_of(
         return {d: round(min(n, held.get(d, n))) for d, n in found.items()}
 
     infs = [
-        rules.InfFacts(
+        nonfinite.InfFacts(
             rank=v["rank"],
             node=v["node"],
             local=detections("inf_local", v, "found_inf_local"),
@@ -305,31 +307,22 @@ def health_of(
             out["summary"] += f" ({SPIKE_DETAIL.format(run=run)})"
         return out
 
-    verdicts = [
-        rules.scale_collapse(scale, t).model_dump(),
-        rules.skip_storm(steps, t).model_dump(),
-        rules.aligned_scale_desync(*merge.aligned_of(views)).model_dump(),
-        rules.lost_rank(facts, t).model_dump(),
-        rules.missing_rank(facts, judged=True).model_dump(),
-        lacking("stalled_rank"),
-        rules.inf_hotspot(infs, t).model_dump(),
-        lacking("nonfinite_update_applied"),
-        counted(spike_rules.loss_spike(spikes("loss"), t)),
-        counted(spike_rules.grad_norm_spike(spikes("grad_norm"), t)),
-        counted(spike_rules.origin_outlier(spikes("origin_outlier"), t)),
-    ]
-    states = {name: sum(1 for f in facts if f.state == name) for name in merge.STATES}
-    finished = bool(facts) and states["finished"] == len(facts)
-    return {
-        "run": run,
-        "status": max((v["status"] for v in verdicts), key=merge.SEVERITY.__getitem__),
-        "state": "finished" if finished else "active",
-        "evaluated_at": now,
-        "ranks": len(views),
-        "up": sum(1 for v in views if v["up"]),
-        "states": states,
-        "verdicts": verdicts,
+    by_rule = {
+        "scale_collapse": scale.scale_collapse(scale_facts, t).model_dump(),
+        "skip_storm": nonfinite.skip_storm(steps, t).model_dump(),
+        "scale_desync": scale.scale_desync(merge.aligned_of(views)).model_dump(),
+        "lost_rank": liveness.lost_rank(facts, t).model_dump(),
+        "missing_rank": liveness.missing_rank(facts, judged=True).model_dump(),
+        "stalled_rank": lacking("stalled_rank"),
+        "inf_hotspot": nonfinite.inf_hotspot(infs, t).model_dump(),
+        "nonfinite_update_applied": lacking("nonfinite_update_applied"),
+        "loss_spike": counted(spike_rules.loss_spike(spikes("loss"), t)),
+        "grad_norm_spike": counted(spike_rules.grad_norm_spike(spikes("grad_norm"), t)),
+        "origin_outlier": counted(spike_rules.origin_outlier(spikes("origin_outlier"), t)),
     }
+    verdicts = [by_rule[rule] for rule in in_report_order(by_rule)]
+    up = sum(1 for v in views if v["up"])
+    return health_report(run, verdicts, [f.state for f in facts], evaluated_at=now, up=up)
 
 
 class PrometheusClient:

@@ -6,8 +6,9 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-SEVERITY = {"ok": 0, "warning": 1, "critical": 2}
-"""Health status -> exit status of ``ampscope status``."""
+from ampscope.verdicts.ranks import is_scaler, mode_of, reported_state
+from ampscope.verdicts.verdict import SEVERITY
+
 FAILED_TARGETS = "exporters without a usable answer:"
 """Heads the targets that did not answer, or answered something of the wrong shape."""
 
@@ -23,30 +24,23 @@ def scale_text(scale: float) -> str:
     return f"{scale:g}"
 
 
-def _setup(view: Mapping[str, Any]) -> Mapping[str, Any]:
-    # Exporters that predate the field serve only scalers.
-    return view.get("setup") or {"mode": "scaler", "policy": "skip", "grad_dtype": None}
-
-
 def is_watch(view: Mapping[str, Any]) -> bool:
     """Whether the rank runs a watch (bf16/fp32, no loss scale) rather than a scaler."""
-    return _setup(view)["mode"] == "watch"
+    return not is_scaler(mode_of(view))
 
 
 def mode_text(view: Mapping[str, Any]) -> str:
     """``scaler``, or ``watch/observe`` (a watch's policy decides what a bad step does)."""
-    setup = _setup(view)
-    return "scaler" if setup["mode"] == "scaler" else f"watch/{setup['policy']}"
+    return "scaler" if not is_watch(view) else f"watch/{view['setup']['policy']}"
 
 
 def setup_line(views: Sequence[Mapping[str, Any]]) -> str:
     """What a run's ranks run, in words: ``no loss scale: bfloat16 watch, policy observe``."""
     described = []
     for view in views:
-        setup = _setup(view)
-        dtype = setup.get("grad_dtype") or "unknown dtype"
-        if setup["mode"] == "watch":
-            text = f"no loss scale: {dtype} watch, policy {setup['policy']}"
+        dtype = (view.get("setup") or {}).get("grad_dtype") or "unknown dtype"
+        if is_watch(view):
+            text = f"no loss scale: {dtype} watch, policy {view['setup']['policy']}"
         else:
             # A scaler's gradients are often float32 (autocast keeps fp32 parameters).
             text = "loss scaler" if dtype == "unknown dtype" else f"loss scaler, {dtype} gradients"
@@ -56,11 +50,9 @@ def setup_line(views: Sequence[Mapping[str, Any]]) -> str:
 
 
 def rank_state(rank: Mapping[str, Any]) -> str:
-    """The rank's lifecycle state as the API gives it; older exporters only say up or not."""
-    state = rank.get("state")
-    if isinstance(state, str) and state:
-        return state
-    return "up" if rank.get("up") else "stale"
+    """The rank's lifecycle state as the API gives it, as the rules read it (an older
+    exporter's rank that says only up or not: ``running`` or ``lost``)."""
+    return reported_state(rank.get("state"), rank.get("up"))
 
 
 def states_text(ranks: Sequence[Mapping[str, Any]]) -> str:
@@ -196,10 +188,6 @@ def named_in(verdict: Mapping[str, Any], key: str) -> set[Any]:
     """The ranks (``key="rank"``) or nodes (``"node"``) a verdict's evidence names."""
     found: set[Any] = set()
     _named(verdict["evidence"], key, found)
-    if key == "rank":  # scale_desync names its ranks as the keys of its scales
-        scales = verdict["evidence"].get("scales_at_newest")
-        if isinstance(scales, Mapping):
-            found |= {int(rank) for rank in scales if str(rank).isdigit()}
     return found
 
 

@@ -1,5 +1,16 @@
-"""Health verdicts as pure rules over a neutral view of a run's ranks.
+"""The health verdicts: every rule once, as pure functions over a neutral view of a run's ranks.
 
-Imported by the exporter's health (over its store) and by ``ampscope status`` (over exporters'
-answers or Prometheus series) alike; imports neither torch nor the server stack.
+Imported by the exporter's health (``ampscope.exporter.health``, over its store) and by
+``ampscope status`` (over exporters' answers or Prometheus series) alike; imports neither
+torch nor the server stack, only pydantic and the standard library
+(``tests/test_layering.py``).
+
+- ``verdict``: the ``Verdict`` model, statuses and their order, the rules in report order.
+- ``ranks``: rank states, "is this rank a scaler", ``RankFacts``.
+- ``thresholds``: every rule's thresholds, validated once.
+- ``scale``: ``scale_collapse``, ``scale_desync`` (why aligned steps: its docstring).
+- ``nonfinite``: ``skip_storm``, ``inf_hotspot``, ``nonfinite_update_applied``.
+- ``liveness``: ``lost_rank``, ``missing_rank``, ``stalled_rank``.
+- ``spikes``: ``loss_spike``, ``grad_norm_spike``, ``origin_outlier``.
+- ``rollup``: a run's status, state and state counts from its verdicts and ranks.
 """

@@ -1,7 +1,7 @@
 """The spike rules over a neutral view of each rank's spikes (``SpikeFacts``): ``loss_spike``,
 ``grad_norm_spike`` and ``origin_outlier``.
 
-One implementation serves every caller, as for ``ampscope.verdicts.rules``: the exporter's
+One implementation serves every caller, as for every rule of ``ampscope.verdicts``: the exporter's
 health (``ampscope.exporter.health``, from the spikes its store found, with their step, value
 and baseline) and ``ampscope status --prometheus`` (from ``increase(ampscope_spikes_total)``,
 counts only). Only pydantic and the standard library are imported. All functions are pure:
@@ -14,8 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ampscope.exporter.api.models import Verdict
-from ampscope.verdicts.rules import MAX_EVIDENCE_RANKS, Thresholds
+from ampscope.verdicts.ranks import RankRef
+from ampscope.verdicts.thresholds import Thresholds
+from ampscope.verdicts.verdict import MAX_EVIDENCE_RANKS, Verdict, affected, rule_verdicts
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,25 +36,13 @@ class SpikeDetail:
 
 
 @dataclass(frozen=True, kw_only=True)
-class SpikeFacts:
+class SpikeFacts(RankRef):
     """What the spike rules read of one rank and one kind of spike: how many spike
     iterations lie within ``spike_verdict_window_s``, and the newest one's details when
     the source has them (``None`` from Prometheus, which holds only the counters)."""
 
-    rank: int
-    node: str
     spikes: int
     newest: SpikeDetail | None = None
-
-
-def _spike_thresholds(t: Thresholds) -> dict[str, float | int]:
-    return {
-        "sigmas": t.spike_sigmas,
-        "window": t.spike_window,
-        "min_window": t.spike_min_window,
-        "ratio": t.spike_ratio,
-        "window_s": t.spike_verdict_window_s,
-    }
 
 
 def _detail(detail: SpikeDetail | None) -> dict[str, Any]:
@@ -85,18 +74,12 @@ def loss_spike(ranks: Sequence[SpikeFacts], t: Thresholds) -> Verdict:
     """Warning while a rank's loss spiked (the spike rule over its own history) within
     ``spike_verdict_window_s``; names the rank, the step, the value and the baseline."""
     hits = sorted((f for f in ranks if f.spikes > 0), key=lambda f: f.rank)
-    thresholds = _spike_thresholds(t)
+    say = rule_verdicts("loss_spike", t)
     if not hits:
-        return Verdict(
-            rule="loss_spike",
-            status="ok",
-            summary=f"no loss spike within {t.spike_verdict_window_s:g} s",
-            evidence={"ranks_affected": 0},
-            thresholds=thresholds,
+        return say(
+            "ok", f"no loss spike within {t.spike_verdict_window_s:g} s", {"ranks_affected": 0}
         )
-    listed = [
-        {"rank": f.rank, "node": f.node, "spikes": f.spikes, **_detail(f.newest)} for f in hits
-    ]
+    listed = [{**f.ref(), "spikes": f.spikes, **_detail(f.newest)} for f in hits]
     detailed = [f for f in hits if f.newest is not None]
     total = sum(f.spikes for f in hits)
     if detailed:
@@ -113,16 +96,10 @@ def loss_spike(ranks: Sequence[SpikeFacts], t: Thresholds) -> Verdict:
     summary += (
         f"; {total} spike iteration(s) on {len(hits)} rank(s) within {t.spike_verdict_window_s:g} s"
     )
-    return Verdict(
-        rule="loss_spike",
-        status="warning",
-        summary=summary,
-        evidence={
-            "ranks_affected": len(hits),
-            "spikes": total,
-            "ranks": listed[:MAX_EVIDENCE_RANKS],
-        },
-        thresholds=thresholds,
+    return say(
+        "warning",
+        summary,
+        affected(listed, spikes=total),
     )
 
 
@@ -133,15 +110,11 @@ def grad_norm_spike(ranks: Sequence[SpikeFacts], t: Thresholds) -> Verdict:
     spike: the verdict names each step once (with how many ranks saw it), and counts the
     run's spike iterations as the most any rank counted, not their sum.
     """
-    thresholds = _spike_thresholds(t)
+    say = rule_verdicts("grad_norm_spike", t)
     hits = [f for f in ranks if f.spikes > 0]
     if not hits:
-        return Verdict(
-            rule="grad_norm_spike",
-            status="ok",
-            summary=f"no gradient-norm spike within {t.spike_verdict_window_s:g} s",
-            evidence={"spikes": 0},
-            thresholds=thresholds,
+        return say(
+            "ok", f"no gradient-norm spike within {t.spike_verdict_window_s:g} s", {"spikes": 0}
         )
     spikes = max(f.spikes for f in hits)
     steps: dict[int, dict[str, Any]] = {}
@@ -164,12 +137,10 @@ def grad_norm_spike(ranks: Sequence[SpikeFacts], t: Thresholds) -> Verdict:
     ordered = [steps[s] for s in sorted(steps, reverse=True)]
     for entry in ordered:
         entry["ranks"] = sorted(entry["ranks"])[:MAX_EVIDENCE_RANKS]
-    return Verdict(
-        rule="grad_norm_spike",
-        status="warning",
-        summary=summary,
-        evidence={"spikes": spikes, "ranks_seen": len(hits), "steps": ordered[:MAX_EVIDENCE_RANKS]},
-        thresholds=thresholds,
+    return say(
+        "warning",
+        summary,
+        {"spikes": spikes, "ranks_seen": len(hits), "steps": ordered[:MAX_EVIDENCE_RANKS]},
     )
 
 
@@ -178,18 +149,13 @@ def origin_outlier(ranks: Sequence[SpikeFacts], t: Thresholds) -> Verdict:
     times above the median of the other ranks at the same step within the window: "rank R's
     own gradients were xN the median of the other ranks at step S". A rank that repeats
     across spikes points at its GPU or its data shard."""
-    thresholds: dict[str, float | int] = {
-        "factor": t.origin_outlier_factor,
-        "window_s": t.spike_verdict_window_s,
-    }
+    say = rule_verdicts("origin_outlier", t)
     hits = sorted((f for f in ranks if f.spikes > 0), key=lambda f: (-f.spikes, f.rank))
     if not hits:
-        return Verdict(
-            rule="origin_outlier",
-            status="ok",
-            summary=f"no rank's own gradients stood out within {t.spike_verdict_window_s:g} s",
-            evidence={"ranks_affected": 0},
-            thresholds=thresholds,
+        return say(
+            "ok",
+            f"no rank's own gradients stood out within {t.spike_verdict_window_s:g} s",
+            {"ranks_affected": 0},
         )
     lead = hits[0]
     d = lead.newest
@@ -204,16 +170,8 @@ def origin_outlier(ranks: Sequence[SpikeFacts], t: Thresholds) -> Verdict:
         summary += f"; it stood out at {lead.spikes} steps: its GPU or its data shard"
     if len(hits) > 1:
         summary += f"; {len(hits)} rank(s) stood out within {t.spike_verdict_window_s:g} s"
-    return Verdict(
-        rule="origin_outlier",
-        status="warning",
-        summary=summary,
-        evidence={
-            "ranks_affected": len(hits),
-            "ranks": [
-                {"rank": f.rank, "node": f.node, "spikes": f.spikes, **_detail(f.newest)}
-                for f in hits[:MAX_EVIDENCE_RANKS]
-            ],
-        },
-        thresholds=thresholds,
+    return say(
+        "warning",
+        summary,
+        affected([{**f.ref(), "spikes": f.spikes, **_detail(f.newest)} for f in hits]),
     )

@@ -17,7 +17,7 @@ from deploy_files import (
 from support import need_tool
 
 from ampscope.exporter.metrics.catalogue import BY_NAME, SCALER_ONLY
-from ampscope.verdicts.rules import Thresholds
+from ampscope.verdicts.thresholds import Thresholds
 
 ALERTS = {
     "AmpscopeScaleCollapse",

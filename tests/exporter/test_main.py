@@ -106,8 +106,10 @@ def test_serves_ingest_metrics_and_api_over_http(server: Server) -> None:
                 "/api/v1/ingest", content=body(*steps(1, 5, rank=rank)), headers=auth
             )
             assert (response.json()["accepted"], response.json()["ignored"]) == (5, 0)
-        last = record(6, rank=1, scale=16.0, total=totals(6, skipped=2, local={"cuda:1": 2}))
-        for rec, dropped in ((last, 3), (record(6), 0)):
+        # Step 10 is aligned: each rank's totals carry its scale there, which must agree.
+        odd = totals(10, skipped=2, local={"cuda:1": 2}, aligned=(10, 16.0))
+        last = record(10, rank=1, scale=16.0, total=odd)
+        for rec, dropped in ((last, 3), (record(10, total=totals(10, aligned=(10, 65536.0))), 0)):
             response = http.post("/api/v1/ingest", content=body(rec, dropped=dropped), headers=auth)
             assert response.status_code == 200
         families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
@@ -128,9 +130,10 @@ def test_serves_ingest_metrics_and_api_over_http(server: Server) -> None:
         health = http.get("/api/v1/runs/run-a/health").json()
         verdicts = {v["rule"]: v for v in health["verdicts"]}
         assert health["status"] == "critical"
-        assert verdicts["scale_desync"]["evidence"]["scales_at_newest"] == {"0": 65536.0, "1": 16.0}
+        desync = verdicts["scale_desync"]["evidence"]
+        assert (desync["newest_mismatched_step"], desync["ranks_at_newest"]) == (10, 2)
         assert verdicts["scale_collapse"]["evidence"]["ranks"][0]["rank"] == 1
-        assert http.get("/api/v1/runs/run-a/ranks/1").json()["step"] == 6
+        assert http.get("/api/v1/runs/run-a/ranks/1").json()["step"] == 10
 
 
 def test_bad_requests_over_a_real_socket_then_still_serving(server: Server) -> None:

@@ -205,7 +205,7 @@ def _sample(name: str, rank: int, value: float, **labels: str) -> dict[str, Any]
 
 def test_spike_verdicts_count_what_prometheus_holds() -> None:
     from ampscope.status import prometheus
-    from ampscope.verdicts.rules import Thresholds
+    from ampscope.verdicts.thresholds import Thresholds
 
     t = Thresholds()
     assert prometheus.queries(RUN, t)["spikes"] == (

@@ -1,8 +1,7 @@
 """Request dependencies: the app's state, typed, as ``Annotated`` aliases for routes.
 
 Everything lives on ``app.state`` (set up by ``create_app``'s lifespan), so tests
-inject their own settings, store or clock through ``create_app`` or
-``app.dependency_overrides``.
+inject their own settings, store or clock through ``create_app``.
 
 Every dependency here is ``async def`` although none awaits: FastAPI runs a plain ``def``
 dependency in its thread pool, and those hand-offs (five per ingest request) cost more
@@ -13,13 +12,16 @@ compare.
 from __future__ import annotations
 
 import hmac
-from collections.abc import Callable
-from typing import Annotated
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from typing import Annotated, Any
 
 from fastapi import Depends, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from ampscope.exporter.api.errors import ApiError
+from ampscope.exporter.http.body import BodyLimit, received_body
 from ampscope.exporter.settings import Settings
 from ampscope.exporter.state.ingest_counters import IngestStats
 from ampscope.exporter.state.store import Store
@@ -28,30 +30,20 @@ Clock = Callable[[], float]
 REALM = "ampscope"
 
 
-async def get_settings(request: Request) -> Settings:
-    settings: Settings = request.app.state.settings
-    return settings
+def _app_state(name: str) -> Callable[[Request], Awaitable[Any]]:
+    """A dependency giving ``request.app.state.<name>``, which the app factory sets."""
+
+    async def dependency(request: Request) -> Any:
+        return getattr(request.app.state, name)
+
+    dependency.__name__ = f"get_{name}"
+    return dependency
 
 
-async def get_store(request: Request) -> Store:
-    store: Store = request.app.state.store
-    return store
-
-
-async def get_stats(request: Request) -> IngestStats:
-    stats: IngestStats = request.app.state.stats
-    return stats
-
-
-async def get_clock(request: Request) -> Clock:
-    clock: Clock = request.app.state.clock
-    return clock
-
-
-SettingsDep = Annotated[Settings, Depends(get_settings)]
-StoreDep = Annotated[Store, Depends(get_store)]
-StatsDep = Annotated[IngestStats, Depends(get_stats)]
-ClockDep = Annotated[Clock, Depends(get_clock)]
+SettingsDep = Annotated[Settings, Depends(_app_state("settings"))]
+StoreDep = Annotated[Store, Depends(_app_state("store"))]
+StatsDep = Annotated[IngestStats, Depends(_app_state("stats"))]
+ClockDep = Annotated[Clock, Depends(_app_state("clock"))]
 
 
 _bearer = HTTPBearer(
@@ -103,3 +95,42 @@ async def require_token(
 
 
 Authorized = Annotated[None, Depends(require_token)]
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """What a route that takes a rank's delivery (a batch of records, a heartbeat) works
+    with, once the token is checked: the request, the app's settings, store, ingest
+    counters and clock."""
+
+    request: Request
+    settings: Settings
+    store: Store
+    stats: IngestStats
+    clock: Clock
+
+    def body(self, limit: BodyLimit, route: str) -> AbstractAsyncContextManager[bytes]:
+        """The request body within ``limit``, the exporter's in-flight byte budget and its
+        ``body_timeout_s``, refusals counted (``received_body``)."""
+        return received_body(
+            self.request,
+            limit=limit,
+            budget=self.request.app.state.inflight,
+            timeout_s=self.settings.body_timeout_s,
+            stats=self.stats,
+            route=route,
+        )
+
+
+async def _delivery(
+    request: Request,
+    _: Authorized,
+    settings: SettingsDep,
+    store: StoreDep,
+    stats: StatsDep,
+    clock: ClockDep,
+) -> Delivery:
+    return Delivery(request, settings, store, stats, clock)
+
+
+DeliveryDep = Annotated[Delivery, Depends(_delivery)]

@@ -12,11 +12,14 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ampscope.exporter.api.models import ErrorBody
+from ampscope.exporter.state.store import BatchRefused
 
-_MAX_REPORTED_ERRORS = 20
+MAX_REPORTED_ERRORS = 20
+"""422 answers list at most this many violations."""
 _MAX_MESSAGE = 200
 _ERROR_CODES = {404: "not_found", 405: "method_not_allowed"}
 
@@ -67,8 +70,35 @@ def trimmed_errors(errors: list[Any]) -> list[dict[str, Any]]:
     """Pydantic errors as ``ErrorBody.errors``: location, message, type; bounded."""
     return [
         {"loc": list(e["loc"]), "msg": str(e["msg"])[:_MAX_MESSAGE], "type": e["type"]}
-        for e in errors[:_MAX_REPORTED_ERRORS]
+        for e in errors[:MAX_REPORTED_ERRORS]
     ]
+
+
+def refusal(exc: BatchRefused) -> ApiError:
+    """The answer to a batch or heartbeat the store refused (409, 422 or 429)."""
+    retry = None if exc.retry_after_s is None else {"Retry-After": str(exc.retry_after_s)}
+    return ApiError(
+        exc.status, exc.reason, exc.detail, headers=retry, limit=exc.limit, value=exc.value
+    )
+
+
+def invalid_body(exc: ValidationError, schema: str) -> ApiError:
+    """The answer to a request body the record schema ``schema`` refused: 400 ``malformed``
+    when it is not JSON, else 422 ``invalid`` naming the first violation's location and
+    listing the first ``MAX_REPORTED_ERRORS`` of them."""
+    errors = exc.errors(include_url=False, include_input=False, include_context=False)
+    first = errors[0]
+    message = str(first["msg"])[:_MAX_MESSAGE]
+    if any(e["type"] == "json_invalid" for e in errors):
+        return ApiError(400, "malformed", f"body is not valid JSON: {message}")
+    where = ".".join(map(str, first["loc"])) or "body"
+    return ApiError(
+        422,
+        "invalid",
+        f"{len(errors)} schema violation(s) of {schema} (schema_version 1); first at {where}: "
+        f"{message}",
+        errors=trimmed_errors(list(errors)),
+    )
 
 
 async def _handle_validation(request: Request, exc: Exception) -> JSONResponse:

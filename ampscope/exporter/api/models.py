@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, Field
 
 from ampscope.reporter.schema import RankTotals, ScaleEvent, Setup, StepRecord
+from ampscope.verdicts.ranks import STATES, RankStateName
+from ampscope.verdicts.rollup import RunState
+from ampscope.verdicts.verdict import Status, Verdict
 
-Status = Literal["ok", "warning", "critical"]
+_PER_STATE = f"Ranks per state ({', '.join(STATES)})."
 
 
 class IngestResult(BaseModel):
@@ -49,9 +52,7 @@ class RunSummary(BaseModel):
     ranks: int = Field(description="Ranks held (stale ones included until retention).")
     up: int = Field(description="Ranks that reported within the stale TTL.")
     stale: int = Field(description="Ranks not heard from within the stale TTL (lost or finished).")
-    states: dict[str, int] = Field(
-        description="Ranks per state (running, stalled, lost, finished)."
-    )
+    states: dict[str, int] = Field(description=_PER_STATE)
     world_size: int = Field(description="world_size the newest-reporting rank declared.")
     newest_step: int = Field(description="Highest step any rank reported.")
     last_report_time: float = Field(description="Unix time of the newest report received.")
@@ -86,7 +87,7 @@ class RankView(BaseModel):
     totals: RankTotals
     dropped_records: int = Field(description="Records the rank's reporter dropped (cumulative).")
     up: bool = Field(description="Heard from (records or heartbeats) within the stale TTL.")
-    state: Literal["running", "stalled", "lost", "finished"] = Field(
+    state: RankStateName = Field(
         description="running: heard from within stale_after_s and its step advanced within "
         "stall_after_s; stalled: heard from, no new step for stall_after_s; lost: nothing "
         "heard for stale_after_s and no final record; finished: sent its final record."
@@ -110,39 +111,15 @@ class History(BaseModel):
     )
 
 
-class Verdict(BaseModel):
-    """One health rule's result, with the numbers behind it."""
-
-    rule: Literal[
-        "scale_collapse",
-        "skip_storm",
-        "scale_desync",
-        "lost_rank",
-        "missing_rank",
-        "stalled_rank",
-        "inf_hotspot",
-        "nonfinite_update_applied",
-        "loss_spike",
-        "grad_norm_spike",
-        "origin_outlier",
-    ]
-    status: Status
-    summary: str
-    evidence: dict[str, Any]
-    thresholds: dict[str, float | int]
-
-
 class HealthReport(BaseModel):
     run: str
     status: Status = Field(description="The worst verdict.")
-    state: Literal["active", "finished"] = Field(
+    state: RunState = Field(
         description="finished: every rank sent its final record; the instability rules are "
         "then evaluated as of the last one, and no alert fires for the run."
     )
     evaluated_at: float
     ranks: int
     up: int
-    states: dict[str, int] = Field(
-        description="Ranks per state (running, stalled, lost, finished)."
-    )
+    states: dict[str, int] = Field(description=_PER_STATE)
     verdicts: list[Verdict]

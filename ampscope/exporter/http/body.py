@@ -6,14 +6,15 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
+from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
-from ampscope.exporter.api.errors import ApiError
+from ampscope.exporter.api.errors import ApiError, invalid_body
 from ampscope.exporter.http.parse import MAX_JSON_DEPTH, TooDeep
 from ampscope.exporter.state.ingest_counters import IngestStats
 
@@ -78,6 +79,29 @@ class BodyLimit:
 def too_deep(exc: TooDeep) -> ApiError:
     """The 400 for a body nested deeper than ``MAX_JSON_DEPTH`` (counted as ``malformed``)."""
     return ApiError(400, "malformed", str(exc), limit="max_json_depth", value=MAX_JSON_DEPTH)
+
+
+Parsed = TypeVar("Parsed")
+
+
+def parse_counted(
+    parse: Callable[[bytes], Parsed], body: bytes, schema: str, stats: IngestStats
+) -> Parsed:
+    """``parse(body)``, a refusal counted by its reason and raised as the API's answer: 400
+    ``malformed`` (not JSON, or nested too deep) or 422 ``invalid`` (``invalid_body``).
+
+    Raises:
+        ApiError: the body is not a valid ``schema``.
+    """
+    try:
+        return parse(body)
+    except TooDeep as exc:
+        stats.rejected("malformed")
+        raise too_deep(exc) from None
+    except ValidationError as exc:
+        answer = invalid_body(exc, schema)
+        stats.rejected(answer.body.error)
+        raise answer from None
 
 
 def _too_large(limit: BodyLimit, seen: str) -> ApiError:

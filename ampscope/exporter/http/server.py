@@ -34,7 +34,7 @@ from typing import Any, ClassVar
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from ampscope.exporter.api.models import ErrorBody
+from ampscope.exporter.api.errors import ApiError
 from ampscope.exporter.security.policy import WebSecurity
 from ampscope.exporter.security.tls import peer_san_refused
 from ampscope.exporter.settings import Settings
@@ -50,17 +50,16 @@ client reads the answer instead of a connection reset."""
 OVER_CAPACITY_RETRY_AFTER_S = 1
 
 
-def error_response(
-    status: int, error: str, detail: str, headers: dict[str, str] | None = None, **extra: Any
-) -> bytes:
-    """A complete ``Connection: close`` HTTP/1.1 response carrying an ``ErrorBody``."""
-    body = ErrorBody(error=error, detail=detail, **extra).model_dump_json(exclude_none=True)
+def error_response(answer: ApiError, headers: dict[str, str] | None = None) -> bytes:
+    """``answer`` as a complete ``Connection: close`` HTTP/1.1 response carrying its
+    ``ErrorBody``, with ``headers`` under its own."""
+    body = answer.body.model_dump_json(exclude_none=True)
     lines = [
-        f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}",
+        f"HTTP/1.1 {answer.status} {http.HTTPStatus(answer.status).phrase}",
         "content-type: application/json",
         f"content-length: {len(body)}",
         "connection: close",
-        *(f"{name}: {value}" for name, value in (headers or {}).items()),
+        *(f"{name}: {value}" for name, value in ((headers or {}) | (answer.headers or {})).items()),
     ]
     return ("\r\n".join(lines) + "\r\n\r\n" + body).encode()
 
@@ -98,12 +97,14 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if len(self.connections) > cap:
             self.stats.rejected("over_capacity")
             self._refuse(
-                503,
-                "over_capacity",
-                f"the exporter holds max_connections={cap} open connections; retry shortly",
-                headers={"Retry-After": str(OVER_CAPACITY_RETRY_AFTER_S)},
-                limit="max_connections",
-                value=cap,
+                ApiError(
+                    503,
+                    "over_capacity",
+                    f"the exporter holds max_connections={cap} open connections; retry shortly",
+                    headers={"Retry-After": str(OVER_CAPACITY_RETRY_AFTER_S)},
+                    limit="max_connections",
+                    value=cap,
+                )
             )
             return
         self._arm_header_timer()
@@ -151,7 +152,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def send_400_response(self, msg: str) -> None:
         self.stats.rejected("malformed")
-        self._refuse(400, "malformed", f"unparseable HTTP request: {msg}")
+        self._refuse(ApiError(400, "malformed", f"unparseable HTTP request: {msg}"))
 
     # Timers ---------------------------------------------------------------------------
 
@@ -170,12 +171,14 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self.transport.close()
             return
         self._refuse(
-            408,
-            "header_timeout",
-            f"request headers not complete within header_timeout_s="
-            f"{self.settings.header_timeout_s:g}",
-            limit="header_timeout_s",
-            value=self.settings.header_timeout_s,
+            ApiError(
+                408,
+                "header_timeout",
+                f"request headers not complete within header_timeout_s="
+                f"{self.settings.header_timeout_s:g}",
+                limit="header_timeout_s",
+                value=self.settings.header_timeout_s,
+            )
         )
 
     def _on_body_timeout(self) -> None:
@@ -196,20 +199,12 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if timer is not None:
             timer.cancel()
 
-    def _refuse(
-        self,
-        status: int,
-        error: str,
-        detail: str,
-        headers: dict[str, str] | None = None,
-        **extra: Any,
-    ) -> None:
-        """Answer with an ``ErrorBody`` and close, dropping whatever else arrives."""
+    def _refuse(self, answer: ApiError) -> None:
+        """Answer with ``answer``'s ``ErrorBody`` and close, dropping whatever else arrives."""
         self._refused = True
         self._cancel_timers()
-        if self.security is not None:
-            headers = dict(self.security.config.headers) | (headers or {})
-        self.transport.write(error_response(status, error, detail, headers, **extra))
+        headers = dict(self.security.config.headers) if self.security is not None else None
+        self.transport.write(error_response(answer, headers))
         # Closing with unread bytes makes the kernel send a reset, which can destroy the
         # answer in flight: half-close, drain briefly, then close.
         if self.transport.can_write_eof():

@@ -13,13 +13,14 @@ from collections.abc import Callable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ampscope.exporter.health import Thresholds
 from ampscope.exporter.metrics.catalogue import BY_NAME, CATALOGUE, RANK_LABELS
 from ampscope.exporter.state.ingest_counters import IngestStats
-from ampscope.exporter.state.lifecycle import STATES, Lifecycle
+from ampscope.exporter.state.lifecycle import Lifecycle
 from ampscope.exporter.state.ranks import RankSnapshot
 from ampscope.exporter.state.spike_windows import SPIKE_KINDS
 from ampscope.exporter.state.store import Store
+from ampscope.verdicts.ranks import STATES, is_scaler
+from ampscope.verdicts.thresholds import Thresholds
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +119,7 @@ class StoreCollector(Collector):
         setup = record.setup
         # A watch rank has no loss scale: its records carry 1.0 and zero counts, which are
         # not data, so none of the scale families is exposed for it.
-        scaler = setup.mode == "scaler"
+        scaler = is_scaler(setup.mode)
         rows: list[Row] = [
             (
                 "ampscope_rank_info",

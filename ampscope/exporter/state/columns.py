@@ -20,6 +20,7 @@ from pydantic import BaseModel, Field
 
 from ampscope.exporter.state.ranks import HeldRecord, RankSnapshot
 from ampscope.exporter.state.spike_windows import SPIKE_KINDS, SpikeKindName
+from ampscope.verdicts.ranks import is_scaler
 
 
 class DeviceSteps(BaseModel):
@@ -116,7 +117,7 @@ def build(run: str, snaps: Sequence[RankSnapshot], *, since_step: int, max_steps
         rank = snap.identity.rank
         # The history holds one process's records (a restart clears it), so the newest
         # record's mode is the mode of every held one.
-        scaler = snap.newest.setup.mode == "scaler"
+        scaler = is_scaler(snap.newest.setup.mode)
         row: list[float | None] = [None] * len(union)
         loss_row: list[float | None] = [None] * len(union)
         norm_row: list[float | None] = [None] * len(union)

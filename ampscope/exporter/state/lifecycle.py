@@ -1,8 +1,9 @@
 """Rank states: running, stalled, lost or finished, from what and when the exporter heard.
 
-One definition, read by the collector (``ampscope_rank_state``), the JSON API
-(``RankView.state``) and the health rules, so they always agree. Pure functions of a
-snapshot and the exporter's clock: O(1) per rank.
+One decision, read by the collector (``ampscope_rank_state``), the JSON API
+(``RankView.state``) and the health rules, so they always agree; the states themselves are
+named once in ``ampscope.verdicts.ranks``. Pure functions of a snapshot and the exporter's
+clock: O(1) per rank.
 """
 
 from __future__ import annotations
@@ -10,10 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ampscope.exporter.state.ranks import RankSnapshot
-from ampscope.verdicts.rules import RankStateName
-
-STATES: tuple[RankStateName, ...] = ("running", "stalled", "lost", "finished")
-"""Every state, in the order /metrics exposes them."""
+from ampscope.verdicts.ranks import RankStateName
 
 
 @dataclass(frozen=True, kw_only=True)

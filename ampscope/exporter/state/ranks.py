@@ -44,6 +44,7 @@ from typing import Literal, NamedTuple
 from ampscope.exporter.state.spike_windows import RankSpikes, SpikeCounts, SpikeEvent
 from ampscope.reporter.schema import Heartbeat, Identity, RankTotals, StepRecord
 from ampscope.reporter.spike_rule import SpikeRule
+from ampscope.verdicts.ranks import is_scaler
 
 PER_RANK_SERIES = 12
 """Per-rank label sets of every rank besides devices and parameters: info, last step, last
@@ -187,7 +188,7 @@ class RankSnapshot:
     spike_counts: SpikeCounts = NO_SPIKES
     """Spike iterations per kind the exporter found (``ampscope_spikes_total``)."""
     spikes: tuple[SpikeEvent, ...] = ()
-    """The most recent of them, oldest first (empty in ``Store.latest``'s snapshots)."""
+    """The most recent of them, oldest first."""
 
     @property
     def identity(self) -> Identity:
@@ -202,7 +203,7 @@ class RankSnapshot:
 def series_of(record: StepRecord) -> int:
     """Label sets the collector exposes for a rank whose newest record is ``record``."""
     totals = record.totals
-    scaler = record.setup.mode == "scaler"
+    scaler = is_scaler(record.setup.mode)
     stats = record.stats
     return (
         PER_RANK_SERIES
@@ -510,8 +511,10 @@ class RankState:
         while len(samples) >= 2 and samples[1].received <= keep_after:
             samples.popleft()
 
-    def snapshot(self) -> RankSnapshot:
-        """Copy for lock-free reading. O(history + samples), C-speed tuple copies."""
+    def snapshot(self, *, history: bool = True) -> RankSnapshot:
+        """Copy for lock-free reading. O(history + samples), C-speed tuple copies; without
+        ``history`` (the record history and window samples left empty) O(recent spikes),
+        for readers of the newest state only (the collector, the run listing)."""
         assert self.newest is not None
         return RankSnapshot(
             newest=self.newest,
@@ -519,8 +522,8 @@ class RankState:
             dropped_records=self.dropped_records,
             restarts=self.restarts,
             first_step=self.first_step,
-            history=tuple(self.history),
-            samples=tuple(self.samples),
+            history=tuple(self.history) if history else (),
+            samples=tuple(self.samples) if history else (),
             last_progress=self.last_progress,
             finished_at=self.finished_at,
             spike_counts=self.spikes.counts,

@@ -65,28 +65,36 @@ class StoreLimits:
             raise ValueError("max_clock_skew_s must be >= 0")
 
 
-class LimitExceeded(Exception):
-    """A batch would push the store past a cardinality limit; nothing was changed."""
+@dataclass
+class BatchRefused(Exception):
+    """A batch (or heartbeat) the store will not apply; nothing was changed. Says how the
+    API answers it."""
+
+    status: int
+    """HTTP status to answer: 409 (identity conflict), 422 (clock skew) or 429 (a limit)."""
+    reason: str
+    """Rejection reason counted: ``identity_conflict``, ``clock_skew`` or ``cardinality``."""
+    detail: str
+    limit: str | None = None
+    """The setting a 429 hit, e.g. ``max_runs``."""
+    value: int | None = None
+    """That setting's value."""
+    retry_after_s: int | None = None
+    """When retrying may succeed, if ever."""
+
+    def __str__(self) -> str:
+        return self.detail
+
+
+CARDINALITY_RETRY_AFTER_S = 60
+"""Retry-After of a 429: cardinality frees up only when retention drops something."""
+
+
+class LimitExceeded(BatchRefused):
+    """A batch would push the store past a cardinality limit (429 ``cardinality``)."""
 
     def __init__(self, limit: str, value: int, detail: str) -> None:
-        super().__init__(detail)
-        self.limit = limit
-        """The setting's name, e.g. ``max_runs``."""
-        self.value = value
-        """The setting's value."""
-        self.detail = detail
-
-
-class BatchRefused(Exception):
-    """A batch contradicts what the exporter holds or its clock; nothing was changed."""
-
-    def __init__(self, status: int, reason: str, detail: str) -> None:
-        super().__init__(detail)
-        self.status = status
-        """HTTP status to answer: 409 (identity conflict) or 422 (clock skew)."""
-        self.reason = reason
-        """Rejection reason counted: ``identity_conflict`` or ``clock_skew``."""
-        self.detail = detail
+        super().__init__(429, "cardinality", detail, limit, value, CARDINALITY_RETRY_AFTER_S)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,12 +150,13 @@ class Store:
 
         Contract: ``batch`` passed ``IngestBatch`` validation (one rank of one run) and the
         per-record limits (devices, parameters). Either the whole batch is applied or
-        nothing is: ``LimitExceeded`` names a limit (``max_runs``, ``max_ranks_per_run``,
-        ``max_ranks``, ``max_series``: series are counted on the record that ends up
-        newest, restarts included); ``BatchRefused`` says the batch is timed too far ahead
-        of ``now`` or changes a live rank's identity. Past ``history_bytes``, the oldest
-        history of any rank is dropped. Cost: O(records) under the lock, plus an
-        O(ranks log ranks) eviction pass once per ``history_bytes / 8`` bytes ingested.
+        nothing is: ``LimitExceeded`` (a ``BatchRefused``) names a limit (``max_runs``,
+        ``max_ranks_per_run``, ``max_ranks``, ``max_series``: series are counted on the
+        record that ends up newest, restarts included); ``BatchRefused`` says the batch is
+        timed too far ahead of ``now`` or changes a live rank's identity. Past
+        ``history_bytes``, the oldest history of any rank is dropped. Cost: O(records) under
+        the lock, plus an O(ranks log ranks) eviction pass once per ``history_bytes / 8``
+        bytes ingested.
         """
         first = batch.records[0].identity
         run_id, rank = first.run, first.rank
@@ -362,31 +371,15 @@ class Store:
             return state.snapshot() if state is not None else None
 
     def latest(self) -> list[tuple[str, int, RankSnapshot]]:
-        """Every rank's newest state without history or samples, for the collector and the
-        run listing: (run, rank, snapshot) sorted. O(ranks) under the lock."""
+        """Every rank's newest state, recent spikes included, without history or samples,
+        for the collector and the run listing: (run, rank, snapshot) sorted. O(ranks) under
+        the lock."""
         with self._lock:
-            out = []
-            for run_id, ranks in self._runs.items():
-                for rank, state in ranks.items():
-                    assert state.newest is not None
-                    out.append(
-                        (
-                            run_id,
-                            rank,
-                            RankSnapshot(
-                                newest=state.newest,
-                                last_report=state.last_report,
-                                dropped_records=state.dropped_records,
-                                restarts=state.restarts,
-                                first_step=state.first_step,
-                                history=(),
-                                samples=(),
-                                last_progress=state.last_progress,
-                                finished_at=state.finished_at,
-                                spike_counts=state.spikes.counts,
-                            ),
-                        )
-                    )
+            out = [
+                (run_id, rank, state.snapshot(history=False))
+                for run_id, ranks in self._runs.items()
+                for rank, state in ranks.items()
+            ]
         out.sort(key=lambda item: (item[0], item[1]))
         return out
 

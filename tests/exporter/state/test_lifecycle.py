@@ -3,10 +3,11 @@ lost verdicts, and a finished run's health."""
 
 from __future__ import annotations
 
-from ampscope.exporter.health import Thresholds, evaluate
+from ampscope.exporter.health import evaluate
 from ampscope.exporter.state.lifecycle import Lifecycle
 from ampscope.exporter.state.ranks import RankSnapshot, RankState
 from ampscope.reporter.schema import Heartbeat, Identity, StepRecord
+from ampscope.verdicts.thresholds import Thresholds
 from exporter.factory import T0, record, totals
 
 T = Thresholds(stale_after_s=60.0, stall_after_s=600.0)

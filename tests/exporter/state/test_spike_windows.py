@@ -6,11 +6,12 @@ import random
 
 import pytest
 
-from ampscope.exporter.health import Thresholds, evaluate
+from ampscope.exporter.health import evaluate
 from ampscope.exporter.state.ranks import RankSnapshot, RankState
 from ampscope.exporter.state.spike_windows import OriginBoard, SpikeCounts
 from ampscope.exporter.state.store import Store, StoreLimits
 from ampscope.reporter.schema import StepRecord
+from ampscope.verdicts.thresholds import Thresholds
 from exporter.factory import T0, batch, record, stats, totals
 
 T = Thresholds()

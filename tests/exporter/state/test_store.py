@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from ampscope.exporter.state.ranks import HELD_OVERHEAD_BYTES
 from ampscope.exporter.state.store import LimitExceeded, Store, StoreLimits
-from exporter.factory import batch, record, steps, totals
+from exporter.factory import batch, record, stats, steps, totals
 
 
 def _store(**overrides: int) -> Store:
@@ -73,6 +75,22 @@ def test_snapshots_are_copies_and_unknowns_are_none() -> None:
     assert store.ranks("zzz") is None
     ((run, rank, latest),) = store.latest()
     assert (run, rank, latest.newest.step, latest.history) == ("a", 0, 5, ())
+
+
+def test_latest_is_the_snapshot_without_history_and_keeps_the_spikes() -> None:
+    store = _store()
+    flat = [record(s, stats=stats(2.0 + 0.01 * (s % 3), grad_norm=1.0)) for s in range(1, 61)]
+    store.ingest(batch(*flat, record(61, stats=stats(9.0, grad_norm=1.0))), now=5.0)
+    full = store.rank("run-a", 0)
+    ((_, _, latest),) = store.latest()
+    assert full is not None
+    assert len(full.spikes) == 1
+    (spike,) = latest.spikes
+    assert (spike.kind, spike.step, spike.value) == ("loss", 61, 9.0)
+    assert latest.spike_counts == full.spike_counts
+    assert (latest.history, latest.samples) == ((), ())
+    # Everything else is the full snapshot's.
+    assert latest == dataclasses.replace(full, history=(), samples=())
 
 
 def test_limits_validate() -> None:

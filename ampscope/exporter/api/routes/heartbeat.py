@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
-from pydantic import BaseModel, Field, ValidationError
+from fastapi import APIRouter
+from pydantic import BaseModel, Field
 
-from ampscope.exporter.api.deps import Authorized, ClockDep, SettingsDep, StatsDep, StoreDep
-from ampscope.exporter.api.errors import ApiError, responses
-from ampscope.exporter.http.body import BodyLimit, openapi_body, received_body, too_deep
-from ampscope.exporter.http.parse import TooDeep, validate_json
+from ampscope.exporter.api.deps import DeliveryDep
+from ampscope.exporter.api.errors import refusal, responses
+from ampscope.exporter.http.body import BodyLimit, openapi_body, parse_counted
+from ampscope.exporter.http.parse import validate_json
 from ampscope.exporter.state.store import BatchRefused
 from ampscope.reporter.schema import HEARTBEAT_PATH, Heartbeat
 
@@ -41,48 +41,22 @@ class HeartbeatResult(BaseModel):
     # The body is read by hand (bounded); the app adds Heartbeat to the OpenAPI components.
     openapi_extra=openapi_body("Heartbeat"),
 )
-async def heartbeat(
-    request: Request,
-    _: Authorized,
-    settings: SettingsDep,
-    store: StoreDep,
-    stats: StatsDep,
-    clock: ClockDep,
-) -> HeartbeatResult:
+async def heartbeat(delivery: DeliveryDep) -> HeartbeatResult:
     """Validate a ``Heartbeat`` strictly and note that its rank was heard from; a ``final``
     one marks the rank finished. Never creates a rank. Answers 409 when it names another
     node, local rank or world size than the live rank (as ingest does)."""
-    async with received_body(
-        request,
-        limit=BodyLimit(
-            min(settings.max_body_bytes, MAX_HEARTBEAT_BYTES),
-            name="heartbeat_bytes",
-            hint="a heartbeat is a few hundred bytes",
-        ),
-        budget=request.app.state.inflight,
-        timeout_s=settings.body_timeout_s,
-        stats=stats,
-        route="heartbeat",
-    ) as body:
+    settings, stats = delivery.settings, delivery.stats
+    limit = BodyLimit(
+        min(settings.max_body_bytes, MAX_HEARTBEAT_BYTES),
+        name="heartbeat_bytes",
+        hint="a heartbeat is a few hundred bytes",
+    )
+    async with delivery.body(limit, route="heartbeat") as body:
         pass  # a few hundred bytes: validated after the budget is given back
+    beat = parse_counted(lambda raw: validate_json(Heartbeat, raw), body, "Heartbeat", stats)
     try:
-        beat = validate_json(Heartbeat, body)
-    except TooDeep as exc:
-        stats.rejected("malformed")
-        raise too_deep(exc) from None
-    except ValidationError as exc:
-        errors = exc.errors(include_url=False, include_input=False, include_context=False)
-        malformed = any(e["type"] == "json_invalid" for e in errors)
-        stats.rejected("malformed" if malformed else "invalid")
-        where = ".".join(map(str, errors[0]["loc"])) or "body"
-        raise ApiError(
-            400 if malformed else 422,
-            "malformed" if malformed else "invalid",
-            f"not a valid Heartbeat (schema_version 1); first at {where}: {errors[0]['msg']}",
-        ) from None
-    try:
-        applied = store.heartbeat(beat, clock())
+        applied = delivery.store.heartbeat(beat, delivery.clock())
     except BatchRefused as exc:  # a live rank's identity changed: as ingest answers it
         stats.rejected(exc.reason)
-        raise ApiError(exc.status, exc.reason, exc.detail) from None
+        raise refusal(exc) from None
     return HeartbeatResult(applied=applied, heartbeat_interval_s=settings.stale_after_s / 4)

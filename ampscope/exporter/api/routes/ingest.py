@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import logging
 
-from fastapi import APIRouter, Request
-from pydantic import ValidationError
+from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
 
-from ampscope.exporter.api.deps import Authorized, ClockDep, SettingsDep, StatsDep, StoreDep
-from ampscope.exporter.api.errors import ApiError, responses
+from ampscope.exporter.api.deps import DeliveryDep
+from ampscope.exporter.api.errors import ApiError, refusal, responses
 from ampscope.exporter.api.models import IngestResult
-from ampscope.exporter.http.body import BodyLimit, ByteBudget, openapi_body, received_body, too_deep
-from ampscope.exporter.http.parse import TooDeep, parse_batch
+from ampscope.exporter.http.body import (
+    BodyLimit,
+    openapi_body,
+    parse_counted,
+)
+from ampscope.exporter.http.parse import parse_batch
 from ampscope.exporter.settings import Settings
 from ampscope.exporter.state.ingest_counters import IngestStats
 from ampscope.exporter.state.store import BatchRefused, LimitExceeded, Store
@@ -20,40 +23,6 @@ from ampscope.reporter.schema import INGEST_PATH, IngestBatch
 
 router = APIRouter(tags=["ingest"])
 log = logging.getLogger("ampscope.exporter")
-
-MAX_REPORTED_ERRORS = 20
-"""422 answers list at most this many schema violations."""
-_MAX_MESSAGE = 200
-RETRY_AFTER_S = 60
-"""Retry-After of a 429: cardinality frees up only when retention drops something."""
-
-
-def _parse(body: bytes, stats: StatsDep) -> IngestBatch:
-    try:
-        return parse_batch(body)
-    except TooDeep as exc:
-        stats.rejected("malformed")
-        raise too_deep(exc) from None
-    except ValidationError as exc:
-        errors = exc.errors(include_url=False, include_input=False, include_context=False)
-        if any(e["type"] == "json_invalid" for e in errors):
-            stats.rejected("malformed")
-            raise ApiError(
-                400, "malformed", f"body is not valid JSON: {errors[0]['msg']}"
-            ) from None
-        stats.rejected("invalid")
-        trimmed = [
-            {"loc": list(e["loc"]), "msg": e["msg"][:_MAX_MESSAGE], "type": e["type"]}
-            for e in errors[:MAX_REPORTED_ERRORS]
-        ]
-        raise ApiError(
-            422,
-            "invalid",
-            f"{len(errors)} schema violation(s) of IngestBatch "
-            f"(schema_version 1); first at {'.'.join(map(str, errors[0]['loc'])) or 'body'}: "
-            f"{errors[0]['msg'][:_MAX_MESSAGE]}",
-            errors=trimmed,
-        ) from None
 
 
 def _check_series_limits(batch: IngestBatch, settings: Settings) -> None:
@@ -86,7 +55,7 @@ def _apply(
     """Parse, check and apply one batch. Runs in a worker thread: a 7 MiB batch takes
     about a CPU-second, which on the event loop would stall every other request
     (``parse_batch`` lets other threads in between records)."""
-    batch = _parse(body, stats)
+    batch = parse_counted(parse_batch, body, "IngestBatch", stats)
     if len(batch.records) > settings.max_records_per_batch:
         stats.rejected("too_large")
         raise ApiError(
@@ -100,19 +69,9 @@ def _apply(
     try:
         _check_series_limits(batch, settings)
         outcome = store.ingest(batch, now)
-    except LimitExceeded as exc:
-        stats.rejected("cardinality")
-        raise ApiError(
-            429,
-            "cardinality",
-            exc.detail,
-            limit=exc.limit,
-            value=exc.value,
-            headers={"Retry-After": str(RETRY_AFTER_S)},
-        ) from None
-    except BatchRefused as exc:
+    except BatchRefused as exc:  # a limit, a live rank's identity changed, a clock ahead
         stats.rejected(exc.reason)
-        raise ApiError(exc.status, exc.reason, exc.detail) from None
+        raise refusal(exc) from None
     stats.accepted(len(batch.records))
     if outcome.new_run:
         who = batch.records[0].identity
@@ -139,14 +98,7 @@ def _apply(
     # The body is read by hand (bounded), so OpenAPI is told what it holds.
     openapi_extra=openapi_body("IngestBatch"),
 )
-async def ingest(
-    request: Request,
-    _: Authorized,
-    settings: SettingsDep,
-    store: StoreDep,
-    stats: StatsDep,
-    clock: ClockDep,
-) -> IngestResult:
+async def ingest(delivery: DeliveryDep) -> IngestResult:
     """Validate an ``IngestBatch`` strictly and apply it to the rank's state.
 
     Answers 400 (not JSON, or nested deeper than ``max_json_depth``), 401 (token), 408
@@ -155,13 +107,7 @@ async def ingest(
     records timed too far ahead) or 429 (a cardinality limit, or ``max_inflight_bytes``
     of bodies being received already; named in ``limit``). A rejected batch changes nothing.
     """
-    budget: ByteBudget = request.app.state.inflight
-    async with received_body(
-        request,
-        limit=BodyLimit(settings.max_body_bytes),
-        budget=budget,
-        timeout_s=settings.body_timeout_s,
-        stats=stats,
-        route="ingest",
-    ) as body:
-        return await run_in_threadpool(_apply, body, settings, store, stats, clock())
+    settings = delivery.settings
+    async with delivery.body(BodyLimit(settings.max_body_bytes), route="ingest") as body:
+        now = delivery.clock()
+        return await run_in_threadpool(_apply, body, settings, delivery.store, delivery.stats, now)

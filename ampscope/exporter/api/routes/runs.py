@@ -11,13 +11,16 @@ from ampscope.exporter.api.deps import ClockDep, SettingsDep, StoreDep
 from ampscope.exporter.api.errors import ApiError, responses
 from ampscope.exporter.api.models import HealthReport, History, RankView, RunSummary
 from ampscope.exporter.settings import Settings
-from ampscope.exporter.state.lifecycle import STATES
 from ampscope.exporter.state.ranks import RankSnapshot
+from ampscope.verdicts.ranks import state_counts
 
 router = APIRouter(prefix="/api/v1/runs", tags=["runs"])
 
 RunId = Annotated[str, Path(description="Run id, as in the records' identity.run.")]
 RankId = Annotated[int, Path(ge=0, description="Global rank.")]
+NOT_FOUND = responses(404)
+"""Every route here answers 404 for a run or rank not held. The response model of each is
+its return annotation."""
 
 
 def _view(snap: RankSnapshot, now: float, settings: Settings) -> RankView:
@@ -82,14 +85,14 @@ def _summary(run: str, snaps: list[RankSnapshot], now: float, settings: Settings
         ranks=len(snaps),
         up=up,
         stale=len(snaps) - up,
-        states={name: states.count(name) for name in STATES},
+        states=state_counts(states),
         world_size=freshest.identity.world_size,
         newest_step=max(snap.newest.step for snap in snaps),
         last_report_time=freshest.last_report,
     )
 
 
-@router.get("", response_model=list[RunSummary], summary="Runs the exporter holds")
+@router.get("", summary="Runs the exporter holds")
 def list_runs(store: StoreDep, settings: SettingsDep, clock: ClockDep) -> list[RunSummary]:
     """Every run with its rank counts, newest step and last report time, sorted by run."""
     now = clock()
@@ -99,12 +102,7 @@ def list_runs(store: StoreDep, settings: SettingsDep, clock: ClockDep) -> list[R
     return [_summary(run, snaps, now, settings) for run, snaps in runs.items()]
 
 
-@router.get(
-    "/{run}/ranks",
-    response_model=list[RankView],
-    summary="Every rank's current state",
-    responses=responses(404),
-)
+@router.get("/{run}/ranks", summary="Every rank's current state", responses=NOT_FOUND)
 def list_ranks(
     run: RunId, store: StoreDep, settings: SettingsDep, clock: ClockDep
 ) -> list[RankView]:
@@ -113,12 +111,7 @@ def list_ranks(
     return [_view(snap, now, settings) for snap in _ranks(store, run)]
 
 
-@router.get(
-    "/{run}/ranks/{rank}",
-    response_model=RankView,
-    summary="One rank's current state",
-    responses=responses(404),
-)
+@router.get("/{run}/ranks/{rank}", summary="One rank's current state", responses=NOT_FOUND)
 def get_rank(
     run: RunId, rank: RankId, store: StoreDep, settings: SettingsDep, clock: ClockDep
 ) -> RankView:
@@ -127,9 +120,8 @@ def get_rank(
 
 @router.get(
     "/{run}/ranks/{rank}/history",
-    response_model=History,
     summary="A page of one rank's recent step records",
-    responses=responses(404),
+    responses=NOT_FOUND,
 )
 def get_history(
     run: RunId,
@@ -172,12 +164,7 @@ def get_history(
     )
 
 
-@router.get(
-    "/{run}/health",
-    response_model=HealthReport,
-    summary="Instability verdicts for a run",
-    responses=responses(404),
-)
+@router.get("/{run}/health", summary="Instability verdicts for a run", responses=NOT_FOUND)
 def get_health(run: RunId, store: StoreDep, settings: SettingsDep, clock: ClockDep) -> HealthReport:
     """Scale collapse, skip storm, scale desync, lost and stalled ranks, inf hotspots and
     non-finite updates applied (a bf16/fp32 watch under ``observe``), each with its evidence

@@ -1,33 +1,32 @@
-"""The shared rules over the neutral view of ranks, as ``ampscope status``'s merged view
-calls them (the exporter's path is in test_health)."""
+"""The liveness and coverage rules over ``RankFacts``, as any view calls them (the exporter's
+path over its store is in tests/exporter/test_health.py and state/test_lifecycle.py)."""
 
 from __future__ import annotations
 
-from ampscope.verdicts.rules import (
-    NO_SCALE,
-    AlignedFacts,
-    InfFacts,
-    RankFacts,
-    RankStateName,
-    Thresholds,
-    aligned_scale_desync,
+import pytest
+
+from ampscope.verdicts.liveness import (
     declared_world_size,
-    inf_hotspot,
     lost_rank,
     missing_rank,
     missing_ranks,
+    progress_summary,
+    stalled_rank,
     whole_job,
 )
+from ampscope.verdicts.ranks import RankFacts
+from ampscope.verdicts.thresholds import Thresholds
 
 
 def _facts(
     rank: int,
     *,
     node: str = "n0",
-    state: RankStateName = "running",
+    state: str = "running",
     world_size: int = 8,
     local_world_size: int | None = 4,
     heard: float = 100.0,
+    step_time: float | None = None,
 ) -> RankFacts:
     return RankFacts(
         rank=rank,
@@ -38,6 +37,7 @@ def _facts(
         last_step=10 + rank,
         last_report_time=heard,
         seconds_since_report=200.0 - heard,
+        step_time=step_time,
     )
 
 
@@ -108,43 +108,50 @@ def test_lost_rank_share_is_of_the_whole_view() -> None:
     assert lost_rank(job[4:], t).status == "ok"
 
 
-def test_inf_hotspot_over_window_facts_names_the_rank_and_its_node() -> None:
+def test_stalled_rank_names_the_culprit_only_when_every_live_rank_stalled() -> None:
     t = Thresholds()
-    ranks = [
-        InfFacts(rank=0, node="n0", local={"cuda:0": 1}, origin={"cuda:0": 1}),
-        InfFacts(rank=9, node="n2", local={"cuda:1": 9}, origin={"cuda:1": 9}),
-    ]
-    verdict = inf_hotspot(ranks, t)
+    # Ranks 0..3 on two nodes stalled at steps 10..13: the lowest step stopped first; at
+    # equal steps, the rank whose step came first on its own clock.
+    hang = [_facts(r, node=f"n{r // 2}", state="stalled", step_time=50.0 - r) for r in range(4)]
+    verdict = stalled_rank(hang, t)
     assert verdict.status == "warning"
-    assert verdict.evidence["top"][0] == {
-        "rank": 9,
-        "node": "n2",
-        "device": "cuda:1",
-        "detections": 9,
-        "share": 0.9,
+    assert verdict.evidence["culprit"] == {
+        "rank": 0,
+        "node": "n0",
+        "last_step": 10,
+        "step_time": 50.0,
+        "seconds_since_progress": None,
     }
-    assert verdict.summary == "rank 9 device cuda:1 holds 90% of 10 origin found-inf detections"
-
-
-def test_aligned_desync_compares_ranks_at_the_same_aligned_step_only() -> None:
-    def at(rank: int, node: str, step: int, scale: float) -> AlignedFacts:
-        return AlignedFacts(rank=rank, node=node, step=step, scale=scale)
-
-    # Rank 4 lags at step 20 with another scale: nothing to compare it with.
-    agree = [at(0, "n0", 30, 1024.0), at(1, "n0", 30, 1024.0), at(4, "n2", 20, 64.0)]
-    verdict = aligned_scale_desync(agree, scalers=3)
-    assert (verdict.status, verdict.evidence["compared_steps"]) == ("ok", 1)
-    # Node n1's two ranks differ from the majority at step 30: they are named, with n1.
-    split = [*agree, at(2, "n1", 30, 64.0), at(3, "n1", 30, 64.0), at(5, "n2", 30, 1024.0)]
-    verdict = aligned_scale_desync(split, scalers=6)
-    assert verdict.status == "critical"
-    assert verdict.evidence["ranks"] == [
-        {"rank": 2, "node": "n1", "scale": 64.0},
-        {"rank": 3, "node": "n1", "scale": 64.0},
-    ]
-    assert (verdict.evidence["newest_mismatched_step"], verdict.evidence["majority_scale"]) == (
-        30,
-        1024.0,
+    assert "every live rank stalled (a hang?): rank 0 (node n0) stopped first" in verdict.summary
+    tie = [_facts(0, state="stalled", step_time=9.0), _facts(0, state="stalled", step_time=8.0)]
+    assert stalled_rank(tie, t).evidence["culprit"]["step_time"] == 8.0
+    # One stalled among running ones: named, but no culprit; a finished one is not live.
+    some = [*hang[:1], _facts(4, node="n2"), _facts(5, node="n2", state="finished")]
+    verdict = stalled_rank(some, t)
+    assert (verdict.status, verdict.evidence["stalled"], verdict.evidence["live"]) == (
+        "warning",
+        1,
+        2,
     )
-    assert verdict.summary.endswith("2 of 5 rank(s) differ from the majority's 1024, on node(s) n1")
-    assert aligned_scale_desync([], scalers=0).summary == NO_SCALE
+    assert "culprit" not in verdict.evidence
+    assert verdict.summary == "1 of 2 live rank(s) still report but took no step for over 600 s"
+    quiet = stalled_rank(some[1:], t)
+    assert (quiet.status, quiet.summary) == ("ok", "the live rank is making progress (1 finished)")
+    assert quiet.thresholds == {"stall_after_s": 600.0}
+
+
+@pytest.mark.parametrize(
+    ("live", "states", "summary"),
+    [
+        (0, ["finished"] * 4, "no live ranks: 4 finished"),
+        (0, ["finished", "finished", "finished", "lost"], "no live ranks: 3 finished, 1 lost"),
+        (0, ["lost", "lost"], "no live ranks: 2 lost"),
+        (0, [], "no ranks"),
+        (1, ["running"], "the live rank is making progress"),
+        (3, ["running"] * 3 + ["finished"], "all 3 live ranks are making progress (1 finished)"),
+        (2, ["running", "running", "lost", "finished"], "all 2 live ranks are making progress"
+         " (1 finished, 1 lost)"),
+    ],
+)  # fmt: skip
+def test_progress_summary_says_what_is_true(live: int, states: list, summary: str) -> None:
+    assert progress_summary(live, states) == summary

@@ -1,0 +1,175 @@
+"""The liveness and coverage rules: ``lost_rank`` (silent without finishing),
+``missing_rank`` (never reported) and ``stalled_rank`` (heard from, no new step), over
+``RankFacts``.
+
+A view of one node's exporter and a view of the whole job (a merge of every node's
+exporter, or Prometheus) call the same rules; the whole job's view is what makes a lost
+share or a missing rank the job's.
+
+Pure functions: O(ranks), or O(world size) for the missing ranks; no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ampscope.verdicts.ranks import ENDED_STATES, LIVE_STATES, RankFacts
+from ampscope.verdicts.thresholds import Thresholds
+from ampscope.verdicts.verdict import MAX_EVIDENCE_RANKS, Verdict, rule_verdicts
+
+
+def progress_summary(live: int, states: Sequence[str]) -> str:
+    """What an ok ``stalled_rank`` says: the live ranks making progress, and how many of
+    the others finished or were lost ("no live ranks: 4 finished" once all finished)."""
+    ended = [
+        f"{count} {state}"
+        for state in ENDED_STATES
+        if (count := sum(1 for s in states if s == state))
+    ]
+    if live == 0:
+        return "no live ranks: " + ", ".join(ended) if ended else "no ranks"
+    progress = "the live rank is" if live == 1 else f"all {live} live ranks are"
+    return f"{progress} making progress" + (f" ({', '.join(ended)})" if ended else "")
+
+
+def declared_world_size(ranks: Sequence[RankFacts]) -> int:
+    """The run's world size: the one its most recently heard rank declared (after an
+    elastic resize, ranks of the old size may linger until retention drops them)."""
+    newest = max(ranks, key=lambda facts: (facts.last_report_time, facts.rank))
+    return newest.world_size
+
+
+def whole_job(ranks: Sequence[RankFacts]) -> bool:
+    """Whether ``ranks`` can be the whole job as one exporter sees it: every rank says its
+    node holds all of the job's ranks (``local_world_size == world_size``). A node's exporter
+    of a multi-node job sees only its node, so it cannot tell a missing rank from one that
+    reports to another node's exporter."""
+    return bool(ranks) and all(
+        facts.local_world_size is not None and facts.local_world_size == facts.world_size
+        for facts in ranks
+    )
+
+
+def missing_ranks(ranks: Sequence[RankFacts]) -> list[int]:
+    """Ranks below the declared world size that never reported, ascending: O(world size)."""
+    if not ranks:
+        return []
+    seen = {facts.rank for facts in ranks}
+    return [rank for rank in range(declared_world_size(ranks)) if rank not in seen]
+
+
+def missing_rank(ranks: Sequence[RankFacts], *, judged: bool) -> Verdict:
+    """Warning when ranks that the world size says exist never reported; never critical on
+    its own, as a rank's reporter may simply be off (``AMPSCOPE_URL=off``, no exporter).
+
+    Args:
+        ranks: every rank held of the run.
+        judged: whether ``ranks`` is the whole job (a merged view of every node, or
+            :func:`whole_job`); when not and ranks are unseen, the verdict is ok and says
+            why it cannot judge.
+    """
+    say = rule_verdicts("missing_rank")
+    if not ranks:
+        return say("ok", "no ranks", {"missing": 0})
+    world_size = declared_world_size(ranks)
+    missing = missing_ranks(ranks)
+    seen = len({facts.rank for facts in ranks if facts.rank < world_size})
+    if not missing:
+        return say(
+            "ok",
+            f"all {world_size} rank(s) of the world size reported",
+            {"judged": True, "world_size": world_size, "seen": seen, "missing": 0},
+        )
+    if not judged:
+        return say(
+            "ok",
+            f"not judged: {seen} of {world_size} rank(s) report here, and this "
+            "exporter sees one node; `ampscope status --url` over every node's exporter names "
+            "the ranks that never reported",
+            {"judged": False, "world_size": world_size, "seen": seen},
+        )
+    evidence = {
+        "judged": True,
+        "world_size": world_size,
+        "seen": seen,
+        "missing": len(missing),
+        "ranks": missing[:MAX_EVIDENCE_RANKS],
+    }
+    shown = ", ".join(map(str, missing[:MAX_EVIDENCE_RANKS]))
+    hidden = len(missing) - MAX_EVIDENCE_RANKS
+    more = f" and {hidden} more" if hidden > 0 else ""
+    return say(
+        "warning",
+        f"{len(missing)} of {world_size} rank(s) never reported (their reporter off, "
+        f"or their exporter not asked): rank(s) {shown}{more}",
+        evidence,
+    )
+
+
+def lost_rank(ranks: Sequence[RankFacts], t: Thresholds) -> Verdict:
+    """Warning when a rank went silent for ``stale_after_s`` without its final record;
+    critical when more than ``lost_critical_share`` of the run's ranks did."""
+    say = rule_verdicts("lost_rank", t)
+    lost = [
+        {
+            **facts.ref(),
+            "seconds_since_report": facts.seconds_since_report,
+            "last_step": facts.last_step,
+        }
+        for facts in ranks
+        if facts.state == "lost"
+    ]
+    if not lost:
+        return say("ok", f"no rank of {len(ranks)} lost", {"lost": 0})
+    share = len(lost) / len(ranks)
+    return say(
+        "critical" if share > t.lost_critical_share else "warning",
+        f"{len(lost)} of {len(ranks)} rank(s) went silent without finishing (process "
+        f"died or network broken): rank {lost[0]['rank']} last heard "
+        f"{lost[0]['seconds_since_report']:.0f} s ago at step {lost[0]['last_step']}",
+        {"lost": len(lost), "share": share, "ranks": lost[:MAX_EVIDENCE_RANKS]},
+    )
+
+
+def stalled_rank(ranks: Sequence[RankFacts], t: Thresholds) -> Verdict:
+    """Warning when a rank is still heard from but took no new step for ``stall_after_s``
+    (its state is ``stalled``).
+
+    When every live (running or stalled) rank stalled, the run hangs: the rank whose last
+    step is lowest, or at equal steps whose last step is oldest on its own clock, is named
+    as the likely culprit (the others typically wait for it in a collective).
+    """
+    say = rule_verdicts("stalled_rank", t)
+    states = [facts.state for facts in ranks]
+    stalled = [facts for facts in ranks if facts.state == "stalled"]
+    live = sum(1 for state in states if state in LIVE_STATES)
+    if not stalled:
+        return say("ok", progress_summary(live, states), {"stalled": 0, "live": live})
+    listed = [
+        {
+            **facts.ref(),
+            "last_step": facts.last_step,
+            "step_time": facts.step_time,
+            "seconds_since_progress": facts.seconds_since_progress,
+        }
+        for facts in sorted(stalled, key=lambda facts: (facts.last_step, facts.step_time or 0.0))
+    ]
+    evidence: dict[str, Any] = {
+        "stalled": len(stalled),
+        "live": live,
+        "ranks": listed[:MAX_EVIDENCE_RANKS],
+    }
+    summary = (
+        f"{len(stalled)} of {live} live rank(s) still report but took no step for over "
+        f"{t.stall_after_s:g} s"
+    )
+    if len(stalled) == live:
+        culprit = listed[0]
+        evidence["culprit"] = culprit
+        summary += (
+            f"; every live rank stalled (a hang?): rank {culprit['rank']} (node "
+            f"{culprit['node']}) stopped first, at step {culprit['last_step']}: the likely "
+            "culprit"
+        )
+    return say("warning", summary, evidence)

@@ -1,0 +1,152 @@
+"""The rules about inf/NaN gradients: ``skip_storm`` (too many steps skipped),
+``inf_hotspot`` (one rank/device holds most detections) and ``nonfinite_update_applied`` (an
+optimizer step ran on them), over what changed within each rule's window.
+
+Pure functions: O(ranks), no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ampscope.verdicts.ranks import RankRef
+from ampscope.verdicts.thresholds import Thresholds
+from ampscope.verdicts.verdict import MAX_EVIDENCE_RANKS, Verdict, affected, rule_verdicts
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepFacts(RankRef):
+    """What ``skip_storm`` reads of a rank: its steps and skips within the window."""
+
+    steps: int
+    skipped: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class InfFacts(RankRef):
+    """What ``inf_hotspot`` reads of a rank: found-inf detections per device within the
+    window, local (after the reduction) and at their origin (before it)."""
+
+    local: Mapping[str, int]
+    origin: Mapping[str, int]
+
+
+def skip_storm(ranks: Sequence[StepFacts], t: Thresholds) -> Verdict:
+    """Warning when a rank skipped more than ``skip_storm_ratio`` of its window's steps."""
+    say = rule_verdicts("skip_storm", t)
+    hits: list[dict[str, Any]] = []
+    worst_ratio = 0.0
+    for facts in ranks:
+        steps, skipped = facts.steps, facts.skipped
+        if steps < t.skip_storm_min_steps:
+            continue
+        ratio = skipped / steps
+        worst_ratio = max(worst_ratio, ratio)
+        if ratio > t.skip_storm_ratio:
+            who = facts.ref()
+            hits.append({**who, "steps": steps, "skipped": skipped, "ratio": ratio})
+    if not hits:
+        return say("ok", "skipped steps within bounds", {"worst_ratio": worst_ratio})
+    worst = max(hits, key=lambda h: h["ratio"])
+    return say(
+        "warning",
+        f"{worst['skipped']} of rank {worst['rank']}'s last {worst['steps']} steps "
+        f"were skipped ({worst['ratio']:.0%}) on {len(hits)} rank(s)",
+        affected(hits),
+    )
+
+
+def inf_hotspot(ranks: Sequence[InfFacts], t: Thresholds) -> Verdict:
+    """Warning when one rank/device holds ``hotspot_share`` of the window's detections.
+
+    Counts origin detections (pre-reduction gradients) when any rank tracks origin in
+    the window, else local found-inf. Needs at least two rank/device series: a single
+    device is trivially 100% of its own detections.
+    """
+    say = rule_verdicts("inf_hotspot", t)
+    origin = [(facts, device, n) for facts in ranks for device, n in facts.origin.items()]
+    local = [(facts, device, n) for facts in ranks for device, n in facts.local.items()]
+    source, series = ("origin", origin) if sum(n for *_, n in origin) > 0 else ("local", local)
+    total = sum(n for *_, n in series)
+    evidence: dict[str, Any] = {"source": source, "detections": total, "series": len(series)}
+    if total == 0 or len(series) < 2:
+        return say("ok", "no rank/device dominates the found-inf detections", evidence)
+    ordered = sorted(series, key=lambda item: -item[2])
+    top: list[dict[str, Any]] = [
+        {**s.ref(), "device": d, "detections": n, "share": n / total}
+        for s, d, n in ordered[:5]
+        if n > 0
+    ]
+    evidence["top"] = top
+    lead = top[0]
+    if total >= t.hotspot_min_detections and lead["share"] >= t.hotspot_share:
+        return say(
+            "warning",
+            f"rank {lead['rank']} device {lead['device']} holds {lead['share']:.0%} "
+            f"of {total} {source} found-inf detections",
+            evidence,
+        )
+    return say("ok", "no rank/device dominates the found-inf detections", evidence)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AppliedFacts(RankRef):
+    """What ``nonfinite_update_applied`` reads of a rank whose optimizer stepped on inf/NaN
+    gradients (a watch under policy ``observe``) since its process started."""
+
+    first_step: int
+    """Its first such step (``RankTotals.first_nonfinite_applied``)."""
+    origin: bool | None
+    """Whether its own gradients held inf/NaN at that step; ``None``: origin not tracked."""
+    applied: int
+    """Optimizer steps it ran on inf/NaN gradients (``RankTotals.nonfinite_applied``)."""
+    policy: str
+
+
+def nonfinite_update_applied(ranks: Sequence[AppliedFacts]) -> Verdict:
+    """Critical once a rank's optimizer step ran on inf/NaN gradients: the weights hold
+    inf/NaN from then on, so no window ends it; a restart (counters from zero, e.g. from a
+    checkpoint) does.
+
+    Names the run's first such step (the lowest ``first_step`` of its ranks) and the ranks
+    whose own gradients held inf/NaN at that step (origin tracking). O(ranks log ranks).
+    """
+    say = rule_verdicts("nonfinite_update_applied")
+    hits = sorted(ranks, key=lambda facts: (facts.first_step, facts.rank))
+    if not hits:
+        return say("ok", "no optimizer step ran on inf/NaN gradients", {"ranks_affected": 0})
+    first_step = hits[0].first_step
+    at_first = [facts for facts in hits if facts.first_step == first_step]
+    origins = [facts.rank for facts in at_first if facts.origin]
+    tracked = any(facts.origin is not None for facts in at_first)
+    if origins:
+        origin = "origin: rank(s) " + ", ".join(map(str, origins[:MAX_EVIDENCE_RANKS]))
+    elif tracked:
+        origin = "origin: no rank that tracks it held inf/NaN of its own at that step"
+    else:
+        origin = "origin not tracked (attach(model, track_origin=True) names it)"
+    applied = sum(facts.applied for facts in hits)
+    return say(
+        "critical",
+        f"{len(hits)} rank(s) applied {applied} optimizer step(s) on inf/NaN gradients: "
+        f"the weights hold inf/NaN since step {first_step}; {origin}",
+        {
+            "first_step": first_step,
+            "origin_tracked": tracked,
+            "origin_ranks": origins[:MAX_EVIDENCE_RANKS],
+            "ranks_affected": len(hits),
+            "updates_applied": applied,
+            "ranks": [
+                {
+                    **facts.ref(),
+                    "first_step": facts.first_step,
+                    "origin": facts.origin,
+                    "updates_applied": facts.applied,
+                    "policy": facts.policy,
+                }
+                for facts in hits[:MAX_EVIDENCE_RANKS]
+            ],
+        },
+    )

@@ -1,0 +1,74 @@
+"""The inf/NaN rules over their window facts, as any view calls them (the exporter's
+windows over its store are in tests/exporter/test_health.py)."""
+
+from __future__ import annotations
+
+from ampscope.verdicts.nonfinite import (
+    AppliedFacts,
+    InfFacts,
+    StepFacts,
+    inf_hotspot,
+    nonfinite_update_applied,
+    skip_storm,
+)
+from ampscope.verdicts.thresholds import Thresholds
+
+
+def test_skip_storm_needs_enough_steps_and_a_ratio_above_the_threshold() -> None:
+    t = Thresholds()
+    ranks = [
+        StepFacts(rank=0, node="n0", steps=20, skipped=5),  # 25%: not above
+        StepFacts(rank=3, node="n1", steps=9, skipped=9),  # under min_steps
+        StepFacts(rank=6, node="n2", steps=40, skipped=12),
+    ]
+    verdict = skip_storm(ranks, t)
+    assert verdict.status == "warning"
+    assert verdict.evidence == {
+        "ranks_affected": 1,
+        "ranks": [{"rank": 6, "node": "n2", "steps": 40, "skipped": 12, "ratio": 0.3}],
+    }
+    assert verdict.summary == "12 of rank 6's last 40 steps were skipped (30%) on 1 rank(s)"
+    calm = skip_storm(ranks[:2], t)
+    assert (calm.status, calm.evidence) == ("ok", {"worst_ratio": 0.25})
+
+
+def test_inf_hotspot_over_window_facts_names_the_rank_and_its_node() -> None:
+    t = Thresholds()
+    ranks = [
+        InfFacts(rank=0, node="n0", local={"cuda:0": 1}, origin={"cuda:0": 1}),
+        InfFacts(rank=9, node="n2", local={"cuda:1": 9}, origin={"cuda:1": 9}),
+    ]
+    verdict = inf_hotspot(ranks, t)
+    assert verdict.status == "warning"
+    assert verdict.evidence["top"][0] == {
+        "rank": 9,
+        "node": "n2",
+        "device": "cuda:1",
+        "detections": 9,
+        "share": 0.9,
+    }
+    assert verdict.summary == "rank 9 device cuda:1 holds 90% of 10 origin found-inf detections"
+
+
+def test_nonfinite_update_applied_names_the_first_step_and_its_origin_ranks() -> None:
+    def applied(rank: int, first: int, origin: bool | None, n: int) -> AppliedFacts:
+        return AppliedFacts(
+            rank=rank, node=f"n{rank // 2}", first_step=first, origin=origin, applied=n,
+            policy="observe",
+        )  # fmt: skip
+
+    ranks = [applied(3, 12, True, 2), applied(1, 7, False, 7), applied(2, 7, True, 7)]
+    verdict = nonfinite_update_applied(ranks)
+    assert verdict.status == "critical"
+    assert (verdict.evidence["first_step"], verdict.evidence["origin_ranks"]) == (7, [2])
+    assert [r["rank"] for r in verdict.evidence["ranks"]] == [1, 2, 3]
+    assert verdict.summary == (
+        "3 rank(s) applied 16 optimizer step(s) on inf/NaN gradients: the weights hold "
+        "inf/NaN since step 7; origin: rank(s) 2"
+    )
+    untracked = nonfinite_update_applied([applied(0, 4, None, 1)])
+    assert untracked.evidence["origin_tracked"] is False
+    assert untracked.summary.endswith(
+        "origin not tracked (attach(model, track_origin=True) names it)"
+    )
+    assert nonfinite_update_applied([]).status == "ok"

@@ -1,0 +1,39 @@
+"""A run's roll-up: the worst verdict, finished only when every rank finished."""
+
+from __future__ import annotations
+
+from ampscope.verdicts.rollup import health_report, run_finished
+from ampscope.verdicts.verdict import Verdict
+
+
+def _verdict(rule: str, status: str) -> Verdict:
+    return Verdict.model_validate(
+        {"rule": rule, "status": status, "summary": "", "evidence": {}, "thresholds": {}}
+    )
+
+
+def test_the_report_head_from_verdicts_and_states() -> None:
+    verdicts = [_verdict("skip_storm", "warning"), _verdict("lost_rank", "ok")]
+    report = health_report("r", verdicts, ["running", "lost"], evaluated_at=5.0, up=1)
+    assert report == {
+        "run": "r",
+        "status": "warning",
+        "state": "active",
+        "evaluated_at": 5.0,
+        "ranks": 2,
+        "up": 1,
+        "states": {"running": 1, "stalled": 0, "lost": 1, "finished": 0},
+        "verdicts": verdicts,
+    }
+    # The JSON of verdicts (a merge of exporters' answers) rolls up the same way.
+    dumped = [v.model_dump() for v in verdicts] + [
+        _verdict("scale_desync", "critical").model_dump()
+    ]
+    report = health_report("r", dumped, ["finished"] * 3, evaluated_at=5.0, up=0)
+    assert (report["status"], report["state"], report["ranks"]) == ("critical", "finished", 3)
+
+
+def test_a_run_finishes_only_when_every_rank_did() -> None:
+    assert run_finished(["finished", "finished"])
+    assert not run_finished(["finished", "lost"])
+    assert not run_finished([])
