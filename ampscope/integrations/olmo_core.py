@@ -29,6 +29,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
+
 try:
     from olmo_core.optim import SkipStepOptimizer
     from olmo_core.train.callbacks import Callback
@@ -66,7 +68,7 @@ class AmpscopeCallback(Callback):
 
     Attributes:
         watch: The watch, from ``fit()``'s start (``pre_train``) on; ``None`` before.
-        skipped_steps: Steps the watch skipped in this run, checkpoints included.
+        skipped_steps: Steps the watch skipped, counted across checkpoint restarts.
     """
 
     def __init__(
@@ -91,6 +93,7 @@ class AmpscopeCallback(Callback):
         self._stepper: StepThroughWatch | None = None
         self._scheduler: Any = None
         self._spike_window: tuple[Any, Any] = (None, None)
+        self._watch_state: dict[str, Any] | None = None  # from a checkpoint
 
     # -- OLMo-core's Callback API --------------------------------------------------------
 
@@ -113,15 +116,15 @@ class AmpscopeCallback(Callback):
             self.close()
         module = self.trainer.train_module
         optim = getattr(module, "optim", None)
-        if optim is None:
+        if not isinstance(optim, torch.optim.Optimizer):
             raise TypeError(
-                f"ampscope: {type(module).__name__} has no 'optim'; AmpscopeCallback needs "
-                "a train module with one optimizer (TransformerTrainModule)"
+                f"ampscope: {type(module).__name__}.optim is {type(optim).__name__}; "
+                "AmpscopeCallback needs a train module with one optimizer "
+                "(TransformerTrainModule)"
             )
         watch = make_watch(self._config, self._options)
-        state = getattr(self, "_watch_state", None)
-        if state:
-            watch.load_state_dict(state)
+        if self._watch_state:
+            watch.load_state_dict(self._watch_state)
         self.watch = watch
         # Built here, not in __init__: OLMo-core's with_callback() deep-copies callbacks.
         self._attacher = Attacher(self._track_origin)

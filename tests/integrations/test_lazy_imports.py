@@ -28,6 +28,7 @@ for name in (
     "ampscope.integrations.transformers",
     "ampscope.integrations.lightning",
     "ampscope.integrations.olmo_core",
+    "ampscope.integrations.torchtitan",
 ):
     importlib.import_module(name)
 stages.append(top_level())
@@ -44,5 +45,5 @@ def test_integrations_import_their_library_only_when_used() -> None:
     assert "torch" in core  # proof the scaler side really was imported
     assert not core & (LIBRARIES | SERVER_STACK)
     # The callback-based integrations import their library, never the server stack.
-    assert {"transformers", "lightning", "olmo_core"} <= callbacks
+    assert {"transformers", "lightning", "olmo_core", "torchtitan"} <= callbacks
     assert not callbacks & SERVER_STACK

@@ -44,6 +44,7 @@ def _check_observe(stock: dict[str, Any], observe: dict[str, Any]) -> None:
 
 
 @pytest.mark.distributed
+@pytest.mark.timeout(TIMEOUT_S + 60)
 def test_olmo_core_two_ranks(report_to: str, tmp_path: Path) -> None:
     results = run_distributed(olmo_worker, 2, args=("olmo", str(tmp_path)), timeout=TIMEOUT_S)
     for result in results:
@@ -92,6 +93,7 @@ def test_olmo_core_two_ranks(report_to: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.distributed
+@pytest.mark.timeout(TIMEOUT_S + 60)
 def test_olmo_core_skip_step_optimizer(tmp_path: Path) -> None:
     """OLMo-core's SkipStepAdamW "skips" by multiplying its update by 0, which keeps a NaN
     gradient's NaN: without ampscope the run dies. With ``skip`` ampscope does not call
