@@ -24,6 +24,12 @@ trains once these patches are applied, each for one reason (a GPU run needs none
   tokenizer live in torchtitan's source tree, not in its wheel; the launcher feeds
   deterministic random tokens instead.
 
+One choice on the command line rather than a patch: ``--parallelism.spmd_backend
+partial_dtensor`` (the tests' ``argv``). With torchtitan's default, ``spmd_types``, FSDP
+setup stops on these CPU ranks ("all parameters must be DTensors on the full SPMD mesh ...
+Got plain tensor for parameter 'weight'"); the cause was not pursued. ``partial_dtensor``
+is torchtitan's classic FSDP2 path.
+
 Everything else (config parsing, ``--override.imports``, parallelisation, clipping, the
 optimizers and LR schedulers containers) is torchtitan's, unchanged.
 """

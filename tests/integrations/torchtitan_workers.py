@@ -30,7 +30,7 @@ def argv(dump_folder: str, policy: str | None, run_id: str) -> list[str]:
         "--training.seq_len", "32",
         "--training.local_batch_size", "2",
         "--training.mixed_precision_param", "float32",
-        "--parallelism.spmd_backend", "partial_dtensor",
+        "--parallelism.spmd_backend", "partial_dtensor",  # see torchtitan_cpu
         "--debug.seed", "7",
         "--dump_folder", dump_folder,
     ]  # fmt: skip
