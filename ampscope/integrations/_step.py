@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ampscope.scaler.watch import GradWatch
+from ampscope import GradWatch
 
 _STEP = "step"
 

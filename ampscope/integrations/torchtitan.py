@@ -43,10 +43,10 @@ except ImportError as exc:  # pragma: no cover - exercised only without torchtit
         "ampscope.integrations.torchtitan needs torchtitan: pip install 'ampscope[torchtitan]'"
     ) from exc
 
+from ampscope import GradWatch
 from ampscope.integrations._step import StepThroughWatch
 from ampscope.integrations._swap import Attacher, check_options, check_policy, make_watch
 from ampscope.reporter.schema import Policy
-from ampscope.scaler.watch import GradWatch
 
 logger = logging.getLogger("ampscope")
 
