@@ -2,7 +2,9 @@
 
 * ``ampscope.integrations.transformers.instrument(trainer)``: Hugging Face ``Trainer``;
 * ``ampscope.integrations.accelerate.instrument(accelerator)``: Accelerate;
-* ``ampscope.integrations.lightning.AmpscopeCallback()``: PyTorch Lightning.
+* ``ampscope.integrations.lightning.AmpscopeCallback()``: PyTorch Lightning;
+* ``ampscope.integrations.olmo_core.AmpscopeCallback()``: OLMo-core's trainer;
+* ``--override.imports ampscope.integrations.torchtitan.gradwatch``: torchtitan.
 
 Each swaps the library's loss scaler for ampscope's twin of it (same class, same scaling
 settings, so numerics do not change), attaches it to the wrapped model (origin tracking
@@ -10,5 +12,6 @@ on when the run is distributed), and exposes the ampscope scaler. Where the libr
 in bf16 or fp32 without a loss scaler, each installs a :class:`~ampscope.GradWatch` in its
 place (``policy="observe"`` by default: numerics unchanged) and exposes that. Elsewhere
 (fp16 that the library refused on CPU, DeepSpeed) they say so once and change nothing: an
-integration never turns loss scaling on by itself.
+integration never turns loss scaling on by itself. OLMo-core and torchtitan train bf16
+without a scaler: theirs always install a watch.
 """

@@ -12,9 +12,9 @@ from workers import INJECT_STEPS, STEPS, Net, inject_rank
 
 
 def exporter_ranks(
-    url: str, run: str, world_size: int, timeout: float = DEADLOCK_GUARD_S
+    url: str, run: str, world_size: int, timeout: float = DEADLOCK_GUARD_S, steps: int = STEPS
 ) -> list[Any]:
-    """The exporter's view of ``run``'s ranks once all have reported every step."""
+    """The exporter's view of ``run``'s ranks once all have reported ``steps`` steps."""
     end = time.monotonic() + timeout
     ranks: list[Any] = []
     while time.monotonic() < end:
@@ -23,7 +23,7 @@ def exporter_ranks(
                 ranks = json.loads(r.read())
         except OSError:
             ranks = []
-        if len(ranks) == world_size and all(rank["step"] == STEPS for rank in ranks):
+        if len(ranks) == world_size and all(rank["step"] == steps for rank in ranks):
             return sorted(ranks, key=lambda rank: rank["rank"])
         time.sleep(0.1)
     raise AssertionError(f"exporter did not get every step of {run}: {ranks}")

@@ -6,7 +6,14 @@ import json
 import subprocess
 import sys
 
-LIBRARIES = {"transformers", "accelerate", "lightning", "pytorch_lightning"}
+LIBRARIES = {
+    "transformers",
+    "accelerate",
+    "lightning",
+    "pytorch_lightning",
+    "olmo_core",
+    "torchtitan",
+}
 SERVER_STACK = {"fastapi", "starlette", "uvicorn", "prometheus_client"}
 
 # One interpreter, two stages (each import of torch and the libraries costs seconds).
@@ -17,7 +24,12 @@ def top_level():
 for name in ("ampscope", "ampscope.integrations", "ampscope.integrations.accelerate"):
     importlib.import_module(name)
 stages = [top_level()]
-for name in ("ampscope.integrations.transformers", "ampscope.integrations.lightning"):
+for name in (
+    "ampscope.integrations.transformers",
+    "ampscope.integrations.lightning",
+    "ampscope.integrations.olmo_core",
+    "ampscope.integrations.torchtitan",
+):
     importlib.import_module(name)
 stages.append(top_level())
 print(json.dumps(stages))
@@ -26,12 +38,12 @@ print(json.dumps(stages))
 
 def test_integrations_import_their_library_only_when_used() -> None:
     out = subprocess.run(
-        [sys.executable, "-c", SCRIPT], check=True, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", SCRIPT], check=True, capture_output=True, text=True, timeout=300
     ).stdout
     core, callbacks = (set(stage) for stage in json.loads(out.splitlines()[-1]))
     # ampscope and the Accelerate integration (duck-typed) import no training library.
     assert "torch" in core  # proof the scaler side really was imported
     assert not core & (LIBRARIES | SERVER_STACK)
     # The callback-based integrations import their library, never the server stack.
-    assert {"transformers", "lightning"} <= callbacks
+    assert {"transformers", "lightning", "olmo_core", "torchtitan"} <= callbacks
     assert not callbacks & SERVER_STACK

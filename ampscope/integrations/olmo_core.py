@@ -1,0 +1,244 @@
+"""OLMo-core: ``trainer_config.with_callback("ampscope", AmpscopeCallback())``.
+
+OLMo-core trains bf16 (FSDP2 ``param_dtype``, or autocast) without a loss scaler, so the
+callback installs a :class:`~ampscope.GradWatch` on the train module's model and
+optimizer. Where it hooks into one step of ``Trainer._fit_epoch``:
+
+* ``pre_epoch`` (the first): attaches the watch to ``train_module.model``, after the
+  trainer's dry-run batch, whose backward must not reach the origin hooks;
+* ``pre_optim_step``: gradients are complete and reduced, not yet clipped. The watch
+  takes this rank's CE loss (``trainer.get_metric("train/CE loss")``, before OLMo-core
+  reduces it) and checks the gradients (``unscale_``: the non-finite check, the norms,
+  under ``skip``/``raise`` the all-reduce every rank agrees on);
+* ``optim.step()``, called by ``train_module.optim_step()`` after clipping and the LR
+  update, goes through ``watch.step(optim)`` (an instance attribute for the length of
+  ``fit``): ``skip`` does not step, ``raise`` raises on every rank;
+* ``post_train_batch``: ``watch.update()``, one record per step;
+* ``close`` (always, also after an error): the watch closes, the optimizer's and the
+  scheduler's own methods come back.
+
+OLMo-core's schedulers are functions of ``trainer.global_step`` (or of the tokens seen),
+which advance on a skipped step; under ``skip`` the callback holds them: it hands the
+scheduler the step (and tokens) less those of the skipped steps, so the next step taken
+gets the learning rate the skipped one would have had, as the other integrations hold
+theirs. The count travels in the trainer's checkpoint (the callback's ``state_dict``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+try:
+    from olmo_core.optim import SkipStepOptimizer
+    from olmo_core.train.callbacks import Callback
+    from olmo_core.train.common import TRAIN_CE_LOSS_METRIC, MetricMergeStrategy
+except ImportError as exc:  # pragma: no cover - exercised only without OLMo-core
+    raise ImportError(
+        "ampscope.integrations.olmo_core needs OLMo-core: pip install 'ampscope[olmo-core]'"
+    ) from exc
+
+from ampscope import GradWatch
+from ampscope.integrations._step import StepThroughWatch
+from ampscope.integrations._swap import Attacher, check_options, check_policy, make_watch
+from ampscope.reporter.schema import Policy
+
+logger = logging.getLogger("ampscope")
+
+_SET_LR = "set_lr"
+
+
+class AmpscopeCallback(Callback):
+    """Watches an OLMo-core run's gradients with a :class:`~ampscope.GradWatch`.
+
+    Args:
+        policy: ``"observe"`` (default: parameters bit-identical to the run without the
+            callback), ``"skip"`` (a step whose gradients hold inf/NaN on any rank is
+            skipped on every rank; the LR schedule holds) or ``"raise"``
+            (:class:`~ampscope.NonFiniteGradientsError` on every rank, out of
+            ``trainer.fit()``).
+        max_consecutive_skips: Under ``skip``: raise at the N-th skipped step in a row.
+        track_origin: ``None`` (default): on when the run has several ranks. Needs
+            FSDP (``fully_shard``); OLMo-core's DDP is torch's composable ``replicate``,
+            which origin tracking does not support (logged once, the rest works).
+        **watch_options: Telemetry options of :class:`ampscope.GradWatch` (``run_id``,
+            ``reporter``, ``sinks``, ``top_k``, ``stats``...).
+
+    Attributes:
+        watch: The watch, from ``fit()``'s start (``pre_train``) on; ``None`` before.
+        skipped_steps: Steps the watch skipped, counted across checkpoint restarts.
+    """
+
+    def __init__(
+        self,
+        policy: Policy = "observe",
+        *,
+        max_consecutive_skips: int | None = None,
+        track_origin: bool | None = None,
+        **watch_options: Any,
+    ) -> None:
+        check_options(watch_options)
+        self._config = check_policy(policy, max_consecutive_skips)
+        self._options = watch_options
+        self._track_origin = track_origin
+        self.watch: GradWatch | None = None
+        self.skipped_steps = 0
+        self._skipped_tokens = 0
+        self._tokens_before = 0
+        self._attached = False
+        self._checked = False  # pre_optim_step ran this step (not an intentional skip)
+        self._attacher: Attacher | None = None
+        self._stepper: StepThroughWatch | None = None
+        self._scheduler: Any = None
+        self._spike_window: tuple[Any, Any] = (None, None)
+        self._watch_state: dict[str, Any] | None = None  # from a checkpoint
+
+    # -- OLMo-core's Callback API --------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {
+            "skipped_steps": self.skipped_steps,
+            "skipped_tokens": self._skipped_tokens,
+        }
+        if self.watch is not None:
+            state["watch"] = self.watch.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+        self._skipped_tokens = int(state_dict.get("skipped_tokens", 0))
+        self._watch_state = state_dict.get("watch")
+
+    def pre_train(self) -> None:
+        if self.watch is not None:  # fit() again: a new watch for the new run
+            self.close()
+        module = self.trainer.train_module
+        optim = getattr(module, "optim", None)
+        if not isinstance(optim, torch.optim.Optimizer):
+            raise TypeError(
+                f"ampscope: {type(module).__name__}.optim is {type(optim).__name__}; "
+                "AmpscopeCallback needs a train module with one optimizer "
+                "(TransformerTrainModule)"
+            )
+        watch = make_watch(self._config, self._options)
+        if self._watch_state:
+            watch.load_state_dict(self._watch_state)
+        self.watch = watch
+        # Built here, not in __init__: OLMo-core's with_callback() deep-copies callbacks.
+        self._attacher = Attacher(self._track_origin)
+        self._stepper = StepThroughWatch(watch, optim)
+        self._tokens_before = self.trainer.global_train_tokens_seen
+        if watch.policy == "skip":
+            self._hold_scheduler(getattr(module, "scheduler", None))
+
+    def pre_epoch(self) -> None:
+        # After the trainer's dry-run batch: its backward must not count as step 1's.
+        if self.watch is not None and self._attacher is not None and not self._attached:
+            self._attached = True
+            self._attacher.attach(self.watch, self.trainer.train_module.model)
+
+    def pre_optim_step(self) -> None:
+        watch, stepper = self.watch, self._stepper
+        if watch is None or stepper is None:
+            return
+        self._checked = True
+        optim = stepper.optimizer
+        if isinstance(optim, SkipStepOptimizer):
+            # train_batch() appended this step's loss; optim_step() appends its grad norm.
+            self._spike_window = (optim.latest_loss, optim.latest_grad_norm)
+        loss = self.trainer.get_metric(TRAIN_CE_LOSS_METRIC)
+        if loss is not None:
+            watch.scale(loss)
+        # Before train_module.optim_step() clips: the gradients as backward left them.
+        watch.unscale_(stepper.optimizer)
+
+    def post_train_batch(self) -> None:
+        watch = self.watch
+        trainer = self.trainer
+        tokens = trainer.global_train_tokens_seen - self._tokens_before
+        self._tokens_before = trainer.global_train_tokens_seen
+        if watch is None or not self._checked:
+            return  # an intentional skip (steps_to_skip): no gradients, no record
+        self._checked = False
+        skipped = watch.last_step_skipped
+        watch.update()
+        if watch.policy != "skip":
+            return
+        optim = self._stepper.optimizer if self._stepper is not None else None
+        if skipped:
+            self.skipped_steps += 1
+            self._skipped_tokens += tokens
+            if isinstance(optim, SkipStepOptimizer):
+                _forget_step(optim, *self._spike_window)
+        # OLMo-core's own name for a skipped step (its SkipStepOptimizer records it);
+        # ampscope's skip replaces its value: the optimizer did not step, once.
+        if skipped or not isinstance(optim, SkipStepOptimizer):
+            trainer.record_metric(
+                "step skipped",
+                float(skipped),
+                namespace="optim",
+                merge_strategy=MetricMergeStrategy.latest,
+            )
+
+    def close(self) -> None:
+        if self._stepper is not None:
+            self._stepper.remove()
+            self._stepper = None
+        scheduler, self._scheduler = self._scheduler, None
+        if scheduler is not None and _SET_LR in vars(scheduler):
+            delattr(scheduler, _SET_LR)  # the class's method again
+        if self.watch is not None:
+            self.watch.close()
+        self._attached = False
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _hold_scheduler(self, scheduler: Any) -> None:
+        """Give ``scheduler.set_lr`` the trainer's step and tokens less the skipped ones
+        (an instance attribute until ``close``); OLMo-core's schedulers read nothing else
+        of the trainer but ``max_steps`` and ``max_tokens``, which stay."""
+        if scheduler is None:
+            return
+        set_lr = scheduler.set_lr
+        callback = self
+
+        def held_set_lr(group: dict[str, Any], trainer: Any) -> Any:
+            if not callback.skipped_steps:
+                return set_lr(group, trainer)
+            return set_lr(group, _HeldTrainer(trainer, callback))
+
+        # Scheduler configs are plain dataclasses: the attribute shadows the method.
+        object.__setattr__(scheduler, _SET_LR, held_set_lr)
+        self._scheduler = scheduler
+
+
+def _forget_step(optim: Any, loss: Any, grad_norm_before: Any) -> None:
+    """Take the step ampscope skipped out of a ``SkipStepOptimizer``'s rolling window.
+
+    Its inf/NaN grad norm (or loss) would otherwise sit in the window's mean and
+    standard deviation, every comparison with them would fail, and the optimizer would
+    skip each following step until the value rolls out (``rolling_interval_length``
+    steps): the one skip would become many. OLMo-core has no public way to drop an
+    entry, so this is the one place ampscope edits its private state (the window's two
+    lists). ``loss`` is the entry this step appended; ``grad_norm_before`` the newest
+    grad norm before this step's.
+    """
+    losses, norms = optim._losses, optim._grad_norms
+    if losses and losses[-1] is loss:
+        losses.pop()
+    if norms and norms[-1] is not grad_norm_before:
+        norms.pop()
+
+
+class _HeldTrainer:
+    """The trainer as a scheduler sees it when skipped steps do not count."""
+
+    def __init__(self, trainer: Any, callback: AmpscopeCallback) -> None:
+        self._trainer = trainer
+        self.global_step = trainer.global_step - callback.skipped_steps
+        self.global_train_tokens_seen = trainer.global_train_tokens_seen - callback._skipped_tokens
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._trainer, name)

@@ -1,0 +1,187 @@
+"""torchtitan: one ``--override.imports`` entry, through torchtitan's own override mechanism.
+
+::
+
+    torchrun ... -m torchtitan.train --module llama3 --config llama3_8b \\
+        --override.imports 'ampscope.integrations.torchtitan.gradwatch={"policy": "skip"}'
+
+:func:`gradwatch` is a registered torchtitan override of ``LRSchedulersContainer.Config``,
+the one component torchtitan builds with the optimizers container in hand: its
+replacement, :class:`WatchedLRSchedulers`, builds the same LambdaLR schedulers and
+installs a :class:`~ampscope.GradWatch` on the container's model parts and every one of
+its optimizers. In each ``Trainer.train_step``:
+
+* ``dist_utils.clip_grad_norm_``, which torchtitan calls once the gradients are reduced:
+  the watch checks every optimizer's gradients first (``unscale_``: the non-finite check,
+  the norms, under ``skip``/``raise`` the all-reduce every rank agrees on). ampscope wraps
+  that function of ``torchtitan.distributed.utils`` for the life of the process; with no
+  live watch the wrapper only calls it;
+* ``optimizers.step()``: each optimizer's ``step()`` goes through ``watch.step()``
+  (``skip`` does not step, ``raise`` raises on every rank);
+* ``lr_schedulers.step()``: the schedulers step unless the watch skipped the iteration
+  (they hold), then ``watch.update()``, one record per step.
+
+Not covered: each rank's loss (torchtitan computes it in its loss component, another node
+of the config, which one override cannot reach; records carry no loss and the loss spike
+rule stays silent, the grad-norm rule works), and pipeline parallelism with several local
+stages (the watch attaches to each stage; origin tracking of such a rank is untested).
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+try:
+    from torchtitan.components.optimizer import LRSchedulersContainer
+    from torchtitan.config.override import derive, override
+    from torchtitan.distributed import utils as dist_utils
+except ImportError as exc:  # pragma: no cover - exercised only without torchtitan
+    raise ImportError(
+        "ampscope.integrations.torchtitan needs torchtitan: pip install 'ampscope[torchtitan]'"
+    ) from exc
+
+from ampscope import GradWatch
+from ampscope.integrations._step import StepThroughWatch
+from ampscope.integrations._swap import Attacher, check_options, check_policy, make_watch
+from ampscope.reporter.schema import Policy
+
+logger = logging.getLogger("ampscope")
+
+_LIVE: weakref.WeakSet[WatchedLRSchedulers] = weakref.WeakSet()
+"""The containers whose watch checks before the next clip (one per trainer)."""
+
+
+class WatchedLRSchedulers(LRSchedulersContainer):
+    """torchtitan's LR schedulers container, holding on skipped steps, with a watch.
+
+    Attributes:
+        watch: The :class:`~ampscope.GradWatch` on the optimizers container.
+        skipped_steps: Iterations the watch skipped (the schedulers held).
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(LRSchedulersContainer.Config):
+        """``LRSchedulersContainer.Config`` and the watch's settings (see :func:`gradwatch`)."""
+
+        policy: str = "observe"
+        max_consecutive_skips: int | None = None
+        track_origin: bool | None = None
+        watch_options: dict[str, Any] = field(default_factory=dict)
+
+        def build(self, *, optimizers: Any, training_steps: int) -> WatchedLRSchedulers:
+            # LRSchedulersContainer.Config.build, named: slots dataclasses break super().
+            schedulers = LRSchedulersContainer.Config.build(
+                self, optimizers=optimizers, training_steps=training_steps
+            )
+            watch = make_watch(
+                check_policy(self.policy, self.max_consecutive_skips),  # type: ignore[arg-type]
+                self.watch_options,
+            )
+            return WatchedLRSchedulers(schedulers, optimizers, watch, self.track_origin)
+
+    def __init__(
+        self,
+        schedulers: LRSchedulersContainer,
+        optimizers: Any,
+        watch: GradWatch,
+        track_origin: bool | None,
+    ) -> None:
+        # The schedulers torchtitan built; LRSchedulersContainer.__init__ only sets them.
+        self.schedulers = schedulers.schedulers
+        self.watch = watch
+        self.skipped_steps = 0
+        self._optimizers = list(optimizers)
+        self._steppers = [StepThroughWatch(watch, opt) for opt in self._optimizers]
+        self._checked = False
+        attacher = Attacher(track_origin)
+        for part in optimizers.model_parts:
+            attacher.attach(watch, part)
+        _install_clip_hook()
+        _LIVE.add(self)
+
+    def check(self) -> None:
+        """Check every optimizer's gradients now (before torchtitan clips them); once per
+        iteration."""
+        if self._checked or self.watch.telemetry.closed:
+            return
+        self._checked = True
+        for optimizer in self._optimizers:
+            self.watch.unscale_(optimizer)
+
+    def step(self) -> None:
+        """Step the schedulers unless the watch skipped this iteration; close it."""
+        watch = self.watch
+        self._checked = False
+        if watch.policy == "skip" and watch.last_step_skipped:
+            self.skipped_steps += 1  # held: the next step gets this step's learning rate
+        else:
+            LRSchedulersContainer.step(self)
+        watch.update()
+
+    def close(self) -> None:
+        """Close the watch and give the optimizers their ``step`` back. torchtitan has no
+        hook for it at the trainer's end; ampscope closes the watch at interpreter exit."""
+        _LIVE.discard(self)
+        for stepper in self._steppers:
+            stepper.remove()
+        self.watch.close()
+
+
+@override(
+    target=LRSchedulersContainer.Config,
+    description="ampscope: a GradWatch on the optimizers; LR schedulers hold on skipped steps",
+)
+def gradwatch(
+    config: LRSchedulersContainer.Config,
+    *,
+    policy: Policy = "observe",
+    max_consecutive_skips: int | None = None,
+    track_origin: bool | None = None,
+    **watch_options: Any,
+) -> WatchedLRSchedulers.Config:
+    """The override ``--override.imports 'ampscope.integrations.torchtitan.gradwatch={...}'``
+    names; the JSON object holds its keyword arguments.
+
+    Args:
+        config: torchtitan's LR schedulers config: kept, field for field.
+        policy: ``"observe"`` (default: numerics unchanged), ``"skip"`` or ``"raise"``.
+        max_consecutive_skips: Under ``skip``: raise at the N-th skipped step in a row.
+        track_origin: ``None`` (default): on when the run has several ranks.
+        **watch_options: Telemetry options of :class:`ampscope.GradWatch` (``run_id``,
+            ``top_k``, ``stats``...; ``reporter`` and ``sinks`` are objects, which a command
+            line cannot give: the reporter follows ``AMPSCOPE_URL``).
+
+    Raises:
+        ValueError, TypeError: a bad policy or option, when torchtitan applies the
+            override (before it builds anything).
+    """
+    check_options(watch_options)
+    check_policy(policy, max_consecutive_skips)
+    return derive(
+        config,
+        WatchedLRSchedulers.Config,
+        policy=policy,
+        max_consecutive_skips=max_consecutive_skips,
+        track_origin=track_origin,
+        watch_options=dict(watch_options),
+    )
+
+
+def _install_clip_hook() -> None:
+    """Wrap ``torchtitan.distributed.utils.clip_grad_norm_`` once per process: each live
+    watch checks the gradients before the clip changes them."""
+    clip = dist_utils.clip_grad_norm_
+    if getattr(clip, "ampscope_checks", False):
+        return
+
+    def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
+        for schedulers in list(_LIVE):
+            schedulers.check()
+        return clip(*args, **kwargs)
+
+    clip_grad_norm_.ampscope_checks = True  # type: ignore[attr-defined]
+    clip_grad_norm_.__wrapped__ = clip  # type: ignore[attr-defined]
+    dist_utils.clip_grad_norm_ = clip_grad_norm_
