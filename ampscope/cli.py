@@ -11,6 +11,10 @@ from collections.abc import Sequence
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("ampscope.exporter.main", "run the per-node exporter (/metrics and a JSON API)"),
     "status": ("ampscope.status.main", "show the node's runs and their health (exit 0/1/2/3)"),
+    "devices": (
+        "ampscope.devices.main",
+        "rank devices by the runs in which they offended, from Prometheus (exit 0/1/3)",
+    ),
     "demo": ("ampscope.demo.main", "train a small FSDP2 model into instability and watch ampscope"),
     "export": ("ampscope.bundle.export", "write the dashboards, Prometheus rules and manifests"),
 }

@@ -223,7 +223,10 @@ class SimulatedRank:
             "ampscope_rank_info": [
                 (
                     ',mode="scaler",policy="skip",grad_dtype="float16"'
-                    f',world_size="{self.identity.world_size}",job_id=""',
+                    f',world_size="{self.identity.world_size}",job_id=""'
+                    # A simulated rank has no GPU: its node and local rank name its device.
+                    f',device="{self.identity.node}:{self.identity.local_rank}"'
+                    ',pci_bus_id="",hostname=""',
                     1,
                 )
             ],

@@ -73,3 +73,10 @@ def test_verdicts_are_pure():
     loaded = _imported_after(modules)
     leaked = sorted(loaded.intersection({"torch", *SERVER_STACK}))
     assert not leaked, f"importing {modules} pulled in {leaked}"
+
+
+def test_devices_needs_neither_torch_nor_the_server_stack():
+    loaded = _imported_after(["ampscope.devices.main", "ampscope.devices.ranking"])
+    assert "ampscope" in loaded
+    leaked = sorted(loaded.intersection({"torch", *SERVER_STACK}))
+    assert not leaked, f"`ampscope devices` pulled in {leaked}"

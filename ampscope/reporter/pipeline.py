@@ -22,6 +22,7 @@ from ampscope.reporter.schema import (
     HEARTBEAT_PATH,
     MAX_RECORDS_PER_BATCH,
     SCHEMA_VERSION,
+    DeviceIdentity,
     Heartbeat,
     Identity,
     StepRecord,
@@ -32,6 +33,9 @@ from ampscope.reporter.transport import URL_ENV, IngestTransport, Outcome, PostR
 logger = logging.getLogger("ampscope")
 
 __all__ = ["HttpReporterConfig", "Pipeline"]
+
+MAX_DEVICE_KEYS = 64
+"""(run, rank) pairs whose device a pipeline remembers (one, unless a reporter is shared)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,6 +158,9 @@ class Pipeline:
         self.heartbeat_interval = config.heartbeat_interval
         self.next_beat = float("inf")
         self.finished_sent = False
+        # (run, rank) -> the device its first record named, as JSON: repeated on every batch
+        # of that rank, so an exporter that restarted learns it again (sender thread only).
+        self.devices: dict[tuple[str, int], bytes] = {}
         self.thread = threading.Thread(target=self._run, name="ampscope-reporter", daemon=True)
 
     # ---- called by HttpReporter (any thread) ----
@@ -386,6 +393,10 @@ class Pipeline:
         for seq, record in taken:
             try:
                 key = (record.identity.run, record.identity.rank)
+                if isinstance(record.device, DeviceIdentity):
+                    if key not in self.devices and len(self.devices) >= MAX_DEVICE_KEYS:
+                        self.devices.clear()  # a reporter shared by many runs: stay bounded
+                    self.devices[key] = record.device.model_dump_json().encode()
                 encoded.append(
                     _Encoded(
                         seq, key, record.model_dump_json().encode(), record.identity, record.step
@@ -439,11 +450,14 @@ class Pipeline:
         with self.cond:
             dropped = self.dropped
         remaining = self._remaining()
+        device = self.devices.get(chunk[0].key)
         body = b"".join(
             (
                 b'{"schema_version":%d,"records":[' % SCHEMA_VERSION,
                 b",".join(item.json for item in chunk),
-                b'],"dropped_records":%d}' % dropped,
+                b'],"dropped_records":%d' % dropped,
+                b"" if device is None else b',"device":' + device,
+                b"}",
             )
         )
         result = self.transport.post(body, timeout=remaining)

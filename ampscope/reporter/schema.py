@@ -109,6 +109,25 @@ class Identity(_Model):
     when no scheduler said one, and from reporters that predate the field."""
 
 
+class DeviceIdentity(_Model):
+    """The hardware a rank runs on, named as GPU telemetry names it.
+
+    Sent once per rank process (its first record) and, by the HTTP reporter, once per batch,
+    never per step. DCGM-exporter labels its series with the same ``UUID``, ``pci_bus_id``
+    and ``Hostname``, so one ``on (UUID)`` joins ampscope's offences with XID and ECC errors.
+    """
+
+    device: Label
+    """On CUDA the GPU's UUID as NVML and DCGM-exporter write it (``GPU-…``); else
+    ``<node>:<local_rank>``."""
+    pci_bus_id: Label | None = None
+    """The GPU's PCI address as NVML writes it (``00000000:3B:00.0``); ``None`` without a
+    GPU, or when neither torch nor nvidia-ml-py could say."""
+    hostname: Label
+    """The machine's host name (``socket.gethostname()``), whatever ``AMPSCOPE_NODE`` says:
+    what DCGM-exporter's ``Hostname`` label holds."""
+
+
 class NonfiniteParam(_Model):
     """A parameter whose local gradient shard held inf/NaN values."""
 
@@ -286,6 +305,9 @@ class StepRecord(_Model):
     stats: StepStats | None = None
     """Loss and gradient norms; ``None`` when the rank runs with ``stats=False`` (or a
     reporter older than them)."""
+    device: DeviceIdentity | None = None
+    """The rank's device, on the first record of a rank process only (``None`` on the
+    others, and from reporters that predate the field)."""
 
 
 class IngestBatch(_Model):
@@ -296,6 +318,9 @@ class IngestBatch(_Model):
     """Oldest first; all from one rank (same run and rank)."""
     dropped_records: Count
     """Records this rank's reporter has dropped so far (cumulative)."""
+    device: DeviceIdentity | None = None
+    """The rank's device, repeated on every batch by the HTTP reporter, so that an exporter
+    that restarted, or missed the record that carried it, learns it from the next batch."""
 
     @model_validator(mode="after")
     def _one_rank(self) -> IngestBatch:

@@ -149,7 +149,12 @@ def test_every_dashboard_and_alert_expression_returns_data(
         if not evaluate(substitute(expr))
     ]
     assert not empty, f"dashboard queries without data: {empty}"
-    unrecorded = [name for name, rule in recording_rules().items() if not evaluate(rule["expr"])]
+    # The DCGM join needs DCGM-exporter's series, which this test has none of.
+    unrecorded = [
+        name
+        for name, rule in recording_rules().items()
+        if name != "ampscope_device:dcgm_errors:offenders" and not evaluate(rule["expr"])
+    ]
     assert not unrecorded, f"recording rules without data: {unrecorded}"
 
     # The demo is built so that every alert's condition holds, each on the run meant to.
@@ -188,9 +193,11 @@ def test_every_dashboard_and_alert_expression_returns_data(
     # (ALERTS holds Prometheus' pending and firing alerts over time.)
     active = {sample["metric"]["alertname"] for sample in prometheus.query("ALERTS", live)}
     assert "AmpscopeScaleCollapse" in active, (workdir / "prometheus.log").read_text()[-2000:]
-    # Once the runs finished, no alert's condition holds for any of them.
+    # Once the runs finished, no alert's condition holds for any of them. The repeat-offender
+    # alert is about a device across runs, finished ones included (tests/devices).
+    per_run = {n: rule for n, rule in alerts.items() if n != "AmpscopeRepeatOffenderDevice"}
     still = {
         name: sorted({s["metric"]["run"] for s in prometheus.query(rule["expr"], finished)})
-        for name, rule in alerts.items()
+        for name, rule in per_run.items()
     }
-    assert still == {name: [] for name in alerts}, still
+    assert still == {name: [] for name in per_run}, still

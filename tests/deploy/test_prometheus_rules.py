@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 
 import pytest
@@ -16,6 +17,7 @@ from deploy_files import (
 )
 from support import need_tool
 
+from ampscope.devices.query import DCGM_FIELDS
 from ampscope.exporter.metrics.catalogue import BY_NAME, SCALER_ONLY
 from ampscope.verdicts.thresholds import Thresholds
 
@@ -30,7 +32,10 @@ ALERTS = {
     "AmpscopeLossSpike",
     "AmpscopeGradNormSpike",
     "AmpscopeOriginOutlier",
+    "AmpscopeRepeatOffenderDevice",
 }
+DEVICE_ALERTS = {"AmpscopeRepeatOffenderDevice"}
+"""Alerts about a device across runs: they name the device, not a run."""
 UNIT_TESTS = sorted((PROMETHEUS_DIR / "tests").glob("*.yml"))
 
 
@@ -82,7 +87,8 @@ def test_alerts_carry_for_severity_summary_description() -> None:
     for name, rule in alerts.items():
         assert rule["for"], name
         assert rule["labels"]["severity"] in {"critical", "warning", "info"}, name
-        assert "$labels.run" in rule["annotations"]["summary"], name
+        named = "$labels.device" if name in DEVICE_ALERTS else "$labels.run"
+        assert named in rule["annotations"]["summary"], name
         description = rule["annotations"]["description"]
         assert "$labels" in description, name
         assert "$value" in description or "$labels.instance" in description, name
@@ -136,6 +142,8 @@ def test_no_alert_fires_for_a_finished_rank() -> None:
     finished = 'ampscope_rank_state{state="finished"} == 1'
     for name, rule in alert_rules().items():
         expr = " ".join(rule["expr"].split())
+        if name in DEVICE_ALERTS:
+            continue  # about finished runs by design: a device's record across them
         if name in ("AmpscopeRankLost", "AmpscopeRankStalled"):
             assert 'state="finished"' not in expr, name
             continue
@@ -172,3 +180,18 @@ def test_no_alert_divides_by_a_recorded_run_total() -> None:
         "sum by (run) (ampscope_rank_device:found_inf_source:increase_10m)"
         in alerts["AmpscopeInfHotspot"]["expr"]
     )
+
+
+def test_device_rules_count_runs_over_30_days_and_join_dcgm_on_the_uuid() -> None:
+    recorded = recording_rules()
+    runs = " ".join(recorded["ampscope_device:offending_runs:count_30d"]["expr"].split())
+    assert "max_over_time(ampscope_device_offences_total[30d])" in runs
+    assert runs.startswith("count by (device, node) ( max by (device, node, run) (")
+    alert = alert_rules()["AmpscopeRepeatOffenderDevice"]
+    assert alert["expr"].strip() == "ampscope_device:offending_runs:count_30d >= 2"
+    assert alert["labels"]["severity"] == "warning"
+    # The join reads exactly the DCGM fields `ampscope devices` reads.
+    joined = recorded["ampscope_device:dcgm_errors:offenders"]["expr"]
+    (fields,) = re.findall(r'__name__=~"([^"]+)"', joined)
+    assert fields.split("|") == list(DCGM_FIELDS)
+    assert "and on (UUID)" in joined

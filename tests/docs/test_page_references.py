@@ -89,3 +89,16 @@ def test_every_image_a_page_shows_exists() -> None:
             shown.append(image)
             assert (page.parent / image).is_file(), (page.name, image)
     assert shown
+
+
+def test_every_devices_flag_and_exit_status_is_explained() -> None:
+    from ampscope.devices import main as devices_main
+
+    shown = (DOCS / "hardware-triage.md").read_text()
+    missing = [flag for flag in flags(devices_main.add_arguments) if f"`{flag}" not in shown]
+    assert not missing, f"devices flags docs/hardware-triage.md does not mention: {missing}"
+    prose = " ".join(shown.split())
+    assert "0 no device offended in `--min-runs` runs or more, 1 one did, 3 Prometheus" in prose
+    for name in ("nonfinite_origin", "origin_outlier", "transient_fault"):
+        assert f"`{name}`" in prose, name
+    assert "**not emitted yet**" in prose

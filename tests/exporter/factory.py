@@ -6,6 +6,7 @@ from typing import Any
 
 from ampscope.reporter.schema import (
     AlignedScale,
+    DeviceIdentity,
     Identity,
     IngestBatch,
     NonfiniteApplied,
@@ -84,11 +85,13 @@ def record(
     total: RankTotals | None = None,
     found_inf: bool | None = None,
     event: ScaleEvent | None = None,
+    origin: bool = False,
     **extra: Any,
 ) -> StepRecord:
     """Step ``step`` of a rank; its time defaults to T0 + step seconds. ``found_inf`` (the
     local and global flags) and ``event`` default to what a scaler does: a skip is a
-    found-inf and a backoff."""
+    found-inf and a backoff. ``origin``: the rank's own gradients held inf/NaN (origin
+    tracking on ``cuda:0``)."""
     found_inf = skipped if found_inf is None else found_inf
     return StepRecord(
         identity=Identity(
@@ -103,7 +106,7 @@ def record(
         step=step,
         time=T0 + step if time is None else time,
         found_inf_local={"cuda:0": found_inf},
-        found_inf_origin={},
+        found_inf_origin={"cuda:0": True} if origin else {},
         found_inf_global=found_inf,
         skipped=skipped,
         scale_before=scale if scale_before is None else scale_before,
@@ -137,8 +140,12 @@ def watch(
     )
 
 
-def batch(*records: StepRecord, dropped: int = 0) -> IngestBatch:
-    return IngestBatch(schema_version=1, records=list(records), dropped_records=dropped)
+def batch(
+    *records: StepRecord, dropped: int = 0, device: DeviceIdentity | None = None
+) -> IngestBatch:
+    return IngestBatch(
+        schema_version=1, records=list(records), dropped_records=dropped, device=device
+    )
 
 
 def steps(first: int, last: int, **kwargs: Any) -> list[StepRecord]:
@@ -146,8 +153,17 @@ def steps(first: int, last: int, **kwargs: Any) -> list[StepRecord]:
     return [record(s, **kwargs) for s in range(first, last + 1)]
 
 
-def body(*records: StepRecord, dropped: int = 0) -> bytes:
-    return batch(*records, dropped=dropped).model_dump_json().encode()
+def body(*records: StepRecord, dropped: int = 0, device: DeviceIdentity | None = None) -> bytes:
+    return batch(*records, dropped=dropped, device=device).model_dump_json().encode()
+
+
+def gpu(n: int = 0, host: str = "host-a") -> DeviceIdentity:
+    """The device of a rank on GPU ``n`` of ``host``, as a CUDA rank names it."""
+    return DeviceIdentity(
+        device=f"GPU-{n:08x}-0000-0000-0000-00000000abcd",
+        pci_bus_id=f"00000000:{0x18 + n:02X}:00.0",
+        hostname=host,
+    )
 
 
 def stats(

@@ -353,3 +353,27 @@ def test_retry_delays_double_up_to_the_cap_with_jitter_and_retry_after() -> None
     assert most_jitter == pytest.approx([0.01, 0.02, 0.04])
     assert retry_delay(config, 1, 0.07, lambda low, high: high) == pytest.approx(0.07)
     assert retry_delay(config, 1, 60.0, lambda low, high: high) == pytest.approx(0.1)
+
+
+def test_every_batch_repeats_the_device_the_first_record_named(exporter):
+    from ampscope.reporter.schema import DeviceIdentity
+
+    device = DeviceIdentity(
+        device="GPU-10111213-1415-1617-1819-1a1b1c1d1e1f",
+        pci_bus_id="00000000:3B:00.0",
+        hostname="host-a",
+    )
+    reporter = reporter_for(exporter, max_batch=4)
+    try:
+        reporter.emit(make_record(1).model_copy(update={"device": device}))
+        for step in range(2, 11):
+            reporter.emit(make_record(step))
+        assert reporter.flush(timeout=DEADLOCK_GUARD_S)
+        batches = exporter.accepted()
+        assert [len(b.records) for b in batches] == [4, 4, 2]
+        # The record itself names it once; the batches, so that an exporter that restarted
+        # learns it again, each time.
+        assert [r.device for b in batches for r in b.records] == [device] + [None] * 9
+        assert [b.device for b in batches] == [device] * 3
+    finally:
+        reporter.close(1)

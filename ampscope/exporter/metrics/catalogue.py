@@ -13,6 +13,13 @@ from ampscope.reporter.schema import SCALE_ALIGN_STEPS
 
 RANK_LABELS = ("run", "node", "rank", "local_rank")
 
+DEVICE_LABELS = ("run", "device", "node")
+"""Labels of the per-device families: ``device`` as ``ampscope_rank_info`` names it."""
+
+OFFENCE_KINDS = ("nonfinite_origin", "origin_outlier")
+"""Offences ``ampscope_device_offences_total`` counts. ``transient_fault`` is reserved for
+a rerun that tells a hardware fault from data; it is not emitted yet."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class MetricSpec:
@@ -52,12 +59,18 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "non-finite gradients (observe, skip, raise) and the gradients' dtype (unknown when "
         "not reported); the run's world_size and the scheduler's job_id (empty when none "
         "was set), so a job is found by its id: `... * on(run, node, rank, local_rank) "
-        "group_left(job_id) ampscope_rank_info`.",
+        "group_left(job_id) ampscope_rank_info`. device: on CUDA the GPU's UUID as "
+        "DCGM-exporter's UUID label writes it (GPU-...), else <node>:<local_rank>; pci_bus_id: "
+        "the GPU's PCI address as DCGM-exporter writes it (empty without a GPU); hostname: "
+        "the machine's host name (DCGM-exporter's Hostname), whatever node says.",
         "mode",
         "policy",
         "grad_dtype",
         "world_size",
         "job_id",
+        "device",
+        "pci_bus_id",
+        "hostname",
     ),
     _rank("ampscope_loss_scale", "gauge", "Current loss scale of the rank's scaler."),
     _rank(
@@ -168,6 +181,24 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "counter",
         "Records the rank's reporter dropped because its queue was full or the exporter "
         "was unreachable.",
+    ),
+    # Per device of a run: what triage across runs reads (docs/hardware-triage.md).
+    MetricSpec(
+        name="ampscope_device_offences_total",
+        type="counter",
+        help="Iterations at which a rank on this device was an offender, by kind: "
+        "nonfinite_origin (its own gradients held inf/NaN before the cross-rank reduction, "
+        "origin tracking), origin_outlier (its own gradient norm stood out, as "
+        "ampscope_spikes_total counts it). Exposed once non-zero; the ranks of a run that "
+        "share a device are summed. transient_fault is reserved and not emitted yet.",
+        labels=(*DEVICE_LABELS, "kind"),
+    ),
+    MetricSpec(
+        name="ampscope_device_last_offence_timestamp_seconds",
+        type="gauge",
+        help="Unix time (the rank's clock) of the newest iteration at which a rank on this "
+        "device was an offender; exposed once one was seen by this exporter.",
+        labels=DEVICE_LABELS,
     ),
     # The exporter's own health.
     MetricSpec(

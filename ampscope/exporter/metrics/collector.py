@@ -8,7 +8,7 @@ with the store's lock held only for an O(ranks) snapshot.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -51,6 +51,44 @@ _RANK_FAMILIES = tuple(
 """Per-rank families, in the order they are served."""
 
 
+def device_labels(snap: RankSnapshot) -> tuple[str, str, str]:
+    """(device, pci_bus_id, hostname) of a rank: what its process said, else
+    ``<node>:<local_rank>`` and empty strings (a reporter that predates the field)."""
+    device = snap.device
+    if device is None:
+        who = snap.identity
+        return f"{who.node}:{who.local_rank}", "", ""
+    return device.device, device.pci_bus_id or "", device.hostname
+
+
+def device_families(snaps: Iterable[RankSnapshot]) -> list[Metric]:
+    """``ampscope_device_offences_total`` and ``ampscope_device_last_offence_timestamp_seconds``
+    of the ranks ``snaps``: only devices that offended, the ranks of a run that share a
+    device summed (their newest offence for the time). O(ranks)."""
+    counts: dict[tuple[str, str, str, str], int] = {}
+    newest: dict[tuple[str, str, str], float] = {}
+    for snap in snaps:
+        who = snap.identity
+        key = (who.run, device_labels(snap)[0], who.node)
+        offences: tuple[tuple[str, int], ...] = (
+            ("nonfinite_origin", sum(snap.newest.totals.found_inf_origin.values())),
+            ("origin_outlier", snap.spike_counts.origin_outlier),
+        )
+        for kind, count in offences:
+            if count:
+                labels = (*key, kind)
+                counts[labels] = counts.get(labels, 0) + count
+        if snap.last_offence is not None:
+            newest[key] = max(newest.get(key, snap.last_offence), snap.last_offence)
+    offences_family = _family("ampscope_device_offences_total")
+    for offence, count in counts.items():
+        offences_family.add_metric(list(offence), float(count))
+    last = _family("ampscope_device_last_offence_timestamp_seconds")
+    for device, when in newest.items():
+        last.add_metric(list(device), when)
+    return [offences_family, last]
+
+
 class StoreCollector(Collector):
     """Exposes every rank's newest state and the exporter's ingest counters.
 
@@ -81,6 +119,7 @@ class StoreCollector(Collector):
         now = self._clock()
         families = {name: _family(name) for name in _RANK_FAMILIES}
         skipped = 0
+        rendered: list[RankSnapshot] = []
         for run, rank, snap in self._store.latest():
             # Every value is made a float before any is added, so a rank whose data cannot
             # be rendered (schema bounds make that a bug, not an input) is left out whole
@@ -93,7 +132,9 @@ class StoreCollector(Collector):
                 continue
             for name, labels, value in rows:
                 families[name].add_metric(labels, value)
+            rendered.append(snap)
         yield from families.values()
+        yield from device_families(rendered)
         yield from self.self_metrics(unrenderable=skipped)
 
     def time_rows(self, snap: RankSnapshot, now: float) -> list[Row]:
@@ -130,6 +171,7 @@ class StoreCollector(Collector):
                     setup.grad_dtype or "unknown",
                     str(who.world_size),
                     who.job_id or "",
+                    *device_labels(snap),
                 ],
                 1.0,
             )

@@ -8,12 +8,13 @@ and ranks report every 0.5 s, or when it stops reporting and is scraped again an
 
 :class:`Exposition` keeps, per rank, its sample lines of each family as bytes, keyed by
 the state they were rendered from (the newest record object, the last report time, the
-reporter's drop count and the rank's spike counts). A scrape snapshots the store (O(ranks)
-under its lock), re-renders only the ranks whose state changed, from the collector's own rows
-(``StoreCollector.rank_rows``, so a rank that cannot be rendered is left out and counted
-the same way), computes the families that depend on the current time
-(``ampscope_rank_up``) and the exporter's own counters, and joins the parts in catalogue
-order. The output is byte for byte what ``generate_latest`` makes of the collector
+reporter's drop count, the rank's spike counts and its device). A scrape snapshots the
+store (O(ranks) under its lock), re-renders only the ranks whose state changed, from the
+collector's own rows (``StoreCollector.rank_rows``, so a rank that cannot be rendered is
+left out and counted the same way), computes the families that depend on the current time
+(``ampscope_rank_up``), the per-device families (offenders only) and the exporter's own
+counters, and joins the parts in catalogue order. The output is byte for byte what
+``generate_latest`` makes of the collector
 (``tests/exporter/metrics/test_exposition.py`` holds them equal).
 """
 
@@ -29,7 +30,12 @@ from prometheus_client.core import Metric
 from prometheus_client.utils import floatToGoString
 
 from ampscope.exporter.metrics.catalogue import CATALOGUE, RANK_LABELS, MetricSpec
-from ampscope.exporter.metrics.collector import TIME_DEPENDENT, UNRENDERABLE, StoreCollector
+from ampscope.exporter.metrics.collector import (
+    TIME_DEPENDENT,
+    UNRENDERABLE,
+    StoreCollector,
+    device_families,
+)
 from ampscope.exporter.state.ranks import RankSnapshot
 from ampscope.exporter.state.store import Store
 
@@ -97,6 +103,7 @@ class _RankEntry:
     last_report: float
     dropped_records: int
     spike_counts: tuple[int, ...]
+    device: object
     templates: _RankTemplates
     lines: dict[str, bytes]
 
@@ -107,6 +114,7 @@ class _RankEntry:
             and self.last_report == snap.last_report
             and self.dropped_records == snap.dropped_records
             and self.spike_counts == snap.spike_counts
+            and self.device == snap.device
         )
 
 
@@ -127,7 +135,13 @@ def _render_rank(
         templates = _RankTemplates(labels)
     lines = {name: templates.lines(name, v) for name, v in values.items()}
     return _RankEntry(
-        snap.newest, snap.last_report, snap.dropped_records, snap.spike_counts, templates, lines
+        snap.newest,
+        snap.last_report,
+        snap.dropped_records,
+        snap.spike_counts,
+        snap.device,
+        templates,
+        lines,
     )
 
 
@@ -222,7 +236,9 @@ class Exposition:
                 )
             else:
                 parts.extend(entry.lines.get(family.name, b"") for entry, _ in ordered)
-        # The catalogue lists the exporter's own families after the per-rank ones.
+        # The catalogue lists the per-device families (few: offenders only, built afresh)
+        # and then the exporter's own after the per-rank ones.
+        parts.append(generate_latest(_Families(device_families(snap for _, snap in ordered))))
         parts.append(generate_latest(_Families(self._collector.self_metrics(left_out))))
         return b"".join(parts)
 

@@ -42,7 +42,13 @@ from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 from ampscope.exporter.state.spike_windows import RankSpikes, SpikeCounts, SpikeEvent
-from ampscope.reporter.schema import Heartbeat, Identity, RankTotals, StepRecord
+from ampscope.reporter.schema import (
+    DeviceIdentity,
+    Heartbeat,
+    Identity,
+    RankTotals,
+    StepRecord,
+)
 from ampscope.reporter.spike_rule import SpikeRule
 from ampscope.verdicts.ranks import is_scaler
 
@@ -189,6 +195,13 @@ class RankSnapshot:
     """Spike iterations per kind the exporter found (``ampscope_spikes_total``)."""
     spikes: tuple[SpikeEvent, ...] = ()
     """The most recent of them, oldest first."""
+    device: DeviceIdentity | None = None
+    """The device the rank's current process named (``None``: not heard yet, or a reporter
+    that predates it)."""
+    last_offence: float | None = None
+    """Record time of the newest step at which the rank was an offender: its own gradients
+    held inf/NaN (origin tracking) or stood out as an origin outlier; ``None`` while none
+    was seen."""
 
     @property
     def identity(self) -> Identity:
@@ -339,6 +352,10 @@ class RankState:
         self._sample_interval_s = sample_interval_s
         self.last_progress = 0.0
         self.finished_at: float | None = None
+        self.device: DeviceIdentity | None = None
+        """What the current process said it runs on (see ``note_device``)."""
+        self.last_offence: float | None = None
+        """Record time of the newest offence seen (see ``note_offence``)."""
         # Records produced before this wall-clock time belong to a dead process.
         self._process_start = float("-inf")
 
@@ -428,6 +445,20 @@ class RankState:
             self.finished_at = now
         return True
 
+    def note_device(self, device: DeviceIdentity | None) -> None:
+        """Keep the device a batch of the current process named. O(1).
+
+        Contract: called after ``apply_batch`` accepted records of the batch; a ``None``
+        (a batch that does not say) keeps what is known.
+        """
+        if device is not None:
+            self.device = device
+
+    def note_offence(self, when: float) -> None:
+        """The rank offended at record time ``when`` (an origin outlier found later). O(1)."""
+        if self.last_offence is None or when > self.last_offence:
+            self.last_offence = when
+
     def _sample(self, now: float, peak: float) -> None:
         samples = self.samples
         if (
@@ -448,6 +479,8 @@ class RankState:
 
     def _apply(self, record: StepRecord, now: float) -> _Outcome:
         outcome = _classify(record, self.newest, self._process_start)
+        if outcome != "ignored" and any(record.found_inf_origin.values()):
+            self.note_offence(record.time)
         if outcome == "newest":
             if self.newest is None:
                 self.first_step = record.step
@@ -457,6 +490,7 @@ class RankState:
         elif outcome == "restart":
             self._process_start = min(record.time, now)
             self.restarts += 1
+            self.device = None  # the new process says its own (a rank may move)
             self.history.clear()
             self.history_bytes = 0
             self.samples.clear()
@@ -528,4 +562,6 @@ class RankState:
             finished_at=self.finished_at,
             spike_counts=self.spikes.counts,
             spikes=tuple(self.spikes.recent),
+            device=self.device,
+            last_offence=self.last_offence,
         )

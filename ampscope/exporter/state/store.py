@@ -19,7 +19,7 @@ from ampscope.exporter.state.ranks import (
     series_of,
 )
 from ampscope.exporter.state.spike_windows import OriginBoard, SpikeEvent, top_params
-from ampscope.reporter.schema import Heartbeat, IngestBatch, StepRecord
+from ampscope.reporter.schema import DeviceIdentity, Heartbeat, IngestBatch, StepRecord
 from ampscope.reporter.spike_rule import SpikeRule
 
 HISTORY_LOW_WATER = 7 / 8
@@ -113,6 +113,11 @@ def _peers(record: StepRecord) -> int:
     # The ranks that can report a step to this exporter: the rank's node's, when it said.
     who = record.identity
     return who.local_world_size or who.world_size
+
+
+def _device_of(records: list[StepRecord]) -> DeviceIdentity | None:
+    # The newest record that names the device: a process's first record does.
+    return next((r.device for r in reversed(records) if r.device is not None), None)
 
 
 class Store:
@@ -226,6 +231,8 @@ class Store:
             accepted, ignored = state.apply_batch(
                 batch.records, batch.dropped_records, now, accepted_records.append
             )
+            if accepted:
+                state.note_device(batch.device or _device_of(accepted_records))
             self._compare_origins(run_id, ranks, state.restarts != restarts, rank,
                                   accepted_records, now)  # fmt: skip
             # A fresh RankState takes any first record, so newest is set from here on.
@@ -258,6 +265,7 @@ class Store:
             for outlier in board.observe(rank, record.step, stats.grad_norm_origin, _peers(record)):
                 held = ranks[outlier.rank]
                 own = record if outlier.rank == rank else held.record_at(outlier.step)
+                held.note_offence((own or record).time)
                 held.spikes.add(
                     SpikeEvent(
                         kind="origin_outlier",

@@ -1,4 +1,5 @@
-"""Who a rank is: run id, node, rank, local rank, world size and job id for every record."""
+"""Who a rank is: run id, node, rank, local rank, world size and job id for every record,
+and which device it runs on (once per run)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ampscope.rank.config import LABEL_CHARS
-from ampscope.reporter.schema import MAX_LABEL_LENGTH, Identity
+from ampscope.reporter.schema import MAX_LABEL_LENGTH, DeviceIdentity, Identity
 
 # torchrun sets TORCHELASTIC_RUN_ID to "none" unless --rdzv-id/--standalone gives one: it
 # then says nothing about the run, so ampscope generates an id instead.
@@ -133,3 +134,94 @@ def resolve_identity(explicit_run_id: str | None = None, *, collective: bool = T
         local_world_size=max(_env_int("LOCAL_WORLD_SIZE", 0), 0) or None,
         job_id=resolve_job_id(),
     )
+
+
+def gpu_uuid(raw: object) -> str | None:
+    """A CUDA UUID as NVML and DCGM-exporter write it: ``GPU-`` and 8-4-4-4-12 lower-case
+    hex digits. ``raw``: torch's ``_CUuuid`` (its ``bytes``), 16 bytes, or a string with or
+    without the prefix (a ``MIG-…`` one is kept as it is); ``None`` when it is none of these
+    or all zeros (a driver that did not say)."""
+    data = getattr(raw, "bytes", raw)
+    if isinstance(data, list | tuple):
+        data = bytes(data) if all(isinstance(b, int) and 0 <= b < 256 for b in data) else None
+    if isinstance(data, bytes | bytearray):
+        if len(data) != 16 or not any(data):
+            return None
+        text = data.hex()
+    elif isinstance(raw, str) and raw.strip():
+        text = raw.strip()
+        if text.startswith(("GPU-", "MIG-")):
+            return sanitize_label(text)
+        text = text.replace("-", "").lower()
+        if len(text) != 32 or any(c not in "0123456789abcdef" for c in text):
+            return None
+    else:
+        return None
+    return f"GPU-{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:]}"
+
+
+def pci_bus_id(domain: object, bus: object, device: object) -> str | None:
+    """The PCI address as NVML and DCGM-exporter write it (``00000000:3B:00.0``), or
+    ``None`` when a part is not a non-negative integer."""
+    parts = (domain, bus, device)
+    if not all(isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in parts):
+        return None
+    return f"{domain:08X}:{bus:02X}:{device:02X}.0"
+
+
+def _nvml_pci_bus_id(uuid: str) -> str | None:
+    """The PCI address of the GPU ``uuid`` from nvidia-ml-py, when it is installed (torch
+    before 2.6 has no PCI address in its device properties). Never raises."""
+    try:
+        import pynvml  # type: ignore[import-not-found]  # nvidia-ml-py: optional
+
+        pynvml.nvmlInit()
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+            bus_id = pynvml.nvmlDeviceGetPciInfo(handle).busId
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # not installed, no driver, an old library: the address stays unknown
+        return None
+    text = bus_id.decode("ascii", "replace") if isinstance(bus_id, bytes) else str(bus_id)
+    return sanitize_label(text) if text.strip() else None
+
+
+def _cuda_index(devices: tuple[str, ...]) -> int | None:
+    """The index of the first CUDA device among the gradients' devices (``cuda:1``)."""
+    for name in devices:
+        kind, _, index = name.partition(":")
+        if kind == "cuda":
+            return int(index) if index.isdigit() else 0
+    return None
+
+
+def resolve_device(identity: Identity, devices: tuple[str, ...]) -> DeviceIdentity:
+    """The device of a rank whose gradients live on ``devices`` (``("cuda:0",)``): the
+    first CUDA one's UUID and PCI address from torch's device properties, from nvidia-ml-py
+    for what torch lacks; without a CUDA device, ``<node>:<local_rank>``.
+
+    Cost: one ``torch.cuda.get_device_properties`` (no sync, no collective), once per run
+    on the telemetry thread. Never raises: a GPU that says nothing is named by its node and
+    local rank.
+    """
+    hostname = sanitize_label(socket.gethostname(), fallback="localhost")
+    fallback = DeviceIdentity(
+        device=sanitize_label(f"{identity.node}:{identity.local_rank}"), hostname=hostname
+    )
+    index = _cuda_index(devices)
+    if index is None:
+        return fallback
+    try:
+        props = torch.cuda.get_device_properties(index)
+    except Exception:  # a CUDA device that torch cannot describe: named by its slot
+        return fallback
+    uuid = gpu_uuid(getattr(props, "uuid", None))
+    if uuid is None:
+        return fallback
+    bus = pci_bus_id(
+        getattr(props, "pci_domain_id", None),
+        getattr(props, "pci_bus_id", None),
+        getattr(props, "pci_device_id", None),
+    )
+    return DeviceIdentity(device=uuid, pci_bus_id=bus or _nvml_pci_bus_id(uuid), hostname=hostname)

@@ -26,6 +26,7 @@ from ampscope.rank.capture.layout import OptimizerSlot
 from ampscope.rank.capture.pending import PendingStep
 from ampscope.rank.config import LABEL_PATTERN
 from ampscope.rank.gradients.attribution import top_k
+from ampscope.rank.telemetry.identity import resolve_device
 from ampscope.rank.telemetry.stats_record import StatsBuilder
 from ampscope.reporter.schema import (
     MAX_DEVICES,
@@ -35,6 +36,7 @@ from ampscope.reporter.schema import (
     MAX_PARAM_NAME_LENGTH,
     SCALE_ALIGN_STEPS,
     AlignedScale,
+    DeviceIdentity,
     NonfiniteApplied,
     NonfiniteParam,
     OptimizerDetail,
@@ -144,6 +146,8 @@ class RecordBuilder:
         self._flags: dict[tuple[tuple[str, ...], tuple[bool, ...]], dict[str, bool]] = {}
         self._top: list[NonfiniteParam] = []
         self._no_params: list[NonfiniteParam] = []
+        self.device: DeviceIdentity | None = None
+        """The rank's device, resolved for its first record, which alone carries it."""
 
     def build(self, pending: PendingStep, values: list[float]) -> StepRecord:
         """The record of ``pending``; the totals include it afterwards.
@@ -256,6 +260,10 @@ class RecordBuilder:
         backoffs = totals.backoffs + int(event == "backoff")
         growths = totals.growths + int(event == "growth")
         nonfinite_applied = totals.nonfinite_applied + int(applied)
+        device = None
+        if self.device is None:
+            # Once per run, off the hot path: torch's device properties, no sync.
+            device = resolve_device(pending.identity, pending.local_devices)
         record = _build(
             StepRecord,
             validate,
@@ -290,8 +298,11 @@ class RecordBuilder:
                 first_nonfinite_applied=first_applied,
             ),
             setup=setup,
+            device=device,
         )
         # The record exists: only now do the totals move.
+        if device is not None:
+            self.device = device
         totals.steps, totals.skipped_steps = steps, skipped_steps
         totals.backoffs, totals.growths = backoffs, growths
         totals.found_inf_local, totals.found_inf_origin = local_counts, origin_counts

@@ -9,7 +9,7 @@ from support import need_tool, promtool_check_metrics
 
 from ampscope.exporter.metrics.catalogue import CATALOGUE, RANK_LABELS, SCALER_ONLY
 from exporter.conftest import MakeClient
-from exporter.factory import T0, body, record, stats, totals, watch
+from exporter.factory import T0, body, gpu, record, stats, totals, watch
 
 URL = "/api/v1/ingest"
 
@@ -31,6 +31,11 @@ def _labels(rank: int = 0, node: str = "node0", **extra: str) -> frozenset:
 
 _JOB = {"world_size": "2", "job_id": ""}
 """The job labels of ``ampscope_rank_info`` for the factory's records (no job id)."""
+
+
+def _device(rank: int = 0, node: str = "node0") -> dict[str, str]:
+    """The device labels of ``ampscope_rank_info`` for a record that names no device."""
+    return {"device": f"{node}:{rank}", "pci_bus_id": "", "hostname": ""}
 
 
 def _post(client: TestClient, *records, dropped: int = 0) -> None:
@@ -77,7 +82,7 @@ def test_values_match_the_newest_record(make_client: MakeClient) -> None:
     assert got[("ampscope_nonfinite_grads_total", _labels(param="layers.0.attn.wo.weight"))] == 4096
     assert got[("ampscope_nonfinite_grads_total", _labels(param="blocks.0.ff[1].w{a=b,c}"))] == 7
     # A record without a setup comes from a reporter that predates it: an fp16 scaler.
-    info = _labels(mode="scaler", policy="skip", grad_dtype="unknown", **_JOB)
+    info = _labels(mode="scaler", policy="skip", grad_dtype="unknown", **_JOB, **_device())
     assert got[("ampscope_rank_info", info)] == 1
     assert got[("ampscope_nonfinite_updates_applied_total", me)] == 0
     assert got[("ampscope_exporter_tracked_runs", frozenset())] == 1
@@ -119,9 +124,11 @@ def test_a_watch_rank_exposes_no_scale(make_client: MakeClient) -> None:
     )
     got = _samples(client)
     me, scaler = _labels(), _labels(rank=1)
-    watch_info = _labels(mode="watch", policy="observe", grad_dtype="bfloat16", **_JOB)
+    watch_info = _labels(mode="watch", policy="observe", grad_dtype="bfloat16", **_JOB, **_device())
     assert got[("ampscope_rank_info", watch_info)] == 1
-    scaler_info = _labels(1, mode="scaler", policy="skip", grad_dtype="unknown", **_JOB)
+    scaler_info = _labels(
+        1, mode="scaler", policy="skip", grad_dtype="unknown", **_JOB, **_device(1)
+    )
     assert got[("ampscope_rank_info", scaler_info)] == 1
     exposed = {name for name, labels in got if labels >= me}
     assert exposed & SCALER_ONLY == set()
@@ -145,9 +152,12 @@ def test_tracked_series_count_what_is_exposed(make_client: MakeClient) -> None:
     per_rank = [labels for name, labels in got if {n for n, _ in labels} >= set(RANK_LABELS)]
     assert got[("ampscope_exporter_tracked_series", frozenset())] == len(per_rank)
     assert got[
-        ("ampscope_rank_info", _labels(mode="watch", policy="skip", grad_dtype="unknown", **_JOB))
+        (
+            "ampscope_rank_info",
+            _labels(mode="watch", policy="skip", grad_dtype="unknown", **_JOB, **_device()),
+        )
     ]
-    info = _labels(3, mode="watch", policy="raise", grad_dtype="float32", **_JOB)
+    info = _labels(3, mode="watch", policy="raise", grad_dtype="float32", **_JOB, **_device(3))
     assert got[("ampscope_rank_info", info)] == 1
 
 
@@ -235,3 +245,125 @@ def test_promtool_accepts_the_exposition(make_client: MakeClient) -> None:
     text = client.get("/metrics").text
     lint = promtool_check_metrics(text)
     assert lint == "", lint  # no lint warnings either
+
+
+def test_rank_info_names_the_device_the_process_said(make_client: MakeClient) -> None:
+    client, _ = make_client()
+    # The first record of a process carries the device, later ones do not: it stays.
+    _post(client, record(1, device=gpu(3)), record(2))
+    # A rank whose first record the exporter never saw (it restarted, or the batch was
+    # lost) learns it from the device the reporter repeats on every batch.
+    response = client.post(URL, content=body(record(5, rank=1), device=gpu(4, host="host-b")))
+    assert response.status_code == 200, response.text
+    _post(client, record(5, rank=2))  # a reporter that predates the field
+    got = _samples(client)
+    job = {"mode": "scaler", "policy": "skip", "grad_dtype": "unknown", **_JOB}
+    assert (
+        got[
+            (
+                "ampscope_rank_info",
+                _labels(
+                    **job,
+                    device="GPU-00000003-0000-0000-0000-00000000abcd",
+                    pci_bus_id="00000000:1B:00.0",
+                    hostname="host-a",
+                ),
+            )
+        ]
+        == 1
+    )
+    assert (
+        got[
+            (
+                "ampscope_rank_info",
+                _labels(
+                    1,
+                    **job,
+                    device="GPU-00000004-0000-0000-0000-00000000abcd",
+                    pci_bus_id="00000000:1C:00.0",
+                    hostname="host-b",
+                ),
+            )
+        ]
+        == 1
+    )
+    assert got[("ampscope_rank_info", _labels(2, **job, **_device(2)))] == 1
+
+
+def _device_samples(client: TestClient) -> dict[tuple[str, ...], float]:
+    """{(family, run, device, node[, kind]): value} of the per-device families."""
+    out = {}
+    for (name, labels), value in _samples(client).items():
+        if name.startswith("ampscope_device_"):
+            named = dict(labels)
+            key = (name, named["run"], named["device"], named["node"])
+            out[(*key, named["kind"]) if "kind" in named else key] = value
+    return out
+
+
+def test_device_offences_count_origins_and_outliers(make_client: MakeClient) -> None:
+    client, _ = make_client()
+    # Rank 0 (GPU 0) is the origin of inf/NaN at steps 4 and 9; rank 1 never is.
+    for rank in range(2):
+        records = [
+            record(
+                s,
+                rank=rank,
+                origin=rank == 0 and s in (4, 9),
+                total=totals(s, origin={"cuda:0": (s >= 4) + (s >= 9) if rank == 0 else 0}),
+                device=gpu(rank) if s == 1 else None,
+            )
+            for s in range(1, 11)
+        ]
+        _post(client, *records)
+    got = _device_samples(client)
+    dev0 = "GPU-00000000-0000-0000-0000-00000000abcd"
+    assert got == {
+        ("ampscope_device_offences_total", "run-a", dev0, "node0", "nonfinite_origin"): 2,
+        ("ampscope_device_last_offence_timestamp_seconds", "run-a", dev0, "node0"): T0 + 9,
+    }
+
+
+def test_device_offences_count_origin_outliers_and_sum_ranks_sharing_a_device(
+    make_client: MakeClient,
+) -> None:
+    client, _ = make_client()
+    # Ranks 1 and 2 of run-b share one GPU; at step 11 rank 2's own gradients stand out
+    # (its origin norm 100x the others'), and at step 12 rank 1's gradients hold inf.
+    for rank in range(3):
+        shared = gpu(7) if rank else gpu(0)
+        records = [
+            record(s, run="run-b", rank=rank, world_size=3, stats=stats(1.0, 1.0, 1.0),
+                   device=shared if s == 1 else None)
+            for s in range(1, 11)
+        ]  # fmt: skip
+        records.append(
+            record(11, run="run-b", rank=rank, world_size=3,
+                   stats=stats(1.0, 1.0, 100.0 if rank == 2 else 1.0))
+        )  # fmt: skip
+        _post(client, *records)
+    _post(
+        client,
+        record(12, run="run-b", rank=1, world_size=3, origin=True, time=T0 + 50,
+               total=totals(12, origin={"cuda:0": 1})),
+    )  # fmt: skip
+    got = _device_samples(client)
+    shared = "GPU-00000007-0000-0000-0000-00000000abcd"
+    assert got == {
+        ("ampscope_device_offences_total", "run-b", shared, "node0", "nonfinite_origin"): 1,
+        ("ampscope_device_offences_total", "run-b", shared, "node0", "origin_outlier"): 1,
+        # The newest of the two ranks' offences: rank 1's inf at T0 + 50.
+        ("ampscope_device_last_offence_timestamp_seconds", "run-b", shared, "node0"): T0 + 50,
+    }
+
+
+def test_a_restarted_rank_names_its_new_device(make_client: MakeClient) -> None:
+    client, _ = make_client()
+    _post(client, record(1, device=gpu(0)), record(10))
+    # A new process (step 1 again, later) on another GPU of another host.
+    _post(client, record(1, time=T0 + 100, device=gpu(5, host="host-b")))
+    got = _samples(client)
+    infos = [dict(labels) for name, labels in got if name == "ampscope_rank_info"]
+    assert [(i["device"], i["hostname"]) for i in infos] == [
+        ("GPU-00000005-0000-0000-0000-00000000abcd", "host-b")
+    ]

@@ -64,7 +64,7 @@ def test_bytes_equal_the_collectors_through_changes(make_client: MakeClient) -> 
             dropped=rank * 5,
         )
     assert _scrape(client) == _reference(client)
-    # Watch ranks: an info line with five labels beyond the rank's, and no scale lines.
+    # Watch ranks: an info line with eight labels beyond the rank's, and no scale lines.
     _post(client, watch(9, rank=4, policy="skip", grad_dtype="torch.bfloat16"))
     _post(
         client,
@@ -73,8 +73,9 @@ def test_bytes_equal_the_collectors_through_changes(make_client: MakeClient) -> 
     text = _scrape(client)
     assert text == _reference(client)
     assert (
-        b'ampscope_rank_info{grad_dtype="torch.bfloat16",job_id="",local_rank="4",mode="watch",'
-        b'node="node0",policy="skip",rank="4",run="run-a",world_size="2"} 1.0\n' in text
+        b'ampscope_rank_info{device="node0:4",grad_dtype="torch.bfloat16",hostname="",job_id="",'
+        b'local_rank="4",mode="watch",node="node0",pci_bus_id="",policy="skip",rank="4",'
+        b'run="run-a",world_size="2"} 1.0\n' in text
     )
     assert b'ampscope_loss_scale{local_rank="4"' not in text
     _post(client, record(13, time=T0 + 200, total=totals(13)), dropped=1)  # rank 0 restarts

@@ -1,14 +1,21 @@
-"""Run id precedence and label sanitising (the collective path runs in test_distributed)."""
+"""Run id precedence, label sanitising and the device a rank names (the collective path runs
+in test_distributed; the CUDA path needs a GPU)."""
 
 from __future__ import annotations
 
 import re
+import shutil
 import socket
+import subprocess
 
 import pytest
+import torch
 
 from ampscope.rank.telemetry.identity import (
     JOB_ID_VARIABLES,
+    gpu_uuid,
+    pci_bus_id,
+    resolve_device,
     resolve_identity,
     resolve_job_id,
     resolve_run_id,
@@ -98,3 +105,67 @@ def test_node_is_the_host_name_unless_ampscope_node_says_otherwise(
     assert resolve_identity("r1").node == "gpu-host-7"
     monkeypatch.setenv("AMPSCOPE_NODE", "node 1")
     assert resolve_identity("r1").node == "node_1"
+
+
+def test_a_rank_without_a_gpu_is_named_by_its_node_and_local_rank(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("AMPSCOPE_NODE", "n1")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(socket, "gethostname", lambda: "host 7")
+    identity = resolve_identity("r1", collective=False)
+    device = resolve_device(identity, ("cpu",))
+    assert (device.device, device.pci_bus_id, device.hostname) == ("n1:3", None, "host_7")
+    # No device at all (a rank whose model has no gradients yet): the same.
+    assert resolve_device(identity, ()).device == "n1:3"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is there to name")
+def test_cuda_gradients_that_torch_cannot_describe_name_the_slot() -> None:
+    identity = resolve_identity("r1", collective=False)
+    node = identity.node
+    assert resolve_device(identity, ("cuda:0",)).device == f"{node}:{identity.local_rank}"
+
+
+def test_gpu_uuids_are_written_as_nvml_and_dcgm_write_them() -> None:
+    raw = bytes(range(0x10, 0x20))
+    expected = "GPU-10111213-1415-1617-1819-1a1b1c1d1e1f"
+    assert gpu_uuid(raw) == expected
+    assert gpu_uuid(list(raw)) == expected  # torch's _CUuuid.bytes is a list of ints
+    assert gpu_uuid("10111213-1415-1617-1819-1A1B1C1D1E1F") == expected
+    assert gpu_uuid(expected) == expected
+    assert gpu_uuid("MIG-7a2b-x") == "MIG-7a2b-x"
+    assert gpu_uuid(bytes(16)) is None  # all zeros: the driver did not say
+    assert gpu_uuid(b"short") is None
+    assert gpu_uuid("not-a-uuid") is None
+    assert gpu_uuid(None) is None
+
+
+def test_pci_addresses_are_written_as_nvml_writes_them() -> None:
+    assert pci_bus_id(0, 0x3B, 0) == "00000000:3B:00.0"
+    assert pci_bus_id(1, 0xCA, 0x1F) == "00000001:CA:1F.0"
+    assert pci_bus_id(0, None, 0) is None
+    assert pci_bus_id(0, -1, 0) is None
+    assert pci_bus_id(0, True, 0) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_cuda_rank_is_named_by_the_uuid_nvidia_smi_reports() -> None:
+    identity = resolve_identity("r1", collective=False)
+    device = resolve_device(identity, ("cpu", "cuda:0"))
+    assert re.fullmatch(r"GPU-[0-9a-f]{8}(-[0-9a-f]{4}){3}-[0-9a-f]{12}", device.device)
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return
+    listed = subprocess.run(
+        [smi, "--query-gpu=uuid,pci.bus_id", "--format=csv,noheader"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    rows = (line.split(",") for line in listed.splitlines())
+    gpus = {uuid.strip(): bus.strip() for uuid, bus in rows}
+    assert device.device in gpus, (device, gpus)
+    if device.pci_bus_id is not None:
+        assert device.pci_bus_id == gpus[device.device]

@@ -139,3 +139,17 @@ def test_manual_and_growth_events() -> None:
     values = _values(after=16.0, tracker=0.0)
     assert builder.build(_pending(1, values), values).event == "growth"
     assert builder.build(_pending(2, values, manual=True), values).event == "manual"
+
+
+def test_the_first_record_alone_names_the_device() -> None:
+    builder = RecordBuilder(k=3)
+    # [scale before, 3 optimizer flags, 1 local flag, scale after, tracker, 1 origin flag]
+    values = [[2.0**16, 0, 0, 0, 0, 2.0**16, step, 0] for step in (1, 2)]
+    first, second = (
+        builder.build(_pending(step, v, local=("cpu",)), v)
+        for step, v in zip((1, 2), values, strict=True)
+    )
+    assert first.device is not None
+    assert first.device.device == "n0:0"
+    assert second.device is None
+    assert _strict(first) == first

@@ -1,0 +1,98 @@
+"""Devices ranked by runs from Prometheus samples, and their DCGM errors: pure functions."""
+
+from __future__ import annotations
+
+from ampscope.devices.query import Sample, dcgm_query, last_offence_query, offences_query
+from ampscope.devices.ranking import add_dcgm, gpu_uuids, rank
+
+
+def _offence(run: str, device: str, node: str, kind: str, count: float) -> Sample:
+    return Sample({"run": run, "device": device, "node": node, "kind": kind}, count)
+
+
+def _last(run: str, device: str, node: str, when: float) -> Sample:
+    return Sample({"run": run, "device": device, "node": node}, when)
+
+
+OFFENCES = [
+    _offence("r1", "GPU-a", "n1", "nonfinite_origin", 2),
+    _offence("r2", "GPU-a", "n1", "origin_outlier", 1),
+    _offence("r3", "GPU-a", "n1", "nonfinite_origin", 1),
+    _offence("r3", "GPU-a", "n1", "origin_outlier", 4),
+    _offence("r2", "n2:0", "n2", "nonfinite_origin", 7),
+    _offence("r1", "GPU-b", "n1", "nonfinite_origin", 1),
+    _offence("r4", "GPU-b", "n1", "transient_fault", 1),  # a kind from a newer exporter
+    _offence("r9", "GPU-z", "n3", "nonfinite_origin", 0),  # not an offence
+]
+LAST = [
+    _last("r1", "GPU-a", "n1", 100.0),
+    _last("r3", "GPU-a", "n1", 300.0),
+    _last("r2", "GPU-a", "n1", 200.0),
+    _last("r2", "n2:0", "n2", 250.0),
+]
+
+
+def test_devices_are_ranked_by_runs_then_offences() -> None:
+    devices = rank(OFFENCES, LAST, min_runs=2)
+    assert [d.as_json() for d in devices] == [
+        {
+            "device": "GPU-a",
+            "node": "n1",
+            "runs": 3,
+            "run_ids": ["r1", "r2", "r3"],
+            "offences": {"nonfinite_origin": 3, "origin_outlier": 5},
+            "last_run": "r3",
+            "last_offence_time": 300.0,
+            "dcgm": {},
+            "flagged": True,
+        },
+        {
+            "device": "GPU-b",
+            "node": "n1",
+            "runs": 2,
+            "run_ids": ["r1", "r4"],
+            "offences": {"nonfinite_origin": 1, "origin_outlier": 0, "transient_fault": 1},
+            # No exporter said when: the last run id.
+            "last_run": "r4",
+            "last_offence_time": None,
+            "dcgm": {},
+            "flagged": True,
+        },
+        {
+            "device": "n2:0",
+            "node": "n2",
+            "runs": 1,
+            "run_ids": ["r2"],
+            "offences": {"nonfinite_origin": 7, "origin_outlier": 0},
+            "last_run": "r2",
+            "last_offence_time": 250.0,
+            "dcgm": {},
+            "flagged": False,
+        },
+    ]
+    assert [d.flagged for d in rank(OFFENCES, LAST, min_runs=3)] == [True, False, False]
+    assert rank([], LAST, min_runs=2) == []
+
+
+def test_dcgm_errors_go_to_the_gpus_they_name() -> None:
+    devices = rank(OFFENCES, LAST, min_runs=2)
+    assert gpu_uuids(devices) == ["GPU-a", "GPU-b"]
+    add_dcgm(
+        devices,
+        [
+            Sample({"UUID": "GPU-a", "field": "DCGM_FI_DEV_XID_ERRORS"}, 79.0),
+            Sample({"UUID": "GPU-a", "field": "DCGM_FI_DEV_ROW_REMAP_FAILURE"}, 0.0),
+            Sample({"UUID": "GPU-c", "field": "DCGM_FI_DEV_XID_ERRORS"}, 13.0),
+        ],
+    )
+    assert [d.dcgm for d in devices] == [{"DCGM_FI_DEV_XID_ERRORS": 79.0}, {}, {}]
+
+
+def test_queries_read_the_raw_series() -> None:
+    assert offences_query("30d") == (
+        "max by (device, node, run, kind) (max_over_time(ampscope_device_offences_total[30d]))"
+    )
+    assert "ampscope_device_last_offence_timestamp_seconds[7d]" in last_offence_query("7d")
+    dcgm = dcgm_query(["GPU-a1", "MIG-x.y+z"], "30d")
+    assert 'DCGM_FI_DEV_XID_ERRORS{UUID=~"GPU-a1|MIG-x\\\\.y\\\\+z"}[30d]' in dcgm
+    assert dcgm.count(" or ") == 4
