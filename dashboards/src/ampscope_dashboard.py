@@ -402,6 +402,78 @@ def exporter() -> list[Panel]:
     ]
 
 
+def suspect_devices() -> list[Panel]:
+    """Devices that keep failing across runs, beside their DCGM errors where Prometheus has
+    DCGM-exporter's series (docs/hardware-triage.md)."""
+    return [
+        top_bars(
+            33,
+            "Devices by runs with offences (30 days)",
+            "Per device (on CUDA the GPU UUID, as DCGM-exporter labels it), the distinct runs in "
+            "which a rank on it was the origin of inf/NaN gradients or an origin outlier, over "
+            "30 days (recording rule ampscope_device:offending_runs:count_30d). Two runs or more "
+            "fires AmpscopeRepeatOffenderDevice: drain the node and run the vendor's "
+            "diagnostics. All runs, whatever the run variable.",
+            Query(
+                "topk(20, ampscope_device:offending_runs:count_30d)",
+                "{{device}} on {{node}}",
+                instant=True,
+            ),
+        ),
+        top_bars(
+            34,
+            "Offences by device and kind, selected runs",
+            "ampscope_device_offences_total: the steps at which a rank on the device was the "
+            "origin of inf/NaN gradients (nonfinite_origin) or stood out from the other ranks "
+            "(origin_outlier), in the selected runs and nodes.",
+            Query(
+                "sum by (device, node, kind) "
+                '(ampscope_device_offences_total{run=~"$run", node=~"$node"})',
+                "{{device}} on {{node}} {{kind}}",
+                instant=True,
+            ),
+        ),
+        label_table(
+            35,
+            "Last offence per device and run",
+            "When a rank on each device last offended in each selected run "
+            "(ampscope_device_last_offence_timestamp_seconds, as a date).",
+            Query(
+                "max by (device, node, run) "
+                '(ampscope_device_last_offence_timestamp_seconds{run=~"$run", node=~"$node"}) '
+                "* 1000",
+                instant=True,
+                table=True,
+            ),
+            columns=["device", "node", "run", "Value"],
+            hidden=["Time"],
+            width=12,
+            height=8,
+        ).unit("dateTimeAsIso"),
+        label_table(
+            36,
+            "DCGM errors of offending devices",
+            "DCGM-exporter's XID, double-bit ECC and row-remap fields of the devices that "
+            "offended in the last 30 days, joined on UUID (recording rule "
+            "ampscope_device:dcgm_errors:offenders). Empty where Prometheus holds no "
+            "DCGM-exporter series.",
+            Query("ampscope_device:dcgm_errors:offenders", instant=True, table=True),
+            columns=["UUID", "Hostname", "gpu", "field", "Value"],
+            hidden=[
+                "Time",
+                "__name__",
+                "instance",
+                "job",
+                "device",
+                "modelName",
+                "DCGM_FI_DRIVER_VERSION",
+            ],
+            width=12,
+            height=8,
+        ),
+    ]
+
+
 def build() -> dashboard_models.Dashboard:
     """The whole dashboard: settings, variables, annotations, then each row and its panels."""
     dashboard = (
@@ -451,6 +523,7 @@ def build() -> dashboard_models.Dashboard:
         (9, "Where the overflows come from", overflow_origins()),
         (14, "Ranks", ranks()),
         (19, "Exporter", exporter()),
+        (32, "Suspect devices: the devices that keep failing across runs", suspect_devices()),
     ]
     for row_id, title, panels in rows:
         dashboard = dashboard.with_row(row(row_id, title))

@@ -28,10 +28,6 @@ from support import need_module, need_tool
 from ampscope.exporter.metrics.catalogue import BY_NAME, RANK_LABELS, SCALER_ONLY
 
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
-AWAITING_SUSPECT_DEVICES_ROW = {
-    "ampscope_device_offences_total",
-    "ampscope_device_last_offence_timestamp_seconds",
-}
 RANK_FAMILIES = {spec.name for spec in BY_NAME.values() if spec.labels[:4] == RANK_LABELS}
 
 
@@ -144,10 +140,8 @@ def test_expressions_use_catalogued_metrics_and_cover_the_catalogue(
         # scale (docs/performance.md, "Whole job at scale").
         assert names <= set(BY_NAME) | set(recording_rules()), (title, names - set(BY_NAME))
         used |= selected_families(expr)
-    # Every family, per-rank and exporter self-metrics alike, is on some panel, but for the
-    # per-device families, which wait for the dashboard's "suspect devices" row (the
-    # dashboard is being regenerated from Python): remove this exemption with that row.
-    assert used == set(BY_NAME) - AWAITING_SUSPECT_DEVICES_ROW
+    # Every family, per-rank, per-device and exporter self-metrics alike, is on some panel.
+    assert used == set(BY_NAME)
 
 
 def test_every_expression_is_valid_promql(dashboard: dict[str, Any], tmp_path: Path) -> None:
