@@ -172,6 +172,7 @@ class PendingStep:
     """
 
     __slots__ = (
+        "batch",
         "before",
         "clean",
         "fill",
@@ -241,6 +242,8 @@ class PendingStep:
         self.host_norms: torch.Tensor | None = None
         """Device transport: the tail of ``host`` holding the per-parameter norms, read
         only on a spike iteration; the values stop before it."""
+        self.batch: tuple[list[Any], int] | None = None
+        """The ids noted for the iteration (``note_batch``) and how many were left out."""
         self.fill: tuple[Any, ...] | None = None
         """A watch's host transport: ``(capture, *args)``; :meth:`read` first calls
         ``capture.fill(self, *args)`` (telemetry thread), which sets the layout, the setup

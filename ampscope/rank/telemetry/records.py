@@ -23,6 +23,7 @@ from pydantic import BaseModel
 
 from ampscope.rank.capture.scaler import OptimizerSlot, PendingStep
 from ampscope.rank.gradients.attribution import top_k
+from ampscope.rank.telemetry.batches import batch_ids
 from ampscope.rank.telemetry.stats_record import StatsBuilder
 from ampscope.reporter.schema import (
     MAX_DEVICES,
@@ -273,6 +274,7 @@ class RecordBuilder:
                 first_nonfinite_applied=first_applied,
             ),
             setup=setup,
+            batch=None if pending.batch is None else batch_ids(pending.batch),
         )
         # The record exists: only now do the totals move.
         totals.steps, totals.skipped_steps = steps, skipped_steps
