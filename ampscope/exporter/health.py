@@ -22,6 +22,7 @@ from ampscope.exporter.api.models import HealthReport, Status, Verdict
 from ampscope.exporter.state.lifecycle import STATES, Lifecycle, RankStateName
 from ampscope.exporter.state.ranks import RankSnapshot, WindowCounts
 from ampscope.exporter.state.spike_windows import SpikeKindName
+from ampscope.verdicts import batches as batch_verdicts
 from ampscope.verdicts import rules
 from ampscope.verdicts import spikes as spike_rules
 from ampscope.verdicts.rules import (
@@ -413,8 +414,18 @@ def _isolated(rule: Rule, ranks: Sequence[RankSnapshot], now: float, t: Threshol
         return rule(good, now, t)
 
 
-def evaluate(run: str, ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> HealthReport:
+def evaluate(
+    run: str,
+    ranks: Sequence[RankSnapshot],
+    now: float,
+    t: Thresholds,
+    batch_ids: Callable[[set[tuple[int, int]]], Mapping[tuple[int, int], Sequence[int | str]]]
+    | None = None,
+) -> HealthReport:
     """Every rule over one run's ranks. Cost: O(ranks x (samples + history_length)).
+
+    ``batch_ids`` looks up the ids each (step, rank) the verdicts name had (the store's
+    ``batch_ids``); they join those verdicts' evidence (``ampscope.verdicts.batches``).
 
     A run whose ranks all finished is judged as it ended: the instability rules are
     evaluated at the time of its last final record, so its report stays the same however
@@ -440,6 +451,8 @@ def evaluate(run: str, ranks: Sequence[RankSnapshot], now: float, t: Thresholds)
         _isolated(grad_norm_spike, ranks, at, t),
         _isolated(origin_outlier, ranks, at, t),
     ]
+    if batch_ids is not None:
+        verdicts = batch_verdicts.attach(verdicts, batch_ids)
     status = max((v.status for v in verdicts), key=_SEVERITY.__getitem__)
     return HealthReport(
         run=run,
