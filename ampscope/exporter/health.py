@@ -24,6 +24,7 @@ from ampscope.exporter.api.models import HealthReport
 from ampscope.exporter.state.lifecycle import Lifecycle
 from ampscope.exporter.state.ranks import RankSnapshot, WindowCounts
 from ampscope.exporter.state.spike_windows import SpikeKindName
+from ampscope.verdicts import batches as batch_verdicts
 from ampscope.verdicts import liveness, nonfinite, scale
 from ampscope.verdicts import spikes as spike_rules
 from ampscope.verdicts.ranks import RankFacts, is_scaler
@@ -307,8 +308,18 @@ _SCOPES: dict[RuleName, _Scope] = {
 """Each rule of ``ampscope.verdicts.RULES`` over the store's snapshots."""
 
 
-def evaluate(run: str, ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> HealthReport:
+def evaluate(
+    run: str,
+    ranks: Sequence[RankSnapshot],
+    now: float,
+    t: Thresholds,
+    batch_ids: Callable[[set[tuple[int, int]]], Mapping[tuple[int, int], Sequence[int | str]]]
+    | None = None,
+) -> HealthReport:
     """Every rule over one run's ranks, in report order (``RULES``). Cost: O(ranks x samples).
+
+    ``batch_ids`` looks up the ids each (step, rank) the verdicts name had (the store's
+    ``batch_ids``); they join those verdicts' evidence (``ampscope.verdicts.batches``).
 
     A run whose ranks all finished is judged as it ended: the instability rules are
     evaluated at the time of its last final record, so its report stays the same however
@@ -326,5 +337,7 @@ def evaluate(run: str, ranks: Sequence[RankSnapshot], now: float, t: Thresholds)
             window_s = scope.window(t)
             held = [snap for snap in ranks if snap.reported_within(when, window_s)]
         verdicts.append(_isolated(scope.rule, held, when, t))
+    if batch_ids is not None:
+        verdicts = batch_verdicts.attach(verdicts, batch_ids)
     up = sum(1 for snap in ranks if snap.reported_within(now, t.stale_after_s))
     return HealthReport(**health_report(run, verdicts, states, evaluated_at=now, up=up))

@@ -43,6 +43,11 @@ MAX_OPTIMIZERS = 64
 MAX_NONFINITE_PARAMS = 64
 """Upper bound on top-K non-finite parameters per record and per rank's cumulative totals."""
 MAX_RECORDS_PER_BATCH = 2048
+MAX_BATCH_IDS = 256
+"""Sample or batch ids one rank keeps for one iteration (``note_batch``); the rest are
+counted (``BatchIds.left_out``)."""
+MAX_BATCH_ID_LENGTH = 128
+"""Longest string id."""
 MAX_COUNT = 2**53
 """Largest count or step: every integer up to it is exact as a float64, the type
 Prometheus and JSON consumers hold samples in."""
@@ -275,6 +280,29 @@ class RankTotals(_Model):
     """The first such iteration; ``None`` while there was none."""
 
 
+BatchId = (
+    Annotated[int, Field(ge=-MAX_COUNT, le=MAX_COUNT)]
+    | Annotated[
+        str,
+        StringConstraints(
+            min_length=1, max_length=MAX_BATCH_ID_LENGTH, pattern=r"^[^\x00-\x1f\x7f]+$"
+        ),
+    ]
+)
+"""A sample or batch id: an integer exact as a float64, or a short printable string."""
+
+
+class BatchIds(_Model):
+    """The sample or batch ids a rank noted for one iteration (``note_batch``), in the order
+    noted: the micro-batches of an accumulated update add up."""
+
+    ids: list[BatchId] = Field(max_length=MAX_BATCH_IDS)
+    """The first ``MAX_BATCH_IDS`` ids noted."""
+    left_out: Count = 0
+    """Ids noted beyond ``MAX_BATCH_IDS``, or not valid ids (a float, a long string, a
+    device tensor), counted instead of kept."""
+
+
 class StepRecord(_Model):
     """One iteration: everything one update() call saw and did on one rank."""
 
@@ -308,6 +336,8 @@ class StepRecord(_Model):
     device: DeviceIdentity | None = None
     """The rank's device, on the first record of a rank process only (``None`` on the
     others, and from reporters that predate the field)."""
+    batch: BatchIds | None = None
+    """The iteration's sample or batch ids; ``None`` when the loop noted none."""
 
 
 class IngestBatch(_Model):

@@ -151,6 +151,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "command line)",
     )
     parser.add_argument(
+        "--suspect-batches",
+        action="store_true",
+        help="print RUN's flagged steps with the batch ids each rank noted for them, one "
+        "JSON object a line (from the exporters; Prometheus holds no ids)",
+    )
+    parser.add_argument(
         "--debug",
         action="store_true",
         help="print the traceback when ampscope itself fails (exit status 70)",
@@ -408,6 +414,14 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
             _warn_clear_text(args, exporters)
     else:
         _warn_clear_text(args, exporters)
+
+    if getattr(args, "suspect_batches", False):
+        from ampscope.status import suspects
+
+        if args.prometheus is not None:
+            print(suspects.PROMETHEUS_HAS_NO_IDS, file=sys.stderr)
+            return suspects.EXIT_NOT_HERE
+        return suspects.run(exporters, args.run, out, sys.stderr)
 
     def frame() -> tuple[str, int]:
         if args.prometheus is not None:

@@ -216,6 +216,19 @@ HEALTH = obj(
 )
 
 
+def _batch_id(value: Any, at: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise _expected("an integer or a string", value, at)
+
+
+SUSPECT_BATCH = obj(
+    {"step": integer, "rank": integer, "reasons": array(string), "batch_ids": array(_batch_id)},
+    {"batch_ids_left_out": integer},
+)
+SUSPECT_BATCHES = array(SUSPECT_BATCH, "a list of suspect batches")
+"""``/api/v1/runs/{run}/suspect-batches``."""
+
+
 def check(document: Any, shape: Check, where: str, at: str = "") -> Any:
     """``document`` (found at path ``at`` of the answer) when it has ``shape``.
 

@@ -111,6 +111,23 @@ class History(BaseModel):
     )
 
 
+class SuspectBatch(BaseModel):
+    """One flagged step of one rank and the batch ids the rank noted for it."""
+
+    step: int = Field(description="The rank's step (its count of update() calls).")
+    rank: int
+    reasons: list[str] = Field(
+        description="Why the step is suspect: nonfinite_origin, skipped_step, "
+        "nonfinite_update_applied, loss_spike, grad_norm_spike, origin_outlier."
+    )
+    batch_ids: list[int | str] = Field(
+        description="The ids the rank noted for the step (note_batch); empty when it noted none."
+    )
+    batch_ids_left_out: int = Field(
+        description="Ids noted beyond the per-iteration bound, or invalid, counted instead."
+    )
+
+
 class HealthReport(BaseModel):
     run: str
     status: Status = Field(description="The worst verdict.")

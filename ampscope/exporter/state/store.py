@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import heapq
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 
+from ampscope.exporter.state.batches import SPIKE_REASONS, BatchLedger
 from ampscope.exporter.state.ranks import (
     SAMPLES_PER_WINDOW,
     IdentityConflict,
@@ -18,7 +20,12 @@ from ampscope.exporter.state.ranks import (
     RankState,
     series_of,
 )
-from ampscope.exporter.state.spike_windows import OriginBoard, SpikeEvent, top_params
+from ampscope.exporter.state.spike_windows import (
+    OriginBoard,
+    SpikeCounts,
+    SpikeEvent,
+    top_params,
+)
 from ampscope.reporter.schema import DeviceIdentity, Heartbeat, IngestBatch, StepRecord
 from ampscope.reporter.spike_rule import SpikeRule
 
@@ -146,6 +153,8 @@ class Store:
         self._runs: dict[str, dict[int, RankState]] = {}
         self._boards: dict[str, OriginBoard] = {}
         """Per run: the origin norms of its ranks at recent steps."""
+        self._ledgers: dict[str, BatchLedger] = {}
+        """Per run: the batch ids of recent and of flagged steps."""
         self._series = 0
         self._ranks = 0
         self._history_bytes = 0
@@ -218,6 +227,7 @@ class Store:
             if ranks is None:
                 ranks = self._runs[run_id] = {}
                 self._boards[run_id] = OriginBoard(self._origin_factor)
+                self._ledgers[run_id] = BatchLedger()
             if state is None:
                 state = ranks[rank] = RankState(
                     history_length=self.limits.history_length,
@@ -227,12 +237,14 @@ class Store:
                 self._ranks += 1
             held_before = state.history_bytes
             restarts = state.restarts
+            spikes_before = state.spikes.counts
             accepted_records: list[StepRecord] = []
             accepted, ignored = state.apply_batch(
                 batch.records, batch.dropped_records, now, accepted_records.append
             )
             if accepted:
                 state.note_device(batch.device or _device_of(accepted_records))
+            self._note_batches(run_id, rank, state, spikes_before, restarts, accepted_records)
             self._compare_origins(run_id, ranks, state.restarts != restarts, rank,
                                   accepted_records, now)  # fmt: skip
             # A fresh RankState takes any first record, so newest is set from here on.
@@ -263,6 +275,7 @@ class Store:
             if stats is None:
                 continue
             for outlier in board.observe(rank, record.step, stats.grad_norm_origin, _peers(record)):
+                self._ledgers[run_id].flag(outlier.rank, outlier.step, "origin_outlier")
                 held = ranks[outlier.rank]
                 own = record if outlier.rank == rank else held.record_at(outlier.step)
                 held.note_offence((own or record).time)
@@ -280,6 +293,55 @@ class Store:
                         top_params=top_params(own) if own is not None else (),
                     )
                 )
+
+    def _note_batches(
+        self,
+        run_id: str,
+        rank: int,
+        state: RankState,
+        spikes_before: SpikeCounts,
+        restarts: int,
+        records: list[StepRecord],
+    ) -> None:
+        # The ledger sees every accepted record's ids, then the spikes this batch found
+        # (the newest of the rank's recent spikes); origin outliers come from the board.
+        ledger = self._ledgers[run_id]
+        if state.restarts != restarts:
+            ledger.forget(rank)
+            spikes_before = SpikeCounts()
+        for record in records:
+            ledger.observe(rank, record)
+        after = state.spikes.counts
+        found = after.loss - spikes_before.loss + after.grad_norm - spikes_before.grad_norm
+        if found > 0:
+            for event in list(state.spikes.recent)[-found:]:
+                if event.kind in SPIKE_REASONS:
+                    ledger.flag(rank, event.step, SPIKE_REASONS[event.kind])
+
+    def suspect_batches(self, run_id: str) -> list[dict[str, object]] | None:
+        """Every flagged (step, rank) of ``run_id`` with its reasons and batch ids, sorted by
+        step then rank (see ``ampscope.exporter.state.batches``); ``None`` for an unknown
+        run. O(suspects log suspects) under the lock."""
+        with self._lock:
+            ledger = self._ledgers.get(run_id)
+            if ledger is None:
+                return None
+            return [suspect.to_json() for suspect in ledger.suspects()]
+
+    def batch_ids(
+        self, run_id: str, pairs: Iterable[tuple[int, int]]
+    ) -> dict[tuple[int, int], list[int | str]]:
+        """The batch ids held for each (step, rank) of ``pairs``; unknown ones left out."""
+        with self._lock:
+            ledger = self._ledgers.get(run_id)
+            if ledger is None:
+                return {}
+            found = {}
+            for step, rank in pairs:
+                ids = ledger.ids_at(rank, step)
+                if ids is not None:
+                    found[(step, rank)] = list(ids.ids)
+            return found
 
     def _evict_history(self) -> None:
         # Oldest first across ranks, by record time: times are capped at the exporter's
@@ -356,6 +418,7 @@ class Store:
                 if not ranks:
                     del self._runs[run_id]
                     del self._boards[run_id]
+                    self._ledgers.pop(run_id, None)
         return dropped
 
     def runs(self) -> list[str]:

@@ -40,6 +40,7 @@ class PendingStep:
     """
 
     __slots__ = (
+        "batch",
         "before",
         "clean",
         "deferred",
@@ -110,6 +111,8 @@ class PendingStep:
         self.host_norms: torch.Tensor | None = None
         """Device transport: the tail of ``host`` holding the per-parameter norms, read
         only on a spike iteration; the values stop before it."""
+        self.batch: tuple[list[Any], int] | None = None
+        """The ids noted for the iteration (``note_batch``) and how many were left out."""
 
     def read(self) -> list[float]:
         """The step's scalars on the host; waits for the device copy (telemetry thread)."""

@@ -147,6 +147,30 @@ class TelemetryFrontEnd:
                 self._ampscope_origin = OriginFlags(norms=self._ampscope_stats is not None)
             self._ampscope_origin_handles.append(install_origin_hooks(model, self._ampscope_origin))
 
+    def note_batch(self, ids: Any) -> None:
+        """Note this rank's sample or batch ids for the current iteration.
+
+        Call any time between two ``update()`` calls, once per micro-batch if you like: the
+        ids of an accumulated update add up, and ``update()`` puts them in the step's record
+        (``batch``), so the exporter can name the ids behind any flagged step
+        (``/api/v1/runs/{run}/suspect-batches``). Costs a list append on the training
+        thread: no tensor work, no validation (the telemetry thread checks the ids).
+
+        Args:
+            ids: One id or an iterable of them: ints (exact up to 2**53) or printable strings
+                of at most 128 characters, e.g. dataset indices or document hashes; a CPU
+                tensor of integers is read with ``tolist()``. At most 256 ids per iteration
+                are kept (``ampscope.reporter.schema.MAX_BATCH_IDS``), the rest counted in the
+                record's ``batch.left_out``, as are invalid ids and the elements of a tensor on
+                an accelerator (reading it would wait for the device).
+        """
+        if self._ampscope_capture is None:
+            return
+        try:
+            self._ampscope_telemetry.batches.add(ids)
+        except Exception:
+            self._ampscope_failed()
+
     def close(self, timeout: float = 1.0) -> None:
         """Flush pending records, close the sinks and remove hooks. Idempotent.
 

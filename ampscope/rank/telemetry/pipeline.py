@@ -21,6 +21,7 @@ from typing import Any
 
 from ampscope.rank.capture.pending import PendingStep
 from ampscope.rank.gradients.attribution import top_k
+from ampscope.rank.telemetry.batches import BatchNotes
 from ampscope.rank.telemetry.records import RecordBuilder
 from ampscope.reporter.schema import NonfiniteParam, StepRecord
 from ampscope.reporter.sinks import Sink
@@ -118,6 +119,8 @@ class Telemetry:
         self._outbox: deque[StepRecord] = deque()
         self._history: deque[StepRecord] = deque(maxlen=history)
         self._builder = RecordBuilder(top_k, spike_rule)
+        self.batches = BatchNotes()
+        """The ids ``note_batch`` noted for the iteration in progress (training thread)."""
         self._totals = self._builder.totals  # changed in place by the builder
         self._last: StepRecord | None = None
         self._dropped = 0
@@ -150,6 +153,7 @@ class Telemetry:
         thread sleeps with nothing to do, i.e. once per burst of steps, not per step."""
         if self._stopping:
             return
+        pending.batch = self.batches.take()
         self._pending.append(pending)
         if len(self._pending) > MAX_PENDING:
             self._resolve(keep=MAX_PENDING // 2)

@@ -26,6 +26,7 @@ from ampscope.rank.capture.layout import OptimizerSlot
 from ampscope.rank.capture.pending import PendingStep
 from ampscope.rank.config import LABEL_PATTERN
 from ampscope.rank.gradients.attribution import top_k
+from ampscope.rank.telemetry.batches import batch_ids
 from ampscope.rank.telemetry.identity import resolve_device
 from ampscope.rank.telemetry.stats_record import StatsBuilder
 from ampscope.reporter.schema import (
@@ -299,6 +300,7 @@ class RecordBuilder:
             ),
             setup=setup,
             device=device,
+            batch=None if pending.batch is None else batch_ids(pending.batch),
         )
         # The record exists: only now do the totals move.
         if device is not None:

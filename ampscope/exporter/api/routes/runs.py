@@ -9,7 +9,13 @@ from fastapi import APIRouter, Path, Query
 from ampscope.exporter import health
 from ampscope.exporter.api.deps import ClockDep, SettingsDep, StoreDep
 from ampscope.exporter.api.errors import ApiError, responses
-from ampscope.exporter.api.models import HealthReport, History, RankView, RunSummary
+from ampscope.exporter.api.models import (
+    HealthReport,
+    History,
+    RankView,
+    RunSummary,
+    SuspectBatch,
+)
 from ampscope.exporter.settings import Settings
 from ampscope.exporter.state.ranks import RankSnapshot
 from ampscope.verdicts.ranks import state_counts
@@ -170,4 +176,23 @@ def get_health(run: RunId, store: StoreDep, settings: SettingsDep, clock: ClockD
     non-finite updates applied (a bf16/fp32 watch under ``observe``), each with its evidence
     and thresholds; ``status`` is the worst of them. The scale rules leave watch ranks out
     (they have no loss scale). A finished run is judged as it ended (see ``state``)."""
-    return health.evaluate(run, _ranks(store, run), clock(), settings.thresholds())
+    ranks = _ranks(store, run)
+    return health.evaluate(
+        run, ranks, clock(), settings.thresholds(), lambda pairs: store.batch_ids(run, pairs)
+    )
+
+
+@router.get(
+    "/{run}/suspect-batches",
+    response_model=list[SuspectBatch],
+    summary="The batch ids behind a run's flagged steps",
+    responses=responses(404),
+)
+def get_suspect_batches(run: RunId, store: StoreDep) -> list[dict[str, object]]:
+    """One object per flagged (step, rank), sorted by step then rank: the reasons (the
+    verdicts that flagged it) and the ids the rank noted for the step (``note_batch``), ready
+    for a skip list on resume. Kept per run, at most 1024 (the oldest dropped first)."""
+    suspects = store.suspect_batches(run)
+    if suspects is None:
+        raise _unknown_run(run)
+    return suspects

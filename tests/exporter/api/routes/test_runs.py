@@ -79,6 +79,7 @@ def test_not_found_answers(client: TestClient) -> None:
         "/api/v1/runs/nope/ranks",
         "/api/v1/runs/nope/health",
         "/api/v1/runs/nope/ranks/0",
+        "/api/v1/runs/nope/suspect-batches",
     ):
         response = client.get(path)
         assert response.status_code == 404, path
@@ -203,3 +204,25 @@ def test_liveness_and_openapi(client: TestClient) -> None:
     schemas = spec["components"]["schemas"]
     assert schemas["RankView"]["properties"]["setup"]["$ref"] == "#/components/schemas/Setup"
     assert "nonfinite_update_applied" in schemas["Verdict"]["properties"]["rule"]["enum"]
+
+
+def test_suspect_batches_and_the_evidence_name_the_ids(client: TestClient) -> None:
+    from ampscope.reporter.schema import BatchIds
+
+    flagged = watch(
+        3, found_inf=True, total=totals(3, applied=1, first_applied=(3, None)),
+        batch=BatchIds(ids=[30, "doc-31"], left_out=2),
+    )  # fmt: skip
+    _post(client, watch(1, batch=BatchIds(ids=[10])), watch(2), flagged)
+    assert client.get("/api/v1/runs/run-a/suspect-batches").json() == [
+        {
+            "step": 3,
+            "rank": 0,
+            "reasons": ["nonfinite_update_applied"],
+            "batch_ids": [30, "doc-31"],
+            "batch_ids_left_out": 2,
+        }
+    ]
+    verdicts = client.get("/api/v1/runs/run-a/health").json()["verdicts"]
+    applied = next(v for v in verdicts if v["rule"] == "nonfinite_update_applied")
+    assert applied["evidence"]["ranks"][0]["batch_ids"] == [30, "doc-31"]
