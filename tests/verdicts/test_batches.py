@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from ampscope.verdicts.rules import Thresholds
-
 from ampscope.verdicts import spikes
 from ampscope.verdicts.batches import attach, named_pairs, with_batch_ids
+from ampscope.verdicts.thresholds import Thresholds
 
 
 def _facts(rank: int, step: int) -> spikes.SpikeFacts:
