@@ -166,6 +166,21 @@ class Sample(NamedTuple):
     """Highest scale (before or after) of the records the batch advanced through."""
 
 
+class SkipEvent(NamedTuple):
+    """The newest step a rank skipped (its optimizer did not step: inf/NaN gradients)."""
+
+    step: int
+    origin: bool | None
+    """Its own gradients held inf/NaN at that step; ``None`` when origin tracking is off."""
+    received: float
+    """Exporter clock when the record arrived."""
+
+    @classmethod
+    def of(cls, record: StepRecord, now: float) -> SkipEvent:
+        own = record.found_inf_origin
+        return cls(record.step, any(own.values()) if own else None, now)
+
+
 @dataclass(frozen=True, kw_only=True)
 class RankSnapshot:
     """An immutable copy of a rank's state, safe to read without the store's lock."""
@@ -189,6 +204,8 @@ class RankSnapshot:
     """Spike iterations per kind the exporter found (``ampscope_spikes_total``)."""
     spikes: tuple[SpikeEvent, ...] = ()
     """The most recent of them, oldest first."""
+    last_skip: SkipEvent | None = None
+    """The current process's newest skipped step the exporter received."""
 
     @property
     def identity(self) -> Identity:
@@ -339,6 +356,7 @@ class RankState:
         self._sample_interval_s = sample_interval_s
         self.last_progress = 0.0
         self.finished_at: float | None = None
+        self.last_skip: SkipEvent | None = None
         # Records produced before this wall-clock time belong to a dead process.
         self._process_start = float("-inf")
 
@@ -461,12 +479,15 @@ class RankState:
             self.history_bytes = 0
             self.samples.clear()
             self.spikes.reset()
+            self.last_skip = None
             self.newest = record
             self.first_step = record.step
             self._append(HeldRecord.of(record))
             self.spikes.observe(record, now)
         elif outcome == "late" and not self._insert_late(record):
             return "ignored"
+        if record.skipped and (self.last_skip is None or record.step > self.last_skip.step):
+            self.last_skip = SkipEvent.of(record, now)
         return outcome
 
     def _append(self, held: HeldRecord) -> None:
@@ -528,4 +549,5 @@ class RankState:
             finished_at=self.finished_at,
             spike_counts=self.spikes.counts,
             spikes=tuple(self.spikes.recent),
+            last_skip=self.last_skip,
         )
