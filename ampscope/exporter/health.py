@@ -203,6 +203,29 @@ def nonfinite_update_applied(ranks: Sequence[RankSnapshot], now: float, t: Thres
     return nonfinite.nonfinite_update_applied(facts)
 
 
+def nonfinite_skipped(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
+    """``nonfinite.nonfinite_skipped`` over the store's snapshots: the steps each rank skipped
+    within ``nonfinite_skipped_window_s`` (its counters' increase) and its newest skipped
+    step, while that arrived within the window. O(ranks x samples)."""
+    start = now - t.nonfinite_skipped_window_s
+    facts = []
+    for snap in ranks:
+        skip = snap.last_skip
+        if skip is not None and not start <= skip.received <= now:
+            skip = None
+        facts.append(
+            nonfinite.SkippedFacts(
+                **_who(snap),
+                mode=snap.newest.setup.mode,
+                policy=snap.newest.setup.policy,
+                skipped=_increase(snap, start).skipped_steps,
+                last_step=None if skip is None else skip.step,
+                origin=None if skip is None else skip.origin,
+            )
+        )
+    return nonfinite.nonfinite_skipped(facts, t)
+
+
 def spike_facts(
     ranks: Sequence[RankSnapshot], kind: SpikeKindName, now: float, t: Thresholds
 ) -> list[spike_rules.SpikeFacts]:
@@ -301,6 +324,7 @@ _SCOPES: dict[RuleName, _Scope] = {
     "stalled_rank": _Scope(stalled_rank, live=True),
     "inf_hotspot": _Scope(inf_hotspot, lambda t: t.hotspot_window_s),
     "nonfinite_update_applied": _Scope(nonfinite_update_applied),
+    "nonfinite_skipped": _Scope(nonfinite_skipped),
     "loss_spike": _Scope(loss_spike),
     "grad_norm_spike": _Scope(grad_norm_spike),
     "origin_outlier": _Scope(origin_outlier),

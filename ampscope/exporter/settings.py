@@ -149,6 +149,9 @@ class Settings(BaseSettings):
     )
     """Origin outlier: a rank's own gradient norm above this many times the median of the
     other ranks' at the same step."""
+    nonfinite_skipped_window_s: Seconds = _DEFAULTS.nonfinite_skipped_window_s
+    """nonfinite_skipped keeps warning while a watch under policy skip skipped a step for
+    inf/NaN gradients within this long."""
 
     @model_validator(mode="after")
     def _check(self) -> Settings:
@@ -200,4 +203,9 @@ class Settings(BaseSettings):
     @property
     def window_s(self) -> float:
         """The longest health window: how much per-rank sample history the store keeps."""
-        return max(self.collapse_window_s, self.skip_storm_window_s, self.hotspot_window_s)
+        return max(
+            self.collapse_window_s,
+            self.skip_storm_window_s,
+            self.hotspot_window_s,
+            self.nonfinite_skipped_window_s,
+        )

@@ -11,8 +11,10 @@ that need the exporter's per-step history (``stalled_rank``'s progress times,
 ``nonfinite_update_applied``'s first step and origin) say so instead. The spike verdicts
 (``loss_spike``, ``grad_norm_spike``, ``origin_outlier``) count ``increase`` of
 ``ampscope_spikes_total`` over their window: which rank and how many, not the step, value or
-baseline, which only the exporters hold (``SPIKE_DETAIL``). Cost: seven instant queries,
-run in parallel; the answer holds O(ranks x devices) samples.
+baseline, which only the exporters hold (``SPIKE_DETAIL``); ``nonfinite_skipped`` counts
+``increase`` of ``ampscope_skipped_steps_total``, without the last step and its origin
+(``SKIP_DETAIL``). Cost: eight instant queries, run in parallel; the answer holds
+O(ranks x devices) samples.
 """
 
 from __future__ import annotations
@@ -73,6 +75,20 @@ SPIKE_DETAIL = (
 )
 """What a spike verdict computed from Prometheus says it lacks."""
 
+SKIP_DETAIL = (
+    "counted from Prometheus (increase of ampscope_skipped_steps_total): the last skipped step "
+    "and its origin ranks are in each exporter's GET /api/v1/runs/{run}/health"
+)
+"""What ``nonfinite_skipped`` computed from Prometheus says it lacks."""
+
+COUNTED = {
+    "loss_spike": SPIKE_DETAIL,
+    "grad_norm_spike": SPIKE_DETAIL,
+    "origin_outlier": SPIKE_DETAIL,
+    "nonfinite_skipped": SKIP_DETAIL,
+}
+"""Rules Prometheus judges from counters alone, and where their details are."""
+
 
 class QueryError(Exception):
     """Prometheus did not answer, or answered with an error: ``code`` is the exit status."""
@@ -101,6 +117,8 @@ def queries(run: str | None, t: Thresholds) -> dict[str, str]:
         "inf_origin": f"increase(ampscope_found_inf_origin_total{{{sel}}}"
         f"[{t.hotspot_window_s:g}s])",
         "spikes": f"increase(ampscope_spikes_total{{{sel}}}[{t.spike_verdict_window_s:g}s])",
+        "skipped_nonfinite": f"increase(ampscope_skipped_steps_total{{{sel}}}"
+        f"[{t.nonfinite_skipped_window_s:g}s])",
     }
 
 
@@ -300,11 +318,22 @@ def health_of(
             if n
         ]
 
+    skipped = [
+        nonfinite.SkippedFacts(
+            rank=v["rank"],
+            node=v["node"],
+            mode=mode_of(v),
+            policy=v["setup"]["policy"],
+            skipped=round(min(window("skipped_nonfinite", v), v["totals"]["skipped_steps"])),
+        )
+        for v in views
+    ]
+
     def counted(verdict: Verdict) -> dict[str, Any]:
         out = verdict.model_dump()
         out["evidence"]["source"] = "prometheus"
         if out["status"] != "ok":
-            out["summary"] += f" ({SPIKE_DETAIL.format(run=run)})"
+            out["summary"] += f" ({COUNTED[out['rule']].format(run=run)})"
         return out
 
     by_rule = {
@@ -316,6 +345,7 @@ def health_of(
         "stalled_rank": lacking("stalled_rank"),
         "inf_hotspot": nonfinite.inf_hotspot(infs, t).model_dump(),
         "nonfinite_update_applied": lacking("nonfinite_update_applied"),
+        "nonfinite_skipped": counted(nonfinite.nonfinite_skipped(skipped, t)),
         "loss_spike": counted(spike_rules.loss_spike(spikes("loss"), t)),
         "grad_norm_spike": counted(spike_rules.grad_norm_spike(spikes("grad_norm"), t)),
         "origin_outlier": counted(spike_rules.origin_outlier(spikes("origin_outlier"), t)),

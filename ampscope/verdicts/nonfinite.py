@@ -1,6 +1,7 @@
 """The rules about inf/NaN gradients: ``skip_storm`` (too many steps skipped),
-``inf_hotspot`` (one rank/device holds most detections) and ``nonfinite_update_applied`` (an
-optimizer step ran on them), over what changed within each rule's window.
+``inf_hotspot`` (one rank/device holds most detections), ``nonfinite_update_applied`` (an
+optimizer step ran on them) and ``nonfinite_skipped`` (a watch under policy ``skip`` skipped
+steps for them), over what changed within each rule's window.
 
 Pure functions: O(ranks), no clock, no I/O.
 """
@@ -11,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ampscope.verdicts.ranks import RankRef
+from ampscope.verdicts.ranks import RankRef, is_scaler
 from ampscope.verdicts.thresholds import Thresholds
 from ampscope.verdicts.verdict import MAX_EVIDENCE_RANKS, Verdict, affected, rule_verdicts
 
@@ -91,6 +92,20 @@ def inf_hotspot(ranks: Sequence[InfFacts], t: Thresholds) -> Verdict:
     return say("ok", "no rank/device dominates the found-inf detections", evidence)
 
 
+def _origin(at_step: Sequence[tuple[int, bool | None]]) -> tuple[list[int], bool, str]:
+    """From (rank, its own gradients held inf/NaN) at one step: the origin ranks (ascending),
+    whether any rank tracked origin, and the words for it."""
+    origins = sorted(rank for rank, origin in at_step if origin)
+    tracked = any(origin is not None for _, origin in at_step)
+    if origins:
+        text = "origin: rank(s) " + ", ".join(map(str, origins[:MAX_EVIDENCE_RANKS]))
+    elif tracked:
+        text = "origin: no rank that tracks it held inf/NaN of its own at that step"
+    else:
+        text = "origin not tracked (attach(model, track_origin=True) names it)"
+    return origins, tracked, text
+
+
 @dataclass(frozen=True, kw_only=True)
 class AppliedFacts(RankRef):
     """What ``nonfinite_update_applied`` reads of a rank whose optimizer stepped on inf/NaN
@@ -118,15 +133,9 @@ def nonfinite_update_applied(ranks: Sequence[AppliedFacts]) -> Verdict:
     if not hits:
         return say("ok", "no optimizer step ran on inf/NaN gradients", {"ranks_affected": 0})
     first_step = hits[0].first_step
-    at_first = [facts for facts in hits if facts.first_step == first_step]
-    origins = [facts.rank for facts in at_first if facts.origin]
-    tracked = any(facts.origin is not None for facts in at_first)
-    if origins:
-        origin = "origin: rank(s) " + ", ".join(map(str, origins[:MAX_EVIDENCE_RANKS]))
-    elif tracked:
-        origin = "origin: no rank that tracks it held inf/NaN of its own at that step"
-    else:
-        origin = "origin not tracked (attach(model, track_origin=True) names it)"
+    origins, tracked, origin = _origin(
+        [(f.rank, f.origin) for f in hits if f.first_step == first_step]
+    )
     applied = sum(facts.applied for facts in hits)
     return say(
         "critical",
@@ -150,3 +159,54 @@ def nonfinite_update_applied(ranks: Sequence[AppliedFacts]) -> Verdict:
             ],
         },
     )
+
+
+@dataclass(frozen=True, kw_only=True)
+class SkippedFacts(RankRef):
+    """What ``nonfinite_skipped`` reads of a rank: what it runs, how many steps it skipped
+    within the window, and its newest skipped step in the window, where the source holds it
+    (an exporter; not Prometheus, which holds only the counter)."""
+
+    mode: str | None
+    """``Setup.mode``; ``None`` from a source that predates it (a scaler)."""
+    policy: str
+    skipped: int
+    """Steps it skipped within ``nonfinite_skipped_window_s``."""
+    last_step: int | None = None
+    """Its newest skipped step within the window; ``None`` where unknown."""
+    origin: bool | None = None
+    """Whether its own gradients held inf/NaN at ``last_step``; ``None``: not tracked."""
+
+
+def nonfinite_skipped(ranks: Sequence[SkippedFacts], t: Thresholds) -> Verdict:
+    """Warning while a watch under policy ``skip`` skipped steps for inf/NaN gradients within
+    ``nonfinite_skipped_window_s``: how many (the most any rank skipped: under ``skip`` the
+    ranks agree and skip together), the newest such step and the ranks whose own gradients
+    held inf/NaN at it (origin tracking). Scalers are left out: skipping an overflowed step
+    is how a loss scaler works (``skip_storm`` judges how often). O(ranks).
+    """
+    say = rule_verdicts("nonfinite_skipped", t)
+    window = f"{t.nonfinite_skipped_window_s:g} s"
+    watched = [f for f in ranks if not is_scaler(f.mode) and f.policy == "skip"]
+    hits = sorted((f for f in watched if f.skipped > 0), key=lambda f: f.rank)
+    if not hits:
+        summary = f"no step skipped for inf/NaN gradients within {window}"
+        if not watched:
+            summary = "no rank runs a watch under policy skip"
+        return say("ok", summary, {"ranks_affected": 0})
+    skipped = max(f.skipped for f in hits)
+    summary = f"{skipped} step(s) skipped for inf/NaN gradients within {window} (watch policy skip)"
+    evidence: dict[str, Any] = {"skipped": skipped}
+    steps = [f.last_step for f in hits if f.last_step is not None]
+    if steps:
+        last = max(steps)
+        origins, tracked, origin = _origin(
+            [(f.rank, f.origin) for f in hits if f.last_step == last]
+        )
+        summary += f", the last at step {last}; {origin}"
+        evidence |= {"last_step": last, "origin_tracked": tracked, "origin_ranks": origins}
+    listed = [
+        {**f.ref(), "skipped": f.skipped, "last_step": f.last_step, "origin": f.origin}
+        for f in hits
+    ]
+    return say("warning", summary, affected(listed, **evidence))

@@ -41,6 +41,7 @@ REPORTED: dict[str, dict[str, str]] = {
     "loss_spike": _SPIKE,
     "grad_norm_spike": _SPIKE,
     "origin_outlier": {"factor": "origin_outlier_factor", "window_s": "spike_verdict_window_s"},
+    "nonfinite_skipped": {"window_s": "nonfinite_skipped_window_s"},
 }
 """Rule -> {the name its verdict reports a threshold under: the ``Thresholds`` field}. A rule
 not listed reports none."""
@@ -85,6 +86,10 @@ class Thresholds:
     """Origin outlier (warning): a rank's own gradient norm exceeds this many times the
     median of the other ranks' at the same step."""
 
+    nonfinite_skipped_window_s: float = 600.0
+    """Non-finite skipped (warning): a watch under policy ``skip`` skipped a step for inf/NaN
+    gradients within this window."""
+
     def reported(self, rule: str) -> dict[str, float | int]:
         """The thresholds ``rule``'s verdict reports (``Verdict.thresholds``)."""
         return {key: getattr(self, field) for key, field in REPORTED.get(rule, {}).items()}
@@ -120,7 +125,13 @@ class Thresholds:
             raise ValueError("spike_verdict_window_s must be positive")
         if not self.origin_outlier_factor > 1:
             raise ValueError("origin_outlier_factor must be > 1")
-        for name in ("collapse_window_s", "skip_storm_window_s", "stale_after_s", "stall_after_s"):
+        for name in (
+            "collapse_window_s",
+            "skip_storm_window_s",
+            "stale_after_s",
+            "stall_after_s",
+            "nonfinite_skipped_window_s",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive")
         if not self.hotspot_window_s > 0:

@@ -29,6 +29,7 @@ RuleName = Literal[
     "stalled_rank",
     "inf_hotspot",
     "nonfinite_update_applied",
+    "nonfinite_skipped",
     "loss_spike",
     "grad_norm_spike",
     "origin_outlier",

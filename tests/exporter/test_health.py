@@ -178,6 +178,7 @@ def test_ranks_count_while_their_last_report_is_within_the_window() -> None:
         "stalled_rank": "ok",
         "inf_hotspot": "ok",
         "nonfinite_update_applied": "ok",
+        "nonfinite_skipped": "ok",
         "loss_spike": "ok",
         "grad_norm_spike": "ok",
         "origin_outlier": "ok",
@@ -377,3 +378,58 @@ def test_a_run_whose_ranks_went_quiet_has_no_live_rank_making_progress() -> None
     assert (v["status"], v["summary"]) == ("ok", "no live ranks: 2 lost")
     v = _verdict([_run(0, [65536.0], now=T0)], "stalled_rank", now=T0)
     assert v["summary"] == "the live rank is making progress"
+
+
+def _skipping(rank: int, skips: dict[int, bool | None], *, steps: int = 20) -> list[StepRecord]:
+    """A watch rank under skip, steps 1..steps; ``skips`` maps the skipped steps to whether
+    the rank's own gradients held the inf (``None``: origin not tracked)."""
+    records = []
+    for step in range(1, steps + 1):
+        skipped = sum(1 for s in skips if s <= step)
+        rec = watch(step, rank=rank, policy="skip", skipped=step in skips, found_inf=step in skips,
+                    total=totals(step, skipped=skipped))  # fmt: skip
+        if step in skips and skips[step] is not None:
+            rec = rec.model_copy(update={"found_inf_origin": {"cuda:0": bool(skips[step])}})
+        records.append(rec)
+    return records
+
+
+def test_nonfinite_skipped_names_the_count_the_last_step_and_its_origin() -> None:
+    # Rank 1's gradients went inf at steps 6, 11 and 17; both ranks skipped them together.
+    ranks = [_rank((T0, _skipping(r, {6: r == 1, 11: r == 1, 17: r == 1}))) for r in (0, 1)]
+    v = _verdict(ranks, "nonfinite_skipped")
+    assert v["status"] == "warning"
+    assert v["summary"] == (
+        "3 step(s) skipped for inf/NaN gradients within 600 s (watch policy skip), the last "
+        "at step 17; origin: rank(s) 1"
+    )
+    assert (v["evidence"]["skipped"], v["evidence"]["last_step"]) == (3, 17)
+    assert (v["evidence"]["origin_tracked"], v["evidence"]["origin_ranks"]) == (True, [1])
+    assert v["evidence"]["ranks"][0] == {
+        "rank": 0, "node": "node0", "skipped": 3, "last_step": 17, "origin": False,
+    }  # fmt: skip
+    assert v["thresholds"] == {"window_s": 600.0}
+    assert evaluate("run-a", ranks, T0, T).status == "warning"
+
+
+def test_nonfinite_skipped_ends_with_its_window_which_is_a_setting() -> None:
+    untracked = [_rank((T0, _skipping(r, {4: None}))) for r in (0, 1)]
+    v = _verdict(untracked, "nonfinite_skipped", now=T0 + 599)
+    assert v["summary"].endswith(
+        "the last at step 4; origin not tracked (attach(model, track_origin=True) names it)"
+    )
+    assert _verdict(untracked, "nonfinite_skipped", now=T0 + 601)["status"] == "ok"
+    short = Thresholds(nonfinite_skipped_window_s=30.0)
+    report = evaluate("run-a", untracked, T0 + 31, short)
+    (verdict,) = [v for v in report.verdicts if v.rule == "nonfinite_skipped"]
+    assert (verdict.status, verdict.thresholds) == ("ok", {"window_s": 30.0})
+    assert verdict.summary == "no step skipped for inf/NaN gradients within 30 s"
+
+
+def test_nonfinite_skipped_leaves_scalers_and_other_policies_out() -> None:
+    # A scaler skips overflowed steps by design (skip_storm judges how often).
+    scaler = _run(0, [65536.0] * 20, now=T0, skipped=3)
+    v = _verdict([scaler], "nonfinite_skipped")
+    assert (v["status"], v["summary"]) == ("ok", "no rank runs a watch under policy skip")
+    observed = _observe(1, 10, (4, True))
+    assert _verdict([scaler, observed], "nonfinite_skipped")["status"] == "ok"

@@ -17,6 +17,7 @@ from status_cli import run_status
 from support import DEADLOCK_GUARD_S, free_port, need_tool, start_prometheus, stop_process
 
 from ampscope.demo.exporter import ExporterProcess
+from ampscope.status.prometheus import SKIP_DETAIL
 
 RUN = "job-9"
 LAYOUT = {"n0": (0, 1), "n1": (2, 3), "n2": (4,)}
@@ -152,6 +153,17 @@ def test_prometheus_and_the_fan_out_give_the_same_answer(
     assert 16 <= storm[0]["steps"] <= 20
     hot = [_by_rule(answer)["inf_hotspot"]["evidence"] for answer in answers]
     assert [(e["detections"], e["top"][0]["detections"]) for e in hot] == [(16, 16)] * 2
+    # The hot rank's watch skipped those 16 steps (policy skip): named by both, the exporter
+    # with its last step (origin not tracked here), Prometheus with the count alone.
+    skipped = [_by_rule(answer)["nonfinite_skipped"] for answer in answers]
+    for verdict in skipped:
+        assert verdict["status"] == "warning"
+        assert verdict["evidence"]["skipped"] == 16
+        assert [(r["rank"], r["node"]) for r in verdict["evidence"]["ranks"]] == [(HOT_RANK, "n1")]
+    assert skipped[1]["evidence"]["last_step"] == 20
+    assert skipped[1]["evidence"]["origin_tracked"] is False
+    assert "last_step" not in skipped[0]["evidence"]
+    assert skipped[0]["summary"].endswith(f"({SKIP_DETAIL.format(run=RUN)})")
     # The single exporter's keys, every one; null where Prometheus lacks a value.
     assert set(from_prometheus) >= {"url", "run", "ranks", "health", "missing_ranks"}
     assert set(from_prometheus["ranks"][0]) == set(from_exporters["ranks"][0])
@@ -229,7 +241,7 @@ def test_spike_verdicts_count_what_prometheus_holds() -> None:
         _sample("", 3, 2.1, kind="origin_outlier"),
         _sample("", 0, 0.0, kind="loss"),
     ]
-    windows = {name: {} for name in ("peak", "steps", "skipped", "inf_local", "inf_origin")}
+    windows = {name: {} for name in prometheus.queries(RUN, t) if name != "now"}
     windows["spikes"] = prometheus._per_rank(spikes, views)
     ranks = sorted(views.values(), key=lambda v: v["rank"])
     report = prometheus.health_of(RUN, ranks, windows, t, now)

@@ -6,8 +6,10 @@ from __future__ import annotations
 from ampscope.verdicts.nonfinite import (
     AppliedFacts,
     InfFacts,
+    SkippedFacts,
     StepFacts,
     inf_hotspot,
+    nonfinite_skipped,
     nonfinite_update_applied,
     skip_storm,
 )
@@ -72,3 +74,33 @@ def test_nonfinite_update_applied_names_the_first_step_and_its_origin_ranks() ->
         "origin not tracked (attach(model, track_origin=True) names it)"
     )
     assert nonfinite_update_applied([]).status == "ok"
+
+
+def test_nonfinite_skipped_counts_the_steps_and_names_the_origin_at_the_newest() -> None:
+    t = Thresholds()
+
+    def skipping(rank: int, n: int, last: int | None, origin: bool | None) -> SkippedFacts:
+        return SkippedFacts(rank=rank, node=f"n{rank // 2}", mode="watch", policy="skip",
+                            skipped=n, last_step=last, origin=origin)  # fmt: skip
+
+    # Rank 3 arrived late at step 40 (its newest is 38); ranks 1 and 2 both held inf at 40.
+    ranks = [skipping(0, 5, 40, False), skipping(1, 5, 40, True), skipping(2, 5, 40, True),
+             skipping(3, 4, 38, True)]  # fmt: skip
+    verdict = nonfinite_skipped(ranks, t)
+    assert verdict.status == "warning"
+    assert verdict.summary.endswith("the last at step 40; origin: rank(s) 1, 2")
+    assert verdict.evidence["skipped"] == 5
+    assert verdict.evidence["ranks_affected"] == 4
+    # From a source with counts only (Prometheus): how many, and no step.
+    counted = nonfinite_skipped([skipping(0, 2, None, None)], t)
+    assert counted.summary == (
+        "2 step(s) skipped for inf/NaN gradients within 600 s (watch policy skip)"
+    )
+    assert "last_step" not in counted.evidence
+    # A scaler, or a watch under observe or raise, is not judged here.
+    others = [
+        SkippedFacts(rank=0, node="n0", mode=None, policy="skip", skipped=9),
+        SkippedFacts(rank=1, node="n0", mode="watch", policy="observe", skipped=9),
+    ]
+    quiet = nonfinite_skipped(others, t)
+    assert (quiet.status, quiet.summary) == ("ok", "no rank runs a watch under policy skip")

@@ -172,6 +172,21 @@ class Sample(NamedTuple):
     """Highest scale (before or after) of the records the batch advanced through."""
 
 
+class SkipEvent(NamedTuple):
+    """The newest step a rank skipped (its optimizer did not step: inf/NaN gradients)."""
+
+    step: int
+    origin: bool | None
+    """Its own gradients held inf/NaN at that step; ``None`` when origin tracking is off."""
+    received: float
+    """Exporter clock when the record arrived."""
+
+    @classmethod
+    def of(cls, record: StepRecord, now: float) -> SkipEvent:
+        own = record.found_inf_origin
+        return cls(record.step, any(own.values()) if own else None, now)
+
+
 @dataclass(frozen=True, kw_only=True)
 class RankSnapshot:
     """An immutable copy of a rank's state, safe to read without the store's lock."""
@@ -202,6 +217,8 @@ class RankSnapshot:
     """Record time of the newest step at which the rank was an offender: its own gradients
     held inf/NaN (origin tracking) or stood out as an origin outlier; ``None`` while none
     was seen."""
+    last_skip: SkipEvent | None = None
+    """The current process's newest skipped step the exporter received."""
 
     @property
     def identity(self) -> Identity:
@@ -356,6 +373,7 @@ class RankState:
         """What the current process said it runs on (see ``note_device``)."""
         self.last_offence: float | None = None
         """Record time of the newest offence seen (see ``note_offence``)."""
+        self.last_skip: SkipEvent | None = None
         # Records produced before this wall-clock time belong to a dead process.
         self._process_start = float("-inf")
 
@@ -495,12 +513,15 @@ class RankState:
             self.history_bytes = 0
             self.samples.clear()
             self.spikes.reset()
+            self.last_skip = None
             self.newest = record
             self.first_step = record.step
             self._append(HeldRecord.of(record))
             self.spikes.observe(record, now)
         elif outcome == "late" and not self._insert_late(record):
             return "ignored"
+        if record.skipped and (self.last_skip is None or record.step > self.last_skip.step):
+            self.last_skip = SkipEvent.of(record, now)
         return outcome
 
     def _append(self, held: HeldRecord) -> None:
@@ -564,4 +585,5 @@ class RankState:
             spikes=tuple(self.spikes.recent),
             device=self.device,
             last_offence=self.last_offence,
+            last_skip=self.last_skip,
         )

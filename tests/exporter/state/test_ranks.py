@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from ampscope.exporter.state.ranks import RankState, series_of
+from ampscope.exporter.state.ranks import RankState, SkipEvent, series_of
+from ampscope.reporter.schema import StepRecord
 from exporter.factory import T0, record, steps, totals, watch
 
 
@@ -125,3 +126,24 @@ def test_non_finite_updates_applied_falling_is_a_restart() -> None:
     assert state.restarts == 1
     assert state.newest is not None
     assert state.newest.totals.first_nonfinite_applied is None
+
+
+def test_the_newest_skipped_step_is_kept_with_its_origin_until_a_restart() -> None:
+    def skip(step: int, own: dict[str, bool], time: float | None = None) -> StepRecord:
+        rec = watch(step, policy="skip", skipped=True, found_inf=True, time=time)
+        return rec.model_copy(update={"found_inf_origin": own})
+
+    state = RankState(history_length=64)
+    state.apply_batch([watch(1, policy="skip"), skip(2, {"cuda:0": True})], 0, T0)
+    assert state.snapshot().last_skip == SkipEvent(2, True, T0)
+    state.apply_batch([skip(6, {"cuda:0": False}), watch(7, policy="skip")], 0, T0 + 5)
+    # A late retry of an older skipped step does not move it back.
+    state.apply_batch([skip(4, {"cuda:0": True})], 0, T0 + 6)
+    assert state.snapshot().last_skip == SkipEvent(6, False, T0 + 5)
+    # Origin tracking off: no origin known.
+    state.apply_batch([skip(8, {})], 0, T0 + 7)
+    assert state.snapshot().last_skip == SkipEvent(8, None, T0 + 7)
+    # A new process starts without one.
+    state.apply_batch([watch(1, policy="skip", time=T0 + 100)], 0, T0 + 100)
+    assert state.restarts == 1
+    assert state.snapshot().last_skip is None
