@@ -22,7 +22,7 @@ from ampscope.exporter.api.models import HealthReport, Status, Verdict
 from ampscope.exporter.state.lifecycle import STATES, Lifecycle, RankStateName
 from ampscope.exporter.state.ranks import RankSnapshot, WindowCounts
 from ampscope.exporter.state.spike_windows import SpikeKindName
-from ampscope.verdicts import rules
+from ampscope.verdicts import failures, rules
 from ampscope.verdicts import spikes as spike_rules
 from ampscope.verdicts.rules import (
     MAX_EVIDENCE_RANKS,
@@ -257,6 +257,25 @@ def stalled_rank(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Ve
     )
 
 
+def rank_failed(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
+    """``failures.rank_failed`` over the store's snapshots: the failed ranks and what their
+    final heartbeats said training ended on. O(ranks)."""
+    facts = [
+        failures.FailedFacts(
+            rank=snap.identity.rank,
+            node=snap.identity.node,
+            kind=failure.kind,
+            exception=failure.exception,
+            message=failure.message,
+            step=failure.step,
+            origin_ranks=None if failure.origin_ranks is None else tuple(failure.origin_ranks),
+        )
+        for snap, state in zip(ranks, _states(ranks, now, t), strict=True)
+        if state == "failed" and (failure := snap.failure) is not None
+    ]
+    return failures.rank_failed(facts, len(ranks))
+
+
 def inf_hotspot(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
     """``rules.inf_hotspot`` over the store's snapshots: O(ranks x samples)."""
     facts = []
@@ -416,13 +435,14 @@ def _isolated(rule: Rule, ranks: Sequence[RankSnapshot], now: float, t: Threshol
 def evaluate(run: str, ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> HealthReport:
     """Every rule over one run's ranks. Cost: O(ranks x (samples + history_length)).
 
-    A run whose ranks all finished is judged as it ended: the instability rules are
-    evaluated at the time of its last final record, so its report stays the same however
-    long it is kept, and liveness rules have nothing to say (every rank said goodbye).
+    A run whose ranks all ended (finished or failed) is judged as it ended: the instability
+    rules are evaluated at the time of its last final record, so its report stays the same
+    however long it is kept, and liveness rules have nothing to say (every rank said
+    goodbye). A failed rank makes ``rank_failed`` critical: a run that failed is never OK.
     """
     states = _states(ranks, now, t)
-    finished = bool(ranks) and all(state == "finished" for state in states)
-    at = max(snap.finished_at or 0.0 for snap in ranks) if finished else now
+    ended = bool(ranks) and all(state in ("finished", "failed") for state in states)
+    at = max(snap.finished_at or 0.0 for snap in ranks) if ended else now
 
     def recent(window_s: float) -> list[RankSnapshot]:
         return [snap for snap in ranks if snap.reported_within(at, window_s)]
@@ -434,6 +454,7 @@ def evaluate(run: str, ranks: Sequence[RankSnapshot], now: float, t: Thresholds)
         _isolated(lost_rank, ranks, now, t),
         _isolated(missing_rank, ranks, now, t),
         _isolated(stalled_rank, ranks, now, t),
+        _isolated(rank_failed, ranks, now, t),
         _isolated(inf_hotspot, recent(t.hotspot_window_s), at, t),
         _isolated(nonfinite_update_applied, ranks, at, t),
         _isolated(loss_spike, ranks, at, t),
@@ -444,7 +465,7 @@ def evaluate(run: str, ranks: Sequence[RankSnapshot], now: float, t: Thresholds)
     return HealthReport(
         run=run,
         status=status,
-        state="finished" if finished else "active",
+        state=("failed" if "failed" in states else "finished") if ended else "active",
         evaluated_at=now,
         ranks=len(ranks),
         up=sum(1 for snap in ranks if snap.reported_within(now, t.stale_after_s)),

@@ -23,7 +23,7 @@ from typing import Any, Literal
 from ampscope.exporter.api.models import Verdict
 from ampscope.reporter.spike_rule import SpikeRule
 
-RankStateName = Literal["running", "stalled", "lost", "finished"]
+RankStateName = Literal["running", "stalled", "lost", "finished", "failed"]
 
 MAX_EVIDENCE_RANKS = 16
 """Ranks listed in one verdict's evidence at most (the count is always given)."""
@@ -122,7 +122,7 @@ def progress_summary(live: int, states: Sequence[RankStateName]) -> str:
     the others finished or were lost ("no live ranks: 4 finished" once all finished)."""
     ended = [
         f"{count} {state}"
-        for state in ("finished", "lost")
+        for state in ("finished", "failed", "lost")
         if (count := sum(1 for s in states if s == state))
     ]
     if live == 0:

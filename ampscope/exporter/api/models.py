@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from ampscope.reporter.schema import RankTotals, ScaleEvent, Setup, StepRecord
+from ampscope.reporter.schema import RankFailure, RankTotals, ScaleEvent, Setup, StepRecord
 
 Status = Literal["ok", "warning", "critical"]
 
@@ -48,9 +48,11 @@ class RunSummary(BaseModel):
     run: str
     ranks: int = Field(description="Ranks held (stale ones included until retention).")
     up: int = Field(description="Ranks that reported within the stale TTL.")
-    stale: int = Field(description="Ranks not heard from within the stale TTL (lost or finished).")
+    stale: int = Field(
+        description="Ranks not heard from within the stale TTL (lost, finished or failed)."
+    )
     states: dict[str, int] = Field(
-        description="Ranks per state (running, stalled, lost, finished)."
+        description="Ranks per state (running, stalled, lost, finished, failed)."
     )
     world_size: int = Field(description="world_size the newest-reporting rank declared.")
     newest_step: int = Field(description="Highest step any rank reported.")
@@ -86,10 +88,18 @@ class RankView(BaseModel):
     totals: RankTotals
     dropped_records: int = Field(description="Records the rank's reporter dropped (cumulative).")
     up: bool = Field(description="Heard from (records or heartbeats) within the stale TTL.")
-    state: Literal["running", "stalled", "lost", "finished"] = Field(
+    state: Literal["running", "stalled", "lost", "finished", "failed"] = Field(
         description="running: heard from within stale_after_s and its step advanced within "
         "stall_after_s; stalled: heard from, no new step for stall_after_s; lost: nothing "
-        "heard for stale_after_s and no final record; finished: sent its final record."
+        "heard for stale_after_s and no final record; finished: sent its final record, "
+        "training ended normally; failed: sent its final record, training ended on an "
+        "exception (see failure)."
+    )
+    failure: RankFailure | None = Field(
+        default=None,
+        description="For a failed rank: the exception its training ended on (class, "
+        "message, step; for a non-finite stop the origin ranks) and where the reporter "
+        "saw it; null otherwise.",
     )
     last_report_time: float = Field(description="Unix time the exporter last heard from it.")
     seconds_since_report: float
@@ -125,6 +135,7 @@ class Verdict(BaseModel):
         "loss_spike",
         "grad_norm_spike",
         "origin_outlier",
+        "rank_failed",
     ]
     status: Status
     summary: str
@@ -135,14 +146,16 @@ class Verdict(BaseModel):
 class HealthReport(BaseModel):
     run: str
     status: Status = Field(description="The worst verdict.")
-    state: Literal["active", "finished"] = Field(
-        description="finished: every rank sent its final record; the instability rules are "
-        "then evaluated as of the last one, and no alert fires for the run."
+    state: Literal["active", "finished", "failed"] = Field(
+        description="finished: every rank sent its final record and none failed; failed: "
+        "every rank sent its final record and at least one failed (rank_failed is "
+        "critical); either way the instability rules are then evaluated as of the last "
+        "one. No alert fires for a finished run."
     )
     evaluated_at: float
     ranks: int
     up: int
     states: dict[str, int] = Field(
-        description="Ranks per state (running, stalled, lost, finished)."
+        description="Ranks per state (running, stalled, lost, finished, failed)."
     )
     verdicts: list[Verdict]
