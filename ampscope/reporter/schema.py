@@ -314,10 +314,10 @@ MAX_FAILURE_ORIGIN_RANKS = 64
 FailureKind = Literal["nonfinite_gradients", "exception"]
 """``nonfinite_gradients``: a ``GradWatch`` stopped training (``NonFiniteGradientsError``);
 ``exception``: any other exception."""
-FailureSeenBy = Literal["watch", "sys.excepthook", "threading.excepthook", "with"]
-"""Where the reporter saw the exception: the watch raising it, the interpreter's hook for
-an uncaught exception (of the main thread, or of another thread), or a ``with`` block's
-exit."""
+FailureSeenBy = Literal["watch", "uncaught", "thread", "with"]
+"""Where the reporter saw the exception: ``watch``, the ``GradWatch`` raising it;
+``uncaught``, the main thread's uncaught exception, on which the process ended; ``thread``,
+another thread's uncaught exception; ``with``, a ``with`` block's exit."""
 
 
 class RankFailure(_Model):

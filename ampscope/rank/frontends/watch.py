@@ -39,6 +39,7 @@ from ampscope.rank.frontends import stop
 from ampscope.rank.frontends.base import OWN_ATTRIBUTES, TelemetryFrontEnd, warn_if_torch_changed
 from ampscope.rank.frontends.stop import NonFiniteGradientsError
 from ampscope.rank.gradients.attribution import count_nonfinite
+from ampscope.reporter import failure
 from ampscope.reporter.schema import Policy
 from ampscope.reporter.sinks import Sink
 from ampscope.reporter.spike_rule import SpikeRule
@@ -387,7 +388,9 @@ class GradWatch(TelemetryFrontEnd):
             local=local,
             params=stop.own_params(counts),
         )
-        raise stop.build_error(stop.gather(report, self._watch.process_group), step, reason)
+        error = stop.build_error(stop.gather(report, self._watch.process_group), step, reason)
+        failure.note(error)  # the rank ends failed, even when the loop catches it and exits
+        raise error
 
 
 def _all_cpu(found: Mapping[torch.device, torch.Tensor]) -> bool:

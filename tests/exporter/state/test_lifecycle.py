@@ -40,7 +40,7 @@ def stopped(step: int, origin: list[int] | None) -> RankFailure:
         message=f"ampscope: non-finite gradients at step {step}: policy 'raise' stops",
         step=step,
         origin_ranks=origin,
-        seen_by="sys.excepthook",
+        seen_by="uncaught",
     )
 
 

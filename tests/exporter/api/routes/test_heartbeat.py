@@ -205,7 +205,7 @@ def _failure(**overrides: Any) -> RankFailure:
         "message": "ampscope: non-finite gradients at step 2: policy 'raise' stops",
         "step": 2,
         "origin_ranks": [0],
-        "seen_by": "sys.excepthook",
+        "seen_by": "uncaught",
     }
     fields.update(overrides)
     return RankFailure(**fields)
