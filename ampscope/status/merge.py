@@ -5,8 +5,9 @@ prints for one exporter, so a script written for one works for the other. Ranks 
 concatenated (a rank held by two exporters, after a restart onto another node, counts once:
 its most recently heard copy). The verdicts that need the whole job are computed again over
 the merged ranks by the same rule implementations the exporter runs
-(``ampscope.verdicts.rules``): ``lost_rank`` (its critical share is of the whole job) and
-``missing_rank``, ``stalled_rank``'s ok summary (the live ranks of every node), and a
+(``ampscope.verdicts.rules``): ``lost_rank`` (its critical share is of the whole job),
+``missing_rank`` and ``rank_failed`` (every node's failed ranks, their origins joined),
+``stalled_rank``'s ok summary (the live ranks of every node), and a
 ``scale_desync`` across nodes at the ranks' aligned steps (``rules.aligned_scale_desync``),
 which replaces the exporters' own when it is worse. The other rules are per-rank facts
 each exporter already judged over its own ranks: the merge keeps the worst exporter's
@@ -19,11 +20,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ampscope.verdicts import rules
+from ampscope.verdicts import failures, rules
 from ampscope.verdicts.rules import RankFacts, Thresholds
 
 SEVERITY = {"ok": 0, "warning": 1, "critical": 2}
-STATES = ("running", "stalled", "lost", "finished")
+STATES = ("running", "stalled", "lost", "finished", "failed")
+ENDED = ("finished", "failed")
+"""States of a rank that said goodbye: a run whose ranks are all in them ended."""
 
 
 def facts_of(views: Sequence[Mapping[str, Any]]) -> list[RankFacts]:
@@ -41,6 +44,36 @@ def facts_of(views: Sequence[Mapping[str, Any]]) -> list[RankFacts]:
         )
         for view in views
     ]
+
+
+def failed_of(views: Sequence[Mapping[str, Any]]) -> list[failures.FailedFacts]:
+    """``rank_failed``'s facts: the failed ranks and what their ``failure`` says (a view from
+    Prometheus has no message)."""
+    facts = []
+    for view in views:
+        failure = view.get("failure")
+        if view.get("state") != "failed" or not isinstance(failure, Mapping):
+            continue
+        origin = failure.get("origin_ranks")
+        facts.append(
+            failures.FailedFacts(
+                rank=view["rank"],
+                node=view["node"],
+                kind=failure.get("kind", "exception"),
+                exception=failure.get("exception", "unknown"),
+                message=failure.get("message"),
+                step=failure.get("step", view["step"]),
+                origin_ranks=None if origin is None else tuple(origin),
+            )
+        )
+    return facts
+
+
+def run_state(states: Mapping[str, int], ranks: int) -> str:
+    """A run's ``state``: ``failed`` or ``finished`` once every rank ended, else ``active``."""
+    if not ranks or sum(states.get(name, 0) for name in ENDED) != ranks:
+        return "active"
+    return "failed" if states.get("failed") else "finished"
 
 
 def aligned_of(views: Sequence[Mapping[str, Any]]) -> tuple[list[rules.AlignedFacts], int]:
@@ -122,6 +155,7 @@ def merge_health(
     recomputed = {
         "lost_rank": rules.lost_rank(facts, thresholds).model_dump(),
         "missing_rank": rules.missing_rank(facts, judged=True).model_dump(),
+        "rank_failed": failures.rank_failed(failed_of(views), len(views)).model_dump(),
     }
     order: list[str] = []
     for _, report in reports:
@@ -146,11 +180,10 @@ def merge_health(
             live = states["running"] + states["stalled"]
             verdict["summary"] = rules.progress_summary(live, [f.state for f in facts])
             verdict["evidence"] = {"stalled": 0, "live": live}
-    finished = bool(facts) and states["finished"] == len(facts)
     return {
         "run": run,
         "status": max((v["status"] for v in verdicts), key=SEVERITY.__getitem__, default="ok"),
-        "state": "finished" if finished else "active",
+        "state": run_state(states, len(facts)),
         "evaluated_at": max(report["evaluated_at"] for _, report in reports),
         "ranks": len(views),
         "up": sum(1 for view in views if view.get("up")),

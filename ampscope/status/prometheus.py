@@ -6,7 +6,10 @@ every run's), with ``null`` where Prometheus does not hold a value (a rank's ste
 last event, restarts), and computes the verdicts by the exporter's own rule
 implementations (``ampscope.verdicts.rules``) from instant vectors and ``max_over_time`` /
 ``increase`` over each rule's window; ``scale_desync`` compares the ranks' aligned scales
-(``ampscope_loss_scale_aligned`` at the same ``_step``), as the alert rule does. Verdicts
+(``ampscope_loss_scale_aligned`` at the same ``_step``), as the alert rule does;
+``rank_failed`` names the failed ranks from ``ampscope_rank_failure_info`` (the exception's
+class and each rank's origin; the step is the rank's last, the message only the exporters
+hold). Verdicts
 that need the exporter's per-step history (``stalled_rank``'s progress times,
 ``nonfinite_update_applied``'s first step and origin) say so instead. The spike verdicts
 (``loss_spike``, ``grad_norm_spike``, ``origin_outlier``) count ``increase`` of
@@ -28,7 +31,7 @@ from typing import Any
 
 from ampscope.exporter.api.models import Verdict
 from ampscope.status import merge
-from ampscope.verdicts import rules
+from ampscope.verdicts import failures, rules
 from ampscope.verdicts import spikes as spike_rules
 from ampscope.verdicts.rules import Thresholds
 
@@ -42,6 +45,7 @@ GAUGES = (
     "ampscope_last_report_timestamp_seconds",
     "ampscope_rank_up",
     "ampscope_rank_state",
+    "ampscope_rank_failure_info",
     "ampscope_steps_total",
     "ampscope_skipped_steps_total",
     "ampscope_scale_backoffs_total",
@@ -141,6 +145,7 @@ def _view(info: Mapping[str, str]) -> dict[str, Any]:
         "dropped_records": 0,
         "up": False,
         "state": "lost",
+        "failure": None,
         "last_report_time": 0.0,
         "seconds_since_report": 0.0,
         "restarts": None,
@@ -206,9 +211,26 @@ def build_views(samples: list[dict[str, Any]], now: float) -> dict[tuple[str, in
             view["up"] = value == 1.0
         elif name == "ampscope_rank_state" and value == 1.0:
             view["state"] = labels["state"]
+        elif name == "ampscope_rank_failure_info" and value == 1.0:
+            origin = labels.get("origin")
+            view["failure"] = {
+                "kind": labels.get("kind", "exception"),
+                "exception": labels.get("exception", "unknown"),
+                "message": None,  # only the exporters hold it
+                "step": None,  # the rank's last step, below
+                "origin_ranks": [view["rank"]]
+                if origin == "yes"
+                else []
+                if origin == "no"
+                else None,
+                "seen_by": None,
+            }
         elif name == "ampscope_last_report_timestamp_seconds":
             view["last_report_time"] = value
             view["seconds_since_report"] = max(0.0, now - value)
+    for view in views.values():
+        if view["failure"] is not None:
+            view["failure"]["step"] = view["step"]
     return views
 
 
@@ -308,6 +330,7 @@ def health_of(
         rules.lost_rank(facts, t).model_dump(),
         rules.missing_rank(facts, judged=True).model_dump(),
         lacking("stalled_rank"),
+        failures.rank_failed(merge.failed_of(views), len(views)).model_dump(),
         rules.inf_hotspot(infs, t).model_dump(),
         lacking("nonfinite_update_applied"),
         counted(spike_rules.loss_spike(spikes("loss"), t)),
@@ -315,11 +338,10 @@ def health_of(
         counted(spike_rules.origin_outlier(spikes("origin_outlier"), t)),
     ]
     states = {name: sum(1 for f in facts if f.state == name) for name in merge.STATES}
-    finished = bool(facts) and states["finished"] == len(facts)
     return {
         "run": run,
         "status": max((v["status"] for v in verdicts), key=merge.SEVERITY.__getitem__),
-        "state": "finished" if finished else "active",
+        "state": merge.run_state(states, len(facts)),
         "evaluated_at": now,
         "ranks": len(views),
         "up": sum(1 for v in views if v["up"]),
