@@ -43,7 +43,7 @@ def test_runs_ranks_and_one_rank(make_client: MakeClient) -> None:
             "ranks": 1,
             "up": 1,
             "stale": 0,
-            "states": {"running": 1, "stalled": 0, "lost": 0, "finished": 0},
+            "states": {"running": 1, "stalled": 0, "lost": 0, "finished": 0, "failed": 0},
             "world_size": 2,
             "newest_step": 1,
             "last_report_time": T0 + 30,
@@ -53,7 +53,7 @@ def test_runs_ranks_and_one_rank(make_client: MakeClient) -> None:
             "ranks": 2,
             "up": 1,
             "stale": 1,
-            "states": {"running": 1, "stalled": 0, "lost": 1, "finished": 0},
+            "states": {"running": 1, "stalled": 0, "lost": 1, "finished": 0, "failed": 0},
             "world_size": 2,
             "newest_step": 8,
             "last_report_time": T0 + 30,
@@ -133,6 +133,7 @@ def test_health_endpoint_reports_a_collapse(client: TestClient) -> None:
         "loss_spike",
         "grad_norm_spike",
         "origin_outlier",
+        "rank_failed",
     }
     assert verdicts["scale_collapse"]["status"] == "critical"
     assert verdicts["scale_collapse"]["evidence"]["ranks"][0]["fall_factor"] == 512.0
