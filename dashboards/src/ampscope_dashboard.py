@@ -379,7 +379,7 @@ def ranks() -> list[Panel]:
             height=6,
         ),
         label_table(
-            32,
+            37,
             "Failed ranks",
             "Ranks whose training ended on an exception (state failed), from "
             "ampscope_rank_failure_info: the exception's class, its kind (nonfinite_gradients: "
