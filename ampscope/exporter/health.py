@@ -25,10 +25,10 @@ from ampscope.exporter.state.lifecycle import Lifecycle
 from ampscope.exporter.state.ranks import RankSnapshot, WindowCounts
 from ampscope.exporter.state.spike_windows import SpikeKindName
 from ampscope.verdicts import batches as batch_verdicts
-from ampscope.verdicts import liveness, nonfinite, scale
+from ampscope.verdicts import failures, liveness, nonfinite, scale
 from ampscope.verdicts import spikes as spike_rules
 from ampscope.verdicts.ranks import RankFacts, is_scaler
-from ampscope.verdicts.rollup import health_report, run_finished
+from ampscope.verdicts.rollup import health_report, run_ended
 from ampscope.verdicts.thresholds import Thresholds
 from ampscope.verdicts.verdict import RULES, RuleName, Verdict
 
@@ -175,6 +175,24 @@ def stalled_rank(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Ve
     return liveness.stalled_rank(facts_of(ranks, now, t), t)
 
 
+def rank_failed(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
+    """``failures.rank_failed`` over the store's snapshots: the failed ranks and what their
+    final heartbeats said training ended on. O(ranks)."""
+    facts = [
+        failures.FailedFacts(
+            **_who(snap),
+            kind=failure.kind,
+            exception=failure.exception,
+            message=failure.message,
+            step=failure.step,
+            origin_ranks=None if failure.origin_ranks is None else tuple(failure.origin_ranks),
+        )
+        for snap, state in zip(ranks, _states(ranks, now, t), strict=True)
+        if state == "failed" and (failure := snap.failure) is not None
+    ]
+    return failures.rank_failed(facts, len(ranks))
+
+
 def inf_hotspot(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
     """``nonfinite.inf_hotspot`` over the store's snapshots: O(ranks x samples)."""
     rose = [(snap, _increase(snap, now - t.hotspot_window_s)) for snap in ranks]
@@ -311,8 +329,8 @@ class _Scope:
     """Only the ranks heard within this window take part: a run that just died still shows
     what killed it, and a rank that left long ago stops counting."""
     live: bool = False
-    """Judged at the exporter's clock even for a finished run (liveness): otherwise as of
-    the run's last final record."""
+    """Judged at the exporter's clock even for a run that ended (liveness, failures):
+    otherwise as of the run's last final record."""
 
 
 _SCOPES: dict[RuleName, _Scope] = {
@@ -322,6 +340,7 @@ _SCOPES: dict[RuleName, _Scope] = {
     "lost_rank": _Scope(lost_rank, live=True),
     "missing_rank": _Scope(missing_rank, live=True),
     "stalled_rank": _Scope(stalled_rank, live=True),
+    "rank_failed": _Scope(rank_failed, live=True),
     "inf_hotspot": _Scope(inf_hotspot, lambda t: t.hotspot_window_s),
     "nonfinite_update_applied": _Scope(nonfinite_update_applied),
     "nonfinite_skipped": _Scope(nonfinite_skipped),
@@ -345,13 +364,13 @@ def evaluate(
     ``batch_ids`` looks up the ids each (step, rank) the verdicts name had (the store's
     ``batch_ids``); they join those verdicts' evidence (``ampscope.verdicts.batches``).
 
-    A run whose ranks all finished is judged as it ended: the instability rules are
-    evaluated at the time of its last final record, so its report stays the same however
-    long it is kept, and liveness rules have nothing to say (every rank said goodbye).
+    A run whose ranks all ended (finished or failed) is judged as it ended: the instability
+    rules are evaluated at the time of its last final record, so its report stays the same
+    however long it is kept, and liveness rules have nothing to say (every rank said
+    goodbye). A failed rank makes ``rank_failed`` critical: a run that failed is never OK.
     """
     states = _states(ranks, now, t)
-    finished = run_finished(states)
-    at = max(snap.finished_at or 0.0 for snap in ranks) if finished else now
+    at = max(snap.finished_at or 0.0 for snap in ranks) if run_ended(states) else now
     verdicts = []
     for name in RULES:
         scope = _SCOPES[name]

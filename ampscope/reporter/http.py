@@ -24,7 +24,8 @@ exporter tolerates the duplicate (its counters come from the cumulative totals).
 Lifecycle: while no record goes out, a ``Heartbeat`` goes to ``/api/v1/heartbeat`` at least
 every ``heartbeat_interval`` (or as often as the exporter's answers ask), so that a live but
 idle rank is never taken for lost; ``close`` ends with a final heartbeat, after the last
-record, that marks the rank finished. Heartbeats start with the first delivered record. A
+record, that marks the rank finished, or failed with the exception its training ended on
+(:mod:`ampscope.reporter.failure`). Heartbeats start with the first delivered record. A
 heartbeat the exporter did not apply (it holds no record of the rank: it restarted) makes the
 reporter send its newest record again, once, and a final one then goes again too.
 """
@@ -36,7 +37,9 @@ import logging
 import os
 import time
 import weakref
+from types import TracebackType
 
+from ampscope.reporter import failure
 from ampscope.reporter.pipeline import HttpReporterConfig, Pipeline
 from ampscope.reporter.schema import HEARTBEAT_INTERVAL_S, StepRecord
 from ampscope.reporter.tls import ClientTls, token_from_env
@@ -69,6 +72,10 @@ class HttpReporter:
         heartbeat_interval: Most seconds between posts while no record is sent, so that an
             idle rank (evaluation, checkpointing, a hang) is never taken for lost; the
             exporter's answers may shorten it to a quarter of its ``--stale-after``.
+
+    As a context manager (``with HttpReporter(...) as reporter:``), it closes at the block's
+    end; a block left by an exception ends the rank ``failed`` with that exception (which
+    goes on propagating).
 
     Raises:
         ValueError: For an invalid setting, or ``url=None`` with ``AMPSCOPE_URL=off``.
@@ -121,6 +128,7 @@ class HttpReporter:
         )
         self._finalizer.atexit = False  # interpreter exit is _close_all_at_exit's job
         _LIVE.add(self)
+        failure.install_hooks()
 
     @property
     def url(self) -> str:
@@ -170,8 +178,11 @@ class HttpReporter:
         return self._pipeline.flush(timeout)
 
     def close(self, timeout: float = 1.0) -> None:
-        """Flush, retrying until ``timeout`` seconds have passed, send the final record that
-        marks the rank finished on the exporter, then stop the thread.
+        """Flush, retrying until ``timeout`` seconds have passed, send the final heartbeat
+        that marks the rank finished on the exporter, then stop the thread.
+
+        The rank ends ``failed`` instead when an exception was noted that training may have
+        ended on and no step was reported after it (see :mod:`ampscope.reporter.failure`).
 
         Records still unsent at the deadline are dropped and counted. Returns within
         about ``timeout`` seconds (default 1) even when the exporter is down. Idempotent;
@@ -182,9 +193,23 @@ class HttpReporter:
         self._closed = True
         self._finalizer.detach()
         _LIVE.discard(self)
+        _ENDED.add(self)
         deadline = time.monotonic() + max(0.0, timeout)
         self._pipeline.begin_close(deadline)
         self._pipeline.join(deadline)
+
+    def __enter__(self) -> HttpReporter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is not None:
+            failure.note(exc, "with")
+        self.close()
 
     def __repr__(self) -> str:
         return (
@@ -198,6 +223,22 @@ def _stop_soon(pipeline: Pipeline, timeout: float) -> None:
 
 
 _LIVE: weakref.WeakSet[HttpReporter] = weakref.WeakSet()
+_ENDED: weakref.WeakSet[HttpReporter] = weakref.WeakSet()
+"""Reporters closed already, whose final heartbeat an exception seen later may correct."""
+
+
+def _correct_ended(found: failure.Noted) -> None:
+    # An exception reached a hook after some reporters said their rank finished: tell the
+    # exporter again, now failed. One shared deadline, as at exit.
+    ended = [r for r in list(_ENDED) if r._pid == os.getpid()]
+    if not ended:
+        return
+    deadline = time.monotonic() + max(r.config.exit_timeout for r in ended)
+    for reporter in ended:
+        reporter._pipeline.correct(found, deadline)
+
+
+failure.on_fatal(_correct_ended)
 
 
 def _close_all_at_exit() -> None:
@@ -210,6 +251,7 @@ def _close_all_at_exit() -> None:
     for reporter in reporters:
         reporter._closed = True
         reporter._finalizer.detach()
+        _ENDED.add(reporter)
         reporter._pipeline.begin_close(deadline)
     for reporter in reporters:
         reporter._pipeline.join(deadline)

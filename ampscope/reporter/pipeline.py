@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ampscope.reporter import failure
 from ampscope.reporter.schema import (
     HEARTBEAT_INTERVAL_S,
     HEARTBEAT_PATH,
@@ -161,6 +162,12 @@ class Pipeline:
         # (run, rank) -> the device its first record named, as JSON: repeated on every batch
         # of that rank, so an exporter that restarted learns it again (sender thread only).
         self.devices: dict[tuple[str, int], bytes] = {}
+        # How the rank ended (see ``ampscope.reporter.failure``): decided when closing
+        # begins, from the newest noted exception and the newest record's time.
+        self.newest_time: float | None = None
+        self.failure: failure.Noted | None = None
+        self.closed_by: int | None = None
+        """``threading.get_ident()`` of the thread that began the close."""
         self.thread = threading.Thread(target=self._run, name="ampscope-reporter", daemon=True)
 
     # ---- called by HttpReporter (any thread) ----
@@ -173,6 +180,8 @@ class Pipeline:
                 return
             self.waiting.append((self.next_seq, record))
             self.next_seq += 1
+            if self.newest_time is None or record.time > self.newest_time:
+                self.newest_time = record.time
             if len(self.waiting) > self.config.max_queue:
                 self.waiting.popleft()
                 self.dropped += 1
@@ -209,11 +218,36 @@ class Pipeline:
             return True
 
     def begin_close(self, deadline: float) -> None:
+        """Stop taking records; send what waits until ``deadline``, then the final heartbeat,
+        which carries the exception training ended on, if any (``failure.void_after``)."""
         with self.cond:
             if not self.closing:
                 self.closing = True
                 self.deadline = deadline
+                self.failure = failure.void_after(failure.noted(), self.newest_time)
+                self.closed_by = threading.get_ident()
             self.cond.notify_all()
+
+    def correct(self, found: failure.Noted, deadline: float) -> bool:
+        """Send the final heartbeat once more, now with ``found``, after the rank already
+        said it finished: an exception reached the main thread's hook after the close (a
+        ``finally: close()``), or killed the thread that closed. Runs on the hook's thread,
+        only once the sender thread has ended. Returns whether the exporter applied it."""
+        if self.thread.is_alive() or not self.finished_sent or self.failure is not None:
+            return False
+        if found.seen_by == "thread" and found.thread != self.closed_by:
+            return False  # another thread's exception: training ended before it, normally
+        newest = self.newest
+        if newest is None:
+            return False
+        with self.cond:
+            self.failure = found
+            self.deadline = deadline
+        try:
+            result = self._post_beat(newest, final=True)
+        finally:
+            self.transport.close()
+        return result is not None and result.outcome is Outcome.DELIVERED and bool(result.applied)
 
     def join(self, deadline: float) -> None:
         if not self.thread.is_alive():
@@ -283,7 +317,8 @@ class Pipeline:
         dropped the rank) and would never show it again while the rank sends no records:
         the newest delivered record goes to it once more, once per such answer, which
         brings the rank back with exact counters (they are cumulative); a final heartbeat
-        is then sent again, so the rank ends ``finished``. Costs one POST, at most three.
+        is then sent again, so the rank ends ``finished`` (or ``failed``). Costs one POST, at
+        most three.
         """
         newest = self.newest
         if newest is None:
@@ -302,6 +337,7 @@ class Pipeline:
 
     def _post_beat(self, newest: _Encoded, *, final: bool) -> PostResult | None:
         """POST a heartbeat speaking for ``newest``'s rank; ``None`` when out of time."""
+        told = self.failure if final else None
         beat = Heartbeat(
             schema_version=1,
             identity=newest.identity,
@@ -309,6 +345,7 @@ class Pipeline:
             step=newest.step,
             final=final,
             dropped_records=self.dropped,
+            failure=None if told is None else told.failure(newest.step),
         )
         remaining = self._remaining()
         if remaining is not None and remaining <= 0:
@@ -365,7 +402,8 @@ class Pipeline:
             return self.deadline - time.monotonic() if self.closing else None
 
     def _send_final(self) -> None:
-        """Tell the exporter this rank finished, once, after its last records."""
+        """Tell the exporter this rank ended (finished, or failed), once, after its last
+        records."""
         if not self.finished_sent:
             self.finished_sent = True
             self._beat(final=True)

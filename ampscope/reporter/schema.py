@@ -361,6 +361,46 @@ class IngestBatch(_Model):
         return self
 
 
+MAX_FAILURE_MESSAGE = 1000
+"""Characters of an exception's message a failure carries at most (the reporter cuts it)."""
+MAX_FAILURE_ORIGIN_RANKS = 64
+"""Origin ranks a failure names at most."""
+
+FailureKind = Literal["nonfinite_gradients", "exception"]
+"""``nonfinite_gradients``: a ``GradWatch`` stopped training (``NonFiniteGradientsError``);
+``exception``: any other exception."""
+FailureSeenBy = Literal["watch", "uncaught", "thread", "with"]
+"""Where the reporter saw the exception: ``watch``, the ``GradWatch`` raising it;
+``uncaught``, the main thread's uncaught exception, on which the process ended; ``thread``,
+another thread's uncaught exception; ``with``, a ``with`` block's exit."""
+
+
+class RankFailure(_Model):
+    """Why a rank ended ``failed``: the exception its training ended on."""
+
+    kind: FailureKind
+    exception: Annotated[
+        str, StringConstraints(min_length=1, max_length=MAX_LABEL_LENGTH, pattern=r"^[^\s\"\\]+$")
+    ]
+    """The exception's class name, e.g. ``NonFiniteGradientsError``, ``RuntimeError``."""
+    message: Annotated[str, StringConstraints(max_length=MAX_FAILURE_MESSAGE)]
+    """``str(exception)``, cut to ``MAX_FAILURE_MESSAGE`` characters."""
+    step: Count
+    """The step it failed at: a ``NonFiniteGradientsError``'s own step, else the newest step
+    the rank reported (the exception came after it)."""
+    origin_ranks: (
+        Annotated[
+            list[Annotated[int, Field(ge=0, lt=1_000_000)]],
+            Field(max_length=MAX_FAILURE_ORIGIN_RANKS),
+        ]
+        | None
+    ) = None
+    """For a non-finite stop: the ranks whose own gradients held inf/NaN before the
+    reduction, as the error names them; ``None`` when origin tracking is off, and for other
+    exceptions."""
+    seen_by: FailureSeenBy
+
+
 HEARTBEAT_PATH = "/api/v1/heartbeat"
 
 HEARTBEAT_INTERVAL_S = 10.0
@@ -385,6 +425,15 @@ class Heartbeat(_Model):
     """Newest step the rank's reporter has sent."""
     final: bool
     """The rank's scaler closed (``close()``, garbage collection or interpreter exit): the
-    rank finished and sends nothing more."""
+    rank ended and sends nothing more: ``finished``, or ``failed`` with a ``failure``."""
     dropped_records: Count
     """Records this rank's reporter has dropped so far (cumulative)."""
+    failure: RankFailure | None = None
+    """On a final heartbeat: the exception the rank's training ended on (the rank ended
+    ``failed``); ``None``: it ended normally (``finished``). Never on a non-final one."""
+
+    @model_validator(mode="after")
+    def _failure_is_final(self) -> Heartbeat:
+        if self.failure is not None and not self.final:
+            raise ValueError("only a final heartbeat carries a failure")
+        return self

@@ -5,12 +5,13 @@ prints for one exporter, so a script written for one works for the other. Ranks 
 concatenated (a rank held by two exporters, after a restart onto another node, counts once:
 its most recently heard copy). The verdicts that need the whole job are computed again over
 the merged ranks by the rules the exporter runs (``ampscope.verdicts``): ``lost_rank`` (its
-critical share is of the whole job), ``missing_rank``, ``scale_desync`` (every node's
-aligned scales: a desync between nodes shows only there) and ``stalled_rank``'s ok summary
-(the live ranks of every node; a stalled rank keeps its exporter's verdict, which holds its
-progress times). The other rules are per-rank facts each exporter already judged over its
-own ranks: the merge keeps the worst exporter's verdict and lists every exporter that
-flagged it under ``evidence["exporters"]``. Costs O(ranks + world size).
+critical share is of the whole job), ``missing_rank``, ``rank_failed`` (every node's failed
+ranks, their origins joined), ``scale_desync`` (every node's aligned scales: a desync
+between nodes shows only there) and ``stalled_rank``'s ok summary (the live ranks of every
+node; a stalled rank keeps its exporter's verdict, which holds its progress times). The
+other rules are per-rank facts each exporter already judged over its own ranks: the merge
+keeps the worst exporter's verdict and lists every exporter that flagged it under
+``evidence["exporters"]``. Costs O(ranks + world size).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ampscope.verdicts import liveness, scale
+from ampscope.verdicts import failures, liveness, scale
 from ampscope.verdicts.ranks import RankFacts, is_scaler, mode_of, reported_state
 from ampscope.verdicts.rollup import health_report
 from ampscope.verdicts.thresholds import Thresholds
@@ -41,6 +42,29 @@ def facts_of(views: Sequence[Mapping[str, Any]]) -> list[RankFacts]:
         )
         for view in views
     ]
+
+
+def failed_of(views: Sequence[Mapping[str, Any]]) -> list[failures.FailedFacts]:
+    """``rank_failed``'s facts: the failed ranks and what their ``failure`` says (a view from
+    Prometheus has no message)."""
+    facts = []
+    for view in views:
+        failure = view.get("failure")
+        if view.get("state") != "failed" or not isinstance(failure, Mapping):
+            continue
+        origin = failure.get("origin_ranks")
+        facts.append(
+            failures.FailedFacts(
+                rank=view["rank"],
+                node=view["node"],
+                kind=failure.get("kind", "exception"),
+                exception=failure.get("exception", "unknown"),
+                message=failure.get("message"),
+                step=failure.get("step", view["step"]),
+                origin_ranks=None if origin is None else tuple(origin),
+            )
+        )
+    return facts
 
 
 def aligned_of(views: Sequence[Mapping[str, Any]]) -> list[scale.AlignedFacts]:
@@ -121,6 +145,7 @@ def merge_health(
         "lost_rank": liveness.lost_rank(facts, thresholds).model_dump(),
         "missing_rank": liveness.missing_rank(facts, judged=True).model_dump(),
         "scale_desync": scale.scale_desync(aligned_of(views)).model_dump(),
+        "rank_failed": failures.rank_failed(failed_of(views), len(views)).model_dump(),
     }
     given = [v["rule"] for _, report in reports for v in report["verdicts"]]
     verdicts = [

@@ -6,7 +6,10 @@ every run's), with ``null`` where Prometheus does not hold a value (a rank's ste
 last event, restarts), and computes the verdicts by the exporter's own rule
 implementations (``ampscope.verdicts``) from instant vectors and ``max_over_time`` /
 ``increase`` over each rule's window; ``scale_desync`` compares the ranks' aligned scales
-(``ampscope_loss_scale_aligned`` at the same ``_step``), as the alert rule does. Verdicts
+(``ampscope_loss_scale_aligned`` at the same ``_step``), as the alert rule does;
+``rank_failed`` names the failed ranks from ``ampscope_rank_failure_info`` (the exception's
+class and each rank's origin; the step is the rank's last, the message only the exporters
+hold). Verdicts
 that need the exporter's per-step history (``stalled_rank``'s progress times,
 ``nonfinite_update_applied``'s first step and origin) say so instead. The spike verdicts
 (``loss_spike``, ``grad_norm_spike``, ``origin_outlier``) count ``increase`` of
@@ -30,7 +33,7 @@ from typing import Any
 
 from ampscope.status import merge, shapes
 from ampscope.status.transport import open_url
-from ampscope.verdicts import liveness, nonfinite, scale
+from ampscope.verdicts import failures, liveness, nonfinite, scale
 from ampscope.verdicts import spikes as spike_rules
 from ampscope.verdicts.ranks import is_scaler, mode_of
 from ampscope.verdicts.rollup import health_report
@@ -47,6 +50,7 @@ GAUGES = (
     "ampscope_last_report_timestamp_seconds",
     "ampscope_rank_up",
     "ampscope_rank_state",
+    "ampscope_rank_failure_info",
     "ampscope_steps_total",
     "ampscope_skipped_steps_total",
     "ampscope_scale_backoffs_total",
@@ -165,6 +169,7 @@ def _view(info: Mapping[str, str]) -> dict[str, Any]:
         "dropped_records": 0,
         "up": False,
         "state": "lost",
+        "failure": None,
         "last_report_time": 0.0,
         "seconds_since_report": 0.0,
         "restarts": None,
@@ -230,9 +235,26 @@ def build_views(samples: list[dict[str, Any]], now: float) -> dict[tuple[str, in
             view["up"] = value == 1.0
         elif name == "ampscope_rank_state" and value == 1.0:
             view["state"] = labels["state"]
+        elif name == "ampscope_rank_failure_info" and value == 1.0:
+            origin = labels.get("origin")
+            view["failure"] = {
+                "kind": labels.get("kind", "exception"),
+                "exception": labels.get("exception", "unknown"),
+                "message": None,  # only the exporters hold it
+                "step": None,  # the rank's last step, below
+                "origin_ranks": [view["rank"]]
+                if origin == "yes"
+                else []
+                if origin == "no"
+                else None,
+                "seen_by": None,
+            }
         elif name == "ampscope_last_report_timestamp_seconds":
             view["last_report_time"] = value
             view["seconds_since_report"] = max(0.0, now - value)
+    for view in views.values():
+        if view["failure"] is not None:
+            view["failure"]["step"] = view["step"]
     return views
 
 
@@ -343,6 +365,7 @@ def health_of(
         "lost_rank": liveness.lost_rank(facts, t).model_dump(),
         "missing_rank": liveness.missing_rank(facts, judged=True).model_dump(),
         "stalled_rank": lacking("stalled_rank"),
+        "rank_failed": failures.rank_failed(merge.failed_of(views), len(views)).model_dump(),
         "inf_hotspot": nonfinite.inf_hotspot(infs, t).model_dump(),
         "nonfinite_update_applied": lacking("nonfinite_update_applied"),
         "nonfinite_skipped": counted(nonfinite.nonfinite_skipped(skipped, t)),

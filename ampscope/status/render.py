@@ -64,6 +64,32 @@ def states_text(ranks: Sequence[Mapping[str, Any]]) -> str:
     return ", ".join(f"{n} {state}" for state, n in counts.items())
 
 
+FAILURE_MESSAGE = 160
+"""Characters of a failed rank's message a table line quotes (``--json`` holds it whole)."""
+
+
+def failure_lines(views: Sequence[Mapping[str, Any]]) -> list[str]:
+    """``failed ranks:`` and one line per failed rank: its exception, step and message (from
+    Prometheus, no message); empty when no rank failed."""
+    lines = []
+    for view in sorted(views, key=lambda v: v["rank"]):
+        failure = view.get("failure")
+        if rank_state(view) != "failed" or not isinstance(failure, Mapping):
+            continue
+        nonfinite = failure.get("kind") == "nonfinite_gradients"
+        when = "at" if nonfinite else "after"
+        line = (
+            f"  rank {view['rank']} (node {view['node']}): {failure.get('exception')} {when} "
+            f"step {failure.get('step')}"
+        )
+        message = " ".join(str(failure.get("message") or "").split())
+        if message:
+            cut = message[: FAILURE_MESSAGE - 1] + "…"
+            line += ": " + (message if len(message) <= FAILURE_MESSAGE else cut)
+        lines.append(line)
+    return ["", "failed ranks:", *lines] if lines else []
+
+
 def _found_inf(ranks: Sequence[Mapping[str, Any]], kind: str) -> int:
     return sum(sum(rank["totals"][kind].values()) for rank in ranks)
 
@@ -169,7 +195,8 @@ def run_table(run: str, views: Sequence[Mapping[str, Any]], health: Mapping[str,
         f"({states_text(views)}); {setup_line(views)}"
     )
     table = _table(header, rows, right={0, 3, 6, 7, 8, 9, 10, 11})
-    return [head, "", *table, "", "health:", *_verdict_lines(health["verdicts"])]
+    failed = failure_lines(views)
+    return [head, "", *table, *failed, "", "health:", *_verdict_lines(health["verdicts"])]
 
 
 def _named(value: Any, key: str, into: set[Any]) -> None:
@@ -273,6 +300,7 @@ def job_table(
             for view in outliers
         ]
         lines += ["", "outlier ranks:", *_table(header, outlier_rows, right={0, 3, 5, 6})]
+    lines += failure_lines(views)
     lines += ["", "health:", *_verdict_lines(health["verdicts"])]
     failed = target_lines(targets)
     return lines + (["", FAILED_TARGETS, *failed] if failed else [])

@@ -175,6 +175,11 @@ _TOTALS = obj(
     {"nonfinite_applied": integer, "aligned_scale": nullable(_ALIGNED)},
 )
 _SETUP = obj({"mode": string, "policy": string}, {"grad_dtype": nullable(string)})
+_FAILURE = obj(
+    {"exception": string, "step": integer},
+    {"kind": string, "message": nullable(string), "origin_ranks": nullable(array(integer))},
+    what="a rank's failure (an object)",
+)
 RANK_VIEW = obj(
     {
         "run": string,
@@ -191,6 +196,7 @@ RANK_VIEW = obj(
         "local_world_size": nullable(integer),
         "setup": nullable(_SETUP),
         "state": nullable(string),
+        "failure": nullable(_FAILURE),
         "up": boolean,
     },
     what="a rank (an object)",

@@ -11,6 +11,7 @@ torch nor the server stack, only pydantic and the standard library
 - ``scale``: ``scale_collapse``, ``scale_desync`` (why aligned steps: its docstring).
 - ``nonfinite``: ``skip_storm``, ``inf_hotspot``, ``nonfinite_update_applied``.
 - ``liveness``: ``lost_rank``, ``missing_rank``, ``stalled_rank``.
+- ``failures``: ``rank_failed`` (ranks whose training ended on an exception).
 - ``spikes``: ``loss_spike``, ``grad_norm_spike``, ``origin_outlier``.
 - ``rollup``: a run's status, state and state counts from its verdicts and ranks.
 """

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-RankStateName = Literal["running", "stalled", "lost", "finished"]
+RankStateName = Literal["running", "stalled", "lost", "finished", "failed"]
 """A rank's lifecycle state (``ampscope.exporter.state.lifecycle`` decides which)."""
 
 STATES: tuple[RankStateName, ...] = get_args(RankStateName)
@@ -20,8 +20,12 @@ state is one entry in ``RankStateName``."""
 LIVE_STATES: tuple[RankStateName, ...] = ("running", "stalled")
 """States of a rank still heard from and still expected to step."""
 
-ENDED_STATES: tuple[RankStateName, ...] = ("finished", "lost")
+ENDED_STATES: tuple[RankStateName, ...] = ("finished", "failed", "lost")
 """States of a rank that no longer steps, as ``stalled_rank``'s summary counts them."""
+
+FINAL_STATES: tuple[RankStateName, ...] = ("finished", "failed")
+"""States of a rank that sent its final record (said goodbye): normally, or on an
+exception. A run whose ranks are all in them ended."""
 
 
 def state_counts(states: Iterable[str]) -> dict[str, int]:

@@ -2,7 +2,8 @@
 
 The exporter's ``HealthReport``, ``ampscope status``'s merge of several exporters and its
 Prometheus view build their reports here: ``status`` (the worst verdict), ``state``
-(``finished`` once every rank finished) and ``states`` (ranks per state).
+(``finished`` once every rank finished, ``failed`` once every rank ended and one failed)
+and ``states`` (ranks per state).
 """
 
 from __future__ import annotations
@@ -10,15 +11,26 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from ampscope.verdicts.ranks import state_counts
+from ampscope.verdicts.ranks import FINAL_STATES, state_counts
 from ampscope.verdicts.verdict import Verdict, worst
 
-RunState = Literal["active", "finished"]
+RunState = Literal["active", "finished", "failed"]
+"""A run's state: ``active`` while any rank has not sent its final record; then
+``failed`` when one of them ended on an exception, else ``finished`` (as a Kubernetes pod
+ends Succeeded or Failed, never both)."""
 
 
-def run_finished(states: Sequence[str]) -> bool:
-    """Whether the run ended normally: it has ranks, and every one sent its final record."""
-    return bool(states) and all(state == "finished" for state in states)
+def run_ended(states: Sequence[str]) -> bool:
+    """Whether the run ended: it has ranks, and every one sent its final record (finished
+    or failed)."""
+    return bool(states) and all(state in FINAL_STATES for state in states)
+
+
+def run_state(states: Sequence[str]) -> RunState:
+    """The run's state from its ranks' states (one per rank). O(ranks)."""
+    if not run_ended(states):
+        return "active"
+    return "failed" if "failed" in states else "finished"
 
 
 def health_report(
@@ -32,11 +44,10 @@ def health_report(
     """The fields of the run's ``HealthReport``, in the JSON API's order, from its verdicts
     (models or their JSON) and its ranks' states (one per rank). O(verdicts + ranks)."""
     statuses = [v.status if isinstance(v, Verdict) else v["status"] for v in verdicts]
-    state: RunState = "finished" if run_finished(states) else "active"
     return {
         "run": run,
         "status": worst(statuses),
-        "state": state,
+        "state": run_state(states),
         "evaluated_at": evaluated_at,
         "ranks": len(states),
         "up": up,

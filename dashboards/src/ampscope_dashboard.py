@@ -310,10 +310,16 @@ def overflow_origins() -> list[Panel]:
 
 def ranks() -> list[Panel]:
     """Rank state over time, up, time since the last report, last step, dropped records."""
-    # running 0, stalled 1, lost 2, finished 3: each state's series is 1 while it holds.
+    # running 0, stalled 1, lost 2, finished 3, failed 4: each state's series is 1 while it
+    # holds.
     state = " + ignoring (state) ".join(
         factor + per_rank("ampscope_rank_state", f'state="{name}"')
-        for factor, name in (("", "stalled"), ("2 * ", "lost"), ("3 * ", "finished"))
+        for factor, name in (
+            ("", "stalled"),
+            ("2 * ", "lost"),
+            ("3 * ", "finished"),
+            ("4 * ", "failed"),
+        )
     )
     return [
         states(
@@ -324,20 +330,23 @@ def ranks() -> list[Panel]:
             "hang or a long pause; alert AmpscopeRankStalled), lost (nothing heard for "
             "--stale-after, 60 s by default, and no final record: the process died; alert "
             "AmpscopeRankLost), finished (the scaler closed and said so; no alert fires for "
-            "it).",
+            "it), failed (training ended on an exception, named by ampscope_rank_failure_info; "
+            "alert AmpscopeRankFailed).",
             Query(state, RANK_LEGEND),
             names=[
                 ("running", "green"),
                 ("stalled", "orange"),
                 ("lost", "red"),
                 ("finished", "blue"),
+                ("failed", "dark-red"),
             ],
         ),
         series(
             15,
             "Rank up",
             "1 while the exporter hears from the rank (records or heartbeats) within its "
-            "stale TTL (60 s by default), else 0: a lost or finished rank (see Rank state).",
+            "stale TTL (60 s by default), else 0: a lost, finished or failed rank (see Rank "
+            "state).",
             Query(per_rank("ampscope_rank_up"), RANK_LEGEND),
             width=8,
             min_value=0,
@@ -366,7 +375,21 @@ def ranks() -> list[Panel]:
             "Records a rank's reporter dropped (queue full or exporter unreachable). Counters "
             "stay exact regardless: every record carries cumulative totals.",
             Query(_increase(per_rank("ampscope_reporter_dropped_records_total")), RANK_LEGEND),
-            width=24,
+            width=12,
+            height=6,
+        ),
+        label_table(
+            37,
+            "Failed ranks",
+            "Ranks whose training ended on an exception (state failed), from "
+            "ampscope_rank_failure_info: the exception's class, its kind (nonfinite_gradients: "
+            "a GradWatch stopped training on inf/NaN gradients) and origin (yes: this rank's "
+            "own gradients held the inf/NaN). The step and the message are in the run's "
+            "rank_failed verdict (ampscope status, the web view). Alert AmpscopeRankFailed.",
+            Query(per_rank("ampscope_rank_failure_info"), instant=True, table=True),
+            columns=["run", "node", "rank", "local_rank", "exception", "kind", "origin"],
+            hidden=["Time", "Value", "__name__", "instance", "job"],
+            width=12,
             height=6,
         ),
     ]

@@ -27,6 +27,7 @@ ALERTS = {
     "AmpscopeScaleDesync",
     "AmpscopeRankLost",
     "AmpscopeRankStalled",
+    "AmpscopeRankFailed",
     "AmpscopeInfHotspot",
     "AmpscopeNonfiniteUpdateApplied",
     "AmpscopeLossSpike",
@@ -144,7 +145,7 @@ def test_no_alert_fires_for_a_finished_rank() -> None:
         expr = " ".join(rule["expr"].split())
         if name in DEVICE_ALERTS:
             continue  # about finished runs by design: a device's record across them
-        if name in ("AmpscopeRankLost", "AmpscopeRankStalled"):
+        if name in ("AmpscopeRankLost", "AmpscopeRankStalled", "AmpscopeRankFailed"):
             assert 'state="finished"' not in expr, name
             continue
         assert f"unless on (run, node, rank, local_rank) {finished}" in expr or (
@@ -161,6 +162,15 @@ def test_scale_alerts_select_only_what_watch_ranks_do_not_export() -> None:
         families = selected_families(alert_rules()[name]["expr"])
         assert families & SCALER_ONLY, name
         assert families <= SCALER_ONLY | liveness, (name, families - SCALER_ONLY - liveness)
+
+
+def test_the_failed_alert_is_critical_selects_the_failed_state_and_names_the_exception() -> None:
+    rule = alert_rules()["AmpscopeRankFailed"]
+    assert rule["labels"]["severity"] == "critical"
+    expr = " ".join(rule["expr"].split())
+    assert expr.startswith('(ampscope_rank_state{state="failed"} == 1) * on (run, node, rank, ')
+    assert "group_left (exception, kind, origin) ampscope_rank_failure_info" in expr
+    assert "$labels.exception" in rule["annotations"]["summary"]
 
 
 def test_nonfinite_update_alert_is_critical_and_reads_the_counter() -> None:

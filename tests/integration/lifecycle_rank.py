@@ -11,7 +11,13 @@ job would. Modes:
   waits idle until a line (or EOF) arrives on stdin, then exits normally;
 * ``gloo RANK CULPRIT_STEP``: 2 gloo ranks (``MASTER_ADDR``/``MASTER_PORT`` set), all-reducing
   the loss every 5 steps; the rank named ``CULPRIT_STEP`` > 0 blocks forever before its step
-  of that number, so the other waits in the next all-reduce.
+  of that number, so the other waits in the next all-reduce;
+* ``bf16_raise RANK NAN_RANK NAN_STEP``: 2 gloo ranks train a bf16 DDP model under
+  ``GradWatch(policy="raise")`` with origin tracking; rank ``NAN_RANK``'s batch holds a NaN
+  at step ``NAN_STEP``, so every rank raises ``NonFiniteGradientsError`` there, uncaught;
+* ``crash STEPS``: a bf16 ``GradWatch`` (observe) takes ``STEPS`` steps, then the script
+  dies on an uncaught ``RuntimeError``;
+* ``watch_finish``: the same watch, 6 steps, then a normal exit.
 
 Prints ``ready`` once its first steps are taken.
 """
@@ -45,6 +51,12 @@ def _train(scaler: ampscope.GradScaler, steps: range, *, poison: bool = False) -
 def main(mode: str, *args: str) -> None:
     if mode == "gloo":
         _gloo(int(args[0]), int(args[1]))
+        return
+    if mode == "bf16_raise":
+        _bf16_raise(int(args[0]), int(args[1]), int(args[2]))
+        return
+    if mode in ("crash", "watch_finish"):
+        _watch(int(args[0]) if args else 6, crash=mode == "crash")
         return
     scaler = ampscope.GradScaler("cpu")
     if mode in ("finish", "collapse"):
@@ -90,6 +102,42 @@ def _gloo(rank: int, culprit_step: int) -> None:
             dist.all_reduce(loss.detach())  # e.g. averaging the loss for logging
         if step == 3 and culprit_step == 0:
             print("ready", flush=True)
+
+
+def _bf16_raise(rank: int, nan_rank: int, nan_step: int) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Linear(4, 1).to(torch.bfloat16))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    watch = ampscope.GradWatch(policy="raise")
+    watch.attach(model, track_origin=True)
+    for step in range(1, 1000):
+        optimizer.zero_grad()
+        x = torch.randn(8, 4, dtype=torch.bfloat16)
+        if rank == nan_rank and step == nan_step:
+            x[0, 0] = float("nan")
+        watch.scale(model(x).float().pow(2).mean()).backward()
+        watch.step(optimizer)  # raises NonFiniteGradientsError on both ranks at nan_step
+        watch.update()
+        if step == 2:
+            print("ready", flush=True)
+
+
+def _watch(steps: int, *, crash: bool) -> None:
+    model = torch.nn.Linear(4, 1).to(torch.bfloat16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    watch = ampscope.GradWatch()
+    for _ in range(steps):
+        optimizer.zero_grad()
+        watch.scale(model(torch.randn(8, 4, dtype=torch.bfloat16)).float().pow(2).mean()).backward()
+        watch.step(optimizer)
+        watch.update()
+    print("ready", flush=True)
+    if crash:
+        raise RuntimeError(f"data loader died after step {steps}")
 
 
 if __name__ == "__main__":

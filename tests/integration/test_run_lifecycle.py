@@ -196,7 +196,7 @@ def test_finished_runs_are_finished_ok_and_fire_nothing(stack: Stack) -> None:
         )
     report = stack.health("lc-clean")
     assert (report["status"], report["state"]) == ("ok", "finished")
-    assert report["states"] == {"running": 0, "stalled": 0, "lost": 0, "finished": 1}
+    assert report["states"] == {"running": 0, "stalled": 0, "lost": 0, "finished": 1, "failed": 0}
     # The collapsed run says how it ended, but pages nobody.
     report = stack.health("lc-collapse")
     assert report["state"] == "finished"
@@ -347,3 +347,189 @@ def test_a_rank_closing_after_an_exporter_restart_ends_finished() -> None:
     finally:
         _stop(process)
         exporter.stop()
+
+
+def _exits(process: subprocess.Popen[str]) -> tuple[int, str]:
+    """(exit status, output) once ``process`` ended by itself (a deadlock guard only)."""
+    try:
+        output, _ = process.communicate(timeout=DEADLOCK_GUARD_S * 4)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        output, _ = process.communicate()
+        pytest.fail("the rank did not end:\n" + output)
+    return process.returncode, output
+
+
+def _status(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AMPSCOPE_")}
+    return subprocess.run(
+        [sys.executable, "-m", "ampscope.cli", "status", *args],
+        capture_output=True,
+        text=True,
+        timeout=DEADLOCK_GUARD_S * 2,
+        check=False,
+        env=env,
+    )
+
+
+def _metrics(url: str) -> str:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=DEADLOCK_GUARD_S) as response:
+        return response.read().decode()
+
+
+def test_a_bf16_run_a_watch_stopped_is_failed_everywhere(stack: Stack) -> None:
+    """Two gloo ranks, a bf16 DDP model, GradWatch(policy="raise"), a NaN in rank 1's batch
+    at step 5: both ranks raise NonFiniteGradientsError there, uncaught, and exit 1."""
+    nan_step = 5
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    ranks = [
+        stack.rank("lc-stopped", "bf16_raise", str(rank), "1", str(nan_step), env=env)
+        for rank in (0, 1)
+    ]
+    try:
+        outputs = [_exits(process) for process in ranks]
+    finally:
+        _stop(*ranks)
+    for code, output in outputs:
+        assert code == 1, output
+        assert f"NonFiniteGradientsError: ampscope: non-finite gradients at step {nan_step}" in (
+            output
+        )
+        assert "Origin rank(s): 1." in output
+    _until(
+        lambda: [stack.state("lc-stopped", r) for r in (0, 1)] == ["failed", "failed"],
+        f"the ranks did not end failed: {_get(f'{stack.exporter}/api/v1/runs/lc-stopped/ranks')}",
+    )
+    # The exporter's health: critical, the run failed, the step, the exception, the origin.
+    report = stack.health("lc-stopped")
+    assert (report["status"], report["state"]) == ("critical", "failed")
+    assert report["states"] == {"running": 0, "stalled": 0, "lost": 0, "finished": 0, "failed": 2}
+    verdict = {v["rule"]: v for v in report["verdicts"]}["rank_failed"]
+    assert verdict["status"] == "critical"
+    evidence = verdict["evidence"]
+    assert (evidence["step"], evidence["exception"], evidence["kind"]) == (
+        nan_step,
+        "NonFiniteGradientsError",
+        "nonfinite_gradients",
+    )
+    assert (evidence["origin_tracked"], evidence["origin_ranks"]) == (True, [1])
+    assert [r["rank"] for r in evidence["ranks"]] == [0, 1]
+    assert verdict["summary"] == (
+        f"2 of 2 rank(s) failed (rank(s) 0, 1): training stopped on inf/NaN gradients at step "
+        f"{nan_step} (NonFiniteGradientsError); origin rank(s) 1"
+    )
+    for rank in (0, 1):
+        view = stack.view("lc-stopped", rank)
+        assert view is not None
+        assert view["step"] == nan_step  # the raise delivered its own step's record first
+        assert view["failure"]["origin_ranks"] == [1]
+        assert view["failure"]["seen_by"] in ("watch", "uncaught")
+    # /metrics: the failed state, and what it failed on, rank 1 the origin.
+    text = _metrics(stack.exporter)
+    for rank, origin in ((0, "no"), (1, "yes")):
+        assert _samples(text, "ampscope_rank_state", rank, "lc-stopped") == {
+            ("running",): 0.0,
+            ("stalled",): 0.0,
+            ("lost",): 0.0,
+            ("finished",): 0.0,
+            ("failed",): 1.0,
+        }
+        assert _sample_line(text, "ampscope_rank_failure_info", rank, "lc-stopped") == (
+            {
+                "exception": "NonFiniteGradientsError",
+                "kind": "nonfinite_gradients",
+                "origin": origin,
+            },
+            1.0,
+        )
+    # ampscope status: exit status 2 (critical), the failed ranks named.
+    result = _status("lc-stopped", "--url", stack.exporter)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "(2 failed)" in result.stdout.splitlines()[0]
+    assert f"  rank 1 (node {view['node']}): NonFiniteGradientsError at step {nan_step}" in (
+        result.stdout
+    )
+    # The alert fires for both ranks, naming the exception; nothing else fires.
+    _until(
+        lambda: (
+            [a for a in stack.alerts("lc-stopped") if a[2] == "firing"]
+            == [("AmpscopeRankFailed", "0", "firing"), ("AmpscopeRankFailed", "1", "firing")]
+        ),
+        f"AmpscopeRankFailed did not fire for both ranks: {stack.alerts('lc-stopped')}",
+    )
+
+
+def _samples(text: str, name: str, rank: int, run: str) -> dict[tuple[str, ...], float]:
+    """{values of the labels beyond the rank's: value} of ``name``'s samples for ``rank``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == name:
+            for sample in family.samples:
+                if sample.labels.get("run") == run and sample.labels.get("rank") == str(rank):
+                    extra = tuple(
+                        v
+                        for k, v in sample.labels.items()
+                        if k not in ("run", "node", "rank", "local_rank")
+                    )
+                    found[extra] = sample.value
+    return found
+
+
+def _sample_line(text: str, name: str, rank: int, run: str) -> tuple[dict[str, str], float]:
+    """The labels beyond the rank's and the value of ``name``'s sample for ``rank``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        if family.name == name:
+            for sample in family.samples:
+                if sample.labels.get("run") == run and sample.labels.get("rank") == str(rank):
+                    extra = {
+                        k: v
+                        for k, v in sample.labels.items()
+                        if k not in ("run", "node", "rank", "local_rank")
+                    }
+                    return extra, sample.value
+    raise AssertionError(f"no {name} sample of rank {rank} of run {run}")
+
+
+def test_an_uncaught_error_fails_the_rank_and_a_normal_end_finishes_it(stack: Stack) -> None:
+    crashed = stack.rank("lc-crash", "crash", "4")
+    fine = stack.rank("lc-watch-ok", "watch_finish")
+    try:
+        (code, output), (fine_code, fine_output) = _exits(crashed), _exits(fine)
+    finally:
+        _stop(crashed, fine)
+    assert code == 1
+    assert "RuntimeError: data loader died after step 4" in output  # the traceback, as ever
+    assert fine_code == 0, fine_output
+    _until(lambda: stack.state("lc-crash") == "failed", "the crashed rank is not failed")
+    _until(lambda: stack.state("lc-watch-ok") == "finished", "the clean rank is not finished")
+    view = stack.view("lc-crash")
+    assert view is not None
+    assert view["failure"] == {
+        "kind": "exception",
+        "exception": "RuntimeError",
+        "message": "data loader died after step 4",
+        "step": 4,
+        "origin_ranks": None,
+        "seen_by": "uncaught",
+    }
+    report = stack.health("lc-crash")
+    assert (report["status"], report["state"]) == ("critical", "failed")
+    verdict = {v["rule"]: v for v in report["verdicts"]}["rank_failed"]
+    assert verdict["summary"].endswith(
+        "rank 0 (node " + view["node"] + ") ended on RuntimeError after step 4: data loader "
+        "died after step 4"
+    )
+    assert _status("lc-crash", "--url", stack.exporter).returncode == 2
+    clean = stack.health("lc-watch-ok")
+    assert (clean["status"], clean["state"]) == ("ok", "finished")
+    assert stack.view("lc-watch-ok")["failure"] is None  # type: ignore[index]
+    assert _status("lc-watch-ok", "--url", stack.exporter).returncode == 0
+    _until(
+        lambda: ("AmpscopeRankFailed", "0", "firing") in stack.alerts("lc-crash"),
+        "AmpscopeRankFailed did not fire for the crashed rank",
+    )
+    assert stack.alerts("lc-watch-ok") == []

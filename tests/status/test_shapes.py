@@ -93,6 +93,34 @@ def test_a_real_exporters_answers_have_the_shapes(real: tuple[str, dict[str, Any
     assert result.returncode == 1, result.stderr  # the shapes let the real run through
 
 
+def test_a_failed_rank_and_a_failed_run_have_the_shapes(
+    real: tuple[str, dict[str, Any]],
+) -> None:
+    # The real answers, as an exporter gives a rank that ended on an exception.
+    ranks = copy.deepcopy(real[1][RANKS])
+    ranks[0]["state"] = "failed"
+    ranks[0]["failure"] = {
+        "kind": "nonfinite_gradients",
+        "exception": "NonFiniteGradientsError",
+        "message": "ampscope: non-finite gradients at step 5",
+        "step": 5,
+        "origin_ranks": [0],
+        "seen_by": "uncaught",
+    }
+    assert shapes.check(ranks, shapes.RANKS, RANKS) == ranks
+    health = copy.deepcopy(real[1][HEALTH])
+    health["state"] = "failed"
+    health["states"] = {**health["states"], "finished": 0, "failed": 1}
+    health["verdicts"].append(
+        {"rule": "rank_failed", "status": "critical", "summary": "1 of 1 rank(s) failed",
+         "evidence": {"failed": 1}, "thresholds": {}}
+    )  # fmt: skip
+    assert shapes.check(health, shapes.HEALTH, HEALTH) == health
+    ranks[0]["failure"]["origin_ranks"] = ["0"]
+    with pytest.raises(shapes.Malformed, match=r"\[0\]\.failure\.origin_ranks\[0\]: expected an"):
+        shapes.check(ranks, shapes.RANKS, RANKS)
+
+
 FAULTS = [
     (RUNS, lambda _: {}, "the answer: expected a list of runs, got an object ({})"),
     (RUNS, _set("12", 0, "newest_step"),
@@ -104,6 +132,8 @@ FAULTS = [
      '[0].totals.found_inf_local: expected an object, got an array (["cpu"])'),
     (RANKS, _set(True, 0, "step"), "[0].step: expected an integer, got a boolean (true)"),
     (RANKS, lambda ranks: ranks[0], "the answer: expected a list of ranks, got an object"),
+    (RANKS, _set({"exception": "RuntimeError", "step": "7"}, 0, "failure"),
+     '[0].failure.step: expected an integer, got a string ("7")'),
     (HEALTH, _set("fine", "status"), 'status: expected "ok" or "warning" or "critical", got a '
      'string ("fine")'),
     (HEALTH, _drop("verdicts", 0, "summary"), "verdicts[0]: the key 'summary' is missing"),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ampscope.verdicts.rollup import health_report, run_finished
+from ampscope.verdicts.rollup import health_report, run_ended, run_state
 from ampscope.verdicts.verdict import Verdict
 
 
@@ -22,7 +22,7 @@ def test_the_report_head_from_verdicts_and_states() -> None:
         "evaluated_at": 5.0,
         "ranks": 2,
         "up": 1,
-        "states": {"running": 1, "stalled": 0, "lost": 1, "finished": 0},
+        "states": {"running": 1, "stalled": 0, "lost": 1, "finished": 0, "failed": 0},
         "verdicts": verdicts,
     }
     # The JSON of verdicts (a merge of exporters' answers) rolls up the same way.
@@ -34,6 +34,17 @@ def test_the_report_head_from_verdicts_and_states() -> None:
 
 
 def test_a_run_finishes_only_when_every_rank_did() -> None:
-    assert run_finished(["finished", "finished"])
-    assert not run_finished(["finished", "lost"])
-    assert not run_finished([])
+    assert run_state(["finished", "finished"]) == "finished"
+    assert run_state(["finished", "lost"]) == "active"
+    assert run_state([]) == "active"
+
+
+def test_a_run_whose_ranks_all_ended_with_one_failed_is_failed() -> None:
+    assert run_ended(["finished", "failed"])
+    assert not run_ended(["failed", "running"])
+    assert run_state(["finished", "failed", "finished"]) == "failed"
+    assert run_state(["failed", "stalled"]) == "active"  # one still steps: not over yet
+    verdicts = [_verdict("rank_failed", "critical")]
+    report = health_report("r", verdicts, ["failed", "finished"], evaluated_at=5.0, up=0)
+    assert (report["status"], report["state"]) == ("critical", "failed")
+    assert report["states"] == {"running": 0, "stalled": 0, "lost": 0, "finished": 1, "failed": 1}

@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from ampscope.reporter.schema import RankTotals, ScaleEvent, Setup, StepRecord
+from ampscope.reporter.schema import RankFailure, RankTotals, ScaleEvent, Setup, StepRecord
 from ampscope.verdicts.ranks import STATES, RankStateName
 from ampscope.verdicts.rollup import RunState
 from ampscope.verdicts.verdict import Status, Verdict
@@ -51,7 +51,9 @@ class RunSummary(BaseModel):
     run: str
     ranks: int = Field(description="Ranks held (stale ones included until retention).")
     up: int = Field(description="Ranks that reported within the stale TTL.")
-    stale: int = Field(description="Ranks not heard from within the stale TTL (lost or finished).")
+    stale: int = Field(
+        description="Ranks not heard from within the stale TTL (lost, finished or failed)."
+    )
     states: dict[str, int] = Field(description=_PER_STATE)
     world_size: int = Field(description="world_size the newest-reporting rank declared.")
     newest_step: int = Field(description="Highest step any rank reported.")
@@ -90,7 +92,15 @@ class RankView(BaseModel):
     state: RankStateName = Field(
         description="running: heard from within stale_after_s and its step advanced within "
         "stall_after_s; stalled: heard from, no new step for stall_after_s; lost: nothing "
-        "heard for stale_after_s and no final record; finished: sent its final record."
+        "heard for stale_after_s and no final record; finished: sent its final record, "
+        "training ended normally; failed: sent its final record, training ended on an "
+        "exception (see failure)."
+    )
+    failure: RankFailure | None = Field(
+        default=None,
+        description="For a failed rank: the exception its training ended on (class, "
+        "message, step; for a non-finite stop the origin ranks) and where the reporter "
+        "saw it; null otherwise.",
     )
     last_report_time: float = Field(description="Unix time the exporter last heard from it.")
     seconds_since_report: float
@@ -132,8 +142,10 @@ class HealthReport(BaseModel):
     run: str
     status: Status = Field(description="The worst verdict.")
     state: RunState = Field(
-        description="finished: every rank sent its final record; the instability rules are "
-        "then evaluated as of the last one, and no alert fires for the run."
+        description="finished: every rank sent its final record and none failed; failed: "
+        "every rank sent its final record and at least one failed (rank_failed is "
+        "critical); either way the instability rules are then evaluated as of the last "
+        "one. No alert fires for a finished run."
     )
     evaluated_at: float
     ranks: int

@@ -127,8 +127,22 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "gauge",
         "1 for the rank's current state, 0 for the others: running (steps advancing), stalled "
         "(heard from, no new step for the stall TTL), lost (silent for the stale TTL, no final "
-        "record), finished (sent its final record).",
+        "record), finished (sent its final record: training ended normally), failed (sent its "
+        "final record: training ended on an exception, see ampscope_rank_failure_info).",
         "state",
+    ),
+    _rank(
+        "ampscope_rank_failure_info",
+        "gauge",
+        "1 while the rank is failed, absent otherwise: the class of the exception its training "
+        "ended on (NonFiniteGradientsError, RuntimeError, ...), its kind (nonfinite_gradients: "
+        "a GradWatch stopped training on inf/NaN gradients; exception: any other) and origin "
+        "(yes: this rank's own gradients held inf/NaN at that stop, before the reduction; "
+        "no: they did not; unknown: origin not tracked, or not a non-finite stop). The "
+        "message and step are in the exporter's JSON API.",
+        "exception",
+        "kind",
+        "origin",
     ),
     # Per rank, cumulative: exact even across dropped batches and exporter restarts.
     _rank("ampscope_steps_total", "counter", "Iterations (update() calls) of the rank's scaler."),

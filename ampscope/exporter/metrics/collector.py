@@ -33,8 +33,10 @@ Row = tuple[str, list[str], float]
 UNRENDERABLE = (ArithmeticError, ValueError, TypeError)
 """What ``rank_rows`` raises for a rank whose data cannot be rendered."""
 
-TIME_DEPENDENT = frozenset({"ampscope_rank_up", "ampscope_rank_state"})
-"""Per-rank families whose values move with the clock alone (``time_rows``)."""
+TIME_DEPENDENT = frozenset(
+    {"ampscope_rank_up", "ampscope_rank_state", "ampscope_rank_failure_info"}
+)
+"""Per-rank families whose values move with the clock or a heartbeat alone (``time_rows``)."""
 
 
 def _family(name: str) -> GaugeMetricFamily | CounterMetricFamily:
@@ -144,10 +146,22 @@ class StoreCollector(Collector):
         up = snap.reported_within(now, self._stale_after_s)
         current = self._lifecycle.state(snap, now)
         # Prometheus' enum convention: every state, 1 for the current one.
-        return [
+        rows: list[Row] = [
             ("ampscope_rank_up", labels, float(up)),
             *(("ampscope_rank_state", [*labels, name], float(name == current)) for name in STATES),
         ]
+        failure = snap.failure
+        if current == "failed" and failure is not None:
+            origin = (
+                "unknown"
+                if failure.origin_ranks is None
+                else "yes"
+                if who.rank in failure.origin_ranks
+                else "no"
+            )
+            info = [*labels, failure.exception, failure.kind, origin]
+            rows.append(("ampscope_rank_failure_info", info, 1.0))
+        return rows
 
     def rank_rows(self, snap: RankSnapshot, now: float) -> list[Row]:
         """Every sample of one rank at time ``now``, ``time_rows`` included. Raises one of

@@ -1,4 +1,5 @@
-"""Rank states: running, stalled, lost or finished, from what and when the exporter heard.
+"""Rank states: running, stalled, lost, finished or failed, from what and when the exporter
+heard.
 
 One decision, read by the collector (``ampscope_rank_state``), the JSON API
 (``RankView.state``) and the health rules, so they always agree; the states themselves are
@@ -34,10 +35,11 @@ class Lifecycle:
         """The rank's state at exporter time ``now``.
 
         A final record wins over everything: a rank that said goodbye is finished however
-        long ago. Then silence (lost), then a step that stopped advancing (stalled).
+        long ago, or failed when it said what its training ended on. Then silence (lost),
+        then a step that stopped advancing (stalled).
         """
         if snap.finished_at is not None:
-            return "finished"
+            return "failed" if snap.failure is not None else "finished"
         if not snap.reported_within(now, self.stale_after_s):
             return "lost"
         if now - snap.last_progress > self.stall_after_s:

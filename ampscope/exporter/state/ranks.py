@@ -46,16 +46,18 @@ from ampscope.reporter.schema import (
     DeviceIdentity,
     Heartbeat,
     Identity,
+    RankFailure,
     RankTotals,
     StepRecord,
 )
 from ampscope.reporter.spike_rule import SpikeRule
 from ampscope.verdicts.ranks import is_scaler
 
-PER_RANK_SERIES = 12
+PER_RANK_SERIES = 13
 """Per-rank label sets of every rank besides devices and parameters: info, last step, last
-report time, up, steps, skipped, non-finite updates applied, reporter drops, and the four
-``ampscope_rank_state`` states."""
+report time, up, steps, skipped, non-finite updates applied, reporter drops, and the five
+``ampscope_rank_state`` states (a failed rank adds ``ampscope_rank_failure_info``:
+``RankState.series``)."""
 SCALER_SERIES = 4
 """A scaler rank's scale, growth tracker, backoffs and growths (a watch has no scale)."""
 ALIGNED_SERIES = 2
@@ -205,7 +207,10 @@ class RankSnapshot:
     last_progress: float = 0.0
     """Exporter clock of the batch that last advanced the newest step (the stall clock)."""
     finished_at: float | None = None
-    """Exporter clock of the rank's final heartbeat; ``None`` while it has not finished."""
+    """Exporter clock of the rank's final heartbeat; ``None`` while it has not ended."""
+    failure: RankFailure | None = None
+    """What its final heartbeat said training ended on: the rank ended ``failed``;
+    ``None`` while running, and for a rank that finished normally."""
     spike_counts: SpikeCounts = NO_SPIKES
     """Spike iterations per kind the exporter found (``ampscope_spikes_total``)."""
     spikes: tuple[SpikeEvent, ...] = ()
@@ -374,8 +379,15 @@ class RankState:
         self.last_offence: float | None = None
         """Record time of the newest offence seen (see ``note_offence``)."""
         self.last_skip: SkipEvent | None = None
+        self.failure: RankFailure | None = None
         # Records produced before this wall-clock time belong to a dead process.
         self._process_start = float("-inf")
+
+    def series(self) -> int:
+        """Label sets the collector exposes for this rank: its newest record's, and the
+        failure info of a failed rank. Contract: the rank holds a record. O(devices)."""
+        assert self.newest is not None
+        return series_of(self.newest) + (self.failure is not None)
 
     def newest_after(self, records: list[StepRecord], now: float) -> StepRecord:
         """See the module's ``newest_after``: this rank's newest record after ``records``."""
@@ -426,7 +438,7 @@ class RankState:
             self.dropped_records = max(self.dropped_records, dropped_records)
         if advanced:
             # A new step from a rank that had said goodbye is a new process: running again.
-            self.last_progress, self.finished_at = now, None
+            self.last_progress, self.finished_at, self.failure = now, None, None
         if advanced and self.newest is not None:
             self._sample(now, peak)
         return accepted, ignored
@@ -436,7 +448,9 @@ class RankState:
 
         Contract: the rank holds a record. A heartbeat produced before the newest record of
         a process that has since restarted is ignored; any other moves ``last_report``, and
-        a final one marks the rank finished (its next new step makes it running again).
+        a final one marks the rank finished, or failed when it carries a ``failure`` (its
+        next new step makes it running again). A failure wins over an earlier plain final
+        heartbeat: an exception that reached the process's hook after the rank closed.
 
         Returns:
             Whether the heartbeat was applied.
@@ -461,6 +475,8 @@ class RankState:
         self.dropped_records = max(self.dropped_records, beat.dropped_records)
         if beat.final and self.finished_at is None:
             self.finished_at = now
+        if beat.failure is not None:
+            self.failure = beat.failure
         return True
 
     def note_device(self, device: DeviceIdentity | None) -> None:
@@ -581,6 +597,7 @@ class RankState:
             samples=tuple(self.samples) if history else (),
             last_progress=self.last_progress,
             finished_at=self.finished_at,
+            failure=self.failure,
             spike_counts=self.spikes.counts,
             spikes=tuple(self.spikes.recent),
             device=self.device,

@@ -214,7 +214,7 @@ class Store:
                 candidate = (state or RankState(history_length=1)).newest_after(batch.records, now)
             except IdentityConflict as exc:
                 raise BatchRefused(409, "identity_conflict", str(exc)) from None
-            before = 0 if state is None or state.newest is None else series_of(state.newest)
+            before = 0 if state is None or state.newest is None else state.series()
             growth = series_of(candidate) - before
             if growth > 0 and self._series + growth > self.limits.max_series:
                 raise LimitExceeded(
@@ -249,7 +249,7 @@ class Store:
                                   accepted_records, now)  # fmt: skip
             # A fresh RankState takes any first record, so newest is set from here on.
             assert state.newest is not None
-            self._series += series_of(state.newest) - before
+            self._series += state.series() - before
             self._history_bytes += state.history_bytes - held_before
             state.trim_samples(now - self.limits.window_s)
             if self._history_bytes > self.limits.history_bytes:
@@ -375,10 +375,14 @@ class Store:
             state = self._runs.get(beat.identity.run, {}).get(beat.identity.rank)
             if state is None or state.newest is None:
                 return False
+            before = state.series()
             try:
-                return state.heartbeat(beat, now)
+                applied = state.heartbeat(beat, now)
             except IdentityConflict as exc:
                 raise BatchRefused(409, "identity_conflict", str(exc)) from None
+            # A failure adds its info series; never refused for the limit (one per rank).
+            self._series += state.series() - before
+            return applied
 
     def prune(
         self, now: float, retention_s: float, finished_retention_s: float | None = None
@@ -407,7 +411,7 @@ class Store:
                         expired = now - state.last_report > retention_s
                     if expired:
                         if state.newest is not None:
-                            self._series -= series_of(state.newest)
+                            self._series -= state.series()
                         self._history_bytes -= state.history_bytes
                         self._ranks -= 1
                         del ranks[rank]

@@ -13,8 +13,8 @@ import logging
 import warnings
 import weakref
 from collections.abc import Mapping
-from types import MappingProxyType
-from typing import Any
+from types import MappingProxyType, TracebackType
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -26,9 +26,12 @@ from ampscope.rank.gradients.stats import GradStats, SquareSumReduce, TakenStats
 from ampscope.rank.telemetry.identity import resolve_identity
 from ampscope.rank.telemetry.outputs import build_sinks
 from ampscope.rank.telemetry.pipeline import Telemetry
+from ampscope.reporter import failure
 from ampscope.reporter.schema import Identity
 
 logger = logging.getLogger("ampscope")
+
+_FrontEnd = TypeVar("_FrontEnd", bound="TelemetryFrontEnd")
 
 NO_FLAGS: Mapping[str, torch.Tensor] = MappingProxyType({})
 
@@ -175,7 +178,8 @@ class TelemetryFrontEnd:
         """Flush pending records, close the sinks and remove hooks. Idempotent.
 
         The reporter then sends its final record: the exporter shows the rank as
-        ``finished`` and no alert fires for it. Training goes on working afterwards,
+        ``finished`` and no alert fires for it (``failed`` when training ended on an
+        exception: see :mod:`ampscope.reporter.failure`). Training goes on working afterwards,
         without telemetry. Also runs at interpreter exit, and on a background thread when
         the object is garbage collected without it. Waits at most about ``timeout``
         seconds (default 1), even with the exporter down.
@@ -188,6 +192,22 @@ class TelemetryFrontEnd:
             handle.remove()
         self._ampscope_origin_handles = []
         self._ampscope_telemetry.close(timeout)
+
+    def __enter__(self: _FrontEnd) -> _FrontEnd:
+        """``with ampscope.GradWatch(...) as watch:`` closes it at the block's end."""
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Close; a block left by an exception ends the rank ``failed`` with it on the
+        exporter (``ampscope.reporter.failure``). The exception goes on propagating."""
+        if exc is not None:
+            failure.note(exc, "with")
+        self.close()
 
     # -- internals -----------------------------------------------------------------------
 

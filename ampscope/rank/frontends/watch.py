@@ -39,6 +39,7 @@ from ampscope.rank.frontends.base import OWN_ATTRIBUTES, TelemetryFrontEnd, warn
 from ampscope.rank.frontends.stop import NonFiniteGradientsError
 from ampscope.rank.gradients.attribution import count_nonfinite
 from ampscope.rank.gradients.nonfinite import FoundInf, check_local
+from ampscope.reporter import failure
 from ampscope.reporter.schema import Policy
 
 if TYPE_CHECKING:
@@ -373,7 +374,9 @@ class GradWatch(TelemetryFrontEnd):
             local=local,
             params=stop.own_params(counts),
         )
-        raise stop.build_error(stop.gather(report, self._watch.process_group), step, reason)
+        error = stop.build_error(stop.gather(report, self._watch.process_group), step, reason)
+        failure.note(error)  # the rank ends failed, even when the loop catches it and exits
+        raise error
 
 
 def _all_cpu(found: Mapping[torch.device, torch.Tensor]) -> bool:

@@ -87,7 +87,7 @@ def test_values_match_the_newest_record(make_client: MakeClient) -> None:
     assert got[("ampscope_nonfinite_updates_applied_total", me)] == 0
     assert got[("ampscope_exporter_tracked_runs", frozenset())] == 1
     assert got[("ampscope_exporter_tracked_ranks", frozenset())] == 1
-    assert got[("ampscope_exporter_tracked_series", frozenset())] == 16 + 2 + 2 + 1 + 2
+    assert got[("ampscope_exporter_tracked_series", frozenset())] == 17 + 2 + 2 + 1 + 2
     assert got[("ampscope_exporter_ingest_records_total", frozenset())] == 3
 
 
@@ -96,12 +96,12 @@ def test_aligned_scale_appears_from_the_first_aligned_step(make_client: MakeClie
     _post(client, record(9))
     got = _samples(client)
     assert ("ampscope_loss_scale_aligned", _labels()) not in got
-    assert got[("ampscope_exporter_tracked_series", frozenset())] == 16 + 1
+    assert got[("ampscope_exporter_tracked_series", frozenset())] == 17 + 1
     _post(client, record(10, scale=512.0, total=totals(10, aligned=(10, 512.0))))
     got = _samples(client)
     assert got[("ampscope_loss_scale_aligned", _labels())] == 512.0
     assert got[("ampscope_loss_scale_aligned_step", _labels())] == 10
-    assert got[("ampscope_exporter_tracked_series", frozenset())] == 16 + 2 + 1
+    assert got[("ampscope_exporter_tracked_series", frozenset())] == 17 + 2 + 1
 
 
 def _watch_totals(steps: int) -> object:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from ampscope.exporter.health import evaluate
 from ampscope.exporter.state.lifecycle import Lifecycle
 from ampscope.exporter.state.ranks import RankSnapshot, RankState
-from ampscope.reporter.schema import Heartbeat, Identity, StepRecord
+from ampscope.reporter.schema import Heartbeat, Identity, RankFailure, StepRecord
 from ampscope.verdicts.thresholds import Thresholds
 from exporter.factory import T0, record, totals
 
@@ -14,7 +14,14 @@ T = Thresholds(stale_after_s=60.0, stall_after_s=600.0)
 LIFE = Lifecycle(stale_after_s=60.0, stall_after_s=600.0)
 
 
-def beat(rank: int = 0, *, step: int, time: float, final: bool = False) -> Heartbeat:
+def beat(
+    rank: int = 0,
+    *,
+    step: int,
+    time: float,
+    final: bool = False,
+    failure: RankFailure | None = None,
+) -> Heartbeat:
     return Heartbeat(
         schema_version=1,
         identity=Identity(run="run-a", node="node0", rank=rank, local_rank=rank, world_size=2),
@@ -22,6 +29,19 @@ def beat(rank: int = 0, *, step: int, time: float, final: bool = False) -> Heart
         step=step,
         final=final,
         dropped_records=0,
+        failure=failure,
+    )
+
+
+def stopped(step: int, origin: list[int] | None) -> RankFailure:
+    """What a rank's final heartbeat says when a GradWatch raised at ``step``."""
+    return RankFailure(
+        kind="nonfinite_gradients",
+        exception="NonFiniteGradientsError",
+        message=f"ampscope: non-finite gradients at step {step}: policy 'raise' stops",
+        step=step,
+        origin_ranks=origin,
+        seen_by="uncaught",
     )
 
 
@@ -118,7 +138,7 @@ def test_finished_run_is_judged_as_it_ended() -> None:
     # Hours later: no rank lost or stalled, every rule ok.
     report = evaluate("run-a", clean, T0 + 7200, T)
     assert (report.status, report.state) == ("ok", "finished")
-    assert report.states == {"running": 0, "stalled": 0, "lost": 0, "finished": 2}
+    assert report.states == {"running": 0, "stalled": 0, "lost": 0, "finished": 2, "failed": 0}
     assert {v.status for v in report.verdicts} == {"ok"}
     # A run that ended with a collapsed scale says so, as of its end, for as long as it is held.
     collapsed = _state(
@@ -133,3 +153,73 @@ def test_finished_run_is_judged_as_it_ended() -> None:
         statuses = {v.rule: v.status for v in report.verdicts}
         assert statuses["scale_collapse"] == "critical"
         assert statuses["lost_rank"] == statuses["stalled_rank"] == "ok"
+
+
+def test_a_final_heartbeat_with_a_failure_ends_the_rank_failed() -> None:
+    state = _state([(T0, [record(1), record(2)])])
+    state.heartbeat(beat(step=2, time=T0 + 1, final=True, failure=stopped(2, [0])), T0 + 1)
+    snap = state.snapshot()
+    assert (snap.finished_at, snap.failure) == (T0 + 1, stopped(2, [0]))
+    assert LIFE.state(snap, T0 + 1) == "failed"
+    assert LIFE.state(snap, T0 + 10_000) == "failed"  # never lost, however long ago
+    # A plain final heartbeat after it (a resend) does not make it finished.
+    state.heartbeat(beat(step=2, time=T0 + 2, final=True), T0 + 2)
+    assert LIFE.state(state.snapshot(), T0 + 3) == "failed"
+    # A restarted process (an elastic restart) runs again, its failure gone.
+    state.apply_batch([record(1, time=T0 + 800)], 0, T0 + 800)
+    snap = state.snapshot()
+    assert (LIFE.state(snap, T0 + 800), snap.failure) == ("running", None)
+
+
+def test_a_failure_after_the_rank_said_it_finished_makes_it_failed() -> None:
+    # ``try: ... finally: watch.close()``: the close says finished, then the exception
+    # reaches the process's hook and the reporter tells the exporter again.
+    state = _state([(T0, [record(1), record(2)]), (T0 + 1, beat(step=2, time=T0 + 1, final=True))])
+    assert LIFE.state(state.snapshot(), T0 + 1) == "finished"
+    state.heartbeat(beat(step=2, time=T0 + 2, final=True, failure=stopped(2, None)), T0 + 2)
+    snap = state.snapshot()
+    assert LIFE.state(snap, T0 + 2) == "failed"
+    assert snap.finished_at == T0 + 1  # it ended when it first said so
+
+
+def test_a_run_whose_ranks_failed_is_critical_and_failed_for_as_long_as_it_is_held() -> None:
+    ranks = [
+        _state(
+            [
+                (T0, [record(s, rank=r) for s in range(1, 6)]),
+                (T0 + 1, beat(r, step=5, time=T0 + 1, final=True, failure=stopped(5, [1]))),
+            ]
+        ).snapshot()
+        for r in (0, 1)
+    ]
+    for now in (T0 + 2, T0 + 7200):
+        report = evaluate("run-a", ranks, now, T)
+        assert (report.status, report.state) == ("critical", "failed")
+        assert report.states == {
+            "running": 0,
+            "stalled": 0,
+            "lost": 0,
+            "finished": 0,
+            "failed": 2,
+        }
+        verdicts = {v.rule: v for v in report.verdicts}
+        failed = verdicts["rank_failed"]
+        assert failed.status == "critical"
+        assert failed.evidence["step"] == 5
+        assert failed.evidence["exception"] == "NonFiniteGradientsError"
+        assert failed.evidence["origin_ranks"] == [1]
+        assert [r["rank"] for r in failed.evidence["ranks"]] == [0, 1]
+        assert failed.summary == (
+            "2 of 2 rank(s) failed (rank(s) 0, 1): training stopped on inf/NaN gradients at "
+            "step 5 (NonFiniteGradientsError); origin rank(s) 1"
+        )
+        # Every rank ended: nothing is lost or stalled.
+        assert verdicts["lost_rank"].status == verdicts["stalled_rank"].status == "ok"
+        assert verdicts["stalled_rank"].summary == "no live ranks: 2 failed"
+    # One rank finished, the other failed: the run failed all the same.
+    finished = _state(
+        [(T0, [record(1, rank=1)]), (T0 + 1, beat(1, step=1, time=T0 + 1, final=True))]
+    ).snapshot()
+    report = evaluate("run-a", [ranks[0], finished], T0 + 2, T)
+    assert (report.status, report.state) == ("critical", "failed")
+    assert report.states["finished"] == report.states["failed"] == 1

@@ -512,3 +512,56 @@ def test_raise_hands_the_record_to_the_exporter_before_raising() -> None:
             arrived = server.steps()
         watch.close()
     assert arrived == list(range(1, OVERFLOW + 2))
+
+
+def test_a_raise_the_loop_catches_still_ends_the_rank_failed() -> None:
+    from reporter.loopback_server import LoopbackExporter
+
+    from ampscope.reporter.http import HttpReporter
+
+    with LoopbackExporter() as server:
+        watch = ampscope.GradWatch("raise", reporter=HttpReporter(server.url), run_id="stop")
+        model = make_model()
+        with pytest.raises(ampscope.NonFiniteGradientsError) as raised:
+            train(model, sgd(model), watch)
+        # The loop caught it, logged it and ends: the rank ends failed all the same.
+        watch.close()
+        final = server.heartbeats[-1]
+    assert final.final
+    assert final.failure is not None
+    assert (final.failure.kind, final.failure.exception) == (
+        "nonfinite_gradients",
+        "NonFiniteGradientsError",
+    )
+    assert (final.failure.step, final.failure.seen_by) == (OVERFLOW + 1, "watch")
+    assert final.failure.origin_ranks is None  # origin not tracked
+    assert final.failure.message == str(raised.value)
+
+
+def test_a_watch_as_a_context_manager_ends_the_rank_finished_or_failed() -> None:
+    from reporter.loopback_server import LoopbackExporter
+
+    from ampscope.reporter.http import HttpReporter
+
+    with LoopbackExporter() as server:
+        with ampscope.GradWatch(reporter=HttpReporter(server.url), run_id="ok") as watch:
+            model = make_model()
+            train(model, sgd(model), watch, overflow=frozenset())
+        assert server.heartbeats[-1].final
+        assert server.heartbeats[-1].failure is None
+        oom = ampscope.GradWatch(reporter=HttpReporter(server.url), run_id="oom")
+
+        def two_steps_then_out_of_memory() -> None:
+            with oom as watch:
+                model = make_model()
+                train(model, sgd(model), watch, steps=2, overflow=frozenset())
+                raise MemoryError("out of memory")
+
+        with pytest.raises(MemoryError, match="out of memory"):
+            two_steps_then_out_of_memory()
+        final = server.heartbeats[-1]
+    assert final.identity.run == "oom"
+    assert final.failure is not None
+    assert (final.failure.exception, final.failure.message) == ("MemoryError", "out of memory")
+    assert (final.failure.step, final.failure.seen_by) == (2, "with")
+    assert oom.telemetry.closed

@@ -1,4 +1,5 @@
-"""``POST /api/v1/heartbeat``: a rank saying it is alive between records, or that it finished."""
+"""``POST /api/v1/heartbeat``: a rank saying it is alive between records, or that it ended:
+finished, or failed with the exception its training ended on."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ from ampscope.reporter.schema import HEARTBEAT_PATH, Heartbeat
 
 router = APIRouter(tags=["ingest"])
 
-MAX_HEARTBEAT_BYTES = 4096
-"""A heartbeat is a few hundred bytes; anything larger is not one."""
+MAX_HEARTBEAT_BYTES = 16384
+"""A heartbeat is a few hundred bytes, a final one that says how its rank failed a few KB
+(at most about 8 KB: a 1000-character message, each character escaped); anything larger is
+not one."""
 
 
 class HeartbeatResult(BaseModel):
@@ -36,20 +39,21 @@ class HeartbeatResult(BaseModel):
 @router.post(
     HEARTBEAT_PATH,
     response_model=HeartbeatResult,
-    summary="A rank is alive without new records, or finished",
+    summary="A rank is alive without new records, or ended (finished or failed)",
     responses=responses(400, 401, 408, 409, 413, 422, 429),
     # The body is read by hand (bounded); the app adds Heartbeat to the OpenAPI components.
     openapi_extra=openapi_body("Heartbeat"),
 )
 async def heartbeat(delivery: DeliveryDep) -> HeartbeatResult:
     """Validate a ``Heartbeat`` strictly and note that its rank was heard from; a ``final``
-    one marks the rank finished. Never creates a rank. Answers 409 when it names another
+    one marks the rank finished, or failed when it carries a ``failure``. Never creates a
+    rank. Answers 409 when it names another
     node, local rank or world size than the live rank (as ingest does)."""
     settings, stats = delivery.settings, delivery.stats
     limit = BodyLimit(
         min(settings.max_body_bytes, MAX_HEARTBEAT_BYTES),
         name="heartbeat_bytes",
-        hint="a heartbeat is a few hundred bytes",
+        hint="a heartbeat is a few hundred bytes, one that says how its rank failed a few KB",
     )
     async with delivery.body(limit, route="heartbeat") as body:
         pass  # a few hundred bytes: validated after the budget is given back

@@ -70,6 +70,15 @@ const ampscope = {
     return rank.up ? "up" : "stale";
   },
 
+  /** What a failed rank's training ended on, in words: "NonFiniteGradientsError at step 5"
+   *  (a GradWatch's stop), "RuntimeError after step 7" (any other exception); "" otherwise. */
+  failureText(rank) {
+    const failure = rank.failure;
+    if (ampscope.rankState(rank) !== "failed" || !failure) return "";
+    const when = failure.kind === "nonfinite_gradients" ? "at" : "after";
+    return `${failure.exception} ${when} step ${failure.step}`;
+  },
+
   /** "2 running, 1 lost" from a run's ranks. */
   statesText(ranks) {
     const counts = new Map();

@@ -290,7 +290,8 @@
       a.cell(tr, rank.rank, "num");
       a.cell(tr, rank.node);
       const state = a.rankState(rank);
-      tr.appendChild(a.el("td", { cls: "state-cell" })).appendChild(a.el("span", { cls: `state ${state}`, text: state }));
+      tr.appendChild(a.el("td", { cls: "state-cell" })).appendChild(
+        a.el("span", { cls: `state ${state}`, text: state, title: a.failureText(rank) }));
       a.cell(tr, rank.step, "num");
       a.cell(tr, a.modeText(rank), "mode").title = a.setupText([rank]);
       // A watch's records say scale 1 and no backoffs or growths: that is no loss scale.
@@ -336,6 +337,26 @@
     document.getElementById("params-section").hidden = top.length === 0;
   }
 
+  /** The failed ranks, each with its exception, step and message, above everything else. */
+  function drawFailures(ranks) {
+    const failed = ranks.filter((rank) => a.failureText(rank));
+    const items = failed.map((rank) => {
+      const li = a.el("li");
+      li.dataset.rank = rank.rank;
+      const origin = rank.failure.origin_ranks;
+      const named = rank.failure.kind !== "nonfinite_gradients" ? ""
+        : origin === null ? " (origin not tracked)"
+        : origin.length ? ` (origin rank(s) ${origin.join(", ")})`
+        : " (no origin rank: its own gradients were finite)";
+      li.append(a.el("strong", { text: `rank ${rank.rank}` }), ` (node ${rank.node}): `,
+        a.el("span", { cls: "what", text: a.failureText(rank) + named }),
+        a.el("span", { cls: "message", text: rank.failure.message }));
+      return li;
+    });
+    document.getElementById("failures").replaceChildren(...items);
+    document.getElementById("failure").hidden = items.length === 0;
+  }
+
   async function refresh() {
     let ranks, health;
     try {
@@ -362,6 +383,7 @@
     document.getElementById("message").textContent =
       `${health.up} of ${health.ranks} rank(s) up; newest ${series.steps.length} held step(s) shown; ` +
       `refreshes every ${REFRESH_MS / 1000} s`;
+    drawFailures(ranks);
     drawVerdicts(health);
     drawRanks(ranks);
     document.getElementById("charts").hidden = false;

@@ -9,7 +9,15 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from support import DEADLOCK_GUARD_S
 
-from ampscope.reporter.schema import Heartbeat, Identity
+from ampscope.exporter.api.routes.heartbeat import MAX_HEARTBEAT_BYTES
+from ampscope.reporter.schema import (
+    MAX_FAILURE_MESSAGE,
+    MAX_FAILURE_ORIGIN_RANKS,
+    MAX_LABEL_LENGTH,
+    Heartbeat,
+    Identity,
+    RankFailure,
+)
 from exporter.conftest import MakeClient
 from exporter.factory import T0, body, record
 
@@ -25,6 +33,7 @@ def _beat(
     node: str = "node0",
     local_rank: int | None = None,
     world_size: int = 2,
+    failure: RankFailure | None = None,
 ) -> bytes:
     local = rank if local_rank is None else local_rank
     return (
@@ -37,6 +46,7 @@ def _beat(
             step=step,
             final=final,
             dropped_records=0,
+            failure=failure,
         )
         .model_dump_json()
         .encode()
@@ -70,14 +80,22 @@ def test_heartbeats_move_a_rank_through_every_state(make_client: MakeClient) -> 
     client, clock = make_client(stale_after_s=60, stall_after_s=120)
     assert client.post("/api/v1/ingest", content=body(record(1))).status_code == 200
     assert _state(client) == "running"
-    assert _states(client) == {"0": {"running": 1, "stalled": 0, "lost": 0, "finished": 0}}
+    assert _states(client) == {
+        "0": {"running": 1, "stalled": 0, "lost": 0, "finished": 0, "failed": 0}
+    }
     # Idle but beating every 50 s: never lost, stalled once no step for 120 s.
     for _ in range(3):
         clock.advance(50)
         answer = client.post(URL, content=_beat())
         assert answer.json() == {"applied": True, "heartbeat_interval_s": 15.0}
     assert _state(client) == "stalled"
-    assert _states(client)["0"] == {"running": 0, "stalled": 1, "lost": 0, "finished": 0}
+    assert _states(client)["0"] == {
+        "running": 0,
+        "stalled": 1,
+        "lost": 0,
+        "finished": 0,
+        "failed": 0,
+    }
     clock.advance(61)
     assert _state(client) == "lost"
     assert client.get("/api/v1/runs/run-a/ranks/0").json()["up"] is False
@@ -87,7 +105,13 @@ def test_heartbeats_move_a_rank_through_every_state(make_client: MakeClient) -> 
     assert client.post(URL, content=_beat(step=2, final=True)).json()["applied"] is True
     clock.advance(10_000)
     assert _state(client) == "finished"
-    assert _states(client)["0"] == {"running": 0, "stalled": 0, "lost": 0, "finished": 1}
+    assert _states(client)["0"] == {
+        "running": 0,
+        "stalled": 0,
+        "lost": 0,
+        "finished": 1,
+        "failed": 0,
+    }
     report = client.get("/api/v1/runs/run-a/health").json()
     assert (report["status"], report["state"]) == ("ok", "finished")
 
@@ -108,7 +132,7 @@ def test_heartbeat_is_validated_strictly_and_needs_the_token(make_client: MakeCl
     assert answer.status_code == 422
     assert "final" in answer.json()["detail"]
     assert client.post(URL, content=b"{", headers=auth).status_code == 400
-    assert client.post(URL, content=b" " * 10_000, headers=auth).status_code == 413
+    assert client.post(URL, content=b" " * 20_000, headers=auth).status_code == 413
 
 
 def test_finished_ranks_are_dropped_after_finished_retention(make_client: MakeClient) -> None:
@@ -129,12 +153,12 @@ def test_finished_ranks_are_dropped_after_finished_retention(make_client: MakeCl
 
 
 def test_an_oversized_heartbeat_names_its_own_limit(client: TestClient) -> None:
-    response = client.post(URL, content=b" " * 5000 + _beat())
+    response = client.post(URL, content=b" " * 17000 + _beat())
     assert response.status_code == 413
     error = response.json()
     assert error["error"] == "too_large"
     assert error["limit"] == "heartbeat_bytes"
-    assert error["value"] == 4096
+    assert error["value"] == 16384
     assert "a heartbeat is a few hundred bytes" in error["detail"]
     assert "records per batch" not in error["detail"]
 
@@ -172,3 +196,114 @@ def test_a_heartbeat_naming_another_identity_is_refused_as_a_record_would_be(
     assert answer.json()["applied"] is True
     assert _state(client) == "finished"
     assert _rejected(client, "identity_conflict") == 6
+
+
+def _failure(**overrides: Any) -> RankFailure:
+    fields: dict[str, Any] = {
+        "kind": "nonfinite_gradients",
+        "exception": "NonFiniteGradientsError",
+        "message": "ampscope: non-finite gradients at step 2: policy 'raise' stops",
+        "step": 2,
+        "origin_ranks": [0],
+        "seen_by": "uncaught",
+    }
+    fields.update(overrides)
+    return RankFailure(**fields)
+
+
+def _failure_info(client: TestClient) -> list[dict[str, str]]:
+    for family in text_string_to_metric_families(client.get("/metrics").text):
+        if family.name == "ampscope_rank_failure_info":
+            return [dict(sample.labels) for sample in family.samples if sample.value == 1]
+    raise AssertionError("no ampscope_rank_failure_info family")
+
+
+def test_a_final_heartbeat_with_a_failure_shows_the_rank_failed_everywhere(
+    make_client: MakeClient,
+) -> None:
+    client, clock = make_client(stale_after_s=60)
+    body_ = body(record(1), record(2))
+    assert client.post("/api/v1/ingest", content=body_).status_code == 200
+    other = body(record(1, rank=1), record(2, rank=1))
+    assert client.post("/api/v1/ingest", content=other).status_code == 200
+    series = _tracked_series(client)
+    assert _failure_info(client) == []
+    beat = _beat(step=2, final=True, failure=_failure())
+    assert client.post(URL, content=beat).json()["applied"] is True
+    clock.advance(10_000)  # ended: never lost
+    view = client.get("/api/v1/runs/run-a/ranks/0").json()
+    assert view["state"] == "failed"
+    assert view["failure"] == _failure().model_dump()
+    assert client.get("/api/v1/runs/run-a/ranks/1").json()["failure"] is None
+    assert _states(client)["0"] == {
+        "running": 0,
+        "stalled": 0,
+        "lost": 0,
+        "finished": 0,
+        "failed": 1,
+    }
+    assert _failure_info(client) == [
+        {
+            "run": "run-a",
+            "node": "node0",
+            "rank": "0",
+            "local_rank": "0",
+            "exception": "NonFiniteGradientsError",
+            "kind": "nonfinite_gradients",
+            "origin": "yes",
+        }
+    ]
+    assert _tracked_series(client) == series + 1  # the failure info, counted
+    report = client.get("/api/v1/runs/run-a/health").json()
+    verdicts = {v["rule"]: v for v in report["verdicts"]}
+    assert report["status"] == "critical"
+    assert report["state"] == "active"  # rank 1 was never heard from again: lost
+    assert verdicts["rank_failed"]["status"] == "critical"
+    assert verdicts["rank_failed"]["evidence"]["origin_ranks"] == [0]
+    summary = client.get("/api/v1/runs").json()[0]
+    assert summary["states"] == {"running": 0, "stalled": 0, "lost": 1, "finished": 0, "failed": 1}
+    # Rank 1 failed too, after its last step, on another exception; origin unknown.
+    boom = _failure(kind="exception", exception="RuntimeError", message="boom", origin_ranks=None)
+    assert client.post(URL, content=_beat(rank=1, step=2, final=True, failure=boom)).json()[
+        "applied"
+    ]
+    assert [i["origin"] for i in _failure_info(client)] == ["yes", "unknown"]
+    report = client.get("/api/v1/runs/run-a/health").json()
+    assert (report["status"], report["state"]) == ("critical", "failed")
+    # A new process of rank 0 (an elastic restart): running, its failure info gone.
+    restarted = body(record(1, time=T0 + 9_000))
+    assert client.post("/api/v1/ingest", content=restarted).status_code == 200
+    assert client.get("/api/v1/runs/run-a/ranks/0").json()["failure"] is None
+    assert [i["rank"] for i in _failure_info(client)] == ["1"]
+    assert _tracked_series(client) == series + 1
+
+
+def test_only_a_final_heartbeat_may_carry_a_failure(client: TestClient) -> None:
+    assert client.post("/api/v1/ingest", content=body(record(1))).status_code == 200
+    bad = _beat(step=1, final=True, failure=_failure()).replace(b'"final":true', b'"final":false')
+    answer = client.post(URL, content=bad)
+    assert answer.status_code == 422
+    assert "only a final heartbeat carries a failure" in answer.json()["detail"]
+    assert client.get("/api/v1/runs/run-a/ranks/0").json()["state"] == "running"
+
+
+def test_the_largest_valid_failure_fits_the_heartbeat_bound(client: TestClient) -> None:
+    assert client.post("/api/v1/ingest", content=body(record(1))).status_code == 200
+    # Every character of the message escaped to six bytes, the longest class name, and as
+    # many origin ranks as allowed, each of six digits.
+    largest = _failure(
+        message="\x00" * MAX_FAILURE_MESSAGE,
+        exception="E" * MAX_LABEL_LENGTH,
+        origin_ranks=list(range(999_999 - MAX_FAILURE_ORIGIN_RANKS + 1, 1_000_000)),
+    )
+    beat = _beat(step=1, final=True, failure=largest)
+    assert len(beat) < MAX_HEARTBEAT_BYTES
+    assert client.post(URL, content=beat).json()["applied"] is True
+    assert client.get("/api/v1/runs/run-a/ranks/0").json()["failure"]["message"] == largest.message
+
+
+def _tracked_series(client: TestClient) -> float:
+    for family in text_string_to_metric_families(client.get("/metrics").text):
+        if family.name == "ampscope_exporter_tracked_series":
+            return family.samples[0].value
+    raise AssertionError("no ampscope_exporter_tracked_series")
