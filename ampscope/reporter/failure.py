@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 from ampscope.reporter.schema import (
     MAX_COUNT,
@@ -279,3 +279,28 @@ def _at_exit() -> None:
     found = noted()
     if found is not None and found.seen_by == "uncaught":
         _tell(found)
+
+
+_Closing = TypeVar("_Closing", bound="ClosedByWith")
+
+
+class ClosedByWith:
+    """``with`` for what a rank closes (a front-end, a reporter): the block's end closes it,
+    and a block left by an exception ends the rank ``failed`` with it on the exporter. The
+    exception goes on propagating."""
+
+    def close(self, timeout: float = 1.0) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _Closing) -> _Closing:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is not None:
+            note(exc, "with")
+        self.close()

@@ -37,7 +37,6 @@ import logging
 import os
 import time
 import weakref
-from types import TracebackType
 
 from ampscope.reporter import failure
 from ampscope.reporter.pipeline import HttpReporterConfig, Pipeline
@@ -48,7 +47,7 @@ from ampscope.reporter.transport import URL_ENV, url_from_env
 __all__ = ["HttpReporter", "HttpReporterConfig"]
 
 
-class HttpReporter:
+class HttpReporter(failure.ClosedByWith):
     """A Sink that POSTs records to the ampscope exporter in batches, off the caller's thread.
 
     Starts one daemon thread at construction. ``emit`` costs a lock and a deque append
@@ -197,19 +196,6 @@ class HttpReporter:
         deadline = time.monotonic() + max(0.0, timeout)
         self._pipeline.begin_close(deadline)
         self._pipeline.join(deadline)
-
-    def __enter__(self) -> HttpReporter:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if exc is not None:
-            failure.note(exc, "with")
-        self.close()
 
     def __repr__(self) -> str:
         return (

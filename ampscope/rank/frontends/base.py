@@ -13,7 +13,7 @@ import logging
 import warnings
 import weakref
 from collections.abc import Mapping
-from types import MappingProxyType, TracebackType
+from types import MappingProxyType
 from typing import Any, TypeVar
 
 import torch
@@ -62,7 +62,7 @@ def warn_if_torch_changed() -> None:
         )
 
 
-class TelemetryFrontEnd:
+class TelemetryFrontEnd(failure.ClosedByWith):
     """Shared state and life cycle of a front-end. Subclasses set ``_ampscope_capture``
     (anything with ``close()``; ``None`` when telemetry is off) after
     :meth:`_ampscope_start`."""
@@ -192,22 +192,6 @@ class TelemetryFrontEnd:
             handle.remove()
         self._ampscope_origin_handles = []
         self._ampscope_telemetry.close(timeout)
-
-    def __enter__(self: _FrontEnd) -> _FrontEnd:
-        """``with ampscope.GradWatch(...) as watch:`` closes it at the block's end."""
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        """Close; a block left by an exception ends the rank ``failed`` with it on the
-        exporter (``ampscope.reporter.failure``). The exception goes on propagating."""
-        if exc is not None:
-            failure.note(exc, "with")
-        self.close()
 
     # -- internals -----------------------------------------------------------------------
 
