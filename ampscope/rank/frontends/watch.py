@@ -347,7 +347,7 @@ class GradWatch(TelemetryFrontEnd):
 
     def _stop(self, reason: str) -> None:
         """Record the iteration, deliver it, agree on the words, raise. Every rank of the
-        group calls this at the same ``step()``: one gather is its only collective."""
+        group calls this at the same ``step()``: the gather is its only collective."""
         capture = self._ampscope_capture
         assert capture is not None
         step = capture.step + 1
@@ -373,7 +373,8 @@ class GradWatch(TelemetryFrontEnd):
             local=local,
             params=stop.own_params(counts),
         )
-        raise stop.build_error(stop.gather(report, self._watch.process_group), step, reason)
+        reports, gathered = stop.gather(report, self._watch.process_group)
+        raise stop.build_error(reports, step, reason, gathered=gathered)
 
 
 def _all_cpu(found: Mapping[torch.device, torch.Tensor]) -> bool:
