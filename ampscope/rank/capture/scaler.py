@@ -235,12 +235,14 @@ class StepCapture:
         self._seen = {}
         if self._local:
             self._local = {}
+        # Every update() counts, recorded or not (before_update may have failed): the
+        # records' steps stay the same on every rank.
+        self._step += 1
         scale, tracker = compat.scale_and_tracker(scaler)
         if pending is None or scale is None or tracker is None:
             self._scale_seen = self._scale_at = None
             self._last_skipped = False
             return None
-        self._step = pending.step
         if origin:
             pending.origin_devices = tuple(origin)
         pending.stats = stats

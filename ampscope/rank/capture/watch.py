@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -52,8 +52,12 @@ class Checked:
 
     __slots__ = ("agreed", "found", "info", "nonfinite", "skipped", "stepped")
 
-    def __init__(self, info: OptimizerInfo, found: FoundInf, agreed: torch.Tensor | None) -> None:
+    def __init__(
+        self, info: OptimizerInfo | None, found: FoundInf, agreed: torch.Tensor | None
+    ) -> None:
         self.info = info
+        """``None`` when the capture could not register the optimizer (the check then took
+        part as clean)."""
         self.found = found
         """This rank's local flag per device."""
         self.agreed = agreed
@@ -67,20 +71,28 @@ class Checked:
         """Non-finite element counts by parameter, once counted."""
 
 
-def agree(found: FoundInf, group: dist.ProcessGroup | None) -> torch.Tensor:
+def agree(
+    found: FoundInf, group: dist.ProcessGroup | None, failed: Callable[[], None]
+) -> torch.Tensor:
     """One flag, 1 when any rank of ``group`` found inf/NaN: the local flags' max, then one
     all-reduce (max) of that one-element tensor when the process group has several ranks.
-    A rank with no gradients still takes part, with a zero flag. The local flags stay
-    unchanged (the all-reduce works on a copy)."""
+    A rank with no gradients still takes part, with a zero flag; so does a rank whose
+    local max fails (``failed()`` is called in its ``except``): no rank waits alone. The
+    local flags stay unchanged (the all-reduce works on a copy)."""
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
     flags = list(found.values())
-    if not flags:
+    flag = None
+    if flags:
+        try:
+            flag = max_of(flags)
+            if distributed and len(flags) == 1:
+                flag = flag.clone()  # the all-reduce writes it
+        except Exception:
+            failed()
+            flag = None
+    if flag is None:
         device = collective_device(group) if distributed else torch.device("cpu")
         flag = torch.zeros(1, dtype=torch.float32, device=device)
-    else:
-        flag = max_of(flags)
-        if distributed and len(flags) == 1:
-            flag = flag.clone()  # the all-reduce writes it
     if distributed:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return flag
@@ -165,17 +177,8 @@ class WatchCapture:
         telemetry thread lays it out and reads its flags (host memory; nothing writes them
         any more); on accelerators one small stack and a non-blocking copy here, never a
         sync."""
-        iteration, self.iteration = self.iteration, {}
-        self.step += 1
-        skipped: bool | None = False
-        for entry in iteration.values():
-            if entry.stepped and skipped is not None:
-                skipped = None if entry.skipped is None else skipped or entry.skipped
-        self.last_skipped = (
-            [e.agreed for e in iteration.values() if e.agreed is not None]
-            if skipped is None
-            else skipped
-        )
+        iteration = self.iteration
+        self.abandon(iteration, self.step + 1)
         pending = PendingStep(identity, self.step, time.time(), False)
         if nonfinite:
             pending.nonfinite = nonfinite
@@ -197,6 +200,21 @@ class WatchCapture:
         stacked = stack_scalars(parts, device)
         pending.host, pending.ready = copy_with_norms(pending, stacked, stats)
         return pending
+
+    def abandon(self, iteration: Mapping[int, Checked], step: int) -> None:
+        """Close ``iteration`` as the ``step``-th without a record (or before making it):
+        the step counts, and whether it skipped is kept for ``last_step_skipped``."""
+        self.iteration = {}
+        self.step = step
+        skipped: bool | None = False
+        for entry in iteration.values():
+            if entry.stepped and skipped is not None:
+                skipped = None if entry.skipped is None else skipped or entry.skipped
+        self.last_skipped = (
+            [e.agreed for e in iteration.values() if e.agreed is not None]
+            if skipped is None
+            else skipped
+        )
 
     def lay_out(
         self,
@@ -233,8 +251,9 @@ class WatchCapture:
             own = list(found.values()) if entry.agreed is None else [entry.agreed]
             slots.append(registry.slot(info, entry.stepped, len(own)))
             flags += own
-            # The common single optimizer keeps its own objects: no merge, no new set.
-            dtypes = info.dtypes if not dtypes else dtypes | info.dtypes
+            if info is not None:
+                # The common single optimizer keeps its own objects: no merge, no new set.
+                dtypes = info.dtypes if not dtypes else dtypes | info.dtypes
             founds.append(found)
         local = max_per_device(founds)
         pending.setup = registry.setup(dtypes)

@@ -116,9 +116,10 @@ class TelemetryMixin(TelemetryFrontEnd):
                 self._ampscope_guard(capture.record_local, optimizer, result, fresh=False)
             # Otherwise torch's found-inf is the local one: nothing to keep.
         stats = self._ampscope_stats
-        if stats is not None and info is not None:
+        if stats is not None:
             # After torch's kernel: the norms are of the unscaled gradients. Sharded
-            # gradients all-reduce here, on every rank, clean step or not.
+            # gradients all-reduce here, on every rank, clean step or not, and even when
+            # the capture failed above (info None: this rank sums NaN).
             try:
                 stats.add_grads(optimizer, info, self._ampscope_unscales_nothing)
             except Exception:
@@ -137,9 +138,12 @@ class TelemetryMixin(TelemetryFrontEnd):
             parent.update(new_scale)
             return
         try:
+            # The identity first: its collective (first update()) is made by every rank,
+            # whatever fails after it.
+            identity = self._ampscope_identity_now()
             pending = capture.before_update(
                 self,  # type: ignore[arg-type]
-                self._ampscope_identity_now(),
+                identity,
                 new_scale is not None,
                 self._ampscope_attribute if self._ampscope_config.attribution else None,
             )

@@ -3,19 +3,27 @@
 When a watch raises (policy ``raise``, or ``max_consecutive_skips`` reached), every
 rank reaches the same ``step()`` with the same agreed flag. Each contributes what only
 it knows (whether its own gradients held inf/NaN before the reduction, whether its local
-shards did, its top parameters); one ``all_gather_object`` shares them, and every rank
-builds the same message from the same gathered list.
+shards did, its top parameters); :func:`gather` shares them, and every rank builds the
+same message from the same gathered list.
+
+The reports travel as JSON in byte tensors, through two ``all_gather`` calls (sizes,
+then bytes), not ``all_gather_object``: that one reads its result through NumPy, which
+a training environment need not have. A rank whose gather fails raises with its own
+report only, and its message says so; it never speaks for ranks it has not heard.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from ampscope.rank.gradients.attribution import top_k
+from ampscope.rank.telemetry.identity import collective_device
 
 logger = logging.getLogger("ampscope")
 
@@ -34,6 +42,9 @@ class NonFiniteGradientsError(RuntimeError):
             ``None`` when origin tracking is off.
         local_ranks: Ranks whose local gradients (shards) held inf/NaN.
         params: Top parameters, ``(rank, name, non-finite elements)``, most first.
+        gathered: Whether every rank's report reached this one. ``False``: the ranks'
+            reports could not be gathered, and the attributes and the message hold this
+            rank's view only.
     """
 
     def __init__(
@@ -44,57 +55,144 @@ class NonFiniteGradientsError(RuntimeError):
         origin_ranks: tuple[int, ...] | None,
         local_ranks: tuple[int, ...],
         params: tuple[tuple[int, str, int], ...],
+        gathered: bool = True,
     ) -> None:
         super().__init__(message)
         self.step = step
         self.origin_ranks = origin_ranks
         self.local_ranks = local_ranks
         self.params = params
+        self.gathered = gathered
 
 
 @dataclass(frozen=True)
 class RankReport:
-    """What one rank contributes to the message (picklable, small)."""
+    """What one rank contributes to the message (small)."""
 
     rank: int
     origin: bool | None
+    """Its own gradients held inf/NaN before the reduction; ``None``: not tracked."""
     local: bool
     params: tuple[tuple[str, int], ...]
+    known: bool = True
+    """``False``: ampscope failed on that rank before it knew what to report; the
+    message then says so and claims nothing of that rank."""
 
 
-def gather(report: RankReport, group: dist.ProcessGroup | None) -> list[RankReport]:
-    """Every rank's report, by rank: one ``all_gather_object`` when distributed. If the
-    collective fails the rank goes on with its own report (its message then says less,
-    but it still raises)."""
+def unknown(rank: int) -> RankReport:
+    """The report of a rank that could not make its own."""
+    return RankReport(rank=rank, origin=None, local=False, params=(), known=False)
+
+
+def encode(report: RankReport) -> bytes:
+    """A report as UTF-8 JSON (no pickle: what a rank sends is data only)."""
+    params = [list(p) for p in report.params]
+    fields = [report.rank, report.origin, report.local, params, report.known]
+    return json.dumps(fields, separators=(",", ":")).encode()
+
+
+def decode(payload: bytes) -> RankReport:
+    """The report :func:`encode` made.
+
+    Raises:
+        ValueError: not such a report (``json.JSONDecodeError`` is one).
+    """
+    rank, origin, local, params, known = json.loads(payload.decode())
+    report = RankReport(
+        rank=rank,
+        origin=origin,
+        local=local,
+        params=tuple((n, c) for n, c in params),
+        known=known,
+    )
+    if not (
+        type(rank) is int
+        and origin in (None, True, False)
+        and type(local) is bool
+        and type(known) is bool
+        and all(type(n) is str and type(c) is int for n, c in report.params)
+    ):
+        raise ValueError(f"not a rank report: {payload[:80]!r}")
+    return report
+
+
+def gather(report: RankReport, group: dist.ProcessGroup | None) -> tuple[list[RankReport], bool]:
+    """Every rank's report, by rank, and whether they all arrived.
+
+    Distributed, two ``all_gather`` calls of small tensors on ``group`` (the sizes, then
+    the padded bytes), which every rank makes whatever it sends: a report that cannot be
+    encoded goes as nothing. No NumPy, no pickle. If a collective fails, or a report does
+    not decode, this rank goes on with its own report only (``False``): its message then
+    says it holds its own view, and it still raises.
+    """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) < 2:
-        return [report]
-    gathered: list[RankReport | None] = [None] * dist.get_world_size(group)
+        return [report], True
     try:
-        dist.all_gather_object(gathered, report, group=group)
+        payload = encode(report)
     except Exception:
-        logger.warning("ampscope: could not gather the ranks' reports", exc_info=True)
-        return [report]
-    return sorted((r for r in gathered if r is not None), key=lambda r: r.rank)
+        logger.warning("ampscope: could not encode this rank's report", exc_info=True)
+        payload = b""
+    try:
+        device = collective_device(group)
+        world = dist.get_world_size(group)
+        size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+        sizes = [torch.zeros_like(size) for _ in range(world)]
+        dist.all_gather(sizes, size, group=group)
+        lengths = [int(s.item()) for s in sizes]
+        mine = torch.zeros(max([*lengths, 1]), dtype=torch.uint8, device=device)
+        if payload:
+            mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        received = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(received, mine, group=group)
+        reports = [
+            decode(bytes(tensor[:length].tolist()))
+            for tensor, length in zip(received, lengths, strict=True)
+        ]
+    except Exception:
+        logger.warning(
+            "ampscope: could not gather the ranks' reports; this rank's message holds its "
+            "own view only",
+            exc_info=True,
+        )
+        return [report], False
+    return sorted(reports, key=lambda r: r.rank), True
 
 
-def build_error(reports: list[RankReport], step: int, reason: str) -> NonFiniteGradientsError:
-    """The error every rank raises; the same for the same reports."""
-    tracked = [r for r in reports if r.origin is not None]
+def build_error(
+    reports: list[RankReport], step: int, reason: str, *, gathered: bool = True
+) -> NonFiniteGradientsError:
+    """The error every rank raises; the same for the same reports. It claims nothing of a
+    rank whose report is unknown, nor, with ``gathered=False`` (``reports`` is this
+    rank's own alone), of the other ranks: it says whose view it holds."""
+    known = [r for r in reports if r.known]
+    silent = tuple(r.rank for r in reports if not r.known)
+    tracked = [r for r in known if r.origin is not None]
     origin_ranks = tuple(r.rank for r in tracked if r.origin) if tracked else None
-    local_ranks = tuple(r.rank for r in reports if r.local)
+    local_ranks = tuple(r.rank for r in known if r.local)
     counts: dict[str, int] = {}
     where: dict[str, int] = {}
-    for report in reports:
+    for report in known:
         for name, count in report.params:
             key = f"{name}@{report.rank}"
             counts[key] = count
             where[key] = report.rank
     top = [(where[k], k.rsplit("@", 1)[0], c) for k, c in top_k(counts, MESSAGE_PARAMS)]
     parts = [f"ampscope: non-finite gradients at step {step}: {reason}."]
+    if not gathered:
+        own = reports[0].rank
+        parts.append(f"This is rank {own}'s view only: the ranks' reports could not be gathered.")
+    if silent:
+        parts.append(
+            f"Rank(s) {', '.join(map(str, silent))} could not report (ampscope failed there)."
+        )
     if origin_ranks is None:
         parts.append("Origin not tracked (attach(model, track_origin=True) names the rank).")
     elif origin_ranks:
         parts.append(f"Origin rank(s): {', '.join(map(str, origin_ranks))}.")
+    elif not gathered:
+        parts.append(f"Rank {own}'s own gradients held no inf/NaN before the reduction.")
+    elif silent:
+        parts.append("No reporting rank's own gradients held inf/NaN before the reduction.")
     else:
         parts.append("No rank's own gradients held inf/NaN before the reduction.")
     if local_ranks:
@@ -108,6 +206,7 @@ def build_error(reports: list[RankReport], step: int, reason: str) -> NonFiniteG
         origin_ranks=origin_ranks,
         local_ranks=local_ranks,
         params=tuple(top),
+        gathered=gathered,
     )
 
 

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from ampscope.rank.capture.registry import OptimizerInfo
 from ampscope.rank.capture.watch import Checked, WatchCapture, agree
 from ampscope.rank.config import TelemetryConfig, WatchConfig, WatchOptions, telemetry_config
 from ampscope.rank.frontends import stop
@@ -183,7 +184,8 @@ class GradWatch(TelemetryFrontEnd):
         if policy == "observe" or agreed is None:
             return optimizer.step(*args, **kwargs)
         if (
-            entry.info.fused
+            entry.info is not None
+            and entry.info.fused
             and policy == "skip"
             and self._watch.max_consecutive_skips is None
             and agreed.device.type != "cpu"
@@ -219,19 +221,22 @@ class GradWatch(TelemetryFrontEnd):
             capture.closed_by_raise = False
             if not capture.iteration:
                 return  # the raise recorded this iteration already
-        skipped = any(e.skipped for e in capture.iteration.values())
+        iteration, step = capture.iteration, capture.step + 1
+        skipped = any(e.skipped for e in iteration.values())
         self._consecutive_skips = self._consecutive_skips + 1 if skipped else 0
         try:
+            # The identity first: its collective (first update()) is made by every rank,
+            # whatever fails after it.
+            identity = self._ampscope_identity_now()
             origin = self._ampscope_take_origin()
             pending = capture.close_iteration(
-                self._ampscope_identity_now(),
-                origin,
-                self._counts(capture),
-                self._ampscope_take_stats(),
+                identity, origin, self._counts(capture), self._ampscope_take_stats()
             )
             self._ampscope_telemetry.submit(pending)
         except Exception:
-            capture.iteration = {}
+            # The iteration still counts, as on the other ranks: the next record's step,
+            # a raise's message and last_step_skipped stay the same on every rank.
+            capture.abandon(iteration, step)
             if self._ampscope_stats is not None:
                 self._ampscope_stats.discard()
             self._ampscope_failed()
@@ -290,39 +295,51 @@ class GradWatch(TelemetryFrontEnd):
     # -- internals -----------------------------------------------------------------------
 
     def _check(self, capture: WatchCapture, optimizer: torch.optim.Optimizer) -> Checked:
-        info = capture.info(optimizer)
+        """Check ``optimizer``'s gradients and, under skip/raise, agree with the other ranks.
+
+        Whatever fails in here on one rank, it makes the same collectives as the others
+        (the norm's sums, the agreement) and takes part as clean: counted, logged once,
+        never raised into training, and no rank waits alone.
+        """
+        info: OptimizerInfo | None
+        try:
+            info = capture.info(optimizer)
+        except Exception:
+            self._ampscope_failed()
+            info = None
         found: FoundInf | None = None
         stats = self._ampscope_stats
         if stats is not None:
             # Sharded gradients all-reduce their squared norm here, on every rank alike.
             try:
                 norms = stats.add_grads(optimizer, info, scaled=False)
+                place = info.place if info is not None else None
+                if norms is not None and place is not None and place[0].type == "cpu":
+                    found = capture.clean_from_norms(norms, place[0])
             except Exception:
                 self._ampscope_failed()
-                norms = None
-            place = info.place
-            if norms is not None and place is not None and place[0].type == "cpu":
-                found = capture.clean_from_norms(norms, place[0])
         clean = found is not None
         if found is None:
             try:
-                found = check_local(optimizer, info, capture.ones)
+                found = {} if info is None else check_local(optimizer, info, capture.ones)
             except Exception:
-                # Never break training for the check, nor leave the other ranks waiting
-                # in agree(): this rank then takes part as clean (counted, logged once).
                 self._ampscope_failed()
                 found = {}
+        group = self._watch.process_group
         agreed = (
-            None if self._watch.policy == "observe" else agree(found, self._watch.process_group)
+            None if self._watch.policy == "observe" else agree(found, group, self._ampscope_failed)
         )
         entry = capture.iteration[id(optimizer)] = Checked(info, found, agreed)
         # Parameters are named where the host knows the flag for free (the CPU); on an
         # accelerator under skip/raise, once the agreed flag says so (step()).
         if not clean and self._ampscope_config.attribution:
-            place = info.place
-            on_cpu = place[0].type == "cpu" if place is not None else _all_cpu(found)
-            if on_cpu and any(flag.item() for flag in found.values()):
-                self._attribute(entry, optimizer)
+            try:
+                place = info.place if info is not None else None
+                on_cpu = place[0].type == "cpu" if place is not None else _all_cpu(found)
+                if on_cpu and any(flag.item() for flag in found.values()):
+                    self._attribute(entry, optimizer)
+            except Exception:
+                self._ampscope_failed()
         return entry
 
     def _attribute(self, entry: Checked, optimizer: torch.optim.Optimizer) -> None:
@@ -331,11 +348,13 @@ class GradWatch(TelemetryFrontEnd):
         where the host already knows, or on the skip/raise path."""
         if entry.nonfinite is not None or not self._ampscope_config.attribution:
             return
-        if not any(flag.item() for flag in entry.found.values()):
-            entry.nonfinite = {}
-            return
-        counts = self._ampscope_guard(count_nonfinite, optimizer, self._ampscope_names)
+        counts = self._ampscope_guard(self._count_nonfinite, entry, optimizer)
         entry.nonfinite = counts if counts is not None else {}
+
+    def _count_nonfinite(self, entry: Checked, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        if not any(flag.item() for flag in entry.found.values()):
+            return {}
+        return count_nonfinite(optimizer, self._ampscope_names)
 
     @staticmethod
     def _counts(capture: WatchCapture) -> Mapping[str, int]:
@@ -348,33 +367,38 @@ class GradWatch(TelemetryFrontEnd):
 
     def _stop(self, reason: str) -> None:
         """Record the iteration, deliver it, agree on the words, raise. Every rank of the
-        group calls this at the same ``step()``: one gather is its only collective."""
+        group calls this at the same ``step()`` and makes the same collectives whatever
+        fails here: the identity's (in a first iteration), then the gather's."""
         capture = self._ampscope_capture
         assert capture is not None
         step = capture.step + 1
-        origin = self._ampscope_take_origin()
-        local = any(bool(f.item()) for e in capture.iteration.values() for f in e.found.values())
-        counts = self._counts(capture)
         self._consecutive_skips = 0
         capture.closed_by_raise = True
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        report = stop.unknown(rank)
+        iteration = capture.iteration
         try:
-            pending = capture.close_iteration(
-                self._ampscope_identity_now(), origin, counts, self._ampscope_take_stats()
+            identity = self._ampscope_identity_now()
+            origin = self._ampscope_take_origin()
+            counts = self._counts(capture)
+            report = stop.RankReport(
+                rank=rank,
+                origin=any(bool(f.item()) for f in origin.values()) if origin else None,
+                local=any(
+                    bool(f.item()) for e in capture.iteration.values() for f in e.found.values()
+                ),
+                params=stop.own_params(counts),
             )
+            pending = capture.close_iteration(identity, origin, counts, self._ampscope_take_stats())
             self._ampscope_telemetry.submit(pending)
             self._ampscope_telemetry.flush(RAISE_FLUSH_TIMEOUT_S)
         except Exception:
-            capture.iteration = {}
-            capture.step = step
+            capture.abandon(iteration, step)
+            if self._ampscope_stats is not None:
+                self._ampscope_stats.discard()
             self._ampscope_failed()
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        report = stop.RankReport(
-            rank=rank,
-            origin=any(bool(f.item()) for f in origin.values()) if origin else None,
-            local=local,
-            params=stop.own_params(counts),
-        )
-        error = stop.build_error(stop.gather(report, self._watch.process_group), step, reason)
+        reports, gathered = stop.gather(report, self._watch.process_group)
+        error = stop.build_error(reports, step, reason, gathered=gathered)
         failure.note(error)  # the rank ends failed, even when the loop catches it and exits
         raise error
 

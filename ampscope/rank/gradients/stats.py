@@ -196,23 +196,34 @@ class GradStats:
         self._loss_count += 1
 
     def add_grads(
-        self, optimizer: torch.optim.Optimizer, info: OptimizerInfo, scaled: bool
+        self, optimizer: torch.optim.Optimizer, info: OptimizerInfo | None, scaled: bool
     ) -> tuple[torch.Tensor, ...] | None:
         """Norm ``optimizer``'s local gradients (after their unscale, or ``scaled`` when
         the check unscaled nothing): one multi-tensor norm per device. Sharded gradients add
         a stack, a dot and one all-reduce per mesh layout; every rank calls this for the
-        same optimizers in the same order, and the all-reduces run even when the local
-        norms fail (this rank then contributes NaN, and the error is raised afterwards), so
-        that no rank waits alone.
+        same optimizers in the same order, and the all-reduces run whatever fails here
+        (the local norms, the plan, or the capture, which then passes ``info=None``): this
+        rank then contributes NaN, and the error is raised afterwards, so that no rank
+        waits alone.
 
         Returns:
             In the common case (every parameter has a dense, whole, non-DTensor gradient,
             and nothing is summed over ranks) the norms, one per gradient, in which an
             inf/NaN element always shows as a non-finite norm; else ``None``.
         """
-        plan: NormPlan | None = info.norm_plan
-        if plan is None or plan.groups != info.groups or plan.names_version != self._names.version:
-            plan = info.norm_plan = self._build_plan(optimizer, info.groups)
+        try:
+            if info is None:
+                raise RuntimeError("the capture could not register the optimizer")
+            plan: NormPlan | None = info.norm_plan
+            if (
+                plan is None
+                or plan.groups != info.groups
+                or plan.names_version != self._names.version
+            ):
+                plan = info.norm_plan = self._build_plan(optimizer, info.groups)
+        except Exception:
+            self._sum_nothing(optimizer)
+            raise
         if not plan.reductions and self.reduce is None:
             if plan.simple and not info.dtensor:
                 # The common case, inlined: one dense gradient per parameter, named whole.
@@ -286,6 +297,24 @@ class GradStats:
         every = tuple(range(len(plan.names)))
         return self.reduce(_local_square(norms, every, plan.device))
 
+    def _sum_nothing(self, optimizer: torch.optim.Optimizer) -> None:
+        """The all-reduces :meth:`_summed_square` makes for ``optimizer``, each with NaN:
+        for a rank that cannot norm its gradients. Decided from the parameters alone (their
+        mesh layouts), as every rank's plan decides them."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        layouts: dict[int, compat.FoundInfReduction] = {}
+        for param in params:
+            reduction = compat.square_sum_reduction(param)
+            if reduction is not None:
+                layouts.setdefault(_layout_key(reduction), reduction)
+        if layouts:
+            for reduction in layouts.values():
+                compat.reduce_square_sum(
+                    _local_square(None, (), reduction.mesh.device_type), reduction
+                )
+        elif self.reduce is not None:
+            self.reduce(_local_square(None, (), _first_device(params)))
+
     def take(self, origin: Mapping[str, torch.Tensor]) -> TakenStats:
         """The iteration's values, then start the next iteration afresh (update())."""
         taken = TakenStats(self._loss, self._loss_count, tuple(self._optimizers), origin)
@@ -319,7 +348,7 @@ class GradStats:
                 reduction = compat.square_sum_reduction(param)
                 for segment in self._names.segments(param, g, i):
                     if reduction is not None:
-                        key = hash((id(reduction.mesh), reduction.placements))
+                        key = _layout_key(reduction)
                         layouts.setdefault(key, (reduction, []))[1].append(len(segments))
                     else:
                         whole.append(len(segments))
@@ -336,9 +365,21 @@ class GradStats:
             names_version=self._names.version,
             simple=segments == [(i, 0, None) for i in range(index)],
             params=tuple(params),
-            device=compat.local_tensor(params[0]).device if params else torch.device("cpu"),
+            device=_first_device(params),
             low_precision=any(p.dtype.itemsize < 4 for p in params if p.is_floating_point()),
         )
+
+
+def _layout_key(reduction: compat.FoundInfReduction) -> int:
+    """One mesh layout's key: gradients of the same layout sum their squares in one
+    all-reduce."""
+    return hash((id(reduction.mesh), reduction.placements))
+
+
+def _first_device(params: list[torch.Tensor]) -> torch.device:
+    """Where plain gradients' squared norm is all-reduced: the first parameter's (local)
+    device; the CPU without parameters."""
+    return compat.local_tensor(params[0]).device if params else torch.device("cpu")
 
 
 def _local_square(

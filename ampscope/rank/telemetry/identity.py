@@ -3,6 +3,7 @@ and which device it runs on (once per run)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import socket
@@ -14,6 +15,8 @@ import torch.distributed as dist
 
 from ampscope.rank.config import LABEL_CHARS
 from ampscope.reporter.schema import MAX_LABEL_LENGTH, DeviceIdentity, Identity
+
+logger = logging.getLogger("ampscope")
 
 # torchrun sets TORCHELASTIC_RUN_ID to "none" unless --rdzv-id/--standalone gives one: it
 # then says nothing about the run, so ampscope generates an id instead.
@@ -51,16 +54,24 @@ def _shared_generated_run_id() -> str:
     """A fresh id from rank 0, broadcast to all ranks of the default group (a collective).
 
     A fixed-size byte tensor rather than ``broadcast_object_list``, which needs NumPy
-    and pickles.
+    and pickles. Rank 0 broadcasts even when making the id fails (zeros, then): every
+    rank then raises ``ValueError`` after the same collective, and none waits alone.
     """
     if not (dist.is_available() and dist.is_initialized()):
         return _generated_run_id()
     buffer = torch.zeros(MAX_LABEL_LENGTH, dtype=torch.uint8, device=collective_device())
     if dist.get_rank() == 0:
-        encoded = sanitize_label(_generated_run_id()).encode("ascii")
-        buffer[: len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
+        try:
+            encoded = sanitize_label(_generated_run_id()).encode("ascii")
+            buffer[: len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
+        except Exception:
+            logger.warning("ampscope: could not make a run id to broadcast", exc_info=True)
+            buffer.zero_()
     dist.broadcast(buffer, src=0)
-    return bytes(b for b in buffer.tolist() if b).decode("ascii")
+    run_id = bytes(b for b in buffer.tolist() if b).decode("ascii")
+    if not run_id:
+        raise ValueError("rank 0 broadcast no run id")
+    return run_id
 
 
 def resolve_run_id(explicit: str | None = None, *, collective: bool = True) -> str:

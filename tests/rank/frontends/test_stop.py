@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
-from ampscope.rank.frontends.stop import MESSAGE_PARAMS, RankReport, build_error, gather, own_params
+import json
+
+import pytest
+
+from ampscope.rank.frontends.stop import (
+    MESSAGE_PARAMS,
+    RankReport,
+    build_error,
+    decode,
+    encode,
+    gather,
+    own_params,
+    unknown,
+)
 
 
 def _reports() -> list[RankReport]:
@@ -38,6 +51,40 @@ def test_untracked_origin_and_a_clean_origin_are_told_apart() -> None:
 
 def test_one_process_gathers_its_own_report_and_names_at_most_the_top() -> None:
     report = RankReport(rank=0, origin=None, local=True, params=())
-    assert gather(report, None) == [report]
+    assert gather(report, None) == ([report], True)
     counts = {f"p{i}": i for i in range(1, 10)}
     assert own_params(counts) == tuple((f"p{i}", i) for i in range(9, 9 - MESSAGE_PARAMS, -1))
+
+
+def test_a_report_travels_as_json_and_comes_back_equal() -> None:
+    for report in [*_reports(), unknown(3), RankReport(0, None, False, (("é.w", 1),))]:
+        assert decode(encode(report)) == report
+    assert json.loads(encode(_reports()[1])) == [1, True, True, [["w", 9], ["b", 4]], True]
+    for bad in (b"", b"[1, 2]", b'["0", null, false, [], true]', b"[0, null, 1, [], true]"):
+        with pytest.raises((ValueError, TypeError)):
+            decode(bad)
+
+
+def test_a_rank_alone_speaks_for_itself_only() -> None:
+    clean = [RankReport(rank=2, origin=False, local=True, params=(("w", 1),))]
+    error = build_error(clean, 4, "r", gathered=False)
+    assert error.gathered is False
+    assert (error.origin_ranks, error.local_ranks) == ((), (2,))
+    assert str(error) == (
+        "ampscope: non-finite gradients at step 4: r. This is rank 2's view only: the "
+        "ranks' reports could not be gathered. Rank 2's own gradients held no inf/NaN "
+        "before the reduction. Local gradients held inf/NaN on rank(s) 2. "
+        "Top parameters: w (1 on rank 2)."
+    )
+    origin = [RankReport(rank=1, origin=True, local=True, params=())]
+    assert "Origin rank(s): 1." in str(build_error(origin, 4, "r", gathered=False))
+
+
+def test_a_rank_that_could_not_report_is_named_and_not_spoken_for() -> None:
+    reports = [RankReport(rank=0, origin=False, local=False, params=()), unknown(1)]
+    error = build_error(reports, 5, "r")
+    assert (error.origin_ranks, error.local_ranks, error.gathered) == ((), (), True)
+    assert str(error) == (
+        "ampscope: non-finite gradients at step 5: r. Rank(s) 1 could not report (ampscope "
+        "failed there). No reporting rank's own gradients held inf/NaN before the reduction."
+    )
