@@ -39,7 +39,6 @@ DURATION = re.compile(r"^([0-9]+(ms|s|m|h|d|w|y))+$")
 """A PromQL duration: ``30d``, ``12h``, ``1d12h``."""
 
 
-
 class QueryError(Exception):
     """Prometheus did not answer, refused us, or answered something else than asked:
     ``code`` is the exit status (3, 5 or 6)."""
