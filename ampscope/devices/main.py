@@ -156,18 +156,17 @@ def fetch(client: Prometheus, since: str, min_runs: int) -> list[ranking.Device]
         QueryError: a query failed or was answered in another shape than asked.
     """
     now = time.time()
-    with ThreadPoolExecutor(max_workers=2) as pool:
+    with ThreadPoolExecutor(max_workers=3) as pool:
         offences = pool.submit(client.query, query.offences_query(since), now)
         last = pool.submit(client.query, query.last_offence_query(since), now)
+        dcgm = pool.submit(client.query, query.dcgm_query(), now)
         offence_samples = query.require(
             offences.result(), client.url, ("device", "node", "run", "kind")
         )
         last_samples = query.require(last.result(), client.url, ("device", "node", "run"))
+        dcgm_samples = query.require(dcgm.result(), client.url, ("UUID", "field"))
     devices = ranking.rank(offence_samples, last_samples, min_runs)
-    uuids = ranking.gpu_uuids(devices)
-    if uuids:
-        dcgm = client.query(query.dcgm_query(uuids, since), now)
-        ranking.add_dcgm(devices, query.require(dcgm, client.url, ("UUID", "field")))
+    ranking.add_dcgm(devices, dcgm_samples)
     return devices
 
 

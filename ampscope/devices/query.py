@@ -2,8 +2,8 @@
 
 Reads the raw series (``ampscope_device_offences_total`` and
 ``ampscope_device_last_offence_timestamp_seconds``), so it works where no recording rule is
-loaded, and DCGM-exporter's error fields for the GPUs found. Three instant queries in all:
-two in parallel, then one for DCGM. Works against Prometheus, VictoriaMetrics and Thanos or
+loaded, and DCGM-exporter's error fields that are not zero, kept for the GPUs found. Three
+instant queries in all, in parallel. Works against Prometheus, VictoriaMetrics and Thanos or
 Mimir query frontends (``/api/v1/query`` only).
 """
 
@@ -38,8 +38,6 @@ remap). Read for the devices found, by their ``UUID`` label."""
 DURATION = re.compile(r"^([0-9]+(ms|s|m|h|d|w|y))+$")
 """A PromQL duration: ``30d``, ``12h``, ``1d12h``."""
 
-_REGEX_SPECIAL = re.compile(r"([\\.+*?()|\[\]{}^$])")
-
 
 class QueryError(Exception):
     """Prometheus did not answer, refused us, or answered something else than asked:
@@ -73,16 +71,13 @@ def last_offence_query(since: str) -> str:
     )
 
 
-def dcgm_query(uuids: Sequence[str], since: str) -> str:
-    """Each of ``DCGM_FIELDS`` for the GPUs ``uuids``: its highest value within ``since``,
-    labelled with its ``UUID`` and ``field``."""
-    pattern = "|".join(_REGEX_SPECIAL.sub(r"\\\1", uuid) for uuid in uuids)
-    matcher = json.dumps(pattern)  # a JSON string is a valid PromQL string literal
-    return " or ".join(
-        f"label_replace(max by (UUID) (max_over_time({field}{{UUID=~{matcher}}}[{since}])), "
-        f'"field", "{field}", "", "")'
-        for field in DCGM_FIELDS
-    )
+def dcgm_query() -> str:
+    """Every GPU's ``DCGM_FIELDS`` that are not zero now, labelled with ``field``: one
+    selector, whatever the number of GPUs (VictoriaMetrics refuses queries over 16 KiB, so
+    the UUIDs are matched here, not in the query). Current values: the ECC and remapping
+    fields are cumulative, and the XID field holds the last XID until the driver resets it."""
+    names = "|".join(DCGM_FIELDS)
+    return f'label_replace({{__name__=~"{names}"}}, "field", "$1", "__name__", "(.+)") > 0'
 
 
 def _samples(url: str, answer: Any) -> list[Sample]:

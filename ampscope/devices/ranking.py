@@ -83,13 +83,9 @@ def rank(offences: Iterable[Sample], last: Iterable[Sample], min_runs: int) -> l
     )
 
 
-def gpu_uuids(devices: Iterable[Device]) -> list[str]:
-    """The devices that are GPUs named by UUID (what DCGM-exporter's ``UUID`` label holds)."""
-    return sorted({d.device for d in devices if d.device.startswith(("GPU-", "MIG-"))})
-
-
 def add_dcgm(devices: Iterable[Device], samples: Iterable[Sample]) -> None:
-    """Put the non-zero DCGM fields (samples of ``dcgm_query``) on the devices they name."""
+    """Put the non-zero DCGM fields (samples of ``dcgm_query``) on the devices whose name is
+    their ``UUID`` (a GPU's ``GPU-…``; ``<node>:<local_rank>`` never matches)."""
     by_uuid: dict[str, dict[str, float]] = {}
     for sample in samples:
         if sample.value:
