@@ -79,7 +79,8 @@ def test_a_bearer_token_stays_with_prometheus(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("no runs")
     assert set(prometheus.authorizations()) == {"Bearer t0ken"}
-    assert len(elsewhere.received) == len(prometheus.received) == 7  # every query
+    # Every query was redirected, and each went on without the token.
+    assert len(elsewhere.received) == len(prometheus.received) > 0
     assert set(elsewhere.authorizations()) == {None}
 
 
