@@ -35,6 +35,8 @@ _EXPORTER_SIDE = {
     "ampscope_rank_up",
     "ampscope_rank_state",
     "ampscope_last_report_timestamp_seconds",
+    # Read from a failed rank's final heartbeat, not from its records.
+    "ampscope_rank_failure_info",
     # The exporter's judgement of each rank's history (and of its ranks against each other).
     "ampscope_spikes_total",
 }
