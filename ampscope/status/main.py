@@ -35,8 +35,8 @@ from ampscope.status.access import (
     prometheus_client_from_args,
 )
 from ampscope.status.fanout import EXIT_NO_SUCH_RUN, EXIT_UNREACHABLE, TargetResult
+from ampscope.status.prometheus_api import PrometheusClient, QueryError
 from ampscope.status.targets import TargetsError
-from ampscope.verdicts.thresholds import Thresholds
 from ampscope.verdicts.verdict import SEVERITY
 
 
@@ -284,14 +284,12 @@ def _job_frame(exporters: list[Exporter], run: str | None, as_json: bool) -> tup
     return "\n".join(lines), code
 
 
-def _prometheus_frame(
-    client: prometheus.PrometheusClient, run: str | None, as_json: bool
-) -> tuple[str, int]:
+def _prometheus_frame(client: PrometheusClient, run: str | None, as_json: bool) -> tuple[str, int]:
     from ampscope.status import render
 
     try:
-        answer = prometheus.fetch(client, run, Thresholds())
-    except prometheus.QueryError as exc:
+        answer = prometheus.fetch(client, run)
+    except QueryError as exc:
         return f"ampscope status: {exc}.", exc.code
     code = exit_status(answer)
     if as_json:
