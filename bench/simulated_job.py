@@ -98,9 +98,7 @@ class NodeExporter:
         self.now = 0.0
         self.store = settings.store()
         self.stats = IngestStats()
-        collector = StoreCollector(
-            self.store, self.stats, self.clock, settings.stale_after_s, settings.stall_after_s
-        )
+        collector = StoreCollector(self.store, self.stats, self.clock, settings.thresholds())
         self.exposition = Exposition(self.store, collector, self.clock, settings.stale_after_s)
 
     def clock(self) -> float:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ampscope.reporter.schema import DEFAULT_URL
 from ampscope.reporter.tls import ClientTls
-from ampscope.status.prometheus import PrometheusClient
+from ampscope.status.prometheus_api import PrometheusClient
 from ampscope.status.targets import read_targets
 
 EXIT_UNAUTHORIZED = 5

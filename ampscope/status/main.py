@@ -48,10 +48,10 @@ from ampscope.status.fanout import (
     EXIT_UNREACHABLE,
     TargetResult,
 )
+from ampscope.status.prometheus_api import PrometheusClient, QueryError
 from ampscope.status.shapes import Malformed
 from ampscope.status.targets import TargetsError
 from ampscope.status.transport import open_url
-from ampscope.verdicts.thresholds import Thresholds
 from ampscope.verdicts.verdict import SEVERITY
 
 EXIT_INTERNAL = 70
@@ -336,14 +336,12 @@ def _job_frame(exporters: list[Exporter], run: str | None, as_json: bool) -> tup
     return "\n".join(lines), code
 
 
-def _prometheus_frame(
-    client: prometheus.PrometheusClient, run: str | None, as_json: bool
-) -> tuple[str, int]:
+def _prometheus_frame(client: PrometheusClient, run: str | None, as_json: bool) -> tuple[str, int]:
     from ampscope.status import render
 
     try:
-        answer = prometheus.fetch(client, run, Thresholds())
-    except prometheus.QueryError as exc:
+        answer = prometheus.fetch(client, run)
+    except QueryError as exc:
         return f"ampscope status: {exc}.", exc.code
     except Malformed as exc:
         return f"ampscope status: {exc}.", EXIT_MALFORMED

@@ -396,7 +396,8 @@ def ranks() -> list[Panel]:
 
 
 def exporter() -> list[Panel]:
-    """The exporters' own ingest and memory (no rank labels: one series per exporter)."""
+    """The exporters' own ingest, memory and health thresholds (no rank labels: one series per
+    exporter)."""
     return [
         series(
             20,
@@ -421,6 +422,18 @@ def exporter() -> list[Panel]:
             Query("ampscope_exporter_tracked_series", "series {{instance}}"),
             Query("ampscope_exporter_unrenderable_ranks", "unrenderable ranks {{instance}}"),
             min_value=0,
+        ),
+        label_table(
+            38,
+            "Health thresholds per exporter",
+            "From ampscope_exporter_health_threshold: the numbers each exporter's health rules "
+            "judge with (its settings). `ampscope status --prometheus` judges with these too; "
+            "exporters that disagree are worth a look.",
+            Query("ampscope_exporter_health_threshold", instant=True, table=True),
+            columns=["threshold", "instance", "Value"],
+            hidden=["Time", "__name__", "job"],
+            width=24,
+            height=8,
         ),
     ]
 

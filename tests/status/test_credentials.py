@@ -16,7 +16,9 @@ from fake_api import Reply, serving
 from status_cli import run_status
 from support import free_port
 
+from ampscope.status.prometheus import queries
 from ampscope.status.transport import origin
+from ampscope.verdicts.thresholds import Thresholds
 
 BASIC = "Basic " + base64.b64encode(b"prometheus:s3cret").decode()
 NO_RUNS = Reply([])
@@ -79,8 +81,10 @@ def test_a_bearer_token_stays_with_prometheus(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("no runs")
     assert set(prometheus.authorizations()) == {"Bearer t0ken"}
-    # Every query was redirected, and each went on without the token.
-    assert len(elsewhere.received) == len(prometheus.received) > 0
+    # Every query (the published thresholds first, then the answer's own) was redirected,
+    # and each went on without the token.
+    asked = 1 + len(queries(None, Thresholds()))
+    assert len(elsewhere.received) == len(prometheus.received) == asked
     assert set(elsewhere.authorizations()) == {None}
 
 

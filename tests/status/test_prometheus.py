@@ -217,6 +217,7 @@ def _sample(name: str, rank: int, value: float, **labels: str) -> dict[str, Any]
 
 def test_spike_verdicts_count_what_prometheus_holds() -> None:
     from ampscope.status import prometheus
+    from ampscope.status.prometheus_ranks import build_views, per_rank
     from ampscope.verdicts.thresholds import Thresholds
 
     t = Thresholds()
@@ -232,7 +233,7 @@ def test_spike_verdicts_count_what_prometheus_holds() -> None:
             _sample("ampscope_rank_up", rank, 1.0),
             _sample("ampscope_rank_state", rank, 1.0, state="running"),
         ]
-    views = prometheus.build_views(samples, now)
+    views = build_views(samples, now)
     # increase() extrapolates: one spike reads a little more than 1. The grad norm is the
     # same on every rank, so every rank counted it; rank 3's own gradients stood out twice.
     spikes = [
@@ -242,7 +243,7 @@ def test_spike_verdicts_count_what_prometheus_holds() -> None:
         _sample("", 0, 0.0, kind="loss"),
     ]
     windows = {name: {} for name in prometheus.queries(RUN, t) if name != "now"}
-    windows["spikes"] = prometheus._per_rank(spikes, views)
+    windows["spikes"] = per_rank(spikes, views)
     ranks = sorted(views.values(), key=lambda v: v["rank"])
     report = prometheus.health_of(RUN, ranks, windows, t, now)
     verdicts = {v["rule"]: v for v in report["verdicts"]}

@@ -252,6 +252,14 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         labels=(),
     ),
     MetricSpec(
+        name="ampscope_exporter_health_threshold",
+        type="gauge",
+        help="The exporter's health-rule thresholds, one series per threshold, named as its "
+        "setting (stale_after_s, lost_critical_share, skip_storm_window_s, ...), so a view "
+        "over Prometheus (`ampscope status --prometheus`) judges with the exporters' numbers.",
+        labels=("threshold",),
+    ),
+    MetricSpec(
         name="ampscope_exporter_unrenderable_ranks",
         type="gauge",
         help="Ranks the latest scrape left out because their data could not be rendered.",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import fields
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -98,8 +99,9 @@ class StoreCollector(Collector):
         store: Where rank state lives.
         stats: The ingest self-metrics.
         clock: Current Unix time (injectable for tests).
-        stale_after_s: A rank with no report for this long has ``ampscope_rank_up`` 0.
-        stall_after_s: A rank heard from without a new step for this long is stalled.
+        thresholds: The health rules' thresholds: their stale and stall clocks decide
+            ``ampscope_rank_up`` and ``ampscope_rank_state``, and every one is published
+            (``ampscope_exporter_health_threshold``).
     """
 
     def __init__(
@@ -107,14 +109,18 @@ class StoreCollector(Collector):
         store: Store,
         stats: IngestStats,
         clock: Callable[[], float],
-        stale_after_s: float,
-        stall_after_s: float = Thresholds().stall_after_s,
+        thresholds: Thresholds,
     ) -> None:
         self._store = store
         self._stats = stats
         self._clock = clock
-        self._stale_after_s = stale_after_s
-        self._lifecycle = Lifecycle(stale_after_s=stale_after_s, stall_after_s=stall_after_s)
+        self._stale_after_s = thresholds.stale_after_s
+        self._lifecycle = Lifecycle(
+            stale_after_s=thresholds.stale_after_s, stall_after_s=thresholds.stall_after_s
+        )
+        self._thresholds = [
+            (f.name, float(getattr(thresholds, f.name))) for f in fields(thresholds)
+        ]
         self._logged: set[tuple[str, int]] = set()
 
     def collect(self) -> Iterator[Metric]:
@@ -269,7 +275,10 @@ class StoreCollector(Collector):
         tracked_ranks.add_metric([], ranks)
         tracked_series = _family("ampscope_exporter_tracked_series")
         tracked_series.add_metric([], series)
+        thresholds = _family("ampscope_exporter_health_threshold")
+        for name, value in self._thresholds:
+            thresholds.add_metric([name], value)
         left_out = _family("ampscope_exporter_unrenderable_ranks")
         left_out.add_metric([], unrenderable)
         yield from (batches, records, rejections, tracked_runs, tracked_ranks, tracked_series)
-        yield left_out
+        yield from (thresholds, left_out)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from support import need_tool, promtool_check_metrics
 
 from ampscope.exporter.metrics.catalogue import CATALOGUE, RANK_LABELS, SCALER_ONLY
+from ampscope.verdicts.thresholds import Thresholds
 from exporter.conftest import MakeClient
 from exporter.factory import T0, body, gpu, record, stats, totals, watch
 
@@ -233,6 +236,21 @@ def test_restart_resets_counters_and_silence_marks_rank_down(make_client: MakeCl
     assert _samples(client)[("ampscope_rank_up", _labels())] == 1
     clock.advance(1)
     assert _samples(client)[("ampscope_rank_up", _labels())] == 0
+
+
+def test_the_health_thresholds_are_published_as_set(make_client: MakeClient) -> None:
+    client, _ = make_client(stale_after_s=30, lost_critical_share=0.5, skip_storm_min_steps=4)
+    got = _samples(client)  # before any rank reported: the exporter's own, always there
+    published = {
+        dict(labels)["threshold"]: value
+        for (name, labels), value in got.items()
+        if name == "ampscope_exporter_health_threshold"
+    }
+    t = Thresholds(stale_after_s=30, lost_critical_share=0.5, skip_storm_min_steps=4)
+    assert published == {f.name: float(getattr(t, f.name)) for f in fields(t)}
+    assert (published["stale_after_s"], published["lost_critical_share"]) == (30.0, 0.5)
+    assert published["skip_storm_min_steps"] == 4.0
+    assert published["stall_after_s"] == 600.0
 
 
 @pytest.mark.prometheus

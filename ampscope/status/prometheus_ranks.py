@@ -1,0 +1,271 @@
+"""The ranks of a run as Prometheus holds them, in the JSON API's ``RankView`` shape: those
+whose series are there now, and those whose series were there within the last hour
+(``LOOKBACK_S``) and are gone (their exporter's scrape fails, ``up == 0``, or their series went
+stale), which are ``lost`` unless their last state was final (``finished``, or ``failed``
+with its failure), as the exporter's own health would call a rank it no longer hears. Also
+the thresholds the exporters publish (``ampscope_exporter_health_threshold``). Pure functions
+over query results.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import fields
+from typing import Any
+
+from ampscope.verdicts.ranks import FINAL_STATES
+from ampscope.verdicts.thresholds import Thresholds
+
+LOOKBACK_S = 3600
+"""How far back a rank whose series are gone is still looked for: the last hour."""
+
+GAUGES = (
+    "ampscope_rank_info",
+    "ampscope_last_step",
+    "ampscope_loss_scale",
+    "ampscope_growth_tracker",
+    "ampscope_loss_scale_aligned",
+    "ampscope_loss_scale_aligned_step",
+    "ampscope_last_report_timestamp_seconds",
+    "ampscope_rank_up",
+    "ampscope_rank_state",
+    "ampscope_rank_failure_info",
+    "ampscope_steps_total",
+    "ampscope_skipped_steps_total",
+    "ampscope_scale_backoffs_total",
+    "ampscope_scale_growths_total",
+    "ampscope_found_inf_total",
+    "ampscope_found_inf_origin_total",
+    "ampscope_nonfinite_updates_applied_total",
+    "ampscope_reporter_dropped_records_total",
+)
+"""Families read as instant vectors, in one query by name."""
+
+SEEN = (
+    "ampscope_rank_info",
+    "ampscope_last_step",
+    "ampscope_last_report_timestamp_seconds",
+    "ampscope_steps_total",
+    "ampscope_skipped_steps_total",
+    "ampscope_rank_failure_info",
+)
+"""Families whose last values within ``LOOKBACK_S`` describe a rank whose series are gone."""
+
+
+def seen_query(selector: str) -> str:
+    """The last value within ``LOOKBACK_S`` of every ``SEEN`` series (and of the final states,
+    ``finished`` and ``failed``), named as its family. ``last_over_time`` drops the name, so
+    ``label_replace`` puts it back, and ``or on (__name__)`` keeps the families apart."""
+    joined = f",{selector}" if selector else ""
+    selectors = [f"{name}{{{selector}}}" for name in SEEN]
+    final = "|".join(FINAL_STATES)
+    selectors.append(f'ampscope_rank_state{{state=~"{final}"{joined}}}')
+    names = [*SEEN, "ampscope_rank_state"]
+    return " or on (__name__) ".join(
+        f'label_replace(last_over_time({sel}[{LOOKBACK_S}s]), "__name__", "{name}", "", "")'
+        for sel, name in zip(selectors, names, strict=True)
+    )
+
+
+def up_query(selector: str) -> str:
+    """``up`` of every exporter that held a rank of the selection within ``LOOKBACK_S``."""
+    return (
+        f"up and on (job, instance) last_over_time(ampscope_rank_info{{{selector}}}[{LOOKBACK_S}s])"
+    )
+
+
+def _key(labels: Mapping[str, str]) -> tuple[str, int]:
+    return labels["run"], int(labels["rank"])
+
+
+def _view(info: Mapping[str, str]) -> dict[str, Any]:
+    """A ``RankView`` dict from a rank's ``ampscope_rank_info`` labels; values to follow."""
+    dtype = info.get("grad_dtype")
+    return {
+        "run": info["run"],
+        "node": info["node"],
+        "rank": int(info["rank"]),
+        "local_rank": int(info["local_rank"]),
+        "world_size": int(info.get("world_size") or 1),
+        "local_world_size": None,
+        "job_id": info.get("job_id") or None,
+        "step": 0,
+        "step_time": None,
+        "setup": {
+            "mode": info.get("mode", "scaler"),
+            "policy": info.get("policy", "skip"),
+            "grad_dtype": None if dtype in (None, "unknown") else dtype,
+        },
+        "scale": 1.0,
+        "growth_tracker": 0,
+        "last_event": None,
+        "last_skipped": None,
+        "totals": {
+            "steps": 0,
+            "skipped_steps": 0,
+            "backoffs": 0,
+            "growths": 0,
+            "found_inf_local": {},
+            "found_inf_origin": {},
+            "nonfinite_params": [],
+            "min_scale": None,
+            "max_scale": None,
+            "aligned_scale": None,
+            "nonfinite_applied": 0,
+            "first_nonfinite_applied": None,
+        },
+        "dropped_records": 0,
+        "up": False,
+        "state": "lost",
+        "failure": None,
+        "last_report_time": 0.0,
+        "seconds_since_report": 0.0,
+        "restarts": None,
+    }
+
+
+_TOTALS = {
+    "ampscope_steps_total": "steps",
+    "ampscope_skipped_steps_total": "skipped_steps",
+    "ampscope_scale_backoffs_total": "backoffs",
+    "ampscope_scale_growths_total": "growths",
+    "ampscope_nonfinite_updates_applied_total": "nonfinite_applied",
+}
+
+
+def build_views(samples: list[dict[str, Any]], now: float) -> dict[tuple[str, int], dict]:
+    """(run, rank) -> ``RankView`` dict from the ``now`` query's samples. A rank counts once
+    its info series is there; when a rank restarted onto another node, the copy with the
+    newest report wins (as the exporters' merge does)."""
+    views: dict[tuple[str, int], dict[str, Any]] = {}
+    newest: dict[tuple[str, int], float] = {}
+    for sample in samples:
+        labels = sample["metric"]
+        if labels.get("__name__") == "ampscope_last_report_timestamp_seconds":
+            key = _key(labels)
+            when = float(sample["value"][1])
+            if when >= newest.get(key, -1.0):
+                newest[key] = when
+                views.setdefault(key, {})["node"] = labels["node"]
+    for sample in samples:
+        labels = sample["metric"]
+        if labels.get("__name__") == "ampscope_rank_info":
+            key = _key(labels)
+            if views.get(key, {}).get("node", labels["node"]) == labels["node"]:
+                views[key] = _view(labels)
+    views = {key: view for key, view in views.items() if "rank" in view}
+    for sample in samples:
+        labels, value = sample["metric"], float(sample["value"][1])
+        key = _key(labels)
+        view = views.get(key)
+        if view is None or labels["node"] != view["node"]:
+            continue
+        name, totals = labels["__name__"], view["totals"]
+        if name == "ampscope_last_step":
+            view["step"] = int(value)
+        elif name == "ampscope_loss_scale":
+            view["scale"] = value
+        elif name == "ampscope_growth_tracker":
+            view["growth_tracker"] = int(value)
+        elif name in _TOTALS:
+            totals[_TOTALS[name]] = int(value)
+        elif name == "ampscope_found_inf_total":
+            totals["found_inf_local"][labels["device"]] = int(value)
+        elif name == "ampscope_found_inf_origin_total":
+            totals["found_inf_origin"][labels["device"]] = int(value)
+        elif name == "ampscope_loss_scale_aligned":
+            totals["aligned_scale"] = {**(totals["aligned_scale"] or {}), "scale": value}
+        elif name == "ampscope_loss_scale_aligned_step":
+            totals["aligned_scale"] = {**(totals["aligned_scale"] or {}), "step": int(value)}
+        elif name == "ampscope_reporter_dropped_records_total":
+            view["dropped_records"] = int(value)
+        elif name == "ampscope_rank_up":
+            view["up"] = value == 1.0
+        elif name == "ampscope_rank_state" and value == 1.0:
+            view["state"] = labels["state"]
+        elif name == "ampscope_rank_failure_info" and value == 1.0:
+            origin = labels.get("origin")
+            view["failure"] = {
+                "kind": labels.get("kind", "exception"),
+                "exception": labels.get("exception", "unknown"),
+                "message": None,  # only the exporters hold it
+                "step": None,  # the rank's last step, below
+                "origin_ranks": [view["rank"]]
+                if origin == "yes"
+                else []
+                if origin == "no"
+                else None,
+                "seen_by": None,
+            }
+        elif name == "ampscope_last_report_timestamp_seconds":
+            view["last_report_time"] = value
+            view["seconds_since_report"] = max(0.0, now - value)
+    for view in views.values():
+        if view["failure"] is not None:
+            view["failure"]["step"] = view["step"]
+    return views
+
+
+def per_rank(samples: list[dict[str, Any]], views: Mapping[tuple[str, int], dict]) -> dict:
+    """(run, rank) -> {device, spike kind or "": value} of a windowed query, for the ranks
+    held."""
+    out: dict[tuple[str, int], dict[str, float]] = {}
+    for sample in samples:
+        labels = sample["metric"]
+        key = _key(labels)
+        if key in views and views[key]["node"] == labels["node"]:
+            device = labels.get("device") or labels.get("kind", "")
+            out.setdefault(key, {})[device] = float(sample["value"][1])
+    return out
+
+
+def gone_ranks(
+    seen: list[dict[str, Any]], views: Mapping[tuple[str, int], dict], now: float
+) -> dict[tuple[str, int], dict[str, Any]]:
+    """(run, rank) -> ``RankView`` dict of every rank ``seen`` holds within ``LOOKBACK_S`` and
+    ``views`` (the ranks there now) does not: ``lost`` (``up`` false), or ``finished`` or
+    ``failed`` (with its failure) when its last state was. Its step, counters and last report
+    are the last ones Prometheus holds."""
+    gone = {key: view for key, view in build_views(seen, now).items() if key not in views}
+    for view in gone.values():
+        view["up"] = False
+        if view["state"] not in FINAL_STATES:
+            view["state"] = "lost"
+    return gone
+
+
+def exporters_down(
+    up: Iterable[dict[str, Any]], seen: Iterable[dict[str, Any]]
+) -> dict[str, list[str]]:
+    """Run -> the exporters (``instance``) that held its ranks and whose scrape fails now."""
+    down = {s["metric"].get("instance") for s in up if float(s["value"][1]) == 0.0}
+    runs: dict[str, set[str]] = {}
+    for sample in seen:
+        labels = sample["metric"]
+        if labels.get("__name__") == "ampscope_rank_info" and labels.get("instance") in down:
+            runs.setdefault(labels["run"], set()).add(labels["instance"])
+    return {run: sorted(instances) for run, instances in runs.items()}
+
+
+def thresholds_of(samples: Iterable[dict[str, Any]]) -> tuple[Thresholds, str]:
+    """The thresholds the exporters publish (``ampscope_exporter_health_threshold``), each the
+    value most of them give (ties: the smaller), and where they came from: ``exporters``, or
+    ``defaults`` when none publishes (exporters that predate it) or what they publish does not
+    hold together."""
+    given: dict[str, Counter[float]] = {}
+    for sample in samples:
+        name = sample["metric"].get("threshold")
+        given.setdefault(name, Counter())[float(sample["value"][1])] += 1
+    chosen: dict[str, Any] = {}
+    for field in fields(Thresholds):
+        counts = given.get(field.name)
+        if counts:
+            value = min(counts, key=lambda v: (-counts[v], v))
+            chosen[field.name] = int(value) if isinstance(field.default, int) else value
+    if not chosen:
+        return Thresholds(), "defaults"
+    try:
+        return Thresholds(**chosen), "exporters"
+    except (TypeError, ValueError):
+        return Thresholds(), "defaults"
