@@ -148,7 +148,12 @@ def test_every_dashboard_and_alert_expression_returns_data(
         for title, expr in dashboard_expressions(dashboard)
         if not evaluate(substitute(expr))
     ]
-    assert not empty, f"dashboard queries without data: {empty}"
+    # Two panels are empty by design here, and must be: the demo's ranks all end normally
+    # (a "Failed ranks" row would be a rank that failed), and no DCGM-exporter runs beside it.
+    expected_empty = {"Failed ranks", "DCGM errors of offending devices"}
+    assert {title for title, _ in empty} == expected_empty, (
+        f"dashboard queries without data: {empty}"
+    )
     # The DCGM join needs DCGM-exporter's series, which this test has none of.
     unrecorded = [
         name
