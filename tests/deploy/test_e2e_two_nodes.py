@@ -61,6 +61,11 @@ rules (rank -> run recording rules -> alert, each written back into VictoriaMetr
 the next reads it) lag the job by many seconds on a loaded machine. Only a hang waits this
 long; the wait ends as soon as the verdicts are shown."""
 QUIET_WITHIN_S = 300.0
+ACROSS_RUNS = {"AmpscopeRepeatOffenderDevice"}
+"""Alerts about a device across runs, finished ones included: the job's end does not quiet
+them (the same rank's device is the origin in several of its runs)."""
+NEEDS_DCGM = {"ampscope_device:dcgm_errors:offenders"}
+"""Recording rules that join DCGM-exporter's series, which this job has none of."""
 """Deadlock guard of the wait for every engine to resolve all of its alerts once the job
 finished; the wait ends as soon as they are quiet."""
 
@@ -104,7 +109,7 @@ class Watched:
     both_active_at: float | None = None
     """The last instant both the hotspot and the desync alert were active."""
     quiet_at: float | None = None
-    """The first instant after the job finished that no alert was active."""
+    """The first instant after the job finished that no alert about a run was active."""
 
 
 class _Watcher(threading.Thread):
@@ -138,7 +143,8 @@ class _Watcher(threading.Thread):
             if alert["state"] not in ("pending", "firing"):
                 continue
             labels = alert["labels"]
-            active.add(labels["alertname"])
+            if labels["alertname"] not in ACROSS_RUNS:
+                active.add(labels["alertname"])
             key = (labels.get("run", ""), labels.get("node", ""), labels.get("rank", ""))
             watched.alerts.setdefault(labels["alertname"], set()).add(key)
         if {"AmpscopeInfHotspot", "AmpscopeScaleDesync"} <= active:
@@ -567,5 +573,7 @@ def test_victoria_metrics_loads_every_rule_and_agrees(job: Job) -> None:
     watched = job.watched["vmalert"]
     _assert_alerted_on_the_faults_only(watched, job)
     assert set(watched.recorded) == set(recording_rules())
-    empty = [name for name, samples in watched.recorded.items() if not samples]
+    empty = [
+        name for name, samples in watched.recorded.items() if not samples and name not in NEEDS_DCGM
+    ]
     assert not empty, watched.recorded
