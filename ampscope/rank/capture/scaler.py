@@ -174,8 +174,11 @@ class PendingStep:
     __slots__ = (
         "before",
         "clean",
+        "extra",
         "fill",
+        "fp8",
         "host",
+        "host_extra",
         "host_norms",
         "identity",
         "local_devices",
@@ -245,6 +248,15 @@ class PendingStep:
         """A watch's host transport: ``(capture, *args)``; :meth:`read` first calls
         ``capture.fill(self, *args)`` (telemetry thread), which sets the layout, the setup
         and ``values``."""
+        # Extra device values that travel with the step's own copy, apart from its layout
+        # (FP8 observations, ampscope.rank.fp8); the capture never looks inside them.
+        self.extra: torch.Tensor | None = None
+        """A float32 vector set by the front-end before the copy starts; on the host
+        transport (CPU) it is read as it is."""
+        self.host_extra: torch.Tensor | None = None
+        """Device transport: the tail of ``host`` holding ``extra``."""
+        self.fp8: Any = None
+        """What names ``extra``'s values (``ampscope.rank.fp8.observer.Fp8Taken``)."""
 
     def read(self) -> list[float]:
         """The step's scalars on the host; waits for the device copy (telemetry thread)."""
@@ -265,8 +277,10 @@ class PendingStep:
         else:
             assert self.host is not None
             host = self.host
-            if self.host_norms is not None:
-                host = host[: len(host) - len(self.host_norms)]
+            tail = len(self.host_norms) if self.host_norms is not None else 0
+            tail += len(self.host_extra) if self.host_extra is not None else 0
+            if tail:
+                host = host[: len(host) - tail]
             own = host.tolist()
         if not self.clean:
             return own
@@ -276,6 +290,12 @@ class PendingStep:
             before = earlier[index].item()
         zeros = sum(s.num_flags for s in self.optimizers) + len(self.local_devices)
         return [before, *([0.0] * zeros), *own]
+
+    def read_extra(self) -> list[float]:
+        """``extra``'s values on the host; call after :meth:`read` (telemetry thread)."""
+        if self.host_extra is not None:
+            return self.host_extra.tolist()
+        return [] if self.extra is None else self.extra.tolist()
 
 
 def to_host_async(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
@@ -296,22 +316,35 @@ def copy_with_norms(
     pending: PendingStep, values: torch.Tensor, stats: TakenStats | None
 ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
     """Start the host copy of ``values`` (the step's stacked scalars) followed by the
-    stats' per-parameter norms, if any: one stack and one cat more, still one copy. Sets
-    ``pending.host_norms`` to the norms' part of the host copy."""
-    if stats is None or not stats.norm_count():
+    stats' per-parameter norms, if any, and ``pending.extra``, if set: one stack and one
+    cat more, still one copy. Sets ``pending.host_norms`` and ``pending.host_extra`` to
+    their parts of the host copy."""
+    extra = pending.extra
+    norm_count = stats.norm_count() if stats is not None else 0
+    if not norm_count and extra is None:
         return to_host_async(values)
     device, float32 = values.device, torch.float32
     parts = [values]
-    for optimizer in stats.optimizers:
-        if optimizer.norms:
-            # One stack per optimizer (its norms share a device); a cast only when they
-            # are not float32 on the values' device.
-            stacked = torch.stack(optimizer.norms)
-            if stacked.dtype is not float32 or stacked.device != device:
-                stacked = stacked.to(device=device, dtype=float32, non_blocking=True)
-            parts.append(stacked)
+    if stats is not None and norm_count:
+        for optimizer in stats.optimizers:
+            if optimizer.norms:
+                # One stack per optimizer (its norms share a device); a cast only when they
+                # are not float32 on the values' device.
+                stacked = torch.stack(optimizer.norms)
+                if stacked.dtype is not float32 or stacked.device != device:
+                    stacked = stacked.to(device=device, dtype=float32, non_blocking=True)
+                parts.append(stacked)
+    if extra is not None:
+        if extra.dtype is not float32 or extra.device != device:
+            extra = extra.to(device=device, dtype=float32, non_blocking=True)
+        parts.append(extra)
     host, ready = to_host_async(torch.cat(parts))
-    pending.host_norms = host[len(host) - stats.norm_count() :]
+    end = len(host)
+    if extra is not None:
+        pending.host_extra = host[end - len(extra) :]
+        end -= len(extra)
+    if norm_count:
+        pending.host_norms = host[end - norm_count : end]
     return host, ready
 
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import ProcessGroup
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as _TorchShardedGradScaler
 
-from ampscope.rank.config import TelemetryConfig
+from ampscope.rank.config import DEFAULT_FP8_EVERY, TelemetryConfig
 from ampscope.rank.frontends.scaler_mixin import TelemetryMixin
 from ampscope.reporter.sinks import Sink
 from ampscope.reporter.spike_rule import SpikeRule
@@ -47,6 +47,7 @@ class GradScaler(TelemetryMixin, torch.amp.GradScaler):
         max_scale: float | None = None,
         stats: bool = True,
         spike_rule: SpikeRule | None = None,
+        fp8_every: int = DEFAULT_FP8_EVERY,
     ) -> None:
         config = TelemetryConfig(
             reporter=reporter,
@@ -59,6 +60,7 @@ class GradScaler(TelemetryMixin, torch.amp.GradScaler):
             max_scale=max_scale,
             stats=stats,
             spike_rule=spike_rule,
+            fp8_every=fp8_every,
         )
         super().__init__(
             device,
@@ -102,6 +104,7 @@ class ShardedGradScaler(TelemetryMixin, _TorchShardedGradScaler):
         max_scale: float | None = None,
         stats: bool = True,
         spike_rule: SpikeRule | None = None,
+        fp8_every: int = DEFAULT_FP8_EVERY,
     ) -> None:
         config = TelemetryConfig(
             reporter=reporter,
@@ -114,6 +117,7 @@ class ShardedGradScaler(TelemetryMixin, _TorchShardedGradScaler):
             max_scale=max_scale,
             stats=stats,
             spike_rule=spike_rule,
+            fp8_every=fp8_every,
         )
         super().__init__(
             device,

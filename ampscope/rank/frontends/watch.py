@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from ampscope.rank.capture.scaler import FoundInf
 from ampscope.rank.capture.watch import Checked, WatchCapture, agree, check_local
-from ampscope.rank.config import TelemetryConfig, WatchConfig
+from ampscope.rank.config import DEFAULT_FP8_EVERY, TelemetryConfig, WatchConfig
 from ampscope.rank.frontends import stop
 from ampscope.rank.frontends.base import OWN_ATTRIBUTES, TelemetryFrontEnd, warn_if_torch_changed
 from ampscope.rank.frontends.stop import NonFiniteGradientsError
@@ -90,6 +90,7 @@ class GradWatch(TelemetryFrontEnd):
         history: int = 1024,
         stats: bool = True,
         spike_rule: SpikeRule | None = None,
+        fp8_every: int = DEFAULT_FP8_EVERY,
     ) -> None:
         self._watch = WatchConfig(
             policy=policy,
@@ -105,6 +106,7 @@ class GradWatch(TelemetryFrontEnd):
             history=history,
             stats=stats,
             spike_rule=spike_rule,
+            fp8_every=fp8_every,
         )
         warn_if_torch_changed()
         self._enabled = enabled
@@ -241,6 +243,7 @@ class GradWatch(TelemetryFrontEnd):
                 origin,
                 self._counts(capture),
                 self._ampscope_take_stats(),
+                self._ampscope_take_fp8(),
             )
             self._ampscope_telemetry.submit(pending)
         except Exception:
@@ -372,7 +375,11 @@ class GradWatch(TelemetryFrontEnd):
         capture.closed_by_raise = True
         try:
             pending = capture.close_iteration(
-                self._ampscope_identity_now(), origin, counts, self._ampscope_take_stats()
+                self._ampscope_identity_now(),
+                origin,
+                counts,
+                self._ampscope_take_stats(),
+                self._ampscope_take_fp8(),
             )
             self._ampscope_telemetry.submit(pending)
             self._ampscope_telemetry.flush(RAISE_FLUSH_TIMEOUT_S)

@@ -210,6 +210,11 @@ class RecordBuilder:
             )
             stats = _build(StepStats, validate or named, **fields)
         details = [self._detail(slot, found, validate) for slot, found in found_by_slot]
+        fp8 = None
+        if pending.fp8 is not None:
+            from ampscope.rank.fp8.record import fp8_entries
+
+            fp8 = fp8_entries(pending.fp8, pending.read_extra(), 1.0 if watch else scale_before)
         if new_aligned:
             aligned = _build(AlignedScale, validate, step=pending.step, scale=scale_after)
         first_applied = totals.first_nonfinite_applied
@@ -273,6 +278,7 @@ class RecordBuilder:
                 first_nonfinite_applied=first_applied,
             ),
             setup=setup,
+            fp8=fp8,
         )
         # The record exists: only now do the totals move.
         totals.steps, totals.skipped_steps = steps, skipped_steps

@@ -1,0 +1,140 @@
+"""Small FP8 models (torchao Float8Linear, emulated on the CPU) and an independent hook
+that computes what each layer's own cast does, for the FP8 tests."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from torch import nn
+
+torchao_float8 = pytest.importorskip("torchao.float8")
+logging.getLogger("torchao").setLevel(logging.ERROR)
+
+from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: E402
+from torchao.float8.config import Float8LinearRecipeName  # noqa: E402
+from torchao.float8.float8_linear import Float8Linear  # noqa: E402
+from torchao.float8.float8_scaling_utils import (  # noqa: E402
+    get_maybe_axiswise_dim,
+    hp_tensor_to_float8_dynamic,
+)
+from torchao.float8.float8_training_tensor import GemmInputRole  # noqa: E402
+
+
+def config(recipe: str = "tensorwise", **kwargs: object) -> Float8LinearConfig:
+    """An emulated (CPU) config of a torchao recipe."""
+    base = Float8LinearConfig.from_recipe_name(Float8LinearRecipeName(recipe))
+    fields = {f: getattr(base, f) for f in base.__dataclass_fields__}
+    fields.update(emulate=True, **kwargs)
+    return Float8LinearConfig(**fields)  # type: ignore[arg-type]
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class TinyFp8(nn.Module):
+    """``blocks`` residual blocks of two Linear layers each, then a head; ``scale_input``
+    multiplies the input of ``blocks.<target>.up`` (set by a test at a known step)."""
+
+    def __init__(self, width: int = 16, blocks: int = 2, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(blocks))
+        self.head = nn.Linear(width, 16)
+        self.scale_input = 1.0
+        self.target = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for index, block in enumerate(self.blocks):
+            if index == self.target and self.scale_input != 1.0:
+                x = x * self.scale_input
+            x = block(x)
+        return self.head(x)
+
+
+def fp8_model(recipe: str = "tensorwise", **kwargs: object) -> TinyFp8:
+    model = TinyFp8(**kwargs)  # type: ignore[arg-type]
+    convert_to_float8_training(model, config=config(recipe))
+    return model
+
+
+def data(step: int, width: int = 16, rows: int = 8) -> torch.Tensor:
+    """A batch with a wide dynamic range, so that casts underflow a little."""
+    generator = torch.Generator().manual_seed(1000 + step)
+    magnitude = 10.0 ** (torch.rand(rows, width, generator=generator) * 6 - 5)
+    return torch.randn(rows, width, generator=generator) * magnitude
+
+
+@dataclass
+class Seen:
+    """What the independent hook computed for one (layer, tensor)."""
+
+    amax: list[float] = field(default_factory=list)
+    underflow: list[float] = field(default_factory=list)
+    scale: list[float] = field(default_factory=list)
+
+
+def _independent(tensor: torch.Tensor, module: Float8Linear, which: str) -> tuple[float, ...]:
+    """amax, underflow ratio and scale of torchao's own cast of ``tensor``, read from the
+    Float8TrainingTensor that ``hp_tensor_to_float8_dynamic`` returns."""
+    c = module.config
+    cast_config, role, dim = {
+        "input": (c.cast_config_input, GemmInputRole.INPUT, -1),
+        "weight": (c.cast_config_weight, GemmInputRole.WEIGHT, 0),
+        "grad_output": (c.cast_config_grad_output, GemmInputRole.GRAD_OUTPUT, -1),
+    }[which]
+    fp8 = hp_tensor_to_float8_dynamic(
+        tensor,
+        cast_config.target_dtype,
+        module.linear_mm_config,
+        gemm_input_role=role,
+        scaling_granularity=cast_config.scaling_granularity,
+        axiswise_dim=get_maybe_axiswise_dim(dim, cast_config.scaling_granularity),
+        round_scales_to_power_of_2=c.round_scales_to_power_of_2,
+    )
+    nonzero = tensor != 0
+    underflowed = (fp8._data.float() == 0) & nonzero
+    ratio = underflowed.sum().item() / max(nonzero.sum().item(), 1)
+    return tensor.abs().max().item(), ratio, fp8._scale.max().item()
+
+
+def independent_hooks(model: nn.Module) -> dict[tuple[str, str], Seen]:
+    """Hooks of the test's own on every Float8Linear: per (layer, tensor), what the layer's
+    cast did in each forward/backward (grad_output as the layer received it: scaled)."""
+    seen: dict[tuple[str, str], Seen] = {}
+
+    def keep(name: str, which: str, values: tuple[float, ...]) -> None:
+        entry = seen.setdefault((name, which), Seen())
+        entry.amax.append(values[0])
+        entry.underflow.append(values[1])
+        entry.scale.append(values[2])
+
+    for name, module in model.named_modules():
+        if not isinstance(module, Float8Linear):
+            continue
+
+        def pre(mod: nn.Module, args: tuple[torch.Tensor, ...], name: str = name) -> None:
+            with torch.no_grad():
+                keep(name, "input", _independent(args[0], mod, "input"))  # type: ignore[arg-type]
+                weight_t = mod.weight.t()
+                keep(name, "weight", _independent(weight_t, mod, "weight"))  # type: ignore[arg-type]
+
+        def post(mod: nn.Module, args: object, out: torch.Tensor, name: str = name) -> None:
+            def on_grad(grad: torch.Tensor) -> None:
+                flat = grad.reshape(-1, grad.shape[-1])
+                keep(name, "grad_output", _independent(flat, mod, "grad_output"))  # type: ignore[arg-type]
+
+            out.register_hook(on_grad)
+
+        module.register_forward_pre_hook(pre)
+        module.register_forward_hook(post)
+    return seen
