@@ -22,6 +22,7 @@ from ampscope.exporter.api.models import HealthReport, Status, Verdict
 from ampscope.exporter.state.lifecycle import STATES, Lifecycle, RankStateName
 from ampscope.exporter.state.ranks import RankSnapshot, WindowCounts
 from ampscope.exporter.state.spike_windows import SpikeKindName
+from ampscope.verdicts import fp8 as fp8_rules
 from ampscope.verdicts import rules
 from ampscope.verdicts import spikes as spike_rules
 from ampscope.verdicts.rules import (
@@ -413,8 +414,34 @@ def _isolated(rule: Rule, ranks: Sequence[RankSnapshot], now: float, t: Threshol
         return rule(good, now, t)
 
 
-def evaluate(run: str, ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> HealthReport:
-    """Every rule over one run's ranks. Cost: O(ranks x (samples + history_length)).
+def fp8_facts(ranks: Sequence[RankSnapshot]) -> list[fp8_rules.Fp8Facts]:
+    """The FP8 series of ``ranks`` as the FP8 rules read them. O(series)."""
+    return [
+        fp8_rules.Fp8Facts(
+            rank=snap.identity.rank,
+            node=snap.identity.node,
+            layer=series.layer,
+            tensor=series.tensor,
+            step=series.step,
+            underflow_recent=series.underflow_recent,
+            spike=series.spike,
+            nonfinite=series.nonfinite,
+        )
+        for snap in ranks
+        for series in snap.fp8
+    ]
+
+
+def evaluate(
+    run: str,
+    ranks: Sequence[RankSnapshot],
+    now: float,
+    t: Thresholds,
+    *,
+    fp8: fp8_rules.Fp8Rule | None = None,
+) -> HealthReport:
+    """Every rule over one run's ranks. Cost: O(ranks x (samples + history_length)), plus
+    O(FP8 series) for the FP8 rules (``fp8``: their thresholds; default the defaults).
 
     A run whose ranks all finished is judged as it ended: the instability rules are
     evaluated at the time of its last final record, so its report stays the same however
@@ -440,6 +467,15 @@ def evaluate(run: str, ranks: Sequence[RankSnapshot], now: float, t: Thresholds)
         _isolated(grad_norm_spike, ranks, at, t),
         _isolated(origin_outlier, ranks, at, t),
     ]
+    series = fp8_facts(ranks)
+    if series:  # the FP8 rules speak only of runs with FP8 layers
+        rule = fp8 or fp8_rules.Fp8Rule()
+        window_s = t.spike_verdict_window_s
+        verdicts += [
+            fp8_rules.fp8_amax_spike(series, rule, at, window_s),
+            fp8_rules.fp8_underflow(series, rule),
+            fp8_rules.fp8_nonfinite_amax(series, at, window_s),
+        ]
     status = max((v.status for v in verdicts), key=_SEVERITY.__getitem__)
     return HealthReport(
         run=run,

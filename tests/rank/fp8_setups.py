@@ -138,3 +138,129 @@ def independent_hooks(model: nn.Module) -> dict[tuple[str, str], Seen]:
         module.register_forward_pre_hook(pre)
         module.register_forward_hook(post)
     return seen
+
+
+# -- 2-rank gloo workers (tests/rank/fp8/test_fp8_distributed.py) ------------------------
+
+SPIKE_STEP = 30
+"""1-based step at which rank 1 multiplies the input of ``SPIKE_LAYER`` by ``SPIKE``."""
+SPIKE_LAYER = "blocks.1.up"
+SPIKE = 1e3
+SETUPS = ("ddp-watch-bf16", "ddp-scaler-fp16", "fsdp2-watch-bf16", "fsdp2-scaler-fp16")
+
+
+def _inject(model: nn.Module, rank: int, steps: list[int]) -> None:
+    """Rank 1 multiplies the layer's input by SPIKE at SPIKE_STEP and divides its output
+    back: nothing but that one input's amax changes (registered before ampscope's hooks,
+    so ampscope sees the multiplied input)."""
+    layer = model.get_submodule(SPIKE_LAYER)
+
+    def pre(module: nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...] | None:
+        if rank == 1 and steps[0] == SPIKE_STEP:
+            return (args[0] * SPIKE,)
+        return None
+
+    def post(module: nn.Module, args: object, out: torch.Tensor) -> torch.Tensor | None:
+        if rank == 1 and steps[0] == SPIKE_STEP:
+            return out / SPIKE
+        return None
+
+    layer.register_forward_pre_hook(pre)
+    layer.register_forward_hook(post)
+
+
+def fp8_worker(
+    rank: int, world_size: int, url: str, run: str, steps: int, setups: tuple[str, ...] = SETUPS
+) -> dict[str, object]:
+    """Train the tiny FP8 model under each of ``setups`` (one run id each), reporting to
+    the exporter at ``url``; return each setup's records' FP8 amax by step."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    import ampscope
+    from ampscope.reporter.http import HttpReporter
+
+    out: dict[str, object] = {}
+    for setup in setups:
+        wrap, front_name, precision = setup.split("-")
+        model = TinyFp8(seed=0)
+        convert_to_float8_training(
+            model, config=config(enable_fsdp_float8_all_gather=wrap == "fsdp2")
+        )
+        step_box = [0]
+        _inject(model, rank, step_box)
+        if wrap == "ddp":
+            wrapped: nn.Module = DistributedDataParallel(model)
+        else:
+            for block in model.blocks:
+                fully_shard(block)
+            wrapped = fully_shard(model)
+        records: list[object] = []
+        reporter = HttpReporter(url, flush_interval=0.05)
+        sink = _Keep(records)
+        front: object
+        if front_name == "watch":
+            front = ampscope.GradWatch(reporter=reporter, sinks=[sink], run_id=f"{run}-{setup}")
+        else:
+            front = ampscope.GradScaler(
+                "cpu", init_scale=2.0**8, reporter=reporter, sinks=[sink], run_id=f"{run}-{setup}"
+            )
+        front.attach(wrapped, fp8_every=1)  # type: ignore[attr-defined]
+        optimizer = torch.optim.SGD(wrapped.parameters(), lr=1e-2)
+        for step in range(1, steps + 1):
+            step_box[0] = step
+            optimizer.zero_grad()
+            x = data(1000 * rank + step)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+                loss = wrapped(x).float().square().mean()
+            front.scale(loss).backward()  # type: ignore[attr-defined]
+            front.step(optimizer)  # type: ignore[attr-defined]
+            front.update()  # type: ignore[attr-defined]
+        front.close(timeout=10.0)  # type: ignore[attr-defined]
+        dist.barrier()
+        out[setup] = {
+            "amax": [
+                {f"{e.layer}/{e.tensor}": e.amax for e in r.fp8 or ()}  # type: ignore[attr-defined]
+                for r in records
+            ],
+            "casts": sorted({(e.tensor, e.cast) for r in records for e in r.fp8 or ()}),  # type: ignore[attr-defined]
+            "skipped": [r.skipped for r in records],  # type: ignore[attr-defined]
+        }
+    return out
+
+
+class _Keep:
+    def __init__(self, records: list[object]) -> None:
+        self.records = records
+
+    def emit(self, record: object) -> None:
+        self.records.append(record)
+
+    def close(self, timeout: float) -> None:
+        pass
+
+
+def clean_worker(rank: int, world_size: int, url: str, steps: int) -> list[int]:
+    """A clean bf16 DDP run under GradWatch, every iteration observed (run id ``clean``)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    import ampscope
+    from ampscope.reporter.http import HttpReporter
+
+    model = TinyFp8(seed=0)
+    convert_to_float8_training(model, config=config())
+    wrapped = DistributedDataParallel(model)
+    watch = ampscope.GradWatch(reporter=HttpReporter(url, flush_interval=0.1), run_id="clean")
+    watch.attach(wrapped, fp8_every=1)
+    optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
+    target = torch.randn(8, 16, generator=torch.Generator().manual_seed(5))
+    for step in range(steps):
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = (wrapped(data(1000 * rank + step)).float() - target).square().mean()
+        watch.scale(loss).backward()
+        watch.step(optimizer)
+        watch.update()
+    watch.close(timeout=10.0)
+    return list(range(steps))

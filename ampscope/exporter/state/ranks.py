@@ -41,9 +41,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
+from ampscope.exporter.state.fp8_series import Fp8Series, RankFp8
 from ampscope.exporter.state.spike_windows import RankSpikes, SpikeCounts, SpikeEvent
 from ampscope.reporter.schema import Heartbeat, Identity, RankTotals, StepRecord
 from ampscope.reporter.spike_rule import SpikeRule
+from ampscope.verdicts.fp8 import Fp8Rule
 
 PER_RANK_SERIES = 12
 """Per-rank label sets of every rank besides devices and parameters: info, last step, last
@@ -188,6 +190,8 @@ class RankSnapshot:
     """Spike iterations per kind the exporter found (``ampscope_spikes_total``)."""
     spikes: tuple[SpikeEvent, ...] = ()
     """The most recent of them, oldest first (empty in ``Store.latest``'s snapshots)."""
+    fp8: tuple[Fp8Series, ...] = ()
+    """The rank's FP8 series (torchao ``Float8Linear`` layers), when it reports them."""
 
     @property
     def identity(self) -> Identity:
@@ -324,8 +328,10 @@ class RankState:
         history_length: int,
         sample_interval_s: float = 0.0,
         spike_rule: SpikeRule | None = None,
+        fp8_rule: Fp8Rule | None = None,
     ) -> None:
         self.spikes = RankSpikes(spike_rule or SpikeRule())
+        self.fp8 = RankFp8(fp8_rule or Fp8Rule())
         self.newest: StepRecord | None = None
         self.last_report = 0.0
         self.dropped_records = 0
@@ -453,6 +459,7 @@ class RankState:
             self.newest = record
             self._append(HeldRecord.of(record))
             self.spikes.observe(record, now)
+            self.fp8.observe(record, now)
         elif outcome == "restart":
             self._process_start = min(record.time, now)
             self.restarts += 1
@@ -460,10 +467,12 @@ class RankState:
             self.history_bytes = 0
             self.samples.clear()
             self.spikes.reset()
+            self.fp8.reset()
             self.newest = record
             self.first_step = record.step
             self._append(HeldRecord.of(record))
             self.spikes.observe(record, now)
+            self.fp8.observe(record, now)
         elif outcome == "late" and not self._insert_late(record):
             return "ignored"
         return outcome
@@ -525,4 +534,5 @@ class RankState:
             finished_at=self.finished_at,
             spike_counts=self.spikes.counts,
             spikes=tuple(self.spikes.recent),
+            fp8=self.fp8.view(),
         )

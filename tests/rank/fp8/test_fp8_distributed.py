@@ -1,0 +1,85 @@
+"""Two real gloo ranks, DDP and FSDP2, under GradWatch in bf16 and the fp16 GradScaler,
+with torchao Float8Linear layers (emulated on the CPU), reporting to a real exporter.
+
+Rank 1 multiplies one layer's input by 1e3 at a known step: its records show that amax
+jump for that layer, tensor and rank alone, and the exporter's fp8_amax_spike names
+exactly them. A separate clean run of a few hundred iterations fires no FP8 verdict.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from typing import Any
+
+import pytest
+from fp8_setups import SETUPS, SPIKE, SPIKE_LAYER, SPIKE_STEP, clean_worker, fp8_worker
+from support import free_port, run_distributed
+
+from ampscope.demo.exporter import ExporterProcess
+
+# A deadlock guard only: emulated FP8 on a shared CPU is slow, and no verdict here
+# depends on how long a step takes.
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(1200)]
+
+STEPS = SPIKE_STEP + 5
+CLEAN_STEPS = 300
+FP8_RULES = ("fp8_amax_spike", "fp8_underflow", "fp8_nonfinite_amax")
+
+
+def _health(url: str, run: str) -> dict[str, Any]:
+    with urllib.request.urlopen(f"{url}/api/v1/runs/{run}/health", timeout=10) as response:
+        report: dict[str, Any] = json.load(response)
+    return {v["rule"]: v for v in report["verdicts"]}
+
+
+@pytest.fixture
+def exporter():
+    process = ExporterProcess(free_port())
+    process.start()
+    yield process
+    process.stop()
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+def test_one_ranks_spike_is_named_by_layer_tensor_rank_and_step(exporter, setup: str) -> None:
+    results = run_distributed(
+        fp8_worker, args=(exporter.url, "spike", STEPS, (setup,)), timeout=900
+    )
+    target = f"{SPIKE_LAYER}/input"
+    for rank, result in enumerate(results):
+        amax = result[setup]["amax"]
+        assert len(amax) == STEPS, setup
+        before = amax[SPIKE_STEP - 2]
+        at = amax[SPIKE_STEP - 1]
+        for key, value in at.items():
+            assert value is not None, (setup, rank, key)
+            ratio = value / before[key]
+            if rank == 1 and key == target:
+                assert ratio > SPIKE / 10, (setup, key, ratio)
+            else:  # nothing else jumps, on either rank
+                assert ratio < 10, (setup, rank, key, ratio)
+    casts = dict(results[0][setup]["casts"])
+    assert casts["weight"] == ("fsdp_all_gather" if setup.startswith("fsdp2") else "output_gemm")
+    verdicts = _health(exporter.url, f"spike-{setup}")
+    spike = verdicts["fp8_amax_spike"]
+    assert spike["status"] == "warning", (setup, spike)
+    assert spike["evidence"]["series_affected"] == 1
+    (named,) = spike["evidence"]["series"]
+    assert (named["rank"], named["layer"], named["tensor"], named["step"]) == (
+        1,
+        SPIKE_LAYER,
+        "input",
+        SPIKE_STEP,
+    )
+    assert named["value"] / named["baseline"] > SPIKE / 10
+    assert verdicts["fp8_nonfinite_amax"]["status"] == "ok"
+
+
+def test_a_clean_run_fires_no_fp8_verdict(exporter) -> None:
+    results = run_distributed(clean_worker, args=(exporter.url, CLEAN_STEPS), timeout=900)
+    assert all(len(r) == CLEAN_STEPS for r in results)
+    verdicts = _health(exporter.url, "clean")
+    for rule in FP8_RULES:
+        assert verdicts[rule]["status"] == "ok", verdicts[rule]
+    assert verdicts["fp8_amax_spike"]["evidence"]["series"] == 2 * 15
