@@ -43,7 +43,9 @@ def _model(observed: bool) -> nn.Module:
     return model
 
 
-def _contender(fp8_every: int | None, watch: bool) -> Callable[[], float]:
+def _contender(
+    fp8_every: int | None, watch: bool, clock: Callable[[], float]
+) -> Callable[[], float]:
     """One step function returning its wall time; ``fp8_every`` None: no FP8 observation
     (the watch attached to a model handle without the FP8 layers)."""
     from ampscope import GradWatch
@@ -59,7 +61,7 @@ def _contender(fp8_every: int | None, watch: bool) -> Callable[[], float]:
             front.attach(model, fp8_every=fp8_every or DEFAULT_FP8_EVERY)
 
     def step() -> float:
-        start = time.perf_counter()
+        start = clock()
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = model(x).float().square().mean()
@@ -70,20 +72,22 @@ def _contender(fp8_every: int | None, watch: bool) -> Callable[[], float]:
             front.scale(loss).backward()
             front.step(optimizer)
             front.update()
-        return time.perf_counter() - start
+        return clock() - start
 
     return step
 
 
-def run(groups: int) -> dict[str, Any]:
+def run(groups: int, clock_name: str = "thread") -> dict[str, Any]:
     """Time the contenders; the ratios against ``no_ampscope``."""
     from ampscope.rank.config import DEFAULT_FP8_EVERY
 
+    torch.set_num_threads(1)
+    clock = time.thread_time if clock_name == "thread" else time.perf_counter
     contenders = {
-        "no_ampscope": _contender(None, watch=False),
-        "watch_without_fp8": _contender(None, watch=True),
-        f"fp8_every_{DEFAULT_FP8_EVERY}_default": _contender(0, watch=True),
-        "fp8_every_1": _contender(1, watch=True),
+        "no_ampscope": _contender(None, False, clock),
+        "watch_without_fp8": _contender(None, True, clock),
+        f"fp8_every_{DEFAULT_FP8_EVERY}_default": _contender(0, True, clock),
+        "fp8_every_1": _contender(1, True, clock),
     }
     for step in contenders.values():  # warm-up: torchao's first casts, allocator
         for _ in range(BLOCK):
@@ -97,6 +101,7 @@ def run(groups: int) -> dict[str, Any]:
         "block_steps": BLOCK,
         "groups": groups,
         "threads": torch.get_num_threads(),
+        "clock": clock_name,
         "torch": torch.__version__,
     }
     return result
@@ -106,9 +111,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.fp8", description=__doc__)
     parser.add_argument("--groups", type=int, default=8, help="interleaved block groups")
     parser.add_argument("--out", type=Path, default=None, help="write the JSON result here")
+    parser.add_argument("--clock", choices=("thread", "wall"), default="thread")
     args = parser.parse_args(argv)
     logging.getLogger("torchao").setLevel(logging.ERROR)
-    result = run(args.groups)
+    result = run(args.groups, args.clock)
     for name, ratio in result["ratio"].items():
         print(
             f"{name:>26}: x{ratio['median']:.4f} (IQR {ratio['p25']:.4f}-{ratio['p75']:.4f}, "

@@ -17,8 +17,9 @@ LABEL_PATTERN = re.compile(r"^[A-Za-z0-9_.:/@+=-]+$")
 
 
 DEFAULT_FP8_EVERY = 10
-"""Observe FP8 layers on one iteration in this many: under 1 % of a step on the bench's
-12-layer model (bench/fp8.py, docs/fp8.md), against about 5 % for every iteration."""
+"""Observe FP8 layers on one iteration in this many: an observed iteration costs about
+one more pass over each cast tensor, so one in ten spreads it tenfold (bench/fp8.py and
+its figures in docs/fp8.md)."""
 
 
 def check_fp8_every(value: object) -> int:
