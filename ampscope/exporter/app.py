@@ -72,7 +72,14 @@ def _build_state(app: FastAPI, settings: Settings, clock: Callable[[], float]) -
     # One registry per app, never prometheus_client's global one: two apps in one process
     # (tests) must not see each other's series.
     registry = CollectorRegistry(auto_describe=False)
-    collector = StoreCollector(store, stats, clock, settings.stale_after_s, settings.stall_after_s)
+    collector = StoreCollector(
+        store,
+        stats,
+        clock,
+        settings.stale_after_s,
+        settings.stall_after_s,
+        fp8_window_s=settings.spike_verdict_window_s,
+    )
     registry.register(collector)
     app.state.store = store
     app.state.registry = registry

@@ -24,6 +24,7 @@ from ampscope.exporter.api.models import HealthReport
 from ampscope.exporter.state.lifecycle import Lifecycle
 from ampscope.exporter.state.ranks import RankSnapshot, WindowCounts
 from ampscope.exporter.state.spike_windows import SpikeKindName
+from ampscope.verdicts import fp8 as fp8_rules
 from ampscope.verdicts import liveness, nonfinite, scale
 from ampscope.verdicts import spikes as spike_rules
 from ampscope.verdicts.ranks import RankFacts, is_scaler
@@ -304,11 +305,39 @@ _SCOPES: dict[RuleName, _Scope] = {
     "grad_norm_spike": _Scope(grad_norm_spike),
     "origin_outlier": _Scope(origin_outlier),
 }
-"""Each rule of ``ampscope.verdicts.RULES`` over the store's snapshots."""
+"""Each rule of ``ampscope.verdicts.RULES`` over the store's snapshots, but the FP8 rules
+(``FP8_RULES``: over the ranks' FP8 series, ``fp8_facts``)."""
 
 
-def evaluate(run: str, ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> HealthReport:
-    """Every rule over one run's ranks, in report order (``RULES``). Cost: O(ranks x samples).
+def fp8_facts(ranks: Sequence[RankSnapshot]) -> list[fp8_rules.Fp8Facts]:
+    """The FP8 series of ``ranks`` as the FP8 rules read them. O(series)."""
+    return [
+        fp8_rules.Fp8Facts(
+            rank=snap.identity.rank,
+            node=snap.identity.node,
+            layer=series.layer,
+            tensor=series.tensor,
+            step=series.step,
+            underflow_recent=series.underflow_recent,
+            spike=series.spike,
+            nonfinite=series.nonfinite,
+        )
+        for snap in ranks
+        for series in snap.fp8
+    ]
+
+
+def evaluate(
+    run: str,
+    ranks: Sequence[RankSnapshot],
+    now: float,
+    t: Thresholds,
+    *,
+    fp8: fp8_rules.Fp8Rule | None = None,
+) -> HealthReport:
+    """Every rule over one run's ranks, in report order (``RULES``); the FP8 rules only for a
+    run with FP8 layers (``fp8``: their thresholds; default the defaults). Cost: O(ranks x
+    samples), plus O(FP8 series) for the FP8 rules.
 
     A run whose ranks all finished is judged as it ended: the instability rules are
     evaluated at the time of its last final record, so its report stays the same however
@@ -318,13 +347,22 @@ def evaluate(run: str, ranks: Sequence[RankSnapshot], now: float, t: Thresholds)
     finished = run_finished(states)
     at = max(snap.finished_at or 0.0 for snap in ranks) if finished else now
     verdicts = []
-    for name in RULES:
-        scope = _SCOPES[name]
+    for scope in _SCOPES.values():
         when = now if scope.live else at
         held = ranks
         if scope.window is not None:
             window_s = scope.window(t)
             held = [snap for snap in ranks if snap.reported_within(when, window_s)]
         verdicts.append(_isolated(scope.rule, held, when, t))
+    series = fp8_facts(ranks)
+    if series:  # the FP8 rules speak only of runs with FP8 layers
+        rule = fp8 or fp8_rules.Fp8Rule()
+        window_s = t.spike_verdict_window_s
+        verdicts += [
+            fp8_rules.fp8_amax_spike(series, rule, at, window_s),
+            fp8_rules.fp8_underflow(series, rule),
+            fp8_rules.fp8_nonfinite_amax(series, at, window_s),
+        ]
+    verdicts.sort(key=lambda v: RULES.index(v.rule))
     up = sum(1 for snap in ranks if snap.reported_within(now, t.stale_after_s))
     return HealthReport(**health_report(run, verdicts, states, evaluated_at=now, up=up))

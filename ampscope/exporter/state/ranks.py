@@ -41,6 +41,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
+from ampscope.exporter.state.fp8_series import Fp8Series, RankFp8
 from ampscope.exporter.state.spike_windows import RankSpikes, SpikeCounts, SpikeEvent
 from ampscope.reporter.schema import (
     DeviceIdentity,
@@ -50,6 +51,7 @@ from ampscope.reporter.schema import (
     StepRecord,
 )
 from ampscope.reporter.spike_rule import SpikeRule
+from ampscope.verdicts.fp8 import Fp8Rule
 from ampscope.verdicts.ranks import is_scaler
 
 PER_RANK_SERIES = 12
@@ -202,6 +204,8 @@ class RankSnapshot:
     """Record time of the newest step at which the rank was an offender: its own gradients
     held inf/NaN (origin tracking) or stood out as an origin outlier; ``None`` while none
     was seen."""
+    fp8: tuple[Fp8Series, ...] = ()
+    """The rank's FP8 series (torchao ``Float8Linear`` layers), when it reports them."""
 
     @property
     def identity(self) -> Identity:
@@ -338,8 +342,10 @@ class RankState:
         history_length: int,
         sample_interval_s: float = 0.0,
         spike_rule: SpikeRule | None = None,
+        fp8_rule: Fp8Rule | None = None,
     ) -> None:
         self.spikes = RankSpikes(spike_rule or SpikeRule())
+        self.fp8 = RankFp8(fp8_rule or Fp8Rule())
         self.newest: StepRecord | None = None
         self.last_report = 0.0
         self.dropped_records = 0
@@ -487,6 +493,7 @@ class RankState:
             self.newest = record
             self._append(HeldRecord.of(record))
             self.spikes.observe(record, now)
+            self.fp8.observe(record, now)
         elif outcome == "restart":
             self._process_start = min(record.time, now)
             self.restarts += 1
@@ -495,10 +502,12 @@ class RankState:
             self.history_bytes = 0
             self.samples.clear()
             self.spikes.reset()
+            self.fp8.reset()
             self.newest = record
             self.first_step = record.step
             self._append(HeldRecord.of(record))
             self.spikes.observe(record, now)
+            self.fp8.observe(record, now)
         elif outcome == "late" and not self._insert_late(record):
             return "ignored"
         return outcome
@@ -547,8 +556,9 @@ class RankState:
 
     def snapshot(self, *, history: bool = True) -> RankSnapshot:
         """Copy for lock-free reading. O(history + samples), C-speed tuple copies; without
-        ``history`` (the record history and window samples left empty) O(recent spikes),
-        for readers of the newest state only (the collector, the run listing)."""
+        ``history`` (the record history and window samples left empty, and the FP8 series
+        without their spike baselines) O(recent spikes + FP8 series), for readers of the
+        newest state only (the collector, the run listing)."""
         assert self.newest is not None
         return RankSnapshot(
             newest=self.newest,
@@ -564,4 +574,5 @@ class RankState:
             spikes=tuple(self.spikes.recent),
             device=self.device,
             last_offence=self.last_offence,
+            fp8=self.fp8.view(baselines=history),
         )

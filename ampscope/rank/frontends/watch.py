@@ -227,6 +227,7 @@ class GradWatch(TelemetryFrontEnd):
                 origin,
                 self._counts(capture),
                 self._ampscope_take_stats(),
+                self._ampscope_take_fp8(),
             )
             self._ampscope_telemetry.submit(pending)
         except Exception:
@@ -358,7 +359,11 @@ class GradWatch(TelemetryFrontEnd):
         capture.closed_by_raise = True
         try:
             pending = capture.close_iteration(
-                self._ampscope_identity_now(), origin, counts, self._ampscope_take_stats()
+                self._ampscope_identity_now(),
+                origin,
+                counts,
+                self._ampscope_take_stats(),
+                self._ampscope_take_fp8(),
             )
             self._ampscope_telemetry.submit(pending)
             self._ampscope_telemetry.flush(RAISE_FLUSH_TIMEOUT_S)

@@ -9,7 +9,14 @@ from fastapi import APIRouter, Path, Query
 from ampscope.exporter import health
 from ampscope.exporter.api.deps import ClockDep, SettingsDep, StoreDep
 from ampscope.exporter.api.errors import ApiError, responses
-from ampscope.exporter.api.models import HealthReport, History, RankView, RunSummary
+from ampscope.exporter.api.models import (
+    Fp8Event,
+    Fp8SeriesView,
+    HealthReport,
+    History,
+    RankView,
+    RunSummary,
+)
 from ampscope.exporter.settings import Settings
 from ampscope.exporter.state.ranks import RankSnapshot
 from ampscope.verdicts.ranks import state_counts
@@ -48,6 +55,20 @@ def _view(snap: RankSnapshot, now: float, settings: Settings) -> RankView:
         last_report_time=snap.last_report,
         seconds_since_report=age,
         restarts=snap.restarts,
+        fp8=[
+            Fp8SeriesView(
+                layer=series.layer,
+                tensor=series.tensor,
+                step=series.step,
+                newest=series.entry,
+                skipped=series.skipped,
+                baseline=series.baseline,
+                underflow_recent=list(series.underflow_recent),
+                spike=None if series.spike is None else Fp8Event(**vars(series.spike)),
+                nonfinite=None if series.nonfinite is None else Fp8Event(**vars(series.nonfinite)),
+            )
+            for series in snap.fp8
+        ],
     )
 
 
@@ -170,4 +191,6 @@ def get_health(run: RunId, store: StoreDep, settings: SettingsDep, clock: ClockD
     non-finite updates applied (a bf16/fp32 watch under ``observe``), each with its evidence
     and thresholds; ``status`` is the worst of them. The scale rules leave watch ranks out
     (they have no loss scale). A finished run is judged as it ended (see ``state``)."""
-    return health.evaluate(run, _ranks(store, run), clock(), settings.thresholds())
+    return health.evaluate(
+        run, _ranks(store, run), clock(), settings.thresholds(), fp8=store.fp8_rule
+    )
