@@ -26,6 +26,7 @@ from ampscope.exporter.state.ranks import RankSnapshot, WindowCounts
 from ampscope.exporter.state.spike_windows import SpikeKindName
 from ampscope.verdicts import batches as batch_verdicts
 from ampscope.verdicts import failures, liveness, nonfinite, scale
+from ampscope.verdicts import fp8 as fp8_rules
 from ampscope.verdicts import spikes as spike_rules
 from ampscope.verdicts.ranks import RankFacts, is_scaler
 from ampscope.verdicts.rollup import health_report, run_ended
@@ -348,7 +349,26 @@ _SCOPES: dict[RuleName, _Scope] = {
     "grad_norm_spike": _Scope(grad_norm_spike),
     "origin_outlier": _Scope(origin_outlier),
 }
-"""Each rule of ``ampscope.verdicts.RULES`` over the store's snapshots."""
+"""Each rule of ``ampscope.verdicts.RULES`` over the store's snapshots, but the FP8 rules
+(``FP8_RULES``: over the ranks' FP8 series, ``fp8_facts``)."""
+
+
+def fp8_facts(ranks: Sequence[RankSnapshot]) -> list[fp8_rules.Fp8Facts]:
+    """The FP8 series of ``ranks`` as the FP8 rules read them. O(series)."""
+    return [
+        fp8_rules.Fp8Facts(
+            rank=snap.identity.rank,
+            node=snap.identity.node,
+            layer=series.layer,
+            tensor=series.tensor,
+            step=series.step,
+            underflow_recent=series.underflow_recent,
+            spike=series.spike,
+            nonfinite=series.nonfinite,
+        )
+        for snap in ranks
+        for series in snap.fp8
+    ]
 
 
 def evaluate(
@@ -358,8 +378,12 @@ def evaluate(
     t: Thresholds,
     batch_ids: Callable[[set[tuple[int, int]]], Mapping[tuple[int, int], Sequence[int | str]]]
     | None = None,
+    *,
+    fp8: fp8_rules.Fp8Rule | None = None,
 ) -> HealthReport:
-    """Every rule over one run's ranks, in report order (``RULES``). Cost: O(ranks x samples).
+    """Every rule over one run's ranks, in report order (``RULES``); the FP8 rules only for a
+    run with FP8 layers (``fp8``: their thresholds; default the defaults). Cost: O(ranks x
+    samples), plus O(FP8 series) for the FP8 rules.
 
     ``batch_ids`` looks up the ids each (step, rank) the verdicts name had (the store's
     ``batch_ids``); they join those verdicts' evidence (``ampscope.verdicts.batches``).
@@ -372,14 +396,23 @@ def evaluate(
     states = _states(ranks, now, t)
     at = max(snap.finished_at or 0.0 for snap in ranks) if run_ended(states) else now
     verdicts = []
-    for name in RULES:
-        scope = _SCOPES[name]
+    for scope in _SCOPES.values():
         when = now if scope.live else at
         held = ranks
         if scope.window is not None:
             window_s = scope.window(t)
             held = [snap for snap in ranks if snap.reported_within(when, window_s)]
         verdicts.append(_isolated(scope.rule, held, when, t))
+    series = fp8_facts(ranks)
+    if series:  # the FP8 rules speak only of runs with FP8 layers
+        rule = fp8 or fp8_rules.Fp8Rule()
+        window_s = t.spike_verdict_window_s
+        verdicts += [
+            fp8_rules.fp8_amax_spike(series, rule, at, window_s),
+            fp8_rules.fp8_underflow(series, rule),
+            fp8_rules.fp8_nonfinite_amax(series, at, window_s),
+        ]
+    verdicts.sort(key=lambda v: RULES.index(v.rule))
     if batch_ids is not None:
         verdicts = batch_verdicts.attach(verdicts, batch_ids)
     up = sum(1 for snap in ranks if snap.reported_within(now, t.stale_after_s))

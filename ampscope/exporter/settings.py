@@ -22,10 +22,13 @@ from ampscope.reporter.schema import (
     MAX_NONFINITE_PARAMS,
     MAX_RECORDS_PER_BATCH,
 )
+from ampscope.verdicts.fp8 import Fp8Rule
 from ampscope.verdicts.thresholds import Thresholds
 
 _DEFAULTS = Thresholds()
-"""Health thresholds are defined once, in ``Thresholds``; settings take their defaults."""
+_FP8 = Fp8Rule()
+"""Health thresholds are defined once, in ``Thresholds`` (the FP8 rules' in ``Fp8Rule``);
+settings take their defaults."""
 
 Seconds = Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
 Positive = Annotated[int, Field(ge=1)]
@@ -152,6 +155,15 @@ class Settings(BaseSettings):
     nonfinite_skipped_window_s: Seconds = _DEFAULTS.nonfinite_skipped_window_s
     """nonfinite_skipped keeps warning while a watch under policy skip skipped a step for
     inf/NaN gradients within this long."""
+    fp8_spike_factor: Annotated[float, Field(gt=1.0, allow_inf_nan=False)] = _FP8.spike_factor
+    """fp8_amax_spike: an FP8 layer's amax at least this many times the median of its
+    previous 100 observations (20 known at least)."""
+    fp8_underflow_ratio: Annotated[float, Field(ge=0.0, lt=1.0)] = _FP8.underflow_ratio
+    """fp8_underflow: more than this share of a tensor's non-zero elements underflowed in
+    each of its last 5 observations."""
+    fp8_max_layers: Annotated[int, Field(ge=1, le=1024)] = _FP8.max_layers
+    """FP8 layers per rank exported on /metrics (those with a live verdict or the highest
+    underflow); the JSON API holds all of them."""
 
     @model_validator(mode="after")
     def _check(self) -> Settings:
@@ -194,6 +206,15 @@ class Settings(BaseSettings):
             ),
             spike_rule=self.thresholds().spike_rule(),
             origin_factor=self.origin_outlier_factor,
+            fp8_rule=self.fp8_rule(),
+        )
+
+    def fp8_rule(self) -> Fp8Rule:
+        """The FP8 rules' thresholds."""
+        return Fp8Rule(
+            spike_factor=self.fp8_spike_factor,
+            underflow_ratio=self.fp8_underflow_ratio,
+            max_layers=self.fp8_max_layers,
         )
 
     def lifecycle(self) -> Lifecycle:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +46,12 @@ __all__ = [
     "ddp_comm_hooks",
     "ddp_uses_python_reducer",
     "flat_param_segments",
+    "float8_amax_to_scale",
+    "float8_casts",
+    "float8_layer_input",
+    "float8_linear_type",
+    "float8_precast",
+    "float8_sharded_weights",
     "foreach_norm",
     "found_inf_reduction",
     "fsdp1_comm_hook",
@@ -367,6 +374,114 @@ def fully_shard_predivide_factor(
 
 
 # -- self-check -------------------------------------------------------------------------
+
+
+# -- torchao float8 training (read only where torchao is already imported) ----------------
+
+_FLOAT8_LINEAR_MODULE = "torchao.float8.float8_linear"
+
+
+def float8_linear_type() -> type | None:
+    """torchao's ``Float8Linear`` class, or ``None`` when torchao's float8 training is not
+    imported: a model can hold no ``Float8Linear`` then, and nothing is imported here."""
+    module = sys.modules.get(_FLOAT8_LINEAR_MODULE)
+    found = getattr(module, "Float8Linear", None) if module is not None else None
+    return found if isinstance(found, type) else None
+
+
+@dataclass(frozen=True)
+class Float8Cast:
+    """How a ``Float8Linear`` casts one of its tensors for the GEMM ampscope describes:
+    ``input`` and ``weight`` for the GEMM computing ``output``, ``grad_output`` for the one
+    computing ``grad_input`` (torchao's ``cast_config_input``, ``cast_config_weight``,
+    ``cast_config_grad_output``)."""
+
+    tensor: str
+    """``input``, ``weight`` or ``grad_output``."""
+    dtype: torch.dtype
+    rowwise: bool
+    """torchao's ``AXISWISE`` granularity: one scale per row."""
+    row_dim: int
+    """The dim a rowwise amax reduces, on the tensor as ampscope reads it (the module's
+    ``weight``, not its transpose; the 2-D ``grad_output``)."""
+    power_of_2: bool
+    """``round_scales_to_power_of_2``: scales rounded down to a power of two."""
+
+
+def float8_casts(module: torch.nn.Module) -> list[Float8Cast]:
+    """The dynamic casts of a ``Float8Linear``, in the order input, weight, grad_output;
+    a tensor left in high precision (``ScalingType.DISABLED``) is left out."""
+    config: Any = module.config
+    out = []
+    for tensor, cast_config, row_dim in (
+        ("input", config.cast_config_input, -1),
+        # torchao casts weight.t() along its dim 0: each row of the module's weight.
+        ("weight", config.cast_config_weight, 1),
+        ("grad_output", config.cast_config_grad_output, -1),
+    ):
+        if cast_config.scaling_type.value != "dynamic":
+            continue
+        out.append(
+            Float8Cast(
+                tensor=tensor,
+                dtype=cast_config.target_dtype,
+                rowwise=cast_config.scaling_granularity.value == "axiswise",
+                row_dim=row_dim,
+                power_of_2=bool(config.round_scales_to_power_of_2),
+            )
+        )
+    return out
+
+
+def float8_amax_to_scale(amax: torch.Tensor, cast: Float8Cast) -> torch.Tensor:
+    """The scale torchao derives from ``amax`` for ``cast`` (its own ``amax_to_scale``)."""
+    from torchao.float8.float8_utils import amax_to_scale
+
+    scale: torch.Tensor = amax_to_scale(amax, cast.dtype, cast.power_of_2)
+    return scale
+
+
+def float8_layer_input(tensor: torch.Tensor) -> torch.Tensor:
+    """The input as ``Float8Linear.forward`` hands it to its cast: under CUDA autocast it
+    first casts it to the autocast dtype (torchao asks the GPU's autocast only)."""
+    if torch.is_autocast_enabled():
+        return tensor.to(torch.get_autocast_gpu_dtype())
+    return tensor
+
+
+def float8_precast(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(fp8 data, scale)`` of a weight that reaches the layer already cast (FSDP2's
+    float8 all-gather), else ``None``."""
+    module = sys.modules.get("torchao.float8.float8_training_tensor")
+    cls = getattr(module, "Float8TrainingTensor", None) if module is not None else None
+    if cls is None:
+        return None
+    inner: Any = local_tensor(tensor) if is_dtensor(tensor) else tensor
+    if not isinstance(inner, cls):
+        return None
+    return inner._data, inner._scale
+
+
+def float8_sharded_weights(model: torch.nn.Module) -> dict[int, torch.Tensor]:
+    """This rank's high-precision shard of each weight that FSDP2 all-gathers in float8
+    (``enable_fsdp_float8_all_gather``), by ``id()`` of its module."""
+    module = sys.modules.get("torchao.float8.fsdp_utils")
+    cls = getattr(module, "WeightWithDynamicFloat8CastTensor", None) if module else None
+    if cls is None:
+        return {}
+    out: dict[int, torch.Tensor] = {}
+    for fsdp_module in model.modules():
+        if not isinstance(fsdp_module, FSDPModule):
+            continue
+        for group in fully_shard_param_groups(fsdp_module):
+            for fsdp_param in group.fsdp_params:  # type: ignore[attr-defined]
+                info = fsdp_param._module_info
+                if info.param_name != "weight":
+                    continue
+                shard: Any = local_tensor(fsdp_param.sharded_param)
+                if isinstance(shard, cls):
+                    out[id(info.module)] = shard._tensor
+    return out
 
 
 def _signature_names(fn: Callable[..., Any]) -> list[str]:

@@ -25,6 +25,19 @@ LABEL_PATTERN = re.compile(rf"^[{LABEL_CHARS}]+$")
 """The schema's label pattern, the rank side's one copy."""
 
 
+DEFAULT_FP8_EVERY = 10
+"""Observe FP8 layers on one iteration in this many: an observed iteration costs about
+one more pass over each cast tensor, so one in ten spreads it tenfold (bench/fp8.py and
+its figures in docs/fp8.md)."""
+
+
+def check_fp8_every(value: object) -> int:
+    """``value`` when it is a positive int, else ValueError."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"fp8_every must be a positive int, not {value!r}")
+    return value
+
+
 @dataclass(frozen=True, kw_only=True)
 class TelemetryConfig:
     """Telemetry options of :class:`ampscope.GradScaler`, :class:`ampscope.ShardedGradScaler`
@@ -58,6 +71,10 @@ class TelemetryConfig:
     spike_rule: SpikeRule | None = None
     """The rank's own spike rule for its loss and gradient norm; ``None``: the default
     :class:`~ampscope.reporter.spike_rule.SpikeRule` (the exporter's)."""
+    fp8_every: int = DEFAULT_FP8_EVERY
+    """Observe the ``Float8Linear`` layers of an attached model (torchao) on the first
+    iteration and then one in ``fp8_every`` (``attach(model, fp8_every=...)`` overrides
+    it). Each observed iteration costs about one more pass over each cast tensor."""
 
     def __post_init__(self) -> None:
         if not (
@@ -83,6 +100,7 @@ class TelemetryConfig:
             )
         if self.spike_rule is not None and not isinstance(self.spike_rule, SpikeRule):
             raise TypeError(f"spike_rule must be a SpikeRule, not {self.spike_rule!r}")
+        check_fp8_every(self.fp8_every)
         if self.history < 1:
             raise ValueError(f"history must be at least 1, not {self.history}")
         for name in ("min_scale", "max_scale"):
@@ -117,6 +135,7 @@ class WatchOptions(TypedDict, total=False):
     history: int
     stats: bool
     spike_rule: SpikeRule | None
+    fp8_every: int
 
 
 class ScalerOptions(WatchOptions, total=False):

@@ -303,6 +303,57 @@ class BatchIds(_Model):
     device tensor), counted instead of kept."""
 
 
+MAX_FP8_TENSORS = 3072
+"""FP8 tensors one record may describe: three (input, weight, grad_output) for each of up
+to 1024 ``Float8Linear`` layers."""
+
+Fp8TensorName = Literal["input", "weight", "grad_output"]
+"""The three tensors a ``Float8Linear`` casts to FP8."""
+Fp8CastName = Literal["output_gemm", "grad_input_gemm", "fsdp_all_gather"]
+"""Which cast the values describe: ``output_gemm``, the cast of ``input`` or ``weight`` for
+the GEMM computing the output; ``grad_input_gemm``, the cast of ``grad_output`` for the
+GEMM computing ``grad_input``; ``fsdp_all_gather``, the weight cast by FSDP2 per shard,
+with the amax reduced over the shards, before the FP8 all-gather."""
+Ratio = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
+
+
+class Fp8Tensor(_Model):
+    """What one ``Float8Linear`` layer's cast did to one of its tensors in one iteration."""
+
+    layer: ParamName
+    """The module's fully qualified name, e.g. ``layers.3.attention.wq``."""
+    tensor: Fp8TensorName
+    cast: Fp8CastName
+    dtype: Label
+    """The FP8 dtype, e.g. ``float8_e4m3fn``."""
+    rowwise: bool
+    """One scale per row (torchao's axiswise granularity) rather than one per tensor."""
+    amax: Norm | None
+    """Largest |value| of the high-precision tensor the layer cast; ``None`` when it was inf
+    or NaN. ``grad_output`` under a loss scaler: unscaled (divided by the loss scale)."""
+    underflow_ratio: Ratio
+    """Share of the tensor's non-zero elements that the cast turned into zero."""
+    scale: Scale | None
+    """The scale the cast multiplied by (tensorwise), or the largest row scale (rowwise);
+    ``None`` when not finite. ``grad_output`` under a loss scaler: the scale of the
+    unscaled gradient (the cast's scale times the loss scale)."""
+    scale_min: Scale | None
+    """The smallest row scale (rowwise); the same as ``scale`` for tensorwise scaling."""
+    calls: Annotated[int, Field(ge=1, le=MAX_COUNT)] = 1
+    """Casts of this tensor combined (a layer run several times in the iteration: gradient
+    accumulation, recomputation): the largest amax, the pooled underflow."""
+
+
+def _unique_fp8(tensors: list[Fp8Tensor]) -> list[Fp8Tensor]:
+    seen: set[tuple[str, str]] = set()
+    for entry in tensors:
+        key = (entry.layer, entry.tensor)
+        if key in seen:
+            raise ValueError(f"FP8 tensor {entry.tensor} of layer {entry.layer!r} is listed twice")
+        seen.add(key)
+    return tensors
+
+
 class StepRecord(_Model):
     """One iteration: everything one update() call saw and did on one rank."""
 
@@ -338,6 +389,12 @@ class StepRecord(_Model):
     others, and from reporters that predate the field)."""
     batch: BatchIds | None = None
     """The iteration's sample or batch ids; ``None`` when the loop noted none."""
+    fp8: (
+        Annotated[list[Fp8Tensor], Field(max_length=MAX_FP8_TENSORS), AfterValidator(_unique_fp8)]
+        | None
+    ) = None
+    """The attached model's FP8 layers (torchao ``Float8Linear``) on an observed iteration
+    (one in ``fp8_every``); ``None`` on others and without FP8 layers."""
 
 
 class IngestBatch(_Model):

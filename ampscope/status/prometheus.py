@@ -3,13 +3,13 @@ VictoriaMetrics, or a Thanos/Mimir query frontend) through ``/api/v1/query`` onl
 
 Builds the same answer as one exporter's ``--json`` (``ranks`` and ``health`` of a run, or
 every run's), with ``null`` where Prometheus does not hold a value (a rank's step time,
-last event, restarts), and computes the verdicts by the exporter's own rule
-implementations (``ampscope.verdicts``) from instant vectors and ``max_over_time`` /
-``increase`` over each rule's window; ``scale_desync`` compares the ranks' aligned scales
-(``ampscope_loss_scale_aligned`` at the same ``_step``), as the alert rule does;
-``rank_failed`` names the failed ranks from ``ampscope_rank_failure_info`` (the exception's
-class and each rank's origin; the step is the rank's last, the message only the exporters
-hold). Verdicts
+last event, restarts, FP8 series: its gauges hold only ``fp8_max_layers`` layers a rank),
+and computes the verdicts by the exporter's own rule implementations (``ampscope.verdicts``)
+from instant vectors and ``max_over_time`` / ``increase`` over each rule's window;
+``scale_desync`` compares the ranks' aligned scales (``ampscope_loss_scale_aligned`` at the
+same ``_step``), as the alert rule does; ``rank_failed`` names the failed ranks from
+``ampscope_rank_failure_info`` (the exception's class and each rank's origin; the step is
+the rank's last, the message only the exporters hold). Verdicts
 that need the exporter's per-step history (``stalled_rank``'s progress times,
 ``nonfinite_update_applied``'s first step and origin) say so instead. The spike verdicts
 (``loss_spike``, ``grad_norm_spike``, ``origin_outlier``) count ``increase`` of

@@ -122,6 +122,7 @@ def _view(info: Mapping[str, str]) -> dict[str, Any]:
         "last_report_time": 0.0,
         "seconds_since_report": 0.0,
         "restarts": None,
+        "fp8": None,
     }
 
 

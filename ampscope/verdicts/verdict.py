@@ -34,11 +34,18 @@ RuleName = Literal[
     "loss_spike",
     "grad_norm_spike",
     "origin_outlier",
+    "fp8_amax_spike",
+    "fp8_underflow",
+    "fp8_nonfinite_amax",
 ]
 """Every rule, in the order a health report lists them."""
 
 RULES: tuple[RuleName, ...] = get_args(RuleName)
 """The rules in report order: a new rule is one entry in ``RuleName``."""
+
+FP8_RULES: tuple[RuleName, ...] = ("fp8_amax_spike", "fp8_underflow", "fp8_nonfinite_amax")
+"""The rules over FP8 layers' series (``ampscope.verdicts.fp8``): a run without FP8 layers
+does not report them."""
 
 MAX_EVIDENCE_RANKS = 16
 """Ranks listed in one verdict's evidence at most (the count is always given)."""

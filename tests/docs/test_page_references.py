@@ -36,7 +36,7 @@ def test_the_generated_metric_table_matches_the_catalogue() -> None:
         from docs_generated import metric_table
     finally:
         sys.path.remove(str(ROOT / "scripts"))
-    rows = re.findall(r"^\| `(ampscope_[a-z_]+)` \| (\w+) \| ([^|]+) \|", metric_table(), re.M)
+    rows = re.findall(r"^\| `(ampscope_[a-z0-9_]+)` \| (\w+) \| ([^|]+) \|", metric_table(), re.M)
     documented = {name: (type_, labels.strip()) for name, type_, labels in rows}
     assert set(documented) == {spec.name for spec in CATALOGUE}
     for spec in CATALOGUE:

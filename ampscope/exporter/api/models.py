@@ -6,7 +6,14 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from ampscope.reporter.schema import RankFailure, RankTotals, ScaleEvent, Setup, StepRecord
+from ampscope.reporter.schema import (
+    Fp8Tensor,
+    RankFailure,
+    RankTotals,
+    ScaleEvent,
+    Setup,
+    StepRecord,
+)
 from ampscope.verdicts.ranks import STATES, RankStateName
 from ampscope.verdicts.rollup import RunState
 from ampscope.verdicts.verdict import Status, Verdict
@@ -60,6 +67,31 @@ class RunSummary(BaseModel):
     last_report_time: float = Field(description="Unix time of the newest report received.")
 
 
+class Fp8Event(BaseModel):
+    """A judged FP8 observation: an amax spike, or (``value`` null) a non-finite amax."""
+
+    step: int
+    value: float | None
+    baseline: float | None = Field(description="Median of the preceding observations.")
+    received: float = Field(description="Exporter clock when it was judged.")
+
+
+class Fp8SeriesView(BaseModel):
+    """One FP8 layer's tensor on one rank (docs/fp8.md)."""
+
+    layer: str
+    tensor: str
+    step: int = Field(description="Step of the newest observation.")
+    newest: Fp8Tensor
+    skipped: bool = Field(description="That iteration was skipped for overflow (not judged).")
+    baseline: float | None = Field(
+        description="Median amax the next observation is compared with; null: too few known."
+    )
+    underflow_recent: list[float] = Field(description="Recent underflow ratios, oldest first.")
+    spike: Fp8Event | None = Field(description="The newest amax spike.")
+    nonfinite: Fp8Event | None = Field(description="The newest non-finite amax.")
+
+
 class RankView(BaseModel):
     """A rank's current state, from its newest record."""
 
@@ -105,6 +137,10 @@ class RankView(BaseModel):
     last_report_time: float = Field(description="Unix time the exporter last heard from it.")
     seconds_since_report: float
     restarts: int = Field(description="Times the exporter saw this rank's process restart.")
+    fp8: list[Fp8SeriesView] = Field(
+        default=[],
+        description="Every FP8 layer's tensors (torchao Float8Linear), when the rank has any.",
+    )
 
 
 class History(BaseModel):

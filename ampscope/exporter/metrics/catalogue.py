@@ -191,6 +191,33 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "kind",
     ),
     _rank(
+        "ampscope_fp8_amax",
+        "gauge",
+        "Largest |value| an FP8 layer (torchao Float8Linear) cast in the rank's newest observed "
+        "iteration, by layer and tensor (input, weight, grad_output; grad_output unscaled "
+        "under a loss scaler); NaN when it was inf or NaN. At most fp8_max_layers layers per "
+        "rank: those with a live FP8 verdict, then the highest underflow.",
+        "layer",
+        "tensor",
+    ),
+    _rank(
+        "ampscope_fp8_underflow_ratio",
+        "gauge",
+        "Share of the tensor's non-zero elements that the layer's own FP8 cast turned into "
+        "zero, in the rank's newest observed iteration (same layers as ampscope_fp8_amax).",
+        "layer",
+        "tensor",
+    ),
+    _rank(
+        "ampscope_fp8_scale",
+        "gauge",
+        "The scale the layer's FP8 cast multiplied by (tensorwise), or the smallest row scale "
+        "(rowwise), in the rank's newest observed iteration (same layers as "
+        "ampscope_fp8_amax); absent when not finite.",
+        "layer",
+        "tensor",
+    ),
+    _rank(
         "ampscope_reporter_dropped_records_total",
         "counter",
         "Records the rank's reporter dropped because its queue was full or the exporter "

@@ -8,6 +8,7 @@ with the store's lock held only for an O(ranks) snapshot.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import fields
 
@@ -15,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from ampscope.exporter.metrics.catalogue import BY_NAME, CATALOGUE, RANK_LABELS
+from ampscope.exporter.state.fp8_series import exported
 from ampscope.exporter.state.ingest_counters import IngestStats
 from ampscope.exporter.state.lifecycle import Lifecycle
 from ampscope.exporter.state.ranks import RankSnapshot
@@ -112,6 +114,8 @@ class StoreCollector(Collector):
         thresholds: Thresholds,
     ) -> None:
         self._store = store
+        # An FP8 layer with a spike or non-finite amax this recent is exported first.
+        self._fp8_window_s = thresholds.spike_verdict_window_s
         self._stats = stats
         self._clock = clock
         self._stale_after_s = thresholds.stale_after_s
@@ -240,6 +244,17 @@ class StoreCollector(Collector):
                 rows.append(
                     ("ampscope_spikes_total", [*labels, kind], float(getattr(counts, kind)))
                 )
+        if snap.fp8:
+            chosen = exported(snap.fp8, self._store.fp8_rule.max_layers, now, self._fp8_window_s)
+            for series in chosen:
+                entry = series.entry
+                at = [*labels, series.layer, series.tensor]
+                amax = math.nan if entry.amax is None else float(entry.amax)
+                rows.append(("ampscope_fp8_amax", at, amax))
+                rows.append(("ampscope_fp8_underflow_ratio", at, float(entry.underflow_ratio)))
+                scale = entry.scale_min if entry.rowwise else entry.scale
+                if scale is not None:
+                    rows.append(("ampscope_fp8_scale", at, float(scale)))
         rows.append(
             ("ampscope_reporter_dropped_records_total", labels, float(snap.dropped_records))
         )

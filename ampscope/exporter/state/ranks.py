@@ -41,6 +41,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
+from ampscope.exporter.state.fp8_series import Fp8Series, RankFp8
 from ampscope.exporter.state.spike_windows import RankSpikes, SpikeCounts, SpikeEvent
 from ampscope.reporter.schema import (
     DeviceIdentity,
@@ -51,6 +52,7 @@ from ampscope.reporter.schema import (
     StepRecord,
 )
 from ampscope.reporter.spike_rule import SpikeRule
+from ampscope.verdicts.fp8 import Fp8Rule
 from ampscope.verdicts.ranks import is_scaler
 
 PER_RANK_SERIES = 13
@@ -224,6 +226,8 @@ class RankSnapshot:
     was seen."""
     last_skip: SkipEvent | None = None
     """The current process's newest skipped step the exporter received."""
+    fp8: tuple[Fp8Series, ...] = ()
+    """The rank's FP8 series (torchao ``Float8Linear`` layers), when it reports them."""
 
     @property
     def identity(self) -> Identity:
@@ -360,8 +364,10 @@ class RankState:
         history_length: int,
         sample_interval_s: float = 0.0,
         spike_rule: SpikeRule | None = None,
+        fp8_rule: Fp8Rule | None = None,
     ) -> None:
         self.spikes = RankSpikes(spike_rule or SpikeRule())
+        self.fp8 = RankFp8(fp8_rule or Fp8Rule())
         self.newest: StepRecord | None = None
         self.last_report = 0.0
         self.dropped_records = 0
@@ -384,10 +390,11 @@ class RankState:
         self._process_start = float("-inf")
 
     def series(self) -> int:
-        """Label sets the collector exposes for this rank: its newest record's, and the
-        failure info of a failed rank. Contract: the rank holds a record. O(devices)."""
+        """Label sets the collector exposes for this rank: its newest record's, the failure
+        info of a failed rank, and its exported FP8 series. Contract: the rank holds a
+        record. O(devices)."""
         assert self.newest is not None
-        return series_of(self.newest) + (self.failure is not None)
+        return series_of(self.newest) + (self.failure is not None) + self.fp8.exposed()
 
     def newest_after(self, records: list[StepRecord], now: float) -> StepRecord:
         """See the module's ``newest_after``: this rank's newest record after ``records``."""
@@ -521,6 +528,7 @@ class RankState:
             self.newest = record
             self._append(HeldRecord.of(record))
             self.spikes.observe(record, now)
+            self.fp8.observe(record, now)
         elif outcome == "restart":
             self._process_start = min(record.time, now)
             self.restarts += 1
@@ -530,10 +538,12 @@ class RankState:
             self.samples.clear()
             self.spikes.reset()
             self.last_skip = None
+            self.fp8.reset()
             self.newest = record
             self.first_step = record.step
             self._append(HeldRecord.of(record))
             self.spikes.observe(record, now)
+            self.fp8.observe(record, now)
         elif outcome == "late" and not self._insert_late(record):
             return "ignored"
         if record.skipped and (self.last_skip is None or record.step > self.last_skip.step):
@@ -584,8 +594,9 @@ class RankState:
 
     def snapshot(self, *, history: bool = True) -> RankSnapshot:
         """Copy for lock-free reading. O(history + samples), C-speed tuple copies; without
-        ``history`` (the record history and window samples left empty) O(recent spikes),
-        for readers of the newest state only (the collector, the run listing)."""
+        ``history`` (the record history and window samples left empty, and the FP8 series
+        without their spike baselines) O(recent spikes + FP8 series), for readers of the
+        newest state only (the collector, the run listing)."""
         assert self.newest is not None
         return RankSnapshot(
             newest=self.newest,
@@ -603,4 +614,5 @@ class RankState:
             device=self.device,
             last_offence=self.last_offence,
             last_skip=self.last_skip,
+            fp8=self.fp8.view(baselines=history),
         )

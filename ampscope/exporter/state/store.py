@@ -28,6 +28,7 @@ from ampscope.exporter.state.spike_windows import (
 )
 from ampscope.reporter.schema import DeviceIdentity, Heartbeat, IngestBatch, StepRecord
 from ampscope.reporter.spike_rule import SpikeRule
+from ampscope.verdicts.fp8 import Fp8Rule
 
 HISTORY_LOW_WATER = 7 / 8
 """Over its byte budget, the history is cut to this fraction of it, so the O(ranks log
@@ -127,6 +128,13 @@ def _device_of(records: list[StepRecord]) -> DeviceIdentity | None:
     return next((r.device for r in reversed(records) if r.device is not None), None)
 
 
+def _fp8_exposed(record: StepRecord, max_layers: int) -> int:
+    """``RankFp8.exposed`` for a rank whose FP8 layers are those of ``record``."""
+    if not record.fp8:
+        return 0
+    return 9 * min(len({entry.layer for entry in record.fp8}), max_layers)
+
+
 class Store:
     """Thread-safe state of every run and rank the exporter has heard from.
 
@@ -135,6 +143,7 @@ class Store:
         spike_rule: The spike rule applied to every rank's loss and gradient norm.
         origin_factor: A rank whose ``grad_norm_origin`` exceeds this many times the median
             of the other ranks held at the same step is an origin outlier.
+        fp8_rule: The FP8 rule: judges each rank's FP8 series, bounds the layers exposed.
     """
 
     def __init__(
@@ -143,11 +152,13 @@ class Store:
         *,
         spike_rule: SpikeRule | None = None,
         origin_factor: float = 10.0,
+        fp8_rule: Fp8Rule | None = None,
     ) -> None:
         if not origin_factor > 1:
             raise ValueError("origin_factor must be > 1")
         self.limits = limits
         self._spike_rule = spike_rule or SpikeRule()
+        self.fp8_rule = fp8_rule or Fp8Rule()
         self._origin_factor = origin_factor
         self._lock = threading.Lock()
         self._runs: dict[str, dict[int, RankState]] = {}
@@ -215,7 +226,10 @@ class Store:
             except IdentityConflict as exc:
                 raise BatchRefused(409, "identity_conflict", str(exc)) from None
             before = 0 if state is None or state.newest is None else state.series()
-            growth = series_of(candidate) - before
+            # FP8 series: what the rank holds, or (a first record of FP8 layers) will hold.
+            fp8_before = 0 if state is None else state.fp8.exposed()
+            fp8_after = max(fp8_before, _fp8_exposed(candidate, self.fp8_rule.max_layers))
+            growth = series_of(candidate) + fp8_after - before
             if growth > 0 and self._series + growth > self.limits.max_series:
                 raise LimitExceeded(
                     "max_series",
@@ -233,6 +247,7 @@ class Store:
                     history_length=self.limits.history_length,
                     sample_interval_s=self.limits.window_s / SAMPLES_PER_WINDOW,
                     spike_rule=self._spike_rule,
+                    fp8_rule=self.fp8_rule,
                 )
                 self._ranks += 1
             held_before = state.history_bytes

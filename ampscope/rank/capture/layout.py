@@ -18,6 +18,21 @@ transport, one stacked tensor copied to the host), in this order::
 A watch has no scale: it writes a scale of :data:`WATCH_SCALE` and a tracker of
 :data:`WATCH_TRACKER`, so one record builder reads both kinds. The encoders take floats
 (the host transport) or tensors (stacked for the device transport) alike.
+
+On the device transport the step's one host copy carries two more parts after these
+values, each a separate tail that is not decoded here but handed on whole::
+
+    [*values, *per-parameter norms, *extra]
+
+* per-parameter norms: the stats' (``PendingStep.host_norms``), read only on a spike
+  iteration;
+* extra: values a front-end sends with the step (``PendingStep.extra``: the FP8
+  observations of :mod:`ampscope.rank.fp8`, named by ``PendingStep.fp8`` and decoded by
+  :func:`ampscope.rank.fp8.record.fp8_entries`); on the host transport they stay apart,
+  in ``extra``.
+
+:func:`copy_parts` is the one place that cuts a copy into these parts, for the writer
+(``copy_with_norms``) and the reader (``PendingStep``) alike.
 """
 
 from __future__ import annotations
@@ -112,6 +127,29 @@ class StepValues(NamedTuple):
     """Per origin device (``PendingStep.origin_devices``): its flag set."""
     stats_at: int
     """Where the stats' scalars start (device transport)."""
+
+
+class CopyParts(NamedTuple):
+    """Where each part of a device-transport host copy sits (slices of the copy)."""
+
+    values: slice
+    """The step's values: head, tail and stats scalars (:func:`decode` names them)."""
+    norms: slice | None
+    """The stats' per-parameter norms; ``None``: none copied."""
+    extra: slice | None
+    """The front-end's extra values; ``None``: none copied."""
+
+
+def copy_parts(length: int, norm_count: int, extra_count: int) -> CopyParts:
+    """The parts of a host copy of ``length`` values that ends with ``norm_count`` norms
+    and then ``extra_count`` extra values."""
+    norms_at = length - norm_count - extra_count
+    extra_at = length - extra_count
+    return CopyParts(
+        values=slice(0, norms_at),
+        norms=slice(norms_at, extra_at) if norm_count else None,
+        extra=slice(extra_at, length) if extra_count else None,
+    )
 
 
 def decode(

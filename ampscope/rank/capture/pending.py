@@ -9,6 +9,10 @@ The values follow :mod:`ampscope.rank.capture.layout`. Their way to the host is 
 * **device transport** (accelerators): the values are stacked into one small float32
   tensor (:func:`stack_scalars`) whose copy to pinned host memory starts without blocking
   (:func:`copy_with_norms`); the telemetry thread waits for its event.
+
+A front-end may send extra device values with the step (``PendingStep.extra``: the FP8
+observations): they travel in the same copy, as the layout's separate ``extra`` tail
+(:func:`~ampscope.rank.capture.layout.copy_parts`), and the capture never looks inside them.
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ class PendingStep:
 
     :meth:`read` gives the values in the :mod:`~ampscope.rank.capture.layout`; on the
     device transport the stats' scalars follow them (their per-parameter norms stay
-    apart: ``host_norms``; on the host transport ``stats`` holds CPU tensors). A plain
+    apart: ``host_norms``, as do a front-end's extra values: ``host_extra``; on the host
+    transport ``stats`` and ``extra`` hold CPU tensors). A plain
     class with positional arguments first: built on every update(), where a dataclass's
     keyword ``__init__`` costs over twice as much.
     """
@@ -44,7 +49,10 @@ class PendingStep:
         "before",
         "clean",
         "deferred",
+        "extra",
+        "fp8",
         "host",
+        "host_extra",
         "host_norms",
         "identity",
         "local_devices",
@@ -113,6 +121,13 @@ class PendingStep:
         only on a spike iteration; the values stop before it."""
         self.batch: tuple[list[Any], int] | None = None
         """The ids noted for the iteration (``note_batch``) and how many were left out."""
+        self.extra: torch.Tensor | None = None
+        """Extra values sent with the step, set by the front-end before the copy starts:
+        a float32 vector; on the host transport (the CPU) read as it is."""
+        self.host_extra: torch.Tensor | None = None
+        """Device transport: the tail of ``host`` holding ``extra`` (after the norms)."""
+        self.fp8: Any = None
+        """What names ``extra``'s values (``ampscope.rank.fp8.observer.Fp8Taken``)."""
 
     def read(self) -> list[float]:
         """The step's scalars on the host; waits for the device copy (telemetry thread)."""
@@ -129,8 +144,14 @@ class PendingStep:
         else:
             assert self.host is not None
             host = self.host
-            if self.host_norms is not None:
-                host = host[: len(host) - len(self.host_norms)]
+            norms, extra = self.host_norms, self.host_extra
+            if norms is not None or extra is not None:
+                parts = layout.copy_parts(
+                    len(host),
+                    0 if norms is None else len(norms),
+                    0 if extra is None else len(extra),
+                )
+                host = host[parts.values]
             own = host.tolist()
         if not self.clean:
             return own
@@ -139,6 +160,13 @@ class PendingStep:
             earlier, index = before
             before = earlier[index].item()
         return layout.clean_head(before, self.optimizers, self.local_devices) + own
+
+    def read_extra(self) -> list[float]:
+        """``extra``'s values on the host; call after :meth:`read`, which waited for the
+        copy (telemetry thread)."""
+        if self.host_extra is not None:
+            return self.host_extra.tolist()
+        return [] if self.extra is None else self.extra.tolist()
 
 
 def to_host_async(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
@@ -165,22 +193,36 @@ def copy_with_norms(
     pending: PendingStep, values: torch.Tensor, stats: TakenStats | None
 ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
     """Start the host copy of ``values`` (the step's stacked scalars) followed by the
-    stats' per-parameter norms, if any: one stack and one cat more, still one copy. Sets
-    ``pending.host_norms`` to the norms' part of the host copy."""
-    if stats is None or not stats.norm_count():
+    stats' per-parameter norms, if any, and ``pending.extra``, if set: one stack and one
+    cat more, still one copy. Sets ``pending.host_norms`` and ``pending.host_extra`` to
+    their parts of the host copy (:func:`~ampscope.rank.capture.layout.copy_parts`)."""
+    extra = pending.extra
+    norm_count = 0 if stats is None else stats.norm_count()
+    if not norm_count and extra is None:
         return to_host_async(values)
     device, float32 = values.device, torch.float32
     parts = [values]
-    for optimizer in stats.optimizers:
-        if optimizer.norms:
-            # One stack per optimizer (its norms share a device); a cast only when they
-            # are not float32 on the values' device.
-            stacked = torch.stack(optimizer.norms)
-            if stacked.dtype is not float32 or stacked.device != device:
-                stacked = stacked.to(device=device, dtype=float32, non_blocking=True)
-            parts.append(stacked)
+    if stats is not None and norm_count:
+        for optimizer in stats.optimizers:
+            if optimizer.norms:
+                # One stack per optimizer (its norms share a device); a cast only when they
+                # are not float32 on the values' device.
+                stacked = torch.stack(optimizer.norms)
+                if stacked.dtype is not float32 or stacked.device != device:
+                    stacked = stacked.to(device=device, dtype=float32, non_blocking=True)
+                parts.append(stacked)
+    extra_count = 0
+    if extra is not None:
+        if extra.dtype is not float32 or extra.device != device:
+            extra = extra.to(device=device, dtype=float32, non_blocking=True)
+        parts.append(extra)
+        extra_count = len(extra)
     host, ready = to_host_async(torch.cat(parts))
-    pending.host_norms = host[len(host) - stats.norm_count() :]
+    where = layout.copy_parts(len(host), norm_count, extra_count)
+    if where.norms is not None:
+        pending.host_norms = host[where.norms]
+    if where.extra is not None:
+        pending.host_extra = host[where.extra]
     return host, ready
 
 

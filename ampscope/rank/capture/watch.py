@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -172,17 +172,21 @@ class WatchCapture:
         origin: Mapping[str, torch.Tensor],
         nonfinite: Mapping[str, int],
         stats: TakenStats | None = None,
+        extra: tuple[torch.Tensor, Any] | None = None,
     ) -> PendingStep:
         """End the open iteration: its pending step. On the CPU (host transport) the
         telemetry thread lays it out and reads its flags (host memory; nothing writes them
         any more); on accelerators one small stack and a non-blocking copy here, never a
-        sync."""
+        sync. ``extra``: values that travel with the step's copy and what names them
+        (``PendingStep.extra``, ``PendingStep.fp8``)."""
         iteration = self.iteration
         self.abandon(iteration, self.step + 1)
         pending = PendingStep(identity, self.step, time.time(), False)
         if nonfinite:
             pending.nonfinite = nonfinite
         pending.stats = stats
+        if extra is not None:
+            pending.extra, pending.fp8 = extra
         on_host = self._read_on_host
         accelerator = None
         if on_host is None:

@@ -14,13 +14,13 @@ import warnings
 import weakref
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
 
 from ampscope.rank import compat
-from ampscope.rank.config import TelemetryConfig
+from ampscope.rank.config import TelemetryConfig, check_fp8_every
 from ampscope.rank.gradients.names import ParamNames
 from ampscope.rank.gradients.stats import GradStats, SquareSumReduce, TakenStats
 from ampscope.rank.telemetry.identity import resolve_identity
@@ -28,6 +28,9 @@ from ampscope.rank.telemetry.outputs import build_sinks
 from ampscope.rank.telemetry.pipeline import Telemetry
 from ampscope.reporter import failure
 from ampscope.reporter.schema import Identity
+
+if TYPE_CHECKING:
+    from ampscope.rank.fp8.observer import Fp8Observer
 
 logger = logging.getLogger("ampscope")
 
@@ -45,6 +48,7 @@ OWN_ATTRIBUTES = (
     "_ampscope_origin_handles",
     "_ampscope_errors",
     "_ampscope_stats",
+    "_ampscope_fp8",
 )
 """Attributes a front-end adds; dropped when it is pickled (threads, hooks, sinks)."""
 
@@ -76,6 +80,7 @@ class TelemetryFrontEnd(failure.ClosedByWith):
     _ampscope_origin_handles: list[Any]
     _ampscope_errors: int
     _ampscope_stats: GradStats | None
+    _ampscope_fp8: Fp8Observer | None
 
     def _ampscope_start(
         self, config: TelemetryConfig, enabled: bool, reduce: SquareSumReduce | None = None
@@ -94,6 +99,7 @@ class TelemetryFrontEnd(failure.ClosedByWith):
         self._ampscope_origin = None
         self._ampscope_origin_handles = []
         self._ampscope_errors = 0
+        self._ampscope_fp8 = None
         self._ampscope_stats = (
             GradStats(self._ampscope_names, reduce) if enabled and config.stats else None
         )
@@ -109,11 +115,16 @@ class TelemetryFrontEnd(failure.ClosedByWith):
         """This front-end's telemetry: ``snapshot()``, ``history(n)``."""
         return self._ampscope_telemetry
 
-    def attach(self, model: nn.Module, track_origin: bool = False) -> None:
-        """Name ``model``'s parameters in records; optionally track found-inf origin.
+    def attach(
+        self, model: nn.Module, track_origin: bool = False, *, fp8_every: int | None = None
+    ) -> None:
+        """Name ``model``'s parameters in records; optionally track found-inf origin;
+        observe its FP8 layers.
 
         Call once, after wrapping the model (FSDP1, ``fully_shard``, DDP) and before the
-        first backward. Costs one walk over ``named_parameters()``. With FSDP1 it also
+        first backward. Costs one walk over ``named_parameters()``. When the model holds
+        torchao ``Float8Linear`` layers, records carry each layer's FP8 statistics on one
+        iteration in ``fp8_every`` (docs/fp8.md). With FSDP1 it also
         tells the gradient norm (``stats``) how the gradients are sharded: a
         ``ShardedGradScaler`` not attached assumes a sharded strategy, a ``GradWatch`` not
         attached whole gradients.
@@ -123,12 +134,20 @@ class TelemetryFrontEnd(failure.ClosedByWith):
             track_origin: Install origin hooks on the model's gradient collectives, so
                 records say which rank's own gradients held inf/NaN before the reduction
                 (``found_inf_origin``). Costs one read-only pass per gradient bucket.
+            fp8_every: Observe the ``Float8Linear`` layers on the first iteration and then
+                one in this many; ``None``: the front-end's ``fp8_every`` option. An
+                observed iteration costs about one more pass over each cast tensor, on its
+                device, and no sync.
 
         Raises:
             TypeError, ValueError: from ``install_origin_hooks`` when the model runs no
-                supported gradient collective.
+                supported gradient collective; ValueError: ``fp8_every`` is not a
+                positive int.
         """
+        every = check_fp8_every(self._ampscope_config.fp8_every if fp8_every is None else fp8_every)
         self._ampscope_names.attach(model)
+        if self._ampscope_capture is not None:
+            self._ampscope_attach_fp8(model, every)
         stats = self._ampscope_stats
         if stats is not None:
             from ampscope.rank.gradients.origin_hooks import fsdp1_gradient_group
@@ -191,9 +210,35 @@ class TelemetryFrontEnd(failure.ClosedByWith):
         for handle in self._ampscope_origin_handles:
             handle.remove()
         self._ampscope_origin_handles = []
+        fp8, self._ampscope_fp8 = self._ampscope_fp8, None
+        if fp8 is not None:
+            fp8.close()
         self._ampscope_telemetry.close(timeout)
 
     # -- internals -----------------------------------------------------------------------
+
+    def _ampscope_attach_fp8(self, model: nn.Module, every: int) -> None:
+        """Observe ``model``'s ``Float8Linear`` layers (replacing an earlier attach's)."""
+        from ampscope.rank.fp8.observer import Fp8Observer, float8_layers
+
+        old, self._ampscope_fp8 = self._ampscope_fp8, None
+        if old is not None:
+            old.close()
+        layers = float8_layers(model)
+        if layers:
+            self._ampscope_fp8 = Fp8Observer(layers, every, compat.float8_sharded_weights(model))
+
+    def _ampscope_take_fp8(self) -> tuple[torch.Tensor, Any] | None:
+        """The closing iteration's FP8 values and their names (``None``: not observed);
+        arms the next observed iteration. Never raises."""
+        fp8 = self._ampscope_fp8
+        if fp8 is None:
+            return None
+        try:
+            return fp8.take()
+        except Exception:
+            self._ampscope_failed()
+            return None
 
     def _ampscope_take_origin(self) -> Mapping[str, torch.Tensor]:
         """This iteration's origin flags (and fresh ones for the next); none untracked."""

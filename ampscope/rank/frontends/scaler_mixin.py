@@ -156,6 +156,9 @@ class TelemetryMixin(TelemetryFrontEnd):
             scale = compat.scale_tensor(self)  # type: ignore[arg-type]
             if scale is not None:
                 scale.clamp_(min=config.min_scale, max=config.max_scale)
+        fp8 = self._ampscope_take_fp8()
+        if fp8 is not None and pending is not None:
+            pending.extra, pending.fp8 = fp8  # copied with the step's own values
         try:
             origin = self._ampscope_take_origin()
             pending = capture.after_update(

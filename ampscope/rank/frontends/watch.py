@@ -230,7 +230,11 @@ class GradWatch(TelemetryFrontEnd):
             identity = self._ampscope_identity_now()
             origin = self._ampscope_take_origin()
             pending = capture.close_iteration(
-                identity, origin, self._counts(capture), self._ampscope_take_stats()
+                identity,
+                origin,
+                self._counts(capture),
+                self._ampscope_take_stats(),
+                self._ampscope_take_fp8(),
             )
             self._ampscope_telemetry.submit(pending)
         except Exception:
@@ -389,7 +393,9 @@ class GradWatch(TelemetryFrontEnd):
                 ),
                 params=stop.own_params(counts),
             )
-            pending = capture.close_iteration(identity, origin, counts, self._ampscope_take_stats())
+            pending = capture.close_iteration(
+                identity, origin, counts, self._ampscope_take_stats(), self._ampscope_take_fp8()
+            )
             self._ampscope_telemetry.submit(pending)
             self._ampscope_telemetry.flush(RAISE_FLUSH_TIMEOUT_S)
         except Exception:

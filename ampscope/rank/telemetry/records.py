@@ -232,6 +232,11 @@ class RecordBuilder:
             self._detail(slot, found, validate)
             for slot, found in zip(pending.optimizers, decoded.optimizer_found, strict=True)
         ]
+        fp8 = None
+        if pending.fp8 is not None:
+            from ampscope.rank.fp8.record import fp8_entries
+
+            fp8 = fp8_entries(pending.fp8, pending.read_extra(), 1.0 if watch else scale_before)
         if new_aligned:
             aligned = _build(AlignedScale, validate, step=pending.step, scale=scale_after)
         first_applied = totals.first_nonfinite_applied
@@ -301,6 +306,7 @@ class RecordBuilder:
             setup=setup,
             device=device,
             batch=None if pending.batch is None else batch_ids(pending.batch),
+            fp8=fp8,
         )
         # The record exists: only now do the totals move.
         if device is not None:

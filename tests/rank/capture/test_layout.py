@@ -53,3 +53,11 @@ def test_tensors_follow_the_same_layout() -> None:
 
 def test_a_watch_writes_a_scale_of_one_and_no_tracker() -> None:
     assert (layout.WATCH_SCALE, layout.WATCH_TRACKER) == (1.0, 0.0)
+
+
+def test_a_host_copy_is_cut_into_values_norms_and_extra() -> None:
+    parts = layout.copy_parts(10, 3, 2)
+    assert parts == layout.CopyParts(values=slice(0, 5), norms=slice(5, 8), extra=slice(8, 10))
+    assert layout.copy_parts(6, 0, 2) == layout.CopyParts(slice(0, 4), None, slice(4, 6))
+    assert layout.copy_parts(6, 2, 0) == layout.CopyParts(slice(0, 4), slice(4, 6), None)
+    assert layout.copy_parts(6, 0, 0) == layout.CopyParts(slice(0, 6), None, None)

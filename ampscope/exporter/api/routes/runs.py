@@ -10,6 +10,8 @@ from ampscope.exporter import health
 from ampscope.exporter.api.deps import ClockDep, SettingsDep, StoreDep
 from ampscope.exporter.api.errors import ApiError, responses
 from ampscope.exporter.api.models import (
+    Fp8Event,
+    Fp8SeriesView,
     HealthReport,
     History,
     RankView,
@@ -55,6 +57,20 @@ def _view(snap: RankSnapshot, now: float, settings: Settings) -> RankView:
         last_report_time=snap.last_report,
         seconds_since_report=age,
         restarts=snap.restarts,
+        fp8=[
+            Fp8SeriesView(
+                layer=series.layer,
+                tensor=series.tensor,
+                step=series.step,
+                newest=series.entry,
+                skipped=series.skipped,
+                baseline=series.baseline,
+                underflow_recent=list(series.underflow_recent),
+                spike=None if series.spike is None else Fp8Event(**vars(series.spike)),
+                nonfinite=None if series.nonfinite is None else Fp8Event(**vars(series.nonfinite)),
+            )
+            for series in snap.fp8
+        ],
     )
 
 
@@ -179,7 +195,12 @@ def get_health(run: RunId, store: StoreDep, settings: SettingsDep, clock: ClockD
     (they have no loss scale). A finished run is judged as it ended (see ``state``)."""
     ranks = _ranks(store, run)
     return health.evaluate(
-        run, ranks, clock(), settings.thresholds(), lambda pairs: store.batch_ids(run, pairs)
+        run,
+        ranks,
+        clock(),
+        settings.thresholds(),
+        lambda pairs: store.batch_ids(run, pairs),
+        fp8=store.fp8_rule,
     )
 
 

@@ -1,0 +1,130 @@
+"""What observing FP8 layers costs: step time with ampscope against the same run without.
+
+``python -m bench.fp8`` trains a model of ``LAYERS`` torchao ``Float8Linear`` layers
+(``Float8LinearConfig(emulate=True)``: the CPU's emulated FP8 casts and GEMMs) in bf16
+autocast, four ways interleaved block by block (:mod:`bench.ab`): without ampscope, with a
+``GradWatch`` attached to a model without FP8 observation, and with FP8 observation at the
+default ``fp8_every`` and at ``fp8_every=1``. Prints and writes (``--out``) the per-group
+ratios of each against the run without ampscope. Needs torchao (``ampscope[fp8]``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from bench.ab import compare_groups, run_interleaved
+
+LAYERS = 12
+WIDTH = 256
+BATCH = 64
+BLOCK = 10
+"""Steps per block: a multiple of the default fp8_every, so each block observes alike."""
+
+
+def _model(observed: bool) -> nn.Module:
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(LAYERS):
+        layers += [nn.Linear(WIDTH, WIDTH), nn.GELU()]
+    model = nn.Sequential(*layers)
+    if observed:
+        convert_to_float8_training(model, config=Float8LinearConfig(emulate=True))
+    return model
+
+
+def _contender(
+    fp8_every: int | None, watch: bool, clock: Callable[[], float]
+) -> Callable[[], float]:
+    """One step function returning its wall time; ``fp8_every`` None: no FP8 observation
+    (the watch attached to a model handle without the FP8 layers)."""
+    from ampscope import GradWatch
+    from ampscope.rank.config import DEFAULT_FP8_EVERY
+
+    model = _model(observed=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(1))
+    front: Any = None
+    if watch:
+        front = GradWatch(reporter=None, run_id="bench-fp8", stats=False)
+        if fp8_every is not None:
+            front.attach(model, fp8_every=fp8_every or DEFAULT_FP8_EVERY)
+
+    def step() -> float:
+        start = clock()
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x).float().square().mean()
+        if front is None:
+            loss.backward()
+            optimizer.step()
+        else:
+            front.scale(loss).backward()
+            front.step(optimizer)
+            front.update()
+        return clock() - start
+
+    return step
+
+
+def run(groups: int, clock_name: str = "thread") -> dict[str, Any]:
+    """Time the contenders; the ratios against ``no_ampscope``."""
+    from ampscope.rank.config import DEFAULT_FP8_EVERY
+
+    torch.set_num_threads(1)
+    clock = time.thread_time if clock_name == "thread" else time.perf_counter
+    contenders = {
+        "no_ampscope": _contender(None, False, clock),
+        "watch_without_fp8": _contender(None, True, clock),
+        f"fp8_every_{DEFAULT_FP8_EVERY}_default": _contender(0, True, clock),
+        "fp8_every_1": _contender(1, True, clock),
+    }
+    for step in contenders.values():  # warm-up: torchao's first casts, allocator
+        for _ in range(BLOCK):
+            step()
+    blocks = run_interleaved(contenders, lambda step: [step() for _ in range(BLOCK)], groups=groups)
+    result = compare_groups(blocks, baseline="no_ampscope")
+    result["config"] = {
+        "layers": LAYERS,
+        "width": WIDTH,
+        "batch": BATCH,
+        "block_steps": BLOCK,
+        "groups": groups,
+        "threads": torch.get_num_threads(),
+        "clock": clock_name,
+        "torch": torch.__version__,
+    }
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.fp8", description=__doc__)
+    parser.add_argument("--groups", type=int, default=8, help="interleaved block groups")
+    parser.add_argument("--out", type=Path, default=None, help="write the JSON result here")
+    parser.add_argument("--clock", choices=("thread", "wall"), default="thread")
+    args = parser.parse_args(argv)
+    logging.getLogger("torchao").setLevel(logging.ERROR)
+    result = run(args.groups, args.clock)
+    for name, ratio in result["ratio"].items():
+        print(
+            f"{name:>26}: x{ratio['median']:.4f} (IQR {ratio['p25']:.4f}-{ratio['p75']:.4f}, "
+            f"95% CI {ratio['ci_low']:.4f}-{ratio['ci_high']:.4f})"
+        )
+    base = result["samples"]["no_ampscope"]
+    print(f"{'no_ampscope step':>26}: {base['median']:.1f} ms median")
+    if args.out is not None:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
