@@ -10,8 +10,9 @@ instrumentation off at start; the script turns it on around the measured steps o
     valgrind ... --callgrind-out-file=/tmp/cg/ampscope.out \\
         python -m bench.step_instructions ampscope 200
 
-Thread 1's file (``*.out-01``) is the training thread: (ampscope total - stock total) /
-steps is the extra instructions per iteration; ``callgrind_annotate`` on the two files
+``watch-observe`` and ``watch-skip`` run a ``GradWatch`` in the same loop instead. Thread
+1's file (``*.out-01``) is the training thread: (ampscope total - stock total) / steps is
+the extra instructions per iteration; ``callgrind_annotate`` on the two files
 says where they go. The telemetry thread's file holds the record-building work.
 """
 
@@ -37,7 +38,7 @@ def _instrument(on: bool) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("scaler", choices=("stock", "ampscope"))
+    parser.add_argument("scaler", choices=("stock", "ampscope", "watch-observe", "watch-skip"))
     parser.add_argument("steps", type=int, nargs="?", default=200)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -45,6 +46,14 @@ def main() -> None:
     inputs = torch.randn(4, 16)
     if args.scaler == "stock":
         variant = make_variant(args.scaler, model, stock_scaler("cpu"))
+    elif args.scaler.startswith("watch-"):
+        # A GradWatch in the same loop (fp32, no scale): the watch's own work per iteration.
+        import ampscope
+
+        policy = args.scaler.removeprefix("watch-")
+        watch = ampscope.GradWatch(policy, reporter=None, run_id="bench-instructions")
+        variant = make_variant(args.scaler, model, watch)
+        watch.attach(variant.model)
     else:
         scaler = ampscope_scaler("cpu", url=None, run_id="bench-instructions")
         variant = make_variant(args.scaler, model, scaler)

@@ -7,17 +7,58 @@ plain values for the test process to compare.
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 STEPS = 21
 INJECT_STEPS = frozenset({4, 9, 10, 16})
 """0-based iterations at which rank 1 (only) gets an inf in its local gradient shard."""
 GROWTH_INTERVAL = 3
+
+
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_object",
+    "all_gather_into_tensor",
+    "broadcast",
+    "broadcast_object_list",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "reduce",
+    "barrier",
+    "all_to_all_single",
+)
+"""The collectives of ``torch.distributed`` that :func:`observing_collectives` wraps."""
+
+
+@contextlib.contextmanager
+def observing_collectives(seen: Callable[[str, tuple[Any, ...]], None]) -> Iterator[None]:
+    """Call ``seen(name, args)`` before every call of a ``torch.distributed`` collective
+    in the block, made through the module's attributes (how ampscope, DDP's and FSDP1's
+    Python code call them)."""
+    originals = {name: getattr(dist, name) for name in COLLECTIVES}
+
+    def observed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            seen(name, args)
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    for name, fn in originals.items():
+        setattr(dist, name, observed(name, fn))
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
 
 
 def make_model() -> nn.Module:
@@ -150,7 +191,8 @@ def fsdp1_worker(rank: int, world_size: int) -> dict[str, Any]:
 # -- FSDP2 ------------------------------------------------------------------------------
 
 
-def _fully_shard(mesh: Any) -> nn.Module:
+def fully_shard_model(mesh: Any) -> nn.Module:
+    """``make_model()`` with each Linear and the whole model ``fully_shard``-ed on ``mesh``."""
     from torch.distributed.fsdp import fully_shard
 
     model = make_model()
@@ -172,23 +214,23 @@ def fsdp2_worker(rank: int, world_size: int) -> dict[str, Any]:
         if rank == 1:
             model[2].weight.grad._local_tensor[0, 1] = float("inf")
 
-    ours_model = _fully_shard(mesh)
+    ours_model = fully_shard_model(mesh)
     ours = ampscope.GradScaler(
         "cpu", init_scale=2.0**10, growth_interval=GROWTH_INTERVAL, reporter=None
     )
     ours.attach(ours_model)
     stock = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=GROWTH_INTERVAL)
-    result = train_side_by_side(rank, ours_model, ours, _fully_shard(mesh), stock, inject)
+    result = train_side_by_side(rank, ours_model, ours, fully_shard_model(mesh), stock, inject)
     result["grad_type"] = type(ours_model[2].weight).__name__
     # Fused Adam: torch's _step_supports_amp_scaling path (_check_inf_per_device).
     ours_fused = ampscope.GradScaler(
         "cpu", init_scale=2.0**10, growth_interval=GROWTH_INTERVAL, reporter=None
     )
     stock_fused = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=GROWTH_INTERVAL)
-    fused_model = _fully_shard(mesh)
+    fused_model = fully_shard_model(mesh)
     ours_fused.attach(fused_model)
     result["fused"] = train_side_by_side(
-        rank, fused_model, ours_fused, _fully_shard(mesh), stock_fused, inject, fused=True
+        rank, fused_model, ours_fused, fully_shard_model(mesh), stock_fused, inject, fused=True
     )
     result["tp"] = _tensor_parallel_2d(rank, world_size)
     return result

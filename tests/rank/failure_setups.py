@@ -16,8 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from dist_setups import batch, local_view, make_model
+from dist_setups import batch, fully_shard_model, local_view, make_model, observing_collectives
 from torch import nn
 
 import ampscope
@@ -28,46 +27,25 @@ STEPS = 4
 INJECT = 2
 """0-based iteration at which rank 1's batch overflows (the watch's scenarios)."""
 FAILING_RANK = 1
-COLLECTIVES = (
-    "all_reduce",
-    "all_gather",
-    "all_gather_object",
-    "all_gather_into_tensor",
-    "broadcast",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "barrier",
-)
 
 
 @contextlib.contextmanager
 def recording_collectives() -> Iterator[list[tuple[str, tuple[int, ...], str]]]:
-    """Every call of a ``torch.distributed`` collective in the block, through the module's
-    attributes (how ampscope, DDP's and FSDP1's Python code call them), with the shape
-    and dtype of its first tensor."""
+    """Every call of a ``torch.distributed`` collective in the block, with the shape and
+    dtype of its first tensor, in order."""
     calls: list[tuple[str, tuple[int, ...], str]] = []
-    originals = {name: getattr(dist, name) for name in COLLECTIVES}
 
-    def recorded(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            first = args[0] if args else None
-            if isinstance(first, list) and first:
-                first = first[0]
-            if isinstance(first, torch.Tensor):
-                calls.append((name, tuple(first.shape), str(first.dtype)))
-            else:
-                calls.append((name, (), ""))
-            return fn(*args, **kwargs)
+    def seen(name: str, args: tuple[Any, ...]) -> None:
+        first = args[0] if args else None
+        if isinstance(first, list) and first:
+            first = first[0]
+        if isinstance(first, torch.Tensor):
+            calls.append((name, tuple(first.shape), str(first.dtype)))
+        else:
+            calls.append((name, (), ""))
 
-        return wrapper
-
-    for name, fn in originals.items():
-        setattr(dist, name, recorded(name, fn))
-    try:
+    with observing_collectives(seen):
         yield calls
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
 
 
 class _Log(logging.Handler):
@@ -106,15 +84,8 @@ def _fsdp1() -> nn.Module:
 
 def _fsdp2(world_size: int) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (world_size,))
-    model = make_model()
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
+    return fully_shard_model(init_device_mesh("cpu", (world_size,)))
 
 
 def _ddp() -> nn.Module:

@@ -16,8 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from dist_setups import local_view, make_model
+from dist_setups import local_view, make_model, observing_collectives
 from torch import nn
 
 import ampscope
@@ -26,20 +25,6 @@ STEPS = 5
 INJECT = 2
 """0-based iteration at which rank 1's gradients (only) hold inf/NaN."""
 BAD_RANK = 1
-COLLECTIVES = (
-    "all_reduce",
-    "all_gather",
-    "all_gather_object",
-    "all_gather_into_tensor",
-    "broadcast",
-    "broadcast_object_list",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "reduce",
-    "barrier",
-    "all_to_all_single",
-)
-"""The collectives of ``torch.distributed`` the counter wraps."""
 _RANK = Path(ampscope.__file__).parent / "rank"
 WATCH_FILES = frozenset(
     str(_RANK / name)
@@ -68,23 +53,13 @@ def counting_collectives() -> Iterator[dict[str, int]]:
     """Count the calls of ``torch.distributed`` collectives that the watch makes in the
     block (through the module's attributes, which is how ampscope calls them)."""
     counts: dict[str, int] = {}
-    originals = {name: getattr(dist, name) for name in COLLECTIVES}
 
-    def counted(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if _called_by_watch():
-                counts[name] = counts.get(name, 0) + 1
-            return fn(*args, **kwargs)
+    def seen(name: str, args: tuple[Any, ...]) -> None:
+        if _called_by_watch():
+            counts[name] = counts.get(name, 0) + 1
 
-        return wrapper
-
-    for name, fn in originals.items():
-        setattr(dist, name, counted(name, fn))
-    try:
+    with observing_collectives(seen):
         yield counts
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
 
 
 def batch(rank: int, step: int) -> torch.Tensor:

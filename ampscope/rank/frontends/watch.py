@@ -238,12 +238,7 @@ class GradWatch(TelemetryFrontEnd):
             )
             self._ampscope_telemetry.submit(pending)
         except Exception:
-            # The iteration still counts, as on the other ranks: the next record's step,
-            # a raise's message and last_step_skipped stay the same on every rank.
-            capture.abandon(iteration, step)
-            if self._ampscope_stats is not None:
-                self._ampscope_stats.discard()
-            self._ampscope_failed()
+            self._abandon(capture, iteration, step)
 
     @property
     def last_step_skipped(self) -> bool:
@@ -369,6 +364,15 @@ class GradWatch(TelemetryFrontEnd):
                     merged[name] = merged.get(name, 0) + count
         return merged
 
+    def _abandon(self, capture: WatchCapture, iteration: dict[int, Checked], step: int) -> None:
+        """Close ``iteration`` without its record (call in ``except``; counted, logged
+        once). It still counts, as on the other ranks: the next record's step, a raise's
+        message and last_step_skipped stay the same on every rank."""
+        capture.abandon(iteration, step)
+        if self._ampscope_stats is not None:
+            self._ampscope_stats.discard()
+        self._ampscope_failed()
+
     def _stop(self, reason: str) -> None:
         """Record the iteration, deliver it, agree on the words, raise. Every rank of the
         group calls this at the same ``step()`` and makes the same collectives whatever
@@ -399,10 +403,7 @@ class GradWatch(TelemetryFrontEnd):
             self._ampscope_telemetry.submit(pending)
             self._ampscope_telemetry.flush(RAISE_FLUSH_TIMEOUT_S)
         except Exception:
-            capture.abandon(iteration, step)
-            if self._ampscope_stats is not None:
-                self._ampscope_stats.discard()
-            self._ampscope_failed()
+            self._abandon(capture, iteration, step)
         reports, gathered = stop.gather(report, self._watch.process_group)
         error = stop.build_error(reports, step, reason, gathered=gathered)
         failure.note(error)  # the rank ends failed, even when the loop catches it and exits
