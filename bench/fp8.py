@@ -26,8 +26,6 @@ from bench.ab import compare_groups, run_interleaved
 LAYERS = 12
 WIDTH = 256
 BATCH = 64
-BLOCK = 10
-"""Steps per block: a multiple of the default fp8_every, so each block observes alike."""
 
 
 def _model(observed: bool) -> nn.Module:
@@ -89,16 +87,18 @@ def run(groups: int, clock_name: str = "thread") -> dict[str, Any]:
         f"fp8_every_{DEFAULT_FP8_EVERY}_default": _contender(0, True, clock),
         "fp8_every_1": _contender(1, True, clock),
     }
+    # A block is the default fp8_every steps, so each block holds one observed iteration.
+    block = DEFAULT_FP8_EVERY
     for step in contenders.values():  # warm-up: torchao's first casts, allocator
-        for _ in range(BLOCK):
+        for _ in range(block):
             step()
-    blocks = run_interleaved(contenders, lambda step: [step() for _ in range(BLOCK)], groups=groups)
+    blocks = run_interleaved(contenders, lambda step: [step() for _ in range(block)], groups=groups)
     result = compare_groups(blocks, baseline="no_ampscope")
     result["config"] = {
         "layers": LAYERS,
         "width": WIDTH,
         "batch": BATCH,
-        "block_steps": BLOCK,
+        "block_steps": block,
         "groups": groups,
         "threads": torch.get_num_threads(),
         "clock": clock_name,
@@ -107,13 +107,45 @@ def run(groups: int, clock_name: str = "thread") -> dict[str, Any]:
     return result
 
 
+CONTENDERS = ("no_ampscope", "watch_without_fp8", "fp8_default", "fp8_every_1")
+"""The runs compared, by name (``fp8_default``: the default ``fp8_every``)."""
+
+
+def count_instructions(name: str, steps: int) -> None:
+    """Run ``name``'s loop for ``steps`` steps with callgrind counting only them (started
+    with ``--instr-atstart=no``): instruction counts do not move with other load on a
+    shared host, where the clocks cannot resolve 2 %. ``steps``: a multiple of the default
+    ``fp8_every``, so each run holds as many observed iterations as the default gives."""
+    from bench.step_instructions import instrument
+
+    torch.set_num_threads(1)
+    fp8_every = {"no_ampscope": None, "watch_without_fp8": None, "fp8_default": 0}.get(name, 1)
+    step = _contender(fp8_every, name != "no_ampscope", time.thread_time)
+    for _ in range(10):  # warm-up: torchao's first casts, the first update()'s identity
+        step()
+    instrument(True)
+    for _ in range(steps):
+        step()
+    instrument(False)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.fp8", description=__doc__)
     parser.add_argument("--groups", type=int, default=8, help="interleaved block groups")
     parser.add_argument("--out", type=Path, default=None, help="write the JSON result here")
     parser.add_argument("--clock", choices=("thread", "wall"), default="thread")
+    parser.add_argument(
+        "--instructions",
+        choices=CONTENDERS,
+        default=None,
+        help="run this one contender under valgrind's callgrind instead (see the module doc)",
+    )
+    parser.add_argument("--steps", type=int, default=50, help="measured steps (--instructions)")
     args = parser.parse_args(argv)
     logging.getLogger("torchao").setLevel(logging.ERROR)
+    if args.instructions is not None:
+        count_instructions(args.instructions, args.steps)
+        return
     result = run(args.groups, args.clock)
     for name, ratio in result["ratio"].items():
         print(

@@ -28,7 +28,8 @@ from torch import nn
 from bench.workload import ampscope_scaler, make_variant, stock_scaler
 
 
-def _instrument(on: bool) -> None:
+def instrument(on: bool) -> None:
+    """Turn callgrind's counting on or off for this process."""
     subprocess.run(
         ["callgrind_control", "-i", "on" if on else "off", str(os.getpid())],
         check=True,
@@ -67,9 +68,9 @@ def main() -> None:
             variant.scaler.update()
 
     loop(50)  # warm-up: the first update() resolves the identity, starts the thread
-    _instrument(True)
+    instrument(True)
     loop(args.steps)
-    _instrument(False)
+    instrument(False)
     variant.close()
 
 

@@ -2,7 +2,8 @@
 
 The front-ends a loop calls are torch's ``GradScaler``/``ShardedGradScaler`` plus telemetry
 (fp16), and :class:`GradWatch` for bf16/fp32 runs; ``capture/``, ``gradients/`` and
-``telemetry/`` hold what they share, ``compat.py`` every read of torch internals.
+``telemetry/`` hold what they share, ``fp8/`` observes an attached model's torchao
+``Float8Linear`` layers, ``compat.py`` every read of torch internals.
 
 Change one import and keep the training loop::
 

@@ -35,9 +35,10 @@ def half_subnormal(dtype: torch.dtype) -> float:
 @torch.no_grad()
 def cast_stats(tensor: torch.Tensor, cast: Float8Cast) -> torch.Tensor:
     """The statistics of ``cast`` applied to ``tensor`` (high precision), with the scale the
-    layer derives from it. Cost: one float32 copy of the tensor, a reduction for the amax,
-    one multiply in place and two counts."""
-    magnitude = tensor.detach().float().abs()  # a fresh tensor: abs() always allocates
+    layer derives from it. Cost: one float32 copy of the tensor, a reduction for the amax
+    and two counts."""
+    # copy=True: a float32 tensor's .float() is the tensor itself, and abs_ must not touch it.
+    magnitude = tensor.detach().to(torch.float32, copy=True).abs_()
     if cast.rowwise:
         row_amax = magnitude.amax(dim=cast.row_dim, keepdim=True)
         scale = compat.float8_amax_to_scale(row_amax, cast)
@@ -78,9 +79,8 @@ def _stack(
 ) -> torch.Tensor:
     nonzero = torch.count_nonzero(magnitude)
     zero_before = magnitude.numel() - nonzero
-    # In place: magnitude is this function's own copy (|x| * scale == |x * scale|).
-    magnitude.mul_(scale)
-    zero_after = (magnitude <= half_subnormal(dtype)).sum()
+    # |x| <= h / scale rather than |x * scale| <= h: one pass over the tensor fewer.
+    zero_after = (magnitude <= half_subnormal(dtype) / scale).sum()
     underflowed = zero_after - zero_before
     return torch.stack(
         [
