@@ -194,8 +194,8 @@ def test_fp8_alerts_read_the_gauges_with_the_verdicts_thresholds() -> None:
     )
     # A skipped overflow iteration is not judged by the verdict; the alert leaves it out too.
     assert (
-        f"unless on (run, node, rank, local_rank) increase(ampscope_skipped_steps_total{window}) > 0"
-        in expr
+        "unless on (run, node, rank, local_rank) "
+        f"increase(ampscope_skipped_steps_total{window}) > 0" in expr
     )
     underflow = alerts["AmpscopeFp8Underflow"]
     assert underflow["labels"]["severity"] == "warning"
