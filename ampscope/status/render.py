@@ -6,8 +6,9 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ampscope.verdicts.fp8 import MAX_EVIDENCE_SERIES
 from ampscope.verdicts.ranks import is_scaler, mode_of, reported_state
-from ampscope.verdicts.verdict import SEVERITY
+from ampscope.verdicts.verdict import FP8_RULES, SEVERITY
 
 FAILED_TARGETS = "exporters without a usable answer:"
 """Heads the targets that did not answer, or answered something of the wrong shape."""
@@ -105,9 +106,7 @@ def fp8_lines(health: Mapping[str, Any]) -> list[str]:
     tensor, step, what happened), the critical rule first; empty when none is flagged."""
     rows = []
     more = 0
-    flagged = [
-        v for v in health["verdicts"] if v["rule"].startswith("fp8_") and v["status"] != "ok"
-    ]
+    flagged = [v for v in health["verdicts"] if v["rule"] in FP8_RULES and v["status"] != "ok"]
     for verdict in sorted(flagged, key=lambda v: -SEVERITY[v["status"]]):
         listed = verdict["evidence"].get("series", [])
         more += verdict["evidence"].get("series_affected", len(listed)) - len(listed)
@@ -130,7 +129,8 @@ def fp8_lines(health: Mapping[str, Any]) -> list[str]:
     header = ["", "RULE", "RANK", "NODE", "LAYER", "TENSOR", "STEP", "WHAT"]
     lines = ["", "FP8 series flagged:", *_table(header, rows, right={2, 6})]
     if more:
-        lines.append(f"  … and {more} more series (a verdict lists at most 16 per exporter)")
+        per = f"a verdict lists at most {MAX_EVIDENCE_SERIES} per exporter"
+        lines.append(f"  … and {more} more series ({per})")
     return lines
 
 

@@ -99,3 +99,17 @@ def test_no_fp8_lines_for_a_calm_run_or_one_without_fp8_layers() -> None:
     assert render.fp8_lines(health) == []
     rules = [v["rule"] for v in health["verdicts"]]
     assert {"fp8_amax_spike", "fp8_underflow", "fp8_nonfinite_amax"} <= set(rules)
+
+
+def test_series_beyond_the_evidence_are_counted_in_a_line() -> None:
+    entry = {"rank": 0, "node": "n0", "layer": "l", "tensor": "input", "step": 3, "ratio": 0.5}
+    verdict = {
+        "rule": "fp8_underflow",
+        "status": "warning",
+        "summary": "FP8 casts underflow in 20 series",
+        "evidence": {"series_affected": 20, "series": [entry] * 16},
+        "thresholds": {},
+    }
+    lines = render.fp8_lines({"verdicts": [verdict]})
+    assert len(lines) == 2 + 1 + 16 + 1
+    assert lines[-1] == "  … and 4 more series (a verdict lists at most 16 per exporter)"
