@@ -178,7 +178,8 @@ def _escape(value: str) -> str:
 
 def template_values(run: str, interval_s: float) -> dict[str, str]:
     """Grafana's variables as a user of one run sees them: ``$__rate_interval`` is four
-    scrape intervals, as Grafana computes it; every node and rank selected."""
+    scrape intervals, as Grafana computes it; every node and rank selected, and rank 0 for
+    the FP8 row (one rank's layers)."""
     return {
         "$__rate_interval": f"{4 * interval_s:g}s",
         "$__interval": f"{interval_s:g}s",
@@ -186,6 +187,7 @@ def template_values(run: str, interval_s: float) -> dict[str, str]:
         "$run": run,
         "$node": ".*",
         "$rank": ".*",
+        "$fp8_rank": "0",
     }
 
 

@@ -8,10 +8,13 @@ the merged ranks by the rules the exporter runs (``ampscope.verdicts``): ``lost_
 critical share is of the whole job), ``missing_rank``, ``rank_failed`` (every node's failed
 ranks, their origins joined), ``scale_desync`` (every node's aligned scales: a desync
 between nodes shows only there) and ``stalled_rank``'s ok summary (the live ranks of every
-node; a stalled rank keeps its exporter's verdict, which holds its progress times). The
-other rules are per-rank facts each exporter already judged over its own ranks: the merge
-keeps the worst exporter's verdict and lists every exporter that flagged it under
-``evidence["exporters"]``. Costs O(ranks + world size).
+node; a stalled rank keeps its exporter's verdict, which holds its progress times). The FP8
+rules (``fp8_amax_spike``, ``fp8_underflow``, ``fp8_nonfinite_amax``) list every
+exporter's flagged series (each exporter judged its own ranks' layers), counted together;
+present when any exporter has FP8 layers for the run. The other rules are per-rank facts
+each exporter already judged over its own ranks: the merge keeps the worst exporter's
+verdict and lists every exporter that flagged it under ``evidence["exporters"]``. Costs
+O(ranks + world size).
 """
 
 from __future__ import annotations
@@ -20,10 +23,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ampscope.verdicts import failures, liveness, scale
+from ampscope.verdicts import fp8 as fp8_rules
 from ampscope.verdicts.ranks import RankFacts, is_scaler, mode_of, reported_state
 from ampscope.verdicts.rollup import health_report
 from ampscope.verdicts.thresholds import Thresholds
-from ampscope.verdicts.verdict import SEVERITY, in_report_order
+from ampscope.verdicts.verdict import FP8_RULES, SEVERITY, Verdict, in_report_order
 
 
 def facts_of(views: Sequence[Mapping[str, Any]]) -> list[RankFacts]:
@@ -133,6 +137,45 @@ def _worst_of(rule: str, reports: Sequence[tuple[str, Mapping[str, Any]]]) -> di
     return merged
 
 
+def _fp8_merged(rule: str, reports: Sequence[tuple[str, Mapping[str, Any]]]) -> dict[str, Any]:
+    """An FP8 rule's verdict over every exporter's: their flagged series together (in the
+    rule's order: newest spike step, highest ratio, earliest non-finite step), naming every
+    exporter that flagged it."""
+    found = [
+        (url, verdict)
+        for url, report in reports
+        for verdict in report["verdicts"]
+        if verdict["rule"] == rule
+    ]
+    flagged = [(url, v) for url, v in found if v["status"] != "ok"]
+    listed = [entry for _, v in flagged for entry in v["evidence"].get("series", [])]
+    affected = sum(v["evidence"].get("series_affected", 0) for _, v in flagged)
+    # An ok verdict counts the series it judged; a flagged one, only those it flagged.
+    judged = sum(v["evidence"].get("series", 0) for _, v in found if v["status"] == "ok")
+    thresholds = found[0][1].get("thresholds") or {}
+    merged: Verdict
+    if rule == "fp8_amax_spike":
+        listed.sort(key=lambda e: -(e.get("step") or 0))
+        merged = fp8_rules.spike_verdict(listed, affected, judged + affected, thresholds)
+    elif rule == "fp8_underflow":
+        listed.sort(key=lambda e: -e["ratio"])
+        worst = max(
+            [e["ratio"] for e in listed]
+            + [v["evidence"].get("worst_ratio", 0.0) for _, v in found if v["status"] == "ok"],
+            default=0.0,
+        )
+        merged = fp8_rules.underflow_verdict(listed, affected, judged + affected, worst, thresholds)
+    else:
+        listed.sort(key=lambda e: (e.get("step") is None, e.get("step") or 0, e["rank"]))
+        merged = fp8_rules.nonfinite_verdict(listed, affected, judged + affected, thresholds)
+    out = merged.model_dump()
+    if flagged:
+        out["evidence"]["exporters"] = [
+            {"url": url, "status": v["status"], "summary": v["summary"]} for url, v in flagged
+        ]
+    return out
+
+
 def merge_health(
     run: str,
     reports: Sequence[tuple[str, Mapping[str, Any]]],
@@ -148,6 +191,7 @@ def merge_health(
         "rank_failed": failures.rank_failed(failed_of(views), len(views)).model_dump(),
     }
     given = [v["rule"] for _, report in reports for v in report["verdicts"]]
+    recomputed.update({rule: _fp8_merged(rule, reports) for rule in FP8_RULES if rule in given})
     verdicts = [
         recomputed.get(rule) or _worst_of(rule, reports)
         for rule in in_report_order([*given, *recomputed])

@@ -16,14 +16,16 @@ that need the exporter's per-step history (``stalled_rank``'s progress times,
 ``ampscope_spikes_total`` over their window: which rank and how many, not the step, value or
 baseline, which only the exporters hold (``SPIKE_DETAIL``); ``nonfinite_skipped`` counts
 ``increase`` of ``ampscope_skipped_steps_total``, without the last step and its origin
-(``SKIP_DETAIL``).
+(``SKIP_DETAIL``). For a run whose ranks export FP8 series, ``fp8_nonfinite_amax`` and
+``fp8_underflow`` are judged from the FP8 gauges' samples, ``fp8_amax_spike`` is not
+(``ampscope.status.prometheus_fp8``).
 
 A rank whose series were there within the last hour and are gone now (its exporter's scrape
 fails, or its series went stale) is ``lost``, as the exporter's own health would call a rank
 it no longer hears, and ``lost_rank`` names it and the exporters whose scrape fails
 (``ampscope.status.prometheus_ranks``). The thresholds are those the exporters publish
 (``ampscope_exporter_health_threshold``), the defaults where none does. Cost: one query for
-the thresholds, then ten instant queries run in parallel; the answer holds O(ranks x devices)
+the thresholds, then thirteen instant queries run in parallel; the answer holds O(ranks x devices)
 samples.
 """
 
@@ -36,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields
 from typing import Any
 
-from ampscope.status import merge, shapes
+from ampscope.status import merge, prometheus_fp8, shapes
 from ampscope.status.prometheus_api import PrometheusClient, QueryError
 from ampscope.status.prometheus_ranks import (
     GAUGES,
@@ -51,6 +53,7 @@ from ampscope.status.prometheus_ranks import (
 )
 from ampscope.verdicts import failures, liveness, nonfinite, scale
 from ampscope.verdicts import spikes as spike_rules
+from ampscope.verdicts.fp8 import Fp8Rule
 from ampscope.verdicts.ranks import is_scaler, mode_of
 from ampscope.verdicts.rollup import health_report
 from ampscope.verdicts.thresholds import Thresholds
@@ -74,6 +77,7 @@ RANK_QUERIES = (
     "spikes",
     "skipped_nonfinite",
     "seen",
+    *prometheus_fp8.FP8_QUERIES,
 )
 """The queries whose every series is a rank's (run, rank and node labels), checked so."""
 
@@ -121,6 +125,7 @@ def queries(run: str | None, t: Thresholds) -> dict[str, str]:
         f"[{t.nonfinite_skipped_window_s:g}s])",
         "seen": seen_query(sel),
         "up": up_query(sel),
+        **prometheus_fp8.queries(sel, Fp8Rule()),
     }
 
 
@@ -135,9 +140,12 @@ def health_of(
     t: Thresholds,
     now: float,
     down: Sequence[str] = (),
+    fp8: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
 ) -> dict[str, Any]:
     """The run's ``HealthReport`` dict, each verdict by the shared rule implementation;
-    ``down``: the exporters of the run whose scrape fails, named by ``lost_rank``."""
+    ``down``: the exporters of the run whose scrape fails, named by ``lost_rank``; ``fp8``:
+    the answers of the FP8 queries (``prometheus_fp8.FP8_QUERIES``), whose verdicts the
+    report holds when the run's ranks export FP8 series."""
 
     def window(name: str, view: Mapping[str, Any], device: str = "") -> float:
         return windows[name].get((run, view["rank"]), {}).get(device, 0.0)
@@ -232,6 +240,8 @@ def health_of(
         "grad_norm_spike": counted(spike_rules.grad_norm_spike(spikes("grad_norm"), t)),
         "origin_outlier": counted(spike_rules.origin_outlier(spikes("origin_outlier"), t)),
     }
+    if fp8 is not None:
+        by_rule.update(prometheus_fp8.verdicts(run, views, fp8, Fp8Rule()))
     verdicts = [by_rule[rule] for rule in in_report_order(by_rule)]
     up = sum(1 for v in views if v["up"])
     return health_report(run, verdicts, [f.state for f in facts], evaluated_at=now, up=up)
@@ -274,16 +284,16 @@ def fetch(client: PrometheusClient, run: str | None, t: Thresholds | None = None
     views = build_views(results["now"], now)
     views.update(gone_ranks(results["seen"], views, now))
     down = exporters_down(results["up"], results["seen"])
-    windows = {
-        name: per_rank(results[name], views) for name in asked if name not in ("now", "seen", "up")
-    }
+    unwindowed = ("now", "seen", "up", *prometheus_fp8.FP8_QUERIES)
+    windows = {name: per_rank(results[name], views) for name in asked if name not in unwindowed}
+    fp8 = {name: results[name] for name in prometheus_fp8.FP8_QUERIES}
     judged = {"source": source, **{f.name: getattr(t, f.name) for f in fields(t)}}
     by_run: dict[str, list[dict[str, Any]]] = {}
     for (name, _), view in sorted(views.items()):
         by_run.setdefault(name, []).append(view)
 
     def health(name: str, ranks: list[dict[str, Any]]) -> dict[str, Any]:
-        return health_of(name, ranks, windows, t, now, down.get(name, ()))
+        return health_of(name, ranks, windows, t, now, down.get(name, ()), fp8)
 
     if run is not None:
         if run not in by_run:

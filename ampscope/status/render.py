@@ -6,8 +6,9 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ampscope.verdicts.fp8 import MAX_EVIDENCE_SERIES
 from ampscope.verdicts.ranks import is_scaler, mode_of, reported_state
-from ampscope.verdicts.verdict import SEVERITY
+from ampscope.verdicts.verdict import FP8_RULES, SEVERITY
 
 FAILED_TARGETS = "exporters without a usable answer:"
 """Heads the targets that did not answer, or answered something of the wrong shape."""
@@ -88,6 +89,49 @@ def failure_lines(views: Sequence[Mapping[str, Any]]) -> list[str]:
             line += ": " + (message if len(message) <= FAILURE_MESSAGE else cut)
         lines.append(line)
     return ["", "failed ranks:", *lines] if lines else []
+
+
+def _fp8_detail(rule: str, entry: Mapping[str, Any]) -> str:
+    if rule == "fp8_amax_spike":
+        return (
+            f"amax {entry['value']:.4g}, {entry['factor']:.0f}x its median {entry['baseline']:.4g}"
+        )
+    if rule == "fp8_underflow":
+        return f"{entry['ratio']:.0%} of non-zero values underflow"
+    return "amax inf or NaN"
+
+
+def fp8_lines(health: Mapping[str, Any]) -> list[str]:
+    """``FP8 series flagged:`` and a line per series an FP8 verdict flags (rank, node, layer,
+    tensor, step, what happened), the critical rule first; empty when none is flagged."""
+    rows = []
+    more = 0
+    flagged = [v for v in health["verdicts"] if v["rule"] in FP8_RULES and v["status"] != "ok"]
+    for verdict in sorted(flagged, key=lambda v: -SEVERITY[v["status"]]):
+        listed = verdict["evidence"].get("series", [])
+        more += verdict["evidence"].get("series_affected", len(listed)) - len(listed)
+        for entry in listed:
+            step = entry.get("step")
+            rows.append(
+                [
+                    _MARK[verdict["status"]],
+                    verdict["rule"],
+                    str(entry["rank"]),
+                    entry["node"],
+                    entry["layer"],
+                    entry["tensor"],
+                    "-" if step is None else str(step),
+                    _fp8_detail(verdict["rule"], entry),
+                ]
+            )
+    if not rows:
+        return []
+    header = ["", "RULE", "RANK", "NODE", "LAYER", "TENSOR", "STEP", "WHAT"]
+    lines = ["", "FP8 series flagged:", *_table(header, rows, right={2, 6})]
+    if more:
+        per = f"a verdict lists at most {MAX_EVIDENCE_SERIES} per exporter"
+        lines.append(f"  … and {more} more series ({per})")
+    return lines
 
 
 def _found_inf(ranks: Sequence[Mapping[str, Any]], kind: str) -> int:
@@ -196,7 +240,8 @@ def run_table(run: str, views: Sequence[Mapping[str, Any]], health: Mapping[str,
     )
     table = _table(header, rows, right={0, 3, 6, 7, 8, 9, 10, 11})
     failed = failure_lines(views)
-    return [head, "", *table, *failed, "", "health:", *_verdict_lines(health["verdicts"])]
+    verdicts = _verdict_lines(health["verdicts"])
+    return [head, "", *table, *failed, *fp8_lines(health), "", "health:", *verdicts]
 
 
 def _named(value: Any, key: str, into: set[Any]) -> None:
@@ -301,6 +346,7 @@ def job_table(
         ]
         lines += ["", "outlier ranks:", *_table(header, outlier_rows, right={0, 3, 5, 6})]
     lines += failure_lines(views)
+    lines += fp8_lines(health)
     lines += ["", "health:", *_verdict_lines(health["verdicts"])]
     failed = target_lines(targets)
     return lines + (["", FAILED_TARGETS, *failed] if failed else [])

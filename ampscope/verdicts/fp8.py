@@ -18,7 +18,7 @@ library and the verdict model are imported; all functions are pure.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,25 +105,114 @@ def _live(event: Fp8Event | None, now: float, window_s: float) -> bool:
     return event is not None and now - window_s <= event.received <= now
 
 
-def fp8_amax_spike(
-    series: Sequence[Fp8Facts], rule: Fp8Rule, now: float, window_s: float
-) -> Verdict:
-    """Warning while a series' newest amax spike is at most ``window_s`` old. O(series)."""
-    thresholds = {
+def _step_text(entry: Mapping[str, Any]) -> str:
+    """`` at step N``, or nothing where the step is not known (computed from Prometheus)."""
+    step = entry.get("step")
+    return "" if step is None else f" at step {step}"
+
+
+def spike_thresholds(rule: Fp8Rule, window_s: float) -> dict[str, float]:
+    """What ``fp8_amax_spike`` reports it judged with."""
+    return {
         "factor": rule.spike_factor,
         "window": rule.spike_window,
         "min_window": rule.spike_min_window,
         "window_s": window_s,
     }
-    hits = [f for f in series if _live(f.spike, now, window_s)]
-    if not hits:
+
+
+def underflow_thresholds(rule: Fp8Rule) -> dict[str, float]:
+    """What ``fp8_underflow`` reports it judged with."""
+    return {"ratio": rule.underflow_ratio, "observations": rule.underflow_observations}
+
+
+def spike_verdict(
+    listed: Sequence[Mapping[str, Any]], affected: int, series: int, thresholds: Mapping[str, Any]
+) -> Verdict:
+    """``fp8_amax_spike`` from its flagged series, newest spike first (``rank``, ``node``,
+    ``layer``, ``tensor``, ``step``, ``value``, ``baseline``, ``factor`` each), ``affected``
+    of them in all, of ``series`` judged. O(listed)."""
+    if not affected:
         return Verdict(
             rule="fp8_amax_spike",
             status="ok",
-            summary=f"no FP8 amax spike in {len(series)} series" if series else "no FP8 layers",
-            evidence={"series": len(series)},
-            thresholds=thresholds,
+            summary=f"no FP8 amax spike in {series} series" if series else "no FP8 layers",
+            evidence={"series": series},
+            thresholds=dict(thresholds),
         )
+    first = listed[0]
+    return Verdict(
+        rule="fp8_amax_spike",
+        status="warning",
+        summary=f"FP8 amax spiked in {affected} series: rank {first['rank']} layer "
+        f"{first['layer']} {first['tensor']}{_step_text(first)}: {first['value']:.4g}, "
+        f"{first['factor']:.0f}x its median {first['baseline']:.4g}",
+        evidence={"series_affected": affected, "series": list(listed[:MAX_EVIDENCE_SERIES])},
+        thresholds=dict(thresholds),
+    )
+
+
+def underflow_verdict(
+    listed: Sequence[Mapping[str, Any]],
+    affected: int,
+    series: int,
+    worst: float,
+    thresholds: Mapping[str, Any],
+) -> Verdict:
+    """``fp8_underflow`` from its flagged series, highest newest ``ratio`` first, ``affected``
+    of them in all, of ``series`` judged; ``worst``: the highest newest ratio of any series.
+    O(listed)."""
+    if not affected:
+        return Verdict(
+            rule="fp8_underflow",
+            status="ok",
+            summary=f"FP8 underflow within bounds in {series} series"
+            if series
+            else "no FP8 layers",
+            evidence={"series": series, "worst_ratio": worst},
+            thresholds=dict(thresholds),
+        )
+    first = listed[0]
+    return Verdict(
+        rule="fp8_underflow",
+        status="warning",
+        summary=f"FP8 casts underflow in {affected} series: rank {first['rank']} layer "
+        f"{first['layer']} {first['tensor']} turns {first['ratio']:.0%} of its non-zero "
+        f"values into zero",
+        evidence={"series_affected": affected, "series": list(listed[:MAX_EVIDENCE_SERIES])},
+        thresholds=dict(thresholds),
+    )
+
+
+def nonfinite_verdict(
+    listed: Sequence[Mapping[str, Any]], affected: int, series: int, thresholds: Mapping[str, Any]
+) -> Verdict:
+    """``fp8_nonfinite_amax`` from its flagged series, earliest ``step`` first (``None``: not
+    known), ``affected`` of them in all, of ``series`` judged. O(listed)."""
+    if not affected:
+        return Verdict(
+            rule="fp8_nonfinite_amax",
+            status="ok",
+            summary="every FP8 amax is finite" if series else "no FP8 layers",
+            evidence={"series": series},
+            thresholds=dict(thresholds),
+        )
+    first = listed[0]
+    return Verdict(
+        rule="fp8_nonfinite_amax",
+        status="critical",
+        summary=f"FP8 amax not finite in {affected} series: first rank {first['rank']} "
+        f"layer {first['layer']} {first['tensor']}{_step_text(first)}",
+        evidence={"series_affected": affected, "series": list(listed[:MAX_EVIDENCE_SERIES])},
+        thresholds=dict(thresholds),
+    )
+
+
+def fp8_amax_spike(
+    series: Sequence[Fp8Facts], rule: Fp8Rule, now: float, window_s: float
+) -> Verdict:
+    """Warning while a series' newest amax spike is at most ``window_s`` old. O(series)."""
+    hits = [f for f in series if _live(f.spike, now, window_s)]
     listed = []
     for facts in sorted(hits, key=lambda f: -(f.spike.received if f.spike else 0)):
         spike = facts.spike
@@ -139,22 +228,12 @@ def fp8_amax_spike(
                 "factor": spike.value / spike.baseline,
             }
         )
-    first = listed[0]
-    return Verdict(
-        rule="fp8_amax_spike",
-        status="warning",
-        summary=f"FP8 amax spiked in {len(hits)} series: rank {first['rank']} layer "
-        f"{first['layer']} {first['tensor']} at step {first['step']}: {first['value']:.4g}, "
-        f"{first['factor']:.0f}x its median {first['baseline']:.4g}",
-        evidence={"series_affected": len(hits), "series": listed[:MAX_EVIDENCE_SERIES]},
-        thresholds=thresholds,
-    )
+    return spike_verdict(listed, len(hits), len(series), spike_thresholds(rule, window_s))
 
 
 def fp8_underflow(series: Sequence[Fp8Facts], rule: Fp8Rule) -> Verdict:
     """Warning when a series underflowed above the ratio in each of its last
     ``underflow_observations`` observations. O(series)."""
-    thresholds = {"ratio": rule.underflow_ratio, "observations": rule.underflow_observations}
     need = rule.underflow_observations
     hits = [
         f
@@ -163,56 +242,20 @@ def fp8_underflow(series: Sequence[Fp8Facts], rule: Fp8Rule) -> Verdict:
         and all(r > rule.underflow_ratio for r in f.underflow_recent[-need:])
     ]
     worst = max((f.underflow_recent[-1] for f in series if f.underflow_recent), default=0.0)
-    if not hits:
-        return Verdict(
-            rule="fp8_underflow",
-            status="ok",
-            summary=f"FP8 underflow within bounds in {len(series)} series"
-            if series
-            else "no FP8 layers",
-            evidence={"series": len(series), "worst_ratio": worst},
-            thresholds=thresholds,
-        )
     listed = sorted(
         ({**_who(f), "step": f.step, "ratio": f.underflow_recent[-1]} for f in hits),
         key=lambda h: -h["ratio"],
     )
-    first = listed[0]
-    return Verdict(
-        rule="fp8_underflow",
-        status="warning",
-        summary=f"FP8 casts underflow in {len(hits)} series: rank {first['rank']} layer "
-        f"{first['layer']} {first['tensor']} turns {first['ratio']:.0%} of its non-zero "
-        f"values into zero",
-        evidence={"series_affected": len(hits), "series": listed[:MAX_EVIDENCE_SERIES]},
-        thresholds=thresholds,
-    )
+    return underflow_verdict(listed, len(hits), len(series), worst, underflow_thresholds(rule))
 
 
 def fp8_nonfinite_amax(series: Sequence[Fp8Facts], now: float, window_s: float) -> Verdict:
     """Critical while a series' newest non-finite amax is at most ``window_s`` old.
     Iterations a loss scaler skipped for overflow never count (the exporter leaves them
     out of the series). O(series)."""
-    thresholds = {"window_s": window_s}
     hits = [f for f in series if _live(f.nonfinite, now, window_s)]
-    if not hits:
-        return Verdict(
-            rule="fp8_nonfinite_amax",
-            status="ok",
-            summary="every FP8 amax is finite" if series else "no FP8 layers",
-            evidence={"series": len(series)},
-            thresholds=thresholds,
-        )
     listed = sorted(
         ({**_who(f), "step": f.nonfinite.step} for f in hits if f.nonfinite is not None),
         key=lambda h: (h["step"], h["rank"]),
     )
-    first = listed[0]
-    return Verdict(
-        rule="fp8_nonfinite_amax",
-        status="critical",
-        summary=f"FP8 amax not finite in {len(hits)} series: first rank {first['rank']} "
-        f"layer {first['layer']} {first['tensor']} at step {first['step']}",
-        evidence={"series_affected": len(hits), "series": listed[:MAX_EVIDENCE_SERIES]},
-        thresholds=thresholds,
-    )
+    return nonfinite_verdict(listed, len(hits), len(series), {"window_s": window_s})

@@ -36,6 +36,7 @@ from panels import (
     per_rank,
     row,
     series,
+    series_heatmap,
     states,
     top_bars,
 )
@@ -44,6 +45,7 @@ from templating import (
     grafana_annotations,
     label_values,
     prometheus_annotation,
+    single_label_value,
 )
 
 OUTPUT = Path(__file__).resolve().parents[1] / "ampscope.json"
@@ -55,6 +57,11 @@ Panel = cog_builder.Builder[dashboard_models.Panel]
 RUNS = "label_values(ampscope_rank_info, run)"
 NODES = 'label_values(ampscope_rank_info{run=~"$run"}, node)'
 RANKS = 'label_values(ampscope_rank_info{run=~"$run", node=~"$node"}, rank)'
+# The FP8 row draws one rank's layers: the ranks (of the chosen runs and nodes) that export
+# FP8 series. A single value, so that a heatmap's rows are one rank's layers.
+FP8_RANKS = 'label_values(ampscope_fp8_amax{run=~"$run", node=~"$node"}, rank)'
+FP8_SELECTOR = 'run=~"$run", node=~"$node", rank=~"$fp8_rank"'
+FP8_LEGEND = "{{layer}} {{tensor}}"
 
 SPIKE_MARKS = f"changes({per_rank('ampscope_spikes_total')}[1m]) > 0"
 
@@ -510,6 +517,57 @@ def suspect_devices() -> list[Panel]:
     ]
 
 
+def fp8_layers() -> list[Panel]:
+    """One rank's torchao Float8Linear layers: amax and underflow per layer and tensor as
+    heatmaps of layers by time, and each cast's scale."""
+    layers = (
+        " Choose one run: rows are named by layer and tensor. At most fp8_max_layers layers "
+        "per rank (default 16) are exported: those with a live "
+        "FP8 verdict first, then the highest underflow; the exporter's JSON API and the web "
+        "view's run page hold all. Empty for runs without FP8 layers."
+    )
+    return [
+        series_heatmap(
+            40,
+            "FP8 amax per layer, log10 (rank $fp8_rank)",
+            "log10 of the largest |value| each FP8 layer's cast saw (ampscope_fp8_amax; "
+            "grad_output unscaled under a loss scaler), one row per layer and tensor, for the "
+            'rank chosen in "FP8 rank" (of one run): a cell 1 above the rest of its row is '
+            "10x their amax. A spike on one rank's input points at its batch, on every rank's "
+            "weight at the optimizer step before (docs: FP8 training). A NaN amax is a gap (alert "
+            "AmpscopeFp8NonfiniteAmax); the fp8_amax_spike verdict (ampscope status) names the "
+            "step." + layers,
+            Query(f"log10(ampscope_fp8_amax{{{FP8_SELECTOR}}})", FP8_LEGEND),
+            unit="none",
+            scheme="Spectral",
+        ),
+        series_heatmap(
+            41,
+            "FP8 underflow ratio per layer (rank $fp8_rank)",
+            "Share of each tensor's non-zero elements that the layer's own FP8 cast turned "
+            "into zero (ampscope_fp8_underflow_ratio), one row per layer and tensor, for the "
+            'rank chosen in "FP8 rank". Above 10 % for 10 minutes: alert '
+            "AmpscopeFp8Underflow; persistent underflow on grad_output (e5m2) means gradients "
+            "lose signal." + layers,
+            Query(f"ampscope_fp8_underflow_ratio{{{FP8_SELECTOR}}}", FP8_LEGEND),
+            unit="percentunit",
+            scheme="Oranges",
+            min_value=0,
+            max_value=1,
+        ),
+        series(
+            42,
+            "FP8 scale per layer (rank $fp8_rank)",
+            "The scale each FP8 cast multiplied by (ampscope_fp8_scale): tensorwise, or the "
+            "smallest row scale (rowwise); it follows the amax down when an outlier arrives. "
+            'For the rank chosen in "FP8 rank".' + layers,
+            Query(f"ampscope_fp8_scale{{{FP8_SELECTOR}}}", FP8_LEGEND),
+            width=24,
+            log=2,
+        ),
+    ]
+
+
 def build() -> dashboard_models.Dashboard:
     """The whole dashboard: settings, variables, annotations, then each row and its panels."""
     dashboard = (
@@ -538,6 +596,11 @@ def build() -> dashboard_models.Dashboard:
         .with_variable(
             label_values("rank", "Rank", RANKS, dashboard_models.VariableSort.NUMERICAL_ASC)
         )
+        .with_variable(
+            single_label_value(
+                "fp8_rank", "FP8 rank", FP8_RANKS, dashboard_models.VariableSort.NUMERICAL_ASC
+            )
+        )
         .annotation(grafana_annotations())
         .annotation(
             prometheus_annotation(
@@ -557,6 +620,7 @@ def build() -> dashboard_models.Dashboard:
         (1, "Loss scale (fp16 scaler ranks only: bf16/fp32 watch ranks have none)", loss_scale()),
         (6, "Skipped steps", skipped_steps()),
         (9, "Where the overflows come from", overflow_origins()),
+        (39, "FP8 layers (torchao Float8Linear): one rank's layers", fp8_layers()),
         (14, "Ranks", ranks()),
         (19, "Exporter", exporter()),
         (32, "Suspect devices: the devices that keep failing across runs", suspect_devices()),

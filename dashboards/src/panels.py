@@ -18,6 +18,7 @@ from typing import Protocol, Self, TypeVar
 
 from grafana_foundation_sdk.builders import (
     bargauge,
+    heatmap,
     prometheus,
     stat,
     statetimeline,
@@ -30,6 +31,7 @@ from grafana_foundation_sdk.cog import builder as cog_builder
 from grafana_foundation_sdk.cog import variants as cog_variants
 from grafana_foundation_sdk.models import common
 from grafana_foundation_sdk.models import dashboard as dashboard_models
+from grafana_foundation_sdk.models import heatmap as heatmap_models
 from grafana_foundation_sdk.models import prometheus as prometheus_models
 
 # Every panel and query reads the data source the $datasource variable picks.
@@ -477,4 +479,76 @@ def states(
         .align_value(common.TimelineValueAlignment.LEFT)
         .legend(_legend(show=False))
         .tooltip(_tooltip(common.TooltipDisplayMode.SINGLE, common.SortOrder.NONE))
+    )
+
+
+def series_heatmap(
+    panel_id: int,
+    title: str,
+    description: str,
+    query: Query,
+    *,
+    unit: str,
+    scheme: str,
+    min_value: float | None = None,
+    max_value: float | None = None,
+    width: int = 12,
+    height: int = 10,
+) -> heatmap.Panel:
+    """A heatmap of series by time: one row per series (named by the query's legend), each
+    cell coloured by the series' value there. Grafana computes no buckets: the series are
+    the rows, in the order of their names.
+
+    Args:
+        panel_id: The panel's id, unique in the dashboard.
+        title: The panel title.
+        description: What the panel shows and how to read it.
+        query: A range query; its legend names each row.
+        unit: Grafana's unit id for the values (the colour scale and the tooltip).
+        scheme: Grafana's name of a sequential colour scheme, e.g. ``"Oranges"``.
+        min_value: The colour scale's lower end; the data's least value when None.
+        max_value: The colour scale's upper end; the data's greatest value when None.
+        width: Columns, of 24.
+        height: Grid rows.
+
+    Returns:
+        The panel builder.
+    """
+    color = (
+        heatmap.HeatmapColorOptions()
+        .mode(heatmap_models.HeatmapColorMode.SCHEME)
+        .scheme(scheme)
+        .fill("dark-orange")
+        .scale(heatmap_models.HeatmapColorScale.LINEAR)
+        .exponent(0.5)
+        .steps(64)
+        .reverse(False)
+    )
+    if min_value is not None:
+        color = color.min(min_value)
+    if max_value is not None:
+        color = color.max(max_value)
+    return (
+        _panel(
+            heatmap.Panel(),
+            panel_id,
+            title,
+            description,
+            (query,),
+            (width, height),
+            _thresholds("green"),
+        )
+        .calculate(False)
+        # Every value is drawn: the SDK's default hides cells at or below 1e-9, which would
+        # hide a zero underflow and every negative logarithm.
+        .filter_values(heatmap.FilterValueRange())
+        .rows_frame(heatmap.RowsHeatmapOptions().layout(common.HeatmapCellLayout.UNKNOWN))
+        .color(color)
+        .cell_values(heatmap.CellValues().unit(unit))
+        .y_axis(heatmap.YAxisConfig().axis_placement(common.AxisPlacement.LEFT).reverse(False))
+        .cell_gap(1)
+        .show_value(common.VisibilityMode.NEVER)
+        .show_legend()
+        .mode(common.TooltipDisplayMode.SINGLE)
+        .show_color_scale(True)
     )

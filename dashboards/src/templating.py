@@ -85,6 +85,28 @@ def label_values(
     )
 
 
+def single_label_value(
+    name: str, label: str, query: str, sort: dashboard_models.VariableSort
+) -> dashboard_builders.QueryVariable:
+    """A variable holding one of a label's values (no "All"), the first by default.
+
+    Args:
+        name: The variable's name, used as ``$name`` in queries.
+        label: What the dashboard shows beside it.
+        query: ``label_values(selector, label)``.
+        sort: The order of the values in its menu.
+
+    Returns:
+        The variable builder.
+    """
+    return (
+        label_values(name, label, query, sort)
+        .multi(False)
+        .include_all(False)
+        .current(dashboard_models.VariableOption(selected=False, text="", value=""))
+    )
+
+
 def datasource_variable() -> dashboard_builders.DatasourceVariable:
     """``$datasource``: which Prometheus the dashboard reads."""
     return (

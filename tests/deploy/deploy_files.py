@@ -31,6 +31,7 @@ TEMPLATE_VALUES = {
     "$run": ".*",
     "$node": ".*",
     "$rank": ".*",
+    "$fp8_rank": ".*",
 }
 
 _PROMQL_KEYWORDS = {

@@ -103,7 +103,7 @@ def test_panels_tile_the_grid_under_their_rows(dashboard: dict[str, Any]) -> Non
 
 def test_variables_are_chained(dashboard: dict[str, Any]) -> None:
     variables = {v["name"]: v for v in dashboard["templating"]["list"]}
-    assert set(variables) == {"datasource", "run", "node", "rank"}
+    assert set(variables) == {"datasource", "run", "node", "rank", "fp8_rank"}
     assert variables["datasource"]["type"] == "datasource"
     assert variables["datasource"]["query"] == "prometheus"
     # Every rank exports ampscope_rank_info, scaler or watch: a bf16 run, which has no
@@ -119,6 +119,44 @@ def test_variables_are_chained(dashboard: dict[str, Any]) -> None:
         assert variables[name]["includeAll"]
         assert variables[name]["allValue"] == ".*"
         assert variables[name]["query"]["query"] == variables[name]["definition"]
+    # The FP8 row draws one rank's layers: one rank of those exporting FP8 series.
+    fp8_rank = variables["fp8_rank"]
+    assert (
+        fp8_rank["definition"]
+        == 'label_values(ampscope_fp8_amax{run=~"$run", node=~"$node"}, rank)'
+    )
+    assert fp8_rank["query"]["query"] == fp8_rank["definition"]
+    assert not fp8_rank["multi"]
+    assert not fp8_rank["includeAll"]
+
+
+def test_fp8_row_draws_one_ranks_layers_as_heatmaps_of_layers_by_time(
+    dashboard: dict[str, Any],
+) -> None:
+    by_title = {p["title"]: p for p in panels(dashboard)}
+    selector = 'run=~"$run", node=~"$node", rank=~"$fp8_rank"'
+    for title, expr in (
+        ("FP8 amax per layer, log10 (rank $fp8_rank)", f"log10(ampscope_fp8_amax{{{selector}}})"),
+        (
+            "FP8 underflow ratio per layer (rank $fp8_rank)",
+            f"ampscope_fp8_underflow_ratio{{{selector}}}",
+        ),
+    ):
+        panel = by_title[title]
+        assert panel["type"] == "heatmap", title
+        # The series are the rows (no buckets computed), named by layer and tensor, and no
+        # value is filtered out (the SDK's default hides values at or below 1e-9).
+        assert panel["options"]["calculate"] is False, title
+        assert panel["options"]["rowsFrame"]["layout"] == "unknown", title
+        assert panel["options"]["filterValues"] == {}, title
+        (target,) = panel["targets"]
+        assert target["expr"] == expr, title
+        assert target["legendFormat"] == "{{layer}} {{tensor}}", title
+        assert not target["instant"], title
+    underflow = by_title["FP8 underflow ratio per layer (rank $fp8_rank)"]["options"]["color"]
+    assert (underflow["min"], underflow["max"]) == (0, 1)
+    scale = by_title["FP8 scale per layer (rank $fp8_rank)"]
+    assert scale["targets"][0]["expr"] == f"ampscope_fp8_scale{{{selector}}}"
 
 
 def test_every_panel_and_target_uses_the_datasource_variable(dashboard: dict[str, Any]) -> None:

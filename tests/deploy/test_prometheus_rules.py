@@ -19,6 +19,7 @@ from support import need_tool
 
 from ampscope.devices.query import DCGM_FIELDS
 from ampscope.exporter.metrics.catalogue import BY_NAME, SCALER_ONLY
+from ampscope.verdicts.fp8 import Fp8Rule
 from ampscope.verdicts.thresholds import Thresholds
 
 ALERTS = {
@@ -34,6 +35,8 @@ ALERTS = {
     "AmpscopeGradNormSpike",
     "AmpscopeOriginOutlier",
     "AmpscopeRepeatOffenderDevice",
+    "AmpscopeFp8NonfiniteAmax",
+    "AmpscopeFp8Underflow",
 }
 DEVICE_ALERTS = {"AmpscopeRepeatOffenderDevice"}
 """Alerts about a device across runs: they name the device, not a run."""
@@ -177,6 +180,29 @@ def test_nonfinite_update_alert_is_critical_and_reads_the_counter() -> None:
     rule = alert_rules()["AmpscopeNonfiniteUpdateApplied"]
     assert rule["labels"]["severity"] == "critical"
     assert "ampscope_nonfinite_updates_applied_total > 0" in rule["expr"]
+
+
+def test_fp8_alerts_read_the_gauges_with_the_verdicts_thresholds() -> None:
+    alerts = alert_rules()
+    window = f"[{Thresholds().spike_verdict_window_s / 60:g}m]"
+    nonfinite = alerts["AmpscopeFp8NonfiniteAmax"]
+    assert nonfinite["labels"]["severity"] == "critical"
+    expr = " ".join(nonfinite["expr"].split())
+    # Only NaN differs from itself; a NaN sample makes the window's sum NaN.
+    assert expr.startswith(
+        f"sum_over_time(ampscope_fp8_amax{window}) != sum_over_time(ampscope_fp8_amax{window})"
+    )
+    # A skipped overflow iteration is not judged by the verdict; the alert leaves it out too.
+    assert (
+        "unless on (run, node, rank, local_rank) "
+        f"increase(ampscope_skipped_steps_total{window}) > 0" in expr
+    )
+    underflow = alerts["AmpscopeFp8Underflow"]
+    assert underflow["labels"]["severity"] == "warning"
+    assert f"ampscope_fp8_underflow_ratio > {Fp8Rule().underflow_ratio:g}" in underflow["expr"]
+    assert underflow["for"] == "10m"
+    # No spike alert: the median of the previous observations is not in the scraped gauge.
+    assert not [name for name in alerts if "Spike" in name and "Fp8" in name]
 
 
 def test_no_alert_divides_by_a_recorded_run_total() -> None:

@@ -7,6 +7,7 @@ from typing import Any
 
 from ampscope.status.fanout import TargetResult, job_answer
 from ampscope.status.merge import merge_health, merge_ranks, merge_summaries
+from ampscope.verdicts import fp8 as fp8_rules
 
 
 def _view(rank: int, node: str, state: str = "running", heard: float = 100.0) -> dict[str, Any]:
@@ -109,3 +110,91 @@ def test_exit_status_when_targets_fail() -> None:
     assert code == 1  # 15 of 16 ranks never reported
     assert answer["missing_ranks"] == list(range(1, 16))
     assert answer["url"] == "http://c, http://a, http://b"
+
+
+def _fp8_report(*facts: fp8_rules.Fp8Facts) -> dict[str, Any]:
+    """One exporter's report with the FP8 verdicts its exporter computes over ``facts``."""
+    rule = fp8_rules.Fp8Rule()
+    report = _report()
+    report["verdicts"] += [
+        fp8_rules.fp8_amax_spike(facts, rule, now=200.0, window_s=600.0).model_dump(),
+        fp8_rules.fp8_underflow(facts, rule).model_dump(),
+        fp8_rules.fp8_nonfinite_amax(facts, now=200.0, window_s=600.0).model_dump(),
+    ]
+    return report
+
+
+def _fp8(
+    rank: int,
+    node: str,
+    layer: str,
+    *,
+    spike_step: int | None = None,
+    underflow: float = 0.0,
+    nonfinite_step: int | None = None,
+) -> fp8_rules.Fp8Facts:
+    def event(step: int | None, value: float | None) -> fp8_rules.Fp8Event | None:
+        if step is None:
+            return None
+        baseline = None if value is None else 2.0
+        return fp8_rules.Fp8Event(step=step, value=value, baseline=baseline, received=150.0)
+
+    return fp8_rules.Fp8Facts(
+        rank=rank,
+        node=node,
+        layer=layer,
+        tensor="input",
+        step=50,
+        underflow_recent=(underflow,) * 5,
+        spike=event(spike_step, 40.0),
+        nonfinite=event(nonfinite_step, None),
+    )
+
+
+def test_fp8_verdicts_list_every_exporters_flagged_series() -> None:
+    node0 = _fp8_report(
+        _fp8(0, "n0", "layers.0", spike_step=40, underflow=0.3),
+        _fp8(1, "n0", "layers.0"),
+    )
+    node1 = _fp8_report(
+        _fp8(4, "n1", "layers.1", spike_step=45, nonfinite_step=48),
+        _fp8(5, "n1", "layers.1", underflow=0.5),
+    )
+    views = merge_ranks([[_view(0, "n0"), _view(1, "n0")], [_view(4, "n1"), _view(5, "n1")]])
+    health = merge_health("r", [("http://n0", node0), ("http://n1", node1)], views)
+    verdicts = {v["rule"]: v for v in health["verdicts"]}
+    spike = verdicts["fp8_amax_spike"]
+    # Both nodes' spikes, the newest step first; the summary names it.
+    assert [(s["rank"], s["step"]) for s in spike["evidence"]["series"]] == [(4, 45), (0, 40)]
+    assert spike["evidence"]["series_affected"] == 2
+    assert spike["summary"] == (
+        "FP8 amax spiked in 2 series: rank 4 layer layers.1 input at step 45: 40, 20x its median 2"
+    )
+    assert [e["url"] for e in spike["evidence"]["exporters"]] == ["http://n0", "http://n1"]
+    underflow = verdicts["fp8_underflow"]
+    assert [(s["rank"], s["ratio"]) for s in underflow["evidence"]["series"]] == [
+        (5, 0.5),
+        (0, 0.3),
+    ]
+    assert underflow["status"] == "warning"
+    # One exporter flagged a non-finite amax: critical, the other's ok counts its series.
+    nonfinite = verdicts["fp8_nonfinite_amax"]
+    assert nonfinite["status"] == "critical"
+    assert nonfinite["summary"] == (
+        "FP8 amax not finite in 1 series: first rank 4 layer layers.1 input at step 48"
+    )
+    assert health["status"] == "critical"
+
+
+def test_fp8_verdicts_of_calm_exporters_count_every_series_and_a_run_without_fp8_has_none() -> None:
+    node0 = _fp8_report(_fp8(0, "n0", "layers.0", underflow=0.05))
+    node1 = _fp8_report(_fp8(4, "n1", "layers.0"), _fp8(4, "n1", "layers.1"))
+    views = merge_ranks([[_view(0, "n0")], [_view(4, "n1")]])
+    health = merge_health("r", [("http://n0", node0), ("http://n1", node1)], views)
+    verdicts = {v["rule"]: v for v in health["verdicts"]}
+    assert verdicts["fp8_amax_spike"]["summary"] == "no FP8 amax spike in 3 series"
+    assert verdicts["fp8_underflow"]["evidence"] == {"series": 3, "worst_ratio": 0.05}
+    assert verdicts["fp8_nonfinite_amax"]["status"] == "ok"
+    assert "exporters" not in verdicts["fp8_amax_spike"]["evidence"]
+    plain = merge_health("r", [("http://n0", _report()), ("http://n1", _report())], views)
+    assert not [v for v in plain["verdicts"] if v["rule"].startswith("fp8_")]

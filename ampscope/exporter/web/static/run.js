@@ -1,4 +1,5 @@
-// The run page: /ranks, /health and /series of one run every 2 s. The series is loaded in
+// The run page: /ranks, /health and /series of one run every 2 s (the FP8 layer table is
+// fp8.js's, from the same /ranks and /health). The series is loaded in
 // full once, then only the steps after the newest one seen (since_step), so a refresh of
 // 64 ranks x 1024 steps moves a few KB, not the whole history.
 "use strict";
@@ -386,6 +387,7 @@
     drawFailures(ranks);
     drawVerdicts(health);
     drawRanks(ranks);
+    ampscopeFp8.draw(ranks, health);
     document.getElementById("charts").hidden = false;
     if (changed || modesChanged || skipsPlot === null) drawCharts();
   }
