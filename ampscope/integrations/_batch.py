@@ -64,7 +64,10 @@ def without_key(batch: Mapping[str, Any], key: str) -> Mapping[str, Any]:
     copied (a ``dict``, a Hugging Face ``BatchEncoding``); the values are shared, not copied."""
     if type(batch) is dict:
         return {name: value for name, value in batch.items() if name != key}
-    shallow = copy.copy(batch)
+    try:
+        shallow = copy.copy(batch)
+    except Exception:  # a mapping that cannot be copied: a plain dict then
+        shallow = batch
     if isinstance(shallow, MutableMapping) and shallow is not batch:
         del shallow[key]
         return shallow
