@@ -13,7 +13,11 @@ import copy
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
+import torch
+
 from ampscope.rank.frontends.base import TelemetryFrontEnd
+
+_CPU = torch.device("cpu")
 
 BATCH_IDS_KEY = "sample_ids"
 """The default key of a batch's sample ids (each integration takes another name)."""
@@ -84,10 +88,10 @@ class IdsAsList:
 
     Args:
         collate: The collator to wrap.
-        key: The batch's key of the ids.
+        key: The batch's key of the ids (default ``"sample_ids"``).
     """
 
-    def __init__(self, collate: Any, key: str) -> None:
+    def __init__(self, collate: Any, key: str = BATCH_IDS_KEY) -> None:
         self.collate = collate
         self.key = key
 
@@ -95,6 +99,7 @@ class IdsAsList:
         batch = self.collate(*args, **kwargs)
         if isinstance(batch, MutableMapping) and self.key in batch:
             ids = batch[self.key]
-            if hasattr(ids, "tolist") and hasattr(ids, "device"):
+            # Only on the CPU: a collator that put the ids on a device would make this wait.
+            if hasattr(ids, "tolist") and getattr(ids, "device", None) == _CPU:
                 batch[self.key] = ids.reshape(-1).tolist()
         return batch

@@ -76,6 +76,8 @@ def test_ids_as_list_turns_the_collated_tensor_into_a_list() -> None:
     assert batch["sample_ids"] == [7, 8]
     assert batch["x"].shape == (2, 2)
     assert collate([torch.ones(2)]).shape == (1, 2)  # not a mapping: unchanged
+    on_device = IdsAsList(lambda rows: {"sample_ids": torch.tensor(rows, device="meta")})
+    assert on_device([1, 2])["sample_ids"].device.type == "meta"  # never read there
     assert pickle.loads(pickle.dumps(collate)).key == "sample_ids"  # for loader workers
 
 

@@ -256,10 +256,16 @@ def _rows(key: str = "sample_ids") -> list[dict[str, Any]]:
     return [{"x": batch(0, index)[0], key: 1000 + index} for index in range(12)]
 
 
-def test_lightning_notes_the_ids_a_batch_carries() -> None:
-    # default_collate makes the ids a CPU tensor, read with tolist(); the micro-batches of
-    # one update add up.
-    batches = _fit_with_ids(_rows())
+@pytest.mark.parametrize("as_list", [False, True])
+def test_lightning_notes_the_ids_a_batch_carries(as_list: bool) -> None:
+    # default_collate makes the ids a CPU tensor, read with tolist(); IdsAsList makes them
+    # a list in the loader (what survives the move to a GPU). The micro-batches of one
+    # update add up.
+    from torch.utils.data import default_collate
+
+    from ampscope.integrations import IdsAsList
+
+    batches = _fit_with_ids(_rows(), IdsAsList(default_collate) if as_list else None)
     assert [(b.ids, b.left_out) for b in batches] == [
         (list(range(1000, 1004)), 0),
         (list(range(1004, 1008)), 0),
