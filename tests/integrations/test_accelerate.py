@@ -9,7 +9,6 @@ import pytest
 from checks import check_exporter, check_origin, check_same_training, check_watch, expected_skips
 from support import need_module, run_distributed
 from watch_workers import accelerate_worker as accelerate_watch_worker
-from watch_workers import reset_accelerate
 from workers import INJECT_STEPS, STEPS, Net, accelerate_worker, batch
 
 need_module("accelerate")
@@ -173,6 +172,7 @@ def _train_noting_ids(rows: list[Any], **note: Any) -> list[Any]:
     micro-batch's ids in one line; each update's ``batch``."""
     import torch
     from accelerate import Accelerator
+    from watch_workers import reset_accelerate
 
     from ampscope.integrations.accelerate import instrument, note_ids
 
@@ -194,6 +194,7 @@ def _train_noting_ids(rows: list[Any], **note: Any) -> list[Any]:
     return [record.batch for record in watch.telemetry.history()]
 
 
+@pytest.mark.usefixtures("fresh_accelerate")
 def test_accelerate_loop_notes_the_ids_a_batch_carries() -> None:
     rows = [{"x": batch(0, index)[0], "sample_ids": 1000 + index} for index in range(12)]
     batches = _train_noting_ids(rows)

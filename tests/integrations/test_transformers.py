@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 from checks import check_exporter, check_origin, check_same_training, check_watch
 from support import need_module, run_distributed
-from watch_workers import reset_accelerate
 from watch_workers import trainer_worker as trainer_watch_worker
 from workers import INJECT_STEPS, STEPS, Dataset, Net, trainer_worker
 
@@ -110,7 +109,6 @@ def _train_with_ids(tmp_path: Path, dataset: Dataset, **options: Any) -> list[An
 
     from ampscope.integrations.transformers import instrument
 
-    reset_accelerate()
     args = TrainingArguments(
         output_dir=str(tmp_path),
         use_cpu=True,
@@ -132,6 +130,7 @@ def _train_with_ids(tmp_path: Path, dataset: Dataset, **options: Any) -> list[An
     return [record.batch for record in watch.telemetry.history()]
 
 
+@pytest.mark.usefixtures("fresh_accelerate")
 def test_trainer_notes_the_ids_a_batch_carries(tmp_path: Path) -> None:
     dataset = _IdDataset(12)
     batches = _train_with_ids(tmp_path, dataset)
@@ -146,6 +145,7 @@ def test_trainer_notes_the_ids_a_batch_carries(tmp_path: Path) -> None:
     ]
 
 
+@pytest.mark.usefixtures("fresh_accelerate")
 def test_trainer_notes_nothing_without_the_key(tmp_path: Path) -> None:
     assert _train_with_ids(tmp_path, Dataset(12)) == [None, None, None]
     # Another key: the id column is an unused one, which the Trainer removes.
@@ -153,12 +153,12 @@ def test_trainer_notes_nothing_without_the_key(tmp_path: Path) -> None:
     assert _train_with_ids(tmp_path, _IdDataset(12), batch_ids_key=None) == [None] * 3
 
 
+@pytest.mark.usefixtures("fresh_accelerate")
 def test_trainer_notes_a_chosen_key_and_keeps_the_batch(tmp_path: Path) -> None:
     from transformers import Trainer, TrainingArguments
 
     from ampscope.integrations.transformers import instrument
 
-    reset_accelerate()
     seen: list[dict[str, Any]] = []
 
     class Keeping(Trainer):  # type: ignore[misc]
@@ -195,6 +195,7 @@ def test_trainer_notes_a_chosen_key_and_keeps_the_batch(tmp_path: Path) -> None:
     assert [sorted(inputs) for inputs in seen] == [["labels", "x"], ["labels", "x"]]
 
 
+@pytest.mark.usefixtures("fresh_accelerate")
 def test_trainer_rejects_a_bad_key(tmp_path: Path) -> None:
     from transformers import Trainer, TrainingArguments
 
