@@ -26,6 +26,7 @@ data loader moves the batch to the device, so the ids are read on the host, with
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +54,8 @@ from ampscope.reporter.schema import Policy
 
 if TYPE_CHECKING:
     from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
+
+logger = logging.getLogger("ampscope")
 
 
 class AmpscopeTrainerCallback(TrainerCallback):
@@ -181,15 +184,28 @@ def instrument(
 def _note_ids_in_steps(trainer: Trainer, scaler: TelemetryFrontEnd, key: str) -> None:
     """Note the ids of every training micro-batch that holds ``key``; keep the column
     through the Trainer's column removal and out of the model's inputs."""
-    model_takes_it = key in inspect.signature(trainer.model.forward).parameters
+    try:
+        model_takes_it = key in inspect.signature(trainer.model.forward).parameters
+    except (TypeError, ValueError):  # no signature to read: the model takes no such name
+        model_takes_it = False
     # remove_unused_columns keeps the columns named in _signature_columns (the model's
-    # forward parameters and the label names); read when the data loaders are built.
+    # forward parameters and the label names), read when the data loaders are built.
+    # Private to transformers (tested with 5.23: the Trainer test with the default
+    # remove_unused_columns=True fails if it changes); without it, say what to do.
     keep_columns = getattr(trainer, "_set_signature_columns_if_needed", None)
+    columns = None
     if callable(keep_columns):
         keep_columns()
         columns = getattr(trainer, "_signature_columns", None)
-        if isinstance(columns, list) and key not in columns:
+    if isinstance(columns, list):
+        if key not in columns:
             columns.append(key)
+    elif trainer.args.remove_unused_columns:
+        logger.warning(
+            "ampscope: cannot keep the %r column through this transformers' "
+            "remove_unused_columns; set remove_unused_columns=False to have its ids noted",
+            key,
+        )
     if callable(trainer.data_collator):
         trainer.data_collator = IdsAsList(trainer.data_collator, key)
     trainer.training_step = _stepping(trainer.training_step, scaler, key, model_takes_it)

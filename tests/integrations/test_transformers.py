@@ -207,3 +207,22 @@ def test_trainer_rejects_a_bad_key(tmp_path: Path) -> None:
         instrument(trainer, reporter=None, batch_ids_key="")
     with pytest.raises(TypeError, match="batch_ids_key"):
         instrument(trainer, reporter=None, batch_ids_key=3)  # type: ignore[arg-type]
+
+
+@pytest.mark.usefixtures("fresh_accelerate")
+def test_trainer_says_when_it_cannot_keep_the_id_column(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from transformers import Trainer, TrainingArguments
+
+    from ampscope.integrations.transformers import instrument
+
+    # A transformers without the private list of kept columns: the user is told what to do.
+    monkeypatch.setattr(Trainer, "_set_signature_columns_if_needed", None)
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, bf16=True, report_to=[])
+    trainer = Trainer(model=Net(), args=args, train_dataset=Dataset(4))
+    with caplog.at_level(logging.WARNING, logger="ampscope"):
+        assert instrument(trainer, reporter=None) is not None
+    messages = [r.getMessage() for r in caplog.records]
+    [message] = [m for m in messages if "remove_unused_columns" in m]
+    assert "set remove_unused_columns=False" in message
