@@ -203,3 +203,14 @@ def test_accelerate_loop_notes_the_ids_a_batch_carries() -> None:
     ]
     assert _train_noting_ids(rows, key="doc") == [None] * 3
     assert _train_noting_ids(rows, key=None) == [None] * 3
+
+
+def test_accelerates_device_move_leaves_ids_collated_as_a_list() -> None:
+    # What the prepared data loader does to each batch (the meta device stands in for a
+    # GPU): tensors move, a list of ids stays on the host, where note_ids reads it.
+    import torch
+    from accelerate.utils import send_to_device
+
+    moved = send_to_device({"x": torch.ones(2), "sample_ids": [7, 8]}, torch.device("meta"))
+    assert moved["x"].device.type == "meta"
+    assert moved["sample_ids"] == [7, 8]

@@ -291,3 +291,14 @@ def test_lightning_notes_nothing_without_the_key() -> None:
     assert _fit_with_ids([batch(0, index)[0] for index in range(12)]) == [None] * 3
     assert _fit_with_ids(_rows(), batch_ids_key="doc") == [None] * 3
     assert _fit_with_ids(_rows(), batch_ids_key=None) == [None] * 3
+
+
+def test_lightnings_device_move_leaves_ids_collated_as_a_list() -> None:
+    # What the strategy's batch_to_device does before on_train_batch_start (the meta device
+    # stands in for a GPU): tensors move, a list of ids stays on the host.
+    import torch
+    from lightning.fabric.utilities.apply_func import move_data_to_device
+
+    moved = move_data_to_device({"x": torch.ones(2), "sample_ids": [7, 8]}, torch.device("meta"))
+    assert moved["x"].device.type == "meta"
+    assert moved["sample_ids"] == [7, 8]
