@@ -14,4 +14,13 @@ place (``policy="observe"`` by default: numerics unchanged) and exposes that. El
 (fp16 that the library refused on CPU, DeepSpeed) they say so once and change nothing: an
 integration never turns loss scaling on by itself. OLMo-core and torchtitan train bf16
 without a scaler: theirs always install a watch.
+
+Batch ids: the Trainer and Lightning integrations note the ids of a batch that is a mapping
+holding ``"sample_ids"`` (:data:`BATCH_IDS_KEY`, each takes another key) by themselves; an
+Accelerate loop does it in one line with :func:`note_ids`. :class:`IdsAsList` wraps a
+collator so that the ids stay on the host when the library moves the batch to the device.
 """
+
+from ampscope.integrations._batch import BATCH_IDS_KEY, IdsAsList, note_ids
+
+__all__ = ["BATCH_IDS_KEY", "IdsAsList", "note_ids"]

@@ -12,6 +12,11 @@ path with it: ``backward()`` calls ``scale()`` (the loss unchanged), each
 ``AcceleratedOptimizer.step()`` calls the watch's ``step()`` and ``update()``, and notes
 ``step_was_skipped`` when the watch did not call the optimizer's ``step()`` (policy
 ``skip``), which holds the ``AcceleratedScheduler``.
+
+Batch ids: the training loop is the user's and Accelerate has no per-batch hook (its
+prepared data loader yields batches already on the device, and exposes no sample indices),
+so the loop notes them in one line, ``note_ids(scaler, batch)``, re-exported here from
+:mod:`ampscope.integrations._batch`: the ids of a batch holding ``"sample_ids"``.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from ampscope.integrations._batch import note_ids
 from ampscope.integrations._swap import (
     NO_SCALER,
     WATCHING,
@@ -39,6 +45,8 @@ from ampscope.reporter.schema import Policy
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
+
+__all__ = ["instrument", "note_ids"]
 
 logger = logging.getLogger("ampscope")
 

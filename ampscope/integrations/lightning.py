@@ -18,6 +18,13 @@ LightningModule's ``lr_scheduler_step`` hook for the length of ``fit``.
 ``FSDPPrecision("16-mixed", scaler=...)`` cannot take a scaler in Lightning 2.6 (its
 constructor checks the precision before setting it, and drops the argument); setting the
 plugin's ``scaler`` attribute afterwards, as this callback does, works.
+
+Batch ids: ``on_train_batch_start`` sees each training batch (each micro-batch under
+``accumulate_grad_batches``) and notes the ids of one that is a mapping holding
+``batch_ids_key``. Lightning has moved the batch to the device by then (no public hook sees
+it before on the trainer's side), so ids collated as a list are read as they are, and a
+tensor of ids on an accelerator is counted as left out rather than read with a sync. The
+batch is not changed: ``training_step`` receives it whole.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without lightnin
         "ampscope.integrations.lightning needs lightning: pip install 'ampscope[lightning]'"
     ) from exc
 
+from ampscope.integrations._batch import BATCH_IDS_KEY, check_key, note_ids
 from ampscope.integrations._swap import (
     NO_SCALER,
     WATCHING,
@@ -68,6 +76,9 @@ class AmpscopeCallback(pl.Callback):
         max_consecutive_skips: The watch's limit under ``skip`` (see
             :class:`ampscope.GradWatch`).
         log: Whether to log.
+        batch_ids_key: The key of each training batch's sample ids (default
+            ``"sample_ids"``): a batch that is a mapping holding it has its ids noted for
+            the iteration (``note_batch``); ``None``: no ids. Costs a dict lookup per batch.
         **scaler_options: Telemetry options of :class:`ampscope.GradScaler`
             (``run_id``, ``reporter``, ``sinks``, ``top_k``...). The scaling itself stays
             the plugin's.
@@ -85,9 +96,11 @@ class AmpscopeCallback(pl.Callback):
         policy: Policy = "observe",
         max_consecutive_skips: int | None = None,
         log: bool = True,
+        batch_ids_key: str | None = BATCH_IDS_KEY,
         **scaler_options: Any,
     ) -> None:
         check_options(scaler_options)
+        self._key = check_key(batch_ids_key)
         self._watch = check_policy(policy, max_consecutive_skips)
         self.scaler: TelemetryFrontEnd | None = None
         self._options = scaler_options
@@ -128,6 +141,12 @@ class AmpscopeCallback(pl.Callback):
             self._attacher.attach(self.scaler, trainer.strategy.model)
             if isinstance(self.scaler, GradWatch) and self.scaler.policy == "skip":
                 _hold_schedulers_on_skips(trainer, pl_module, self.scaler)
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._active:
+            note_ids(self.scaler, batch, self._key)
 
     def on_train_batch_end(
         self,

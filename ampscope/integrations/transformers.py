@@ -12,10 +12,22 @@ With ``bf16=True`` (or fp32) there is no scaler: a :class:`~ampscope.GradWatch` 
 place (see :mod:`ampscope.integrations.accelerate`). The Trainer steps its LR scheduler
 only when ``accelerator.optimizer_step_was_skipped`` is false, so under ``policy="skip"``
 a skipped iteration holds the scheduler, as an fp16 overflow does.
+
+Batch ids: a ``TrainerCallback`` never sees the batch, so ``instrument`` wraps the
+Trainer's ``training_step`` (an instance attribute over the class's method, as Accelerate's
+``prepare`` is wrapped), which runs once per micro-batch: when the batch holds the
+``batch_ids_key`` column its ids are noted, and the step gets a shallow copy without it
+(``prediction_step`` too), since the Trainer unpacks the batch into ``model(**inputs)``.
+The column survives ``remove_unused_columns`` (the key joins the Trainer's list of the
+model's input names) and the collator's tensor of ids becomes a list before Accelerate's
+data loader moves the batch to the device, so the ids are read on the host, without a sync.
 """
 
 from __future__ import annotations
 
+import inspect
+import logging
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 try:
@@ -26,6 +38,14 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
         "pip install 'ampscope[transformers]'"
     ) from exc
 
+from ampscope.integrations._batch import (
+    BATCH_IDS_KEY,
+    IdsAsList,
+    carries_ids,
+    check_key,
+    note_ids,
+    without_key,
+)
 from ampscope.integrations._swap import check_options, check_policy
 from ampscope.integrations.accelerate import attacher_of, instrument_accelerator
 from ampscope.rank.frontends.base import TelemetryFrontEnd
@@ -34,6 +54,8 @@ from ampscope.reporter.schema import Policy
 
 if TYPE_CHECKING:
     from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
+
+logger = logging.getLogger("ampscope")
 
 
 class AmpscopeTrainerCallback(TrainerCallback):
@@ -105,6 +127,7 @@ def instrument(
     track_origin: bool | None = None,
     policy: Policy = "observe",
     max_consecutive_skips: int | None = None,
+    batch_ids_key: str | None = BATCH_IDS_KEY,
     **scaler_options: Any,
 ) -> TelemetryFrontEnd | None:
     """Make ``trainer`` train with ampscope's scaler, or with a ``GradWatch`` when it has
@@ -128,6 +151,10 @@ def instrument(
             A watch logs ``skipped_steps`` and ``nonfinite_applied`` (no loss scale).
         max_consecutive_skips: The watch's limit under ``skip`` (see
             :class:`ampscope.GradWatch`).
+        batch_ids_key: The dataset column of each sample's id (default ``"sample_ids"``):
+            a training batch that holds it has its ids noted for the iteration
+            (``note_batch``), and the model never receives it; ``None``: no ids. Costs a
+            dict lookup and a shallow copy of the batch per micro-batch that holds it.
         **scaler_options: Telemetry options of :class:`ampscope.GradScaler`
             (``run_id``, ``reporter``, ``sinks``, ``top_k``...). The scaling itself stays
             the Trainer's.
@@ -139,6 +166,7 @@ def instrument(
     """
     check_options(scaler_options)
     watch = check_policy(policy, max_consecutive_skips)
+    key = check_key(batch_ids_key)
     for callback in trainer.callback_handler.callbacks:
         if isinstance(callback, AmpscopeTrainerCallback):
             return callback.scaler
@@ -148,4 +176,56 @@ def instrument(
     if scaler is not None:
         # First in line, so that the report_to callbacks log what on_log adds.
         trainer.callback_handler.callbacks.insert(0, AmpscopeTrainerCallback(trainer, scaler))
+        if key is not None:
+            _note_ids_in_steps(trainer, scaler, key)
     return scaler
+
+
+def _note_ids_in_steps(trainer: Trainer, scaler: TelemetryFrontEnd, key: str) -> None:
+    """Note the ids of every training micro-batch that holds ``key``; keep the column
+    through the Trainer's column removal and out of the model's inputs."""
+    try:
+        model_takes_it = key in inspect.signature(trainer.model.forward).parameters
+    except (TypeError, ValueError):  # no signature to read: the model takes no such name
+        model_takes_it = False
+    # remove_unused_columns keeps the columns named in _signature_columns (the model's
+    # forward parameters and the label names), read when the data loaders are built.
+    # Private to transformers (tested with 5.23: the Trainer test with the default
+    # remove_unused_columns=True fails if it changes); without it, say what to do.
+    keep_columns = getattr(trainer, "_set_signature_columns_if_needed", None)
+    columns = None
+    if callable(keep_columns):
+        keep_columns()
+        columns = getattr(trainer, "_signature_columns", None)
+    if isinstance(columns, list):
+        if key not in columns:
+            columns.append(key)
+    elif trainer.args.remove_unused_columns:
+        logger.warning(
+            "ampscope: cannot keep the %r column through this transformers' "
+            "remove_unused_columns; set remove_unused_columns=False to have its ids noted",
+            key,
+        )
+    if callable(trainer.data_collator):
+        trainer.data_collator = IdsAsList(trainer.data_collator, key)
+    trainer.training_step = _stepping(trainer.training_step, scaler, key, model_takes_it)
+    trainer.prediction_step = _stepping(trainer.prediction_step, None, key, model_takes_it)
+
+
+def _stepping(
+    step: Callable[..., Any],
+    scaler: TelemetryFrontEnd | None,
+    key: str,
+    model_takes_it: bool,
+) -> Callable[..., Any]:
+    """``step(model, inputs, ...)`` that notes the ids of ``inputs`` (unless ``scaler`` is
+    ``None``) and hands on ``inputs`` without them unless the model's forward takes them."""
+
+    def stepped(model: Any, inputs: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
+        if carries_ids(inputs, key):
+            note_ids(scaler, inputs, key)
+            if not model_takes_it:
+                inputs = without_key(inputs, key)
+        return step(model, inputs, *args, **kwargs)
+
+    return stepped

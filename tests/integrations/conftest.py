@@ -25,3 +25,14 @@ def report_to(exporter: ExporterProcess, monkeypatch: pytest.MonkeyPatch) -> str
     """Ranks in this process (and spawned ones, which inherit it) report to the exporter."""
     monkeypatch.setenv("AMPSCOPE_URL", exporter.url)
     return exporter.url
+
+
+@pytest.fixture
+def fresh_accelerate() -> Iterator[None]:
+    """Accelerate's process-wide state reset before and after: a test may pick any
+    precision, and leaves none behind for the next test's ``Accelerator``."""
+    from watch_workers import reset_accelerate
+
+    reset_accelerate()
+    yield
+    reset_accelerate()

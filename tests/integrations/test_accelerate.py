@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import pytest
 from checks import check_exporter, check_origin, check_same_training, check_watch, expected_skips
 from support import need_module, run_distributed
 from watch_workers import accelerate_worker as accelerate_watch_worker
-from workers import INJECT_STEPS, STEPS, accelerate_worker
+from workers import INJECT_STEPS, STEPS, Net, accelerate_worker, batch
 
 need_module("accelerate")
 
@@ -164,3 +165,52 @@ def test_accelerate_watch_after_prepare_reaches_the_prepared_optimizer() -> None
     assert all(bool(p.isfinite().all()) for p in model.parameters())
     watch.close()
     reset_accelerate()
+
+
+def _train_noting_ids(rows: list[Any], **note: Any) -> list[Any]:
+    """Three bf16 updates of two micro-batches of two rows, the loop noting each
+    micro-batch's ids in one line; each update's ``batch``."""
+    import torch
+    from accelerate import Accelerator
+    from watch_workers import reset_accelerate
+
+    from ampscope.integrations.accelerate import instrument, note_ids
+
+    reset_accelerate()
+    accelerator = Accelerator(mixed_precision="bf16", cpu=True, gradient_accumulation_steps=2)
+    watch = instrument(accelerator, reporter=None)
+    assert watch is not None
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    loader = torch.utils.data.DataLoader(rows, batch_size=2)  # type: ignore[arg-type]
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    for micro_batch in loader:
+        with accelerator.accumulate(model):
+            note_ids(watch, micro_batch, **note)
+            accelerator.backward(model(micro_batch["x"]).square().mean())
+            optimizer.step()
+            optimizer.zero_grad()
+    watch.close()
+    return [record.batch for record in watch.telemetry.history()]
+
+
+@pytest.mark.usefixtures("fresh_accelerate")
+def test_accelerate_loop_notes_the_ids_a_batch_carries() -> None:
+    rows = [{"x": batch(0, index)[0], "sample_ids": 1000 + index} for index in range(12)]
+    batches = _train_noting_ids(rows)
+    assert [(b.ids, b.left_out) for b in batches] == [
+        (list(range(start, start + 4)), 0) for start in (1000, 1004, 1008)
+    ]
+    assert _train_noting_ids(rows, key="doc") == [None] * 3
+    assert _train_noting_ids(rows, key=None) == [None] * 3
+
+
+def test_accelerates_device_move_leaves_ids_collated_as_a_list() -> None:
+    # What the prepared data loader does to each batch (the meta device stands in for a
+    # GPU): tensors move, a list of ids stays on the host, where note_ids reads it.
+    import torch
+    from accelerate.utils import send_to_device
+
+    moved = send_to_device({"x": torch.ones(2), "sample_ids": [7, 8]}, torch.device("meta"))
+    assert moved["x"].device.type == "meta"
+    assert moved["sample_ids"] == [7, 8]

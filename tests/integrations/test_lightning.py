@@ -203,3 +203,102 @@ def test_lightning_watch_ddp_two_ranks() -> None:
     results = run_distributed(lightning_watch_worker, 2, args=("pl-watch-ddp",))
     for rank, result in enumerate(results):
         check_watch(result, rank, 2, param="net.head.weight")
+
+
+def _fit_with_ids(rows: list[Any], collate: Any = None, **options: Any) -> list[Any]:
+    """Three bf16-mixed updates of two micro-batches of two rows; each update's ``batch``.
+
+    The module's ``training_step`` takes a mapping's ``"x"`` and checks that the batch still
+    holds every key the data loader gave it.
+    """
+    import lightning.pytorch as pl
+    import torch
+
+    from ampscope.integrations.lightning import AmpscopeCallback
+
+    keys: list[list[str]] = []
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = Net()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            if isinstance(batch, dict):
+                keys.append(sorted(batch))
+                batch = batch["x"]
+            return self.net(batch).square().mean()  # type: ignore[no-any-return]
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    callback = AmpscopeCallback(reporter=None, **options)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        precision="bf16-mixed",
+        max_steps=3,
+        accumulate_grad_batches=2,
+        logger=False,
+        callbacks=[callback],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    loader = torch.utils.data.DataLoader(rows, batch_size=2, collate_fn=collate)  # type: ignore[arg-type]
+    trainer.fit(Module(), loader)
+    assert callback.scaler is not None
+    if rows and isinstance(rows[0], dict):  # the batch reached training_step whole
+        assert keys == [sorted(rows[0])] * 6
+    return [record.batch for record in callback.scaler.telemetry.history()]
+
+
+def _rows(key: str = "sample_ids") -> list[dict[str, Any]]:
+    return [{"x": batch(0, index)[0], key: 1000 + index} for index in range(12)]
+
+
+@pytest.mark.parametrize("as_list", [False, True])
+def test_lightning_notes_the_ids_a_batch_carries(as_list: bool) -> None:
+    # default_collate makes the ids a CPU tensor, read with tolist(); IdsAsList makes them
+    # a list in the loader (what survives the move to a GPU). The micro-batches of one
+    # update add up.
+    from torch.utils.data import default_collate
+
+    from ampscope.integrations import IdsAsList
+
+    batches = _fit_with_ids(_rows(), IdsAsList(default_collate) if as_list else None)
+    assert [(b.ids, b.left_out) for b in batches] == [
+        (list(range(1000, 1004)), 0),
+        (list(range(1004, 1008)), 0),
+        (list(range(1008, 1012)), 0),
+    ]
+
+
+def test_lightning_notes_a_chosen_key_collated_as_a_list() -> None:
+    from torch.utils.data import default_collate
+
+    def collate(rows: list[dict[str, Any]]) -> dict[str, Any]:
+        ids = [f"doc-{row['doc']}" for row in rows]
+        collated = default_collate([{"x": row["x"]} for row in rows])
+        return {**collated, "doc": ids}
+
+    batches = _fit_with_ids(_rows("doc"), collate, batch_ids_key="doc")
+    assert [b.ids for b in batches] == [
+        [f"doc-{1000 + index}" for index in range(start, start + 4)] for start in (0, 4, 8)
+    ]
+
+
+def test_lightning_notes_nothing_without_the_key() -> None:
+    assert _fit_with_ids([batch(0, index)[0] for index in range(12)]) == [None] * 3
+    assert _fit_with_ids(_rows(), batch_ids_key="doc") == [None] * 3
+    assert _fit_with_ids(_rows(), batch_ids_key=None) == [None] * 3
+
+
+def test_lightnings_device_move_leaves_ids_collated_as_a_list() -> None:
+    # What the strategy's batch_to_device does before on_train_batch_start (the meta device
+    # stands in for a GPU): tensors move, a list of ids stays on the host.
+    import torch
+    from lightning.fabric.utilities.apply_func import move_data_to_device
+
+    moved = move_data_to_device({"x": torch.ones(2), "sample_ids": [7, 8]}, torch.device("meta"))
+    assert moved["x"].device.type == "meta"
+    assert moved["sample_ids"] == [7, 8]

@@ -89,3 +89,140 @@ def test_trainer_watch_ddp_two_ranks(tmp_path: Path) -> None:
     for rank, result in enumerate(results):
         check_watch(result, rank, 2)
         _check_watch_logs(result)
+
+
+class _IdDataset(Dataset):
+    """The test Dataset with a ``sample_ids`` column, recording the order it is read in."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self.read: list[int] = []
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        self.read.append(index)
+        return {**super().__getitem__(index), "sample_ids": 1000 + index}
+
+
+def _train_with_ids(tmp_path: Path, dataset: Dataset, **options: Any) -> list[Any]:
+    """Three bf16 updates of two micro-batches of two samples; each update's ``batch``."""
+    from transformers import Trainer, TrainingArguments
+
+    from ampscope.integrations.transformers import instrument
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=True,
+        max_steps=3,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        optim="sgd",
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=3,
+    )
+    trainer = Trainer(model=Net(), args=args, train_dataset=dataset)
+    watch = instrument(trainer, reporter=None, **options)
+    assert watch is not None
+    trainer.train()  # Net.forward(x, labels) refuses any other keyword: none reaches it
+    trainer.evaluate(_IdDataset(4))  # nor in evaluation
+    return [record.batch for record in watch.telemetry.history()]
+
+
+@pytest.mark.usefixtures("fresh_accelerate")
+def test_trainer_notes_the_ids_a_batch_carries(tmp_path: Path) -> None:
+    dataset = _IdDataset(12)
+    batches = _train_with_ids(tmp_path, dataset)
+    # The column survives remove_unused_columns (on by default); each update's record
+    # holds the ids of its two micro-batches, in the order the sampler drew them.
+    drawn = [1000 + index for index in dataset.read]
+    assert sorted(drawn) == list(range(1000, 1012))
+    assert [(b.ids, b.left_out) for b in batches] == [
+        (drawn[0:4], 0),
+        (drawn[4:8], 0),
+        (drawn[8:12], 0),
+    ]
+
+
+@pytest.mark.usefixtures("fresh_accelerate")
+def test_trainer_notes_nothing_without_the_key(tmp_path: Path) -> None:
+    assert _train_with_ids(tmp_path, Dataset(12)) == [None, None, None]
+    # Another key: the id column is an unused one, which the Trainer removes.
+    assert _train_with_ids(tmp_path, _IdDataset(12), batch_ids_key="doc") == [None] * 3
+    assert _train_with_ids(tmp_path, _IdDataset(12), batch_ids_key=None) == [None] * 3
+
+
+@pytest.mark.usefixtures("fresh_accelerate")
+def test_trainer_notes_a_chosen_key_and_keeps_the_batch(tmp_path: Path) -> None:
+    from transformers import Trainer, TrainingArguments
+
+    from ampscope.integrations.transformers import instrument
+
+    seen: list[dict[str, Any]] = []
+
+    class Keeping(Trainer):  # type: ignore[misc]
+        def training_step(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            seen.append(dict(inputs))
+            return super().training_step(model, inputs, *args, **kwargs)
+
+    class Named(_IdDataset):
+        def __getitem__(self, index: int) -> dict[str, Any]:
+            row = super().__getitem__(index)
+            row["doc"] = row.pop("sample_ids")  # ints: the default collator drops strings
+            return row
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=True,
+        max_steps=2,
+        per_device_train_batch_size=3,
+        optim="sgd",
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        remove_unused_columns=False,
+    )
+    dataset = Named(6)
+    trainer = Keeping(model=Net(), args=args, train_dataset=dataset)
+    watch = instrument(trainer, reporter=None, batch_ids_key="doc")
+    assert watch is not None
+    trainer.train()
+    drawn = [1000 + index for index in dataset.read]
+    assert [r.batch.ids for r in watch.telemetry.history()] == [drawn[0:3], drawn[3:6]]
+    # A subclass's own training_step runs, on a copy without the key.
+    assert [sorted(inputs) for inputs in seen] == [["labels", "x"], ["labels", "x"]]
+
+
+@pytest.mark.usefixtures("fresh_accelerate")
+def test_trainer_rejects_a_bad_key(tmp_path: Path) -> None:
+    from transformers import Trainer, TrainingArguments
+
+    from ampscope.integrations.transformers import instrument
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, bf16=True, report_to=[])
+    trainer = Trainer(model=Net(), args=args, train_dataset=Dataset(4))
+    with pytest.raises(ValueError, match="batch_ids_key"):
+        instrument(trainer, reporter=None, batch_ids_key="")
+    with pytest.raises(TypeError, match="batch_ids_key"):
+        instrument(trainer, reporter=None, batch_ids_key=3)  # type: ignore[arg-type]
+
+
+@pytest.mark.usefixtures("fresh_accelerate")
+def test_trainer_says_when_it_cannot_keep_the_id_column(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from transformers import Trainer, TrainingArguments
+
+    from ampscope.integrations.transformers import instrument
+
+    # A transformers without the private list of kept columns: the user is told what to do.
+    monkeypatch.setattr(Trainer, "_set_signature_columns_if_needed", None)
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, bf16=True, report_to=[])
+    trainer = Trainer(model=Net(), args=args, train_dataset=Dataset(4))
+    with caplog.at_level(logging.WARNING, logger="ampscope"):
+        assert instrument(trainer, reporter=None) is not None
+    messages = [r.getMessage() for r in caplog.records]
+    [message] = [m for m in messages if "remove_unused_columns" in m]
+    assert "set remove_unused_columns=False" in message
