@@ -1,0 +1,122 @@
+"""The rerun of a flagged iteration: the comparison rule and a single-process scaler."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import Net, batch, poison
+
+import ampscope
+from ampscope.rank.frontends.rerun import PassResult, compare, same_value
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "rtol", "same"),
+    [
+        (1.0, 1.0, 0.0, True),
+        (1.0, math.nextafter(1.0, 2.0), 0.0, False),
+        (1.0, math.nextafter(1.0, 2.0), 1e-6, True),
+        (1.0, 1.1, 1e-6, False),
+        (NAN, NAN, 0.0, True),
+        (NAN, 1.0, 1.0, False),
+        (INF, INF, 0.0, True),
+        (INF, -INF, 1.0, False),
+        (INF, 1e300, 1.0, False),
+        (None, None, 0.0, True),
+        (None, 1.0, 0.0, False),
+    ],
+)
+def test_same_value(first: float | None, second: float | None, rtol: float, same: bool) -> None:
+    assert same_value(first, second, rtol) is same
+
+
+def test_compare_needs_loss_norm_and_finiteness_to_agree() -> None:
+    clean = PassResult(loss=2.0, norm=3.0, nonfinite=False)
+    assert compare(clean, PassResult(loss=2.0, norm=3.0, nonfinite=False))
+    assert not compare(clean, PassResult(loss=2.0, norm=3.5, nonfinite=False))
+    assert not compare(clean, PassResult(loss=2.5, norm=3.0, nonfinite=False))
+    assert not compare(PassResult(loss=2.0, norm=INF, nonfinite=True), clean)
+
+
+class _Loop:
+    """A single-process loop on the CPU with a rerun closure; ``corrupt`` poisons the
+    head's gradient after the next backward only (a one-time fault)."""
+
+    def __init__(self) -> None:
+        self.model = Net()
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1)
+        self.scaler = ampscope.GradScaler("cpu", init_scale=4.0, reporter=None)
+        self.calls = 0
+        self.corrupt_once = False
+        self.bad_input = False
+
+    def _backward(self, step: int) -> torch.Tensor:
+        self.opt.zero_grad()
+        loss = self.model(batch(step))
+        if self.bad_input:
+            loss = loss * NAN
+        self.scaler.scale(loss).backward()
+        if self.corrupt_once:
+            self.corrupt_once = False
+            poison(self.model.head.weight)
+        return loss
+
+    def step(self, step: int) -> None:
+        self._backward(step)
+
+        def closure() -> torch.Tensor:
+            self.calls += 1
+            return self._backward(step)
+
+        self.scaler.step(self.opt, rerun=closure)
+        self.scaler.update()
+
+
+def test_clean_iterations_never_call_the_closure() -> None:
+    loop = _Loop()
+    for step in range(5):
+        loop.step(step)
+    assert loop.calls == 0
+    assert loop.scaler.last_rerun is None
+
+
+def test_one_time_fault_is_transient_and_the_step_uses_the_rerun() -> None:
+    loop, clean = _Loop(), _Loop()
+    for step in range(4):
+        loop.corrupt_once = step == 2
+        loop.step(step)
+        clean.step(step)
+    assert loop.calls == 1
+    outcome = loop.scaler.last_rerun
+    assert outcome is not None
+    assert outcome.flagged
+    assert not outcome.reproduced
+    assert outcome.first.nonfinite
+    assert not outcome.second.nonfinite
+    assert outcome.first.loss == outcome.second.loss
+    # The step went on with the rerun's gradients: the weights are a clean run's.
+    for mine, theirs in zip(loop.model.parameters(), clean.model.parameters(), strict=True):
+        assert torch.equal(mine, theirs)
+    assert loop.scaler.get_scale() == clean.scaler.get_scale()
+
+
+def test_reproduced_fault_is_still_skipped() -> None:
+    loop = _Loop()
+    loop.step(0)
+    before = [p.detach().clone() for p in loop.model.parameters()]
+    scale = loop.scaler.get_scale()
+    loop.bad_input = True
+    loop.step(1)
+    assert loop.calls == 1
+    outcome = loop.scaler.last_rerun
+    assert outcome is not None
+    assert outcome.flagged
+    assert outcome.reproduced
+    assert math.isnan(outcome.first.loss or 0.0)
+    assert math.isnan(outcome.second.loss or 0.0)
+    assert all(torch.equal(a, b) for a, b in zip(before, loop.model.parameters(), strict=True))
+    assert loop.scaler.get_scale() == scale / 2
