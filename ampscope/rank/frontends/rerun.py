@@ -22,12 +22,17 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from ampscope.rank import compat
+from ampscope.reporter import schema
+
+if TYPE_CHECKING:
+    from ampscope.rank.gradients.origin import OriginFlags
+    from ampscope.rank.gradients.stats import GradStats
 
 Closure = Callable[[], Any]
 """Recomputes this iteration's loss and gradients from the same batch (see the module)."""
@@ -45,6 +50,15 @@ class PassResult:
     nonfinite: bool
     """This rank's own gradients (or loss) held inf/NaN."""
 
+    def to_record(self) -> schema.RerunPass:
+        return schema.RerunPass(
+            loss=_finite(self.loss), norm=_finite(self.norm), nonfinite=self.nonfinite
+        )
+
+
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
+
 
 @dataclass(frozen=True)
 class RerunOutcome:
@@ -58,6 +72,16 @@ class RerunOutcome:
     """This rank's own first result was flagged (non-finite): the verdict is about it."""
     reason: str = "nonfinite"
     """Why the iteration was flagged on some rank."""
+
+    def to_record(self) -> schema.Rerun:
+        """The record's ``rerun`` (non-finite values become ``None``)."""
+        return schema.Rerun(
+            reason="nonfinite",
+            flagged=self.flagged,
+            reproduced=self.reproduced,
+            first=self.first.to_record(),
+            second=self.second.to_record(),
+        )
 
 
 def same_value(first: float | None, second: float | None, rtol: float) -> bool:
@@ -96,7 +120,9 @@ def agree_flagged(own: torch.Tensor) -> bool:
     return bool(flag.item() > 0)
 
 
-def own_flag(found_inf: Mapping[torch.device, torch.Tensor], origin: Any) -> torch.Tensor:
+def own_flag(
+    found_inf: Mapping[torch.device, torch.Tensor], origin: OriginFlags | None
+) -> torch.Tensor:
     """This rank's one-element flag: its pre-reduction found-inf when origin tracking
     runs (its own gradients), else torch's found-inf (after the collective). No sync."""
     flags = list(found_inf.values())
@@ -114,12 +140,23 @@ class Rerun:
     Args:
         scaler: The front-end (an instrumented ``torch.amp.GradScaler``).
         optimizer: The optimizer whose step follows.
+        stats: The front-end's loss and norms (``None`` with ``stats=False``).
+        origin: Its origin flags (``None`` without origin tracking).
         rtol: Relative tolerance of :func:`compare` (0: bit for bit).
     """
 
-    def __init__(self, scaler: Any, optimizer: torch.optim.Optimizer, rtol: float) -> None:
+    def __init__(
+        self,
+        scaler: Any,
+        optimizer: torch.optim.Optimizer,
+        stats: GradStats | None,
+        origin: OriginFlags | None,
+        rtol: float,
+    ) -> None:
         self._scaler = scaler
         self._optimizer = optimizer
+        self._stats = stats
+        self._origin = origin
         self._rtol = rtol
 
     def flagged(self) -> bool:
@@ -131,7 +168,7 @@ class Rerun:
             scaler.unscale_(optimizer)
             found = compat.unscaled_found_inf(scaler, optimizer)
             assert found is not None
-        return agree_flagged(own_flag(found, scaler._ampscope_origin))
+        return agree_flagged(own_flag(found, self._origin))
 
     def run(self, closure: Closure) -> RerunOutcome:
         """Read the first pass, forget it, call ``closure``, unscale its gradients and
@@ -155,7 +192,7 @@ class Rerun:
 
     def _read(self, *, keep: bool) -> PassResult:
         scaler, optimizer = self._scaler, self._optimizer
-        stats, origin = scaler._ampscope_stats, scaler._ampscope_origin
+        stats, origin = self._stats, self._origin
         loss_tensor = None
         if stats is not None:
             loss_tensor = stats.peek_loss() if keep else stats.restart()

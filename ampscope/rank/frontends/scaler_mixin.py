@@ -101,7 +101,7 @@ class TelemetryMixin(TelemetryFrontEnd):
         """
         parent: Any = super()
         if rerun is not None and self._ampscope_capture is not None:
-            check = Rerun(self, optimizer, rerun_rtol)
+            check = Rerun(self, optimizer, self._ampscope_stats, self._ampscope_origin, rerun_rtol)
             if check.flagged():
                 self._ampscope_last_rerun = check.run(rerun)
                 self._ampscope_rerun_pending = self._ampscope_last_rerun
@@ -203,6 +203,9 @@ class TelemetryMixin(TelemetryFrontEnd):
         fp8 = self._ampscope_take_fp8()
         if fp8 is not None and pending is not None:
             pending.extra, pending.fp8 = fp8  # copied with the step's own values
+        rerun, self._ampscope_rerun_pending = self._ampscope_rerun_pending, None
+        if pending is not None:
+            pending.rerun = rerun
         try:
             origin = self._ampscope_take_origin()
             pending = capture.after_update(

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from helpers import Net, batch, poison
+from helpers import ListSink, Net, batch, poison
 
 import ampscope
 from ampscope.rank.frontends.rerun import PassResult, compare, same_value
@@ -49,7 +49,8 @@ class _Loop:
     def __init__(self) -> None:
         self.model = Net()
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1)
-        self.scaler = ampscope.GradScaler("cpu", init_scale=4.0, reporter=None)
+        self.sink = ListSink()
+        self.scaler = ampscope.GradScaler("cpu", init_scale=4.0, reporter=None, sinks=[self.sink])
         self.calls = 0
         self.corrupt_once = False
         self.bad_input = False
@@ -102,6 +103,21 @@ def test_one_time_fault_is_transient_and_the_step_uses_the_rerun() -> None:
     for mine, theirs in zip(loop.model.parameters(), clean.model.parameters(), strict=True):
         assert torch.equal(mine, theirs)
     assert loop.scaler.get_scale() == clean.scaler.get_scale()
+    loop.scaler.close()
+    records = loop.sink.records
+    assert [r.rerun is not None for r in records] == [False, False, True, False]
+    rerun = records[2].rerun
+    assert rerun is not None
+    assert rerun.flagged
+    assert not rerun.reproduced
+    assert rerun.first.nonfinite
+    assert rerun.first.norm is None  # inf: a record carries finite values only
+    assert rerun.second.norm is not None
+    assert rerun.second.norm > 0
+    assert rerun.first.loss == rerun.second.loss
+    # The record describes the second pass: the step was taken.
+    assert not records[2].skipped
+    assert not records[2].found_inf_global
 
 
 def test_reproduced_fault_is_still_skipped() -> None:
@@ -120,3 +136,9 @@ def test_reproduced_fault_is_still_skipped() -> None:
     assert math.isnan(outcome.second.loss or 0.0)
     assert all(torch.equal(a, b) for a, b in zip(before, loop.model.parameters(), strict=True))
     assert loop.scaler.get_scale() == scale / 2
+    loop.scaler.close()
+    record = loop.sink.records[1]
+    assert record.skipped
+    assert record.rerun is not None
+    assert record.rerun.reproduced
+    assert record.rerun.first.loss is None  # NaN is not sent
