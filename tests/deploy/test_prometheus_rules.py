@@ -33,6 +33,7 @@ ALERTS = {
     "AmpscopeLossSpike",
     "AmpscopeGradNormSpike",
     "AmpscopeOriginOutlier",
+    "AmpscopeTransientFault",
     "AmpscopeRepeatOffenderDevice",
 }
 DEVICE_ALERTS = {"AmpscopeRepeatOffenderDevice"}
