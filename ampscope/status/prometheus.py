@@ -16,14 +16,17 @@ that need the exporter's per-step history (``stalled_rank``'s progress times,
 ``ampscope_spikes_total`` over their window: which rank and how many, not the step, value or
 baseline, which only the exporters hold (``SPIKE_DETAIL``); ``nonfinite_skipped`` counts
 ``increase`` of ``ampscope_skipped_steps_total``, without the last step and its origin
-(``SKIP_DETAIL``).
+(``SKIP_DETAIL``). ``transient_fault`` and ``reproducible_fault`` read
+``ampscope_reruns_total`` (since each rank process started; exposed once non-zero, so
+``increase`` would miss the first): which rank and how many, not the step or the device
+(``RERUN_DETAIL``).
 
 A rank whose series were there within the last hour and are gone now (its exporter's scrape
 fails, or its series went stale) is ``lost``, as the exporter's own health would call a rank
 it no longer hears, and ``lost_rank`` names it and the exporters whose scrape fails
 (``ampscope.status.prometheus_ranks``). The thresholds are those the exporters publish
 (``ampscope_exporter_health_threshold``), the defaults where none does. Cost: one query for
-the thresholds, then ten instant queries run in parallel; the answer holds O(ranks x devices)
+the thresholds, then eleven instant queries run in parallel; the answer holds O(ranks x devices)
 samples.
 """
 
@@ -50,6 +53,7 @@ from ampscope.status.prometheus_ranks import (
     up_query,
 )
 from ampscope.verdicts import failures, liveness, nonfinite, scale
+from ampscope.verdicts import reruns as rerun_rules
 from ampscope.verdicts import spikes as spike_rules
 from ampscope.verdicts.ranks import is_scaler, mode_of
 from ampscope.verdicts.rollup import health_report
@@ -73,6 +77,7 @@ RANK_QUERIES = (
     "inf_origin",
     "spikes",
     "skipped_nonfinite",
+    "reruns",
     "seen",
 )
 """The queries whose every series is a rank's (run, rank and node labels), checked so."""
@@ -89,7 +94,15 @@ SKIP_DETAIL = (
 )
 """What ``nonfinite_skipped`` computed from Prometheus says it lacks."""
 
+RERUN_DETAIL = (
+    "counted from Prometheus (ampscope_reruns_total, since the rank process started): the "
+    "step, the device and the batch ids are in each exporter's GET /api/v1/runs/{run}/health"
+)
+"""What a rerun verdict computed from Prometheus says it lacks."""
+
 COUNTED = {
+    "transient_fault": RERUN_DETAIL,
+    "reproducible_fault": RERUN_DETAIL,
     "loss_spike": SPIKE_DETAIL,
     "grad_norm_spike": SPIKE_DETAIL,
     "origin_outlier": SPIKE_DETAIL,
@@ -119,6 +132,7 @@ def queries(run: str | None, t: Thresholds) -> dict[str, str]:
         "spikes": f"increase(ampscope_spikes_total{{{sel}}}[{t.spike_verdict_window_s:g}s])",
         "skipped_nonfinite": f"increase(ampscope_skipped_steps_total{{{sel}}}"
         f"[{t.nonfinite_skipped_window_s:g}s])",
+        "reruns": f"ampscope_reruns_total{{{sel}}}",
         "seen": seen_query(sel),
         "up": up_query(sel),
     }
@@ -199,6 +213,14 @@ def health_of(
             if n
         ]
 
+    def reruns(result: str) -> list[rerun_rules.RerunFacts]:
+        counted = [(v, round(window("reruns", v, result))) for v in views]
+        return [
+            rerun_rules.RerunFacts(rank=v["rank"], node=v["node"], reruns=n)
+            for v, n in counted
+            if n
+        ]
+
     skipped = [
         nonfinite.SkippedFacts(
             rank=v["rank"],
@@ -231,6 +253,8 @@ def health_of(
         "loss_spike": counted(spike_rules.loss_spike(spikes("loss"), t)),
         "grad_norm_spike": counted(spike_rules.grad_norm_spike(spikes("grad_norm"), t)),
         "origin_outlier": counted(spike_rules.origin_outlier(spikes("origin_outlier"), t)),
+        "transient_fault": counted(rerun_rules.transient_fault(reruns("transient"), t)),
+        "reproducible_fault": counted(rerun_rules.reproducible_fault(reruns("reproducible"), t)),
     }
     verdicts = [by_rule[rule] for rule in in_report_order(by_rule)]
     up = sum(1 for v in views if v["up"])

@@ -177,7 +177,9 @@ class Rerun:
         compat.forget_unscale(self._scaler, self._optimizer)
         with torch.enable_grad():
             closure()
-        self._scaler.unscale_(self._optimizer)
+        # A closure that clips unscales itself (as the loop does before clipping).
+        if compat.unscaled_found_inf(self._scaler, self._optimizer) is None:
+            self._scaler.unscale_(self._optimizer)
         second = self._read(keep=True)
         return RerunOutcome(
             first=first,
