@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from helpers import ListSink, Net, batch, poison
 
 import ampscope
@@ -42,15 +45,35 @@ def test_compare_needs_loss_norm_and_finiteness_to_agree() -> None:
     assert not compare(PassResult(loss=2.0, norm=INF, nonfinite=True), clean)
 
 
+SCALERS = pytest.mark.parametrize(
+    "scaler", [ampscope.GradScaler, ampscope.ShardedGradScaler], ids=["amp", "sharded"]
+)
+
+
+@pytest.fixture(autouse=True)
+def one_rank_group(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[None]:
+    """FSDP1's sharded scaler all-reduces found-inf: give it a one-rank gloo group."""
+    params = getattr(request.node, "callspec", None)
+    if params is None or params.params.get("scaler") is not ampscope.ShardedGradScaler:
+        yield
+        return
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 class _Loop:
     """A single-process loop on the CPU with a rerun closure; ``corrupt`` poisons the
     head's gradient after the next backward only (a one-time fault)."""
 
-    def __init__(self) -> None:
+    def __init__(self, scaler: type[ampscope.GradScaler] = ampscope.GradScaler) -> None:
         self.model = Net()
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1)
         self.sink = ListSink()
-        self.scaler = ampscope.GradScaler("cpu", init_scale=4.0, reporter=None, sinks=[self.sink])
+        self.scaler = scaler("cpu", init_scale=4.0, reporter=None, sinks=[self.sink])
         self.calls = 0
         self.corrupt_once = False
         self.bad_input = False
@@ -77,16 +100,18 @@ class _Loop:
         self.scaler.update()
 
 
-def test_clean_iterations_never_call_the_closure() -> None:
-    loop = _Loop()
+@SCALERS
+def test_clean_iterations_never_call_the_closure(scaler: type) -> None:
+    loop = _Loop(scaler)
     for step in range(5):
         loop.step(step)
     assert loop.calls == 0
     assert loop.scaler.last_rerun is None
 
 
-def test_one_time_fault_is_transient_and_the_step_uses_the_rerun() -> None:
-    loop, clean = _Loop(), _Loop()
+@SCALERS
+def test_one_time_fault_is_transient_and_the_step_uses_the_rerun(scaler: type) -> None:
+    loop, clean = _Loop(scaler), _Loop(scaler)
     for step in range(4):
         loop.corrupt_once = step == 2
         loop.step(step)
@@ -120,8 +145,9 @@ def test_one_time_fault_is_transient_and_the_step_uses_the_rerun() -> None:
     assert not records[2].found_inf_global
 
 
-def test_reproduced_fault_is_still_skipped() -> None:
-    loop = _Loop()
+@SCALERS
+def test_reproduced_fault_is_still_skipped(scaler: type) -> None:
+    loop = _Loop(scaler)
     loop.step(0)
     before = [p.detach().clone() for p in loop.model.parameters()]
     scale = loop.scaler.get_scale()
