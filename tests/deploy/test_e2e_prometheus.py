@@ -148,9 +148,14 @@ def test_every_dashboard_and_alert_expression_returns_data(
         for title, expr in dashboard_expressions(dashboard)
         if not evaluate(substitute(expr))
     ]
-    # Two panels are empty by design here, and must be: the demo's ranks all end normally
-    # (a "Failed ranks" row would be a rank that failed), and no DCGM-exporter runs beside it.
-    expected_empty = {"Failed ranks", "DCGM errors of offending devices"}
+    # Three panels are empty by design here, and must be: the demo's ranks all end normally
+    # (a "Failed ranks" row would be a rank that failed), no DCGM-exporter runs beside it,
+    # and no demo rank passes a rerun closure (ampscope_reruns_total appears once non-zero).
+    expected_empty = {
+        "Failed ranks",
+        "DCGM errors of offending devices",
+        "Reruns of flagged iterations",
+    }
     assert {title for title, _ in empty} == expected_empty, (
         f"dashboard queries without data: {empty}"
     )
