@@ -245,6 +245,11 @@ def test_reruns_tell_bad_data_from_a_transient_fault(exporter: str, setup: str) 
     metrics = _metrics(exporter, run)
     assert metrics == {(str(FAULT_RANK), "transient"): 1.0, (str(BAD_RANK), "reproducible"): 1.0}
 
+    shown = run_status(run, url=exporter)
+    assert shown.returncode == 2, shown.stderr  # critical: the transient fault
+    assert "transient_fault" in shown.stdout
+    assert "reproducible_fault" in shown.stdout
+
     cli = run_status(run, "--suspect-batches", url=exporter)
     assert cli.returncode == 0, cli.stderr
     suspects = {(s["step"], s["rank"]): s for s in map(json.loads, cli.stdout.splitlines())}
