@@ -39,6 +39,9 @@ _EXPORTER_SIDE = {
     "ampscope_rank_failure_info",
     # The exporter's judgement of each rank's history (and of its ranks against each other).
     "ampscope_spikes_total",
+    # Counted from records that carry a rerun and exposed once non-zero: a simulated rank,
+    # like a healthy one, has none.
+    "ampscope_reruns_total",
 }
 PUSHED_FAMILIES = tuple(
     spec

@@ -23,10 +23,12 @@ from typing import Any
 from ampscope.exporter.api.models import HealthReport
 from ampscope.exporter.state.lifecycle import Lifecycle
 from ampscope.exporter.state.ranks import RankSnapshot, WindowCounts
+from ampscope.exporter.state.reruns import RerunResult
 from ampscope.exporter.state.spike_windows import SpikeKindName
 from ampscope.verdicts import batches as batch_verdicts
 from ampscope.verdicts import failures, liveness, nonfinite, scale
 from ampscope.verdicts import fp8 as fp8_rules
+from ampscope.verdicts import reruns as rerun_rules
 from ampscope.verdicts import spikes as spike_rules
 from ampscope.verdicts.ranks import RankFacts, is_scaler
 from ampscope.verdicts.rollup import health_report, run_ended
@@ -291,6 +293,45 @@ def origin_outlier(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> 
     return spike_rules.origin_outlier(spike_facts(ranks, "origin_outlier", now, t), t)
 
 
+def rerun_facts(
+    ranks: Sequence[RankSnapshot], result: RerunResult, now: float, t: Thresholds
+) -> list[rerun_rules.RerunFacts]:
+    """Each rank's reruns of ``result`` within ``spike_verdict_window_s`` before ``now``,
+    with the newest one and the rank's device. O(ranks x MAX_RECENT_RERUNS)."""
+    start = now - t.spike_verdict_window_s
+    facts = []
+    for snap in ranks:
+        within = [e for e in snap.reruns if e.result == result and start <= e.received <= now]
+        if not within:
+            continue
+        newest = within[-1]
+        facts.append(
+            rerun_rules.RerunFacts(
+                **_who(snap),
+                reruns=len(within),
+                device=None if snap.device is None else snap.device.device,
+                newest=rerun_rules.RerunDetail(
+                    step=newest.step,
+                    first_loss=newest.first_loss,
+                    second_loss=newest.second_loss,
+                    first_norm=newest.first_norm,
+                    second_norm=newest.second_norm,
+                ),
+            )
+        )
+    return facts
+
+
+def transient_fault(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
+    """``rerun_rules.transient_fault`` over the store's snapshots."""
+    return rerun_rules.transient_fault(rerun_facts(ranks, "transient", now, t), t)
+
+
+def reproducible_fault(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
+    """``rerun_rules.reproducible_fault`` over the store's snapshots."""
+    return rerun_rules.reproducible_fault(rerun_facts(ranks, "reproducible", now, t), t)
+
+
 def _isolated(rule: Rule, ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
     """``rule`` over ``ranks``, leaving out any rank it cannot evaluate on its own.
 
@@ -348,6 +389,8 @@ _SCOPES: dict[RuleName, _Scope] = {
     "loss_spike": _Scope(loss_spike),
     "grad_norm_spike": _Scope(grad_norm_spike),
     "origin_outlier": _Scope(origin_outlier),
+    "transient_fault": _Scope(transient_fault),
+    "reproducible_fault": _Scope(reproducible_fault),
 }
 """Each rule of ``ampscope.verdicts.RULES`` over the store's snapshots, but the FP8 rules
 (``FP8_RULES``: over the ranks' FP8 series, ``fp8_facts``)."""

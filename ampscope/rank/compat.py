@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 from torch.amp.grad_scaler import GradScaler as _TorchGradScaler
-from torch.amp.grad_scaler import OptState
+from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 from torch.distributed.algorithms._comm_hooks import default_hooks as fsdp_default_hooks
 from torch.distributed.fsdp import FSDPModule, ShardingStrategy
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -53,6 +53,7 @@ __all__ = [
     "float8_precast",
     "float8_sharded_weights",
     "foreach_norm",
+    "forget_unscale",
     "found_inf_reduction",
     "fsdp1_comm_hook",
     "fsdp1_hybrid",
@@ -72,6 +73,7 @@ __all__ = [
     "square_sum_reduction",
     "steps_itself",
     "tensor_version",
+    "unscaled_found_inf",
     "update_inputs",
 ]
 
@@ -121,6 +123,24 @@ def update_inputs(
         (key, state["stage"] is stepped, state["found_inf_per_device"])
         for key, state in scaler._per_optimizer_states.items()
     ]
+
+
+def unscaled_found_inf(
+    scaler: _TorchGradScaler, optimizer: object
+) -> Mapping[torch.device, torch.Tensor] | None:
+    """``optimizer``'s found-inf per device once this iteration unscaled it, else ``None``."""
+    state = scaler._per_optimizer_states[id(optimizer)]
+    if state["stage"] is not OptState.UNSCALED:
+        return None
+    found: Mapping[torch.device, torch.Tensor] = state["found_inf_per_device"]
+    return found
+
+
+def forget_unscale(scaler: _TorchGradScaler, optimizer: object) -> None:
+    """Reset ``optimizer``'s per-iteration state to torch's fresh one, so that the next
+    ``unscale_`` (after a rerun recomputed the gradients) unscales them and recomputes
+    found-inf from them instead of raising that it already ran."""
+    scaler._per_optimizer_states[id(optimizer)] = _refresh_per_optimizer_state()
 
 
 def non_finite_check_(
@@ -526,6 +546,8 @@ def check_torch() -> tuple[str, ...]:
     fresh = states[0] if hasattr(states, "default_factory") else {}
     if set(fresh) != {"stage", "found_inf_per_device"}:
         problems.append(f"GradScaler per-optimizer state keys changed: {sorted(fresh)}")
+    if set(_refresh_per_optimizer_state()) != {"stage", "found_inf_per_device"}:
+        problems.append("torch.amp.grad_scaler._refresh_per_optimizer_state changed")
     if {s.name for s in OptState} != {"READY", "UNSCALED", "STEPPED"}:
         problems.append("torch.amp.grad_scaler.OptState members changed")
     problems.extend(_check_dtensor())

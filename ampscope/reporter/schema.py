@@ -354,6 +354,36 @@ def _unique_fp8(tensors: list[Fp8Tensor]) -> list[Fp8Tensor]:
     return tensors
 
 
+RerunReason = Literal["nonfinite"]
+"""Why an iteration was rerun: some rank's gradients (or loss) held inf/NaN."""
+
+
+class RerunPass(_Model):
+    """One pass of a rerun iteration, as this rank saw its own result."""
+
+    loss: Annotated[float, Field(allow_inf_nan=False)] | None
+    """The loss sum ``scale()`` saw; ``None`` without one or when not finite."""
+    norm: Norm | None
+    """This rank's own gradient norm: origin tracking's unreduced one, still multiplied by
+    the loss scale, or without origin tracking the local gradients' after the collective;
+    ``None`` when not finite or not known."""
+    nonfinite: bool
+    """This rank's own gradients (or loss) held inf/NaN."""
+
+
+class Rerun(_Model):
+    """A flagged iteration that every rank reran from the same batch (``rerun=closure``).
+    The record's other fields describe the second pass, the one the optimizer step used."""
+
+    reason: RerunReason
+    flagged: bool
+    """This rank's own first result was flagged: verdicts about the rerun name it."""
+    reproduced: bool
+    """The second pass reproduced the first (bit for bit, or within the tolerance given)."""
+    first: RerunPass
+    second: RerunPass
+
+
 class StepRecord(_Model):
     """One iteration: everything one update() call saw and did on one rank."""
 
@@ -393,6 +423,8 @@ class StepRecord(_Model):
         Annotated[list[Fp8Tensor], Field(max_length=MAX_FP8_TENSORS), AfterValidator(_unique_fp8)]
         | None
     ) = None
+    rerun: Rerun | None = None
+    """The iteration was flagged and rerun (``step(..., rerun=closure)``); ``None`` when not."""
     """The attached model's FP8 layers (torchao ``Float8Linear``) on an observed iteration
     (one in ``fp8_every``); ``None`` on others and without FP8 layers."""
 

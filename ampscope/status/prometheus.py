@@ -16,7 +16,10 @@ that need the exporter's per-step history (``stalled_rank``'s progress times,
 ``ampscope_spikes_total`` over their window: which rank and how many, not the step, value or
 baseline, which only the exporters hold (``SPIKE_DETAIL``); ``nonfinite_skipped`` counts
 ``increase`` of ``ampscope_skipped_steps_total``, without the last step and its origin
-(``SKIP_DETAIL``). For a run whose ranks export FP8 series, ``fp8_nonfinite_amax`` and
+(``SKIP_DETAIL``). ``transient_fault`` and ``reproducible_fault`` read
+``ampscope_reruns_total`` (since each rank process started; exposed once non-zero, so
+``increase`` would miss the first): which rank and how many, not the step or the device
+(``RERUN_DETAIL``). For a run whose ranks export FP8 series, ``fp8_nonfinite_amax`` and
 ``fp8_underflow`` are judged from the FP8 gauges' samples, ``fp8_amax_spike`` is not
 (``ampscope.status.prometheus_fp8``).
 
@@ -25,7 +28,7 @@ fails, or its series went stale) is ``lost``, as the exporter's own health would
 it no longer hears, and ``lost_rank`` names it and the exporters whose scrape fails
 (``ampscope.status.prometheus_ranks``). The thresholds are those the exporters publish
 (``ampscope_exporter_health_threshold``), the defaults where none does. Cost: one query for
-the thresholds, then thirteen instant queries run in parallel; the answer holds O(ranks x devices)
+the thresholds, then fourteen instant queries run in parallel; the answer holds O(ranks x devices)
 samples.
 """
 
@@ -52,6 +55,7 @@ from ampscope.status.prometheus_ranks import (
     up_query,
 )
 from ampscope.verdicts import failures, liveness, nonfinite, scale
+from ampscope.verdicts import reruns as rerun_rules
 from ampscope.verdicts import spikes as spike_rules
 from ampscope.verdicts.fp8 import Fp8Rule
 from ampscope.verdicts.ranks import is_scaler, mode_of
@@ -76,6 +80,7 @@ RANK_QUERIES = (
     "inf_origin",
     "spikes",
     "skipped_nonfinite",
+    "reruns",
     "seen",
     *prometheus_fp8.FP8_QUERIES,
 )
@@ -93,7 +98,15 @@ SKIP_DETAIL = (
 )
 """What ``nonfinite_skipped`` computed from Prometheus says it lacks."""
 
+RERUN_DETAIL = (
+    "counted from Prometheus (ampscope_reruns_total, since the rank process started): the "
+    "step, the device and the batch ids are in each exporter's GET /api/v1/runs/{run}/health"
+)
+"""What a rerun verdict computed from Prometheus says it lacks."""
+
 COUNTED = {
+    "transient_fault": RERUN_DETAIL,
+    "reproducible_fault": RERUN_DETAIL,
     "loss_spike": SPIKE_DETAIL,
     "grad_norm_spike": SPIKE_DETAIL,
     "origin_outlier": SPIKE_DETAIL,
@@ -123,6 +136,7 @@ def queries(run: str | None, t: Thresholds) -> dict[str, str]:
         "spikes": f"increase(ampscope_spikes_total{{{sel}}}[{t.spike_verdict_window_s:g}s])",
         "skipped_nonfinite": f"increase(ampscope_skipped_steps_total{{{sel}}}"
         f"[{t.nonfinite_skipped_window_s:g}s])",
+        "reruns": f"ampscope_reruns_total{{{sel}}}",
         "seen": seen_query(sel),
         "up": up_query(sel),
         **prometheus_fp8.queries(sel, Fp8Rule()),
@@ -207,6 +221,14 @@ def health_of(
             if n
         ]
 
+    def reruns(result: str) -> list[rerun_rules.RerunFacts]:
+        counted = [(v, round(window("reruns", v, result))) for v in views]
+        return [
+            rerun_rules.RerunFacts(rank=v["rank"], node=v["node"], reruns=n)
+            for v, n in counted
+            if n
+        ]
+
     skipped = [
         nonfinite.SkippedFacts(
             rank=v["rank"],
@@ -239,6 +261,8 @@ def health_of(
         "loss_spike": counted(spike_rules.loss_spike(spikes("loss"), t)),
         "grad_norm_spike": counted(spike_rules.grad_norm_spike(spikes("grad_norm"), t)),
         "origin_outlier": counted(spike_rules.origin_outlier(spikes("origin_outlier"), t)),
+        "transient_fault": counted(rerun_rules.transient_fault(reruns("transient"), t)),
+        "reproducible_fault": counted(rerun_rules.reproducible_fault(reruns("reproducible"), t)),
     }
     if fp8 is not None:
         by_rule.update(prometheus_fp8.verdicts(run, views, fp8, Fp8Rule()))

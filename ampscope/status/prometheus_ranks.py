@@ -209,14 +209,14 @@ def build_views(samples: list[dict[str, Any]], now: float) -> dict[tuple[str, in
 
 
 def per_rank(samples: list[dict[str, Any]], views: Mapping[tuple[str, int], dict]) -> dict:
-    """(run, rank) -> {device, spike kind or "": value} of a windowed query, for the ranks
-    held."""
+    """(run, rank) -> {device, spike kind, rerun result or "": value} of a windowed query,
+    for the ranks held."""
     out: dict[tuple[str, int], dict[str, float]] = {}
     for sample in samples:
         labels = sample["metric"]
         key = _key(labels)
         if key in views and views[key]["node"] == labels["node"]:
-            device = labels.get("device") or labels.get("kind", "")
+            device = labels.get("device") or labels.get("kind") or labels.get("result", "")
             out.setdefault(key, {})[device] = float(sample["value"][1])
     return out
 

@@ -42,6 +42,8 @@ REPORTED: dict[str, dict[str, str]] = {
     "grad_norm_spike": _SPIKE,
     "origin_outlier": {"factor": "origin_outlier_factor", "window_s": "spike_verdict_window_s"},
     "nonfinite_skipped": {"window_s": "nonfinite_skipped_window_s"},
+    "transient_fault": {"window_s": "spike_verdict_window_s"},
+    "reproducible_fault": {"window_s": "spike_verdict_window_s"},
 }
 """Rule -> {the name its verdict reports a threshold under: the ``Thresholds`` field}. A rule
 not listed reports none."""

@@ -34,6 +34,8 @@ RuleName = Literal[
     "loss_spike",
     "grad_norm_spike",
     "origin_outlier",
+    "transient_fault",
+    "reproducible_fault",
     "fp8_amax_spike",
     "fp8_underflow",
     "fp8_nonfinite_amax",

@@ -181,6 +181,19 @@ def loss_and_gradient_norm() -> list[Panel]:
             ),
             Query(f"max by (run) ({_increase(grad_norm_spikes)})", "grad_norm: {{run}}"),
         ),
+        bars(
+            39,
+            "Reruns of flagged iterations",
+            "Flagged (inf/NaN) iterations rerun from the same batch in which the rank's own "
+            "result was flagged, per scrape interval (ampscope_reruns_total): transient, the "
+            "rerun did not reproduce it (suspect the rank's device); reproducible, it did (the "
+            "data or the numerics: the step's batch ids are in the health report). Empty "
+            "without step(optimizer, rerun=closure) or when nothing was flagged.",
+            Query(
+                _increase(per_rank("ampscope_reruns_total")),
+                f"{{{{result}}}}: {RANK_LEGEND}",
+            ),
+        ),
     ]
 
 

@@ -150,14 +150,16 @@ def test_every_dashboard_and_alert_expression_returns_data(
     ]
     # These panels are empty by design here, and must be: the demo's ranks all end normally
     # (a "Failed ranks" row would be a rank that failed), no DCGM-exporter runs beside it,
-    # and the demo's models hold no FP8 (torchao Float8Linear) layers, so no rank exports
-    # the FP8 row's series (tests/exporter/fp8 and tests/rank/fp8 cover those).
+    # the demo's models hold no FP8 (torchao Float8Linear) layers, so no rank exports the FP8
+    # row's series (tests/exporter/fp8 and tests/rank/fp8 cover those), and no demo rank
+    # passes a rerun closure (ampscope_reruns_total appears once non-zero).
     expected_empty = {
         "Failed ranks",
         "DCGM errors of offending devices",
         "FP8 amax per layer, log10 (rank $fp8_rank)",
         "FP8 underflow ratio per layer (rank $fp8_rank)",
         "FP8 scale per layer (rank $fp8_rank)",
+        "Reruns of flagged iterations",
     }
     assert {title for title, _ in empty} == expected_empty, (
         f"dashboard queries without data: {empty}"

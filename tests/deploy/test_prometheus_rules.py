@@ -34,6 +34,7 @@ ALERTS = {
     "AmpscopeLossSpike",
     "AmpscopeGradNormSpike",
     "AmpscopeOriginOutlier",
+    "AmpscopeTransientFault",
     "AmpscopeRepeatOffenderDevice",
     "AmpscopeFp8NonfiniteAmax",
     "AmpscopeFp8Underflow",

@@ -183,6 +183,8 @@ def test_ranks_count_while_their_last_report_is_within_the_window() -> None:
         "loss_spike": "ok",
         "grad_norm_spike": "ok",
         "origin_outlier": "ok",
+        "transient_fault": "ok",
+        "reproducible_fault": "ok",
     }
     assert report.status == "critical"
 

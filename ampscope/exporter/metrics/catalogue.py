@@ -191,6 +191,16 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "kind",
     ),
     _rank(
+        "ampscope_reruns_total",
+        "counter",
+        "Flagged iterations (inf/NaN) rerun from the same batch (step(optimizer, "
+        "rerun=closure)) in which the rank's own result was flagged, by result: transient "
+        "(the rerun did not reproduce it: suspect the rank's device), reproducible (it did: "
+        "the data or the numerics). Counted from the exporter's start, or the rank "
+        "process's; each result exposed once non-zero.",
+        "result",
+    ),
+    _rank(
         "ampscope_fp8_amax",
         "gauge",
         "Largest |value| an FP8 layer (torchao Float8Linear) cast in the rank's newest observed "

@@ -244,6 +244,9 @@ class StoreCollector(Collector):
                 rows.append(
                     ("ampscope_spikes_total", [*labels, kind], float(getattr(counts, kind)))
                 )
+        for result, count in snap.rerun_counts._asdict().items():
+            if count:  # none in a healthy fleet: no series (docs/deployment.md, Sizing)
+                rows.append(("ampscope_reruns_total", [*labels, result], float(count)))
         if snap.fp8:
             chosen = exported(snap.fp8, self._store.fp8_rule.max_layers, now, self._fp8_window_s)
             for series in chosen:

@@ -9,6 +9,8 @@ every flagged (step, rank) with its reasons and ids, at most ``MAX_SUSPECTS`` pe
 - ``skipped_step``: the step was skipped and origin tracking is off on the rank, so any
   rank's batch may be the cause;
 - ``nonfinite_update_applied``: the rank's first optimizer step on inf/NaN gradients;
+- ``reproducible_fault``, ``transient_fault``: the step was rerun and the rank's own
+  flagged result was, or was not, reproduced;
 - ``loss_spike``, ``grad_norm_spike``, ``origin_outlier``: the exporter's spike rules.
 
 Not thread-safe: the store calls it under its lock. Every method is O(1) unless noted.
@@ -66,6 +68,9 @@ def record_reasons(record: StepRecord) -> list[str]:
     first = record.totals.first_nonfinite_applied
     if first is not None and first.step == record.step:
         reasons.append("nonfinite_update_applied")
+    rerun = record.rerun
+    if rerun is not None and rerun.flagged:
+        reasons.append("reproducible_fault" if rerun.reproduced else "transient_fault")
     return reasons
 
 

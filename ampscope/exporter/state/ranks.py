@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 from ampscope.exporter.state.fp8_series import Fp8Series, RankFp8
+from ampscope.exporter.state.reruns import NO_RERUNS, RankReruns, RerunCounts, RerunEvent
 from ampscope.exporter.state.spike_windows import RankSpikes, SpikeCounts, SpikeEvent
 from ampscope.reporter.schema import (
     DeviceIdentity,
@@ -228,6 +229,10 @@ class RankSnapshot:
     """The current process's newest skipped step the exporter received."""
     fp8: tuple[Fp8Series, ...] = ()
     """The rank's FP8 series (torchao ``Float8Linear`` layers), when it reports them."""
+    rerun_counts: RerunCounts = NO_RERUNS
+    """Reruns of its own flagged results, by result (``ampscope_reruns_total``)."""
+    reruns: tuple[RerunEvent, ...] = ()
+    """The most recent of them, oldest first."""
 
     @property
     def identity(self) -> Identity:
@@ -368,6 +373,7 @@ class RankState:
     ) -> None:
         self.spikes = RankSpikes(spike_rule or SpikeRule())
         self.fp8 = RankFp8(fp8_rule or Fp8Rule())
+        self.reruns = RankReruns()
         self.newest: StepRecord | None = None
         self.last_report = 0.0
         self.dropped_records = 0
@@ -391,10 +397,11 @@ class RankState:
 
     def series(self) -> int:
         """Label sets the collector exposes for this rank: its newest record's, the failure
-        info of a failed rank, and its exported FP8 series. Contract: the rank holds a
-        record. O(devices)."""
+        info of a failed rank, its exported FP8 series and its non-zero rerun counters.
+        Contract: the rank holds a record. O(devices)."""
         assert self.newest is not None
-        return series_of(self.newest) + (self.failure is not None) + self.fp8.exposed()
+        reruns = sum(count > 0 for count in self.reruns.counts)
+        return series_of(self.newest) + (self.failure is not None) + self.fp8.exposed() + reruns
 
     def newest_after(self, records: list[StepRecord], now: float) -> StepRecord:
         """See the module's ``newest_after``: this rank's newest record after ``records``."""
@@ -529,6 +536,7 @@ class RankState:
             self._append(HeldRecord.of(record))
             self.spikes.observe(record, now)
             self.fp8.observe(record, now)
+            self.reruns.observe(record, now)
         elif outcome == "restart":
             self._process_start = min(record.time, now)
             self.restarts += 1
@@ -539,11 +547,13 @@ class RankState:
             self.spikes.reset()
             self.last_skip = None
             self.fp8.reset()
+            self.reruns.reset()
             self.newest = record
             self.first_step = record.step
             self._append(HeldRecord.of(record))
             self.spikes.observe(record, now)
             self.fp8.observe(record, now)
+            self.reruns.observe(record, now)
         elif outcome == "late" and not self._insert_late(record):
             return "ignored"
         if record.skipped and (self.last_skip is None or record.step > self.last_skip.step):
@@ -615,4 +625,6 @@ class RankState:
             last_offence=self.last_offence,
             last_skip=self.last_skip,
             fp8=self.fp8.view(baselines=history),
+            rerun_counts=self.reruns.counts,
+            reruns=tuple(self.reruns.recent),
         )

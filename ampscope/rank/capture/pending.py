@@ -61,6 +61,7 @@ class PendingStep:
         "optimizers",
         "origin_devices",
         "ready",
+        "rerun",
         "setup",
         "snapshot",
         "stats",
@@ -127,6 +128,8 @@ class PendingStep:
         self.host_extra: torch.Tensor | None = None
         """Device transport: the tail of ``host`` holding ``extra`` (after the norms)."""
         self.fp8: Any = None
+        self.rerun: Any = None
+        """The iteration's rerun (``ampscope.rank.frontends.rerun.RerunOutcome``), if any."""
         """What names ``extra``'s values (``ampscope.rank.fp8.observer.Fp8Taken``)."""
 
     def read(self) -> list[float]:

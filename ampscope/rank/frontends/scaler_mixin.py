@@ -21,6 +21,7 @@ from ampscope.rank import compat
 from ampscope.rank.capture.scaler import StepCapture
 from ampscope.rank.config import TelemetryConfig
 from ampscope.rank.frontends.base import OWN_ATTRIBUTES, TelemetryFrontEnd, warn_if_torch_changed
+from ampscope.rank.frontends.rerun import Closure, Rerun, RerunOutcome
 from ampscope.rank.gradients.attribution import count_nonfinite
 from ampscope.rank.gradients.local_unscale import unscale_local_shards
 from ampscope.rank.gradients.stats import sum_over
@@ -48,6 +49,9 @@ class TelemetryMixin(TelemetryFrontEnd):
             reduce = sum_over(getattr(self, "process_group", None))
         self._ampscope_start(config, enabled, reduce)
         self._ampscope_capture = StepCapture() if enabled else None
+        self._ampscope_last_rerun: RerunOutcome | None = None
+        self._ampscope_rerun_pending: RerunOutcome | None = None
+        """The rerun of the iteration update() closes, for its record."""
 
     # -- public API ----------------------------------------------------------------------
 
@@ -62,6 +66,46 @@ class TelemetryMixin(TelemetryFrontEnd):
         """
         capture = self._ampscope_capture
         return False if capture is None else capture.last_step_skipped(self)  # type: ignore[arg-type]
+
+    @property
+    def last_rerun(self) -> RerunOutcome | None:
+        """What the newest rerun found on this rank (``None`` before any): set by
+        ``step(..., rerun=closure)`` on a flagged iteration."""
+        return self._ampscope_last_rerun
+
+    def step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *args: Any,
+        rerun: Closure | None = None,
+        rerun_rtol: float = 0.0,
+        **kwargs: Any,
+    ) -> Any:
+        """As torch's ``step()``; with ``rerun``, a flagged iteration is rerun first.
+
+        Without ``rerun`` nothing changes. With it (every rank must pass one, on every
+        iteration), the gradients are unscaled here if the caller did not, and one
+        all-reduce of a one-element flag and one host read agree whether any rank found
+        inf/NaN. Clean iterations go on to torch's step. On a flagged one every rank calls
+        ``rerun`` once, its gradients are unscaled and checked afresh, the step uses them
+        (so a non-reproduced fault is stepped over, a reproduced one skipped as torch
+        skips), and :attr:`last_rerun` says whether this rank's result was reproduced
+        (see :mod:`ampscope.rank.frontends.rerun` and docs/bad-data-or-hardware.md).
+
+        Args:
+            optimizer: As torch's.
+            rerun: Zeroes the gradients, recomputes this iteration's loss from the same
+                batch through this scaler's ``scale()`` and runs backward; returns the loss.
+                Never forwarded to the optimizer (torch's scaler forbids ``closure``).
+            rerun_rtol: Relative tolerance of the comparison; 0 compares bit for bit.
+        """
+        parent: Any = super()
+        if rerun is not None and self._ampscope_capture is not None:
+            check = Rerun(self, optimizer, self._ampscope_stats, self._ampscope_origin, rerun_rtol)
+            if check.flagged():
+                self._ampscope_last_rerun = check.run(rerun)
+                self._ampscope_rerun_pending = self._ampscope_last_rerun
+        return parent.step(optimizer, *args, **kwargs)
 
     # -- torch hook points ---------------------------------------------------------------
 
@@ -159,6 +203,9 @@ class TelemetryMixin(TelemetryFrontEnd):
         fp8 = self._ampscope_take_fp8()
         if fp8 is not None and pending is not None:
             pending.extra, pending.fp8 = fp8  # copied with the step's own values
+        rerun, self._ampscope_rerun_pending = self._ampscope_rerun_pending, None
+        if pending is not None:
+            pending.rerun = rerun
         try:
             origin = self._ampscope_take_origin()
             pending = capture.after_update(

@@ -132,6 +132,16 @@ class OriginFlags:
             self._flags = {key: _zero_flag(device) for key, device in self._devices.items()}
         return taken
 
+    def peek(self) -> dict[str, torch.Tensor]:
+        """This iteration's flags so far, without starting fresh ones (a rerun's read)."""
+        with self._lock:
+            return dict(self._flags)
+
+    def peek_squares(self) -> dict[str, torch.Tensor]:
+        """This iteration's squared norms so far, without starting afresh."""
+        with self._lock:
+            return dict(self._squares)
+
     def take_squares(self) -> dict[str, torch.Tensor]:
         """This iteration's squared norms by device (see :meth:`mark`), then start afresh.
 

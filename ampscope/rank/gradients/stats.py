@@ -195,6 +195,17 @@ class GradStats:
             self._loss = self._loss + loss.to(self._loss.device)
         self._loss_count += 1
 
+    def peek_loss(self) -> torch.Tensor | None:
+        """The loss sum of this iteration so far (``None`` without a loss)."""
+        return self._loss
+
+    def restart(self) -> torch.Tensor | None:
+        """Forget this iteration so far, for a rerun that recomputes it: returns the loss
+        sum it had (``None`` without a loss); the norms are dropped. No kernel, no sync."""
+        loss, self._loss, self._loss_count = self._loss, None, 0
+        self._optimizers = []
+        return loss
+
     def add_grads(
         self, optimizer: torch.optim.Optimizer, info: OptimizerInfo | None, scaled: bool
     ) -> tuple[torch.Tensor, ...] | None:

@@ -1,0 +1,80 @@
+"""The reruns of one rank: how many of its own flagged results each rerun reproduced, and
+the newest of them, for ``ampscope_reruns_total`` and the ``transient_fault`` and
+``reproducible_fault`` verdicts.
+
+A rank counts a rerun only where its own result was flagged (``rerun.flagged``): the other
+ranks reran the iteration to keep the collectives paired, and no verdict is about them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Literal, NamedTuple, get_args
+
+from ampscope.reporter.schema import StepRecord
+
+RerunResult = Literal["transient", "reproducible"]
+"""``transient``: the rerun did not reproduce the rank's result (suspect its device);
+``reproducible``: it did (the data or the numerics)."""
+
+RERUN_RESULTS: tuple[RerunResult, ...] = get_args(RerunResult)
+
+MAX_RECENT_RERUNS = 16
+"""Reruns kept per rank for the verdicts' evidence (the counters count every one)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RerunEvent:
+    """One rerun of one rank whose own result was flagged."""
+
+    result: RerunResult
+    step: int
+    received: float
+    """Exporter clock when it arrived: what the verdicts' window counts from."""
+    first_loss: float | None
+    second_loss: float | None
+    first_norm: float | None
+    second_norm: float | None
+
+
+class RerunCounts(NamedTuple):
+    """Flagged reruns of one rank since the exporter first heard its current process."""
+
+    transient: int = 0
+    reproducible: int = 0
+
+
+NO_RERUNS = RerunCounts()
+
+
+class RankReruns:
+    """A rank's rerun counters and recent reruns; fed the rank's newest records in step
+    order (the store's lock held). O(1) per record."""
+
+    def __init__(self) -> None:
+        self.counts = NO_RERUNS
+        self.recent: deque[RerunEvent] = deque(maxlen=MAX_RECENT_RERUNS)
+
+    def observe(self, record: StepRecord, now: float) -> None:
+        rerun = record.rerun
+        if rerun is None or not rerun.flagged:
+            return
+        result: RerunResult = "reproducible" if rerun.reproduced else "transient"
+        self.counts = self.counts._replace(**{result: getattr(self.counts, result) + 1})
+        self.recent.append(
+            RerunEvent(
+                result=result,
+                step=record.step,
+                received=now,
+                first_loss=rerun.first.loss,
+                second_loss=rerun.second.loss,
+                first_norm=rerun.first.norm,
+                second_norm=rerun.second.norm,
+            )
+        )
+
+    def reset(self) -> None:
+        """A new process of the rank: its counters start from zero."""
+        self.counts = NO_RERUNS
+        self.recent.clear()

@@ -1,0 +1,170 @@
+"""The rerun of a flagged iteration: the comparison rule and a single-process scaler."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import ListSink, Net, batch, poison
+
+import ampscope
+from ampscope.rank.frontends.rerun import PassResult, compare, same_value
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "rtol", "same"),
+    [
+        (1.0, 1.0, 0.0, True),
+        (1.0, math.nextafter(1.0, 2.0), 0.0, False),
+        (1.0, math.nextafter(1.0, 2.0), 1e-6, True),
+        (1.0, 1.1, 1e-6, False),
+        (NAN, NAN, 0.0, True),
+        (NAN, 1.0, 1.0, False),
+        (INF, INF, 0.0, True),
+        (INF, -INF, 1.0, False),
+        (INF, 1e300, 1.0, False),
+        (None, None, 0.0, True),
+        (None, 1.0, 0.0, False),
+    ],
+)
+def test_same_value(first: float | None, second: float | None, rtol: float, same: bool) -> None:
+    assert same_value(first, second, rtol) is same
+
+
+def test_compare_needs_loss_norm_and_finiteness_to_agree() -> None:
+    clean = PassResult(loss=2.0, norm=3.0, nonfinite=False)
+    assert compare(clean, PassResult(loss=2.0, norm=3.0, nonfinite=False))
+    assert not compare(clean, PassResult(loss=2.0, norm=3.5, nonfinite=False))
+    assert not compare(clean, PassResult(loss=2.5, norm=3.0, nonfinite=False))
+    assert not compare(PassResult(loss=2.0, norm=INF, nonfinite=True), clean)
+
+
+SCALERS = pytest.mark.parametrize(
+    "scaler", [ampscope.GradScaler, ampscope.ShardedGradScaler], ids=["amp", "sharded"]
+)
+
+
+@pytest.fixture(autouse=True)
+def one_rank_group(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[None]:
+    """FSDP1's sharded scaler all-reduces found-inf: give it a one-rank gloo group."""
+    params = getattr(request.node, "callspec", None)
+    if params is None or params.params.get("scaler") is not ampscope.ShardedGradScaler:
+        yield
+        return
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+class _Loop:
+    """A single-process loop on the CPU with a rerun closure; ``corrupt`` poisons the
+    head's gradient after the next backward only (a one-time fault)."""
+
+    def __init__(self, scaler: type[ampscope.GradScaler] = ampscope.GradScaler) -> None:
+        self.model = Net()
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1)
+        self.sink = ListSink()
+        self.scaler = scaler("cpu", init_scale=4.0, reporter=None, sinks=[self.sink])
+        self.calls = 0
+        self.corrupt_once = False
+        self.bad_input = False
+
+    def _backward(self, step: int) -> torch.Tensor:
+        self.opt.zero_grad()
+        loss = self.model(batch(step))
+        if self.bad_input:
+            loss = loss * NAN
+        self.scaler.scale(loss).backward()
+        if self.corrupt_once:
+            self.corrupt_once = False
+            poison(self.model.head.weight)
+        return loss
+
+    def step(self, step: int) -> None:
+        self._backward(step)
+
+        def closure() -> torch.Tensor:
+            self.calls += 1
+            return self._backward(step)
+
+        self.scaler.step(self.opt, rerun=closure)
+        self.scaler.update()
+
+
+@SCALERS
+def test_clean_iterations_never_call_the_closure(scaler: type) -> None:
+    loop = _Loop(scaler)
+    for step in range(5):
+        loop.step(step)
+    assert loop.calls == 0
+    assert loop.scaler.last_rerun is None
+
+
+@SCALERS
+def test_one_time_fault_is_transient_and_the_step_uses_the_rerun(scaler: type) -> None:
+    loop, clean = _Loop(scaler), _Loop(scaler)
+    for step in range(4):
+        loop.corrupt_once = step == 2
+        loop.step(step)
+        clean.step(step)
+    assert loop.calls == 1
+    outcome = loop.scaler.last_rerun
+    assert outcome is not None
+    assert outcome.flagged
+    assert not outcome.reproduced
+    assert outcome.first.nonfinite
+    assert not outcome.second.nonfinite
+    assert outcome.first.loss == outcome.second.loss
+    # The step went on with the rerun's gradients: the weights are a clean run's.
+    for mine, theirs in zip(loop.model.parameters(), clean.model.parameters(), strict=True):
+        assert torch.equal(mine, theirs)
+    assert loop.scaler.get_scale() == clean.scaler.get_scale()
+    loop.scaler.close()
+    records = loop.sink.records
+    assert [r.rerun is not None for r in records] == [False, False, True, False]
+    rerun = records[2].rerun
+    assert rerun is not None
+    assert rerun.flagged
+    assert not rerun.reproduced
+    assert rerun.first.nonfinite
+    assert rerun.first.norm is None  # inf: a record carries finite values only
+    assert rerun.second.norm is not None
+    assert rerun.second.norm > 0
+    assert rerun.first.loss == rerun.second.loss
+    # The record describes the second pass: the step was taken.
+    assert not records[2].skipped
+    assert not records[2].found_inf_global
+
+
+@SCALERS
+def test_reproduced_fault_is_still_skipped(scaler: type) -> None:
+    loop = _Loop(scaler)
+    loop.step(0)
+    before = [p.detach().clone() for p in loop.model.parameters()]
+    scale = loop.scaler.get_scale()
+    loop.bad_input = True
+    loop.step(1)
+    assert loop.calls == 1
+    outcome = loop.scaler.last_rerun
+    assert outcome is not None
+    assert outcome.flagged
+    assert outcome.reproduced
+    assert math.isnan(outcome.first.loss or 0.0)
+    assert math.isnan(outcome.second.loss or 0.0)
+    assert all(torch.equal(a, b) for a, b in zip(before, loop.model.parameters(), strict=True))
+    assert loop.scaler.get_scale() == scale / 2
+    loop.scaler.close()
+    record = loop.sink.records[1]
+    assert record.skipped
+    assert record.rerun is not None
+    assert record.rerun.reproduced
+    assert record.rerun.first.loss is None  # NaN is not sent
