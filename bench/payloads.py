@@ -259,6 +259,10 @@ class SimulatedRank:
             ],
             "ampscope_nonfinite_updates_applied_total": [("", 0)],
             "ampscope_reporter_dropped_records_total": [("", dropped)],
+            # A simulated rank trains no FP8 (torchao Float8Linear) layers.
+            "ampscope_fp8_amax": [],
+            "ampscope_fp8_underflow_ratio": [],
+            "ampscope_fp8_scale": [],
         }
         lines: list[str] = []
         for spec in PUSHED_FAMILIES:

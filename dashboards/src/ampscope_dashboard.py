@@ -182,7 +182,7 @@ def loss_and_gradient_norm() -> list[Panel]:
             Query(f"max by (run) ({_increase(grad_norm_spikes)})", "grad_norm: {{run}}"),
         ),
         bars(
-            39,
+            43,
             "Reruns of flagged iterations",
             "Flagged (inf/NaN) iterations rerun from the same batch in which the rank's own "
             "result was flagged, per scrape interval (ampscope_reruns_total): transient, the "
