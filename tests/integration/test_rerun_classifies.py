@@ -102,19 +102,7 @@ def _faulty(rank: int, setup: str, url: str) -> dict[str, Any]:
         x, y = _data(rank, step)
         scaler.note_batch(sample_ids(rank, step))
         corrupt[0] = rank == FAULT_RANK and step == FAULT_STEP
-
-        def closure(x: Any = x, y: Any = y) -> Any:
-            nonlocal calls
-            calls += 1
-            opt.zero_grad()
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            scaler.scale(loss).backward()
-            return loss
-
-        opt.zero_grad()
-        scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
-        scaler.step(opt, rerun=closure)
-        scaler.update()
+        calls += _step_with_rerun(model, opt, scaler, x, y)
 
         ref_opt.zero_grad()
         ref_scaler.scale(torch.nn.functional.mse_loss(reference(x), y)).backward()
@@ -134,6 +122,28 @@ def _faulty(rank: int, setup: str, url: str) -> dict[str, Any]:
         ),
         "scales": (scaler.get_scale(), ref_scaler.get_scale()),
     }
+
+
+def _step_with_rerun(model: Any, opt: Any, scaler: Any, x: Any, y: Any) -> int:
+    """One fp16-style step that hands the scaler a closure over the same batch, as the docs
+    show; how many times the closure ran (0 on a clean iteration, 1 on a flagged one)."""
+    import torch
+
+    calls = 0
+
+    def closure() -> Any:
+        nonlocal calls
+        calls += 1
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        scaler.scale(loss).backward()
+        return loss
+
+    opt.zero_grad()
+    scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+    scaler.step(opt, rerun=closure)
+    scaler.update()
+    return calls
 
 
 def _local(param: Any) -> Any:
@@ -161,19 +171,7 @@ def _clean(rank: int, url: str) -> int:
     calls = 0
     for _ in range(CLEAN_STEPS):
         x, y = torch.randn(4, 4, generator=data), torch.randn(4, 1, generator=data)
-
-        def closure(x: Any = x, y: Any = y) -> Any:
-            nonlocal calls
-            calls += 1
-            opt.zero_grad()
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            scaler.scale(loss).backward()
-            return loss
-
-        opt.zero_grad()
-        scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
-        scaler.step(opt, rerun=closure)
-        scaler.update()
+        calls += _step_with_rerun(model, opt, scaler, x, y)
     scaler.close()
     return calls
 
