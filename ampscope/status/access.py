@@ -6,20 +6,35 @@ from __future__ import annotations
 
 import argparse
 import base64
+import json
 import os
 import ssl
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ampscope.reporter.schema import DEFAULT_URL
-from ampscope.reporter.tls import ClientTls
+from ampscope.reporter.tls import ClientTls, explain_401, explain_tls_failure
+from ampscope.status import shapes
 from ampscope.status.prometheus_api import PrometheusClient
+from ampscope.status.shapes import Malformed
 from ampscope.status.targets import read_targets
+from ampscope.status.transport import open_url
 
 EXIT_UNAUTHORIZED = 5
 EXIT_TLS_REFUSED = 6
 PASSWORD_ENV = "AMPSCOPE_PASSWORD"
 TOKEN_ENV = "AMPSCOPE_PROMETHEUS_TOKEN"
+
+
+class Unreachable(Exception):
+    """The exporter did not answer (or answered an HTTP error)."""
+
+
+class NoSuchRun(Exception):
+    """The exporter answered 404 for the run."""
 
 
 class Refused(Exception):
@@ -121,3 +136,46 @@ def prometheus_client_from_args(args: argparse.Namespace, exporter: Exporter) ->
         except ValueError as exc:
             raise Refused(str(exc), EXIT_TLS_REFUSED) from None
     return PrometheusClient(url, authorization, context)
+
+
+def get_json(exporter: Exporter, path: str, shape: shapes.Check) -> Any:
+    """The JSON answer to ``GET {url}{path}``, checked to have ``shape``.
+
+    Raises:
+        Unreachable: the exporter did not answer, or answered an HTTP error.
+        NoSuchRun: it answered 404 for a run's path.
+        Refused: it refused the credentials or the TLS handshake.
+        Malformed: the answer is not JSON, or not of ``shape``.
+    """
+    url = exporter.url
+    request = urllib.request.Request(url + path)
+    try:
+        with open_url(
+            request,
+            timeout=5.0,
+            context=exporter.context,
+            authorization=exporter.authorization,
+        ) as response:
+            body = response.read()
+    except urllib.error.HTTPError as exc:
+        if exc.code == 404 and path.startswith("/api/v1/runs/"):
+            raise NoSuchRun(path) from exc
+        if exc.code == 401:
+            why = explain_401(exc.headers.get("WWW-Authenticate"))
+            message = f"{url} refused the request (HTTP 401): {why}"
+            raise Refused(message, EXIT_UNAUTHORIZED) from None
+        raise Unreachable(f"{url}{path} answered HTTP {exc.code}") from exc
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        # urlopen wraps errors of connecting in URLError, not those of reading the answer.
+        reason: object = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+        if exporter.context is not None and isinstance(reason, BaseException):
+            refusal = explain_tls_failure(reason, fresh=True, client_cert=exporter.client_cert)
+            if refusal is not None:
+                raise Refused(f"{url}: {refusal}", EXIT_TLS_REFUSED) from exc
+        raise Unreachable(f"no exporter answers at {url} ({reason})") from exc
+    try:
+        document = json.loads(body)
+    except ValueError:
+        start = body[:40].decode("utf-8", "replace")
+        raise Malformed(url + path, f"not JSON (it begins {start!r})") from None
+    return shapes.check(document, shape, url + path)

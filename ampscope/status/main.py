@@ -28,17 +28,15 @@ from ampscope.reporter.schema import DEFAULT_URL
 from ampscope.reporter.tls import (
     clear_text_warning,
     credentials_in_clear,
-    explain_401,
-    explain_tls_failure,
 )
-from ampscope.status import fanout, merge, prometheus, shapes
+from ampscope.status import access, fanout, merge, prometheus, shapes, suspects
 from ampscope.status.access import (
-    EXIT_TLS_REFUSED,
-    EXIT_UNAUTHORIZED,
     PASSWORD_ENV,
     TOKEN_ENV,
     Exporter,
+    NoSuchRun,
     Refused,
+    Unreachable,
     exporters_from_args,
     prometheus_client_from_args,
 )
@@ -51,21 +49,12 @@ from ampscope.status.fanout import (
 from ampscope.status.prometheus_api import PrometheusClient, QueryError
 from ampscope.status.shapes import Malformed
 from ampscope.status.targets import TargetsError
-from ampscope.status.transport import open_url
 from ampscope.verdicts.verdict import SEVERITY
 
 EXIT_INTERNAL = 70
 """ampscope itself failed (sysexits' EX_SOFTWARE): never a status a verdict gives."""
 EXIT_INTERRUPTED = 130
 """Ctrl-C before the first answer (128 + SIGINT, as shells report it)."""
-
-
-class Unreachable(Exception):
-    """The exporter did not answer (or answered an HTTP error)."""
-
-
-class NoSuchRun(Exception):
-    """The exporter answered 404 for the run."""
 
 
 def _interval(text: str) -> float:
@@ -171,47 +160,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _get(exporter: Exporter, path: str, shape: shapes.Check) -> Any:
-    """The JSON answer to ``GET {url}{path}``, checked to have ``shape``.
-
-    Raises:
-        Unreachable, NoSuchRun, Refused: as ``fetch``.
-        Malformed: the answer is not JSON, or not of ``shape``.
-    """
-    url = exporter.url
-    request = urllib.request.Request(url + path)
-    try:
-        with open_url(
-            request,
-            timeout=5.0,
-            context=exporter.context,
-            authorization=exporter.authorization,
-        ) as response:
-            body = response.read()
-    except urllib.error.HTTPError as exc:
-        if exc.code == 404 and path.startswith("/api/v1/runs/"):
-            raise NoSuchRun(path) from exc
-        if exc.code == 401:
-            why = explain_401(exc.headers.get("WWW-Authenticate"))
-            message = f"{url} refused the request (HTTP 401): {why}"
-            raise Refused(message, EXIT_UNAUTHORIZED) from None
-        raise Unreachable(f"{url}{path} answered HTTP {exc.code}") from exc
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        # urlopen wraps errors of connecting in URLError, not those of reading the answer.
-        reason: object = exc.reason if isinstance(exc, urllib.error.URLError) else exc
-        if exporter.context is not None and isinstance(reason, BaseException):
-            refusal = explain_tls_failure(reason, fresh=True, client_cert=exporter.client_cert)
-            if refusal is not None:
-                raise Refused(f"{url}: {refusal}", EXIT_TLS_REFUSED) from exc
-        raise Unreachable(f"no exporter answers at {url} ({reason})") from exc
-    try:
-        document = json.loads(body)
-    except ValueError:
-        start = body[:40].decode("utf-8", "replace")
-        raise Malformed(url + path, f"not JSON (it begins {start!r})") from None
-    return shapes.check(document, shape, url + path)
-
-
 def fetch(url: str | Exporter, run: str | None) -> dict[str, Any]:
     """The API's answers the view needs: a run's ranks and health, or every run's.
 
@@ -226,17 +174,21 @@ def fetch(url: str | Exporter, run: str | None) -> dict[str, Any]:
     url = exporter.url
     if run is not None:
         path = "/api/v1/runs/" + urllib.parse.quote(run, safe="")
-        return {"url": url, "run": run, "ranks": _get(exporter, path + "/ranks", shapes.RANKS),
-                "health": _get(exporter, path + "/health", shapes.HEALTH)}  # fmt: skip
-    summaries = _get(exporter, "/api/v1/runs", shapes.RUNS)
+        return {
+            "url": url,
+            "run": run,
+            "ranks": access.get_json(exporter, path + "/ranks", shapes.RANKS),
+            "health": access.get_json(exporter, path + "/health", shapes.HEALTH),
+        }
+    summaries = access.get_json(exporter, "/api/v1/runs", shapes.RUNS)
     ranks: dict[str, Any] = {}
     health: dict[str, Any] = {}
     held = []
     for summary in summaries:
         path = "/api/v1/runs/" + urllib.parse.quote(summary["run"], safe="")
         try:
-            run_ranks = _get(exporter, path + "/ranks", shapes.RANKS)
-            run_health = _get(exporter, path + "/health", shapes.HEALTH)
+            run_ranks = access.get_json(exporter, path + "/ranks", shapes.RANKS)
+            run_health = access.get_json(exporter, path + "/health", shapes.HEALTH)
         except NoSuchRun:
             continue
         held.append(summary)
@@ -414,8 +366,6 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
         _warn_clear_text(args, exporters)
 
     if getattr(args, "suspect_batches", False):
-        from ampscope.status import suspects
-
         if args.prometheus is not None:
             print(suspects.PROMETHEUS_HAS_NO_IDS, file=sys.stderr)
             return suspects.EXIT_NOT_HERE

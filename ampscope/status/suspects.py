@@ -16,7 +16,7 @@ import urllib.parse
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from ampscope.status import fanout, shapes
+from ampscope.status import access, fanout, shapes
 from ampscope.status.fanout import EXIT_NO_SUCH_RUN, EXIT_UNREACHABLE, TargetResult
 
 EXIT_NOT_HERE = EXIT_UNREACHABLE
@@ -73,20 +73,17 @@ def run(
 def ask(exporter: Any, run_id: str | None) -> TargetResult:
     """One exporter's suspects (``{"suspects": [...]}``, shape checked) or why there are
     none; never raises."""
-    from ampscope.status import main
-    from ampscope.status.access import Refused
-
     url = exporter.url
     assert run_id is not None
     try:
-        rows = main._get(exporter, path_of(run_id), shapes.SUSPECT_BATCHES)
-    except Refused as exc:
+        rows = access.get_json(exporter, path_of(run_id), shapes.SUSPECT_BATCHES)
+    except access.Refused as exc:
         return TargetResult(url, None, "refused", str(exc), exc.code)
-    except main.Unreachable as exc:
+    except access.Unreachable as exc:
         return TargetResult(url, None, "unreachable", str(exc), EXIT_UNREACHABLE)
     except shapes.Malformed as exc:
         return TargetResult(url, None, "malformed", str(exc), fanout.EXIT_MALFORMED)
-    except main.NoSuchRun:
+    except access.NoSuchRun:
         why = f"holds no run {run_id!r}"
         return TargetResult(url, None, "no_such_run", why, EXIT_NO_SUCH_RUN)
     return TargetResult(url, {"suspects": rows}, "ok")

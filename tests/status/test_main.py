@@ -130,14 +130,15 @@ def test_a_run_dropped_after_the_list_is_left_out(
     """Retention can drop a run between `GET /runs` and that run's own requests: the table
     leaves it out instead of failing with "holds no run". Simulated by asking the live
     exporter for a run it never held whenever the "calm" run is asked for."""
+    from ampscope.status import access
     from ampscope.status import main as status_main
 
-    real_get = status_main._get
+    real_get = access.get_json
 
     def dropping(target: status_main.Exporter, path: str, shape: Any) -> Any:
         return real_get(target, path.replace("/runs/calm/", "/runs/dropped/"), shape)
 
-    monkeypatch.setattr(status_main, "_get", dropping)
+    monkeypatch.setattr(access, "get_json", dropping)
     answer = status_main.fetch(exporter, None)
     assert [summary["run"] for summary in answer["runs"]] == ["collapsed", "stormy"]
     assert set(answer["ranks"]) == set(answer["health"]) == {"collapsed", "stormy"}
