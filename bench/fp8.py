@@ -6,6 +6,12 @@ autocast, four ways interleaved block by block (:mod:`bench.ab`): without ampsco
 ``GradWatch`` attached to a model without FP8 observation, and with FP8 observation at the
 default ``fp8_every`` and at ``fp8_every=1``. Prints and writes (``--out``) the per-group
 ratios of each against the run without ampscope. Needs torchao (``ampscope[fp8]``).
+
+``--gpu`` measures the same four contenders on a CUDA GPU with real FP8 matmuls (compute
+capability 8.9 or later): the GPT-2-small-shaped model of :mod:`bench.gpt` (124M
+parameters) with every ``nn.Linear`` of its blocks converted to ``Float8Linear`` (48
+layers, tensorwise), bf16 autocast, fused AdamW, eager mode (no ``torch.compile``); each
+step timed by CUDA events around it, one synchronize per block.
 """
 
 from __future__ import annotations
@@ -107,6 +113,84 @@ def run(groups: int, clock_name: str = "thread") -> dict[str, Any]:
     return result
 
 
+def _gpu_contender(
+    fp8_every: int | None, watch: bool, shape_name: str
+) -> Callable[[int], list[float]]:
+    """A block function for the GPU: ``steps`` iterations, each timed by CUDA events."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    from ampscope import GradWatch
+    from ampscope.rank.config import DEFAULT_FP8_EVERY
+    from bench.gpt import SHAPES, batch, build_gpt
+
+    shape = SHAPES[shape_name]
+    model = build_gpt(shape)
+    convert_to_float8_training(model, config=Float8LinearConfig(emulate=False))
+    model = model.cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    inputs = batch(shape, "cuda")
+    front: Any = None
+    if watch:
+        front = GradWatch(reporter=None, run_id="bench-fp8-gpu", stats=False)
+        if fp8_every is not None:
+            front.attach(model, fp8_every=fp8_every or DEFAULT_FP8_EVERY)
+
+    def iteration() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(*inputs)
+        if front is None:
+            loss.backward()
+            optimizer.step()
+        else:
+            front.scale(loss).backward()
+            front.step(optimizer)
+            front.update()
+
+    def block(steps: int) -> list[float]:
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+        events[0].record()
+        for i in range(steps):
+            iteration()
+            events[i + 1].record()
+        events[-1].synchronize()
+        return [events[i].elapsed_time(events[i + 1]) / 1e3 for i in range(steps)]
+
+    return block
+
+
+def run_gpu(groups: int, shape_name: str = "gpt2-small") -> dict[str, Any]:
+    """The four contenders on the GPU, interleaved by blocks of the default ``fp8_every``."""
+    from ampscope.rank.config import DEFAULT_FP8_EVERY
+    from bench.gpt import SHAPES
+
+    contenders = {
+        "no_ampscope": _gpu_contender(None, False, shape_name),
+        "watch_without_fp8": _gpu_contender(None, True, shape_name),
+        f"fp8_every_{DEFAULT_FP8_EVERY}_default": _gpu_contender(0, True, shape_name),
+        "fp8_every_1": _gpu_contender(1, True, shape_name),
+    }
+    block = DEFAULT_FP8_EVERY
+    for run_block in contenders.values():  # warm-up: torchao's first casts, cuBLAS plans
+        run_block(block)
+    blocks = run_interleaved(contenders, lambda run_block: run_block(block), groups=groups)
+    result = compare_groups(blocks, baseline="no_ampscope")
+    result["config"] = {
+        "model": SHAPES[shape_name].as_dict(),
+        "float8_linear_layers": 48 if shape_name == "gpt2-small" else None,
+        "recipe": "tensorwise",
+        "precision": "bf16 autocast",
+        "optimizer": "AdamW fused",
+        "block_steps": block,
+        "groups": groups,
+        "clock": "cuda events",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device": torch.cuda.get_device_name(),
+    }
+    return result
+
+
 CONTENDERS = ("no_ampscope", "watch_without_fp8", "fp8_default", "fp8_every_1")
 """The runs compared, by name (``fp8_default``: the default ``fp8_every``)."""
 
@@ -141,12 +225,16 @@ def main(argv: list[str] | None = None) -> None:
         help="run this one contender under valgrind's callgrind instead (see the module doc)",
     )
     parser.add_argument("--steps", type=int, default=50, help="measured steps (--instructions)")
+    parser.add_argument(
+        "--gpu", action="store_true", help="the GPT-2-small model on a CUDA GPU, real FP8 matmuls"
+    )
+    parser.add_argument("--shape", default="gpt2-small", help="with --gpu: gpt2-small or tiny")
     args = parser.parse_args(argv)
     logging.getLogger("torchao").setLevel(logging.ERROR)
     if args.instructions is not None:
         count_instructions(args.instructions, args.steps)
         return
-    result = run(args.groups, args.clock)
+    result = run_gpu(args.groups, args.shape) if args.gpu else run(args.groups, args.clock)
     for name, ratio in result["ratio"].items():
         print(
             f"{name:>26}: x{ratio['median']:.4f} (IQR {ratio['p25']:.4f}-{ratio['p75']:.4f}, "

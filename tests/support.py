@@ -178,6 +178,7 @@ def _worker(
     args: tuple[Any, ...],
     env: dict[str, str],
     results: Any,
+    backend: str,
 ) -> None:
     os.environ.update(env)
     os.environ.update(
@@ -191,7 +192,11 @@ def _worker(
         }
     )
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if backend == "nccl":
+            import torch
+
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
         try:
             results.put((rank, "ok", fn(rank, world_size, *args)))
         finally:
@@ -206,8 +211,10 @@ def run_distributed(
     args: tuple[Any, ...] = (),
     env: dict[str, str] | None = None,
     timeout: float = 180.0,
+    backend: str = "gloo",
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` real processes on gloo.
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` real processes on gloo (or
+    ``backend``: ``"nccl"`` for one rank per GPU on a CUDA machine).
 
     ``fn`` must be a module-level function and its return value picklable. Returns the
     results ordered by rank; any rank's exception fails the calling test with its traceback.
@@ -218,7 +225,7 @@ def run_distributed(
     procs = [
         ctx.Process(
             target=_worker,
-            args=(rank, world_size, port, fn, args, dict(env or {}), results),
+            args=(rank, world_size, port, fn, args, dict(env or {}), results, backend),
             daemon=True,
         )
         for rank in range(world_size)

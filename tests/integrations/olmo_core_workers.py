@@ -81,8 +81,11 @@ def olmo_run(
     *,
     inject: bool,
     skip_step_optimizer: bool = False,
+    device: str = "cpu",
+    inject_rank: int = INJECT_RANK,
 ) -> dict[str, Any]:
-    """One ``Trainer.fit()``; ``policy=None``: without ampscope."""
+    """One ``Trainer.fit()``; ``policy=None``: without ampscope. ``device``: ``"cuda"`` for
+    the GPU machine's one-rank NCCL run (tests/integrations/test_gpu_frameworks.py)."""
     from olmo_core.config import DType
     from olmo_core.distributed.parallel import DataParallelType
     from olmo_core.nn.transformer import TransformerConfig
@@ -119,7 +122,7 @@ def olmo_run(
         dp_config=TransformerDataParallelConfig(
             name=DataParallelType.fsdp, param_dtype=DType.bfloat16, reduce_dtype=DType.float32
         ),
-    ).build(model, device=torch.device("cpu"))
+    ).build(model, device=torch.device(device))
 
     class Probe(Callback):
         """Every metric OLMo-core logs, by step."""
@@ -134,7 +137,7 @@ def olmo_run(
     def poison(module: torch.nn.Module, args: Any, output: torch.Tensor) -> None:
         # Before FSDP's reduce-scatter: only this rank's own gradient holds the NaN.
         step = built[0].global_step if built else 0  # 0: the trainer's dry-run batch
-        if inject and rank == INJECT_RANK and step == INJECT_STEP:
+        if inject and rank == inject_rank and step == INJECT_STEP:
             output.register_hook(lambda grad: grad * float("nan"))
 
     model.embeddings.register_forward_hook(poison)

@@ -192,16 +192,20 @@ def _classes() -> tuple[type, type]:
     return NoTokenizer, RandomTokens
 
 
-def build_trainer(argv: list[str]) -> Any:
-    """torchtitan's ``Trainer`` for ``argv`` (its own command line), on this CPU rank."""
-    _cpu_device()
+def build_trainer(argv: list[str], cpu: bool = True) -> Any:
+    """torchtitan's ``Trainer`` for ``argv`` (its own command line), on this CPU rank;
+    ``cpu=False``: on a GPU, none of the patches (only the data and tokenizer stand-ins,
+    which are not in torchtitan's wheel)."""
+    if cpu:
+        _cpu_device()
     from torchtitan.config import ConfigManager
 
     config = ConfigManager().parse_args(argv)
-    _dense_flex_attention()
-    _host_memory_monitor()
-    _gloo_reduce_scatter()
-    _keep_timeouts()
+    if cpu:
+        _dense_flex_attention()
+        _host_memory_monitor()
+        _gloo_reduce_scatter()
+        _keep_timeouts()
     no_tokenizer, random_tokens = _classes()
     config.tokenizer = no_tokenizer.Config()
     config.dataloader = random_tokens.Config()

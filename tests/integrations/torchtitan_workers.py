@@ -21,8 +21,10 @@ INJECT_RANK = 1
 OVERRIDE = "ampscope.integrations.torchtitan.gradwatch"
 
 
-def argv(dump_folder: str, policy: str | None, run_id: str) -> list[str]:
-    """torchtitan's command line for one run (``policy=None``: without ampscope)."""
+def argv(dump_folder: str, policy: str | None, run_id: str, device: str = "cpu") -> list[str]:
+    """torchtitan's command line for one run (``policy=None``: without ampscope). On the
+    GPU: torchtitan's own FSDP setup (``spmd_types``) and its deterministic mode, so that
+    two runs can be compared bit for bit."""
     args = [
         "--module", "llama3",
         "--config", "llama3_debugmodel",
@@ -30,10 +32,13 @@ def argv(dump_folder: str, policy: str | None, run_id: str) -> list[str]:
         "--training.seq_len", "32",
         "--training.local_batch_size", "2",
         "--training.mixed_precision_param", "float32",
-        "--parallelism.spmd_backend", "partial_dtensor",  # see torchtitan_cpu
         "--debug.seed", "7",
         "--dump_folder", dump_folder,
     ]  # fmt: skip
+    if device == "cpu":
+        args += ["--parallelism.spmd_backend", "partial_dtensor"]  # see torchtitan_cpu
+    else:
+        args += ["--debug.deterministic"]
     if policy is not None:
         options = {"policy": policy, "run_id": f"{run_id}-{policy}"}
         args += ["--override.imports", f"{OVERRIDE}={json.dumps(options)}"]
@@ -41,11 +46,21 @@ def argv(dump_folder: str, policy: str | None, run_id: str) -> list[str]:
 
 
 def titan_run(
-    rank: int, world_size: int, policy: str | None, run_id: str, dump_folder: str, inject: bool
+    rank: int,
+    world_size: int,
+    policy: str | None,
+    run_id: str,
+    dump_folder: str,
+    inject: bool,
+    device: str = "cpu",
+    inject_rank: int = INJECT_RANK,
 ) -> dict[str, Any]:
+    """One ``trainer.train()``; ``device="cuda"``: torchtitan unpatched on the GPU."""
     from torchtitan_cpu import build_trainer
 
-    trainer = build_trainer(argv(f"{dump_folder}/{policy}-{rank}", policy, run_id))
+    trainer = build_trainer(
+        argv(f"{dump_folder}/{policy}-{rank}", policy, run_id, device), cpu=device == "cpu"
+    )
     logged: dict[int, dict[str, float]] = {}
     log = trainer.metrics_processor.log
 
@@ -58,7 +73,7 @@ def titan_run(
 
     def poison(module: torch.nn.Module, args: Any, output: torch.Tensor) -> None:
         # Before FSDP's reduce-scatter: only this rank's own gradient holds the NaN.
-        if inject and rank == INJECT_RANK and trainer.step == INJECT_STEP and output.requires_grad:
+        if inject and rank == inject_rank and trainer.step == INJECT_STEP and output.requires_grad:
             output.register_hook(lambda grad: grad * float("nan"))
 
     model = trainer.model_parts[0]

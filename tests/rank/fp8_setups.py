@@ -26,11 +26,14 @@ from torchao.float8.float8_scaling_utils import (  # noqa: E402
 from torchao.float8.float8_training_tensor import GemmInputRole  # noqa: E402
 
 
-def config(recipe: str = "tensorwise", **kwargs: object) -> Float8LinearConfig:
-    """An emulated (CPU) config of a torchao recipe."""
+def config(
+    recipe: str = "tensorwise", emulate: bool = True, **kwargs: object
+) -> Float8LinearConfig:
+    """A config of a torchao recipe: emulated (the CPU) unless ``emulate=False`` (real FP8
+    matmuls: a CUDA GPU of compute capability 8.9 or later)."""
     base = Float8LinearConfig.from_recipe_name(Float8LinearRecipeName(recipe))
     fields = {f: getattr(base, f) for f in base.__dataclass_fields__}
-    fields.update(emulate=True, **kwargs)
+    fields.update(emulate=emulate, **kwargs)
     return Float8LinearConfig(**fields)  # type: ignore[arg-type]
 
 
@@ -64,9 +67,9 @@ class TinyFp8(nn.Module):
         return self.head(x)
 
 
-def fp8_model(recipe: str = "tensorwise", **kwargs: object) -> TinyFp8:
+def fp8_model(recipe: str = "tensorwise", emulate: bool = True, **kwargs: object) -> TinyFp8:
     model = TinyFp8(**kwargs)  # type: ignore[arg-type]
-    convert_to_float8_training(model, config=config(recipe))
+    convert_to_float8_training(model, config=config(recipe, emulate=emulate))
     return model
 
 
@@ -141,6 +144,48 @@ def independent_hooks(model: nn.Module) -> dict[tuple[str, str], Seen]:
         module.register_forward_pre_hook(pre)
         module.register_forward_hook(post)
     return seen
+
+
+LAYERS = ("blocks.0.up", "blocks.0.down", "blocks.1.up", "blocks.1.down", "head")
+"""The Float8Linear layers of :class:`TinyFp8` (two blocks)."""
+
+
+def train(front: Any, model: nn.Module, steps: int, device: str = "cpu", rows: int = 8) -> None:
+    """``steps`` SGD iterations through ``front`` (a scaler or a watch), then close it."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    for step in range(steps):
+        optimizer.zero_grad()
+        loss = model(data(step, rows=rows).to(device)).square().mean()
+        front.scale(loss).backward()
+        front.step(optimizer)
+        front.update()
+    front.close()
+
+
+def check_records(
+    records: list[Any], seen: dict[tuple[str, str], Seen], loss_scale: list[float]
+) -> None:
+    """Every observed record's FP8 values equal what :func:`independent_hooks` computed
+    of the same iteration (``grad_output`` unscaled by that step's ``loss_scale``)."""
+    observed = [r for r in records if r.fp8 is not None]
+    assert observed
+    for record in observed:
+        at = record.step - 1
+        assert {(e.layer, e.tensor) for e in record.fp8} == {
+            (layer, t) for layer in LAYERS for t in ("input", "weight", "grad_output")
+        }
+        for entry in record.fp8:
+            mine = seen[(entry.layer, entry.tensor)]
+            divisor = loss_scale[at] if entry.tensor == "grad_output" else 1.0
+            assert entry.amax is not None
+            assert entry.amax == pytest.approx(mine.amax[at] / divisor, rel=1e-2)
+            assert entry.underflow_ratio == pytest.approx(mine.underflow[at], abs=1e-3)
+            assert entry.scale == pytest.approx(mine.scale[at] * divisor, rel=1e-2)
+            assert entry.cast == (
+                "grad_input_gemm" if entry.tensor == "grad_output" else "output_gemm"
+            )
+    # The data's dynamic range makes the casts underflow: the ratios are not all zero.
+    assert max(e.underflow_ratio for r in observed for e in r.fp8 or ()) > 0.01
 
 
 # -- 2-rank gloo workers (tests/rank/fp8/test_fp8_distributed.py) ------------------------

@@ -7,49 +7,12 @@ import math
 
 import pytest
 import torch
-from fp8_setups import data, fp8_model, independent_hooks
+from fp8_setups import check_records, data, fp8_model, independent_hooks, train
 from helpers import ListSink
 
 import ampscope
 from ampscope.rank.capture.scaler import StepCapture
 from ampscope.rank.capture.watch import WatchCapture
-from ampscope.reporter.schema import StepRecord
-
-LAYERS = ("blocks.0.up", "blocks.0.down", "blocks.1.up", "blocks.1.down", "head")
-
-
-def _train(front: object, model: torch.nn.Module, steps: int) -> None:
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
-    for step in range(steps):
-        optimizer.zero_grad()
-        loss = model(data(step)).square().mean()
-        front.scale(loss).backward()  # type: ignore[attr-defined]
-        front.step(optimizer)  # type: ignore[attr-defined]
-        front.update()  # type: ignore[attr-defined]
-    front.close()  # type: ignore[attr-defined]
-
-
-def _check(records: list[StepRecord], seen: dict, loss_scale: list[float]) -> None:
-    observed = [r for r in records if r.fp8 is not None]
-    assert observed
-    for record in observed:
-        assert record.fp8 is not None
-        at = record.step - 1
-        assert {(e.layer, e.tensor) for e in record.fp8} == {
-            (layer, t) for layer in LAYERS for t in ("input", "weight", "grad_output")
-        }
-        for entry in record.fp8:
-            mine = seen[(entry.layer, entry.tensor)]
-            divisor = loss_scale[at] if entry.tensor == "grad_output" else 1.0
-            assert entry.amax is not None
-            assert entry.amax == pytest.approx(mine.amax[at] / divisor, rel=1e-2)
-            assert entry.underflow_ratio == pytest.approx(mine.underflow[at], abs=1e-3)
-            assert entry.scale == pytest.approx(mine.scale[at] * divisor, rel=1e-2)
-            assert entry.cast == (
-                "grad_input_gemm" if entry.tensor == "grad_output" else "output_gemm"
-            )
-    # The data's dynamic range makes the casts underflow: the ratios are not all zero.
-    assert max(e.underflow_ratio for r in observed for e in r.fp8 or ()) > 0.01
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
@@ -62,9 +25,9 @@ def test_watch_values_equal_the_layers_own_cast(recipe: str, transport: str) -> 
     if transport == "device":  # the accelerators' path: one stacked copy, read later
         watch._ampscope_capture = WatchCapture("observe", read_on_host=False)
     watch.attach(model, fp8_every=1)
-    _train(watch, model, 4)
+    train(watch, model, 4)
     assert len(sink.records) == 4
-    _check(sink.records, seen, [1.0] * 4)
+    check_records(sink.records, seen, [1.0] * 4)
     entry = sink.records[0].fp8[0]  # type: ignore[index]
     assert entry.rowwise is (recipe == "rowwise")
     if recipe == "rowwise":
@@ -84,10 +47,10 @@ def test_scaler_reports_grad_output_unscaled(transport: str) -> None:
     if transport == "device":
         scaler._ampscope_capture = StepCapture(read_on_host=False)
     scaler.attach(model, fp8_every=1)
-    _train(scaler, model, 5)
+    train(scaler, model, 5)
     scales = [r.scale_before for r in sink.records]
     assert len(set(scales)) > 1  # the scale grew: each step is unscaled by its own
-    _check(sink.records, seen, scales)
+    check_records(sink.records, seen, scales)
 
 
 def test_observes_one_iteration_in_fp8_every() -> None:
@@ -95,7 +58,7 @@ def test_observes_one_iteration_in_fp8_every() -> None:
     sink = ListSink()
     watch = ampscope.GradWatch(reporter=None, sinks=[sink], fp8_every=3)
     watch.attach(model)
-    _train(watch, model, 7)
+    train(watch, model, 7)
     assert [r.step for r in sink.records if r.fp8 is not None] == [1, 4, 7]
 
 
@@ -105,7 +68,7 @@ def test_no_fp8_layers_no_fp8_values() -> None:
     watch = ampscope.GradWatch(reporter=None, sinks=[sink])
     watch.attach(model, fp8_every=1)
     assert watch._ampscope_fp8 is None
-    _train(watch, model, 2)
+    train(watch, model, 2)
     assert [r.fp8 for r in sink.records] == [None, None]
 
 
