@@ -22,6 +22,10 @@ norms, one read of gradient memory, decide alone. ``observe`` adds no host-devic
 and no collective. ``skip`` and ``raise`` add one all-reduce of a one-element tensor
 per optimizer, on the process group, and one ``.item()`` to decide (none for fused
 optimizers under ``skip``, which take the flag as ``found_inf`` and skip on the device).
+``step(optimizer, rerun=closure)`` reruns a flagged iteration
+(:mod:`ampscope.rank.frontends.rerun`, shared with the scalers): one all-reduce of a
+one-element flag and one ``.item()`` per optimizer, which under ``skip``/``raise`` stand in
+for the policy's on a clean iteration.
 """
 
 from __future__ import annotations
