@@ -354,8 +354,9 @@ def _unique_fp8(tensors: list[Fp8Tensor]) -> list[Fp8Tensor]:
     return tensors
 
 
-RerunReason = Literal["nonfinite"]
-"""Why an iteration was rerun: some rank's gradients (or loss) held inf/NaN."""
+RerunReason = Literal["nonfinite", "spike"]
+"""Why an iteration was rerun: some rank's gradients (or loss) held inf/NaN (``nonfinite``),
+else some rank's loss or the gradient norm reached its spike threshold (``spike``)."""
 
 
 class RerunPass(_Model):

@@ -86,21 +86,50 @@ class SpikeWindow:
         self._values.append(value)
         return spike
 
+    def threshold(self) -> float:
+        """The least value :meth:`observe` would judge a spike now: ``inf`` while fewer than
+        ``min_window`` values are known. O(window log window) (the median).
+
+        A rank's front-end compares its loss and gradient norm against it on the device,
+        to rerun a spike iteration (``rerun=closure``) without reading either on the host.
+        """
+        values = self._values
+        if len(values) < self.rule.min_window:
+            return math.inf
+        mean, stdev = _spread(values)
+        # value > sigma bound (strictly) and value >= ratio bound: the least such value.
+        above_sigmas = math.nextafter(self._sigma_bound(mean, stdev), math.inf)
+        return max(above_sigmas, self._ratio_bound(statistics.median(values)))
+
+    def _sigma_bound(self, mean: float, stdev: float) -> float:
+        """A spike stands strictly above this."""
+        return mean + self.rule.sigmas * stdev
+
+    def _ratio_bound(self, median: float) -> float:
+        """A spike is at least this."""
+        return self.rule.ratio * median
+
     def _judge(self, value: float) -> Spike | None:
         if len(self._values) < self.rule.min_window:
             return None
         values = self._values
         # The window's minimum is at most its median: below ratio x minimum, the value
         # fails the ratio guard. One C loop settles most values of a steady series.
-        if value < self.rule.ratio * min(values):
+        if value < self._ratio_bound(min(values)):
             return None
-        mean = statistics.fmean(values)
-        # The population standard deviation; statistics.pstdev computes it in exact
-        # fractions, ten times slower, and a rank judges two series per iteration.
-        stdev = math.sqrt(math.fsum([(v - mean) * (v - mean) for v in values]) / len(values))
-        if value <= mean + self.rule.sigmas * stdev:
+        mean, stdev = _spread(values)
+        if value <= self._sigma_bound(mean, stdev):
             return None
         median = statistics.median(self._values)
-        if value < self.rule.ratio * median:
+        if value < self._ratio_bound(median):
             return None
         return Spike(value=value, mean=mean, stdev=stdev, median=median)
+
+
+def _spread(values: deque[float]) -> tuple[float, float]:
+    """The mean and the population standard deviation of ``values``."""
+    mean = statistics.fmean(values)
+    # statistics.pstdev computes it in exact fractions, ten times slower, and a rank
+    # judges two series per iteration.
+    stdev = math.sqrt(math.fsum([(v - mean) * (v - mean) for v in values]) / len(values))
+    return mean, stdev

@@ -1,9 +1,10 @@
 """A rerun that classifies: four real ranks (gloo, CPU) rerun every flagged iteration.
 
-One launch per setup (DDP, FSDP2) runs the scenarios in sequence, each rank's
-``ampscope.GradScaler`` (origin tracking on) reporting to a real exporter process, beside a
-reference model trained with torch's own scaler on the same data, without a closure or a
-fault:
+One launch per setup (DDP, FSDP2, and DDP with a bf16 ``GradWatch`` under ``skip``) runs
+the scenarios in sequence, each rank's ``ampscope.GradScaler`` or watch (origin tracking on)
+reporting to a real exporter process, beside a reference model trained with torch's own
+scaler (the watch's: a plain loop that skips non-finite steps) on the same data, without a
+closure or a fault:
 
 - a NaN sample planted in rank 2's data at ``BAD_STEP``: every rank reruns, rank 2's result
   is reproduced, the step is skipped: ``reproducible_fault`` names rank 2 and the step's
@@ -62,7 +63,7 @@ def _model(setup: str) -> Any:
 
     torch.manual_seed(5)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
-    if setup == "ddp":
+    if setup in ("ddp", "ddp-watch"):
         return nn.parallel.DistributedDataParallel(model)
     from torch.distributed.fsdp import fully_shard
 
@@ -78,13 +79,17 @@ def _faulty(rank: int, setup: str, url: str) -> dict[str, Any]:
     from ampscope.reporter.http import HttpReporter
 
     run = f"rerun-{setup}"
+    watch = setup == "ddp-watch"
     model, reference = _model(setup), _model(setup)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
-    scaler = ampscope.GradScaler(
-        "cpu", init_scale=1024.0, reporter=HttpReporter(url, flush_interval=0.05), run_id=run
-    )
-    ref_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    reporter = HttpReporter(url, flush_interval=0.05)
+    scaler: Any
+    if watch:
+        scaler = ampscope.GradWatch("skip", reporter=reporter, run_id=run)
+    else:
+        scaler = ampscope.GradScaler("cpu", init_scale=1024.0, reporter=reporter, run_id=run)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, enabled=not watch)
     scaler.attach(model, track_origin=True)
     corrupt = [False]
 
@@ -95,19 +100,23 @@ def _faulty(rank: int, setup: str, url: str) -> dict[str, Any]:
         corrupt[0] = False
         return (grad_output[0] * float("inf"),)
 
-    inner = model.module if setup == "ddp" else model
+    inner = model.module if setup != "fsdp2" else model
     inner[2].register_full_backward_pre_hook(poison)
     calls = 0
     for step in range(1, STEPS + 1):
         x, y = _data(rank, step)
         scaler.note_batch(sample_ids(rank, step))
         corrupt[0] = rank == FAULT_RANK and step == FAULT_STEP
-        calls += _step_with_rerun(model, opt, scaler, x, y)
+        calls += _step_with_rerun(model, opt, scaler, x, y, watch)
 
         ref_opt.zero_grad()
-        ref_scaler.scale(torch.nn.functional.mse_loss(reference(x), y)).backward()
-        ref_scaler.step(ref_opt)
-        ref_scaler.update()
+        ref_scaler.scale(_loss(reference, x, y, watch)).backward()
+        if watch:  # the watch's skip, by hand: DDP spread the NaN to every rank
+            if all(bool(p.grad.isfinite().all()) for p in reference.parameters()):
+                ref_opt.step()
+        else:
+            ref_scaler.step(ref_opt)
+            ref_scaler.update()
     records = scaler.telemetry.history()
     scaler.close()
     params = [_local(p) for p in model.parameters()]
@@ -124,23 +133,28 @@ def _faulty(rank: int, setup: str, url: str) -> dict[str, Any]:
     }
 
 
-def _step_with_rerun(model: Any, opt: Any, scaler: Any, x: Any, y: Any) -> int:
-    """One fp16-style step that hands the scaler a closure over the same batch, as the docs
-    show; how many times the closure ran (0 on a clean iteration, 1 on a flagged one)."""
+def _loss(model: Any, x: Any, y: Any, bf16: bool = False) -> Any:
     import torch
 
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        return torch.nn.functional.mse_loss(model(x).float(), y)
+
+
+def _step_with_rerun(model: Any, opt: Any, scaler: Any, x: Any, y: Any, bf16: bool = False) -> int:
+    """One step that hands the front-end a closure over the same batch, as the docs show;
+    how many times the closure ran (0 on a clean iteration, 1 on a flagged one)."""
     calls = 0
 
     def closure() -> Any:
         nonlocal calls
         calls += 1
         opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss = _loss(model, x, y, bf16)
         scaler.scale(loss).backward()
         return loss
 
     opt.zero_grad()
-    scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+    scaler.scale(_loss(model, x, y, bf16)).backward()
     scaler.step(opt, rerun=closure)
     scaler.update()
     return calls
@@ -204,7 +218,7 @@ def _finished(url: str, run: str, steps: int) -> bool:
     return len(ranks) == RANKS and all(r["step"] == steps for r in ranks)
 
 
-@pytest.mark.parametrize("setup", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("setup", ["ddp", "fsdp2", "ddp-watch"])
 def test_reruns_tell_bad_data_from_a_transient_fault(exporter: str, setup: str) -> None:
     results = run_distributed(
         _rank,

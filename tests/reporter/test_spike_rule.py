@@ -111,3 +111,21 @@ def test_the_minimum_shortcut_judges_as_the_full_rule() -> None:
             fired += spike is not None
             history.append(value)
         assert fired >= 1, f"the planted spikes of level {level} must fire"
+
+
+def test_the_threshold_is_the_least_value_observe_calls_a_spike() -> None:
+    """What a rank compares on the device must be the rule itself: at the threshold a value
+    is a spike, one float below it is not, on positive, mixed and negative series."""
+    rule = SpikeRule(window=30, min_window=5)
+    for level, noise in ((2.0, 0.2), (0.0, 1.0), (-10.0, 0.5)):
+        rng = random.Random(level)
+        window = SpikeWindow(rule)
+        assert window.threshold() == math.inf
+        for _ in range(200):
+            window.observe(level + rng.gauss(0.0, noise))
+            limit = window.threshold()
+            if len(window) < rule.min_window:
+                assert limit == math.inf
+                continue
+            assert window._judge(limit) is not None, (level, limit)
+            assert window._judge(math.nextafter(limit, -math.inf)) is None, (level, limit)

@@ -151,11 +151,16 @@ class WatchCapture:
         # float64 sums of float32 norms do not overflow; wider norms may (then: the kernel).
         if not math.isfinite(total):
             return None
+        return {device: self.zero(device)}
+
+    def zero(self, device: torch.device) -> torch.Tensor:
+        """This capture's shared one-element zero flag on ``device``: known to be 0, so
+        never read (:attr:`zero_ids`), and never written (nothing writes a flag in place)."""
         zero = self._zeros.get(device)
         if zero is None:
             zero = self._zeros[device] = torch.zeros(1, dtype=torch.float32, device=device)
             self.zero_ids.add(id(zero))
-        return {device: zero}
+        return zero
 
     def close(self) -> None:
         """Forget the optimizers (the watch registers no hooks on them)."""

@@ -21,6 +21,7 @@ from torch import nn
 
 from ampscope.rank import compat
 from ampscope.rank.config import TelemetryConfig, check_fp8_every
+from ampscope.rank.frontends.rerun import Checks, Closure, Rerun, RerunOutcome
 from ampscope.rank.gradients.names import ParamNames
 from ampscope.rank.gradients.stats import GradStats, SquareSumReduce, TakenStats
 from ampscope.rank.telemetry.identity import resolve_identity
@@ -100,6 +101,9 @@ class TelemetryFrontEnd(failure.ClosedByWith):
         self._ampscope_origin_handles = []
         self._ampscope_errors = 0
         self._ampscope_fp8 = None
+        self._ampscope_last_rerun: RerunOutcome | None = None
+        self._ampscope_rerun_pending: RerunOutcome | None = None
+        """The rerun of the iteration update() closes, for its record."""
         self._ampscope_stats = (
             GradStats(self._ampscope_names, reduce) if enabled and config.stats else None
         )
@@ -114,6 +118,12 @@ class TelemetryFrontEnd(failure.ClosedByWith):
     def telemetry(self) -> Telemetry:
         """This front-end's telemetry: ``snapshot()``, ``history(n)``."""
         return self._ampscope_telemetry
+
+    @property
+    def last_rerun(self) -> RerunOutcome | None:
+        """What the newest rerun found on this rank (``None`` before any): set by
+        ``step(..., rerun=closure)`` on a flagged iteration."""
+        return self._ampscope_last_rerun
 
     def attach(
         self, model: nn.Module, track_origin: bool = False, *, fp8_every: int | None = None
@@ -216,6 +226,29 @@ class TelemetryFrontEnd(failure.ClosedByWith):
         self._ampscope_telemetry.close(timeout)
 
     # -- internals -----------------------------------------------------------------------
+
+    def _ampscope_rerun(
+        self,
+        checks: Checks,
+        optimizer: torch.optim.Optimizer,
+        closure: Closure,
+        rtol: float,
+        group: Any = None,
+    ) -> bool:
+        """Agree whether the iteration is flagged and, if so, rerun it
+        (:class:`~ampscope.rank.frontends.rerun.Rerun`): whether it was rerun. Exceptions
+        of the closure reach the caller, as any of the loop's own code."""
+        stats = self._ampscope_stats
+        thresholds = None
+        if stats is not None:
+            thresholds = self._ampscope_telemetry.spike_thresholds
+            thresholds.armed = True
+        origin = self._ampscope_origin
+        check = Rerun(checks, optimizer, stats, origin, rtol, group=group, thresholds=thresholds)
+        if not check.flagged():
+            return False
+        self._ampscope_last_rerun = self._ampscope_rerun_pending = check.run(closure)
+        return True
 
     def _ampscope_attach_fp8(self, model: nn.Module, every: int) -> None:
         """Observe ``model``'s ``Float8Linear`` layers (replacing an earlier attach's)."""

@@ -1,20 +1,25 @@
 """Rerun a flagged iteration from the same batch and tell a transient fault from a reproducible one.
 
-The caller hands the front-end a closure, as ``optimizer.step(closure)`` takes one: it
-zeroes the gradients, runs forward and backward through the front-end's ``scale()`` on
-the same batch, and returns the loss. On every iteration with a closure, after the
-unscale, each rank turns "my gradients held inf/NaN" into a one-element flag, all-reduces
-it (MAX) over the default group and reads it on the host: one collective and one sync.
-Clean iterations stop there and never call the closure. When any rank flagged the
-iteration, every rank calls the closure once (so DDP/FSDP collectives stay paired), the
-gradients are unscaled again, found-inf is recomputed from them, and each rank compares
-its own first and second result (:func:`compare`): the loss, and its own unreduced
-gradient norm (origin tracking's, before the gradient collective), or with origin
+One implementation for every front-end: a scaler's ``step(optimizer, rerun=closure)`` and a
+watch's. The caller hands the front-end a closure, as ``optimizer.step(closure)`` takes one:
+it zeroes the gradients, runs forward and backward through the front-end's ``scale()`` on
+the same batch, and returns the loss. On every iteration with a closure, once the
+front-end has checked the gradients (a scaler's unscale, a watch's non-finite check),
+each rank turns "my gradients or loss held inf/NaN, or my loss or the gradient norm stands
+at or above my spike threshold" into a one-element flag (:func:`own_flag`; the spike test
+runs on the device against :class:`~ampscope.rank.telemetry.stats_record.SpikeThresholds`
+passed as scalars), all-reduces it (MAX) over the front-end's group and reads it on the
+host: one collective and one sync. Clean iterations stop there and never call the
+closure. When any rank flagged the iteration, every rank calls the closure once (so
+DDP/FSDP collectives stay paired), the front-end checks the new gradients afresh, and each
+rank compares its own first and second result (:func:`compare`): the loss, and its own
+unreduced gradient norm (origin tracking's, before the gradient collective), or with origin
 tracking off the norm of its local gradients after the collective (then every rank of a
 DDP group sees the same norm, so only the loss tells the ranks apart).
 
 The optimizer step then uses the rerun's gradients; the record keeps the second pass and
-carries both results (:class:`RerunOutcome`).
+carries both results (:class:`RerunOutcome`). What differs between front-ends (how the
+gradients are checked, and how a check is forgotten) is a :class:`Checks`.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -33,9 +38,29 @@ from ampscope.reporter import schema
 if TYPE_CHECKING:
     from ampscope.rank.gradients.origin import OriginFlags
     from ampscope.rank.gradients.stats import GradStats
+    from ampscope.rank.telemetry.stats_record import SpikeThresholds
 
 Closure = Callable[[], Any]
 """Recomputes this iteration's loss and gradients from the same batch (see the module)."""
+
+NONFINITE, SPIKE = 2.0, 1.0
+"""A rank's flag: inf/NaN outranks a spike, so that the agreed maximum also says why."""
+
+SpikeTests = tuple[torch.Tensor | None, torch.Tensor | None]
+"""The loss's and the gradient norm's spike test (0-dim bool tensors); ``None``: not run."""
+
+NO_SPIKE_TESTS: SpikeTests = (None, None)
+
+
+class Checks(Protocol):
+    """How a front-end checks one optimizer's gradients, for :class:`Rerun`."""
+
+    def found(self) -> Mapping[torch.device, torch.Tensor]:
+        """This rank's found-inf for the optimizer (one-element flags by device), checking
+        the gradients first unless the front-end (or a closure) already did."""
+
+    def forget(self) -> None:
+        """Drop the optimizer's check, so that the closure's gradients are checked afresh."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +74,11 @@ class PassResult:
     norm (still multiplied by the loss scale) or the local unscaled one."""
     nonfinite: bool
     """This rank's own gradients (or loss) held inf/NaN."""
+    loss_spike: bool = False
+    """The loss stood at or above this rank's spike threshold (read on a flagged
+    iteration only)."""
+    norm_spike: bool = False
+    """The gradient norm (the record's ``grad_norm``) stood at or above the threshold."""
 
     def to_record(self) -> schema.RerunPass:
         return schema.RerunPass(
@@ -69,14 +99,20 @@ class RerunOutcome:
     reproduced: bool
     """The second result equals the first (:func:`compare`)."""
     flagged: bool
-    """This rank's own first result was flagged (non-finite): the verdict is about it."""
-    reason: str = "nonfinite"
-    """Why the iteration was flagged on some rank."""
+    """This rank's own first result was flagged: the verdict is about it (see
+    :meth:`Rerun.run`)."""
+    reason: schema.RerunReason = "nonfinite"
+    """Why the iteration was flagged: some rank's inf/NaN, else some rank's spike."""
+
+    @property
+    def transient(self) -> bool:
+        """This rank's flagged result was not reproduced: suspect its device."""
+        return self.flagged and not self.reproduced
 
     def to_record(self) -> schema.Rerun:
         """The record's ``rerun`` (non-finite values become ``None``)."""
         return schema.Rerun(
-            reason="nonfinite",
+            reason=self.reason,
             flagged=self.flagged,
             reproduced=self.reproduced,
             first=self.first.to_record(),
@@ -108,97 +144,136 @@ def compare(first: PassResult, second: PassResult, rtol: float = 0.0) -> bool:
     )
 
 
-def agree_flagged(own: torch.Tensor) -> bool:
-    """Whether any rank flagged this iteration: one all-reduce (MAX) of the one-element
-    float32 flag over the default group when several ranks run, then one host read.
-    Every rank must call it at the same point of every iteration that has a closure."""
+def agree_flagged(own: torch.Tensor, group: dist.ProcessGroup | None = None) -> float:
+    """The largest flag of any rank (0: nobody flagged the iteration): one all-reduce (MAX)
+    of the one-element float32 flag over ``group`` (``None``: the default group) when
+    several ranks run, then one host read. Every rank of the group must call it at the
+    same point of every iteration that has a closure."""
     flag = own.detach().reshape(1).to(torch.float32)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        if dist.get_backend() == "nccl" and flag.device.type == "cpu":
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        if dist.get_backend(group) == "nccl" and flag.device.type == "cpu":
             flag = flag.cuda()
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item() > 0)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return float(flag.item())
 
 
 def own_flag(
-    found_inf: Mapping[torch.device, torch.Tensor], origin: OriginFlags | None
+    found: Mapping[torch.device, torch.Tensor],
+    origin: OriginFlags | None,
+    spikes: SpikeTests = NO_SPIKE_TESTS,
 ) -> torch.Tensor:
-    """This rank's one-element flag: its pre-reduction found-inf when origin tracking
-    runs (its own gradients), else torch's found-inf (after the collective). No sync."""
-    flags = list(found_inf.values())
+    """This rank's one-element flag: :data:`NONFINITE` when its pre-reduction found-inf
+    (origin tracking: its own gradients) or torch's found-inf (after the collective) is
+    set, else :data:`SPIKE` when one of ``spikes`` (:func:`spike_tests`) is, else 0. A few
+    small kernels, no sync."""
+    flags = list(found.values())
     if origin is not None:
         flags += list(origin.peek().values())
-    if not flags:
+    tests = [test for test in spikes if test is not None]
+    if not flags and not tests:
         return torch.zeros(1)
-    device = flags[0].device
-    return torch.stack([f.reshape(()).to(device) for f in flags]).amax().reshape(1)
+    device = (flags or tests)[0].device
+    parts = [f.reshape(()).to(device, torch.float32) * NONFINITE for f in flags]
+    parts += [t.reshape(()).to(device, torch.float32) * SPIKE for t in tests]
+    return torch.stack(parts).amax().reshape(1)
+
+
+def spike_tests(stats: GradStats | None, thresholds: SpikeThresholds | None) -> SpikeTests:
+    """This iteration's spike tests so far, on the device: the loss (the mean of what
+    ``scale()`` saw) at or above ``thresholds.loss``, the gradient norm at or above
+    ``thresholds.grad_norm``, each a 0-dim bool tensor; ``None`` for a threshold not known
+    yet, and without stats.
+    The thresholds go in as scalar kernel arguments (host floats): no copy, no sync. Within
+    float32 rounding of a threshold the device may judge a value differently from the
+    rank's rule on the host, which the record's ``spikes`` follow."""
+    if stats is None or thresholds is None:
+        return NO_SPIKE_TESTS
+    loss_limit, norm_limit = thresholds.loss, thresholds.grad_norm
+    loss = stats.peek_loss() if math.isfinite(loss_limit) else None
+    square = stats.peek_square() if math.isfinite(norm_limit) else None
+    return (
+        None if loss is None else loss.float() >= loss_limit * stats.loss_count,
+        # Squares: no square root kernel; both sides are non-negative.
+        None if square is None else square >= norm_limit * norm_limit,
+    )
 
 
 class Rerun:
-    """The rerun of one flagged iteration of a scaler, in the order it must happen.
+    """The rerun of one optimizer's flagged iteration, in the order it must happen.
 
     Args:
-        scaler: The front-end (an instrumented ``torch.amp.GradScaler``).
+        checks: How the front-end checks the optimizer's gradients.
         optimizer: The optimizer whose step follows.
-        stats: The front-end's loss and norms (``None`` with ``stats=False``).
+        stats: The front-end's loss and norms (``None`` with ``stats=False``: no spike test).
         origin: Its origin flags (``None`` without origin tracking).
         rtol: Relative tolerance of :func:`compare` (0: bit for bit).
+        group: The ranks that rerun together (``None``: the default group).
+        thresholds: The rank's spike thresholds (``None``: inf/NaN alone flags).
     """
 
     def __init__(
         self,
-        scaler: Any,
+        checks: Checks,
         optimizer: torch.optim.Optimizer,
         stats: GradStats | None,
         origin: OriginFlags | None,
         rtol: float,
+        *,
+        group: dist.ProcessGroup | None = None,
+        thresholds: SpikeThresholds | None = None,
     ) -> None:
-        self._scaler = scaler
+        self._checks = checks
         self._optimizer = optimizer
         self._stats = stats
         self._origin = origin
         self._rtol = rtol
+        self._group = group
+        self._thresholds = thresholds
+        self._spikes = NO_SPIKE_TESTS
+        self._agreed = 0.0
 
     def flagged(self) -> bool:
-        """Unscale (if the caller did not), then agree whether any rank flagged the
-        iteration. One all-reduce and one host read."""
-        scaler, optimizer = self._scaler, self._optimizer
-        found = compat.unscaled_found_inf(scaler, optimizer)
-        if found is None:
-            scaler.unscale_(optimizer)
-            found = compat.unscaled_found_inf(scaler, optimizer)
-            assert found is not None
-        return agree_flagged(own_flag(found, self._origin))
+        """Check the gradients (if the front-end did not), then agree whether any rank
+        flagged the iteration. One all-reduce and one host read."""
+        found = self._checks.found()
+        self._spikes = spike_tests(self._stats, self._thresholds)
+        self._agreed = agree_flagged(own_flag(found, self._origin, self._spikes), self._group)
+        return self._agreed > 0
 
     def run(self, closure: Closure) -> RerunOutcome:
-        """Read the first pass, forget it, call ``closure``, unscale its gradients and
-        compare. Call on every rank once :meth:`flagged` said so."""
-        first = self._take()
-        compat.forget_unscale(self._scaler, self._optimizer)
+        """Read the first pass, forget it, call ``closure``, check its gradients and
+        compare. Call on every rank once :meth:`flagged` said so.
+
+        The outcome is about this rank (``flagged``) when its own first result held
+        inf/NaN, or its own loss spiked, or the gradient norm spiked and its own result
+        was not reproduced: the norm is the whole model's, so under data parallelism every
+        rank sees its spike, and only the rank whose result changed is named; a reproduced
+        norm spike names no rank (the exporter's ``grad_norm_spike`` lists every rank's
+        ids)."""
+        first = self._read(keep=False, spikes=self._spikes)
+        self._checks.forget()
         with torch.enable_grad():
             closure()
-        # A closure that clips unscales itself (as the loop does before clipping).
-        if compat.unscaled_found_inf(self._scaler, self._optimizer) is None:
-            self._scaler.unscale_(self._optimizer)
+        self._checks.found()  # checks the closure's gradients unless it did (clipping)
         second = self._read(keep=True)
+        reproduced = compare(first, second, self._rtol)
+        flagged = first.nonfinite or first.loss_spike or (first.norm_spike and not reproduced)
         return RerunOutcome(
             first=first,
             second=second,
-            reproduced=compare(first, second, self._rtol),
-            flagged=first.nonfinite,
+            reproduced=reproduced,
+            flagged=flagged,
+            reason="nonfinite" if self._agreed >= NONFINITE else "spike",
         )
 
-    def _take(self) -> PassResult:
-        """The first pass's result; the stats and origin of it are dropped."""
-        return self._read(keep=False)
-
-    def _read(self, *, keep: bool) -> PassResult:
-        scaler, optimizer = self._scaler, self._optimizer
-        stats, origin = self._stats, self._origin
+    def _read(self, *, keep: bool, spikes: SpikeTests = NO_SPIKE_TESTS) -> PassResult:
+        """This pass's result on the host (a flagged iteration: a few reads). ``keep``
+        ``False``: the stats and origin of the pass are dropped (the first pass)."""
+        optimizer, stats, origin = self._optimizer, self._stats, self._origin
         loss_tensor = None
         if stats is not None:
             loss_tensor = stats.peek_loss() if keep else stats.restart()
-        found = compat.unscaled_found_inf(scaler, optimizer) or {}
+        found = self._checks.found()
         if origin is not None:
             flags = origin.peek() if keep else origin.take()
             squares = origin.peek_squares() if keep else origin.take_squares()
@@ -212,7 +287,12 @@ class Rerun:
         loss = None if loss_tensor is None else float(loss_tensor.item())
         if loss is not None and not math.isfinite(loss):
             nonfinite = True
-        return PassResult(loss=loss, norm=norm, nonfinite=nonfinite)
+        loss_test, norm_test = spikes
+        loss_spike = loss_test is not None and bool(loss_test.item())
+        norm_spike = norm_test is not None and bool(norm_test.item())
+        return PassResult(
+            loss=loss, norm=norm, nonfinite=nonfinite, loss_spike=loss_spike, norm_spike=norm_spike
+        )
 
 
 def _local_norm(optimizer: torch.optim.Optimizer) -> float | None:

@@ -21,7 +21,7 @@ from ampscope.rank import compat
 from ampscope.rank.capture.scaler import StepCapture
 from ampscope.rank.config import TelemetryConfig
 from ampscope.rank.frontends.base import OWN_ATTRIBUTES, TelemetryFrontEnd, warn_if_torch_changed
-from ampscope.rank.frontends.rerun import Closure, Rerun, RerunOutcome
+from ampscope.rank.frontends.rerun import Closure
 from ampscope.rank.gradients.attribution import count_nonfinite
 from ampscope.rank.gradients.local_unscale import unscale_local_shards
 from ampscope.rank.gradients.stats import sum_over
@@ -49,9 +49,6 @@ class TelemetryMixin(TelemetryFrontEnd):
             reduce = sum_over(getattr(self, "process_group", None))
         self._ampscope_start(config, enabled, reduce)
         self._ampscope_capture = StepCapture() if enabled else None
-        self._ampscope_last_rerun: RerunOutcome | None = None
-        self._ampscope_rerun_pending: RerunOutcome | None = None
-        """The rerun of the iteration update() closes, for its record."""
 
     # -- public API ----------------------------------------------------------------------
 
@@ -67,12 +64,6 @@ class TelemetryMixin(TelemetryFrontEnd):
         capture = self._ampscope_capture
         return False if capture is None else capture.last_step_skipped(self)  # type: ignore[arg-type]
 
-    @property
-    def last_rerun(self) -> RerunOutcome | None:
-        """What the newest rerun found on this rank (``None`` before any): set by
-        ``step(..., rerun=closure)`` on a flagged iteration."""
-        return self._ampscope_last_rerun
-
     def step(
         self,
         optimizer: torch.optim.Optimizer,
@@ -86,7 +77,9 @@ class TelemetryMixin(TelemetryFrontEnd):
         Without ``rerun`` nothing changes. With it (every rank must pass one, on every
         iteration), the gradients are unscaled here if the caller did not, and one
         all-reduce of a one-element flag and one host read agree whether any rank found
-        inf/NaN. Clean iterations go on to torch's step. On a flagged one every rank calls
+        inf/NaN or reached its spike threshold (its loss, or the gradient norm, against
+        its own spike rule's current threshold, compared on the device). Clean iterations
+        go on to torch's step. On a flagged one every rank calls
         ``rerun`` once, its gradients are unscaled and checked afresh, the step uses them
         (so a non-reproduced fault is stepped over, a reproduced one skipped as torch
         skips), and :attr:`last_rerun` says whether this rank's result was reproduced
@@ -101,10 +94,7 @@ class TelemetryMixin(TelemetryFrontEnd):
         """
         parent: Any = super()
         if rerun is not None and self._ampscope_capture is not None:
-            check = Rerun(self, optimizer, self._ampscope_stats, self._ampscope_origin, rerun_rtol)
-            if check.flagged():
-                self._ampscope_last_rerun = check.run(rerun)
-                self._ampscope_rerun_pending = self._ampscope_last_rerun
+            self._ampscope_rerun(_ScalerChecks(self, optimizer), optimizer, rerun, rerun_rtol)
         return parent.step(optimizer, *args, **kwargs)
 
     # -- torch hook points ---------------------------------------------------------------
@@ -242,3 +232,25 @@ class TelemetryMixin(TelemetryFrontEnd):
         self._ampscope_init(TelemetryConfig(reporter=None))
         self._ampscope_capture = None
         self._ampscope_stats = None
+
+
+class _ScalerChecks:
+    """A scaler's check of one optimizer's gradients is torch's unscale."""
+
+    __slots__ = ("_optimizer", "_scaler")
+
+    def __init__(self, scaler: Any, optimizer: torch.optim.Optimizer) -> None:
+        self._scaler = scaler
+        self._optimizer = optimizer
+
+    def found(self) -> Mapping[torch.device, torch.Tensor]:
+        scaler, optimizer = self._scaler, self._optimizer
+        found = compat.unscaled_found_inf(scaler, optimizer)
+        if found is None:
+            scaler.unscale_(optimizer)
+            found = compat.unscaled_found_inf(scaler, optimizer)
+            assert found is not None
+        return found
+
+    def forget(self) -> None:
+        compat.forget_unscale(self._scaler, self._optimizer)

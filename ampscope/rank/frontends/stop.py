@@ -3,7 +3,8 @@
 When a watch raises (policy ``raise``, or ``max_consecutive_skips`` reached), every
 rank reaches the same ``step()`` with the same agreed flag. Each contributes what only
 it knows (whether its own gradients held inf/NaN before the reduction, whether its local
-shards did, its top parameters); :func:`gather` shares them, and every rank builds the
+shards did, its top parameters, and with a rerun closure what the rerun found of its own
+result and the batch ids it noted); :func:`gather` shares them, and every rank builds the
 same message from the same gathered list.
 
 The reports travel as JSON in byte tensors, through two ``all_gather`` calls (sizes,
@@ -18,6 +19,7 @@ import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -29,6 +31,12 @@ logger = logging.getLogger("ampscope")
 
 MESSAGE_PARAMS = 5
 """Parameters a message names at most."""
+
+MESSAGE_IDS = 8
+"""Batch ids a message names at most per rank."""
+
+RerunResult = Literal["transient", "reproducible"]
+"""What a rerun found of a rank's own flagged result (``RerunOutcome.transient``)."""
 
 
 class NonFiniteGradientsError(RuntimeError):
@@ -45,6 +53,10 @@ class NonFiniteGradientsError(RuntimeError):
         gathered: Whether every rank's report reached this one. ``False``: the ranks'
             reports could not be gathered, and the attributes and the message hold this
             rank's view only.
+        reproduced_ranks: With a rerun closure: ranks whose own flagged result the rerun
+            reproduced (the data or the numerics).
+        transient_ranks: Ranks whose own flagged result the rerun did not reproduce
+            (suspect their device).
     """
 
     def __init__(
@@ -56,6 +68,8 @@ class NonFiniteGradientsError(RuntimeError):
         local_ranks: tuple[int, ...],
         params: tuple[tuple[int, str, int], ...],
         gathered: bool = True,
+        reproduced_ranks: tuple[int, ...] = (),
+        transient_ranks: tuple[int, ...] = (),
     ) -> None:
         super().__init__(message)
         self.step = step
@@ -63,6 +77,8 @@ class NonFiniteGradientsError(RuntimeError):
         self.local_ranks = local_ranks
         self.params = params
         self.gathered = gathered
+        self.reproduced_ranks = reproduced_ranks
+        self.transient_ranks = transient_ranks
 
 
 @dataclass(frozen=True)
@@ -77,6 +93,11 @@ class RankReport:
     known: bool = True
     """``False``: ampscope failed on that rank before it knew what to report; the
     message then says so and claims nothing of that rank."""
+    rerun: RerunResult | None = None
+    """What this iteration's rerun found of the rank's own flagged result; ``None``: no
+    rerun, or its result was not flagged."""
+    batch_ids: tuple[int | str, ...] = ()
+    """With a reproduced result: the first batch ids the rank noted for the iteration."""
 
 
 def unknown(rank: int) -> RankReport:
@@ -87,7 +108,15 @@ def unknown(rank: int) -> RankReport:
 def encode(report: RankReport) -> bytes:
     """A report as UTF-8 JSON (no pickle: what a rank sends is data only)."""
     params = [list(p) for p in report.params]
-    fields = [report.rank, report.origin, report.local, params, report.known]
+    fields = [
+        report.rank,
+        report.origin,
+        report.local,
+        params,
+        report.known,
+        report.rerun,
+        list(report.batch_ids),
+    ]
     return json.dumps(fields, separators=(",", ":")).encode()
 
 
@@ -97,13 +126,15 @@ def decode(payload: bytes) -> RankReport:
     Raises:
         ValueError: not such a report (``json.JSONDecodeError`` is one).
     """
-    rank, origin, local, params, known = json.loads(payload.decode())
+    rank, origin, local, params, known, rerun, ids = json.loads(payload.decode())
     report = RankReport(
         rank=rank,
         origin=origin,
         local=local,
         params=tuple((n, c) for n, c in params),
         known=known,
+        rerun=rerun,
+        batch_ids=tuple(ids),
     )
     if not (
         type(rank) is int
@@ -111,6 +142,8 @@ def decode(payload: bytes) -> RankReport:
         and type(local) is bool
         and type(known) is bool
         and all(type(n) is str and type(c) is int for n, c in report.params)
+        and rerun in (None, "transient", "reproducible")
+        and all(type(i) in (int, str) for i in report.batch_ids)
     ):
         raise ValueError(f"not a rank report: {payload[:80]!r}")
     return report
@@ -197,6 +230,23 @@ def build_error(
         parts.append("No rank's own gradients held inf/NaN before the reduction.")
     if local_ranks:
         parts.append(f"Local gradients held inf/NaN on rank(s) {', '.join(map(str, local_ranks))}.")
+    reproduced = [r for r in known if r.rerun == "reproducible"]
+    transient = tuple(r.rank for r in known if r.rerun == "transient")
+    if reproduced:
+        ranks = ", ".join(str(r.rank) for r in reproduced)
+        noted = "; ".join(
+            f"rank {r.rank}: {', '.join(map(str, r.batch_ids))}" for r in reproduced if r.batch_ids
+        )
+        ids = f" Batch ids noted at step {step}: {noted}." if noted else ""
+        parts.append(
+            f"Reproducible: the rerun from the same batch reproduced it on rank(s) {ranks}: "
+            f"suspect the data or the numerics of step {step}.{ids}"
+        )
+    if transient:
+        parts.append(
+            f"Transient on rank(s) {', '.join(map(str, transient))}: the rerun did not "
+            "reproduce that rank's result: suspect its device."
+        )
     if top:
         named = ", ".join(f"{name} ({count} on rank {rank})" for rank, name, count in top)
         parts.append(f"Top parameters: {named}.")
@@ -207,6 +257,8 @@ def build_error(
         local_ranks=local_ranks,
         params=tuple(top),
         gathered=gathered,
+        reproduced_ranks=tuple(r.rank for r in reproduced),
+        transient_ranks=transient,
     )
 
 

@@ -22,6 +22,10 @@ norms, one read of gradient memory, decide alone. ``observe`` adds no host-devic
 and no collective. ``skip`` and ``raise`` add one all-reduce of a one-element tensor
 per optimizer, on the process group, and one ``.item()`` to decide (none for fused
 optimizers under ``skip``, which take the flag as ``found_inf`` and skip on the device).
+``step(optimizer, rerun=closure)`` reruns a flagged iteration
+(:mod:`ampscope.rank.frontends.rerun`, shared with the scalers): one all-reduce of a
+one-element flag and one ``.item()`` per optimizer, which under ``skip``/``raise`` stand in
+for the policy's on a clean iteration.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from ampscope.rank.capture.watch import Checked, WatchCapture, agree
 from ampscope.rank.config import TelemetryConfig, WatchConfig, WatchOptions, telemetry_config
 from ampscope.rank.frontends import stop
 from ampscope.rank.frontends.base import OWN_ATTRIBUTES, TelemetryFrontEnd, warn_if_torch_changed
+from ampscope.rank.frontends.rerun import Closure
 from ampscope.rank.frontends.stop import NonFiniteGradientsError
 from ampscope.rank.gradients.attribution import count_nonfinite
 from ampscope.rank.gradients.nonfinite import FoundInf, check_local
@@ -97,6 +102,9 @@ class GradWatch(TelemetryFrontEnd):
         warn_if_torch_changed()
         self._enabled = enabled
         self._consecutive_skips = 0
+        self._rerun_armed = False
+        """A step() took a rerun closure: from then on the rerun's agreement replaces the
+        policy's on clean iterations, so unscale_() leaves it to step()."""
         self._ampscope_start(config, enabled)
         self._ampscope_capture = WatchCapture(policy) if enabled else None
 
@@ -134,7 +142,8 @@ class GradWatch(TelemetryFrontEnd):
 
         Optional: ``step()`` checks if this was not called. Cost: one fused kernel per
         (device, dtype) group; under ``skip``/``raise`` also one all-reduce of a
-        one-element tensor. No sync.
+        one-element tensor (once a ``step()`` took ``rerun=``, that agreement is left to
+        ``step()``, where the rerun's replaces it). No sync.
 
         Raises:
             RuntimeError: called twice for ``optimizer`` since the last ``update()``, or
@@ -150,9 +159,16 @@ class GradWatch(TelemetryFrontEnd):
             raise RuntimeError(
                 "unscale_() has already been called on this optimizer since the last update()."
             )
-        self._check(capture, optimizer)
+        self._check(capture, optimizer, agree_now=not self._rerun_armed)
 
-    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+    def step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *args: Any,
+        rerun: Closure | None = None,
+        rerun_rtol: float = 0.0,
+        **kwargs: Any,
+    ) -> Any:
         """Check ``optimizer``'s gradients unless ``unscale_`` did, then apply the policy.
 
         ``observe``: ``optimizer.step(*args, **kwargs)``, as without the watch, and its
@@ -161,6 +177,28 @@ class GradWatch(TelemetryFrontEnd):
         as ``found_inf`` and skip on the device. ``raise``: the step, or
         :class:`NonFiniteGradientsError` on every rank after this iteration's record
         reached the sinks.
+
+        With ``rerun`` (every rank of the process group passes one, on every iteration),
+        a flagged iteration is rerun first, as the scalers' ``step(..., rerun=)`` does: one
+        all-reduce of a one-element flag and one host read agree whether any rank's
+        gradients or loss held inf/NaN or reached its spike threshold (its loss, or the
+        gradient norm, against its own spike rule's current threshold, compared on the
+        device); under ``skip``/``raise`` that agreement is also the policy's on a clean
+        iteration, so it costs no more than the policy alone. Clean iterations never call
+        ``rerun``. On a flagged one every rank calls it once, its gradients are checked
+        afresh and the policy applies to them: a result that was not reproduced is stepped
+        over with the rerun's gradients, a reproduced inf/NaN is skipped (``skip``) or
+        raised (``raise``, the message then says whether the rerun reproduced it), and
+        :attr:`last_rerun` says what this rank found (see
+        :mod:`ampscope.rank.frontends.rerun` and docs/bad-data-or-hardware.md).
+
+        Args:
+            optimizer: The optimizer to step.
+            *args: Passed to ``optimizer.step``, as ``**kwargs``.
+            rerun: Zeroes the gradients, recomputes this iteration's loss from the same
+                batch through this watch's ``scale()`` and runs backward; returns the
+                loss. Never forwarded to the optimizer.
+            rerun_rtol: Relative tolerance of the comparison; 0 compares bit for bit.
 
         Raises:
             NonFiniteGradientsError: policy ``raise`` and inf/NaN, or ``skip`` and the
@@ -174,12 +212,17 @@ class GradWatch(TelemetryFrontEnd):
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradWatch is enabled.")
         entry = capture.iteration.get(id(optimizer))
-        if entry is None:
-            entry = self._check(capture, optimizer)
-        elif entry.stepped:
+        if entry is not None and entry.stepped:
             raise RuntimeError("step() has already been called since the last update().")
-        entry.stepped = True
         policy = self._watch.policy
+        if rerun is not None:
+            entry = self._rerun(capture, optimizer, rerun, rerun_rtol)
+        elif entry is None:
+            entry = self._check(capture, optimizer)
+        if entry.agreed is None and policy != "observe":
+            # Left to here by unscale_() or by the rerun (armed): the policy's agreement.
+            entry.agreed = agree(entry.found, self._watch.process_group, self._ampscope_failed)
+        entry.stepped = True
         agreed = entry.agreed
         if policy == "observe" or agreed is None:
             return optimizer.step(*args, **kwargs)
@@ -236,6 +279,7 @@ class GradWatch(TelemetryFrontEnd):
                 self._ampscope_take_stats(),
                 self._ampscope_take_fp8(),
             )
+            pending.rerun, self._ampscope_rerun_pending = self._ampscope_rerun_pending, None
             self._ampscope_telemetry.submit(pending)
         except Exception:
             self._abandon(capture, iteration, step)
@@ -293,8 +337,11 @@ class GradWatch(TelemetryFrontEnd):
 
     # -- internals -----------------------------------------------------------------------
 
-    def _check(self, capture: WatchCapture, optimizer: torch.optim.Optimizer) -> Checked:
-        """Check ``optimizer``'s gradients and, under skip/raise, agree with the other ranks.
+    def _check(
+        self, capture: WatchCapture, optimizer: torch.optim.Optimizer, *, agree_now: bool = True
+    ) -> Checked:
+        """Check ``optimizer``'s gradients and, under skip/raise and ``agree_now``, agree
+        with the other ranks (else ``step()`` does, or the rerun's agreement stands in).
 
         Whatever fails in here on one rank, it makes the same collectives as the others
         (the norm's sums, the agreement) and takes part as clean: counted, logged once,
@@ -326,7 +373,9 @@ class GradWatch(TelemetryFrontEnd):
                 found = {}
         group = self._watch.process_group
         agreed = (
-            None if self._watch.policy == "observe" else agree(found, group, self._ampscope_failed)
+            agree(found, group, self._ampscope_failed)
+            if agree_now and self._watch.policy != "observe"
+            else None
         )
         entry = capture.iteration[id(optimizer)] = Checked(info, found, agreed)
         # Parameters are named where the host knows the flag for free (the CPU); on an
@@ -340,6 +389,27 @@ class GradWatch(TelemetryFrontEnd):
             except Exception:
                 self._ampscope_failed()
         return entry
+
+    def _rerun(
+        self,
+        capture: WatchCapture,
+        optimizer: torch.optim.Optimizer,
+        closure: Closure,
+        rtol: float,
+    ) -> Checked:
+        """Check ``optimizer``'s gradients unless unscale_() did, agree whether the
+        iteration is flagged, rerun it if so: the check the step goes on with."""
+        self._rerun_armed = True
+        checks = _WatchChecks(self, capture, optimizer)
+        group = self._watch.process_group
+        if not self._ampscope_rerun(checks, optimizer, closure, rtol, group):
+            entry = checks.entry()
+            if entry.agreed is None and self._watch.policy != "observe":
+                # No rank flagged anything, inf/NaN included: the policy's flag is 0,
+                # known without another collective or read.
+                entry.agreed = capture.zero(next(iter(entry.found), torch.device("cpu")))
+            return entry
+        return checks.entry()
 
     def _attribute(self, entry: Checked, optimizer: torch.optim.Optimizer) -> None:
         """Count the non-finite elements per parameter, once per check, when the local
@@ -369,6 +439,7 @@ class GradWatch(TelemetryFrontEnd):
         once). It still counts, as on the other ranks: the next record's step, a raise's
         message and last_step_skipped stay the same on every rank."""
         capture.abandon(iteration, step)
+        self._ampscope_rerun_pending = None
         if self._ampscope_stats is not None:
             self._ampscope_stats.discard()
         self._ampscope_failed()
@@ -389,6 +460,11 @@ class GradWatch(TelemetryFrontEnd):
             identity = self._ampscope_identity_now()
             origin = self._ampscope_take_origin()
             counts = self._counts(capture)
+            outcome, self._ampscope_rerun_pending = self._ampscope_rerun_pending, None
+            rerun: stop.RerunResult | None = None
+            if outcome is not None and outcome.flagged:
+                rerun = "transient" if outcome.transient else "reproducible"
+            ids = self._ampscope_telemetry.batches.ids if rerun == "reproducible" else ()
             report = stop.RankReport(
                 rank=rank,
                 origin=any(bool(f.item()) for f in origin.values()) if origin else None,
@@ -396,10 +472,13 @@ class GradWatch(TelemetryFrontEnd):
                     bool(f.item()) for e in capture.iteration.values() for f in e.found.values()
                 ),
                 params=stop.own_params(counts),
+                rerun=rerun,
+                batch_ids=tuple(ids[: stop.MESSAGE_IDS]),
             )
             pending = capture.close_iteration(
                 identity, origin, counts, self._ampscope_take_stats(), self._ampscope_take_fp8()
             )
+            pending.rerun = outcome
             self._ampscope_telemetry.submit(pending)
             self._ampscope_telemetry.flush(RAISE_FLUSH_TIMEOUT_S)
         except Exception:
@@ -408,6 +487,32 @@ class GradWatch(TelemetryFrontEnd):
         error = stop.build_error(reports, step, reason, gathered=gathered)
         failure.note(error)  # the rank ends failed, even when the loop catches it and exits
         raise error
+
+
+class _WatchChecks:
+    """A watch's check of one optimizer's gradients is its non-finite check, without the
+    policy's agreement (the rerun's stands in for it on a clean iteration)."""
+
+    __slots__ = ("_capture", "_optimizer", "_watch")
+
+    def __init__(
+        self, watch: GradWatch, capture: WatchCapture, optimizer: torch.optim.Optimizer
+    ) -> None:
+        self._watch = watch
+        self._capture = capture
+        self._optimizer = optimizer
+
+    def entry(self) -> Checked:
+        entry = self._capture.iteration.get(id(self._optimizer))
+        if entry is None:
+            entry = self._watch._check(self._capture, self._optimizer, agree_now=False)
+        return entry
+
+    def found(self) -> Mapping[torch.device, torch.Tensor]:
+        return self.entry().found
+
+    def forget(self) -> None:
+        self._capture.iteration.pop(id(self._optimizer), None)
 
 
 def _all_cpu(found: Mapping[torch.device, torch.Tensor]) -> bool:

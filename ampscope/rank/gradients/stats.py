@@ -199,6 +199,32 @@ class GradStats:
         """The loss sum of this iteration so far (``None`` without a loss)."""
         return self._loss
 
+    @property
+    def loss_count(self) -> int:
+        """How many losses :meth:`add_loss` summed this iteration so far."""
+        return self._loss_count
+
+    def peek_square(self) -> torch.Tensor | None:
+        """The squared norm of the gradients normed so far this iteration, as the record's
+        ``grad_norm`` counts them (sharded ones summed over the ranks): a 0-dim float32
+        tensor on the first optimizer's device; ``None`` before any (norms of still scaled
+        gradients are left out). A stack and a dot per optimizer; no sync."""
+        parts = []
+        for optimizer in self._optimizers:
+            if optimizer.scaled:
+                continue
+            if optimizer.square is not None:
+                parts.append(optimizer.square)
+            elif optimizer.norms:
+                norms = torch.stack(optimizer.norms)
+                parts.append(torch.dot(norms, norms))
+        if not parts:
+            return None
+        if len(parts) == 1:
+            return parts[0]
+        device = parts[0].device
+        return torch.stack([part.to(device) for part in parts]).sum()
+
     def restart(self) -> torch.Tensor | None:
         """Forget this iteration so far, for a rerun that recomputes it: returns the loss
         sum it had (``None`` without a loss); the norms are dropped. No kernel, no sync."""

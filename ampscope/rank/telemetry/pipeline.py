@@ -23,6 +23,7 @@ from ampscope.rank.capture.pending import PendingStep
 from ampscope.rank.gradients.attribution import top_k
 from ampscope.rank.telemetry.batches import BatchNotes
 from ampscope.rank.telemetry.records import RecordBuilder
+from ampscope.rank.telemetry.stats_record import SpikeThresholds
 from ampscope.reporter.schema import NonfiniteParam, StepRecord
 from ampscope.reporter.sinks import Sink
 from ampscope.reporter.spike_rule import SpikeRule
@@ -143,6 +144,11 @@ class Telemetry:
             # pending steps reach the reporter before it flushes and says goodbye.
             atexit.unregister(_close_all_at_exit)
             atexit.register(_close_all_at_exit)
+
+    @property
+    def spike_thresholds(self) -> SpikeThresholds:
+        """The rank's spike thresholds, kept up to date once armed (a rerun closure)."""
+        return self._builder.stats.thresholds
 
     @property
     def closed(self) -> bool:

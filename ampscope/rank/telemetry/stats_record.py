@@ -5,7 +5,9 @@ Runs on the telemetry thread, in step order, inside
 :class:`~ampscope.rank.telemetry.records.RecordBuilder`. Per record it reads a few host values and
 feeds two :class:`~ampscope.reporter.spike_rule.SpikeWindow` (loss, grad norm); only on a spike
 iteration does it read the per-parameter norms (host memory: the CPU tensors themselves,
-or the tail of the step's pinned host copy) to name the top-K parameters.
+or the tail of the step's pinned host copy) to name the top-K parameters. Once a front-end
+reruns flagged iterations (``rerun=closure``) it also publishes the windows' current
+thresholds (:class:`SpikeThresholds`), for the training thread to compare on the device.
 """
 
 from __future__ import annotations
@@ -33,6 +35,29 @@ def _finite(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
+class SpikeThresholds:
+    """The rank's current spike thresholds, written by the telemetry thread, read by the
+    training thread (plain floats: each write and read is atomic under the GIL; a pair
+    read between the two writes is one old, one new, which is harmless).
+
+    The training thread passes them to comparison kernels as scalar arguments: on the
+    device, with no copy and no sync. They lag the training thread by the records not yet
+    built (usually a step or two).
+    """
+
+    __slots__ = ("armed", "grad_norm", "loss")
+
+    def __init__(self) -> None:
+        self.armed = False
+        """A front-end reruns spike iterations: the telemetry thread keeps the thresholds
+        (one median per series and record); until then it spends nothing on them."""
+        self.loss = math.inf
+        """The least loss (this rank's mean over the iteration's micro-batches) that is a
+        spike; ``inf``: none yet (too few values known)."""
+        self.grad_norm = math.inf
+        """The least gradient norm (the record's ``grad_norm``) that is a spike."""
+
+
 class StatsBuilder:
     """The rank's spike windows and the builder of each record's stats.
 
@@ -45,6 +70,7 @@ class StatsBuilder:
         self._k = k
         self.loss_window = SpikeWindow(rule)
         self.grad_norm_window = SpikeWindow(rule)
+        self.thresholds = SpikeThresholds()
 
     def build(
         self,
@@ -96,6 +122,10 @@ class StatsBuilder:
             spikes.append("loss")
         if self.grad_norm_window.observe(grad_norm) is not None:
             spikes.append("grad_norm")
+        thresholds = self.thresholds
+        if thresholds.armed:
+            thresholds.loss = self.loss_window.threshold()
+            thresholds.grad_norm = self.grad_norm_window.threshold()
         top: list[ParamNorm] = []
         if spikes:
             top = self._top_params(taken, inverse, host_norms)

@@ -57,12 +57,50 @@ def test_one_process_gathers_its_own_report_and_names_at_most_the_top() -> None:
 
 
 def test_a_report_travels_as_json_and_comes_back_equal() -> None:
-    for report in [*_reports(), unknown(3), RankReport(0, None, False, (("é.w", 1),))]:
+    rerun = RankReport(0, True, True, (), rerun="reproducible", batch_ids=(7, "doc-1"))
+    for report in [*_reports(), unknown(3), RankReport(0, None, False, (("é.w", 1),)), rerun]:
         assert decode(encode(report)) == report
-    assert json.loads(encode(_reports()[1])) == [1, True, True, [["w", 9], ["b", 4]], True]
-    for bad in (b"", b"[1, 2]", b'["0", null, false, [], true]', b"[0, null, 1, [], true]"):
+    assert json.loads(encode(_reports()[1])) == [
+        1,
+        True,
+        True,
+        [["w", 9], ["b", 4]],
+        True,
+        None,
+        [],
+    ]
+    for bad in (
+        b"",
+        b"[1, 2]",
+        b'["0", null, false, [], true, null, []]',
+        b"[0, null, 1, [], true, null, []]",
+        b'[0, null, false, [], true, "maybe", []]',
+        b"[0, null, false, [], true, null, [1.5]]",
+    ):
         with pytest.raises((ValueError, TypeError)):
             decode(bad)
+
+
+def test_the_message_says_what_the_rerun_found_on_each_rank() -> None:
+    reports = [
+        RankReport(0, False, False, ()),
+        RankReport(1, True, True, (), rerun="transient"),
+        RankReport(2, True, True, (), rerun="reproducible", batch_ids=(203, 204)),
+    ]
+    error = build_error(reports, 9, "r")
+    assert (error.reproduced_ranks, error.transient_ranks) == ((2,), (1,))
+    message = str(error)
+    assert (
+        "Reproducible: the rerun from the same batch reproduced it on rank(s) 2: suspect the "
+        "data or the numerics of step 9. Batch ids noted at step 9: rank 2: 203, 204."
+    ) in message
+    assert (
+        "Transient on rank(s) 1: the rerun did not reproduce that rank's result: suspect its "
+        "device."
+    ) in message
+    plain = build_error(reports[:1], 9, "r")
+    assert (plain.reproduced_ranks, plain.transient_ranks) == ((), ())
+    assert "rerun" not in str(plain)
 
 
 def test_a_rank_alone_speaks_for_itself_only() -> None:
