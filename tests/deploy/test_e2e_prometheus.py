@@ -184,9 +184,9 @@ def test_every_dashboard_and_alert_expression_returns_data(
     # The rerun run: rank 0's one-time fault pages, rank 1's NaN sample warns, no one else's.
     assert [s["metric"]["rank"] for s in hits["AmpscopeTransientFault"]] == ["0"]
     assert [s["metric"]["rank"] for s in hits["AmpscopeReproducibleFault"]] == ["1"]
-    assert runs("AmpscopeTransientFault") == runs("AmpscopeReproducibleFault") == {
-        f"{PREFIX}-rerun"
-    }
+    assert (
+        runs("AmpscopeTransientFault") == runs("AmpscopeReproducibleFault") == {f"{PREFIX}-rerun"}
+    )
     # The hotspot run names its outlier rank alone. Other runs are not asserted quiet:
     # increase() cannot count what a counter already held at its first scrape, so when the
     # overflow run's first overflows (on both ranks) land before Prometheus' first scrape of
