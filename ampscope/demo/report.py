@@ -100,13 +100,30 @@ def missing_verdicts(health: Mapping[str, Any], expected: Sequence[str]) -> list
     return [rule for rule in expected if rule not in flagged]
 
 
-def where_to_look(base_url: str, run_ids: Sequence[str], hotspot_run: str | None) -> list[str]:
-    """Links into the exporter, and PromQL to try once Prometheus scrapes it."""
+def where_to_look(
+    base_url: str,
+    run_ids: Sequence[str],
+    hotspot_run: str | None,
+    rerun_run: str | None = None,
+) -> list[str]:
+    """Links into the exporter, and PromQL to try once Prometheus scrapes it; with the run
+    whose ranks rerun flagged iterations (``rerun_run``), the command that lists its suspect
+    batches and the PromQL of its reruns."""
     example = hotspot_run or run_ids[0]
+    suspects: list[str] = []
+    reruns: list[str] = []
+    if rerun_run is not None:
+        suspects = [
+            f"  suspects      ampscope status --url {base_url} {rerun_run} --suspect-batches"
+        ]
+        reruns = [
+            "    ampscope_reruns_total   # result: transient (its device), reproducible (data)"
+        ]
     return [
         "Where to look",
         f"  web view      {base_url}/   (run page: {base_url}/run?id={example})",
         f"  terminal      ampscope status --url {base_url} {example}",
+        *suspects,
         f"  metrics       {base_url}/metrics",
         f"  API docs      {base_url}/docs",
         f"  runs          {base_url}/api/v1/runs",
@@ -120,4 +137,5 @@ def where_to_look(base_url: str, run_ids: Sequence[str], hotspot_run: str | None
         "    increase(ampscope_found_inf_origin_total[5m])",
         "    topk(5, ampscope_nonfinite_grads_total)",
         "    increase(ampscope_spikes_total[5m])   # kind: loss, grad_norm, origin_outlier",
+        *reruns,
     ]

@@ -39,6 +39,17 @@ class Scenario:
     ``bad_batch_factor`` times larger, its loss and its own gradients spike, and the step
     is not skipped as long as the scaled gradients stay finite in fp16."""
     bad_batch_factor: float = 1.0
+    rerun: bool = False
+    """Every rank hands ``step()`` a closure that recomputes the iteration from the same
+    batch (``scaler.step(optimizer, rerun=closure)``): a flagged iteration is rerun on every
+    rank and each compares its own two results."""
+    nan_sample_at: float | None = None
+    """At this fraction of the run, one sample of the last rank's batch holds NaN: bad data,
+    which the rerun reproduces (``reproducible_fault``, naming the sample's id)."""
+    transient_fault_at: float | None = None
+    """At this fraction of the run, rank 0's own gradients turn inf on the first pass of the
+    iteration only, as a one-time device fault would: the rerun is clean
+    (``transient_fault``) and the step goes on with its gradients."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.init_scale) and self.init_scale > 0):
@@ -51,7 +62,19 @@ class Scenario:
             math.isfinite(self.bad_batch_factor) and self.bad_batch_factor > 1
         ):
             raise ValueError(f"{self.name}: bad_batch_factor must be finite and above 1")
-        for name in ("corrupt_from", "stale_restore_at", "bad_batch_at"):
+        if not self.rerun and (
+            self.nan_sample_at is not None or self.transient_fault_at is not None
+        ):
+            raise ValueError(f"{self.name}: nan_sample_at and transient_fault_at need rerun")
+        if self.nan_sample_at is not None and self.nan_sample_at == self.transient_fault_at:
+            raise ValueError(f"{self.name}: nan_sample_at and transient_fault_at must differ")
+        for name in (
+            "corrupt_from",
+            "stale_restore_at",
+            "bad_batch_at",
+            "nan_sample_at",
+            "transient_fault_at",
+        ):
             value = getattr(self, name)
             if value is not None and not 0 < value < 1:
                 raise ValueError(f"{self.name}: {name} must be a fraction within (0, 1)")
@@ -80,6 +103,20 @@ class Scenario:
         if self.bad_batch_at is None:
             return None
         return math.floor(self.bad_batch_at * steps) + 1
+
+    def nan_sample_step(self, steps: int) -> int | None:
+        """The step whose batch holds a NaN sample on the last rank, if any: the first past
+        the fraction."""
+        if self.nan_sample_at is None:
+            return None
+        return math.floor(self.nan_sample_at * steps) + 1
+
+    def transient_fault_step(self, steps: int) -> int | None:
+        """The step whose first pass corrupts rank 0's own gradients, if any: the first past
+        the fraction."""
+        if self.transient_fault_at is None:
+            return None
+        return math.floor(self.transient_fault_at * steps) + 1
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -133,6 +170,20 @@ SCENARIOS: dict[str, Scenario] = {
             init_scale=2.0**5,
             bad_batch_at=0.75,
             bad_batch_factor=20.0,
+        ),
+        Scenario(
+            name="rerun",
+            story="bad data or bad hardware: every rank passes a rerun closure; at 30% of the "
+            "run one sample of the last rank's batch is NaN (the rerun reproduces it: the "
+            "data), at 60% rank 0's own gradients turn inf once (the rerun does not: its "
+            "device)",
+            expect=("reproducible_fault", "transient_fault"),
+            # As for the spike run: no overflow of its own at 2^5, so only the two planted
+            # faults are flagged and rerun.
+            init_scale=2.0**5,
+            rerun=True,
+            nan_sample_at=0.3,
+            transient_fault_at=0.6,
         ),
     )
 }

@@ -164,10 +164,8 @@ def run_demo(options: DemoOptions, emit: Callable[[str], None] | None = None) ->
                 "The exporter has stopped with the demo: rerun with --keep-serving to open the "
                 "web view and these links (and point Prometheus or Grafana at it)."
             )
-        hotspot = next(
-            (r for n, r in zip(options.scenarios, run_ids, strict=True) if n == "hotspot"), None
-        )
-        for line in where_to_look(base_url, run_ids, hotspot):
+        named = dict(zip(options.scenarios, run_ids, strict=True))
+        for line in where_to_look(base_url, run_ids, named.get("hotspot"), named.get("rerun")):
             out(line)
         if exporter is not None and options.keep_serving:
             # From the line that says so on, Ctrl-C (or SIGTERM, SIGHUP) is the way serving

@@ -27,6 +27,15 @@ FEATURES = 32
 HIDDEN = 64
 BATCH = 32
 OUTLIER_SAMPLES = 4
+NAN_SAMPLE = 5
+"""The sample of the last rank's batch that holds NaN in a scenario with ``nan_sample_at``."""
+
+
+def sample_ids(step: int, rank: int, world_size: int) -> list[int]:
+    """The ids the ranks note for ``step`` (``note_batch``): indices of one stream of
+    samples, as a ``DistributedSampler`` deals them, ``BATCH`` per rank and step."""
+    first = ((step - 1) * world_size + rank) * BATCH
+    return list(range(first, first + BATCH))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,6 +108,18 @@ class ScenarioRun:
         self.data = torch.Generator().manual_seed(1000 + rank)
         self.target = torch.randn(FEATURES, 1, generator=torch.Generator().manual_seed(7))
         self.stale_state: dict[str, Any] | None = None
+        self.corrupt_once = False
+        """Set for one iteration: the head's backward turns this rank's gradients inf once."""
+        if scenario.transient_fault_at is not None:
+            head = self.model.get_submodule("head")
+            head.register_full_backward_pre_hook(self._corrupt)
+
+    def _corrupt(self, module: Any, grad_output: tuple[torch.Tensor, ...]) -> Any:
+        # A one-time fault of this rank's device: the first backward only, not the rerun's.
+        if not self.corrupt_once:
+            return None
+        self.corrupt_once = False
+        return (grad_output[0] * float("inf"),)
 
     def _batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         x = torch.randn(BATCH, FEATURES, generator=self.data)
@@ -109,14 +130,34 @@ class ScenarioRun:
             x *= self.scenario.bad_batch_factor
         if self.scenario.corrupt_at(step, self.steps):
             x *= self.scenario.corrupt_factor
+        last_rank = self.rank == self.world_size - 1
+        if last_rank and step == self.scenario.nan_sample_step(self.steps):
+            x[NAN_SAMPLE] = float("nan")
         return x, y
 
     def step(self, step: int) -> None:
-        """One iteration: forward, scaled backward, step, update (and the stale restore)."""
+        """One iteration: forward, scaled backward, step (with a rerun closure where the
+        scenario asks), update (and the stale restore)."""
         x, y = self._batch(step)
+        self.scaler.note_batch(sample_ids(step, self.rank, self.world_size))
+        self.corrupt_once = self.rank == 0 and step == self.scenario.transient_fault_step(
+            self.steps
+        )
         loss = torch.nn.functional.mse_loss(self.model(x).float(), y)
         self.scaler.scale(loss).backward()
-        self.scaler.step(self.optimizer)
+        if self.scenario.rerun:
+
+            def recompute() -> torch.Tensor:
+                # The closure's contract: zero the gradients, forward and backward through
+                # scale() on the same batch, return the loss.
+                self.optimizer.zero_grad(set_to_none=True)
+                again = torch.nn.functional.mse_loss(self.model(x).float(), y)
+                self.scaler.scale(again).backward()
+                return again
+
+            self.scaler.step(self.optimizer, rerun=recompute)
+        else:
+            self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         last_rank = self.rank == self.world_size - 1
@@ -170,6 +211,10 @@ def worker(rank: int, world_size: int, master_port: int, plan: Plan, queue: Any)
     """Process entry point: join the gloo group, train, report to the runner's queue."""
     # Keep two ranks from fighting over a laptop's cores.
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world_size))
+    # One node, as torchrun would start it: each rank its own local rank, so each names its
+    # own device (<node>:<local_rank>) and an offence lands on the rank's device alone.
+    os.environ["LOCAL_RANK"] = str(rank)
+    os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
     try:
         dist.init_process_group(
             "gloo",

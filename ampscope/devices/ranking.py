@@ -8,8 +8,10 @@ from typing import Any
 
 from ampscope.devices.query import Sample
 
-KINDS = ("nonfinite_origin", "origin_outlier")
-"""Offence kinds always listed (0 when none); another kind a newer exporter sends is kept."""
+KINDS = ("nonfinite_origin", "origin_outlier", "transient_fault")
+"""Offence kinds always listed (0 when none): the exporter's ``OFFENCE_KINDS`` (not imported:
+this command loads neither the server stack nor pydantic); another kind a newer exporter
+sends is kept."""
 
 
 @dataclass

@@ -70,6 +70,14 @@ def _increase(selector: str) -> str:
     return f"increase({selector}[$__rate_interval])"
 
 
+def _counted(selector: str) -> str:
+    """What a counter exposed once non-zero counted per interval, its first sample included:
+    ``increase()`` cannot count a series' first sample, so a series new within the interval
+    shows its value (what it counted from zero)."""
+    new = f"{selector} * 1 unless {selector} offset $__rate_interval"
+    return f"(({_increase(selector)}) > 0 or ({new}))"
+
+
 def _rate(selector: str) -> str:
     return f"rate({selector}[$__rate_interval])"
 
@@ -185,14 +193,21 @@ def loss_and_gradient_norm() -> list[Panel]:
             43,
             "Reruns of flagged iterations",
             "Flagged (inf/NaN) iterations rerun from the same batch in which the rank's own "
-            "result was flagged, per scrape interval (ampscope_reruns_total): transient, the "
-            "rerun did not reproduce it (suspect the rank's device); reproducible, it did (the "
-            "data or the numerics: the step's batch ids are in the health report). Empty "
-            "without step(optimizer, rerun=closure) or when nothing was flagged.",
+            "result was flagged, per scrape interval (ampscope_reruns_total), a series' first "
+            "rerun included. Red, transient: the rerun did not reproduce it (suspect the "
+            "rank's device; AmpscopeTransientFault). Orange, reproducible: it did (the data or "
+            "the numerics; AmpscopeReproducibleFault): ampscope status RUN --suspect-batches "
+            "lists the step's batch ids. Empty without step(optimizer, rerun=closure) or when "
+            "nothing was flagged.",
             Query(
-                _increase(per_rank("ampscope_reruns_total")),
-                f"{{{{result}}}}: {RANK_LEGEND}",
+                _counted(per_rank("ampscope_reruns_total", 'result="transient"')),
+                f"transient (device): {RANK_LEGEND}",
             ),
+            Query(
+                _counted(per_rank("ampscope_reruns_total", 'result="reproducible"')),
+                f"reproducible (data): {RANK_LEGEND}",
+            ),
+            colors=("red", "orange"),
         ),
     ]
 
@@ -466,9 +481,10 @@ def suspect_devices() -> list[Panel]:
             33,
             "Devices by runs with offences (30 days)",
             "Per device (on CUDA the GPU UUID, as DCGM-exporter labels it), the distinct runs in "
-            "which a rank on it was the origin of inf/NaN gradients or an origin outlier, over "
-            "30 days (recording rule ampscope_device:offending_runs:count_30d). Two runs or more "
-            "fires AmpscopeRepeatOffenderDevice: drain the node and run the vendor's "
+            "which a rank on it was the origin of inf/NaN gradients, an origin outlier or a "
+            "transient fault, over 30 days (recording rule "
+            "ampscope_device:offending_runs:count_30d). Two runs or more fires "
+            "AmpscopeRepeatOffenderDevice: drain the node and run the vendor's "
             "diagnostics. All runs, whatever the run variable.",
             Query(
                 "topk(20, ampscope_device:offending_runs:count_30d)",
@@ -480,8 +496,9 @@ def suspect_devices() -> list[Panel]:
             34,
             "Offences by device and kind, selected runs",
             "ampscope_device_offences_total: the steps at which a rank on the device was the "
-            "origin of inf/NaN gradients (nonfinite_origin) or stood out from the other ranks "
-            "(origin_outlier), in the selected runs and nodes.",
+            "origin of inf/NaN gradients (nonfinite_origin), stood out from the other ranks "
+            "(origin_outlier) or computed a flagged result its rerun did not reproduce "
+            "(transient_fault), in the selected runs and nodes.",
             Query(
                 "sum by (device, node, kind) "
                 '(ampscope_device_offences_total{run=~"$run", node=~"$node"})',

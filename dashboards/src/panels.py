@@ -268,18 +268,27 @@ def bars(
     unit: str = "short",
     width: int = 12,
     height: int = 8,
+    colors: tuple[str, ...] = (),
 ) -> timeseries.Panel:
     """A time series of bars from 0: counts per interval, e.g. ``increase(...[$__rate_interval])``.
 
-    Arguments as for :func:`series`.
+    Arguments as for :func:`series`, and:
+        colors: One fixed colour per query, in order (Grafana's names: ``red``, ``orange``),
+            for panels whose queries mean different things; without, the classic palette.
     """
-    return (
+    panel = (
         _time_series(panel_id, title, description, queries, (width, height), unit, None)
         .draw_style(common.GraphDrawStyle.BARS)
         .fill_opacity(80)
         .line_interpolation(STEP)
         .min(0)
     )
+    for letter, color in zip(ascii_uppercase, colors, strict=False):
+        fixed = dashboard_models.DynamicConfigValue(
+            id_val="color", value={"mode": "fixed", "fixedColor": color}
+        )
+        panel = panel.override_by_query(letter, [fixed])
+    return panel
 
 
 def number(

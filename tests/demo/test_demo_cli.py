@@ -97,6 +97,8 @@ def test_demo_trains_into_every_expected_verdict_and_keeps_serving() -> None:
             "loss_spike",
             "grad_norm_spike",
             "origin_outlier",
+            "reproducible_fault",
+            "transient_fault",
         ):
             assert re.search(rf"(CRIT|WARN) {rule} .*\(expected\)", text), rule
         # The spike run's warnings name the last rank and the bad batch's step.
@@ -112,7 +114,7 @@ def test_demo_trains_into_every_expected_verdict_and_keeps_serving() -> None:
 
         # The exporter the demo started still serves everything it was told.
         runs = {run["run"]: run for run in _get(f"{base}/api/v1/runs")}
-        names = ["overflow", "hotspot", "collapse", "desync", "spike"]
+        names = ["overflow", "hotspot", "collapse", "desync", "spike", "rerun"]
         assert set(runs) == {f"{PREFIX}-{name}" for name in names}
         for run in runs.values():
             assert (run["ranks"], run["up"], run["newest_step"]) == (2, 2, STEPS)

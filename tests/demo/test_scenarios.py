@@ -21,8 +21,10 @@ def test_the_default_mix_provokes_every_instability_verdict() -> None:
         "loss_spike",
         "grad_norm_spike",
         "origin_outlier",
+        "reproducible_fault",
+        "transient_fault",
     }
-    assert list(SCENARIOS) == ["overflow", "hotspot", "collapse", "desync", "spike"]
+    assert list(SCENARIOS) == ["overflow", "hotspot", "collapse", "desync", "spike", "rerun"]
 
 
 def test_outliers_only_on_the_chosen_rank_and_period() -> None:
@@ -63,6 +65,33 @@ def test_the_bad_batch_follows_a_full_spike_window_even_in_the_shortest_run() ->
     assert SCENARIOS["hotspot"].bad_batch_step(60) is None
 
 
+def test_the_rerun_run_plants_its_two_faults_on_separate_steps() -> None:
+    rerun = SCENARIOS["rerun"]
+    assert rerun.rerun
+    assert (rerun.nan_sample_step(60), rerun.transient_fault_step(60)) == (19, 37)
+    assert (rerun.nan_sample_step(MIN_STEPS), rerun.transient_fault_step(MIN_STEPS)) == (10, 19)
+    # Only these two iterations are flagged: no outliers, no corruption, a scale too low to
+    # overflow that never grows within the demo.
+    assert rerun.init_scale == SCENARIOS["spike"].init_scale
+    assert rerun.growth_interval > 60
+    assert rerun.outlier_rank is None
+    assert rerun.corrupt_from is None
+    assert rerun.bad_batch_at is None
+    assert rerun.stale_restore_at is None
+    # The other runs pass no closure: their flagged iterations are not rerun.
+    assert [name for name, s in SCENARIOS.items() if s.rerun] == ["rerun"]
+    assert SCENARIOS["spike"].nan_sample_step(60) is None
+    assert SCENARIOS["spike"].transient_fault_step(60) is None
+
+
+def test_sample_ids_deal_one_stream_to_the_ranks() -> None:
+    from ampscope.demo.trainer import BATCH, NAN_SAMPLE, sample_ids
+
+    dealt = [i for step in (1, 2) for rank in (0, 1) for i in sample_ids(step, rank, 2)]
+    assert dealt == list(range(4 * BATCH))
+    assert sample_ids(10, 1, 2)[NAN_SAMPLE] == (9 * 2 + 1) * BATCH + NAN_SAMPLE
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
@@ -75,6 +104,10 @@ def test_the_bad_batch_follows_a_full_spike_window_even_in_the_shortest_run() ->
         ({"bad_batch_at": 1.5, "bad_batch_factor": 20.0}, "bad_batch_at"),
         ({"bad_batch_at": 0.5}, "bad_batch_factor"),
         ({"bad_batch_at": 0.5, "bad_batch_factor": float("nan")}, "bad_batch_factor"),
+        ({"nan_sample_at": 0.3}, "need rerun"),
+        ({"transient_fault_at": 0.3}, "need rerun"),
+        ({"rerun": True, "nan_sample_at": 0.5, "transient_fault_at": 0.5}, "must differ"),
+        ({"rerun": True, "transient_fault_at": 1.0}, "transient_fault_at"),
     ],
 )
 def test_invalid_scenarios_are_rejected(kwargs: dict[str, float], message: str) -> None:

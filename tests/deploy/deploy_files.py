@@ -159,6 +159,7 @@ def metric_names(expr: str) -> set[str]:
     text = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)  # string literals: label values
     text = re.sub(r"\{[^}]*\}", " ", text)  # label matchers
     text = re.sub(r"\[[^\]]*\]", " ", text)  # range and subquery windows
+    text = re.sub(r"\boffset\s+-?\$?\w+", " ", text)  # offsets: 10m, $__rate_interval
     # Label lists of aggregations and vector matching.
     text = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", text)
     names = set()

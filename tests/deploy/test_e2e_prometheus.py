@@ -151,15 +151,13 @@ def test_every_dashboard_and_alert_expression_returns_data(
     # These panels are empty by design here, and must be: the demo's ranks all end normally
     # (a "Failed ranks" row would be a rank that failed), no DCGM-exporter runs beside it,
     # the demo's models hold no FP8 (torchao Float8Linear) layers, so no rank exports the FP8
-    # row's series (tests/exporter/fp8 and tests/rank/fp8 cover those), and no demo rank
-    # passes a rerun closure (ampscope_reruns_total appears once non-zero).
+    # row's series (tests/exporter/fp8 and tests/rank/fp8 cover those).
     expected_empty = {
         "Failed ranks",
         "DCGM errors of offending devices",
         "FP8 amax per layer, log10 (rank $fp8_rank)",
         "FP8 underflow ratio per layer (rank $fp8_rank)",
         "FP8 scale per layer (rank $fp8_rank)",
-        "Reruns of flagged iterations",
     }
     assert {title for title, _ in empty} == expected_empty, (
         f"dashboard queries without data: {empty}"
@@ -183,6 +181,12 @@ def test_every_dashboard_and_alert_expression_returns_data(
     assert f"{PREFIX}-collapse" in runs("AmpscopeSkipStorm")
     assert runs("AmpscopeScaleDesync") == {f"{PREFIX}-desync"}
     assert runs("AmpscopeRankLost") == runs("AmpscopeRankStalled") == set()
+    # The rerun run: rank 0's one-time fault pages, rank 1's NaN sample warns, no one else's.
+    assert [s["metric"]["rank"] for s in hits["AmpscopeTransientFault"]] == ["0"]
+    assert [s["metric"]["rank"] for s in hits["AmpscopeReproducibleFault"]] == ["1"]
+    assert (
+        runs("AmpscopeTransientFault") == runs("AmpscopeReproducibleFault") == {f"{PREFIX}-rerun"}
+    )
     # The hotspot run names its outlier rank alone. Other runs are not asserted quiet:
     # increase() cannot count what a counter already held at its first scrape, so when the
     # overflow run's first overflows (on both ranks) land before Prometheus' first scrape of

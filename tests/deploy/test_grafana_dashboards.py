@@ -293,3 +293,87 @@ def test_loss_and_norms_per_rank_on_log_axes_and_spikes_marked(
         check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _reruns_panel(dashboard: dict[str, Any]) -> dict[str, Any]:
+    (panel,) = [p for p in panels(dashboard) if p["id"] == 43]
+    return panel
+
+
+def test_reruns_panel_draws_transient_and_reproducible_apart(dashboard: dict[str, Any]) -> None:
+    panel = _reruns_panel(dashboard)
+    assert panel["title"] == "Reruns of flagged iterations"
+    targets = {t["refId"]: t for t in panel["targets"]}
+    assert set(targets) == {"A", "B"}
+    assert 'result="transient"' in targets["A"]["expr"]
+    assert 'result="reproducible"' in targets["B"]["expr"]
+    assert targets["A"]["legendFormat"].startswith("transient (device): ")
+    assert targets["B"]["legendFormat"].startswith("reproducible (data): ")
+    colors = {
+        o["matcher"]["options"]: o["properties"]
+        for o in panel["fieldConfig"]["overrides"]
+        if o["matcher"]["id"] == "byFrameRefID"
+    }
+    assert colors == {
+        "A": [{"id": "color", "value": {"mode": "fixed", "fixedColor": "red"}}],
+        "B": [{"id": "color", "value": {"mode": "fixed", "fixedColor": "orange"}}],
+    }
+    assert "--suspect-batches" in panel["description"]
+
+
+@pytest.mark.prometheus
+def test_reruns_panel_counts_a_series_first_rerun(
+    dashboard: dict[str, Any], tmp_path: Path
+) -> None:
+    """ampscope_reruns_total appears at 1 (exposed once non-zero), which increase() alone
+    never counts: promtool evaluates the panel's queries on such a series."""
+    targets = {t["refId"]: substitute(t["expr"]) for t in _reruns_panel(dashboard)["targets"]}
+    labels = 'run="r",node="n0",rank="0",local_rank="0"'
+    rules = tmp_path / "panel.yml"
+    recorded = [
+        {"record": "panel:transient", "expr": targets["A"]},
+        {"record": "panel:reproducible", "expr": targets["B"]},
+    ]
+    rules.write_text(yaml.safe_dump({"groups": [{"name": "panel", "rules": recorded}]}))
+    # Rank 0: a transient rerun appears at 1m (value 1) and a second at 5m; a reproducible
+    # one appears at 3m. Scraped every 15 s.
+    series = [
+        {"series": f'ampscope_reruns_total{{{labels},result="transient"}}',
+         "values": "_x3 1x15 2x20"},
+        {"series": f'ampscope_reruns_total{{{labels},result="reproducible"}}',
+         "values": "_x11 1x30"},
+    ]  # fmt: skip
+
+    def at(minutes: str, record: str, value: float | None) -> dict[str, Any]:
+        result = record.split(":")[1]
+        named = f'{record}{{{labels},result="{result}"}}'
+        samples = [] if value is None else [{"labels": named, "value": value}]
+        return {"expr": record, "eval_time": minutes, "exp_samples": samples}
+
+    checks = [
+        at("1m", "panel:transient", 1),  # the first rerun: the series' first sample
+        at("1m", "panel:reproducible", None),
+        at("3m", "panel:transient", None),  # nothing new within the last minute
+        at("3m", "panel:reproducible", 1),
+        at("5m30s", "panel:transient", 1),  # the second: increase() counts it
+        at("8m", "panel:reproducible", None),
+    ]
+    tests = tmp_path / "panel-test.yml"
+    tests.write_text(
+        yaml.safe_dump(
+            {
+                "rule_files": [rules.name],
+                "evaluation_interval": "15s",
+                "tests": [{"interval": "15s", "input_series": series, "promql_expr_test": checks}],
+            }
+        )
+    )
+    result = subprocess.run(
+        [need_tool("promtool"), "test", "rules", tests.name],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -35,6 +35,7 @@ ALERTS = {
     "AmpscopeGradNormSpike",
     "AmpscopeOriginOutlier",
     "AmpscopeTransientFault",
+    "AmpscopeReproducibleFault",
     "AmpscopeRepeatOffenderDevice",
     "AmpscopeFp8NonfiniteAmax",
     "AmpscopeFp8Underflow",
@@ -84,6 +85,20 @@ def test_every_alert_is_unit_tested_firing_and_not_firing() -> None:
                 (firing if check["exp_alerts"] else silent).add(check["alertname"])
     assert firing == ALERTS
     assert silent == ALERTS
+
+
+def test_vmalert_parses_every_rule() -> None:
+    """vmalert (VictoriaMetrics) evaluates the same file: its parser (MetricsQL) must accept
+    every expression, as tests/deploy/test_e2e_two_nodes.py needs."""
+    vmalert = need_tool("vmalert")
+    result = subprocess.run(
+        [vmalert, "-dryRun", f"-rule={RULES_FILE}", "-loggerLevel=ERROR"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_alerts_carry_for_severity_summary_description() -> None:
@@ -139,6 +154,23 @@ def test_alert_thresholds_are_the_shared_defaults() -> None:
         assert alerts[name]["labels"]["severity"] == "warning", name
     # The grad norm is the same on every rank: one alert per run, not one per rank.
     assert alerts["AmpscopeGradNormSpike"]["expr"].startswith("max by (run) (")
+
+
+def test_rerun_alerts_read_the_counter_by_result_with_the_verdicts_window() -> None:
+    alerts = alert_rules()
+    transient = alerts["AmpscopeTransientFault"]
+    assert transient["labels"]["severity"] == "critical"
+    assert 'ampscope_reruns_total{result="transient"} > 0' in transient["expr"]
+    reproducible = alerts["AmpscopeReproducibleFault"]
+    assert reproducible["labels"]["severity"] == "warning"
+    expr = " ".join(reproducible["expr"].split())
+    window = f"[{Thresholds().spike_verdict_window_s / 60:g}m]"
+    counter = 'ampscope_reruns_total{result="reproducible"}'
+    assert f"increase({counter}{window}) > 0" in expr
+    # The counter appears once non-zero, at 1: a series new within the window counts too.
+    assert f"{counter} * 1 unless {counter} offset {window[1:-1]}" in expr
+    # The on-call finds the batch ids in the exporter, not in Prometheus.
+    assert "--suspect-batches" in reproducible["annotations"]["description"]
 
 
 def test_no_alert_fires_for_a_finished_rank() -> None:

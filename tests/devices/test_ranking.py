@@ -21,7 +21,8 @@ OFFENCES = [
     _offence("r3", "GPU-a", "n1", "origin_outlier", 4),
     _offence("r2", "n2:0", "n2", "nonfinite_origin", 7),
     _offence("r1", "GPU-b", "n1", "nonfinite_origin", 1),
-    _offence("r4", "GPU-b", "n1", "transient_fault", 1),  # a kind from a newer exporter
+    _offence("r4", "GPU-b", "n1", "transient_fault", 1),
+    _offence("r4", "GPU-b", "n1", "future_kind", 2),  # a kind from a newer exporter
     _offence("r9", "GPU-z", "n3", "nonfinite_origin", 0),  # not an offence
 ]
 LAST = [
@@ -40,7 +41,7 @@ def test_devices_are_ranked_by_runs_then_offences() -> None:
             "node": "n1",
             "runs": 3,
             "run_ids": ["r1", "r2", "r3"],
-            "offences": {"nonfinite_origin": 3, "origin_outlier": 5},
+            "offences": {"nonfinite_origin": 3, "origin_outlier": 5, "transient_fault": 0},
             "last_run": "r3",
             "last_offence_time": 300.0,
             "dcgm": {},
@@ -51,7 +52,12 @@ def test_devices_are_ranked_by_runs_then_offences() -> None:
             "node": "n1",
             "runs": 2,
             "run_ids": ["r1", "r4"],
-            "offences": {"nonfinite_origin": 1, "origin_outlier": 0, "transient_fault": 1},
+            "offences": {
+                "nonfinite_origin": 1,
+                "origin_outlier": 0,
+                "transient_fault": 1,
+                "future_kind": 2,
+            },
             # No exporter said when: the last run id.
             "last_run": "r4",
             "last_offence_time": None,
@@ -63,7 +69,7 @@ def test_devices_are_ranked_by_runs_then_offences() -> None:
             "node": "n2",
             "runs": 1,
             "run_ids": ["r2"],
-            "offences": {"nonfinite_origin": 7, "origin_outlier": 0},
+            "offences": {"nonfinite_origin": 7, "origin_outlier": 0, "transient_fault": 0},
             "last_run": "r2",
             "last_offence_time": 250.0,
             "dcgm": {},
@@ -98,3 +104,10 @@ def test_queries_read_the_raw_series() -> None:
         "DCGM_FI_DEV_ECC_DBE_AGG_TOTAL|DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS|"
         'DCGM_FI_DEV_ROW_REMAP_FAILURE"}, "field", "$1", "__name__", "(.+)") > 0'
     )
+
+
+def test_the_kinds_always_listed_are_the_exporters() -> None:
+    from ampscope.devices.ranking import KINDS
+    from ampscope.exporter.metrics.catalogue import OFFENCE_KINDS
+
+    assert KINDS == OFFENCE_KINDS

@@ -16,9 +16,10 @@ RANK_LABELS = ("run", "node", "rank", "local_rank")
 DEVICE_LABELS = ("run", "device", "node")
 """Labels of the per-device families: ``device`` as ``ampscope_rank_info`` names it."""
 
-OFFENCE_KINDS = ("nonfinite_origin", "origin_outlier")
-"""Offences ``ampscope_device_offences_total`` counts. ``transient_fault`` is reserved for
-a rerun that tells a hardware fault from data; it is not emitted yet."""
+OFFENCE_KINDS = ("nonfinite_origin", "origin_outlier", "transient_fault")
+"""Offences ``ampscope_device_offences_total`` counts (its ``kind``): the rank's own
+gradients held inf/NaN (a rerun that reproduced them says the data did it: not counted), its
+own gradient norm stood out, or a rerun did not reproduce its flagged result."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -239,9 +240,11 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         type="counter",
         help="Iterations at which a rank on this device was an offender, by kind: "
         "nonfinite_origin (its own gradients held inf/NaN before the cross-rank reduction, "
-        "origin tracking), origin_outlier (its own gradient norm stood out, as "
-        "ampscope_spikes_total counts it). Exposed once non-zero; the ranks of a run that "
-        "share a device are summed. transient_fault is reserved and not emitted yet.",
+        "origin tracking; not where a rerun reproduced them, which points at the data), "
+        "origin_outlier (its own gradient norm stood out, as ampscope_spikes_total counts "
+        "it), transient_fault (a rerun from the same batch did not reproduce its flagged "
+        'result, as ampscope_reruns_total{result="transient"} counts it). Exposed once '
+        "non-zero; the ranks of a run that share a device are summed.",
         labels=(*DEVICE_LABELS, "kind"),
     ),
     MetricSpec(

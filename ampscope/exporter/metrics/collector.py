@@ -69,15 +69,20 @@ def device_labels(snap: RankSnapshot) -> tuple[str, str, str]:
 def device_families(snaps: Iterable[RankSnapshot]) -> list[Metric]:
     """``ampscope_device_offences_total`` and ``ampscope_device_last_offence_timestamp_seconds``
     of the ranks ``snaps``: only devices that offended, the ranks of a run that share a
-    device summed (their newest offence for the time). O(ranks)."""
+    device summed (their newest offence for the time). Kinds as ``OFFENCE_KINDS``; origin
+    detections of steps whose rerun reproduced the result are the data's, not counted.
+    O(ranks)."""
     counts: dict[tuple[str, str, str, str], int] = {}
     newest: dict[tuple[str, str, str], float] = {}
     for snap in snaps:
         who = snap.identity
         key = (who.run, device_labels(snap)[0], who.node)
+        # A reproduced rerun said the data did it: its origin detections are not the device's.
+        origins = sum(snap.newest.totals.found_inf_origin.values()) - snap.rerun_data_origins
         offences: tuple[tuple[str, int], ...] = (
-            ("nonfinite_origin", sum(snap.newest.totals.found_inf_origin.values())),
+            ("nonfinite_origin", max(0, origins)),
             ("origin_outlier", snap.spike_counts.origin_outlier),
+            ("transient_fault", snap.rerun_counts.transient),
         )
         for kind, count in offences:
             if count:

@@ -42,7 +42,13 @@ from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 from ampscope.exporter.state.fp8_series import Fp8Series, RankFp8
-from ampscope.exporter.state.reruns import NO_RERUNS, RankReruns, RerunCounts, RerunEvent
+from ampscope.exporter.state.reruns import (
+    NO_RERUNS,
+    RankReruns,
+    RerunCounts,
+    RerunEvent,
+    device_offended,
+)
 from ampscope.exporter.state.spike_windows import RankSpikes, SpikeCounts, SpikeEvent
 from ampscope.reporter.schema import (
     DeviceIdentity,
@@ -223,8 +229,9 @@ class RankSnapshot:
     that predates it)."""
     last_offence: float | None = None
     """Record time of the newest step at which the rank was an offender: its own gradients
-    held inf/NaN (origin tracking) or stood out as an origin outlier; ``None`` while none
-    was seen."""
+    held inf/NaN (origin tracking) and no rerun reproduced it, its flagged result was not
+    reproduced by a rerun (``transient_fault``), or it stood out as an origin outlier;
+    ``None`` while none was seen."""
     last_skip: SkipEvent | None = None
     """The current process's newest skipped step the exporter received."""
     fp8: tuple[Fp8Series, ...] = ()
@@ -233,6 +240,9 @@ class RankSnapshot:
     """Reruns of its own flagged results, by result (``ampscope_reruns_total``)."""
     reruns: tuple[RerunEvent, ...] = ()
     """The most recent of them, oldest first."""
+    rerun_data_origins: int = 0
+    """Origin detections of steps whose rerun reproduced the rank's flagged result (the
+    data's): left out of the device's ``nonfinite_origin`` offences."""
 
     @property
     def identity(self) -> Identity:
@@ -527,7 +537,7 @@ class RankState:
 
     def _apply(self, record: StepRecord, now: float) -> _Outcome:
         outcome = _classify(record, self.newest, self._process_start)
-        if outcome != "ignored" and any(record.found_inf_origin.values()):
+        if outcome != "ignored" and device_offended(record):
             self.note_offence(record.time)
         if outcome == "newest":
             if self.newest is None:
@@ -627,4 +637,5 @@ class RankState:
             fp8=self.fp8.view(baselines=history),
             rerun_counts=self.reruns.counts,
             reruns=tuple(self.reruns.recent),
+            rerun_data_origins=self.reruns.data_origins,
         )

@@ -1,9 +1,14 @@
 """The reruns of one rank: how many of its own flagged results each rerun reproduced, and
-the newest of them, for ``ampscope_reruns_total`` and the ``transient_fault`` and
-``reproducible_fault`` verdicts.
+the newest of them, for ``ampscope_reruns_total``, the ``transient_fault`` and
+``reproducible_fault`` verdicts and the device offences (``ampscope_device_offences_total``).
 
 A rank counts a rerun only where its own result was flagged (``rerun.flagged``): the other
 ranks reran the iteration to keep the collectives paired, and no verdict is about them.
+
+For the device: a transient result is an offence of the rank's device (``transient_fault``);
+a reproduced one is the data's, so its origin detections (the record keeps the second pass,
+whose own gradients held inf/NaN again) are counted in ``data_origins``, which the
+``nonfinite_origin`` offences leave out.
 """
 
 from __future__ import annotations
@@ -55,6 +60,10 @@ class RankReruns:
     def __init__(self) -> None:
         self.counts = NO_RERUNS
         self.recent: deque[RerunEvent] = deque(maxlen=MAX_RECENT_RERUNS)
+        self.data_origins = 0
+        """Origin detections (devices whose own gradients held inf/NaN, summed over steps)
+        of steps whose rerun reproduced the rank's flagged result: the data's, not the
+        device's."""
 
     def observe(self, record: StepRecord, now: float) -> None:
         rerun = record.rerun
@@ -62,6 +71,8 @@ class RankReruns:
             return
         result: RerunResult = "reproducible" if rerun.reproduced else "transient"
         self.counts = self.counts._replace(**{result: getattr(self.counts, result) + 1})
+        if rerun.reproduced:
+            self.data_origins += sum(record.found_inf_origin.values())
         self.recent.append(
             RerunEvent(
                 result=result,
@@ -78,3 +89,14 @@ class RankReruns:
         """A new process of the rank: its counters start from zero."""
         self.counts = NO_RERUNS
         self.recent.clear()
+        self.data_origins = 0
+
+
+def device_offended(record: StepRecord) -> bool:
+    """Whether ``record``'s step is an offence of its rank's device as the record alone
+    tells: its own gradients held inf/NaN (origin tracking) and no rerun reproduced that,
+    or its flagged result was not reproduced by the rerun (a transient fault)."""
+    rerun = record.rerun
+    if rerun is not None and rerun.flagged:
+        return not rerun.reproduced
+    return any(record.found_inf_origin.values())

@@ -9,7 +9,13 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from support import need_tool, promtool_check_metrics
 
-from ampscope.exporter.metrics.catalogue import CATALOGUE, RANK_LABELS, SCALER_ONLY
+from ampscope.exporter.metrics.catalogue import (
+    CATALOGUE,
+    OFFENCE_KINDS,
+    RANK_LABELS,
+    SCALER_ONLY,
+)
+from ampscope.reporter.schema import Rerun, RerunPass
 from ampscope.verdicts.thresholds import Thresholds
 from exporter.conftest import MakeClient
 from exporter.factory import T0, body, gpu, record, stats, totals, watch
@@ -373,6 +379,97 @@ def test_device_offences_count_origin_outliers_and_sum_ranks_sharing_a_device(
         # The newest of the two ranks' offences: rank 1's inf at T0 + 50.
         ("ampscope_device_last_offence_timestamp_seconds", "run-b", shared, "node0"): T0 + 50,
     }
+
+
+def _rerun(*, flagged: bool, reproduced: bool) -> Rerun:
+    """A rerun of a non-finite iteration as the rank reports it (``Rerun`` of the record)."""
+    return Rerun(
+        reason="nonfinite",
+        flagged=flagged,
+        reproduced=reproduced,
+        first=RerunPass(loss=1.0, norm=None, nonfinite=flagged),
+        second=RerunPass(loss=1.0, norm=None if reproduced else 2.0, nonfinite=reproduced),
+    )
+
+
+def test_a_transient_rerun_is_an_offence_of_the_device_and_a_reproduced_one_is_not(
+    make_client: MakeClient,
+) -> None:
+    client, _ = make_client()
+    # Run "rr" on one node: every rank reran steps 4 and 7. At step 4 rank 1's own result
+    # (a NaN sample) came back on the rerun: the record keeps the second pass, whose own
+    # gradients held inf/NaN again, so the origin counter counts it, yet it is the data's.
+    # At step 7 rank 0's own result did not come back: its device.
+    for rank in range(2):
+        records = []
+        for s in range(1, 10):
+            rerun = None
+            if s in (4, 7):
+                flagged = (rank, s) in ((1, 4), (0, 7))
+                rerun = _rerun(flagged=flagged, reproduced=s == 4)
+            data_nan = rank == 1 and s >= 4
+            records.append(
+                record(
+                    s,
+                    run="rr",
+                    rank=rank,
+                    origin=rank == 1 and s == 4,
+                    skipped=s == 4,
+                    rerun=rerun,
+                    total=totals(s, origin={"cuda:0": int(data_nan)}),
+                    device=gpu(rank) if s == 1 else None,
+                )
+            )
+        _post(client, *records)
+    got = _device_samples(client)
+    dev0 = "GPU-00000000-0000-0000-0000-00000000abcd"
+    assert got == {
+        ("ampscope_device_offences_total", "rr", dev0, "node0", "transient_fault"): 1,
+        ("ampscope_device_last_offence_timestamp_seconds", "rr", dev0, "node0"): T0 + 7,
+    }
+    # The reruns themselves are counted per rank, both results.
+    samples = _samples(client)
+    reruns = {
+        (dict(labels)["rank"], dict(labels)["result"]): value
+        for (name, labels), value in samples.items()
+        if name == "ampscope_reruns_total"
+    }
+    assert reruns == {("0", "transient"): 1, ("1", "reproducible"): 1}
+
+    # A later own inf/NaN of rank 1 without a rerun is an offence of its device again; the
+    # reproduced step stays left out.
+    _post(
+        client,
+        record(10, run="rr", rank=1, origin=True, time=T0 + 40,
+               total=totals(10, origin={"cuda:0": 2})),
+    )  # fmt: skip
+    dev1 = "GPU-00000001-0000-0000-0000-00000000abcd"
+    got = _device_samples(client)
+    assert got[("ampscope_device_offences_total", "rr", dev1, "node0", "nonfinite_origin")] == 1
+    assert got[("ampscope_device_last_offence_timestamp_seconds", "rr", dev1, "node0")] == T0 + 40
+    assert ("ampscope_device_offences_total", "rr", dev1, "node0", "transient_fault") not in got
+
+
+def test_every_offence_kind_is_catalogued(make_client: MakeClient) -> None:
+    client, _ = make_client()
+    # One rank offends in all three ways: its own inf at step 3, a transient rerun at
+    # step 5, and an origin outlier at step 25 (after the spike rule's window).
+    for rank in range(3):
+        records = []
+        for s in range(1, 26):
+            own = rank == 0
+            records.append(
+                record(
+                    s, run="all", rank=rank, world_size=3, origin=own and s == 3,
+                    rerun=_rerun(flagged=own, reproduced=False) if s == 5 else None,
+                    stats=stats(1.0, 1.0, 100.0 if own and s == 25 else 1.0),
+                    total=totals(s, origin={"cuda:0": int(own and s >= 3)}),
+                    device=gpu(rank) if s == 1 else None,
+                )
+            )  # fmt: skip
+        _post(client, *records)
+    kinds = {key[4] for key in _device_samples(client) if len(key) == 5}
+    assert kinds == set(OFFENCE_KINDS)
 
 
 def test_a_restarted_rank_names_its_new_device(make_client: MakeClient) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ampscope.exporter.state.reruns import RankReruns, RerunCounts
+from ampscope.exporter.state.reruns import RankReruns, RerunCounts, device_offended
 from ampscope.reporter.schema import Rerun, RerunPass
 from exporter.factory import record
 
@@ -35,3 +35,27 @@ def test_counts_only_the_ranks_own_flagged_results() -> None:
     reruns.reset()
     assert reruns.counts == RerunCounts()
     assert not reruns.recent
+
+
+def test_a_reproduced_result_keeps_its_origin_detections_off_the_device() -> None:
+    reruns = RankReruns()
+    own = {"cuda:0": True, "cuda:1": True}
+    reproduced = record(2, rerun=_rerun(flagged=True, reproduced=True)).model_copy(
+        update={"found_inf_origin": own}
+    )
+    transient = record(3, rerun=_rerun(flagged=True, reproduced=False))
+    plain = record(4, origin=True)
+    for step in (reproduced, transient, plain):
+        reruns.observe(step, 10.0)
+    # Both devices of the reproduced step held inf/NaN again on the rerun: the data's.
+    assert reruns.data_origins == 2
+    assert [device_offended(r) for r in (record(1), reproduced, transient, plain)] == [
+        False,
+        False,
+        True,
+        True,
+    ]
+    # Another rank's flagged iteration that this rank only reran is not about this rank.
+    assert not device_offended(record(5, rerun=_rerun(flagged=False, reproduced=True)))
+    reruns.reset()
+    assert reruns.data_origins == 0
