@@ -18,7 +18,7 @@ from typing import Any
 from ampscope.reporter.schema import DEFAULT_URL
 from ampscope.reporter.tls import ClientTls, explain_401, explain_tls_failure
 from ampscope.status import shapes
-from ampscope.status.prometheus_api import PrometheusClient
+from ampscope.status.prometheus.api import PrometheusClient
 from ampscope.status.shapes import Malformed
 from ampscope.status.targets import read_targets
 from ampscope.status.transport import open_url

@@ -46,7 +46,7 @@ from ampscope.status.fanout import (
     EXIT_UNREACHABLE,
     TargetResult,
 )
-from ampscope.status.prometheus_api import PrometheusClient, QueryError
+from ampscope.status.prometheus.api import PrometheusClient, QueryError
 from ampscope.status.shapes import Malformed
 from ampscope.status.targets import TargetsError
 from ampscope.verdicts.verdict import SEVERITY

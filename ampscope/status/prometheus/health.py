@@ -21,12 +21,12 @@ baseline, which only the exporters hold (``SPIKE_DETAIL``); ``nonfinite_skipped`
 ``increase`` would miss the first): which rank and how many, not the step or the device
 (``RERUN_DETAIL``). For a run whose ranks export FP8 series, ``fp8_nonfinite_amax`` and
 ``fp8_underflow`` are judged from the FP8 gauges' samples, ``fp8_amax_spike`` is not
-(``ampscope.status.prometheus_fp8``).
+(``ampscope.status.prometheus.fp8``).
 
 A rank whose series were there within the last hour and are gone now (its exporter's scrape
 fails, or its series went stale) is ``lost``, as the exporter's own health would call a rank
 it no longer hears, and ``lost_rank`` names it and the exporters whose scrape fails
-(``ampscope.status.prometheus_ranks``). The thresholds are those the exporters publish
+(``ampscope.status.prometheus.ranks``). The thresholds are those the exporters publish
 (``ampscope_exporter_health_threshold``), the defaults where none does. Cost: one query for
 the thresholds, then fourteen instant queries run in parallel; the answer holds O(ranks x devices)
 samples.
@@ -41,9 +41,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields
 from typing import Any
 
-from ampscope.status import merge, prometheus_fp8, shapes
-from ampscope.status.prometheus_api import PrometheusClient, QueryError
-from ampscope.status.prometheus_ranks import (
+from ampscope.status import merge, shapes
+from ampscope.status.prometheus import fp8 as prometheus_fp8
+from ampscope.status.prometheus.api import PrometheusClient, QueryError
+from ampscope.status.prometheus.ranks import (
     GAUGES,
     LOOKBACK_S,
     build_views,

@@ -17,7 +17,7 @@ from status_cli import run_status
 from support import DEADLOCK_GUARD_S, free_port, need_tool, start_prometheus, stop_process
 
 from ampscope.demo.exporter import ExporterProcess
-from ampscope.status.prometheus import SKIP_DETAIL
+from ampscope.status.prometheus.health import SKIP_DETAIL
 
 RUN = "job-9"
 LAYOUT = {"n0": (0, 1), "n1": (2, 3), "n2": (4,)}
@@ -217,7 +217,8 @@ def _sample(name: str, rank: int, value: float, **labels: str) -> dict[str, Any]
 
 def test_spike_verdicts_count_what_prometheus_holds() -> None:
     from ampscope.status import prometheus
-    from ampscope.status.prometheus_ranks import build_views, per_rank
+    from ampscope.status.prometheus import health
+    from ampscope.status.prometheus.ranks import build_views, per_rank
     from ampscope.verdicts.thresholds import Thresholds
 
     t = Thresholds()
@@ -253,7 +254,7 @@ def test_spike_verdicts_count_what_prometheus_holds() -> None:
         (1, "n0", 1)
     ]
     assert loss["summary"].startswith("rank 1 (node n0) had a loss spike; 1 spike iteration(s)")
-    assert prometheus.SPIKE_DETAIL.format(run=RUN) in loss["summary"]
+    assert health.SPIKE_DETAIL.format(run=RUN) in loss["summary"]
     norm = verdicts["grad_norm_spike"]
     assert (norm["status"], norm["evidence"]["spikes"], norm["evidence"]["ranks_seen"]) == (
         "warning",

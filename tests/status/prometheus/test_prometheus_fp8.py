@@ -10,8 +10,9 @@ from typing import Any
 import yaml
 from support import need_tool
 
-from ampscope.status import prometheus, prometheus_fp8
-from ampscope.status.prometheus_ranks import build_views
+from ampscope.status import prometheus
+from ampscope.status.prometheus import fp8 as prometheus_fp8
+from ampscope.status.prometheus.ranks import build_views
 from ampscope.verdicts.fp8 import Fp8Rule
 from ampscope.verdicts.thresholds import Thresholds
 

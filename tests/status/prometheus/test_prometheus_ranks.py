@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ampscope.status.prometheus_ranks import (
+from ampscope.status.prometheus.ranks import (
     build_views,
     exporters_down,
     gone_ranks,
