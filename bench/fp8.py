@@ -12,6 +12,9 @@ capability 8.9 or later): the GPT-2-small-shaped model of :mod:`bench.gpt` (124M
 parameters) with every ``nn.Linear`` of its blocks converted to ``Float8Linear`` (48
 layers, tensorwise), bf16 autocast, fused AdamW, eager mode (no ``torch.compile``); each
 step timed by CUDA events around it, one synchronize per block.
+
+``--ops`` counts instead of timing: the operators an observed iteration adds per observed
+tensor (:mod:`bench.fp8_ops`); with ``--out`` it writes them as JSON.
 """
 
 from __future__ import annotations
@@ -229,8 +232,19 @@ def main(argv: list[str] | None = None) -> None:
         "--gpu", action="store_true", help="the GPT-2-small model on a CUDA GPU, real FP8 matmuls"
     )
     parser.add_argument("--shape", default="gpt2-small", help="with --gpu: gpt2-small or tiny")
+    parser.add_argument(
+        "--ops", action="store_true", help="count the operators added per observed tensor"
+    )
     args = parser.parse_args(argv)
     logging.getLogger("torchao").setLevel(logging.ERROR)
+    if args.ops:
+        from bench.fp8_ops import count_ops, print_ops
+
+        counted = count_ops()
+        print_ops(counted)
+        if args.out is not None:
+            args.out.write_text(json.dumps(counted, indent=2) + "\n")
+        return
     if args.instructions is not None:
         count_instructions(args.instructions, args.steps)
         return

@@ -9,5 +9,6 @@ does to it: the amax, the share of its non-zero elements that the cast turns int
 
 ``casts.py`` holds the per-tensor statistics (device ops only), ``observer.py`` the
 hooks and the per-iteration values, which travel with the step's own device-to-host
-copy, and ``record.py`` turns their host values into the records' ``fp8`` entries.
+copy, and ``record.py`` turns their host values into the records' ``fp8`` entries, with
+the scales ``scales.py`` derives from the amaxes as torchao does (pure Python).
 """

@@ -5,10 +5,11 @@
 iteration only, puts a hook on the layer's output for its gradient (``grad_output``: what
 the layer's backward casts). Iterations not observed cost one attribute test per layer
 and forward. On an observed iteration each tensor's statistics
-(:func:`~ampscope.rank.fp8.casts.cast_stats`) stay on its device; :meth:`Fp8Observer.take`
-hands them, concatenated into one float32 vector, to the step's own device-to-host copy
-(``PendingStep.extra``), with an :class:`Fp8Taken` that names its values. Nothing is read
-on the training thread.
+(:func:`~ampscope.rank.fp8.casts.cast_stats`: one-element tensors) stay on its device;
+:meth:`Fp8Observer.take` hands them, joined by one ``torch.cat`` into one float32 vector,
+to the step's own device-to-host copy (``PendingStep.extra``), with an :class:`Fp8Taken`
+that names its values and holds what the host needs to decode them (sizes, sources).
+Nothing is read on the training thread.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ampscope.rank import compat
 from ampscope.rank.compat import Float8Cast
-from ampscope.rank.fp8.casts import cast_stats, precast_stats
+from ampscope.rank.fp8.casts import VALUES, CastStats, Source, cast_stats, precast_stats
 
 Fp8TensorName = Literal["input", "weight", "grad_output"]
 CastName = Literal["output_gemm", "grad_input_gemm", "fsdp_all_gather"]
@@ -47,37 +48,40 @@ class Fp8Slot:
     dtype: str
     """The FP8 dtype, e.g. ``float8_e4m3fn``."""
     rowwise: bool
+    power_of_2: bool
+    """torchao's ``round_scales_to_power_of_2``."""
+    fp8_max: float
+    """The dtype's largest finite value, the numerator of torchao's scale."""
 
 
 @dataclass(frozen=True)
 class Fp8Taken:
-    """Names the values of one observed iteration: ``slots[i]`` owns the five values from
-    ``5 * i`` (amax, underflowed, nonzero, scale_max, scale_min), combined over
-    ``calls[i]`` casts (a layer run several times: gradient accumulation, recomputation)."""
+    """Names the values of one observed iteration: ``slots[i]`` owns the ``VALUES`` values
+    from ``VALUES * i`` (high, at_or_below, nonzero, low: :class:`~ampscope.rank.fp8.casts.
+    CastStats`), combined over ``calls[i]`` casts (a layer run several times: gradient
+    accumulation, recomputation): the largest high, the smallest low, the summed counts."""
 
     slots: tuple[Fp8Slot, ...]
     calls: tuple[int, ...]
+    numel: tuple[int, ...]
+    """Elements counted, summed over the calls."""
+    sources: tuple[Source, ...]
+    """What ``high`` and ``low`` hold (``CastStats.source``)."""
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _combined(parts: list[torch.Tensor]) -> torch.Tensor:
-    """Several casts of one tensor in an iteration: the largest amax and scale, the summed
-    counts, the smallest scale. torch.max propagates NaN, as a non-finite amax must."""
+def _combined(parts: list[CastStats]) -> list[torch.Tensor]:
+    """Several casts of one tensor in an iteration: the largest high, the summed counts,
+    the smallest low (four ops). torch's max propagates NaN, as a non-finite amax must."""
     if len(parts) == 1:
-        return parts[0]
-    stacked = torch.stack(parts)
-    return torch.stack(
-        [
-            stacked[:, 0].max(),
-            stacked[:, 1].sum(),
-            stacked[:, 2].sum(),
-            stacked[:, 3].max(),
-            stacked[:, 4].min(),
-        ]
-    )
+        return list(parts[0].values)
+    stacked = torch.cat([value for part in parts for value in part.values])
+    stacked = stacked.view(len(parts), VALUES)
+    high, summed, low = stacked.amax(0), stacked.sum(0), stacked.amin(0)
+    return [high[0:1], summed[1:2], summed[2:3], low[3:4]]
 
 
 class _Layer:
@@ -101,6 +105,8 @@ class _Layer:
                 cast=cast_name,
                 dtype=_dtype_name(cast.dtype),
                 rowwise=cast.rowwise,
+                power_of_2=cast.power_of_2,
+                fp8_max=torch.finfo(cast.dtype).max,
             )
         return found
 
@@ -147,7 +153,7 @@ class Fp8Observer:
         """Whether the open iteration is observed."""
         self._iteration = 0
         self._layers: list[_Layer] = []
-        self._values: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._values: dict[tuple[int, int], list[CastStats]] = {}
         self._slots: dict[tuple[int, int], Fp8Slot] = {}
         self._handles: list[RemovableHandle] = []
         shards = shards or {}
@@ -183,20 +189,20 @@ class Fp8Observer:
         if not values:
             return None
         keys = sorted(values)
-        parts = [_combined(values[key]) for key in keys]
+        parts = [value for key in keys for value in _combined(values[key])]
         device = parts[0].device
         vector = torch.cat([p if p.device == device else p.to(device) for p in parts])
         taken = Fp8Taken(
             slots=tuple(self._slots[key] for key in keys),
             calls=tuple(len(values[key]) for key in keys),
+            numel=tuple(sum(part.numel for part in values[key]) for key in keys),
+            sources=tuple(values[key][-1].source for key in keys),
         )
         return vector, taken
 
     # -- hooks ---------------------------------------------------------------------------
 
-    def _add(
-        self, layer: _Layer, tensor: Fp8TensorName, cast: CastName, stats: torch.Tensor
-    ) -> None:
+    def _add(self, layer: _Layer, tensor: Fp8TensorName, cast: CastName, stats: CastStats) -> None:
         key = (layer.index, TENSORS.index(tensor))
         self._slots[key] = layer.slot(tensor, cast)
         found = self._values.get(key)
@@ -229,9 +235,9 @@ class Fp8Observer:
         def hook(grad: torch.Tensor) -> None:
             try:
                 # The bias add passes the gradient through: this is what the layer's
-                # backward reshapes to 2-D and casts for the grad_input GEMM.
-                flat = grad.reshape(-1, grad.shape[-1])
-                stats = cast_stats(flat, layer.casts["grad_output"])
+                # backward reshapes to 2-D and casts for the grad_input GEMM (its rows
+                # are the last dim's: the statistics need no reshape).
+                stats = cast_stats(grad, layer.casts["grad_output"])
                 self._add(layer, "grad_output", "grad_input_gemm", stats)
             except Exception:
                 self._failed()

@@ -108,3 +108,32 @@ def test_a_non_finite_amax_is_reported_as_none() -> None:
     (record,) = sink.records
     first = {(e.layer, e.tensor): e for e in record.fp8 or ()}
     assert first[("blocks.0.up", "input")].amax is None
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_two_micro_batches_combine_into_one_entry(recipe: str) -> None:
+    """Gradient accumulation: each layer casts twice in the iteration; its entry holds the
+    larger amax, the larger and smaller scale, and a pooled underflow ratio."""
+    model = fp8_model(recipe)
+    seen = independent_hooks(model)
+    sink = ListSink()
+    watch = ampscope.GradWatch(reporter=None, sinks=[sink])
+    watch.attach(model, fp8_every=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    optimizer.zero_grad()
+    for micro in range(2):
+        watch.scale(model(data(micro)).square().mean()).backward()
+    watch.step(optimizer)
+    watch.update()
+    watch.close()
+    (record,) = sink.records
+    assert record.fp8 is not None
+    for entry in record.fp8:
+        mine = seen[(entry.layer, entry.tensor)]
+        assert entry.calls == 2
+        assert entry.amax == pytest.approx(max(mine.amax), rel=1e-2)
+        assert entry.scale == pytest.approx(max(mine.scale), rel=1e-2)
+        if recipe == "tensorwise":
+            assert entry.scale_min == pytest.approx(min(mine.scale), rel=1e-2)
+        low, high = sorted(mine.underflow)
+        assert low - 1e-3 <= entry.underflow_ratio <= high + 1e-3
