@@ -75,7 +75,7 @@ class TelemetryConfig:
     fp8_every: int = DEFAULT_FP8_EVERY
     """Observe the ``Float8Linear`` layers of an attached model (torchao) on the first
     iteration and then one in ``fp8_every`` (``attach(model, fp8_every=...)`` overrides
-    it). Each observed iteration costs three reductions and two elementwise passes over
+    it). Each observed iteration costs three reductions and three elementwise passes over
     each cast tensor, on its device (docs/fp8.md#costs)."""
 
     def __post_init__(self) -> None:

@@ -4,8 +4,9 @@ Each function returns a :class:`CastStats`: four float32 tensors of one element 
 built from device ops only (no ``.item()``, no sync), and what the host needs to decode
 them. Eager FP8 steps on a GPU are bound by kernel launches, so everything that is a
 function of a few scalars is left to the host (:mod:`ampscope.rank.fp8.record`): the
-scale (:func:`ampscope.rank.fp8.scales.amax_to_scale` of the shipped amaxes), the zero
-count (the tensor's size, known on the host, less the non-zero count) and the ratio.
+scale (:func:`ampscope.rank.fp8.scales.amax_to_scale` of the shipped amaxes) and the
+ratio. The underflowed count is counted directly (non-zero and at or below the threshold),
+not as a difference of two counts, which float32 would lose past 2**24 elements.
 
 The device computes, per tensor: the amax (rowwise: the smallest and largest row amax,
 whose scales are the largest and smallest), the non-zero count, and how many elements
@@ -31,7 +32,7 @@ from ampscope.rank.compat import Float8Cast
 from ampscope.rank.fp8.scales import EPS, float32
 
 VALUES = 4
-"""Values per observed tensor: high, at_or_below, nonzero, low (:class:`CastStats`)."""
+"""Values per observed tensor: high, underflowed, nonzero, low (:class:`CastStats`)."""
 
 Source = Literal["amax", "scale", "fp8_zeros"]
 
@@ -43,12 +44,12 @@ class CastStats(NamedTuple):
     amax (rowwise: of the rows; tensorwise both the amax); ``scale``, the largest and
     smallest scale of a weight that arrived cast (FSDP2's float8 all-gather); for
     ``fp8_zeros`` (no high-precision shard to count on) also the scale, with
-    ``at_or_below`` the FP8 data's zeros and ``nonzero`` unused.
+    ``underflowed`` the FP8 data's zeros and ``nonzero`` unused.
     """
 
     high: torch.Tensor
-    at_or_below: torch.Tensor
-    """Elements with ``|x|`` at most the threshold: the zeros and the underflowed."""
+    underflowed: torch.Tensor
+    """Non-zero elements with ``|x|`` at most the threshold: those the cast makes zero."""
     nonzero: torch.Tensor
     low: torch.Tensor
     numel: int
@@ -57,7 +58,7 @@ class CastStats(NamedTuple):
     @property
     def values(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The ``VALUES`` device values, in their order in the shipped vector."""
-        return self.high, self.at_or_below, self.nonzero, self.low
+        return self.high, self.underflowed, self.nonzero, self.low
 
 
 @functools.cache
@@ -109,20 +110,22 @@ def _counts(
     source: Source = "amax",
 ) -> CastStats:
     nonzero = _float32_norm(tensor, 0.0).reshape(1)
-    # abs in the tensor's dtype, compared in float32 (the threshold has a dim, so it sets
-    # the comparison's dtype), the 0/1 result written over the magnitudes: no bool tensor
-    # and no copy before the float32 sum.
+    # The underflowed are counted directly, the non-zero magnitudes at or below the
+    # threshold: a difference of two counts (at or below, less the zeros) would lose them in
+    # float32 past 2**24 elements (an 8x2048x4096 activation holds 2**26). abs in the
+    # tensor's dtype, compared in float32 (the threshold has a dim, so it sets the
+    # comparison's dtype), those above it zeroed in place.
     magnitude = tensor.abs()
-    torch.le(magnitude, threshold, out=magnitude)
-    at_or_below = magnitude.sum(dtype=torch.float32).reshape(1)
-    return CastStats(high, at_or_below, nonzero, low, tensor.numel(), source)
+    magnitude.masked_fill_(magnitude > threshold, 0.0)
+    underflowed = _float32_norm(magnitude, 0.0).reshape(1)
+    return CastStats(high, underflowed, nonzero, low, tensor.numel(), source)
 
 
 @torch.no_grad()
 def cast_stats(tensor: torch.Tensor, cast: Float8Cast) -> CastStats:
     """The statistics of ``cast`` applied to ``tensor`` (high precision), with the scale the
     layer derives from it. Cost: three reductions over the tensor (amax, non-zero count,
-    the count at or below the threshold), one elementwise ``abs`` and ``le``, and two (six
+    underflowed count), an elementwise ``abs``, comparison and masked fill, and two (six
     for power-of-two scales) ops on the amax."""
     tensor = tensor.detach()
     if cast.rowwise:

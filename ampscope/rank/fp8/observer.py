@@ -57,7 +57,7 @@ class Fp8Slot:
 @dataclass(frozen=True)
 class Fp8Taken:
     """Names the values of one observed iteration: ``slots[i]`` owns the ``VALUES`` values
-    from ``VALUES * i`` (high, at_or_below, nonzero, low: :class:`~ampscope.rank.fp8.casts.
+    from ``VALUES * i`` (high, underflowed, nonzero, low: :class:`~ampscope.rank.fp8.casts.
     CastStats`), combined over ``calls[i]`` casts (a layer run several times: gradient
     accumulation, recomputation): the largest high, the smallest low, the summed counts."""
 

@@ -2,9 +2,8 @@
 
 Runs on the telemetry thread, in plain Python: the device shipped four values per tensor
 (:class:`~ampscope.rank.fp8.casts.CastStats`), from which this derives the scales
-(torchao's ``amax_to_scale``, reproduced by :mod:`ampscope.rank.fp8.scales`), the
-underflowed count (the elements at or below the threshold less the zeros, which are the
-size known at hook time less the non-zero count) and the ratio.
+(torchao's ``amax_to_scale``, reproduced by :mod:`ampscope.rank.fp8.scales`) and the
+ratio (the underflowed count, exact on the device, over the non-zero count).
 
 Under a loss scaler the ``grad_output`` the layer cast was the scaled gradient: its amax
 is divided by the iteration's loss scale and its scale multiplied by it, so that every
@@ -37,7 +36,7 @@ def _decode(
     slot: Fp8Slot, source: Source, numel: int, values: list[float]
 ) -> tuple[float, float, float, float, float]:
     """amax, underflowed, the ratio's denominator, the largest and smallest scale."""
-    high, at_or_below, nonzero, low = values
+    high, underflowed, nonzero, low = values
     if source == "amax":
         amax = high
         # A larger amax gives a smaller scale (torchao's is monotone): the largest scale
@@ -48,8 +47,7 @@ def _decode(
         scale_max, scale_min = high, low
         amax = _amax_of_scale(slot.fp8_max, scale_min)
     if source == "fp8_zeros":
-        return amax, at_or_below, float(numel), scale_max, scale_min
-    underflowed = at_or_below - (numel - nonzero)
+        return amax, underflowed, float(numel), scale_max, scale_min
     return amax, underflowed, nonzero, scale_max, scale_min
 
 

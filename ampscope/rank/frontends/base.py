@@ -146,7 +146,7 @@ class TelemetryFrontEnd(failure.ClosedByWith):
                 (``found_inf_origin``). Costs one read-only pass per gradient bucket.
             fp8_every: Observe the ``Float8Linear`` layers on the first iteration and then
                 one in this many; ``None``: the front-end's ``fp8_every`` option. An
-                observed iteration costs three reductions and two elementwise passes
+                observed iteration costs three reductions and three elementwise passes
                 over each cast tensor, on its device, and no sync.
 
         Raises:
