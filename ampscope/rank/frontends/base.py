@@ -21,7 +21,7 @@ from torch import nn
 
 from ampscope.rank import compat
 from ampscope.rank.config import TelemetryConfig, check_fp8_every
-from ampscope.rank.frontends.rerun import Checks, Closure, Rerun, RerunOutcome
+from ampscope.rank.frontends.rerun import Checks, Closure, Rerun, RerunOutcome, agree_flagged
 from ampscope.rank.gradients.names import ParamNames
 from ampscope.rank.gradients.stats import GradStats, SquareSumReduce, TakenStats
 from ampscope.rank.telemetry.identity import resolve_identity
@@ -95,6 +95,8 @@ class TelemetryFrontEnd(failure.ClosedByWith):
             spike_rule=config.spike_rule,
         )
         self._ampscope_capture = None
+        # Closed after observing: it still takes part in the ranks' rerun agreement.
+        self._ampscope_closed = False
         self._ampscope_names = ParamNames()
         self._ampscope_identity = None
         self._ampscope_origin = None
@@ -216,6 +218,7 @@ class TelemetryFrontEnd(failure.ClosedByWith):
         capture, self._ampscope_capture = self._ampscope_capture, None
         self._ampscope_stats = None
         if capture is not None:
+            self._ampscope_closed = True
             capture.close()
         for handle in self._ampscope_origin_handles:
             handle.remove()
@@ -238,17 +241,46 @@ class TelemetryFrontEnd(failure.ClosedByWith):
         """Agree whether the iteration is flagged and, if so, rerun it
         (:class:`~ampscope.rank.frontends.rerun.Rerun`): whether it was rerun. Exceptions
         of the closure reach the caller, as any of the loop's own code."""
+        if self._ampscope_rerun_pending is not None:
+            # The closure recomputed every gradient and an optimizer already stepped on
+            # them: a second rerun would compare a different iteration.
+            raise RuntimeError(
+                "ampscope: this iteration was already rerun for another optimizer; pass "
+                "rerun= to one optimizer's step() per iteration (its closure recomputes "
+                "every gradient)"
+            )
         stats = self._ampscope_stats
         thresholds = None
         if stats is not None:
             thresholds = self._ampscope_telemetry.spike_thresholds
             thresholds.armed = True
         origin = self._ampscope_origin
-        check = Rerun(checks, optimizer, stats, origin, rtol, group=group, thresholds=thresholds)
+        check = Rerun(
+            checks,
+            optimizer,
+            stats,
+            origin,
+            rtol,
+            group=group,
+            thresholds=thresholds,
+            on_failure=self._ampscope_failed,
+        )
         if not check.flagged():
             return False
         self._ampscope_last_rerun = self._ampscope_rerun_pending = check.run(closure)
         return True
+
+    def _ampscope_rerun_closed(self, closure: Closure, group: Any = None) -> None:
+        """A closed front-end's part in the rerun: ranks that still observe agree on every
+        iteration with a closure, so this one takes part with a zero flag and, when another
+        rank flagged the iteration, calls the closure once (its collectives pair with
+        theirs). Nothing is compared: a closed front-end records nothing. A front-end
+        disabled from the start (or unpickled) takes no part: all ranks are alike there."""
+        if not self._ampscope_closed:
+            return
+        if agree_flagged(torch.zeros(1), group) > 0:
+            with torch.enable_grad():
+                closure()
 
     def _ampscope_attach_fp8(self, model: nn.Module, every: int) -> None:
         """Observe ``model``'s ``Float8Linear`` layers (replacing an earlier attach's)."""

@@ -161,14 +161,17 @@ def own_flag(
     found: Mapping[torch.device, torch.Tensor],
     origin: OriginFlags | None,
     spikes: SpikeTests = NO_SPIKE_TESTS,
+    loss: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """This rank's one-element flag: :data:`NONFINITE` when its pre-reduction found-inf
     (origin tracking: its own gradients) or torch's found-inf (after the collective) is
-    set, else :data:`SPIKE` when one of ``spikes`` (:func:`spike_tests`) is, else 0. A few
-    small kernels, no sync."""
+    set, or its ``loss`` (the sum of what ``scale()`` saw) is inf/NaN, else :data:`SPIKE`
+    when one of ``spikes`` (:func:`spike_tests`) is, else 0. A few small kernels, no sync."""
     flags = list(found.values())
     if origin is not None:
         flags += list(origin.peek().values())
+    if loss is not None:
+        flags.append(~torch.isfinite(loss.detach()).all())
     tests = [test for test in spikes if test is not None]
     if not flags and not tests:
         return torch.zeros(1)
@@ -221,7 +224,9 @@ class Rerun:
         *,
         group: dist.ProcessGroup | None = None,
         thresholds: SpikeThresholds | None = None,
+        on_failure: Callable[[], None] | None = None,
     ) -> None:
+        self._on_failure = on_failure
         self._checks = checks
         self._optimizer = optimizer
         self._stats = stats
@@ -236,8 +241,17 @@ class Rerun:
         """Check the gradients (if the front-end did not), then agree whether any rank
         flagged the iteration. One all-reduce and one host read."""
         found = self._checks.found()
-        self._spikes = spike_tests(self._stats, self._thresholds)
-        self._agreed = agree_flagged(own_flag(found, self._origin, self._spikes), self._group)
+        try:
+            self._spikes = spike_tests(self._stats, self._thresholds)
+            loss = None if self._stats is None else self._stats.peek_loss()
+            own = own_flag(found, self._origin, self._spikes, loss)
+        except Exception:
+            # This rank still takes part in the agreement (a zero flag), or the others
+            # would wait for it in the all-reduce.
+            if self._on_failure is not None:
+                self._on_failure()
+            self._spikes, own = NO_SPIKE_TESTS, torch.zeros(1)
+        self._agreed = agree_flagged(own, self._group)
         return self._agreed > 0
 
     def run(self, closure: Closure) -> RerunOutcome:
@@ -249,15 +263,23 @@ class Rerun:
         was not reproduced: the norm is the whole model's, so under data parallelism every
         rank sees its spike, and only the rank whose result changed is named; a reproduced
         norm spike names no rank (the exporter's ``grad_norm_spike`` lists every rank's
-        ids)."""
+        ids). A spike is reproduced when the second pass spikes alike (non-deterministic
+        kernels move the values, not the spike), else, as inf/NaN, by :func:`compare`. A
+        rank whose first pass was clean and whose rerun held inf/NaN is flagged too: the
+        step goes on with that pass, and the rank's device made it."""
         first = self._read(keep=False, spikes=self._spikes)
         self._checks.forget()
         with torch.enable_grad():
             closure()
         self._checks.found()  # checks the closure's gradients unless it did (clipping)
-        second = self._read(keep=True)
-        reproduced = compare(first, second, self._rtol)
-        flagged = first.nonfinite or first.loss_spike or (first.norm_spike and not reproduced)
+        second = self._read(keep=True, spikes=spike_tests(self._stats, self._thresholds))
+        reproduced = compare(first, second, self._rtol) or _spikes_again(first, second)
+        flagged = (
+            first.nonfinite
+            or first.loss_spike
+            or (first.norm_spike and not reproduced)
+            or (second.nonfinite and not first.nonfinite)
+        )
         return RerunOutcome(
             first=first,
             second=second,
@@ -306,4 +328,21 @@ def _local_norm(optimizer: torch.optim.Optimizer) -> float | None:
     if not grads:
         return None
     norms = compat.foreach_norm([g.float() for g in grads], False)
-    return float(torch.linalg.vector_norm(torch.stack([n.cpu() for n in norms])).item())
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for norm in norms:
+        by_device.setdefault(norm.device, []).append(norm)
+    # One stack and one read per device (a flagged iteration only).
+    on_host = [torch.stack(group).cpu() for group in by_device.values()]
+    return float(torch.linalg.vector_norm(torch.cat(on_host)).item())
+
+
+def _spikes_again(first: PassResult, second: PassResult) -> bool:
+    """The first pass spiked (finite) and the second spiked alike, finite too."""
+    spiked = first.loss_spike or first.norm_spike
+    return (
+        spiked
+        and not first.nonfinite
+        and not second.nonfinite
+        and (second.loss_spike or not first.loss_spike)
+        and (second.norm_spike or not first.norm_spike)
+    )

@@ -93,8 +93,14 @@ class TelemetryMixin(TelemetryFrontEnd):
             rerun_rtol: Relative tolerance of the comparison; 0 compares bit for bit.
         """
         parent: Any = super()
-        if rerun is not None and self._ampscope_capture is not None:
-            self._ampscope_rerun(_ScalerChecks(self, optimizer), optimizer, rerun, rerun_rtol)
+        if rerun is not None:
+            # ShardedGradScaler's own group (torch's process_group); GradScaler's: the default.
+            group = getattr(self, "process_group", None)
+            if self._ampscope_capture is None:
+                self._ampscope_rerun_closed(rerun, group)
+            else:
+                checks = _ScalerChecks(self, optimizer)
+                self._ampscope_rerun(checks, optimizer, rerun, rerun_rtol, group)
         return parent.step(optimizer, *args, **kwargs)
 
     # -- torch hook points ---------------------------------------------------------------

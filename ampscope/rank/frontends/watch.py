@@ -208,6 +208,8 @@ class GradWatch(TelemetryFrontEnd):
         """
         capture = self._ampscope_capture
         if capture is None:
+            if rerun is not None:
+                self._ampscope_rerun_closed(rerun, self._watch.process_group)
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradWatch is enabled.")

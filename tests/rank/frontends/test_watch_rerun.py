@@ -247,3 +247,37 @@ def test_a_spike_of_the_first_pass_only_is_transient(make: Any) -> None:
     front_end.close()
     assert record.stats is not None
     assert record.stats.spikes == []  # the record keeps the second, clean pass
+
+
+@FRONT_ENDS
+def test_a_spike_that_comes_back_a_little_different_is_reproduced(make: Any) -> None:
+    """Non-deterministic kernels move the rerun's values by a few ulps: the spike, which
+    comes back, is the data's, not a device fault."""
+    front_end = make()
+    loop = _Loop(front_end)
+    _warm_up(loop, 10)
+    loop.spike = 1000.0
+    loop.spike_once = 1e-3  # the first pass only: the rerun's loss differs a little
+    loop.step(10)
+    assert loop.calls == 1
+    outcome = front_end.last_rerun
+    assert outcome is not None
+    assert outcome.first.loss != outcome.second.loss
+    assert outcome.second.loss_spike
+    assert (outcome.reason, outcome.flagged, outcome.reproduced) == ("spike", True, True)
+    front_end.close()
+
+
+def test_a_nan_loss_flags_the_iteration_itself() -> None:
+    """A NaN loss with finite gradients (a NaN constant added to it) flags the iteration,
+    before the spike rule has any threshold."""
+    watch, _ = _watch()
+    loop = _Loop(watch)
+    loop.spike = NAN
+    loop.step(0)
+    assert loop.calls == 1
+    outcome = watch.last_rerun
+    assert outcome is not None
+    assert outcome.reason == "nonfinite"
+    assert outcome.reproduced
+    watch.close()
