@@ -5,8 +5,8 @@ built from device ops only (no ``.item()``, no sync), and what the host needs to
 them. Eager FP8 steps on a GPU are bound by kernel launches, so everything that is a
 function of a few scalars is left to the host (:mod:`ampscope.rank.fp8.record`): the
 scale (:func:`ampscope.rank.fp8.scales.amax_to_scale` of the shipped amaxes) and the
-ratio. The underflowed count is counted directly (non-zero and at or below the threshold),
-not as a difference of two counts, which float32 would lose past 2**24 elements.
+ratio. The counts are int64 (exact at any size; a float32 count stops at 2**24), and the
+underflowed are counted directly (non-zero and at or below the threshold).
 
 The device computes, per tensor: the amax (rowwise: the smallest and largest row amax,
 whose scales are the largest and smallest), the non-zero count, and how many elements
@@ -109,15 +109,15 @@ def _counts(
     low: torch.Tensor,
     source: Source = "amax",
 ) -> CastStats:
-    nonzero = _float32_norm(tensor, 0.0).reshape(1)
-    # The underflowed are counted directly, the non-zero magnitudes at or below the
-    # threshold: a difference of two counts (at or below, less the zeros) would lose them in
-    # float32 past 2**24 elements (an 8x2048x4096 activation holds 2**26). abs in the
-    # tensor's dtype, compared in float32 (the threshold has a dim, so it sets the
-    # comparison's dtype), those above it zeroed in place.
+    # Counts in int64 (count_nonzero): a float32 count stops at 2**24, where an
+    # 8x2048x4096 activation holds 2**26 elements. The underflowed are counted directly, the
+    # non-zero magnitudes at or below the threshold, not as a difference of two large
+    # counts. abs in the tensor's dtype, compared in float32 (the threshold has a dim, so it
+    # sets the comparison's dtype), those above it zeroed in place.
+    nonzero = torch.count_nonzero(tensor).float().reshape(1)
     magnitude = tensor.abs()
     magnitude.masked_fill_(magnitude > threshold, 0.0)
-    underflowed = _float32_norm(magnitude, 0.0).reshape(1)
+    underflowed = torch.count_nonzero(magnitude).float().reshape(1)
     return CastStats(high, underflowed, nonzero, low, tensor.numel(), source)
 
 
@@ -150,7 +150,7 @@ def precast_stats(
     was exactly zero counts too), of all its elements."""
     scale = scale.detach().float().reshape(1)
     if shard is None:
-        zeros = (data == 0).sum(dtype=torch.float32).reshape(1)
+        zeros = (data == 0).sum().float().reshape(1)
         return CastStats(scale, zeros, zeros, scale, data.numel(), "fp8_zeros")
     # h / scale in one correctly rounded division.
     threshold = torch.div(_constant(half_subnormal(cast.dtype), scale.device), scale)

@@ -30,7 +30,7 @@ for the policy's on a clean iteration.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -402,7 +402,7 @@ class GradWatch(TelemetryFrontEnd):
         """Check ``optimizer``'s gradients unless unscale_() did, agree whether the
         iteration is flagged, rerun it if so: the check the step goes on with."""
         self._rerun_armed = True
-        checks = _WatchChecks(self, capture, optimizer)
+        checks = _WatchChecks(self._check, capture, optimizer)
         group = self._watch.process_group
         if not self._ampscope_rerun(checks, optimizer, closure, rtol, group):
             entry = checks.entry()
@@ -495,19 +495,22 @@ class _WatchChecks:
     """A watch's check of one optimizer's gradients is its non-finite check, without the
     policy's agreement (the rerun's stands in for it on a clean iteration)."""
 
-    __slots__ = ("_capture", "_optimizer", "_watch")
+    __slots__ = ("_capture", "_check", "_optimizer")
 
     def __init__(
-        self, watch: GradWatch, capture: WatchCapture, optimizer: torch.optim.Optimizer
+        self,
+        check: Callable[..., Checked],
+        capture: WatchCapture,
+        optimizer: torch.optim.Optimizer,
     ) -> None:
-        self._watch = watch
+        self._check = check  # the watch's own check, bound
         self._capture = capture
         self._optimizer = optimizer
 
     def entry(self) -> Checked:
         entry = self._capture.iteration.get(id(self._optimizer))
         if entry is None:
-            entry = self._watch._check(self._capture, self._optimizer, agree_now=False)
+            entry = self._check(self._capture, self._optimizer, agree_now=False)
         return entry
 
     def found(self) -> Mapping[torch.device, torch.Tensor]:
