@@ -50,28 +50,29 @@ def _model(observed: bool) -> nn.Module:
     return model
 
 
-def _contender(
-    fp8_every: int | None, watch: bool, clock: Callable[[], float]
-) -> Callable[[], float]:
-    """One step function returning its wall time; ``fp8_every`` None: no FP8 observation
-    (the watch attached to a model handle without the FP8 layers)."""
+def _front(model: nn.Module, fp8_every: int | None, watch: bool, run_id: str) -> Any:
+    """``None`` without ampscope; else a ``GradWatch``, attached to ``model`` for FP8
+    observation unless ``fp8_every`` is ``None`` (0: the default ``fp8_every``)."""
     from ampscope import GradWatch
     from ampscope.rank.config import DEFAULT_FP8_EVERY
 
-    model = _model(observed=True)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
-    x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(1))
-    front: Any = None
-    if watch:
-        front = GradWatch(reporter=None, run_id="bench-fp8", stats=False)
-        if fp8_every is not None:
-            front.attach(model, fp8_every=fp8_every or DEFAULT_FP8_EVERY)
+    if not watch:
+        return None
+    front = GradWatch(reporter=None, run_id=run_id, stats=False)
+    if fp8_every is not None:
+        front.attach(model, fp8_every=fp8_every or DEFAULT_FP8_EVERY)
+    return front
 
-    def step() -> float:
-        start = clock()
+
+def _iteration(
+    front: Any, optimizer: torch.optim.Optimizer, loss_of: Callable[[], torch.Tensor], device: str
+) -> Callable[[], None]:
+    """One bf16 training iteration, through ``front`` when there is one."""
+
+    def iteration() -> None:
         optimizer.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(x).float().square().mean()
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss = loss_of()
         if front is None:
             loss.backward()
             optimizer.step()
@@ -79,6 +80,24 @@ def _contender(
             front.scale(loss).backward()
             front.step(optimizer)
             front.update()
+
+    return iteration
+
+
+def _contender(
+    fp8_every: int | None, watch: bool, clock: Callable[[], float]
+) -> Callable[[], float]:
+    """One step function returning its time by ``clock``; ``fp8_every`` None: no FP8
+    observation (the watch attached to a model handle without the FP8 layers)."""
+    model = _model(observed=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(1))
+    front = _front(model, fp8_every, watch, "bench-fp8")
+    iteration = _iteration(front, optimizer, lambda: model(x).float().square().mean(), "cpu")
+
+    def step() -> float:
+        start = clock()
+        iteration()
         return clock() - start
 
     return step
@@ -122,8 +141,6 @@ def _gpu_contender(
     """A block function for the GPU: ``steps`` iterations, each timed by CUDA events."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    from ampscope import GradWatch
-    from ampscope.rank.config import DEFAULT_FP8_EVERY
     from bench.gpt import SHAPES, batch, build_gpt
 
     shape = SHAPES[shape_name]
@@ -132,23 +149,8 @@ def _gpu_contender(
     model = model.cuda()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     inputs = batch(shape, "cuda")
-    front: Any = None
-    if watch:
-        front = GradWatch(reporter=None, run_id="bench-fp8-gpu", stats=False)
-        if fp8_every is not None:
-            front.attach(model, fp8_every=fp8_every or DEFAULT_FP8_EVERY)
-
-    def iteration() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(*inputs)
-        if front is None:
-            loss.backward()
-            optimizer.step()
-        else:
-            front.scale(loss).backward()
-            front.step(optimizer)
-            front.update()
+    front = _front(model, fp8_every, watch, "bench-fp8-gpu")
+    iteration = _iteration(front, optimizer, lambda: model(*inputs), "cuda")
 
     def block(steps: int) -> list[float]:
         events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]

@@ -29,43 +29,39 @@ def _deterministic() -> None:
     torch.use_deterministic_algorithms(True)
 
 
-def olmo_gpu_worker(rank: int, world_size: int, run_id: str, work_dir: str) -> dict[str, Any]:
-    from olmo_core_workers import olmo_run
+RUNS = {"stock": None, "observe": "observe", "skip": "skip", "raise": "raise"}
+"""The four runs, by name: their policy (``None``: without ampscope)."""
 
-    _deterministic()
-    runs = {"stock": None, "observe": "observe", "skip": "skip", "raise": "raise"}
+
+def _four_runs(run: Any, rank: int, world_size: int, *args: str) -> dict[str, Any]:
+    """``run`` (a framework's ``olmo_run``/``titan_run``) once per entry of :data:`RUNS`,
+    on the GPU, with this one rank's gradient poisoned under ``skip`` and ``raise``."""
     return {
-        name: olmo_run(
+        name: run(
             rank,
             world_size,
             policy,
-            run_id,
-            work_dir,
+            *args,
             inject=name in ("skip", "raise"),
             device="cuda",
             inject_rank=0,
         )
-        for name, policy in runs.items()
+        for name, policy in RUNS.items()
     }
+
+
+def olmo_gpu_worker(rank: int, world_size: int, run_id: str, work_dir: str) -> dict[str, Any]:
+    from olmo_core_workers import olmo_run
+
+    _deterministic()
+    return _four_runs(olmo_run, rank, world_size, run_id, work_dir)
 
 
 def titan_gpu_worker(rank: int, world_size: int, run_id: str, dump: str) -> dict[str, Any]:
     from torchtitan_workers import titan_run
 
-    runs = {"stock": None, "observe": "observe", "skip": "skip", "raise": "raise"}
-    return {
-        name: titan_run(
-            rank,
-            world_size,
-            policy,
-            run_id,
-            dump,
-            inject=name in ("skip", "raise"),
-            device="cuda",
-            inject_rank=0,
-        )
-        for name, policy in runs.items()
-    }
+    # torchtitan's own --debug.deterministic (torchtitan_workers.argv on the GPU).
+    return _four_runs(titan_run, rank, world_size, run_id, dump)
 
 
 def _check(result: dict[str, Any], steps: int, inject_step: int) -> None:

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import ListSink, Net, batch, poison
+from helpers import ListSink
+from rerun_setups import RerunLoop
 
 import ampscope
 from ampscope.rank.frontends.rerun import PassResult, compare, same_value
@@ -65,59 +66,33 @@ def one_rank_group(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[N
         dist.destroy_process_group()
 
 
-class _Loop:
-    """A single-process loop on the CPU with a rerun closure; ``corrupt`` poisons the
-    head's gradient after the next backward only (a one-time fault)."""
-
-    def __init__(self, scaler: type[ampscope.GradScaler] = ampscope.GradScaler) -> None:
-        self.model = Net()
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1)
-        self.sink = ListSink()
-        self.scaler = scaler("cpu", init_scale=4.0, reporter=None, sinks=[self.sink])
-        self.calls = 0
-        self.corrupt_once = False
-        self.bad_input = False
-
-    def _backward(self, step: int) -> torch.Tensor:
-        self.opt.zero_grad()
-        loss = self.model(batch(step))
-        if self.bad_input:
-            loss = loss * NAN
-        self.scaler.scale(loss).backward()
-        if self.corrupt_once:
-            self.corrupt_once = False
-            poison(self.model.head.weight)
-        return loss
-
-    def step(self, step: int) -> None:
-        self._backward(step)
-
-        def closure() -> torch.Tensor:
-            self.calls += 1
-            return self._backward(step)
-
-        self.scaler.step(self.opt, rerun=closure)
-        self.scaler.update()
+def _loop(scaler: type[ampscope.GradScaler] = ampscope.GradScaler) -> RerunLoop:
+    """A single-process float32 loop on the CPU through a fresh ``scaler``, its records
+    kept in ``loop.sink``."""
+    sink = ListSink()
+    loop = RerunLoop(scaler("cpu", init_scale=4.0, reporter=None, sinks=[sink]))
+    loop.sink = sink  # type: ignore[attr-defined]
+    return loop
 
 
 @SCALERS
 def test_clean_iterations_never_call_the_closure(scaler: type) -> None:
-    loop = _Loop(scaler)
+    loop = _loop(scaler)
     for step in range(5):
         loop.step(step)
     assert loop.calls == 0
-    assert loop.scaler.last_rerun is None
+    assert loop.front_end.last_rerun is None
 
 
 @SCALERS
 def test_one_time_fault_is_transient_and_the_step_uses_the_rerun(scaler: type) -> None:
-    loop, clean = _Loop(scaler), _Loop(scaler)
+    loop, clean = _loop(scaler), _loop(scaler)
     for step in range(4):
         loop.corrupt_once = step == 2
         loop.step(step)
         clean.step(step)
     assert loop.calls == 1
-    outcome = loop.scaler.last_rerun
+    outcome = loop.front_end.last_rerun
     assert outcome is not None
     assert outcome.flagged
     assert not outcome.reproduced
@@ -127,8 +102,8 @@ def test_one_time_fault_is_transient_and_the_step_uses_the_rerun(scaler: type) -
     # The step went on with the rerun's gradients: the weights are a clean run's.
     for mine, theirs in zip(loop.model.parameters(), clean.model.parameters(), strict=True):
         assert torch.equal(mine, theirs)
-    assert loop.scaler.get_scale() == clean.scaler.get_scale()
-    loop.scaler.close()
+    assert loop.front_end.get_scale() == clean.front_end.get_scale()
+    loop.front_end.close()
     records = loop.sink.records
     assert [r.rerun is not None for r in records] == [False, False, True, False]
     rerun = records[2].rerun
@@ -147,22 +122,22 @@ def test_one_time_fault_is_transient_and_the_step_uses_the_rerun(scaler: type) -
 
 @SCALERS
 def test_reproduced_fault_is_still_skipped(scaler: type) -> None:
-    loop = _Loop(scaler)
+    loop = _loop(scaler)
     loop.step(0)
     before = [p.detach().clone() for p in loop.model.parameters()]
-    scale = loop.scaler.get_scale()
+    scale = loop.front_end.get_scale()
     loop.bad_input = True
     loop.step(1)
     assert loop.calls == 1
-    outcome = loop.scaler.last_rerun
+    outcome = loop.front_end.last_rerun
     assert outcome is not None
     assert outcome.flagged
     assert outcome.reproduced
     assert math.isnan(outcome.first.loss or 0.0)
     assert math.isnan(outcome.second.loss or 0.0)
     assert all(torch.equal(a, b) for a, b in zip(before, loop.model.parameters(), strict=True))
-    assert loop.scaler.get_scale() == scale / 2
-    loop.scaler.close()
+    assert loop.front_end.get_scale() == scale / 2
+    loop.front_end.close()
     record = loop.sink.records[1]
     assert record.skipped
     assert record.rerun is not None

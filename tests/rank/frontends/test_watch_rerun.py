@@ -9,60 +9,20 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import ListSink, Net, batch, poison
+from helpers import ListSink
+from rerun_setups import NAN, RerunLoop
 
 import ampscope
 from ampscope.reporter.spike_rule import SpikeRule
 
-NAN = float("nan")
 RULE = SpikeRule(window=20, min_window=5)
 """A short window, so that a spike can be planted after a few iterations."""
 POLICIES = pytest.mark.parametrize("policy", ["observe", "skip", "raise"])
 
 
-class _Loop:
-    """A single-process bf16 loop with a rerun closure over the same batch.
-
-    ``corrupt_once`` poisons the head's gradient after the next backward only (a one-time
-    fault of this rank's device); ``bad_input`` makes the loss NaN on every pass (bad data);
-    ``spike`` is added to the loss on every pass (a spike of the loss alone: the gradients
-    and so the weights stay those of a clean run), ``spike_once`` on the next pass only.
-    """
-
-    def __init__(self, front_end: Any) -> None:
-        self.model = Net()
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1)
-        self.front_end = front_end
-        self.calls = 0
-        self.corrupt_once = False
-        self.bad_input = False
-        self.spike = 0.0
-        self.spike_once = 0.0
-
-    def _backward(self, step: int) -> torch.Tensor:
-        self.opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = self.model(batch(step)).float()
-        loss = loss + (self.spike + self.spike_once)
-        self.spike_once = 0.0
-        if self.bad_input:
-            loss = loss * NAN
-        self.front_end.scale(loss).backward()
-        if self.corrupt_once:
-            self.corrupt_once = False
-            poison(self.model.head.weight)
-        return loss
-
-    def step(self, step: int) -> None:
-        self.front_end.note_batch([10 * step, 10 * step + 1])
-        self._backward(step)
-
-        def closure() -> torch.Tensor:
-            self.calls += 1
-            return self._backward(step)
-
-        self.front_end.step(self.opt, rerun=closure)
-        self.front_end.update()
+def _Loop(front_end: Any) -> RerunLoop:
+    """A single-process bf16 loop through ``front_end`` (:class:`rerun_setups.RerunLoop`)."""
+    return RerunLoop(front_end, dtype=torch.bfloat16)
 
 
 def _watch(policy: str = "skip", **options: Any) -> tuple[Any, ListSink]:
