@@ -29,7 +29,7 @@ from ampscope.reporter.tls import (
     clear_text_warning,
     credentials_in_clear,
 )
-from ampscope.status import access, fanout, merge, prometheus, shapes, suspects
+from ampscope.status import access, fanout, merge, pipe, prometheus, shapes, suspects
 from ampscope.status.access import (
     PASSWORD_ENV,
     TOKEN_ENV,
@@ -314,12 +314,15 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Print the status once (or until Ctrl-C with ``--watch``); returns the exit status.
 
     Whatever fails inside ampscope itself ends here as one line and ``EXIT_INTERNAL``,
-    never as a status a verdict gives; ``--debug`` adds the traceback.
+    never as a status a verdict gives; ``--debug`` adds the traceback. A reader that closes
+    the pipe early (``| head -1``) ends it quietly, with ``pipe.EXIT_CLOSED_PIPE``.
     """
     try:
         return _run(args, out or sys.stdout)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        return pipe.closed()  # `ampscope status | head -1`: the reader has what it wanted
     except Exception as exc:
         if getattr(args, "debug", False):
             traceback.print_exc(file=sys.stderr)
@@ -356,7 +359,7 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
     whole_job = len(exporters) > 1 or args.targets is not None
     if args.prometheus is not None:
         try:
-            client = prometheus_client_from_args(args, exporters[0])
+            client = prometheus_client_from_args(args)
         except Refused as exc:
             print(f"ampscope status: {exc}", file=sys.stderr)
             return exc.code

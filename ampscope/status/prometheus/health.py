@@ -297,7 +297,9 @@ def fetch(client: PrometheusClient, run: str | None, t: Thresholds | None = None
     now = time.time()
     source = "given"
     if t is None:
-        t, source = thresholds_of(client.query(THRESHOLDS_QUERY, now))
+        published = client.query(THRESHOLDS_QUERY, now)
+        shapes.check_finite(published, f"{client.url}/api/v1/query (thresholds)")
+        t, source = thresholds_of(published)
     asked = queries(run, t)
     with ThreadPoolExecutor(max_workers=len(asked)) as pool:
         futures = {name: pool.submit(client.query, promql, now) for name, promql in asked.items()}
@@ -306,6 +308,10 @@ def fetch(client: PrometheusClient, run: str | None, t: Thresholds | None = None
         # The labels every rank's series carries: a series without them is not ampscope's.
         where = f"{client.url}/api/v1/query ({name!r} query)"
         shapes.check_series(results.get(name, []), where)
+    for name in set(asked) - set(prometheus_fp8.FP8_QUERIES):
+        # Counts, steps and scales: NaN or 1e400 there is a malformed answer (FP8's own
+        # queries read a NaN amax as what it is).
+        shapes.check_finite(results[name], f"{client.url}/api/v1/query ({name!r} query)")
     views = build_views(results["now"], now)
     views.update(gone_ranks(results["seen"], views, now))
     down = exporters_down(results["up"], results["seen"])
