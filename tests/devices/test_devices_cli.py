@@ -256,3 +256,22 @@ def test_the_bearer_token_is_sent(tmp_path: Path) -> None:
         done = devices(server.url, "--bearer-token-file", str(token))
     assert done.returncode == 0, done.stderr
     assert server.authorizations == ["Bearer s3cret"] * 3
+
+
+def test_an_old_namespace_exporter_never_fails_the_fleet() -> None:
+    """One node's dcgm-exporter runs with --use-old-namespace (uuid), another's series lack
+    any UUID: the first joins, the second is left out with a warning, exit by the offences."""
+    dcgm = _vector(
+        ({"uuid": "GPU-aa", "field": "DCGM_FI_DEV_XID_ERRORS", "Hostname": "host-1"}, "79"),
+        ({"gpu": "3", "field": "DCGM_FI_DEV_XID_ERRORS", "instance": "n9:9400"}, "13"),
+    )
+    with FakePrometheus(_answers(GOOD_OFFENCES, _vector(), dcgm)) as server:
+        done = devices(server.url, "--json")
+    assert done.returncode == 1, done.stderr
+    listed = json.loads(done.stdout)
+    assert (listed[0]["device"], listed[0]["hostname"]) == ("GPU-aa", "host-1")
+    assert listed[0]["dcgm"] == {"DCGM_FI_DEV_XID_ERRORS": 79.0}
+    assert done.stderr == (
+        "ampscope devices: warning: left out 1 DCGM-exporter series without a UUID or uuid "
+        "label (the first: DCGM_FI_DEV_XID_ERRORS of n9:9400)\n"
+    )
