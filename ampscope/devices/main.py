@@ -142,9 +142,7 @@ def fetch(
         )
         # DCGM-exporter's series are another program's: a series without a UUID label
         # (neither UUID nor --use-old-namespace's uuid) is left out with a warning.
-        dcgm_samples = query.require(
-            query.samples_of(dcgm.result()), f"{where} (DCGM)", ("field",)
-        )
+        dcgm_samples = query.require(query.samples_of(dcgm.result()), f"{where} (DCGM)", ("field",))
     devices = ranking.rank(offence_samples, last_samples, min_runs)
     unnamed = ranking.add_dcgm(devices, dcgm_samples)
     if unnamed and warn is not None:

@@ -126,7 +126,7 @@ def test_dcgm_joins_both_spellings_and_leaves_out_series_without_a_uuid() -> Non
             Sample({"UUID": "GPU-a", "Hostname": "host-a", "field": "DCGM_FI_DEV_XID_ERRORS"}, 79),
             Sample(
                 {"UUID": "GPU-b", "hostname": "gpu-node-7", "field": "DCGM_FI_DEV_XID_ERRORS"}, 48
-            ),  # fmt: skip
+            ),
             Sample({"uuid": "GPU-c", "Hostname": "host-c", "field": "DCGM_FI_DEV_XID_ERRORS"}, 31),
             stray,
         ],

@@ -10,7 +10,6 @@ runs them.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -122,10 +121,12 @@ def _closed_pipe_run(argv: list[str]) -> tuple[int, str]:
 
 
 def test_a_closed_pipe_ends_both_commands_quietly() -> None:
-    runs = [{"run": f"run-{i}", "ranks": 1, "up": 1, "stale": 0, "states": {"running": 1},
-             "world_size": 1, "newest_step": 1, "last_report_time": 1.7e9} for i in range(3)]  # fmt: skip
-    health = {"run": "x", "status": "ok", "evaluated_at": 1.7e9, "ranks": 1, "up": 1,
-              "verdicts": []}  # fmt: skip
+    summary = {"ranks": 1, "up": 1, "stale": 0, "states": {"running": 1}, "world_size": 1}
+    runs = [
+        {"run": f"run-{i}", **summary, "newest_step": 1, "last_report_time": 1.7e9}
+        for i in range(3)
+    ]
+    health = {"status": "ok", "evaluated_at": 1.7e9, "ranks": 1, "up": 1, "verdicts": []}
     routes = {"/api/v1/runs": Reply(runs)}
     for i in range(3):
         routes[f"/api/v1/runs/run-{i}/ranks"] = Reply([])
@@ -148,4 +149,3 @@ def test_a_closed_pipe_ends_both_commands_quietly() -> None:
             [sys.executable, "-m", "ampscope.cli", "devices", "--prometheus", prometheus.url]
         )
     assert (code, stderr) == (EXIT_CLOSED_PIPE, "")
-    json.dumps(runs)  # the fixture is JSON
