@@ -107,7 +107,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = (
         "Exit status: 0 no device offended in --min-runs runs or more, 1 one did, 3 "
         "Prometheus cannot be reached or answered an error, 5 it refused the credentials, "
-        "6 TLS failed, 7 it answered something of the wrong shape."
+        "6 TLS failed, 7 it answered something of the wrong shape, 141 the reader closed "
+        "the pipe."
     )
 
 

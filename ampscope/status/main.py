@@ -9,7 +9,8 @@ verdict of the runs shown), 3 when the exporter cannot be reached (of several: w
 can), 4 when it holds no such run, 5 when it refuses our credentials (401), 6 when TLS fails
 (untrusted server certificate, client certificate missing or refused), 7 when it answers
 something of the wrong shape (of several: when none answers usably), 70 when ampscope
-itself fails (a bug: one line, the traceback with ``--debug``).
+itself fails (a bug: one line, the traceback with ``--debug``), 141 when the reader closed
+the pipe (``| head -1``: quietly).
 """
 
 from __future__ import annotations
@@ -156,7 +157,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "5 it refused the "
         "credentials (401), 6 TLS failed (untrusted server certificate, client certificate "
         "missing or refused), 7 it answered something of the wrong shape (of several: none "
-        "answered usably), 70 ampscope itself failed (--debug shows the traceback)."
+        "answered usably), 70 ampscope itself failed (--debug shows the traceback), 141 "
+        "the reader closed the pipe (| head)."
     )
 
 
