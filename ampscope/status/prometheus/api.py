@@ -6,6 +6,7 @@ credentials that stay with their host, TLS, exit codes); every answer's shape is
 
 from __future__ import annotations
 
+import ssl
 from typing import Any
 
 from ampscope.status import shapes
@@ -27,13 +28,23 @@ class PrometheusClient:
     Args:
         endpoint: Its base URL (a Thanos or Mimir frontend: the path before ``/api/v1``),
             the ``Authorization`` header (``Bearer …`` or ``Basic …``, read from a file or
-            the environment by the caller, never from argv) and the TLS context.
+            the environment by the caller, never from argv) and the TLS context; or the
+            base URL alone, with those two as the next arguments.
+        authorization: With a URL: the ``Authorization`` header.
+        context: With a URL: the TLS context for ``https://``.
         timeout: Seconds for each query.
     """
 
-    def __init__(self, endpoint: Endpoint | str, timeout: float = 10.0) -> None:
+    def __init__(
+        self,
+        endpoint: Endpoint | str,
+        authorization: str | None = None,
+        context: ssl.SSLContext | None = None,
+        *,
+        timeout: float = 10.0,
+    ) -> None:
         if isinstance(endpoint, str):
-            endpoint = Endpoint(endpoint)
+            endpoint = Endpoint(endpoint, authorization, context)
         self.endpoint = Endpoint(
             endpoint.url.rstrip("/"),
             endpoint.authorization,
