@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TextIO
 
 from ampscope.devices import query, ranking
+from ampscope.reporter.tls import clear_text_warning, credentials_in_clear
 from ampscope.status import pipe
 from ampscope.status.access import PASSWORD_ENV, TOKEN_ENV, prometheus_client_from_args
 from ampscope.status.prometheus.api import PrometheusClient, QueryError
@@ -215,6 +216,11 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out or sys.stdout
     try:
         client = prometheus_client_from_args(args)
+        if client.authorization is not None and credentials_in_clear(client.url):
+            print(
+                f"ampscope devices: {clear_text_warning('the Prometheus credentials', client.url)}",
+                file=sys.stderr,
+            )
         devices = fetch(client, args.since, args.min_runs, _warn)
     except (QueryError, Refused) as exc:
         print(f"ampscope devices: {exc}", file=sys.stderr)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from fake_api import Reply, serving
 from status_cli import run_status
-from support import DEADLOCK_GUARD_S
+from support import DEADLOCK_GUARD_S, free_port
 
 from ampscope.status.pipe import EXIT_CLOSED_PIPE
 from ampscope.status.transport import EXIT_MALFORMED
@@ -149,3 +149,17 @@ def test_a_closed_pipe_ends_both_commands_quietly() -> None:
             [sys.executable, "-m", "ampscope.cli", "devices", "--prometheus", prometheus.url]
         )
     assert (code, stderr) == (EXIT_CLOSED_PIPE, "")
+
+
+def test_devices_warns_of_credentials_in_clear_text(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("t0ken\n")
+    far = f"http://ampscope-test.invalid:{free_port()}"  # never resolves: nothing is sent
+    done = _devices("--prometheus", far, "--bearer-token-file", str(token))
+    assert done.returncode == 3
+    assert done.stderr.splitlines()[0] == (
+        f"ampscope devices: warning: the Prometheus credentials sent to {far} over plain "
+        "http://, readable by anyone on the network path; use https:// (tls_server_config in "
+        "the server's web config)"
+    )
+    assert "warning" not in _devices("--prometheus", far).stderr  # no credentials
