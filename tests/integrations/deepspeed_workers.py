@@ -1,0 +1,179 @@
+"""DeepSpeed ranks for tests/integrations/test_deepspeed.py (and the CUDA test).
+
+Every scenario group runs in one launch: each rank builds several engines one after the
+other on the same gloo process group. DeepSpeed runs on the CPU accelerator
+(``DS_ACCELERATOR=cpu``, set by the tests before the ranks start), and its shared-memory
+comm op, which the first start would compile with g++ for minutes, is turned off: gloo's
+collectives carry everything (:func:`setup`).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+
+STEPS = 6
+"""Optimizer steps (accumulation boundaries) per scenario."""
+NAN_STEP = 3
+"""The 1-based optimizer step whose rank-1 input holds a NaN (its first micro-batch)."""
+NAN_RANK = 1
+PARAMS = ("body.weight", "body.bias", "head.weight", "head.bias")
+FEATURES = 8
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(FEATURES, 16)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.body(x)))
+
+
+def setup(*, fp16: bool = False) -> Any:
+    """Import DeepSpeed on the CPU accelerator, its shm comm op off, on the process group
+    the test launched. ``fp16``: a TEST-ONLY override of the CPU accelerator's
+    ``is_fp16_supported`` (DeepSpeed refuses fp16 on a CPU without AVX512-FP16 support,
+    "Type fp16 is not supported on your device"); with it fp16 trains at every stage."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    # deepspeed.comm's `torch` attribute is torch itself: the module is in sys.modules.
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # type: ignore[attr-defined]
+    if fp16:
+        type(get_accelerator()).is_fp16_supported = lambda self: True
+    deepspeed.init_distributed(dist_backend="gloo")
+    return deepspeed
+
+
+def config(stage: int, dtype: str, gas: int, **precision: Any) -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": gas,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+        "zero_optimization": {"stage": stage},
+        dtype: {"enabled": True, **precision},
+        "steps_per_print": 10**9,
+    }
+
+
+def batch(rank: int, step: int, micro: int, dtype: torch.dtype, nan: bool) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    x = torch.randn(4, FEATURES, generator=generator)
+    if nan and rank == NAN_RANK and step == NAN_STEP and micro == 0:
+        x[0, 0] = math.nan
+    return x.to(dtype)
+
+
+def train(
+    rank: int,
+    *,
+    stage: int,
+    dtype: str,
+    gas: int = 2,
+    steps: int = STEPS,
+    nan: bool = True,
+    instrumented: bool = True,
+    run_id: str | None = None,
+    reporter: bool = False,
+    **precision: Any,
+) -> dict[str, Any]:
+    """Train one engine; the rank's records, DeepSpeed's own view per step, the weights."""
+    import deepspeed
+
+    from ampscope.reporter.sinks import CallbackSink
+
+    model = Net()
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        model_parameters=model.parameters(),
+        config=config(stage, dtype, gas, **precision),
+    )
+    records: list[Any] = []
+    monitor = None
+    if instrumented:
+        from ampscope.integrations.deepspeed import instrument
+
+        monitor = instrument(
+            engine,
+            run_id=run_id,
+            reporter="auto" if reporter else None,
+            sinks=[CallbackSink(records.append)],
+        )
+        assert instrument(engine) is monitor
+    torch_dtype = torch.float16 if dtype == "fp16" else torch.bfloat16
+    seen: list[dict[str, Any]] = []
+    for step in range(1, steps + 1):
+        for micro in range(gas):
+            x = batch(rank, step, micro, torch_dtype, nan)
+            if monitor is not None:
+                monitor.note_batch([f"r{rank}s{step}m{micro}"])
+            loss = engine(x).float().pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+        seen.append(
+            {
+                "applied": engine.was_step_applied(),
+                "skipped_steps": engine.skipped_steps,
+                "overflow": bool(getattr(engine.optimizer, "overflow", False)),
+            }
+        )
+    if monitor is not None:
+        monitor.close()
+    weights = _weights(engine, stage)
+    engine.destroy()
+    return {
+        "records": [r.model_dump(mode="json") for r in records],
+        "seen": seen,
+        "weights": weights,
+        "optimizer": type(engine.optimizer).__name__,
+    }
+
+
+def _weights(engine: Any, stage: int) -> list[float]:
+    if stage == 3:
+        from deepspeed.runtime.zero import GatheredParameters
+
+        with GatheredParameters(list(engine.module.parameters())):
+            return [v for p in engine.module.parameters() for v in p.detach().float().flatten().tolist()]
+    return [v for p in engine.module.parameters() for v in p.detach().float().flatten().tolist()]
+
+
+def bf16_stages(rank: int, world_size: int) -> dict[str, Any]:
+    """ZeRO 0-3 in bf16 with the NaN, with and without ampscope; bf16 ZeRO-2 with
+    ``check_grad_overflow: false`` (DeepSpeed applies the NaN)."""
+    setup()
+    out: dict[str, Any] = {}
+    for stage in (0, 1, 2, 3):
+        out[f"plain{stage}"] = train(rank, stage=stage, dtype="bf16", instrumented=False)
+        out[f"ours{stage}"] = train(rank, stage=stage, dtype="bf16")
+    out["applied"] = train(rank, stage=2, dtype="bf16", check_grad_overflow=False)
+    return out
+
+
+def fp16_stages(rank: int, world_size: int) -> dict[str, Any]:
+    """fp16 (the test-only override) at ZeRO 0 and 2 from a scale too high for the
+    gradients (backoffs), then the NaN."""
+    setup(fp16=True)
+    out: dict[str, Any] = {}
+    for stage in (0, 2):
+        precision = {"initial_scale_power": 24, "loss_scale_window": 2, "hysteresis": 1}
+        out[f"plain{stage}"] = train(
+            rank, stage=stage, dtype="fp16", steps=8, instrumented=False, **precision
+        )
+        out[f"ours{stage}"] = train(rank, stage=stage, dtype="fp16", steps=8, **precision)
+    return out
+
+
+def clean_run(rank: int, world_size: int, run_id: str) -> dict[str, Any]:
+    """50 clean bf16 ZeRO-2 steps reported to the exporter."""
+    setup()
+    return train(
+        rank, stage=2, dtype="bf16", gas=1, steps=50, nan=False, run_id=run_id, reporter=True
+    )
