@@ -63,10 +63,10 @@ def config(stage: int, dtype: str, gas: int, **precision: Any) -> dict[str, Any]
     }
 
 
-def batch(rank: int, step: int, micro: int, dtype: torch.dtype, nan: bool) -> torch.Tensor:
+def batch(rank: int, step: int, micro: int, dtype: torch.dtype, nan_step: int | None) -> torch.Tensor:
     generator = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
     x = torch.randn(4, FEATURES, generator=generator)
-    if nan and rank == NAN_RANK and step == NAN_STEP and micro == 0:
+    if rank == NAN_RANK and step == nan_step and micro == 0:
         x[0, 0] = math.nan
     return x.to(dtype)
 
@@ -78,10 +78,9 @@ def train(
     dtype: str,
     gas: int = 2,
     steps: int = STEPS,
-    nan: bool = True,
+    nan_step: int | None = NAN_STEP,
     instrumented: bool = True,
     run_id: str | None = None,
-    reporter: bool = False,
     **precision: Any,
 ) -> dict[str, Any]:
     """Train one engine; the rank's records, DeepSpeed's own view per step, the weights."""
@@ -103,7 +102,7 @@ def train(
         monitor = instrument(
             engine,
             run_id=run_id,
-            reporter="auto" if reporter else None,
+            reporter=None if run_id is None else "auto",
             sinks=[CallbackSink(records.append)],
         )
         assert instrument(engine) is monitor
@@ -111,7 +110,7 @@ def train(
     seen: list[dict[str, Any]] = []
     for step in range(1, steps + 1):
         for micro in range(gas):
-            x = batch(rank, step, micro, torch_dtype, nan)
+            x = batch(rank, step, micro, torch_dtype, nan_step)
             if monitor is not None:
                 monitor.note_batch([f"r{rank}s{step}m{micro}"])
             loss = engine(x).float().pow(2).mean()
@@ -122,6 +121,7 @@ def train(
                 "applied": engine.was_step_applied(),
                 "skipped_steps": engine.skipped_steps,
                 "overflow": bool(getattr(engine.optimizer, "overflow", False)),
+                "scale": float(engine.optimizer.loss_scale) if dtype == "fp16" else None,
             }
         )
     if monitor is not None:
@@ -152,28 +152,32 @@ def bf16_stages(rank: int, world_size: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for stage in (0, 1, 2, 3):
         out[f"plain{stage}"] = train(rank, stage=stage, dtype="bf16", instrumented=False)
-        out[f"ours{stage}"] = train(rank, stage=stage, dtype="bf16")
-    out["applied"] = train(rank, stage=2, dtype="bf16", check_grad_overflow=False)
+        out[f"ours{stage}"] = train(rank, stage=stage, dtype="bf16", run_id=f"ds-bf16-z{stage}")
+    out["applied"] = train(
+        rank, stage=2, dtype="bf16", run_id="ds-applied", check_grad_overflow=False
+    )
     return out
 
 
+FP16_STEPS = 8
+FP16_NAN_STEP = 6
+FP16_PRECISION = {"initial_scale_power": 18, "loss_scale_window": 2, "hysteresis": 1}
+"""A scale too high for the gradients at first (backoffs), a window short enough to grow."""
+
+
 def fp16_stages(rank: int, world_size: int) -> dict[str, Any]:
-    """fp16 (the test-only override) at ZeRO 0 and 2 from a scale too high for the
-    gradients (backoffs), then the NaN."""
+    """fp16 (the test-only override) at ZeRO 0 and 2: backoffs from a scale too high for
+    the gradients, growth, then the NaN."""
     setup(fp16=True)
     out: dict[str, Any] = {}
     for stage in (0, 2):
-        precision = {"initial_scale_power": 24, "loss_scale_window": 2, "hysteresis": 1}
-        out[f"plain{stage}"] = train(
-            rank, stage=stage, dtype="fp16", steps=8, instrumented=False, **precision
-        )
-        out[f"ours{stage}"] = train(rank, stage=stage, dtype="fp16", steps=8, **precision)
+        common = {"stage": stage, "dtype": "fp16", "steps": FP16_STEPS, "nan_step": FP16_NAN_STEP}
+        out[f"plain{stage}"] = train(rank, instrumented=False, **common, **FP16_PRECISION)
+        out[f"ours{stage}"] = train(rank, run_id=f"ds-fp16-z{stage}", **common, **FP16_PRECISION)
     return out
 
 
 def clean_run(rank: int, world_size: int, run_id: str) -> dict[str, Any]:
     """50 clean bf16 ZeRO-2 steps reported to the exporter."""
     setup()
-    return train(
-        rank, stage=2, dtype="bf16", gas=1, steps=50, nan=False, run_id=run_id, reporter=True
-    )
+    return train(rank, stage=2, dtype="bf16", gas=1, steps=50, nan_step=None, run_id=run_id)
