@@ -81,9 +81,10 @@ def growth_tracker(engine: Any, found: bool, before: float, after: float) -> int
     current = getattr(scaler, "cur_iter", None)
     last = getattr(scaler, "last_overflow_iter", None)
     window = getattr(scaler, "scale_window", None)
-    if not all(isinstance(v, int) for v in (current, last, window)) or not window:
+    if not (isinstance(current, int) and isinstance(last, int) and isinstance(window, int)):
         return 1
-    assert isinstance(current, int) and isinstance(last, int) and isinstance(window, int)
+    if window < 1:
+        return 1
     clean = current - last - 1  # clean update()s since the last overflow, this one included
     return max(1, clean if clean <= window else (clean - 1) % window or window)
 

@@ -273,7 +273,9 @@ def instrument(
     clamps = [name for name in ("min_scale", "max_scale") if scaler_options.get(name) is not None]
     if clamps:
         raise ValueError(f"DeepSpeed's loss scaling is its own; {', '.join(clamps)} do not apply")
-    scaler_options = {k: v for k, v in scaler_options.items() if k not in ("min_scale", "max_scale")}
+    scaler_options = {
+        k: v for k, v in scaler_options.items() if k not in ("min_scale", "max_scale")
+    }
     return DeepSpeedMonitor(engine, track_origin=track_origin, telemetry=scaler_options)
 
 

@@ -63,7 +63,9 @@ def config(stage: int, dtype: str, gas: int, **precision: Any) -> dict[str, Any]
     }
 
 
-def batch(rank: int, step: int, micro: int, dtype: torch.dtype, nan_step: int | None) -> torch.Tensor:
+def batch(
+    rank: int, step: int, micro: int, dtype: torch.dtype, nan_step: int | None
+) -> torch.Tensor:
     generator = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
     x = torch.randn(4, FEATURES, generator=generator)
     if rank == NAN_RANK and step == nan_step and micro == 0:
@@ -137,12 +139,13 @@ def train(
 
 
 def _weights(engine: Any, stage: int) -> list[float]:
-    if stage == 3:
+    params = list(engine.module.parameters())
+    if stage == 3:  # partitioned: gathered whole for the comparison
         from deepspeed.runtime.zero import GatheredParameters
 
-        with GatheredParameters(list(engine.module.parameters())):
-            return [v for p in engine.module.parameters() for v in p.detach().float().flatten().tolist()]
-    return [v for p in engine.module.parameters() for v in p.detach().float().flatten().tolist()]
+        with GatheredParameters(params):
+            return [v for p in params for v in p.detach().float().flatten().tolist()]
+    return [v for p in params for v in p.detach().float().flatten().tolist()]
 
 
 def bf16_stages(rank: int, world_size: int) -> dict[str, Any]:
