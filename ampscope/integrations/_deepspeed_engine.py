@@ -23,12 +23,12 @@ def fp16(engine: Any) -> bool:
 
 
 def checks_overflow(engine: Any) -> bool:
-    """Whether DeepSpeed skips a step whose gradients hold inf/NaN: always under fp16,
-    under bf16 unless ``"bf16": {"check_grad_overflow": false}``."""
-    if fp16(engine):
+    """Whether DeepSpeed is configured to skip a step whose gradients hold inf/NaN: under
+    fp16 always, under bf16 unless ``"bf16": {"check_grad_overflow": false}``, under fp32
+    at ZeRO 1-3 on a non-finite norm (at ZeRO-0 the user's optimizer steps regardless: the
+    monitor learns it from the first such step)."""
+    if fp16(engine) or not engine.bfloat16_enabled():
         return True
-    if not engine.bfloat16_enabled():
-        return False
     bf16 = getattr(getattr(engine, "_config", None), "bfloat16_config", None)
     return bool(getattr(bf16, "check_grad_overflow", True))
 

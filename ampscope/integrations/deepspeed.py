@@ -61,12 +61,12 @@ from ampscope.integrations._swap import check_options, is_distributed
 from ampscope.rank.capture import layout
 from ampscope.rank.capture.layout import OptimizerSlot
 from ampscope.rank.capture.pending import PendingStep
-from ampscope.rank.config import telemetry_config
+from ampscope.rank.config import SCALE_CLAMPS, telemetry_config
 from ampscope.rank.frontends.base import TelemetryFrontEnd, warn_if_torch_changed
 from ampscope.rank.gradients.stats import OptimizerNorms, TakenStats
 from ampscope.reporter.schema import Policy, Setup
 
-__all__ = ["DeepSpeedMonitor", "instrument"]
+__all__ = ["DeepSpeedMonitor", "instrument", "monitor_of"]
 
 logger = logging.getLogger("ampscope")
 
@@ -91,21 +91,49 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
     Speaks the front-ends' public API: ``telemetry``, ``note_batch``, ``close``.
     """
 
-    def __init__(
-        self, engine: Any, *, track_origin: bool | None, telemetry: dict[str, Any]
-    ) -> None:
+    def __init__(self, *, track_origin: bool | None, telemetry: dict[str, Any]) -> None:
         config = telemetry_config("instrument", telemetry, scale=True)
         warn_if_torch_changed()
         self._ampscope_start(config, True)
         self._ampscope_capture = _Closable(self)
-        self.engine = engine
-        self._fp16 = ds.fp16(engine)
-        self._policy: Policy = "skip" if self._fp16 or ds.checks_overflow(engine) else "observe"
+        self._track_origin = track_origin
+        self.engine: Any = None
+        """The engine observed; ``None`` until bound (the Trainer and Accelerate bind it
+        when ``accelerator.prepare()`` builds it)."""
+        self._fp16 = False
+        self._policy: Policy = "skip"
         self._warned_applied = False
         self._setups: dict[Policy, Setup] = {}
         self._steps = 0
+        self._dtypes = ""
+        self._slot: OptimizerSlot | None = None
+        self._flags: OwnGradientFlags | None = None
+        self._device = "cpu"
+
+    def attach(
+        self, model: nn.Module, track_origin: bool = False, *, fp8_every: int | None = None
+    ) -> None:
+        """Observe ``model`` when it is a DeepSpeed engine (and none is observed yet);
+        anything else is left alone: the engine's module names the parameters. The
+        Trainer and Accelerate integrations call it with what ``prepare()`` returned."""
+        if self.engine is None and is_engine(model) and self._ampscope_capture is not None:
+            self.bind(model)
+
+    def bind(self, engine: Any) -> None:
+        """Start observing ``engine``: wrap its ``backward`` and ``step``, hook its
+        parameters (origin tracking), name them. Once, before its first backward.
+
+        Raises:
+            RuntimeError: an engine is already observed.
+        """
+        if self.engine is not None:
+            raise RuntimeError("this monitor already observes an engine")
+        self.engine = engine
+        self._fp16 = ds.fp16(engine)
+        self._policy = "skip" if self._fp16 or ds.checks_overflow(engine) else "observe"
+        module = _module(engine)
         self._dtypes = "+".join(
-            sorted({str(p.dtype).removeprefix("torch.") for p in _module(engine).parameters()})
+            sorted({str(p.dtype).removeprefix("torch.") for p in module.parameters()})
         )
         self._slot = OptimizerSlot(
             index=0,
@@ -114,17 +142,21 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
             stepped=True,
             num_flags=1,
         )
-        module = _module(engine)
         self._ampscope_names.attach(module)
-        self._ampscope_attach_fp8(module, config.fp8_every)
-        origin = is_distributed() if track_origin is None else track_origin
-        self._flags = OwnGradientFlags(module.named_parameters()) if origin else None
+        self._ampscope_attach_fp8(module, self._ampscope_config.fp8_every)
+        track = self._track_origin
+        if is_distributed() if track is None else track:
+            self._flags = OwnGradientFlags(module.named_parameters())
         self._device = str(_first_device(module))
         self._own_step = engine.step
         self._own_backward = engine.backward
         engine.step = self._step
         engine.backward = self._backward
         setattr(engine, _STATE, self)
+
+    def get_scale(self) -> float:
+        """DeepSpeed's loss scale now (fp16); 1.0 under bf16/fp32 or before an engine."""
+        return 1.0 if self.engine is None else ds.loss_scale(self.engine)
 
     # -- the engine's calls --------------------------------------------------------------
 
@@ -190,7 +222,7 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
             time.time(),
             False,
             nonfinite=named,
-            optimizers=(self._slot,),
+            optimizers=(self._slot,) if self._slot is not None else (),
             local_devices=(self._device,),
             origin_devices=tuple(origin),
             values=values,
@@ -263,20 +295,42 @@ def instrument(
         TypeError: ``engine`` is not a DeepSpeed engine, or an unknown option.
         ValueError: a bad option value, or a scale clamp.
     """
-    existing = getattr(engine, _STATE, None)
-    if isinstance(existing, DeepSpeedMonitor):
+    existing = monitor_of(engine)
+    if existing is not None:
         return existing
-    for name in ("was_step_applied", "is_gradient_accumulation_boundary", "backward", "step"):
-        if not callable(getattr(engine, name, None)):
-            raise TypeError(f"instrument() needs a DeepSpeed engine, not {type(engine).__name__}")
+    if not is_engine(engine):
+        raise TypeError(f"instrument() needs a DeepSpeed engine, not {type(engine).__name__}")
+    monitor = make_monitor(track_origin, scaler_options)
+    monitor.bind(engine)
+    return monitor
+
+
+def make_monitor(track_origin: bool | None, scaler_options: dict[str, Any]) -> DeepSpeedMonitor:
+    """A monitor with the user's telemetry options, no engine bound yet.
+
+    Raises:
+        TypeError: an unknown option; ValueError: a bad value, or a scale clamp.
+    """
     check_options(scaler_options)
-    clamps = [name for name in ("min_scale", "max_scale") if scaler_options.get(name) is not None]
+    clamps = [name for name in SCALE_CLAMPS if scaler_options.get(name) is not None]
     if clamps:
         raise ValueError(f"DeepSpeed's loss scaling is its own; {', '.join(clamps)} do not apply")
-    scaler_options = {
-        k: v for k, v in scaler_options.items() if k not in ("min_scale", "max_scale")
-    }
-    return DeepSpeedMonitor(engine, track_origin=track_origin, telemetry=scaler_options)
+    options = {k: v for k, v in scaler_options.items() if k not in SCALE_CLAMPS}
+    return DeepSpeedMonitor(track_origin=track_origin, telemetry=options)
+
+
+def monitor_of(engine: Any) -> DeepSpeedMonitor | None:
+    """The monitor observing ``engine``, if any."""
+    monitor = getattr(engine, _STATE, None)
+    return monitor if isinstance(monitor, DeepSpeedMonitor) else None
+
+
+def is_engine(obj: Any) -> bool:
+    """Whether ``obj`` is a DeepSpeed engine (duck-typed: DeepSpeed is never imported)."""
+    return all(
+        callable(getattr(obj, name, None))
+        for name in ("was_step_applied", "is_gradient_accumulation_boundary", "backward", "step")
+    )
 
 
 def _module(engine: Any) -> nn.Module:

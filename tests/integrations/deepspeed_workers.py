@@ -10,6 +10,7 @@ collectives carry everything (:func:`setup`).
 from __future__ import annotations
 
 import math
+import os
 import sys
 from typing import Any
 
@@ -184,3 +185,119 @@ def clean_run(rank: int, world_size: int, run_id: str) -> dict[str, Any]:
     """50 clean bf16 ZeRO-2 steps reported to the exporter."""
     setup()
     return train(rank, stage=2, dtype="bf16", gas=1, steps=50, nan_step=None, run_id=run_id)
+
+
+def accelerate_run(rank: int, world_size: int) -> dict[str, Any]:
+    """Accelerate with a DeepSpeed plugin (ZeRO-2, bf16): ``instrument(accelerator)``
+    before ``prepare()`` observes the engine ``prepare()`` builds."""
+    setup()
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin
+
+    from ampscope.integrations.accelerate import instrument
+    from ampscope.reporter.sinks import CallbackSink
+
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # as `accelerate launch` sets it
+    ds_config = config(2, "bf16", 2)
+    del ds_config["optimizer"]  # the loop's own optimizer
+    plugin = DeepSpeedPlugin(hf_ds_config=ds_config)
+    accelerator = Accelerator(
+        deepspeed_plugin=plugin, mixed_precision="bf16", gradient_accumulation_steps=2
+    )
+    records: list[Any] = []
+    monitor = instrument(accelerator, reporter=None, sinks=[CallbackSink(records.append)])
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    assert instrument(accelerator) is monitor
+    for step in range(1, STEPS + 1):
+        for micro in range(2):
+            with accelerator.accumulate(model):
+                x = batch(rank, step, micro, torch.bfloat16, NAN_STEP)
+                loss = model(x).float().pow(2).mean()
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+    assert monitor is not None
+    monitor.close()
+    return {
+        "records": [r.model_dump(mode="json") for r in records],
+        "engine": type(model).__name__,
+        "monitor": type(monitor).__name__,
+    }
+
+
+class _Samples(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Each rank's samples; rank 1's sample ``NAN_SAMPLE`` holds a NaN."""
+
+    def __init__(self, rank: int) -> None:
+        generator = torch.Generator().manual_seed(7 + rank)
+        self.x = torch.randn(32, FEATURES, generator=generator)
+        if rank == NAN_RANK:
+            self.x[NAN_SAMPLE, 0] = math.nan
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {"x": self.x[index], "sample_ids": index}
+
+
+NAN_SAMPLE = 9
+"""Rank 1's poisoned sample: in its third micro-batch of 4 samples, step 2 (gas 2)."""
+
+
+class _Regression(Net):
+    def forward(self, x: torch.Tensor) -> Any:  # type: ignore[override]
+        return {"loss": super().forward(x).float().pow(2).mean()}
+
+
+def trainer_run(rank: int, world_size: int, output_dir: str) -> dict[str, Any]:
+    """The Trainer with ``deepspeed=`` (ZeRO-2; fp32: the Trainer refuses bf16 on a CPU
+    unless ``use_cpu``, which turns DeepSpeed off): ``instrument(trainer)`` observes the
+    engine the Trainer builds in ``train()``; the batch ids come from the dataset."""
+    setup()
+    from transformers import Trainer, TrainingArguments
+
+    from ampscope.integrations.transformers import instrument
+    from ampscope.reporter.sinks import CallbackSink
+
+    ds_config = config(2, "bf16", 2)
+    del ds_config["optimizer"], ds_config["bf16"]
+    ds_config["train_micro_batch_size_per_gpu"] = "auto"
+    ds_config["gradient_accumulation_steps"] = "auto"
+    args = TrainingArguments(
+        output_dir=output_dir,
+        deepspeed=ds_config,
+        max_steps=4,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        learning_rate=0.01,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_drop_last=True,
+    )
+    trainer = Trainer(model=_Regression(), args=args, train_dataset=_Samples(rank))
+    records: list[Any] = []
+    monitor = instrument(trainer, reporter=None, sinks=[CallbackSink(records.append)])
+    trainer.train()
+    assert monitor is not None
+    return {
+        "records": [r.model_dump(mode="json") for r in records],
+        "monitor": type(monitor).__name__,
+        "closed": monitor.telemetry.closed,
+        "logged": [log.get("skipped_steps") for log in trainer.state.log_history if "loss" in log],
+    }
+
+
+def hugging_face_runs(rank: int, world_size: int, output_dir: str) -> dict[str, Any]:
+    """Accelerate, then the Trainer, on DeepSpeed in one launch (Accelerate's process-wide
+    state reset between them, keeping the process group)."""
+    from accelerate.state import AcceleratorState
+
+    out = {"accelerate": accelerate_run(rank, world_size)}
+    AcceleratorState._reset_state(reset_partial_state=False)
+    out["trainer"] = trainer_run(rank, world_size, output_dir)
+    return out

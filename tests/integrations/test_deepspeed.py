@@ -18,12 +18,14 @@ from deepspeed_workers import (
     FP16_PRECISION,
     FP16_STEPS,
     NAN_RANK,
+    NAN_SAMPLE,
     NAN_STEP,
     PARAMS,
     STEPS,
     bf16_stages,
     clean_run,
     fp16_stages,
+    hugging_face_runs,
 )
 from support import get_json, need_module, run_distributed
 
@@ -193,3 +195,32 @@ def test_instrument_needs_an_engine() -> None:
 
     with pytest.raises(TypeError, match="DeepSpeed engine"):
         instrument(nn.Linear(2, 2), reporter=None)
+
+
+def test_accelerate_and_trainer_observe_the_engine(tmp_path: Any) -> None:
+    need_module("accelerate")
+    need_module("transformers")
+    results = run_distributed(hugging_face_runs, 2, args=(str(tmp_path),), env=_ENV, timeout=600)
+    for rank, result in enumerate(results):
+        # Accelerate: instrument(accelerator) before prepare() observes the engine.
+        acc = result["accelerate"]
+        assert (acc["engine"], acc["monitor"]) == ("DeepSpeedEngine", "DeepSpeedMonitor")
+        records = acc["records"]
+        assert [r["skipped"] for r in records] == [s == NAN_STEP for s in range(1, STEPS + 1)]
+        assert records[0]["setup"] == {"mode": "watch", "policy": "skip", "grad_dtype": "bfloat16"}
+        own = [r["step"] for r in records if r["found_inf_origin"]["cpu"]]
+        assert own == ([NAN_STEP] if rank == NAN_RANK else [])
+        # The Trainer: its engine is built in train(); ids from the dataset's column.
+        trainer = result["trainer"]
+        assert trainer["monitor"] == "DeepSpeedMonitor"
+        assert trainer["closed"]
+        records = trainer["records"]
+        nan_step = next(r["step"] for r in records if NAN_SAMPLE in r["batch"]["ids"])
+        assert [r["skipped"] for r in records] == [r["step"] == nan_step for r in records]
+        own = [r["step"] for r in records if r["found_inf_origin"]["cpu"]]
+        assert own == ([nan_step] if rank == NAN_RANK else [])
+        if rank == NAN_RANK:
+            names = {p["name"] for p in records[nan_step - 1]["nonfinite_params"]}
+            assert names == set(PARAMS)
+        # The training logs carry DeepSpeed's skipped steps, as the scalers' do.
+        assert trainer["logged"] == [int(r["step"] >= nan_step) for r in records]
