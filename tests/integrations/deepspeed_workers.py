@@ -22,6 +22,7 @@ STEPS = 6
 NAN_STEP = 3
 """The 1-based optimizer step whose rank-1 input holds a NaN (its first micro-batch)."""
 NAN_RANK = 1
+"""The rank whose input holds the NaN (rank 0 when there is one rank)."""
 PARAMS = ("body.weight", "body.bias", "head.weight", "head.bias")
 FEATURES = 8
 
@@ -64,12 +65,18 @@ def config(stage: int, dtype: str, gas: int, **precision: Any) -> dict[str, Any]
     }
 
 
+def world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def batch(
     rank: int, step: int, micro: int, dtype: torch.dtype, nan_step: int | None
 ) -> torch.Tensor:
     generator = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
     x = torch.randn(4, FEATURES, generator=generator)
-    if rank == NAN_RANK and step == nan_step and micro == 0:
+    if rank == NAN_RANK % world() and step == nan_step and micro == 0:
         x[0, 0] = math.nan
     return x.to(dtype)
 
@@ -84,6 +91,7 @@ def train(
     nan_step: int | None = NAN_STEP,
     instrumented: bool = True,
     run_id: str | None = None,
+    track_origin: bool | None = None,
     **precision: Any,
 ) -> dict[str, Any]:
     """Train one engine; the rank's records, DeepSpeed's own view per step, the weights."""
@@ -107,13 +115,14 @@ def train(
             run_id=run_id,
             reporter=None if run_id is None else "auto",
             sinks=[CallbackSink(records.append)],
+            track_origin=track_origin,
         )
         assert instrument(engine) is monitor
     torch_dtype = torch.float16 if dtype == "fp16" else torch.bfloat16
     seen: list[dict[str, Any]] = []
     for step in range(1, steps + 1):
         for micro in range(gas):
-            x = batch(rank, step, micro, torch_dtype, nan_step)
+            x = batch(rank, step, micro, torch_dtype, nan_step).to(engine.device)
             if monitor is not None:
                 monitor.note_batch([f"r{rank}s{step}m{micro}"])
             loss = engine(x).float().pow(2).mean()
@@ -137,6 +146,27 @@ def train(
         "weights": weights,
         "optimizer": type(engine.optimizer).__name__,
     }
+
+
+CUDA_STEPS = 16
+CUDA_NAN_STEP = 14
+CUDA_FP16 = {"initial_scale_power": 20, "loss_scale_window": 1000, "hysteresis": 1}
+"""fp16 on a GPU from 2**20: backoffs until the gradients fit (weather), then clean steps."""
+
+
+def cuda_run(rank: int, world_size: int) -> dict[str, Any]:
+    """One CUDA rank (nccl), ZeRO-2: bf16 and real fp16, each with and without ampscope;
+    origin tracking asked for (one rank: it is off by default)."""
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="nccl")
+    out: dict[str, Any] = {}
+    common = {"stage": 2, "steps": CUDA_STEPS, "nan_step": CUDA_NAN_STEP}
+    out["bf16_plain"] = train(rank, dtype="bf16", instrumented=False, **common)
+    out["bf16"] = train(rank, dtype="bf16", track_origin=True, **common)
+    out["fp16_plain"] = train(rank, dtype="fp16", instrumented=False, **common, **CUDA_FP16)
+    out["fp16"] = train(rank, dtype="fp16", track_origin=True, **common, **CUDA_FP16)
+    return out
 
 
 def _weights(engine: Any, stage: int) -> list[float]:
