@@ -6,12 +6,14 @@ each gradient in hooks that run after autograd accumulated it; a tensor hook
 computed, whatever the stage. :class:`OwnGradientFlags` registers one such hook per
 parameter. Each hook runs torch's fused non-finite kernel (the one a scaler's unscale
 runs, with an inverse scale of 1: the values are written back unchanged) on that one
-gradient, into the parameter's own slot of one float32 flag vector per device: one
-kernel per parameter and micro-batch, no allocation, no host-device sync, no name looked
-up. Slots only go from 0 to 1, so micro-batches combine (ZeRO-2 frees each micro-batch's
-gradient after reducing it; ZeRO-1 accumulates) and autograd threads cannot lose each
-other's marks. :meth:`OwnGradientFlags.take` reads the vectors once per optimizer step and
-names the flagged parameters only then.
+gradient, into the parameter's own slot of one float32 flag vector per device (where a
+build lacks that kernel for a dtype, CUDA bfloat16 in torch 2.11, a read-only ``aminmax``
+and three one-element ops instead): one kernel per parameter and micro-batch, no
+allocation, no host-device sync, no name looked up. Slots only go from 0 to 1, so
+micro-batches combine (ZeRO-2 frees each micro-batch's gradient after reducing it; ZeRO-1
+accumulates) and autograd threads cannot lose each other's marks.
+:meth:`OwnGradientFlags.take` reads the vectors once per optimizer step and names the
+flagged parameters only then.
 
 Under fp16 the hooks see the gradient multiplied by the loss scale: an inf/NaN there is
 one whatever the scale, so the flags need no unscaling.
@@ -49,6 +51,8 @@ class OwnGradientFlags:
             device: torch.ones(1, dtype=torch.float32, device=device) for device in self._flags
         }
         self._lock = threading.Lock()
+        self._unfused: set[tuple[str, torch.dtype]] = set()
+        """(device type, dtype) pairs whose fused kernel this torch lacks."""
         self.errors = 0
         """Hook calls that failed (training went on; warned about once)."""
         self._handles: list[Any] = []
@@ -76,13 +80,24 @@ class OwnGradientFlags:
             if grad.layout != torch.strided or not grad.is_floating_point() or not grad.numel():
                 return
             with torch.no_grad():
-                if grad.device == slot.device and grad.is_contiguous():
-                    compat.non_finite_check_([grad], slot, one)
-                else:
-                    # Not contiguous (an expanded gradient cannot be written back): read only.
-                    low, high = torch.aminmax(grad)
-                    finite = torch.isfinite(low).logical_and_(torch.isfinite(high))
-                    slot.masked_fill_(finite.logical_not_().to(slot.device), 1.0)
+                place = (grad.device.type, grad.dtype)
+                if (
+                    grad.device == slot.device
+                    and grad.is_contiguous()
+                    and place not in self._unfused
+                ):
+                    try:
+                        compat.non_finite_check_([grad], slot, one)
+                        return
+                    except (NotImplementedError, RuntimeError):
+                        # Some builds lack the kernel for a dtype (CUDA bfloat16 in torch
+                        # 2.11): the read-only check from then on, for that dtype.
+                        self._unfused.add(place)
+                # Not contiguous (an expanded gradient cannot be written back), or no
+                # fused kernel: read only, min and max (non-finite exactly when an element is).
+                low, high = torch.aminmax(grad)
+                finite = torch.isfinite(low).logical_and_(torch.isfinite(high))
+                slot.masked_fill_(finite.logical_not_().to(slot.device), 1.0)
         except Exception as exc:  # telemetry must never break a backward pass
             with self._lock:
                 self.errors += 1
