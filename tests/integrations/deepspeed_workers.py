@@ -181,7 +181,7 @@ def _weights(engine: Any, stage: int) -> list[float]:
 
 def bf16_stages(rank: int, world_size: int) -> dict[str, Any]:
     """ZeRO 0-3 in bf16 with the NaN, with and without ampscope; bf16 ZeRO-2 with
-    ``check_grad_overflow: false`` (DeepSpeed applies the NaN)."""
+    ``check_grad_overflow: false`` (DeepSpeed applies the NaN); 50 clean steps."""
     setup()
     out: dict[str, Any] = {}
     for stage in (0, 1, 2, 3):
@@ -190,6 +190,7 @@ def bf16_stages(rank: int, world_size: int) -> dict[str, Any]:
     out["applied"] = train(
         rank, stage=2, dtype="bf16", run_id="ds-applied", check_grad_overflow=False
     )
+    out["clean"] = clean_run(rank, world_size, "ds-clean")
     return out
 
 
@@ -212,8 +213,7 @@ def fp16_stages(rank: int, world_size: int) -> dict[str, Any]:
 
 
 def clean_run(rank: int, world_size: int, run_id: str) -> dict[str, Any]:
-    """50 clean bf16 ZeRO-2 steps reported to the exporter."""
-    setup()
+    """50 clean bf16 ZeRO-2 steps reported to the exporter (after :func:`setup`)."""
     return train(rank, stage=2, dtype="bf16", gas=1, steps=50, nan_step=None, run_id=run_id)
 
 

@@ -23,7 +23,6 @@ from deepspeed_workers import (
     PARAMS,
     STEPS,
     bf16_stages,
-    clean_run,
     fp16_stages,
     hugging_face_runs,
 )
@@ -67,8 +66,15 @@ def _check_as_deepspeed(result: dict[str, Any]) -> None:
     assert records[-1]["totals"]["skipped_steps"] == seen[-1]["skipped_steps"]
 
 
-def test_bf16_zero_stages(report_to: str) -> None:
-    results = run_distributed(bf16_stages, 2, env=_ENV, timeout=600)
+@pytest.fixture(scope="module")
+def bf16_results(exporter: Any) -> list[dict[str, Any]]:
+    """One launch for every bf16 scenario, reporting to the session's exporter."""
+    env = {**_ENV, "AMPSCOPE_URL": exporter.url}
+    return run_distributed(bf16_stages, 2, env=env, timeout=600)
+
+
+def test_bf16_zero_stages(bf16_results: list[dict[str, Any]], report_to: str) -> None:
+    results = bf16_results
     for stage in (0, 1, 2, 3):
         key = f"ours{stage}"
         for result in results:
@@ -175,10 +181,9 @@ def test_fp16_backoffs_and_origin(report_to: str) -> None:
     assert health["nonfinite_update_applied"]["status"] == "ok"
 
 
-def test_fifty_clean_steps_are_healthy(report_to: str) -> None:
-    results = run_distributed(clean_run, 2, args=("ds-clean",), env=_ENV, timeout=600)
-    for result in results:
-        records = result["records"]
+def test_fifty_clean_steps_are_healthy(bf16_results: list[dict[str, Any]], report_to: str) -> None:
+    for result in bf16_results:
+        records = result["clean"]["records"]
         assert len(records) == 50
         assert not any(r["found_inf_global"] or r["skipped"] for r in records)
         assert not any(r["found_inf_origin"]["cpu"] for r in records)
