@@ -106,6 +106,10 @@ def test_bf16_zero_stages(bf16_results: list[dict[str, Any]], report_to: str) ->
         # The norm is DeepSpeed's global one: the same on both ranks.
         norms = [[r["stats"]["grad_norm"] for r in result[key]["records"]] for result in results]
         assert norms[0] == norms[1]
+        for result in results:  # without a loss scaler, inf/NaN gradients are a fault
+            nan = result[key]["records"][NAN_STEP - 1]
+            if nan.get("nonfinite") is not None:
+                assert nan["nonfinite"]["kind"] == "fault", nan
         verdict = _health(report_to, f"ds-bf16-z{stage}", STEPS)["nonfinite_skipped"]
         assert verdict["status"] == "warning", verdict
         assert verdict["evidence"]["origin_ranks"] == [NAN_RANK]
@@ -177,6 +181,13 @@ def test_fp16_backoffs_and_origin(report_to: str) -> None:
         if not any(records[step - 1]["found_inf_origin"]["cpu"] for records in zero2)
     ]
     assert born
+    # The fault rule's call, where records carry it (StepRecord.nonfinite): the warm-up's
+    # backoffs, before the first clean step, are the scaler's weather.
+    for records in zero2:
+        first_clean = next(r["step"] for r in records if not r["skipped"])
+        for record in records[: first_clean - 1]:
+            if record.get("nonfinite") is not None:
+                assert record["nonfinite"]["kind"] == "weather", record
     health = _health(report_to, "ds-fp16-z2", FP16_STEPS)
     assert health["nonfinite_update_applied"]["status"] == "ok"
 
