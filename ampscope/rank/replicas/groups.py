@@ -113,5 +113,8 @@ def _dtensor_sets(model: nn.Module) -> list[ReplicaSet]:
 
 
 def _sized(sets: list[ReplicaSet]) -> list[ReplicaSet]:
-    """The sets with at least two replicas and a piece to compare."""
+    """The sets with at least two replicas and a piece to compare; 1-byte parameters (FP8
+    storage) are left out, as the fingerprints read 2- and 4-byte words."""
+    for replicas in sets:
+        replicas.pieces = [p for p in replicas.pieces if p.tensor.element_size() > 1]
     return [s for s in sets if len(s.ranks) > 1 and any(p.numel for p in s.pieces)]
