@@ -86,7 +86,8 @@ def _cpu_rank(rank: int, world: int, port: int, groups: int, steps: int, queue: 
             start = time.perf_counter()
             outcome = check.after_step()
             alone.append(time.perf_counter() - start)
-            assert outcome is not None and outcome.agree
+            assert outcome is not None
+            assert outcome.agree
         for watch in fronts.values():
             watch.close()
         if rank == 0:
