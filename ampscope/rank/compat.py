@@ -579,6 +579,7 @@ def check_torch() -> tuple[str, ...]:
         problems.append("torch.amp.grad_scaler.OptState members changed")
     problems.extend(_check_dtensor())
     problems.extend(_check_flat_param())
+    problems.extend(_check_hybrid_group())
     problems.extend(_check_collectives())
     problems.extend(_check_stats())
     return tuple(problems)
@@ -678,6 +679,16 @@ def _check_flat_param() -> list[str]:
         if attr not in annotations:
             problems.append(f"FSDP1 FlatParameter no longer declares {attr}")
     return problems
+
+
+def _check_hybrid_group() -> list[str]:
+    """FSDP1 keeps a hybrid unit's inter-node group (the replicas, ``fsdp1_replica_group``)
+    as ``_inter_node_pg``, set where it builds its process groups."""
+    from torch.distributed.fsdp import _init_utils
+
+    if "_inter_node_pg" not in inspect.getsource(_init_utils):
+        return ["FSDP1 no longer keeps a hybrid unit's inter-node group as _inter_node_pg"]
+    return []
 
 
 def _check_collectives() -> list[str]:

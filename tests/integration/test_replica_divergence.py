@@ -14,6 +14,9 @@ process, each rank checking its replicas every ``EVERY`` iterations:
 - ``hsdp``: FSDP2 over a 2 x 2 (replicate x shard) mesh; rank 3 flips a bit of its shard:
   its replica group is ranks 1 and 3, two replicas without a majority: both named, no
   device blamed; ranks 0 and 2 keep agreeing;
+- ``fsdp1-hybrid``: FSDP1 ``HYBRID_SHARD`` over the same mesh with a
+  ``ShardedGradScaler``; rank 2 flips a bit of its FlatParameter shard: its inter-node
+  group, ranks 0 and 2, names ``0.weight`` (the original parameter inside the shard);
 - ``clean``: ``CLEAN_STEPS`` iterations with dropout and fp16 backoffs, checked every
   iteration: never a divergence, the run stays ok.
 """
@@ -45,20 +48,28 @@ FIRST_SEEN = 8
 CLEAN_STEPS = 300
 FLIPS = {"ddp-watch": (2, "2.weight"), "ddp-scaler": (3, "0.bias"), "ddp-adam": (1, "0.weight")}
 HSDP_FLIP = (3, "0.weight")
+FSDP1_FLIP = (2, "0.weight")
 
 
-def _model(hsdp: bool = False) -> Any:
+def _model(scenario: str) -> Any:
     import torch
     from torch import nn
 
     torch.manual_seed(7)
     model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.2), nn.Linear(16, 4))
-    if not hsdp:
+    if scenario not in ("hsdp", "fsdp1-hybrid"):
         return nn.parallel.DistributedDataParallel(model)
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy, fully_shard
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    if scenario == "fsdp1-hybrid":
+        return FullyShardedDataParallel(
+            model,
+            sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+            device_mesh=mesh,
+            device_id=torch.device("cpu"),
+        )
     fully_shard(model[0], mesh=mesh)
     fully_shard(model[2], mesh=mesh)
     return fully_shard(model, mesh=mesh)
@@ -87,17 +98,19 @@ def _run(rank: int, scenario: str, url: str) -> dict[str, Any]:
     from ampscope.reporter.http import HttpReporter
 
     clean = scenario == "clean"
-    model = _model(hsdp=scenario == "hsdp")
+    model = _model(scenario)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     reporter = HttpReporter(url, flush_interval=0.05)
     run = f"replicas-{scenario}"
     scaler: Any
-    if scenario in ("ddp-watch", "ddp-adam", "hsdp"):
+    if scenario == "fsdp1-hybrid":
+        scaler = ampscope.ShardedGradScaler("cpu", reporter=None)
+    elif scenario in ("ddp-watch", "ddp-adam", "hsdp"):
         scaler = ampscope.GradWatch(reporter=reporter, run_id=run)
     else:  # the highest initial scale: fp16 backoffs (skipped steps) while the checks run
         scaler = ampscope.GradScaler("cpu", init_scale=2.0**127, reporter=reporter, run_id=run)
     scaler.attach(model, replica_check_every=1 if clean else EVERY)
-    flip = HSDP_FLIP if scenario == "hsdp" else FLIPS.get(scenario)
+    flip = {"hsdp": HSDP_FLIP, "fsdp1-hybrid": FSDP1_FLIP}.get(scenario) or FLIPS.get(scenario)
     data = torch.Generator().manual_seed(100 + rank)
     for step in range(1, (CLEAN_STEPS if clean else STEPS) + 1):
         opt.zero_grad()
@@ -109,6 +122,8 @@ def _run(rank: int, scenario: str, url: str) -> dict[str, Any]:
             if scenario == "ddp-adam":  # the optimizer's state, not the weight
                 state = opt.state[dict(model.module.named_parameters())[flip[1]]]
                 state["exp_avg"].view(-1)[1] *= 3.0  # finite; the next step's update moves
+            elif scenario == "fsdp1-hybrid":  # the rank's FlatParameter shard
+                _flip_low_bit(next(model.parameters()))
             else:
                 _flip_low_bit(_named(model, flip[1]))
         scaler.update()
@@ -123,7 +138,8 @@ def _rank(rank: int, world_size: int, url: str) -> dict[str, Any]:
 
     del world_size
     torch.set_num_threads(1)
-    return {s: _run(rank, s, url) for s in ("ddp-watch", "ddp-scaler", "ddp-adam", "hsdp", "clean")}
+    scenarios = ("ddp-watch", "ddp-scaler", "ddp-adam", "hsdp", "fsdp1-hybrid", "clean")
+    return {s: _run(rank, s, url) for s in scenarios}
 
 
 @pytest.fixture(scope="module")
@@ -229,6 +245,17 @@ def test_a_flipped_bit_is_named_by_rank_parameter_and_step(exporter: str) -> Non
     assert "no majority" in verdict["summary"]
     offences = _samples(exporter, "ampscope_device_offences_total", run, "device", "kind")
     assert not any(k[1] == "replica_divergence" for k in offences)  # nobody to blame
+
+    # FSDP1 HYBRID_SHARD: rank 2's inter-node group is (0, 2); the name is the original one.
+    for rank, out in enumerate(results):
+        assert [step for step, _ in out["fsdp1-hybrid"]["checks"]] == checks
+        for step, check in out["fsdp1-hybrid"]["checks"]:
+            if rank in (0, 2) and step >= FIRST_SEEN:
+                assert check["ranks"] == [0, 2], (rank, check)
+                assert check["parameters"] == [FSDP1_FLIP[1]]
+                assert not check["majority"]
+            else:
+                assert check["agree"], (rank, step)
 
     shown = run_status(run, url=exporter)
     assert shown.returncode == 2, shown.stderr  # critical
