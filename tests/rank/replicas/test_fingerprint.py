@@ -84,3 +84,27 @@ def test_pieces_of_a_flat_shard_are_named_apart() -> None:
 def test_one_byte_parameters_are_refused() -> None:
     with pytest.raises(TypeError, match="1-byte"):
         FingerprintPlan(_pieces({"mask": torch.zeros(4, dtype=torch.bool)}))
+
+
+def _ops(plan: FingerprintPlan) -> list[str]:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: list[str] = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        plan.chunks()
+    return seen
+
+
+def test_a_check_runs_the_same_kernels_for_148_tensors_as_for_1480() -> None:
+    gen = torch.Generator().manual_seed(1)
+    few = {f"p{i}": torch.randn(64, generator=gen) for i in range(148)}
+    many = {f"p{i}": torch.randn(64, generator=gen) for i in range(1480)}
+    small, large = _ops(FingerprintPlan(_pieces(few))), _ops(FingerprintPlan(_pieces(many)))
+    assert small == large
+    assert len(small) <= 4  # the packed copy, the view, the sum
