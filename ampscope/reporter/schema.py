@@ -386,6 +386,35 @@ class Rerun(_Model):
     second: RerunPass
 
 
+MAX_REPLICA_PARAMETERS = 16
+"""Differing parameters a replica check names at most (the count is always given)."""
+MAX_REPLICA_RANKS = 4096
+"""Disagreeing ranks a replica check lists at most."""
+
+
+class ReplicaCheckResult(_Model):
+    """A replica check (``attach(model, replica_check_every=N)``): this rank's parameters
+    compared bit for bit with the ranks that must hold the same values, after the
+    optimizer step. Every rank of the replica group records the same result."""
+
+    agree: bool
+    """Every replica's fingerprints were equal."""
+    replicas: Annotated[int, Field(ge=2, le=MAX_COUNT)]
+    """Ranks compared (this rank's replica group)."""
+    ranks: list[Annotated[int, Field(ge=0, le=MAX_COUNT)]] = Field(
+        default_factory=list, max_length=MAX_REPLICA_RANKS
+    )
+    """Global ranks that disagree: the minority when a majority agrees, else (two replicas,
+    a tie) every rank of the disagreement. Empty when they agree."""
+    majority: bool = True
+    """A strict majority held every differing value: ``ranks`` are the odd ones out."""
+    parameters: list[ParamName] = Field(default_factory=list, max_length=MAX_REPLICA_PARAMETERS)
+    """Names of the differing parameters (FSDP1: the original parameters), at most
+    ``MAX_REPLICA_PARAMETERS``."""
+    parameters_differing: Count = 0
+    """How many parameters differ."""
+
+
 class StepRecord(_Model):
     """One iteration: everything one update() call saw and did on one rank."""
 
@@ -429,6 +458,9 @@ class StepRecord(_Model):
     """The iteration was flagged and rerun (``step(..., rerun=closure)``); ``None`` when not."""
     """The attached model's FP8 layers (torchao ``Float8Linear``) on an observed iteration
     (one in ``fp8_every``); ``None`` on others and without FP8 layers."""
+    replicas: ReplicaCheckResult | None = None
+    """This iteration's replica check (one in ``replica_check_every``); ``None`` on the
+    others and where no parameter has a replica."""
 
 
 class IngestBatch(_Model):

@@ -36,6 +36,7 @@ ALERTS = {
     "AmpscopeOriginOutlier",
     "AmpscopeTransientFault",
     "AmpscopeReproducibleFault",
+    "AmpscopeReplicaDivergence",
     "AmpscopeRepeatOffenderDevice",
     "AmpscopeFp8NonfiniteAmax",
     "AmpscopeFp8Underflow",

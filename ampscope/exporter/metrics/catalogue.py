@@ -16,10 +16,11 @@ RANK_LABELS = ("run", "node", "rank", "local_rank")
 DEVICE_LABELS = ("run", "device", "node")
 """Labels of the per-device families: ``device`` as ``ampscope_rank_info`` names it."""
 
-OFFENCE_KINDS = ("nonfinite_origin", "origin_outlier", "transient_fault")
+OFFENCE_KINDS = ("nonfinite_origin", "origin_outlier", "transient_fault", "replica_divergence")
 """Offences ``ampscope_device_offences_total`` counts (its ``kind``): the rank's own
 gradients held inf/NaN (a rerun that reproduced them says the data did it: not counted), its
-own gradient norm stood out, or a rerun did not reproduce its flagged result."""
+own gradient norm stood out, or a rerun did not reproduce its flagged result; or a majority
+of its replicas outvoted its parameters (``replica_divergence``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -203,6 +204,16 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "result",
     ),
     _rank(
+        "ampscope_replica_checks_total",
+        "counter",
+        "Replica checks (attach(model, replica_check_every=N)) of the rank's replica group, "
+        "by result: agree (every replica's parameters were bit-identical after the optimizer "
+        "step), diverged (some replica's were not: silent corruption). Every rank of the "
+        "group counts each check of the group. Counted from the exporter's start, or the "
+        "rank process's; each result exposed once non-zero.",
+        "result",
+    ),
+    _rank(
         "ampscope_fp8_amax",
         "gauge",
         "Largest |value| an FP8 layer (torchao Float8Linear) cast in the rank's newest observed "
@@ -245,7 +256,9 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "origin_outlier (its own gradient norm stood out, as ampscope_spikes_total counts "
         "it), transient_fault (a rerun from the same batch did not reproduce its flagged "
         'result, as ampscope_reruns_total{result="transient"} counts it). Exposed once '
-        "non-zero; the ranks of a run that share a device are summed.",
+        "non-zero; the ranks of a run that share a device are summed. Also "
+        "replica_divergence (a majority of the rank's replicas held other parameter values "
+        "at a replica check).",
         labels=(*DEVICE_LABELS, "kind"),
     ),
     MetricSpec(

@@ -83,6 +83,7 @@ def device_families(snaps: Iterable[RankSnapshot]) -> list[Metric]:
             ("nonfinite_origin", max(0, origins)),
             ("origin_outlier", snap.spike_counts.origin_outlier),
             ("transient_fault", snap.rerun_counts.transient),
+            ("replica_divergence", snap.replica_offences),
         )
         for kind, count in offences:
             if count:
@@ -252,6 +253,9 @@ class StoreCollector(Collector):
         for result, count in snap.rerun_counts._asdict().items():
             if count:  # none in a healthy fleet: no series (docs/deployment.md, Sizing)
                 rows.append(("ampscope_reruns_total", [*labels, result], float(count)))
+        for result, count in snap.replica_counts._asdict().items():
+            if count:  # ranks that check expose agree; diverged once one diverged
+                rows.append(("ampscope_replica_checks_total", [*labels, result], float(count)))
         if snap.fp8:
             chosen = exported(snap.fp8, self._store.fp8_rule.max_layers, now, self._fp8_window_s)
             for series in chosen:

@@ -42,6 +42,13 @@ from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 from ampscope.exporter.state.fp8_series import Fp8Series, RankFp8
+from ampscope.exporter.state.replicas import (
+    NO_REPLICA_CHECKS,
+    Divergence,
+    RankReplicas,
+    ReplicaCounts,
+    replica_offended,
+)
 from ampscope.exporter.state.reruns import (
     NO_RERUNS,
     RankReruns,
@@ -243,6 +250,13 @@ class RankSnapshot:
     rerun_data_origins: int = 0
     """Origin detections of steps whose rerun reproduced the rank's flagged result (the
     data's): left out of the device's ``nonfinite_origin`` offences."""
+    replica_counts: ReplicaCounts = NO_REPLICA_CHECKS
+    """Replica checks of its group, by result (``ampscope_replica_checks_total``)."""
+    replica_divergence: Divergence | None = None
+    """The first check of its current process whose replicas disagreed."""
+    replica_offences: int = 0
+    """Diverged checks in which a majority of its replicas outvoted it (its device's
+    ``replica_divergence`` offences)."""
 
     @property
     def identity(self) -> Identity:
@@ -384,6 +398,7 @@ class RankState:
         self.spikes = RankSpikes(spike_rule or SpikeRule())
         self.fp8 = RankFp8(fp8_rule or Fp8Rule())
         self.reruns = RankReruns()
+        self.replicas = RankReplicas()
         self.newest: StepRecord | None = None
         self.last_report = 0.0
         self.dropped_records = 0
@@ -411,6 +426,7 @@ class RankState:
         Contract: the rank holds a record. O(devices)."""
         assert self.newest is not None
         reruns = sum(count > 0 for count in self.reruns.counts)
+        reruns += sum(count > 0 for count in self.replicas.counts)
         return series_of(self.newest) + (self.failure is not None) + self.fp8.exposed() + reruns
 
     def newest_after(self, records: list[StepRecord], now: float) -> StepRecord:
@@ -537,7 +553,7 @@ class RankState:
 
     def _apply(self, record: StepRecord, now: float) -> _Outcome:
         outcome = _classify(record, self.newest, self._process_start)
-        if outcome != "ignored" and device_offended(record):
+        if outcome != "ignored" and (device_offended(record) or replica_offended(record)):
             self.note_offence(record.time)
         if outcome == "newest":
             if self.newest is None:
@@ -547,6 +563,7 @@ class RankState:
             self.spikes.observe(record, now)
             self.fp8.observe(record, now)
             self.reruns.observe(record, now)
+            self.replicas.observe(record, now)
         elif outcome == "restart":
             self._process_start = min(record.time, now)
             self.restarts += 1
@@ -558,12 +575,14 @@ class RankState:
             self.last_skip = None
             self.fp8.reset()
             self.reruns.reset()
+            self.replicas.reset()
             self.newest = record
             self.first_step = record.step
             self._append(HeldRecord.of(record))
             self.spikes.observe(record, now)
             self.fp8.observe(record, now)
             self.reruns.observe(record, now)
+            self.replicas.observe(record, now)
         elif outcome == "late" and not self._insert_late(record):
             return "ignored"
         if record.skipped and (self.last_skip is None or record.step > self.last_skip.step):
@@ -638,4 +657,7 @@ class RankState:
             rerun_counts=self.reruns.counts,
             reruns=tuple(self.reruns.recent),
             rerun_data_origins=self.reruns.data_origins,
+            replica_counts=self.replicas.counts,
+            replica_divergence=self.replicas.first,
+            replica_offences=self.replicas.offences,
         )

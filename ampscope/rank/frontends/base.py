@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ampscope.rank import compat
-from ampscope.rank.config import TelemetryConfig, check_fp8_every
+from ampscope.rank.config import TelemetryConfig, check_fp8_every, check_replica_check_every
 from ampscope.rank.frontends.rerun import Checks, Closure, Rerun, RerunOutcome, agree_flagged
 from ampscope.rank.gradients.names import ParamNames
 from ampscope.rank.gradients.stats import GradStats, SquareSumReduce, TakenStats
@@ -32,6 +32,7 @@ from ampscope.reporter.schema import Identity
 
 if TYPE_CHECKING:
     from ampscope.rank.fp8.observer import Fp8Observer
+    from ampscope.rank.replicas.check import ReplicaCheck, ReplicaOutcome
 
 logger = logging.getLogger("ampscope")
 
@@ -50,6 +51,7 @@ OWN_ATTRIBUTES = (
     "_ampscope_errors",
     "_ampscope_stats",
     "_ampscope_fp8",
+    "_ampscope_replicas",
 )
 """Attributes a front-end adds; dropped when it is pickled (threads, hooks, sinks)."""
 
@@ -82,6 +84,7 @@ class TelemetryFrontEnd(failure.ClosedByWith):
     _ampscope_errors: int
     _ampscope_stats: GradStats | None
     _ampscope_fp8: Fp8Observer | None
+    _ampscope_replicas: ReplicaCheck | None
 
     def _ampscope_start(
         self, config: TelemetryConfig, enabled: bool, reduce: SquareSumReduce | None = None
@@ -103,6 +106,7 @@ class TelemetryFrontEnd(failure.ClosedByWith):
         self._ampscope_origin_handles = []
         self._ampscope_errors = 0
         self._ampscope_fp8 = None
+        self._ampscope_replicas = None
         self._ampscope_last_rerun: RerunOutcome | None = None
         self._ampscope_rerun_pending: RerunOutcome | None = None
         """The rerun of the iteration update() closes, for its record."""
@@ -128,7 +132,12 @@ class TelemetryFrontEnd(failure.ClosedByWith):
         return self._ampscope_last_rerun
 
     def attach(
-        self, model: nn.Module, track_origin: bool = False, *, fp8_every: int | None = None
+        self,
+        model: nn.Module,
+        track_origin: bool = False,
+        *,
+        fp8_every: int | None = None,
+        replica_check_every: int | None = None,
     ) -> None:
         """Name ``model``'s parameters in records; optionally track found-inf origin;
         observe its FP8 layers.
@@ -150,16 +159,30 @@ class TelemetryFrontEnd(failure.ClosedByWith):
                 one in this many; ``None``: the front-end's ``fp8_every`` option. An
                 observed iteration costs three reductions and three elementwise passes
                 over each cast tensor, on its device, and no sync.
+            replica_check_every: Compare the parameters bit for bit with their replicas
+                (DDP; FSDP2 on a replicate x shard mesh; FSDP1 ``HYBRID_SHARD``) after the
+                optimizer step, in ``update()``, on one iteration in this many; 0: never;
+                ``None``: the front-end's option. Every rank must attach with the same
+                value. A check costs two kernels per 2**24 parameter elements, one small
+                all-gather over the replica group and one host read; other iterations
+                cost nothing (docs/silent-corruption.md). Attach again after replacing a
+                parameter's ``.data``.
 
         Raises:
             TypeError, ValueError: from ``install_origin_hooks`` when the model runs no
                 supported gradient collective; ValueError: ``fp8_every`` is not a
-                positive int.
+                positive int, or ``replica_check_every`` not an int >= 0.
         """
         every = check_fp8_every(self._ampscope_config.fp8_every if fp8_every is None else fp8_every)
+        replica_every = check_replica_check_every(
+            self._ampscope_config.replica_check_every
+            if replica_check_every is None
+            else replica_check_every
+        )
         self._ampscope_names.attach(model)
         if self._ampscope_capture is not None:
             self._ampscope_attach_fp8(model, every)
+            self._ampscope_attach_replicas(model, replica_every)
         stats = self._ampscope_stats
         if stats is not None:
             from ampscope.rank.gradients.origin_hooks import fsdp1_gradient_group
@@ -226,6 +249,7 @@ class TelemetryFrontEnd(failure.ClosedByWith):
         fp8, self._ampscope_fp8 = self._ampscope_fp8, None
         if fp8 is not None:
             fp8.close()
+        self._ampscope_replicas = None
         self._ampscope_telemetry.close(timeout)
 
     # -- internals -----------------------------------------------------------------------
@@ -292,6 +316,29 @@ class TelemetryFrontEnd(failure.ClosedByWith):
         layers = float8_layers(model)
         if layers:
             self._ampscope_fp8 = Fp8Observer(layers, every, compat.float8_sharded_weights(model))
+
+    def _ampscope_attach_replicas(self, model: nn.Module, every: int) -> None:
+        """Check ``model``'s parameters against their replicas (replacing an earlier
+        attach's check); nothing when ``every`` is 0 or no parameter has a replica."""
+        self._ampscope_replicas = None
+        if every:
+            from ampscope.rank.replicas.check import ReplicaCheck
+
+            check = ReplicaCheck(model, every)
+            self._ampscope_replicas = check if check.compares else None
+
+    def _ampscope_check_replicas(self) -> ReplicaOutcome | None:
+        """The replica check after this iteration's optimizer step (``None``: not a
+        checking iteration, or nothing to compare). Call once per ``update()`` on every
+        rank. Never raises."""
+        check = self._ampscope_replicas
+        if check is None:
+            return None
+        try:
+            return check.after_step()
+        except Exception:
+            self._ampscope_failed()
+            return None
 
     def _ampscope_take_fp8(self) -> tuple[torch.Tensor, Any] | None:
         """The closing iteration's FP8 values and their names (``None``: not observed);

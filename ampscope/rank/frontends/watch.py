@@ -269,6 +269,8 @@ class GradWatch(TelemetryFrontEnd):
         iteration, step = capture.iteration, capture.step + 1
         skipped = any(e.skipped for e in iteration.values())
         self._consecutive_skips = self._consecutive_skips + 1 if skipped else 0
+        # After the optimizer step(s), on every rank whatever fails below (a collective).
+        replicas = self._ampscope_check_replicas()
         try:
             # The identity first: its collective (first update()) is made by every rank,
             # whatever fails after it.
@@ -282,6 +284,7 @@ class GradWatch(TelemetryFrontEnd):
                 self._ampscope_take_fp8(),
             )
             pending.rerun, self._ampscope_rerun_pending = self._ampscope_rerun_pending, None
+            pending.replicas = replicas
             self._ampscope_telemetry.submit(pending)
         except Exception:
             self._abandon(capture, iteration, step)

@@ -308,6 +308,7 @@ class RecordBuilder:
             batch=None if pending.batch is None else batch_ids(pending.batch),
             fp8=fp8,
             rerun=None if pending.rerun is None else pending.rerun.to_record(),
+            replicas=None if pending.replicas is None else pending.replicas.to_record(),
         )
         # The record exists: only now do the totals move.
         if device is not None:

@@ -19,7 +19,9 @@ baseline, which only the exporters hold (``SPIKE_DETAIL``); ``nonfinite_skipped`
 (``SKIP_DETAIL``). ``transient_fault`` and ``reproducible_fault`` read
 ``ampscope_reruns_total`` (since each rank process started; exposed once non-zero, so
 ``increase`` would miss the first): which rank and how many, not the step or the device
-(``RERUN_DETAIL``). For a run whose ranks export FP8 series, ``fp8_nonfinite_amax`` and
+(``RERUN_DETAIL``); ``replica_divergence`` reads ``ampscope_replica_checks_total`` likewise:
+which ranks' groups diverged, not which rank disagrees (``REPLICA_DETAIL``). For a run
+whose ranks export FP8 series, ``fp8_nonfinite_amax`` and
 ``fp8_underflow`` are judged from the FP8 gauges' samples, ``fp8_amax_spike`` is not
 (``ampscope.status.prometheus.fp8``).
 
@@ -28,7 +30,7 @@ fails, or its series went stale) is ``lost``, as the exporter's own health would
 it no longer hears, and ``lost_rank`` names it and the exporters whose scrape fails
 (``ampscope.status.prometheus.ranks``). The thresholds are those the exporters publish
 (``ampscope_exporter_health_threshold``), the defaults where none does. Cost: one query for
-the thresholds, then fourteen instant queries run in parallel; the answer holds O(ranks x devices)
+the thresholds, then fifteen instant queries run in parallel; the answer holds O(ranks x devices)
 samples.
 """
 
@@ -56,6 +58,7 @@ from ampscope.status.prometheus.ranks import (
     up_query,
 )
 from ampscope.verdicts import failures, liveness, nonfinite, scale
+from ampscope.verdicts import replicas as replica_rules
 from ampscope.verdicts import reruns as rerun_rules
 from ampscope.verdicts import spikes as spike_rules
 from ampscope.verdicts.fp8 import Fp8Rule
@@ -82,6 +85,7 @@ RANK_QUERIES = (
     "spikes",
     "skipped_nonfinite",
     "reruns",
+    "replica_checks",
     "seen",
     *prometheus_fp8.FP8_QUERIES,
 )
@@ -105,7 +109,16 @@ RERUN_DETAIL = (
 )
 """What a rerun verdict computed from Prometheus says it lacks."""
 
+REPLICA_DETAIL = (
+    "counted from Prometheus (ampscope_replica_checks_total, since the rank process "
+    "started): which rank disagrees, the step and the parameters are in each exporter's "
+    "GET /api/v1/runs/{run}/health; the minority's device is the one "
+    'ampscope_device_offences_total{{kind="replica_divergence"}} counts'
+)
+"""What ``replica_divergence`` computed from Prometheus says it lacks."""
+
 COUNTED = {
+    "replica_divergence": REPLICA_DETAIL,
     "transient_fault": RERUN_DETAIL,
     "reproducible_fault": RERUN_DETAIL,
     "loss_spike": SPIKE_DETAIL,
@@ -138,6 +151,7 @@ def queries(run: str | None, t: Thresholds) -> dict[str, str]:
         "skipped_nonfinite": f"increase(ampscope_skipped_steps_total{{{sel}}}"
         f"[{t.nonfinite_skipped_window_s:g}s])",
         "reruns": f"ampscope_reruns_total{{{sel}}}",
+        "replica_checks": f"ampscope_replica_checks_total{{{sel}}}",
         "seen": seen_query(sel),
         "up": up_query(sel),
         **prometheus_fp8.queries(sel, Fp8Rule()),
@@ -230,6 +244,12 @@ def health_of(
             if n
         ]
 
+    replicas = [
+        replica_rules.ReplicaFacts(rank=v["rank"], node=v["node"], diverged=n)
+        for v, n in ((v, round(window("replica_checks", v, "diverged"))) for v in views)
+        if n
+    ]
+
     skipped = [
         nonfinite.SkippedFacts(
             rank=v["rank"],
@@ -264,6 +284,7 @@ def health_of(
         "origin_outlier": counted(spike_rules.origin_outlier(spikes("origin_outlier"), t)),
         "transient_fault": counted(rerun_rules.transient_fault(reruns("transient"), t)),
         "reproducible_fault": counted(rerun_rules.reproducible_fault(reruns("reproducible"), t)),
+        "replica_divergence": counted(replica_rules.replica_divergence(replicas, t)),
     }
     if fp8 is not None:
         by_rule.update(prometheus_fp8.verdicts(run, views, fp8, Fp8Rule()))
