@@ -208,7 +208,9 @@ def device_offence(cls: str, kind: str, own: bool | None) -> bool:
     return cls == "fault" and own is True and kind != "reproducible"
 
 
-def after_rerun(call: Call | None, flagged: bool, reproduced: bool, first_nonfinite: bool) -> Call | None:
+def after_rerun(
+    call: Call | None, flagged: bool, reproduced: bool, first_nonfinite: bool
+) -> Call | None:
     """The decision about a rerun iteration whose record keeps the second pass: the rule's
     ``call`` about that pass, corrected by what the rerun found on this rank. A flagged
     result the rerun did not reproduce is a ``transient`` fault (the device's); a non-finite

@@ -71,7 +71,8 @@ def test_probing_upward_is_weather_and_the_scale_it_grew_from_is_clean() -> None
     state, scaler = FaultState(FaultRule(settle_steps=3, probe_steps=50)), Scaler(8.0, 5)
     for _ in range(5):  # grows from 8 at the fifth clean step
         assert state.observe(scaler.step(False)) is None
-    assert scaler.scale == 16.0 and state.clean_scale == 8.0
+    assert scaler.scale == 16.0
+    assert state.clean_scale == 8.0
     for _ in range(4):  # clean at 16, fewer than probe_steps
         state.observe(scaler.step(False))
     call = state.observe(scaler.step(True))
@@ -88,7 +89,8 @@ def test_a_probed_scale_becomes_clean_after_probe_steps(probe_steps: int, clean:
     scaler.interval = 1
     state.observe(scaler.step(False))  # grows from 1 to 2
     scaler.interval = 100
-    assert scaler.scale == 2.0 and state.clean_scale == 1.0
+    assert scaler.scale == 2.0
+    assert state.clean_scale == 1.0
     for _ in range(2):
         state.observe(scaler.step(False))
     assert state.clean_scale == clean

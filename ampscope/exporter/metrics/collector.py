@@ -251,9 +251,9 @@ class StoreCollector(Collector):
             ("ampscope_nonfinite_updates_applied_total", labels, float(totals.nonfinite_applied))
         )
         if totals.faults is not None:
-            for kind in FAULT_KINDS:
+            for fault in FAULT_KINDS:
                 rows.append(
-                    ("ampscope_faults_total", [*labels, kind], float(totals.faults.get(kind, 0)))
+                    ("ampscope_faults_total", [*labels, fault], float(totals.faults.get(fault, 0)))
                 )
         if stats is not None:
             counts = snap.spike_counts

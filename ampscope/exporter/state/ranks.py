@@ -50,6 +50,7 @@ from ampscope.exporter.state.reruns import (
     device_offended,
 )
 from ampscope.exporter.state.spike_windows import RankSpikes, SpikeCounts, SpikeEvent
+from ampscope.reporter.fault_rule import FAULT_KINDS
 from ampscope.reporter.schema import (
     DeviceIdentity,
     Heartbeat,
@@ -58,7 +59,6 @@ from ampscope.reporter.schema import (
     RankTotals,
     StepRecord,
 )
-from ampscope.reporter.fault_rule import FAULT_KINDS
 from ampscope.reporter.spike_rule import SpikeRule
 from ampscope.verdicts.fp8 import Fp8Rule
 from ampscope.verdicts.ranks import is_scaler

@@ -93,6 +93,7 @@ class TelemetryFrontEnd(failure.ClosedByWith):
             history=config.history,
             top_k=config.top_k,
             spike_rule=config.spike_rule,
+            fault_rule=config.fault_rule,
         )
         self._ampscope_capture = None
         # Closed after observing: it still takes part in the ranks' rerun agreement.
@@ -237,10 +238,13 @@ class TelemetryFrontEnd(failure.ClosedByWith):
         closure: Closure,
         rtol: float,
         group: Any = None,
+        scale: torch.Tensor | None = None,
     ) -> bool:
         """Agree whether the iteration is flagged and, if so, rerun it
-        (:class:`~ampscope.rank.frontends.rerun.Rerun`): whether it was rerun. Exceptions
-        of the closure reach the caller, as any of the loop's own code."""
+        (:class:`~ampscope.rank.frontends.rerun.Rerun`): whether it was rerun. ``scale``:
+        a scaler's scale tensor, compared on the device with the fault rule's clean scale
+        (an overflow above it is weather, never rerun). Exceptions of the closure reach the
+        caller, as any of the loop's own code."""
         if self._ampscope_rerun_pending is not None:
             # The closure recomputed every gradient and an optimizer already stepped on
             # them: a second rerun would compare a different iteration.
@@ -264,6 +268,8 @@ class TelemetryFrontEnd(failure.ClosedByWith):
             group=group,
             thresholds=thresholds,
             on_failure=self._ampscope_failed,
+            scale=scale,
+            fault_threshold=self._ampscope_telemetry.fault_threshold(),
         )
         if not check.flagged():
             return False
