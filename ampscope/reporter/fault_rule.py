@@ -26,14 +26,16 @@ count of consecutive clean iterations at the current scale): a scale becomes cle
 (or started at it), after ``probe_steps`` when it reached it by growing (probing upward),
 and at once when the scaler grows from it (``growth_interval`` clean iterations). A later
 confirmation replaces it, lower or higher, so the clean scale is always the recent one.
-Examples (``settle_steps`` 10, ``probe_steps`` 100):
+Examples (the defaults: ``settle_steps`` 3, ``probe_steps`` 100):
 
 - ``init_scale`` 2**40, the gradients fit at 2**15: the 25 backoffs of the warm-up are
-  weather (no clean scale yet); after 10 clean iterations at 2**15 the clean scale is 2**15.
+  weather (no clean scale yet); after 3 clean iterations at 2**15 the clean scale is 2**15.
 - Growth from 2**15 to 2**16 and an overflow at 2**16 within 100 iterations: weather
   (probing); back at 2**15, an overflow there: a fault (the run trained cleanly at 2**15).
-- An inf in one rank's gradients after 50 clean iterations at 2**15: a fault, and the ranks
+- An inf in one rank's gradients after 5 clean iterations at 2**15: a fault, and the ranks
   whose own gradients held it (origin tracking) are its offenders.
+- A warm-up that trains once at 2**18 and overflows there on the next iteration: weather
+  (2**18 was never clean three times in a row).
 
 Both sides import it: a rank's telemetry thread decides each iteration from the whole history
 of its own scale and writes the decision into the record (``StepRecord.nonfinite``), the
@@ -89,9 +91,10 @@ DEVICE_FAULT_KINDS: frozenset[str] = frozenset(
 class FaultRule:
     """When a scale counts as clean (see the module)."""
 
-    settle_steps: int = 10
+    settle_steps: int = 3
     """Clean iterations in a row at a scale the scaler backed off to (or started at)
-    before an overflow at or below it is a fault."""
+    before an overflow at or below it is a fault. More than one: a warm-up often trains
+    one iteration cleanly at a scale and overflows at it on the next."""
     probe_steps: int = 100
     """Clean iterations in a row at a scale the scaler grew to (probing upward) before an
     overflow at or below it is a fault; growing again from it confirms it at once."""

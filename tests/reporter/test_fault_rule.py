@@ -60,8 +60,8 @@ def test_warmup_from_any_init_scale_is_weather_then_the_settled_scale_is_clean()
 
 
 def test_no_clean_scale_before_settle_steps() -> None:
-    state, scaler = FaultState(FaultRule(settle_steps=10)), Scaler(2.0**10, interval=2000)
-    for _ in range(9):
+    state, scaler = FaultState(), Scaler(2.0**10, interval=2000)
+    for _ in range(FaultRule().settle_steps - 1):
         assert state.observe(scaler.step(False)) is None
     assert state.threshold() == -1.0
     assert state.observe(scaler.step(True)) == Call("weather", "warmup", True, None)

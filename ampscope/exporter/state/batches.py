@@ -7,8 +7,8 @@ every flagged (step, rank) with its reasons and ids, at most ``MAX_SUSPECTS`` pe
 
 - ``nonfinite_origin``: the fault rule (``ampscope.reporter.fault_rule``) called the step a
   fault of the rank's own loss or gradients (the loss scaler's weather is never flagged);
-- ``skipped_step``, ``nonfinite_fault``: a fault skipped (or applied) where origin tracking
-  is off on the rank, so any rank's batch may be the cause;
+- ``skipped_step``: a fault's step was skipped and origin tracking is off on the rank, so
+  any rank's batch may be the cause;
 - ``nonfinite_update_applied``: the rank's first optimizer step on inf/NaN gradients;
 - ``reproducible_fault``, ``transient_fault``: the step was rerun and the rank's own
   flagged result was, or was not, reproduced;
@@ -23,6 +23,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from ampscope.exporter.state.spike_windows import ORIGIN_STEPS
+from ampscope.reporter.fault_rule import DEVICE_FAULT_KINDS
 from ampscope.reporter.schema import BatchIds, StepRecord
 
 RECENT_STEPS = ORIGIN_STEPS
@@ -69,11 +70,12 @@ def record_reasons(record: StepRecord) -> list[str]:
     reasons = []
     call = record.nonfinite
     if call is not None or record.totals.faults is not None:
-        fault = call is not None and call.kind == "fault"
+        # A rerun's fault (transient, reproducible) is flagged by the rerun's reason below.
+        fault = call is not None and call.kind == "fault" and call.reason in DEVICE_FAULT_KINDS
         if fault and call is not None and call.own:
             reasons.append("nonfinite_origin")
-        if fault and call is not None and call.own is None:
-            reasons.append("skipped_step" if record.skipped else "nonfinite_fault")
+        if fault and call is not None and call.own is None and record.skipped:
+            reasons.append("skipped_step")
     else:
         if any(record.found_inf_origin.values()):
             reasons.append("nonfinite_origin")
