@@ -11,7 +11,7 @@ explains:
 - ``nonfinite_gradients``: inf/NaN gradients without a loss scaler (a ``GradWatch`` on a
   bf16/fp32 run: nothing there overflows by design);
 - ``overflow_at_clean_scale``: a scaler's overflow at or below its *clean scale*, the newest
-  scale at which it recently trained cleanly (below);
+  scale at which it recently trained cleanly (below), and below its *edge*;
 - ``transient``: a rerun from the same batch (``rerun=closure``) did not reproduce the
   rank's inf/NaN: the device made it;
 - ``reproducible``: a rerun reproduced the rank's fault: the data (or the numerics) made it.
@@ -26,14 +26,26 @@ count of consecutive clean iterations at the current scale): a scale becomes cle
 (or started at it), after ``probe_steps`` when it reached it by growing (probing upward),
 and at once when the scaler grows from it (``growth_interval`` clean iterations). A later
 confirmation replaces it, lower or higher, so the clean scale is always the recent one.
+
+The *edge* is the scale at which the scaler last overflowed warming up or probing: the
+largest scale that fits lies just below it, and the gradients' largest values move from
+one batch to the next (dropout, the data), so an overflow within ``edge_factor`` below the
+edge (one backoff, by default) is weather too, however long the scale trained cleanly.
+Only an overflow lower than that is a fault: the gradients grew past what the scaler had
+measured, or something made them inf/NaN whatever the scale. The price: a one-time fault
+of a run that sits at its edge scale is called weather; with no overflow of warm-up or
+probing yet (an fp32 model, a modest ``init_scale``), every overflow at or below the clean
+scale is a fault.
 Examples (the defaults: ``settle_steps`` 3, ``probe_steps`` 100):
 
 - ``init_scale`` 2**40, the gradients fit at 2**15: the 25 backoffs of the warm-up are
   weather (no clean scale yet); after 3 clean iterations at 2**15 the clean scale is 2**15.
 - Growth from 2**15 to 2**16 and an overflow at 2**16 within 100 iterations: weather
-  (probing); back at 2**15, an overflow there: a fault (the run trained cleanly at 2**15).
-- An inf in one rank's gradients after 5 clean iterations at 2**15: a fault, and the ranks
-  whose own gradients held it (origin tracking) are its offenders.
+  (probing; the edge is 2**16); back at 2**15, an overflow there: weather (the edge);
+  at 2**14 after 3 clean iterations, an overflow: a fault.
+- ``init_scale`` 2**10 on a run that never overflows by itself, an inf in one rank's
+  gradients after 5 clean iterations: a fault, and the ranks whose own gradients held it
+  (origin tracking) are its offenders.
 - A warm-up that trains once at 2**18 and overflows there on the next iteration: weather
   (2**18 was never clean three times in a row).
 
@@ -60,9 +72,10 @@ FaultKind = Literal[
 ]
 """Why an iteration is a fault (see the module)."""
 
-WeatherKind = Literal["warmup", "probing"]
-"""Why an overflow is weather: no clean scale yet (``warmup``), or above the clean scale
-(``probing``)."""
+WeatherKind = Literal["warmup", "probing", "edge"]
+"""Why an overflow is weather: no clean scale yet (``warmup``), above the clean scale
+(``probing``), or within ``edge_factor`` below the scale at which the scaler last overflowed
+warming up or probing (``edge``: the highest scale that fits sits right there)."""
 
 ConsequenceKind = Literal["after_applied"]
 
@@ -74,6 +87,7 @@ CallKind = Literal[
     "reproducible",
     "warmup",
     "probing",
+    "edge",
     "after_applied",
 ]
 """Every reason a :class:`Call` gives, of the three classes together."""
@@ -98,8 +112,13 @@ class FaultRule:
     probe_steps: int = 100
     """Clean iterations in a row at a scale the scaler grew to (probing upward) before an
     overflow at or below it is a fault; growing again from it confirms it at once."""
+    edge_factor: float = 2.0
+    """An overflow at a scale at least the edge divided by this is weather (2: one of
+    torch's backoffs below the edge)."""
 
     def __post_init__(self) -> None:
+        if not (self.edge_factor >= 1 and math.isfinite(self.edge_factor)):
+            raise ValueError(f"edge_factor must be a finite number >= 1, not {self.edge_factor}")
         if self.settle_steps < 1 or self.probe_steps < 1:
             raise ValueError(
                 f"settle_steps and probe_steps must be >= 1, not {self.settle_steps}, "
@@ -153,14 +172,25 @@ class FaultState:
         self.rule = rule or FaultRule()
         self.clean_scale: float | None = None
         """The newest clean scale (see the module); ``None`` before the first."""
+        self.edge: float | None = None
+        """The scale at which the scaler last overflowed warming up or probing."""
         self._grown_to: float | None = None
         """The scale the scaler last grew to, while it holds it."""
 
-    def threshold(self) -> float:
-        """The highest scale at which an overflow is a fault now: the clean scale, or
-        ``-1.0`` while there is none (no scale is at or below it). A host float for the
-        training thread's comparison on the device."""
-        return -1.0 if self.clean_scale is None else self.clean_scale
+    def threshold(self) -> tuple[float, float]:
+        """Where an overflow is a fault now: at a scale at or below the first value (the
+        clean scale; ``-1.0`` while there is none) and strictly below the second (the edge
+        divided by ``edge_factor``; ``inf`` without an edge). Host floats for the training
+        thread's comparison on the device; both are the scaler's own values (powers of two
+        for torch's defaults), so a float32 scale compares with them exactly."""
+        clean = -1.0 if self.clean_scale is None else self.clean_scale
+        edge = math.inf if self.edge is None else self.edge / self.rule.edge_factor
+        return clean, edge
+
+    def is_fault_scale(self, scale: float) -> bool:
+        """Whether an overflow at ``scale`` would be a fault now (:meth:`threshold`)."""
+        clean, edge = self.threshold()
+        return scale <= clean and scale < edge
 
     def observe(self, it: Iteration) -> Call | None:
         """Decide ``it`` (``None`` for a clean iteration), then let it move the clean scale.
@@ -180,14 +210,18 @@ class FaultState:
         if not it.scaler:
             return Call("fault", "nonfinite_gradients", own, clean)
         if clean is None or it.manual:
+            self.edge = it.scale_before
             return Call("weather", "warmup", own, clean)
         if it.scale_before > clean:
+            self.edge = it.scale_before
             return Call("weather", "probing", own, clean)
+        if not self.is_fault_scale(it.scale_before):  # at or above the edge's band
+            return Call("weather", "edge", own, clean)
         return Call("fault", "overflow_at_clean_scale", own, clean)
 
     def _advance(self, it: Iteration) -> None:
         if it.manual:
-            self.clean_scale, self._grown_to = None, None
+            self.clean_scale, self._grown_to, self.edge = None, None, None
             return
         if it.nonfinite:
             self._grown_to = None  # backed off: the next scale is a settling one

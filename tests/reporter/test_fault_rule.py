@@ -53,33 +53,58 @@ def test_warmup_from_any_init_scale_is_weather_then_the_settled_scale_is_clean()
     assert len(nonfinite) == 25
     assert {(c.cls, c.kind) for c in nonfinite} == {("weather", "warmup")}
     assert state.clean_scale == 2.0**15
-    assert state.threshold() == 2.0**15
-    # A corruption at the clean scale is a fault, and names the rank that held it.
+    assert state.edge == 2.0**16
+    # Right below the edge, where the largest scale that fits lies: an overflow is weather.
+    assert state.threshold() == (2.0**15, 2.0**15)
+    assert not state.is_fault_scale(2.0**15)
+    assert state.observe(scaler.step(True)) == Call("weather", "edge", True, 2.0**15)
+    for _ in range(3):
+        assert state.observe(scaler.step(False)) is None
+    assert state.clean_scale == 2.0**14
+    assert state.threshold() == (2.0**14, 2.0**15)
+    assert state.is_fault_scale(2.0**14)
+    # Lower than that, after it trained cleanly there, an overflow is a fault.
     call = state.observe(scaler.step(True))
-    assert call == Call("fault", "overflow_at_clean_scale", True, 2.0**15)
+    assert call == Call("fault", "overflow_at_clean_scale", True, 2.0**14)
+
+
+def test_without_an_edge_an_overflow_at_the_clean_scale_is_a_fault() -> None:
+    """A run whose scale never overflowed by itself (an fp32 model): a corruption after a
+    few clean iterations is a fault."""
+    state, scaler = FaultState(), Scaler(2.0**10, interval=2000)
+    for _ in range(5):
+        assert state.observe(scaler.step(False)) is None
+    assert state.threshold() == (2.0**10, float("inf"))
+    assert state.is_fault_scale(2.0**10)
+    assert not state.is_fault_scale(2.0**11)
+    call = state.observe(scaler.step(True, own=False))
+    assert call == Call("fault", "overflow_at_clean_scale", False, 2.0**10)
 
 
 def test_no_clean_scale_before_settle_steps() -> None:
     state, scaler = FaultState(), Scaler(2.0**10, interval=2000)
     for _ in range(FaultRule().settle_steps - 1):
         assert state.observe(scaler.step(False)) is None
-    assert state.threshold() == -1.0
+    assert state.threshold() == (-1.0, float("inf"))
+    assert not state.is_fault_scale(2.0**10)
     assert state.observe(scaler.step(True)) == Call("weather", "warmup", True, None)
 
 
-def test_probing_upward_is_weather_and_the_scale_it_grew_from_is_clean() -> None:
+def test_probing_upward_is_weather_and_so_is_the_edge_below_it() -> None:
     state, scaler = FaultState(FaultRule(settle_steps=3, probe_steps=50)), Scaler(8.0, 5)
     for _ in range(5):  # grows from 8 at the fifth clean step
         assert state.observe(scaler.step(False)) is None
-    assert scaler.scale == 16.0
-    assert state.clean_scale == 8.0
+    assert scaler.scale == 16.0 and state.clean_scale == 8.0
     for _ in range(4):  # clean at 16, fewer than probe_steps
         state.observe(scaler.step(False))
+    assert state.observe(scaler.step(True)) == Call("weather", "probing", True, 8.0)
+    assert (scaler.scale, state.edge) == (8.0, 16.0)
+    assert state.observe(scaler.step(True)) == Call("weather", "edge", True, 8.0)
+    for _ in range(3):
+        state.observe(scaler.step(False))
+    assert state.clean_scale == 4.0
     call = state.observe(scaler.step(True))
-    assert call == Call("weather", "probing", True, 8.0)
-    assert scaler.scale == 8.0
-    call = state.observe(scaler.step(True))
-    assert call == Call("fault", "overflow_at_clean_scale", True, 8.0)
+    assert call == Call("fault", "overflow_at_clean_scale", True, 4.0)
 
 
 @pytest.mark.parametrize(("probe_steps", "clean"), [(2, 2.0), (4, 1.0)])
@@ -105,6 +130,7 @@ def test_a_lower_confirmation_replaces_the_clean_scale() -> None:
     state.observe(scaler.step(False))
     state.observe(scaler.step(False))
     assert state.clean_scale == 32.0
+    assert state.edge is None  # a fault is no edge
 
 
 def test_loss_watch_consequence_and_manual() -> None:
@@ -140,3 +166,5 @@ def test_rerun_corrects_the_call_and_offences() -> None:
 def test_rule_validates() -> None:
     with pytest.raises(ValueError, match="settle_steps"):
         FaultRule(settle_steps=0)
+    with pytest.raises(ValueError, match="edge_factor"):
+        FaultRule(edge_factor=0.5)

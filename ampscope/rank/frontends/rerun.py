@@ -167,21 +167,23 @@ def own_flag(
     loss: torch.Tensor | None = None,
     *,
     scale: torch.Tensor | None = None,
-    fault_threshold: float = math.inf,
+    fault_threshold: tuple[float, float] = (math.inf, math.inf),
 ) -> torch.Tensor:
     """This rank's one-element flag: :data:`NONFINITE` when its iteration is a fault by the
     fault rule (``ampscope.reporter.fault_rule``): its ``loss`` (the sum of what ``scale()``
     saw) is inf/NaN, or its pre-reduction found-inf (origin tracking: its own gradients) or
     torch's found-inf (after the collective) is set and, under a loss scaler, its ``scale``
-    is at or below ``fault_threshold`` (the rule's clean scale: above it an overflow is the
-    scaler's weather, never rerun); else :data:`SPIKE` when one of ``spikes``
+    is at or below ``fault_threshold[0]`` (the rule's clean scale) and below
+    ``fault_threshold[1]`` (its edge band): elsewhere an overflow is the scaler's weather,
+    never rerun; else :data:`SPIKE` when one of ``spikes``
     (:func:`spike_tests`) is, else 0. A few small kernels, no sync: the threshold goes in as
     a scalar kernel argument."""
     flags = list(found.values())
     if origin is not None:
         flags += list(origin.peek().values())
     if flags and scale is not None:
-        fault = scale.detach().reshape(()) <= fault_threshold
+        at = scale.detach().reshape(())
+        fault = (at <= fault_threshold[0]).logical_and(at < fault_threshold[1])
         flags = [f.reshape(()).to(fault.device).logical_and(fault) for f in flags]
     if loss is not None:
         flags.append(~torch.isfinite(loss.detach()).all())
@@ -239,7 +241,7 @@ class Rerun:
         thresholds: SpikeThresholds | None = None,
         on_failure: Callable[[], None] | None = None,
         scale: torch.Tensor | None = None,
-        fault_threshold: float = math.inf,
+        fault_threshold: tuple[float, float] = (math.inf, math.inf),
     ) -> None:
         self._on_failure = on_failure
         self._scale = scale

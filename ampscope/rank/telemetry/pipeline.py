@@ -152,10 +152,10 @@ class Telemetry:
         """The rank's spike thresholds, kept up to date once armed (a rerun closure)."""
         return self._builder.stats.thresholds
 
-    def fault_threshold(self) -> float:
-        """The fault rule's clean scale (``-1.0`` before one) over every step submitted so
-        far: a host float the training thread compares a scaler's scale with on the device,
-        to rerun faults only (``rerun=closure``).
+    def fault_threshold(self) -> tuple[float, float]:
+        """The fault rule's thresholds over every step submitted so far
+        (``FaultState.threshold``): host floats the training thread compares a scaler's
+        scale with on the device, to rerun faults only (``rerun=closure``).
 
         Cost: builds the pending records first, on the calling thread, which waits for
         their device-to-host copies (queued before this iteration's work); the rerun's

@@ -143,8 +143,9 @@ def test_one_time_fault_is_transient_and_the_step_uses_the_rerun(scaler: type) -
 
 @SCALERS
 def test_weather_is_never_rerun(scaler: type) -> None:
-    """An overflow before the scale is clean (warm-up), and one above the clean scale
-    (the scaler probing upward after it grew), are the scaler's weather: no rerun, no fault."""
+    """An overflow before the scale is clean (warm-up), one above the clean scale (the
+    scaler probing upward after it grew) and one right below the edge are the scaler's
+    weather: no rerun, no fault. Lower still, after clean iterations there: a fault."""
     sink = ListSink()
     front_end = scaler(
         "cpu",
@@ -157,9 +158,10 @@ def test_weather_is_never_rerun(scaler: type) -> None:
     loop = RerunLoop(front_end)
     loop.sink = sink  # type: ignore[attr-defined]
     # Step 0 overflows at 4 (warm-up); 1-3 clean at 2, then growth from 2 (clean scale 2);
-    # step 4 overflows at 4 (probing); step 5 overflows at 2 (a fault: rerun).
-    for step in range(6):
-        loop.corrupt_once = step in (0, 4, 5)
+    # step 4 overflows at 4 (probing: the edge is 4), step 5 at 2 (right below the edge);
+    # 6-7 clean at 1 (clean scale 1); step 8 overflows at 1: a fault, rerun.
+    for step in range(9):
+        loop.corrupt_once = step in (0, 4, 5, 8)
         loop.step(step)
     front_end.close()
     records = sink.records
@@ -172,13 +174,16 @@ def test_weather_is_never_rerun(scaler: type) -> None:
         None,
         None,
         ("weather", "probing"),
+        ("weather", "edge"),
+        None,
+        None,
         ("fault", "transient"),
     ]
     assert loop.calls == 1
-    assert [r.rerun is not None for r in records] == [False] * 5 + [True]
-    assert [r.scale_before for r in records] == [4.0, 2.0, 2.0, 2.0, 4.0, 2.0]
+    assert [r.rerun is not None for r in records] == [False] * 8 + [True]
+    assert [r.scale_before for r in records] == [4.0, 2.0, 2.0, 2.0, 4.0, 2.0, 1.0, 1.0, 1.0]
     assert records[-1].totals.faults == {"transient": 1}
-    assert records[-1].totals.clean_scale == 2.0
+    assert records[-1].totals.clean_scale == 1.0
 
 
 @SCALERS
