@@ -94,7 +94,8 @@ def test_probing_upward_is_weather_and_so_is_the_edge_below_it() -> None:
     state, scaler = FaultState(FaultRule(settle_steps=3, probe_steps=50)), Scaler(8.0, 5)
     for _ in range(5):  # grows from 8 at the fifth clean step
         assert state.observe(scaler.step(False)) is None
-    assert scaler.scale == 16.0 and state.clean_scale == 8.0
+    assert scaler.scale == 16.0
+    assert state.clean_scale == 8.0
     for _ in range(4):  # clean at 16, fewer than probe_steps
         state.observe(scaler.step(False))
     assert state.observe(scaler.step(True)) == Call("weather", "probing", True, 8.0)
