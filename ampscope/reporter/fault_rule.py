@@ -246,13 +246,18 @@ def device_offence(cls: str, kind: str, own: bool | None) -> bool:
 
 
 def after_rerun(
-    call: Call | None, flagged: bool, reproduced: bool, first_nonfinite: bool
+    call: Call | None,
+    flagged: bool,
+    reproduced: bool,
+    first_nonfinite: bool,
+    nonfinite: bool = True,
 ) -> Call | None:
     """The decision about a rerun iteration whose record keeps the second pass: the rule's
     ``call`` about that pass, corrected by what the rerun found on this rank. A flagged
     result the rerun did not reproduce is a ``transient`` fault (the device's); a non-finite
-    result it reproduced is ``reproducible`` (the data's); a spike rerun stays as ``call``."""
-    if not flagged:
+    result it reproduced is ``reproducible`` (the data's); a spike rerun (``nonfinite``
+    false: no rank's inf/NaN flagged it) stays as ``call``."""
+    if not flagged or not nonfinite:
         return call
     clean = None if call is None else call.clean_scale
     if not reproduced:

@@ -259,13 +259,12 @@ class RankSnapshot:
 def collapse_reference(record: StepRecord, *, after: bool = False) -> float:
     """The scale ``scale_collapse`` measures a fall from, as one record tells it: the fault
     rule's clean scale (the scale at which the run trained cleanly: a warm-up from a high
-    ``init_scale`` is no fall), or the current scale while there is none yet; a record of a
-    reporter that predates the rule, its scales (``after``: its scale after ``update()``
-    alone)."""
+    ``init_scale``, or a probe upward, is no height to fall from), 0 while there is none
+    yet; a record of a reporter that predates the rule, its scales (``after``: its scale
+    after ``update()`` alone)."""
     totals = record.totals
     if totals.faults is not None:
-        clean = totals.clean_scale
-        return record.scale_after if clean is None else max(clean, record.scale_after)
+        return 0.0 if totals.clean_scale is None else totals.clean_scale
     return record.scale_after if after else max(record.scale_before, record.scale_after)
 
 

@@ -181,13 +181,18 @@ def own_flag(
     flags = list(found.values())
     if origin is not None:
         flags += list(origin.peek().values())
+    tests = [test for test in spikes if test is not None]
+    if flags and tests:
+        # An overflow's norm is inf: no spike. Spikes count on finite iterations only, as
+        # the rank's spike windows see them.
+        finite = torch.stack([f.reshape(()).to(tests[0].device) for f in flags]).any().logical_not()
+        tests = [test.logical_and(finite) for test in tests]
     if flags and scale is not None:
         at = scale.detach().reshape(())
         fault = (at <= fault_threshold[0]).logical_and(at < fault_threshold[1])
         flags = [f.reshape(()).to(fault.device).logical_and(fault) for f in flags]
     if loss is not None:
         flags.append(~torch.isfinite(loss.detach()).all())
-    tests = [test for test in spikes if test is not None]
     if not flags and not tests:
         return torch.zeros(1)
     device = (flags or tests)[0].device

@@ -387,7 +387,13 @@ class RecordBuilder:
         call = self.faults.observe(iteration)
         rerun = pending.rerun
         if rerun is not None:
-            call = after_rerun(call, rerun.flagged, rerun.reproduced, rerun.first.nonfinite)
+            call = after_rerun(
+                call,
+                rerun.flagged,
+                rerun.reproduced,
+                rerun.first.nonfinite,
+                nonfinite=rerun.reason == "nonfinite",
+            )
         return call
 
     # -- cheap checks, each standing for what strict validation would check --------------
