@@ -137,10 +137,6 @@ def _train(
         "backoffs": records[-1].totals.backoffs,
         "faults": records[-1].totals.faults,
         "scale": records[-1].scale_after,
-        "trace": [
-            (r.step, r.scale_before, r.growth_tracker, r.found_inf_global, r.totals.clean_scale)
-            for r in records
-        ],
     }
 
 
