@@ -273,7 +273,23 @@ class TelemetryFrontEnd(failure.ClosedByWith):
         )
         if not check.flagged():
             return False
-        self._ampscope_last_rerun = self._ampscope_rerun_pending = check.run(closure)
+        batches = self._ampscope_telemetry.batches
+        first_ids: tuple[list[Any], int] = ([], 0)
+
+        def second_pass() -> Any:
+            # One reset before the second pass: the record describes that pass alone
+            # (Rerun.run already dropped the first pass's stats and origin flags).
+            nonlocal first_ids
+            fp8 = self._ampscope_fp8
+            if fp8 is not None:
+                fp8.restart()
+            first_ids = batches.restart_pass()
+            return closure()
+
+        try:
+            self._ampscope_last_rerun = self._ampscope_rerun_pending = check.run(second_pass)
+        finally:
+            batches.end_pass(first_ids)
         return True
 
     def _ampscope_rerun_closed(self, closure: Closure, group: Any = None) -> None:
