@@ -292,17 +292,20 @@ class TelemetryFrontEnd(failure.ClosedByWith):
             batches.end_pass(first_ids)
         return True
 
-    def _ampscope_rerun_closed(self, closure: Closure, group: Any = None) -> None:
+    def _ampscope_rerun_closed(self, closure: Closure, group: Any = None) -> bool:
         """A closed front-end's part in the rerun: ranks that still observe agree on every
         iteration with a closure, so this one takes part with a zero flag and, when another
         rank flagged the iteration, calls the closure once (its collectives pair with
-        theirs). Nothing is compared: a closed front-end records nothing. A front-end
-        disabled from the start (or unpickled) takes no part: all ranks are alike there."""
+        theirs): whether it did. Nothing is compared: a closed front-end records nothing. A
+        front-end disabled from the start (or unpickled) takes no part: all ranks are alike
+        there."""
         if not self._ampscope_closed:
-            return
+            return False
         if agree_flagged(torch.zeros(1), group) > 0:
             with torch.enable_grad():
                 closure()
+            return True
+        return False
 
     def _ampscope_attach_fp8(self, model: nn.Module, every: int) -> None:
         """Observe ``model``'s ``Float8Linear`` layers (replacing an earlier attach's)."""
