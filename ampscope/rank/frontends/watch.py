@@ -213,12 +213,15 @@ class GradWatch(TelemetryFrontEnd):
             rerun_flagged = False
             if rerun is not None:
                 rerun_flagged = self._ampscope_rerun_closed(rerun, self._watch.process_group)
-            if self._ampscope_closed and self._watch.policy != "observe":
-                # The open ranks agree on the policy on every iteration without a closure,
-                # and after a flagged rerun: this rank takes part (clean), and skips or
-                # raises with them, so their collectives stay paired and the weights alike.
-                if rerun is None or rerun_flagged:
-                    return self._closed_policy_step(optimizer, args, kwargs)
+            # The open ranks agree on the policy on every iteration without a closure, and
+            # after a flagged rerun: this rank takes part (clean), and skips or raises with
+            # them, so their collectives stay paired and the weights alike.
+            if (
+                self._ampscope_closed
+                and self._watch.policy != "observe"
+                and (rerun is None or rerun_flagged)
+            ):
+                return self._closed_policy_step(optimizer, args, kwargs)
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradWatch is enabled.")
