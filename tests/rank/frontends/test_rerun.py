@@ -209,3 +209,39 @@ def test_reproduced_fault_is_still_skipped(scaler: type) -> None:
     assert record.rerun is not None
     assert record.rerun.reproduced
     assert record.rerun.first.loss is None  # NaN is not sent
+
+
+def test_an_error_of_ampscope_s_own_in_a_rerun_is_counted_not_raised() -> None:
+    """``Embedding(sparse=True)``: the local norm of a sparse gradient fails inside the
+    rerun; training goes on, the error is counted, the rerun completes."""
+    from helpers import Net, batch, poison
+
+    model = Net(sparse=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = ampscope.GradScaler(
+        "cpu", init_scale=4.0, reporter=None, fault_rule=FaultRule(settle_steps=1)
+    )
+    calls = 0
+    for step in range(3):
+
+        def closure(step: int = step) -> torch.Tensor:
+            nonlocal calls
+            calls += 1
+            opt.zero_grad()
+            loss = model(batch(step))
+            scaler.scale(loss).backward()
+            return loss
+
+        opt.zero_grad()
+        scaler.scale(model(batch(step))).backward()
+        if step == 2:
+            poison(model.head.weight)
+        scaler.step(opt, rerun=closure)
+        scaler.update()
+    scaler.close()
+    assert calls == 1
+    outcome = scaler.last_rerun
+    assert outcome is not None
+    assert outcome.transient
+    assert outcome.second.norm is None  # unknown: its reading failed
+    assert scaler._ampscope_errors >= 1
