@@ -270,6 +270,7 @@ class TelemetryFrontEnd(failure.ClosedByWith):
             on_failure=self._ampscope_failed,
             scale=scale,
             fault_threshold=self._ampscope_telemetry.fault_threshold(),
+            consequences=self._ampscope_telemetry.nonfinite_applied,
         )
         if not check.flagged():
             return False

@@ -247,8 +247,10 @@ class Rerun:
         on_failure: Callable[[], None] | None = None,
         scale: torch.Tensor | None = None,
         fault_threshold: tuple[float, float] = (math.inf, math.inf),
+        consequences: bool = False,
     ) -> None:
         self._on_failure = on_failure
+        self._consequences = consequences
         self._scale = scale
         self._fault_threshold = fault_threshold
         self._checks = checks
@@ -268,9 +270,13 @@ class Rerun:
         try:
             self._spikes = spike_tests(self._stats, self._thresholds)
             loss = None if self._stats is None else self._stats.peek_loss()
+            if self._consequences:
+                # The weights hold inf/NaN since an applied update: every non-finite
+                # result is its consequence, no fault, and a rerun would change nothing.
+                found, loss = {}, None
             own = own_flag(
                 found,
-                self._origin,
+                None if self._consequences else self._origin,
                 self._spikes,
                 loss,
                 scale=self._scale,

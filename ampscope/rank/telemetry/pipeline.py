@@ -166,6 +166,13 @@ class Telemetry:
             return self._builder.faults.threshold()
 
     @property
+    def nonfinite_applied(self) -> bool:
+        """An update ran on inf/NaN gradients (a watch under ``observe``) among the records
+        built so far: from then on inf/NaN is its consequence (call after
+        :meth:`fault_threshold`, which builds the pending records)."""
+        return self._totals.first_nonfinite_applied is not None
+
+    @property
     def closed(self) -> bool:
         return self._closed
 
