@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, TypedDict
 
+from ampscope.reporter.fault_rule import FaultRule
 from ampscope.reporter.schema import MAX_LABEL_LENGTH, MAX_NONFINITE_PARAMS, Policy
 from ampscope.reporter.sinks import Sink
 from ampscope.reporter.spike_rule import SpikeRule
@@ -87,6 +88,10 @@ class TelemetryConfig:
     spike_rule: SpikeRule | None = None
     """The rank's own spike rule for its loss and gradient norm; ``None``: the default
     :class:`~ampscope.reporter.spike_rule.SpikeRule` (the exporter's)."""
+    fault_rule: FaultRule | None = None
+    """When a scaler's overflow is a fault rather than its weather (how many clean
+    iterations make a scale clean); ``None``: the default
+    :class:`~ampscope.reporter.fault_rule.FaultRule` (docs/scalers.md#faults-and-weather)."""
     fp8_every: int = DEFAULT_FP8_EVERY
     """Observe the ``Float8Linear`` layers of an attached model (torchao) on the first
     iteration and then one in ``fp8_every`` (``attach(model, fp8_every=...)`` overrides
@@ -123,6 +128,8 @@ class TelemetryConfig:
             )
         if self.spike_rule is not None and not isinstance(self.spike_rule, SpikeRule):
             raise TypeError(f"spike_rule must be a SpikeRule, not {self.spike_rule!r}")
+        if self.fault_rule is not None and not isinstance(self.fault_rule, FaultRule):
+            raise TypeError(f"fault_rule must be a FaultRule, not {self.fault_rule!r}")
         check_fp8_every(self.fp8_every)
         check_replica_check_every(self.replica_check_every)
         if self.history < 1:
@@ -159,6 +166,7 @@ class WatchOptions(TypedDict, total=False):
     history: int
     stats: bool
     spike_rule: SpikeRule | None
+    fault_rule: FaultRule | None
     fp8_every: int
     replica_check_every: int
 

@@ -20,6 +20,8 @@ from pydantic import (
     model_validator,
 )
 
+from ampscope.reporter.fault_rule import CallKind, FaultKind, NonfiniteClass
+
 SCHEMA_VERSION = 1
 """Bumped on any incompatible change; the exporter rejects other versions with 422."""
 
@@ -279,6 +281,14 @@ class RankTotals(_Model):
     ``observe``): from the first one on, the weights hold inf/NaN. Always 0 for scalers."""
     first_nonfinite_applied: NonfiniteApplied | None = None
     """The first such iteration; ``None`` while there was none."""
+    faults: dict[FaultKind, Count] | None = None
+    """Iterations the fault rule (``ampscope.reporter.fault_rule``) called a fault of this
+    rank's own (its own loss or gradients held inf/NaN), by kind; ``None`` from reporters
+    that predate the rule. The loss scaler's weather is never counted."""
+    clean_scale: Scale | None = None
+    """The fault rule's clean scale: the newest scale at which the scaler trained cleanly
+    (``scale_collapse`` measures the fall from it); ``None`` before one, for a watch, and
+    from reporters that predate the rule."""
 
 
 BatchId = (
@@ -415,6 +425,20 @@ class ReplicaCheckResult(_Model):
     """How many parameters differ."""
 
 
+class NonfiniteCall(_Model):
+    """The fault rule's decision about a non-finite iteration (``ampscope.reporter.fault_rule``),
+    made by the rank from its own scaler's history."""
+
+    kind: NonfiniteClass
+    """``weather`` (the loss scaler's own dynamics), ``fault`` or ``consequence`` (of an
+    earlier non-finite update that was applied)."""
+    reason: CallKind
+    own: bool | None
+    """This rank's own loss or gradients held inf/NaN; ``None``: origin not tracked."""
+    clean_scale: Scale | None
+    """The clean scale the iteration was judged against; ``None``: none yet."""
+
+
 class StepRecord(_Model):
     """One iteration: everything one update() call saw and did on one rank."""
 
@@ -461,6 +485,10 @@ class StepRecord(_Model):
     replicas: ReplicaCheckResult | None = None
     """This iteration's replica check (one in ``replica_check_every``); ``None`` on the
     others and where no parameter has a replica."""
+    nonfinite: NonfiniteCall | None = None
+    """On a non-finite iteration (inf/NaN gradients or loss, on this rank or after the
+    reduction): the fault rule's decision; ``None`` on clean iterations and from reporters
+    that predate the rule."""
 
 
 class IngestBatch(_Model):

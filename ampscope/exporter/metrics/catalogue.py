@@ -96,6 +96,13 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "taken.",
     ),
     _rank(
+        "ampscope_loss_scale_clean",
+        "gauge",
+        "The fault rule's clean scale: the newest scale at which the rank's scaler trained "
+        "cleanly; an overflow at or below it is a fault, and scale_collapse measures the fall "
+        "from it. Absent during the warm-up (no clean scale yet).",
+    ),
+    _rank(
         "ampscope_loss",
         "gauge",
         "The rank's loss at its newest iteration, as passed to scale() and unscaled (with "
@@ -182,6 +189,18 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "Iterations whose optimizer step ran on inf/NaN gradients (a watch under policy "
         "observe): from the first one on, the rank's weights hold inf/NaN. Always 0 for "
         "scalers and for the skip and raise policies.",
+    ),
+    _rank(
+        "ampscope_faults_total",
+        "counter",
+        "Iterations the fault rule called a fault of the rank's own loss or gradients, by "
+        "kind: nonfinite_loss, nonfinite_gradients (no loss scaler), overflow_at_clean_scale "
+        "(an overflow at or below the scale at which the run recently trained cleanly), "
+        "transient (a rerun did not reproduce it), reproducible (a rerun reproduced it: the "
+        "data). The loss scaler's own backoffs (warm-up, probing upward) and the "
+        "consequences of an earlier applied update are never counted (docs/scalers.md). "
+        "Exposed for every kind once the rank's reporter applies the rule.",
+        "kind",
     ),
     _rank(
         "ampscope_spikes_total",

@@ -22,6 +22,7 @@ from ampscope.exporter.state.lifecycle import Lifecycle
 from ampscope.exporter.state.ranks import RankSnapshot
 from ampscope.exporter.state.spike_windows import SPIKE_KINDS
 from ampscope.exporter.state.store import Store
+from ampscope.reporter.fault_rule import DEVICE_FAULT_KINDS, FAULT_KINDS
 from ampscope.verdicts.ranks import STATES, is_scaler
 from ampscope.verdicts.thresholds import Thresholds
 
@@ -78,7 +79,11 @@ def device_families(snaps: Iterable[RankSnapshot]) -> list[Metric]:
         who = snap.identity
         key = (who.run, device_labels(snap)[0], who.node)
         # A reproduced rerun said the data did it: its origin detections are not the device's.
-        origins = sum(snap.newest.totals.found_inf_origin.values()) - snap.rerun_data_origins
+        faults = snap.newest.totals.faults
+        if faults is None:  # a reporter that predates the fault rule
+            origins = sum(snap.newest.totals.found_inf_origin.values()) - snap.rerun_data_origins
+        else:  # the rank's own faults, before a rerun told the device from the data
+            origins = sum(n for kind, n in faults.items() if kind in DEVICE_FAULT_KINDS)
         offences: tuple[tuple[str, int], ...] = (
             ("nonfinite_origin", max(0, origins)),
             ("origin_outlier", snap.spike_counts.origin_outlier),
@@ -224,6 +229,8 @@ class StoreCollector(Collector):
             rows.append(
                 ("ampscope_loss_scale_aligned_step", labels, float(totals.aligned_scale.step))
             )
+        if scaler and totals.clean_scale is not None:
+            rows.append(("ampscope_loss_scale_clean", labels, float(totals.clean_scale)))
         rows.append(("ampscope_last_report_timestamp_seconds", labels, float(snap.last_report)))
         rows += self.time_rows(snap, now)
         rows += [
@@ -244,6 +251,11 @@ class StoreCollector(Collector):
         rows.append(
             ("ampscope_nonfinite_updates_applied_total", labels, float(totals.nonfinite_applied))
         )
+        if totals.faults is not None:
+            for fault in FAULT_KINDS:
+                rows.append(
+                    ("ampscope_faults_total", [*labels, fault], float(totals.faults.get(fault, 0)))
+                )
         if stats is not None:
             counts = snap.spike_counts
             for kind in SPIKE_KINDS:

@@ -57,6 +57,7 @@ from ampscope.exporter.state.reruns import (
     device_offended,
 )
 from ampscope.exporter.state.spike_windows import RankSpikes, SpikeCounts, SpikeEvent
+from ampscope.reporter.fault_rule import FAULT_KINDS
 from ampscope.reporter.schema import (
     DeviceIdentity,
     Heartbeat,
@@ -185,9 +186,10 @@ class Sample(NamedTuple):
     counts: WindowCounts
     """Counters of the newest record after the batch."""
     scale: float
-    """scale_after of that record."""
+    """The scale ``scale_collapse`` measures from as of that record (``collapse_reference``:
+    its clean scale, else its scale after ``update()``)."""
     peak_scale: float
-    """Highest scale (before or after) of the records the batch advanced through."""
+    """Highest ``collapse_reference`` of the records the batch advanced through."""
 
 
 class SkipEvent(NamedTuple):
@@ -268,6 +270,18 @@ class RankSnapshot:
         return now - self.last_report <= seconds
 
 
+def collapse_reference(record: StepRecord, *, after: bool = False) -> float:
+    """The scale ``scale_collapse`` measures a fall from, as one record tells it: the fault
+    rule's clean scale (the scale at which the run trained cleanly: a warm-up from a high
+    ``init_scale``, or a probe upward, is no height to fall from), 0 while there is none
+    yet; a record of a reporter that predates the rule, its scales (``after``: its scale
+    after ``update()`` alone)."""
+    totals = record.totals
+    if totals.faults is not None:
+        return 0.0 if totals.clean_scale is None else totals.clean_scale
+    return record.scale_after if after else max(record.scale_before, record.scale_after)
+
+
 def series_of(record: StepRecord) -> int:
     """Label sets the collector exposes for a rank whose newest record is ``record``."""
     totals = record.totals
@@ -280,6 +294,8 @@ def series_of(record: StepRecord) -> int:
         + len(totals.found_inf_local)
         + len(totals.found_inf_origin)
         + len(totals.nonfinite_params)
+        + (0 if totals.faults is None else len(FAULT_KINDS))
+        + (1 if scaler and totals.clean_scale is not None else 0)
         + (
             0
             if stats is None
@@ -467,7 +483,7 @@ class RankState:
                 if outcome == "restart":
                     restarted, peak = True, 0.0
                 advanced = True
-                peak = max(peak, record.scale_before, record.scale_after)
+                peak = max(peak, collapse_reference(record))
         if accepted == 0:
             return 0, ignored
         self.last_report = now
@@ -546,7 +562,7 @@ class RankState:
             Sample(
                 received=now,
                 counts=WindowCounts.of(self.newest.totals),
-                scale=self.newest.scale_after,
+                scale=collapse_reference(self.newest, after=True),
                 peak_scale=peak,
             )
         )

@@ -96,6 +96,7 @@ class TelemetryFrontEnd(failure.ClosedByWith):
             history=config.history,
             top_k=config.top_k,
             spike_rule=config.spike_rule,
+            fault_rule=config.fault_rule,
         )
         self._ampscope_capture = None
         # Closed after observing: it still takes part in the ranks' rerun agreement.
@@ -261,10 +262,13 @@ class TelemetryFrontEnd(failure.ClosedByWith):
         closure: Closure,
         rtol: float,
         group: Any = None,
+        scale: torch.Tensor | None = None,
     ) -> bool:
         """Agree whether the iteration is flagged and, if so, rerun it
-        (:class:`~ampscope.rank.frontends.rerun.Rerun`): whether it was rerun. Exceptions
-        of the closure reach the caller, as any of the loop's own code."""
+        (:class:`~ampscope.rank.frontends.rerun.Rerun`): whether it was rerun. ``scale``:
+        a scaler's scale tensor, compared on the device with the fault rule's clean scale
+        (an overflow above it is weather, never rerun). Exceptions of the closure reach the
+        caller, as any of the loop's own code."""
         if self._ampscope_rerun_pending is not None:
             # The closure recomputed every gradient and an optimizer already stepped on
             # them: a second rerun would compare a different iteration.
@@ -288,23 +292,45 @@ class TelemetryFrontEnd(failure.ClosedByWith):
             group=group,
             thresholds=thresholds,
             on_failure=self._ampscope_failed,
+            scale=scale,
+            fault_threshold=self._ampscope_telemetry.fault_threshold(),
+            consequences=self._ampscope_telemetry.nonfinite_applied,
         )
         if not check.flagged():
             return False
-        self._ampscope_last_rerun = self._ampscope_rerun_pending = check.run(closure)
+        batches = self._ampscope_telemetry.batches
+        first_ids: tuple[list[Any], int] = ([], 0)
+
+        def second_pass() -> Any:
+            # One reset before the second pass: the record describes that pass alone
+            # (Rerun.run already dropped the first pass's stats and origin flags).
+            nonlocal first_ids
+            fp8 = self._ampscope_fp8
+            if fp8 is not None:
+                fp8.restart()
+            first_ids = batches.restart_pass()
+            return closure()
+
+        try:
+            self._ampscope_last_rerun = self._ampscope_rerun_pending = check.run(second_pass)
+        finally:
+            batches.end_pass(first_ids)
         return True
 
-    def _ampscope_rerun_closed(self, closure: Closure, group: Any = None) -> None:
+    def _ampscope_rerun_closed(self, closure: Closure, group: Any = None) -> bool:
         """A closed front-end's part in the rerun: ranks that still observe agree on every
         iteration with a closure, so this one takes part with a zero flag and, when another
         rank flagged the iteration, calls the closure once (its collectives pair with
-        theirs). Nothing is compared: a closed front-end records nothing. A front-end
-        disabled from the start (or unpickled) takes no part: all ranks are alike there."""
+        theirs): whether it did. Nothing is compared: a closed front-end records nothing. A
+        front-end disabled from the start (or unpickled) takes no part: all ranks are alike
+        there."""
         if not self._ampscope_closed:
-            return
+            return False
         if agree_flagged(torch.zeros(1), group) > 0:
             with torch.enable_grad():
                 closure()
+            return True
+        return False
 
     def _ampscope_attach_fp8(self, model: nn.Module, every: int) -> None:
         """Observe ``model``'s ``Float8Linear`` layers (replacing an earlier attach's)."""

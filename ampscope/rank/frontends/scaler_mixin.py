@@ -100,7 +100,14 @@ class TelemetryMixin(TelemetryFrontEnd):
                 self._ampscope_rerun_closed(rerun, group)
             else:
                 checks = _ScalerChecks(self, optimizer)
-                self._ampscope_rerun(checks, optimizer, rerun, rerun_rtol, group)
+                self._ampscope_rerun(
+                    checks,
+                    optimizer,
+                    rerun,
+                    rerun_rtol,
+                    group,
+                    compat.scale_tensor(self),  # type: ignore[arg-type]
+                )
         return parent.step(optimizer, *args, **kwargs)
 
     # -- torch hook points ---------------------------------------------------------------
