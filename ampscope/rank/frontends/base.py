@@ -250,7 +250,9 @@ class TelemetryFrontEnd(failure.ClosedByWith):
         fp8, self._ampscope_fp8 = self._ampscope_fp8, None
         if fp8 is not None:
             fp8.close()
-        self._ampscope_replicas = None
+        # The replica check stays: its all-gather is a collective the open ranks make every
+        # ``replica_check_every`` iterations, and a closed rank must keep its part in it
+        # (``update()`` runs it and drops the outcome), or they would wait for it forever.
         self._ampscope_telemetry.close(timeout)
 
     # -- internals -----------------------------------------------------------------------

@@ -183,6 +183,7 @@ class TelemetryMixin(TelemetryFrontEnd):
         capture = self._ampscope_capture
         if capture is None:
             parent.update(new_scale)
+            self._ampscope_check_replicas()  # a closed rank keeps its part in the collective
             return
         try:
             # The identity first: its collective (first update()) is made by every rank,

@@ -308,6 +308,7 @@ class GradWatch(TelemetryFrontEnd):
         capture = self._ampscope_capture
         if capture is None:
             self._closed_updates += int(self._ampscope_closed)
+            self._ampscope_check_replicas()  # a closed rank keeps its part in the collective
             return
         if capture.closed_by_raise:
             capture.closed_by_raise = False

@@ -1,11 +1,13 @@
-"""A watch closed on one rank keeps taking part in every collective the open ranks make.
+"""A front-end closed on one rank keeps taking part in every collective the open ranks make.
 
-One launch per world size (2 and 4 real gloo ranks) runs four scenarios in sequence: a
-``GradWatch`` under ``skip`` and under ``raise``, each without and with a rerun closure;
-the last rank closes its watch after ``CLOSE_AFTER`` iterations, and rank 0's data turns
-NaN at ``BAD_STEP`` (on every pass: a rerun reproduces it). No collective mismatch and no
-hang: under ``skip`` every rank skips that step and the weights stay alike on every rank;
-under ``raise`` every rank raises at it, the closed one included.
+One launch per world size (2 and 4 real gloo ranks) runs five scenarios in sequence: a
+``GradWatch`` under ``skip`` and under ``raise``, each without and with a rerun closure,
+and a ``GradScaler``; every front-end checks the replicas at every iteration (an all-gather
+over the DDP group), and the last rank closes its front-end after ``CLOSE_AFTER``
+iterations, and rank 0's data turns NaN at ``BAD_STEP`` (on every pass: a rerun reproduces
+it). No collective mismatch and no hang: under ``skip`` every rank skips that step and the
+weights stay alike on every rank; under ``raise`` every rank raises at it, the closed one
+included; the scaler's ranks go on to the end.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ def _scenario(rank: int, world_size: int, policy: str, rerun: bool) -> dict[str,
     model = nn.parallel.DistributedDataParallel(nn.Linear(4, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     watch = ampscope.GradWatch(policy, reporter=None)
+    watch.attach(model, replica_check_every=1)
     calls = 0
     skipped: list[int] = []
     raised = None
@@ -67,19 +70,47 @@ def _scenario(rank: int, world_size: int, policy: str, rerun: bool) -> dict[str,
     return {"calls": calls, "skipped": skipped, "raised": raised, "checksum": checksum}
 
 
-def _rank(rank: int, world_size: int) -> dict[tuple[str, bool], dict[str, Any]]:
+def _scaler_scenario(rank: int, world_size: int) -> dict[str, Any]:
+    import torch
+    from torch import nn
+
+    import ampscope
+
+    torch.manual_seed(3)
+    model = nn.parallel.DistributedDataParallel(nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = ampscope.GradScaler("cpu", init_scale=2.0**4, reporter=None)
+    scaler.attach(model, replica_check_every=1)
+    data = torch.Generator().manual_seed(rank)
+    done = 0
+    for step in range(1, STEPS + 1):
+        if step == CLOSE_AFTER + 1 and rank == world_size - 1:
+            scaler.close()
+        opt.zero_grad()
+        scaler.scale(model(torch.randn(3, 4, generator=data)).square().mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+        done += 1
+    scaler.close()
+    checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
+    return {"done": done, "checksum": checksum}
+
+
+def _rank(rank: int, world_size: int) -> dict[Any, dict[str, Any]]:
     import torch
 
     torch.set_num_threads(1)
-    return {
+    results: dict[Any, dict[str, Any]] = {
         (policy, rerun): _scenario(rank, world_size, policy, rerun)
         for policy in ("skip", "raise")
         for rerun in (False, True)
     }
+    results["scaler"] = _scaler_scenario(rank, world_size)
+    return results
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_a_closed_watch_keeps_the_collectives_paired(world_size: int) -> None:
+def test_a_closed_front_end_keeps_the_collectives_paired(world_size: int) -> None:
     results = run_distributed(_rank, world_size, timeout=6 * DEADLOCK_GUARD_S)
     for rerun in (False, True):
         skip = [out[("skip", rerun)] for out in results]
@@ -92,3 +123,6 @@ def test_a_closed_watch_keeps_the_collectives_paired(world_size: int) -> None:
         expected = [1 if rerun else 0] * world_size
         assert [s["calls"] for s in skip] == expected
         assert [s["calls"] for s in stopped] == expected
+    scaler = [out["scaler"] for out in results]
+    assert [s["done"] for s in scaler] == [STEPS] * world_size
+    assert len({s["checksum"] for s in scaler}) == 1
