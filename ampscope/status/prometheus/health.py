@@ -6,8 +6,9 @@ every run's), with ``null`` where Prometheus does not hold a value (a rank's ste
 last event, restarts, FP8 series: its gauges hold only ``fp8_max_layers`` layers a rank),
 and computes the verdicts by the exporter's own rule implementations (``ampscope.verdicts``)
 from instant vectors and ``max_over_time`` / ``increase`` over each rule's window;
-``scale_desync`` compares the ranks' aligned scales (``ampscope_loss_scale_aligned`` at the
-same ``_step``), as the alert rule does; ``rank_failed`` names the failed ranks from
+``scale_desync`` compares the ranks' aligned scales at the same aligned step, both read
+from one sample (``ampscope_loss_scale_aligned_packed``; the two separate series from
+exporters that predate it), as the alert rule does; ``rank_failed`` names the failed ranks from
 ``ampscope_rank_failure_info`` (the exception's class and each rank's origin; the step is
 the rank's last, the message only the exporters hold). Verdicts
 that need the exporter's per-step history (``stalled_rank``'s progress times,
@@ -17,15 +18,16 @@ that need the exporter's per-step history (``stalled_rank``'s progress times,
 baseline, which only the exporters hold (``SPIKE_DETAIL``); ``nonfinite_skipped`` counts
 ``increase`` of ``ampscope_skipped_steps_total``, without the last step and its origin
 (``SKIP_DETAIL``). ``transient_fault`` and ``reproducible_fault`` read
-``ampscope_reruns_total`` (since each rank process started; exposed once non-zero, so
-``increase`` would miss the first): which rank and how many, not the step or the device
-(``RERUN_DETAIL``). For a run whose ranks export FP8 series, ``fp8_nonfinite_amax`` and
-``fp8_underflow`` are judged from the FP8 gauges' samples, ``fp8_amax_spike`` is not
-(``ampscope.status.prometheus.fp8``).
+``ampscope_reruns_total`` counted within the verdicts' window (``spike_verdict_window_s``,
+as the exporter and the alerts count; ``ranks.counted_within``): which rank and how many, not
+the step or the device (``RERUN_DETAIL``). For a run whose ranks export FP8 series,
+``fp8_nonfinite_amax`` (from the non-finite amax counter) and ``fp8_underflow`` (from the
+gauges' samples) are judged, ``fp8_amax_spike`` is not (``ampscope.status.prometheus.fp8``).
 
 A rank whose series were there within the last hour and are gone now (its exporter's scrape
 fails, or its series went stale) is ``lost``, as the exporter's own health would call a rank
-it no longer hears, and ``lost_rank`` names it and the exporters whose scrape fails
+it no longer hears (the alert ``AmpscopeNodeLost`` pages on the same condition over the
+same hour), and ``lost_rank`` names it and the exporters whose scrape fails
 (``ampscope.status.prometheus.ranks``). The thresholds are those the exporters publish
 (``ampscope_exporter_health_threshold``), the defaults where none does. Cost: one query for
 the thresholds, then fourteen instant queries run in parallel; the answer holds O(ranks x devices)
@@ -48,6 +50,7 @@ from ampscope.status.prometheus.ranks import (
     GAUGES,
     LOOKBACK_S,
     build_views,
+    counted_within,
     exporters_down,
     gone_ranks,
     per_rank,
@@ -100,7 +103,7 @@ SKIP_DETAIL = (
 """What ``nonfinite_skipped`` computed from Prometheus says it lacks."""
 
 RERUN_DETAIL = (
-    "counted from Prometheus (ampscope_reruns_total, since the rank process started): the "
+    "counted from Prometheus (ampscope_reruns_total, within the verdicts' window): the "
     "step, the device and the batch ids are in each exporter's GET /api/v1/runs/{run}/health"
 )
 """What a rerun verdict computed from Prometheus says it lacks."""
@@ -137,7 +140,7 @@ def queries(run: str | None, t: Thresholds) -> dict[str, str]:
         "spikes": f"increase(ampscope_spikes_total{{{sel}}}[{t.spike_verdict_window_s:g}s])",
         "skipped_nonfinite": f"increase(ampscope_skipped_steps_total{{{sel}}}"
         f"[{t.nonfinite_skipped_window_s:g}s])",
-        "reruns": f"ampscope_reruns_total{{{sel}}}",
+        "reruns": counted_within(f"ampscope_reruns_total{{{sel}}}", t.spike_verdict_window_s),
         "seen": seen_query(sel),
         "up": up_query(sel),
         **prometheus_fp8.queries(sel, Fp8Rule()),

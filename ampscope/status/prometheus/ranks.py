@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import fields
 from typing import Any
 
+from ampscope.verdicts import aligned
 from ampscope.verdicts.ranks import FINAL_STATES
 from ampscope.verdicts.thresholds import Thresholds
 
@@ -27,6 +28,7 @@ GAUGES = (
     "ampscope_growth_tracker",
     "ampscope_loss_scale_aligned",
     "ampscope_loss_scale_aligned_step",
+    "ampscope_loss_scale_aligned_packed",
     "ampscope_last_report_timestamp_seconds",
     "ampscope_rank_up",
     "ampscope_rank_state",
@@ -65,6 +67,17 @@ def seen_query(selector: str) -> str:
     return " or on (__name__) ".join(
         f'label_replace(last_over_time({sel}[{LOOKBACK_S}s]), "__name__", "{name}", "", "")'
         for sel, name in zip(selectors, names, strict=True)
+    )
+
+
+def counted_within(counter: str, window_s: float) -> str:
+    """How much ``counter`` (a selector of a counter exposed once non-zero) counted within
+    the last ``window_s``: its increase, or its value where the series appeared within the
+    window (``increase()`` cannot count a series' first sample). The alerts' form
+    (``AmpscopeTransientFault``, ``AmpscopeFp8NonfiniteAmax``), so both count alike."""
+    return (
+        f"increase({counter}[{window_s:g}s]) > 0"
+        f" or ({counter} * 1 unless {counter} offset {window_s:g}s)"
     )
 
 
@@ -156,6 +169,9 @@ def build_views(samples: list[dict[str, Any]], now: float) -> dict[tuple[str, in
             if views.get(key, {}).get("node", labels["node"]) == labels["node"]:
                 views[key] = _view(labels)
     views = {key: view for key, view in views.items() if "rank" in view}
+    # The packed aligned sample wins over the two separate series (exporters before it
+    # served only those): a store can pair one's new value with the other's old one.
+    packed: set[tuple[str, int]] = set()
     for sample in samples:
         labels, value = sample["metric"], float(sample["value"][1])
         key = _key(labels)
@@ -175,9 +191,13 @@ def build_views(samples: list[dict[str, Any]], now: float) -> dict[tuple[str, in
             totals["found_inf_local"][labels["device"]] = int(value)
         elif name == "ampscope_found_inf_origin_total":
             totals["found_inf_origin"][labels["device"]] = int(value)
-        elif name == "ampscope_loss_scale_aligned":
+        elif name == "ampscope_loss_scale_aligned_packed":
+            step, scale = aligned.unpack(value)
+            totals["aligned_scale"] = {"step": step, "scale": scale}
+            packed.add(key)
+        elif name == "ampscope_loss_scale_aligned" and key not in packed:
             totals["aligned_scale"] = {**(totals["aligned_scale"] or {}), "scale": value}
-        elif name == "ampscope_loss_scale_aligned_step":
+        elif name == "ampscope_loss_scale_aligned_step" and key not in packed:
             totals["aligned_scale"] = {**(totals["aligned_scale"] or {}), "step": int(value)}
         elif name == "ampscope_reporter_dropped_records_total":
             view["dropped_records"] = int(value)
