@@ -30,8 +30,8 @@ it no longer hears (the alert ``AmpscopeNodeLost`` pages on the same condition o
 same hour), and ``lost_rank`` names it and the exporters whose scrape fails
 (``ampscope.status.prometheus.ranks``). The thresholds are those the exporters publish
 (``ampscope_exporter_health_threshold``), the defaults where none does. Cost: one query for
-the thresholds, then fourteen instant queries run in parallel; the answer holds O(ranks x devices)
-samples.
+the thresholds, then sixteen instant queries run in parallel (a rank's state read as its one
+series at 1, of five); the answer holds O(ranks x devices) samples.
 """
 
 from __future__ import annotations
@@ -55,6 +55,8 @@ from ampscope.status.prometheus.ranks import (
     gone_ranks,
     per_rank,
     seen_query,
+    separate_aligned_query,
+    state_query,
     thresholds_of,
     up_query,
 )
@@ -77,6 +79,8 @@ NEEDS_HISTORY = {
 
 RANK_QUERIES = (
     "now",
+    "state",
+    "aligned_separate",
     "peak",
     "steps",
     "skipped",
@@ -89,6 +93,9 @@ RANK_QUERIES = (
     *prometheus_fp8.FP8_QUERIES,
 )
 """The queries whose every series is a rank's (run, rank and node labels), checked so."""
+
+INSTANT = ("state", "aligned_separate")
+"""The queries that complete ``now``'s per-rank gauges (read with them, not per window)."""
 
 SPIKE_DETAIL = (
     "counted from Prometheus (increase of ampscope_spikes_total): the step, the value and the "
@@ -131,6 +138,8 @@ def queries(run: str | None, t: Thresholds) -> dict[str, str]:
     joined = f",{sel}" if sel else ""
     return {
         "now": f'{{__name__=~"{names}"{joined}}}',
+        "state": state_query(sel),
+        "aligned_separate": separate_aligned_query(sel),
         "peak": f"max_over_time(ampscope_loss_scale{{{sel}}}[{t.collapse_window_s:g}s])",
         "steps": f"increase(ampscope_steps_total{{{sel}}}[{t.skip_storm_window_s:g}s])",
         "skipped": f"increase(ampscope_skipped_steps_total{{{sel}}}[{t.skip_storm_window_s:g}s])",
@@ -309,10 +318,10 @@ def fetch(client: PrometheusClient, run: str | None, t: Thresholds | None = None
         # The labels every rank's series carries: a series without them is not ampscope's.
         where = f"{client.url}/api/v1/query ({name!r} query)"
         shapes.check_series(results.get(name, []), where)
-    views = build_views(results["now"], now)
+    views = build_views(results["now"] + results["state"] + results["aligned_separate"], now)
     views.update(gone_ranks(results["seen"], views, now))
     down = exporters_down(results["up"], results["seen"])
-    unwindowed = ("now", "seen", "up", *prometheus_fp8.FP8_QUERIES)
+    unwindowed = ("now", *INSTANT, "seen", "up", *prometheus_fp8.FP8_QUERIES)
     windows = {name: per_rank(results[name], views) for name in asked if name not in unwindowed}
     fp8 = {name: results[name] for name in prometheus_fp8.FP8_QUERIES}
     judged = {"source": source, **{f.name: getattr(t, f.name) for f in fields(t)}}

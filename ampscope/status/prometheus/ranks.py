@@ -26,12 +26,9 @@ GAUGES = (
     "ampscope_last_step",
     "ampscope_loss_scale",
     "ampscope_growth_tracker",
-    "ampscope_loss_scale_aligned",
-    "ampscope_loss_scale_aligned_step",
     "ampscope_loss_scale_aligned_packed",
     "ampscope_last_report_timestamp_seconds",
     "ampscope_rank_up",
-    "ampscope_rank_state",
     "ampscope_rank_failure_info",
     "ampscope_steps_total",
     "ampscope_skipped_steps_total",
@@ -42,7 +39,13 @@ GAUGES = (
     "ampscope_nonfinite_updates_applied_total",
     "ampscope_reporter_dropped_records_total",
 )
-"""Families read as instant vectors, in one query by name."""
+"""Families read as instant vectors, in one query by name. A rank's state and, from exporters
+that predate ``ampscope_loss_scale_aligned_packed``, its aligned pair come from their own
+queries (``state_query``, ``separate_aligned_query``): one series of five for the state,
+none of two for the pair where the packed sample is there."""
+
+SEPARATE_ALIGNED = ("ampscope_loss_scale_aligned", "ampscope_loss_scale_aligned_step")
+"""The aligned scale and its step as two series: read only where the packed one is absent."""
 
 SEEN = (
     "ampscope_rank_info",
@@ -67,6 +70,26 @@ def seen_query(selector: str) -> str:
     return " or on (__name__) ".join(
         f'label_replace(last_over_time({sel}[{LOOKBACK_S}s]), "__name__", "{name}", "", "")'
         for sel, name in zip(selectors, names, strict=True)
+    )
+
+
+def state_query(selector: str) -> str:
+    """Each rank's current state: the one ``ampscope_rank_state`` series at 1 (of five), named
+    as its family (a comparison's answer may drop the name)."""
+    return (
+        f'label_replace(ampscope_rank_state{{{selector}}} == 1, "__name__", '
+        '"ampscope_rank_state", "", "")'
+    )
+
+
+def separate_aligned_query(selector: str) -> str:
+    """The aligned scale and step as two series, of the ranks without the packed one (an
+    exporter that predates it): empty for the others."""
+    joined = f",{selector}" if selector else ""
+    names = "|".join(SEPARATE_ALIGNED)
+    return (
+        f'{{__name__=~"{names}"{joined}}} unless on (run, node, rank, local_rank) '
+        f"ampscope_loss_scale_aligned_packed{{{selector}}}"
     )
 
 
