@@ -51,8 +51,11 @@ from ampscope.status.prometheus.ranks import (
     LOOKBACK_S,
     build_views,
     counted_within,
+    down_seen_query,
     exporters_down,
+    gone_query,
     gone_ranks,
+    narrowed,
     per_rank,
     seen_query,
     separate_aligned_query,
@@ -89,7 +92,7 @@ RANK_QUERIES = (
     "spikes",
     "skipped_nonfinite",
     "reruns",
-    "seen",
+    "gone",
     *prometheus_fp8.FP8_QUERIES,
 )
 """The queries whose every series is a rank's (run, rank and node labels), checked so."""
@@ -150,7 +153,7 @@ def queries(run: str | None, t: Thresholds) -> dict[str, str]:
         "skipped_nonfinite": f"increase(ampscope_skipped_steps_total{{{sel}}}"
         f"[{t.nonfinite_skipped_window_s:g}s])",
         "reruns": counted_within(f"ampscope_reruns_total{{{sel}}}", t.spike_verdict_window_s),
-        "seen": seen_query(sel),
+        "gone": gone_query(sel),
         "up": up_query(sel),
         **prometheus_fp8.queries(sel, Fp8Rule()),
     }
@@ -314,14 +317,28 @@ def fetch(client: PrometheusClient, run: str | None, t: Thresholds | None = None
     with ThreadPoolExecutor(max_workers=len(asked)) as pool:
         futures = {name: pool.submit(client.query, promql, now) for name, promql in asked.items()}
         results = {name: future.result() for name, future in futures.items()}
-    for name in RANK_QUERIES:
+    # Second round, only where the first found any: the families of the gone ranks, and the
+    # ranks the failing exporters held (the hour's range reads, narrowed to few series).
+    sel = _selector(run)
+    follow = {}
+    gone = {(s["metric"]["run"], int(s["metric"]["rank"])) for s in results["gone"]}
+    if gone:
+        follow["seen"] = seen_query(narrowed(sel, gone))
+    down_now = {s["metric"].get("instance", "") for s in results["up"]}
+    if down_now:
+        follow["down_seen"] = down_seen_query(sel, down_now)
+    if follow:
+        with ThreadPoolExecutor(max_workers=len(follow)) as pool:
+            futures = {name: pool.submit(client.query, q, now) for name, q in follow.items()}
+            results.update({name: future.result() for name, future in futures.items()})
+    for name in (*RANK_QUERIES, *follow):
         # The labels every rank's series carries: a series without them is not ampscope's.
         where = f"{client.url}/api/v1/query ({name!r} query)"
         shapes.check_series(results.get(name, []), where)
     views = build_views(results["now"] + results["state"] + results["aligned_separate"], now)
-    views.update(gone_ranks(results["seen"], views, now))
-    down = exporters_down(results["up"], results["seen"])
-    unwindowed = ("now", *INSTANT, "seen", "up", *prometheus_fp8.FP8_QUERIES)
+    views.update(gone_ranks(results.get("seen", []), views, now))
+    down = exporters_down(results["up"], results.get("down_seen", []))
+    unwindowed = ("now", *INSTANT, "gone", "up", *prometheus_fp8.FP8_QUERIES)
     windows = {name: per_rank(results[name], views) for name in asked if name not in unwindowed}
     fp8 = {name: results[name] for name in prometheus_fp8.FP8_QUERIES}
     judged = {"source": source, **{f.name: getattr(t, f.name) for f in fields(t)}}

@@ -9,6 +9,8 @@ over query results.
 
 from __future__ import annotations
 
+import json
+import re
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import fields
@@ -104,10 +106,45 @@ def counted_within(counter: str, window_s: float) -> str:
     )
 
 
-def up_query(selector: str) -> str:
-    """``up`` of every exporter that held a rank of the selection within ``LOOKBACK_S``."""
+def gone_query(selector: str) -> str:
+    """The ranks of the selection held within ``LOOKBACK_S`` whose info series is gone now,
+    matched by (run, rank) (a rank that restarted onto another node is there), each its last
+    ``ampscope_rank_info`` sample, named so. The one range read over the hour of every rank,
+    of one family: ``seen_query`` then reads the other families for these ranks only."""
+    info = f"ampscope_rank_info{{{selector}}}"
     return (
-        f"up and on (job, instance) last_over_time(ampscope_rank_info{{{selector}}}[{LOOKBACK_S}s])"
+        f"label_replace(last_over_time({info}[{LOOKBACK_S}s]) unless on (run, rank) {info}, "
+        '"__name__", "ampscope_rank_info", "", "")'
+    )
+
+
+def up_query(selector: str) -> str:
+    """The scrapes that fail now (``up == 0``): few, whatever the job's size."""
+    return "up == 0"
+
+
+def _any_of(label: str, values: Iterable[str]) -> str:
+    # An anchored regex of exactly these values, as a PromQL string literal (JSON's escapes
+    # are PromQL's).
+    return f"{label}=~{json.dumps('|'.join(sorted(re.escape(v) for v in set(values))))}"
+
+
+def narrowed(selector: str, keys: Iterable[tuple[str, int]]) -> str:
+    """``selector`` narrowed to the runs and ranks of ``keys`` ((run, rank); a superset when
+    several runs are given, which ``gone_ranks`` filters)."""
+    keys = list(keys)
+    runs = _any_of("run", (run for run, _ in keys))
+    ranks = _any_of("rank", (str(rank) for _, rank in keys))
+    return ",".join(part for part in (selector, runs, ranks) if part)
+
+
+def down_seen_query(selector: str, instances: Iterable[str]) -> str:
+    """The last ``ampscope_rank_info`` within ``LOOKBACK_S`` of the selection's ranks that
+    the exporters ``instances`` (whose scrape fails) held, named so."""
+    where = ",".join(part for part in (selector, _any_of("instance", instances)) if part)
+    return (
+        f"label_replace(last_over_time(ampscope_rank_info{{{where}}}[{LOOKBACK_S}s]), "
+        '"__name__", "ampscope_rank_info", "", "")'
     )
 
 
