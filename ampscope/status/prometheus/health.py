@@ -317,6 +317,10 @@ def fetch(client: PrometheusClient, run: str | None, t: Thresholds | None = None
     with ThreadPoolExecutor(max_workers=len(asked)) as pool:
         futures = {name: pool.submit(client.query, promql, now) for name, promql in asked.items()}
         results = {name: future.result() for name, future in futures.items()}
+    for name in RANK_QUERIES:
+        # The labels every rank's series carries: a series without them is not ampscope's.
+        where = f"{client.url}/api/v1/query ({name!r} query)"
+        shapes.check_series(results.get(name, []), where)
     # Second round, only where the first found any: the families of the gone ranks, and the
     # ranks the failing exporters held (the hour's range reads, narrowed to few series).
     sel = _selector(run)
@@ -331,10 +335,8 @@ def fetch(client: PrometheusClient, run: str | None, t: Thresholds | None = None
         with ThreadPoolExecutor(max_workers=len(follow)) as pool:
             futures = {name: pool.submit(client.query, q, now) for name, q in follow.items()}
             results.update({name: future.result() for name, future in futures.items()})
-    for name in (*RANK_QUERIES, *follow):
-        # The labels every rank's series carries: a series without them is not ampscope's.
-        where = f"{client.url}/api/v1/query ({name!r} query)"
-        shapes.check_series(results.get(name, []), where)
+        for name in follow:
+            shapes.check_series(results[name], f"{client.url}/api/v1/query ({name!r} query)")
     views = build_views(results["now"] + results["state"] + results["aligned_separate"], now)
     views.update(gone_ranks(results.get("seen", []), views, now))
     down = exporters_down(results["up"], results.get("down_seen", []))
