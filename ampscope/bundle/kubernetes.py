@@ -10,6 +10,10 @@ until then)::
 
     python -m ampscope.bundle.kubernetes deploy/kubernetes
 
+The hand-written ``daemonset.yaml`` says how training pods set ``NODE_NAME`` and
+``AMPSCOPE_NODE`` from ``spec.nodeName`` (the Downward API), so the ranks' ``hostname`` is
+the node's name that DCGM-exporter's host label holds.
+
 The YAML is written as text, indenting the sources into place, so the rules keep their
 comments and the package needs no YAML library at run time.
 """

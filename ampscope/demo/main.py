@@ -87,6 +87,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _options_given(args: argparse.Namespace) -> list[str]:
+    """The options that differ from their defaults, as a command line repeats them (run ids
+    get a new prefix: a second run is a new run)."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    given: list[str] = []
+    for scenario in args.scenarios or ():
+        given += ["--scenario", scenario]
+    for name in ("steps", "ranks", "port", "stale_after", "step_delay", "progress_every"):
+        value = getattr(args, name)
+        if value != parser.get_default(name):
+            text = f"{value:g}" if isinstance(value, float) else str(value)
+            given += [f"--{name.replace('_', '-')}", text]
+    return given
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the demo. Returns 0 when every scenario drew the verdicts it expects, 1 when
     one did not, 2 when the demo could not run (exporter or ranks failed), and 128 + the
@@ -109,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
             step_delay=args.step_delay,
             progress_every=args.progress_every,
             run_prefix=args.run_prefix,
+            argv=tuple(_options_given(args)),
         )
         with stop_signals_interrupt():
             return run_demo(options)

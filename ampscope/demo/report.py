@@ -6,7 +6,11 @@ so it is tested without training anything.
 
 from __future__ import annotations
 
+import shlex
+import shutil
+import sys
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from ampscope.demo.scenarios import Scenario
@@ -100,21 +104,37 @@ def missing_verdicts(health: Mapping[str, Any], expected: Sequence[str]) -> list
     return [rule for rule in expected if rule not in flagged]
 
 
+def ampscope_command() -> str:
+    """How a shell runs this installation's ``ampscope``, as a command to print: ``ampscope``
+    where that name on ``PATH`` is the script beside this interpreter, else the script's
+    full path (a virtual environment that is not activated: ``.venv/bin/ampscope``), else
+    ``python -m ampscope.cli`` with this interpreter's path."""
+    script = Path(sys.executable).with_name("ampscope")  # not resolved: the venv's bin/
+    if script.is_file():
+        found = shutil.which("ampscope")
+        if found is not None and Path(found).resolve() == script.resolve():
+            return "ampscope"
+        return shlex.quote(str(script))
+    return f"{shlex.quote(sys.executable)} -m ampscope.cli"
+
+
 def where_to_look(
     base_url: str,
     run_ids: Sequence[str],
     hotspot_run: str | None,
     rerun_run: str | None = None,
+    command: str = "ampscope",
 ) -> list[str]:
     """Links into the exporter, and PromQL to try once Prometheus scrapes it; with the run
     whose ranks rerun flagged iterations (``rerun_run``), the command that lists its suspect
-    batches and the PromQL of its reruns."""
+    batches and the PromQL of its reruns. ``command``: how to run ampscope
+    (``ampscope_command()``), so the commands work as printed."""
     example = hotspot_run or run_ids[0]
     suspects: list[str] = []
     reruns: list[str] = []
     if rerun_run is not None:
         suspects = [
-            f"  suspects      ampscope status --url {base_url} {rerun_run} --suspect-batches"
+            f"  suspects      {command} status --url {base_url} {rerun_run} --suspect-batches"
         ]
         reruns = [
             "    ampscope_reruns_total   # result: transient (its device), reproducible (data)"
@@ -122,7 +142,7 @@ def where_to_look(
     return [
         "Where to look",
         f"  web view      {base_url}/   (run page: {base_url}/run?id={example})",
-        f"  terminal      ampscope status --url {base_url} {example}",
+        f"  terminal      {command} status --url {base_url} {example}",
         *suspects,
         f"  metrics       {base_url}/metrics",
         f"  API docs      {base_url}/docs",
@@ -138,4 +158,16 @@ def where_to_look(
         "    topk(5, ampscope_nonfinite_grads_total)",
         "    increase(ampscope_spikes_total[5m])   # kind: loss, grad_norm, origin_outlier",
         *reruns,
+    ]
+
+
+def keep_serving_hint(command: str, argv: Sequence[str]) -> list[str]:
+    """What the demo prints instead of links once its exporter has stopped: how to run it
+    again so that the exporter keeps serving (``argv``: the demo's options, as given)."""
+    again = shlex.join([*argv, "--keep-serving"])
+    return [
+        "The exporter has stopped with the demo, so it prints no links (none would answer).",
+        "To keep it serving until Ctrl-C, with the web view, `ampscope status`, the API,",
+        "/metrics for Prometheus and Grafana, and the links, run the demo with --keep-serving:",
+        f"  {command} demo {again}".rstrip(),
     ]

@@ -9,7 +9,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from ampscope.demo.exporter import DemoError, ExporterProcess, get_json, is_healthy
-from ampscope.demo.report import health_lines, missing_verdicts, rank_table, where_to_look
+from ampscope.demo.report import (
+    ampscope_command,
+    health_lines,
+    keep_serving_hint,
+    missing_verdicts,
+    rank_table,
+    where_to_look,
+)
 from ampscope.demo.scenarios import SCENARIOS
 
 STOP_TIMEOUT_S = 3.0
@@ -37,6 +44,9 @@ class DemoOptions:
     progress_every: int = 10
     run_prefix: str | None = None
     """Run ids are ``{run_prefix}-{scenario}``; ``None``: ``demo-HHMMSS``."""
+    argv: tuple[str, ...] = ()
+    """The demo's options as given on the command line, for the line that says how to run
+    it again with ``--keep-serving``."""
 
     def __post_init__(self) -> None:
         unknown = [name for name in self.scenarios if name not in SCENARIOS]
@@ -156,16 +166,16 @@ def run_demo(options: DemoOptions, emit: Callable[[str], None] | None = None) ->
         else:
             out("Every scenario drew the verdicts it was built to provoke.")
         out("")
+        command = ampscope_command()
         if exporter is not None and not options.keep_serving:
-            # Stopped before its links are printed: a link printed is one that answers, or
-            # one the line before says does not.
+            # A link printed is one that answers: none once the exporter has stopped.
             exporter.stop(STOP_TIMEOUT_S)
-            out(
-                "The exporter has stopped with the demo: rerun with --keep-serving to open the "
-                "web view and these links (and point Prometheus or Grafana at it)."
-            )
+            for line in keep_serving_hint(command, options.argv):
+                out(line)
+            return 1 if missing else 0
         named = dict(zip(options.scenarios, run_ids, strict=True))
-        for line in where_to_look(base_url, run_ids, named.get("hotspot"), named.get("rerun")):
+        hotspot, rerun = named.get("hotspot"), named.get("rerun")
+        for line in where_to_look(base_url, run_ids, hotspot, rerun, command):
             out(line)
         if exporter is not None and options.keep_serving:
             # From the line that says so on, Ctrl-C (or SIGTERM, SIGHUP) is the way serving

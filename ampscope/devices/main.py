@@ -3,29 +3,31 @@ offended (the origin of inf/NaN gradients, an origin outlier, a transient fault)
 DCGM-exporter's errors for each GPU where Prometheus holds them.
 
 Exit status: 0 no device offended in ``--min-runs`` runs (default 2) or more, 1 one did, 3
-Prometheus cannot be reached or answered an error or a malformed answer, 5 it refused the
-credentials (401/403), 6 TLS failed. Reads the raw series, so it needs no recording rule.
-Standard library only, like ``ampscope status``.
+Prometheus cannot be reached or answered an error, 5 it refused the credentials (401/403),
+6 TLS failed, 7 it answered something of the wrong shape (not JSON, a sample without its
+labels, a value that is not a finite number), as ``ampscope status`` does: both ask through
+one client (``ampscope.status.transport``: credentials that never follow a redirect to
+another origin). Reads the raw series, so it needs no recording rule. Standard library only.
 """
 
 from __future__ import annotations
 
 import argparse
-import base64
 import json
-import os
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import TextIO
 
 from ampscope.devices import query, ranking
-from ampscope.devices.query import EXIT_TLS_REFUSED, EXIT_UNAUTHORIZED, Prometheus, QueryError
-from ampscope.reporter.tls import ClientTls
+from ampscope.reporter.tls import clear_text_warning, credentials_in_clear
+from ampscope.status import pipe
+from ampscope.status.access import PASSWORD_ENV, TOKEN_ENV, prometheus_client_from_args
+from ampscope.status.prometheus.api import PrometheusClient, QueryError
+from ampscope.status.shapes import Malformed
+from ampscope.status.transport import EXIT_MALFORMED, Refused
 
-TOKEN_ENV = "AMPSCOPE_PROMETHEUS_TOKEN"
-PASSWORD_ENV = "AMPSCOPE_PASSWORD"
 DEFAULT_SINCE = "30d"
 DEFAULT_MIN_RUNS = 2
 
@@ -105,68 +107,52 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.epilog = (
         "Exit status: 0 no device offended in --min-runs runs or more, 1 one did, 3 "
-        "Prometheus cannot be reached or answered an error or a malformed answer, 5 it "
-        "refused the credentials, 6 TLS failed."
+        "Prometheus cannot be reached or answered an error, 5 it refused the credentials, "
+        "6 TLS failed, 7 it answered something of the wrong shape, 141 the reader closed "
+        "the pipe."
     )
 
 
-def _read(path: str, flag: str) -> str:
-    try:
-        return Path(path).read_text(encoding="utf-8").strip()
-    except OSError as exc:
-        raise QueryError(f"cannot read {flag} {path}: {exc.strerror}", EXIT_UNAUTHORIZED) from None
+def fetch(
+    client: PrometheusClient,
+    since: str,
+    min_runs: int,
+    warn: Callable[[str], None] | None = None,
+) -> list[ranking.Device]:
+    """The devices that offended within ``since``, ranked, with their DCGM errors. Three
+    queries in parallel; blocks until all are answered.
 
-
-def client_from_args(args: argparse.Namespace) -> Prometheus:
-    """The client, with a bearer token (``--bearer-token-file``, else the environment) or
-    the basic auth of ``--user``, and TLS files for ``https://``. Raises ``QueryError``."""
-    authorization = None
-    if args.user is not None:
-        if args.password_file is not None:
-            password = _read(args.password_file, "--password-file")
-        elif PASSWORD_ENV in os.environ:
-            password = os.environ[PASSWORD_ENV]
-        else:
-            raise QueryError(f"--user needs --password-file or {PASSWORD_ENV}", EXIT_UNAUTHORIZED)
-        authorization = "Basic " + base64.b64encode(f"{args.user}:{password}".encode()).decode()
-    token = os.environ.get(TOKEN_ENV)
-    if args.bearer_token_file is not None:
-        token = _read(args.bearer_token_file, "--bearer-token-file")
-    if token:
-        authorization = f"Bearer {token}"
-    context = None
-    if args.prometheus.startswith("https://"):
-        env = ClientTls.from_env()
-        tls = ClientTls(
-            ca_file=args.ca_file or env.ca_file,
-            cert_file=args.cert_file or env.cert_file,
-            key_file=args.key_file or env.key_file,
-        )
-        try:
-            context = tls.context()
-        except ValueError as exc:
-            raise QueryError(str(exc), EXIT_TLS_REFUSED) from None
-    return Prometheus(args.prometheus, authorization, context)
-
-
-def fetch(client: Prometheus, since: str, min_runs: int) -> list[ranking.Device]:
-    """The devices that offended within ``since``, ranked, with their DCGM errors.
+    ``warn`` hears of DCGM-exporter series left out (without a UUID label): never a failure.
 
     Raises:
-        QueryError: a query failed or was answered in another shape than asked.
+        QueryError: a query failed.
+        Malformed: an answer of another shape than asked, a value that is not finite.
     """
     now = time.time()
+    where = f"{client.url}/api/v1/query"
     with ThreadPoolExecutor(max_workers=3) as pool:
         offences = pool.submit(client.query, query.offences_query(since), now)
         last = pool.submit(client.query, query.last_offence_query(since), now)
         dcgm = pool.submit(client.query, query.dcgm_query(), now)
         offence_samples = query.require(
-            offences.result(), client.url, ("device", "node", "run", "kind")
+            query.samples_of(offences.result()),
+            f"{where} (offences)",
+            ("device", "node", "run", "kind"),
         )
-        last_samples = query.require(last.result(), client.url, ("device", "node", "run"))
-        dcgm_samples = query.require(dcgm.result(), client.url, ("UUID", "field"))
+        last_samples = query.require(
+            query.samples_of(last.result()), f"{where} (last offences)", ("device", "node", "run")
+        )
+        # DCGM-exporter's series are another program's: a series without a UUID label
+        # (neither UUID nor --use-old-namespace's uuid) is left out with a warning.
+        dcgm_samples = query.require(query.samples_of(dcgm.result()), f"{where} (DCGM)", ("field",))
     devices = ranking.rank(offence_samples, last_samples, min_runs)
-    ranking.add_dcgm(devices, dcgm_samples)
+    unnamed = ranking.add_dcgm(devices, dcgm_samples)
+    if unnamed and warn is not None:
+        first = unnamed[0].labels
+        warn(
+            f"left out {len(unnamed)} DCGM-exporter series without a UUID or uuid label "
+            f"(the first: {first.get('field', '?')} of {first.get('instance', '?')})"
+        )
     return devices
 
 
@@ -220,17 +206,34 @@ def table(devices: list[ranking.Device], url: str, since: str, min_runs: int) ->
     return lines
 
 
+def _warn(words: str) -> None:
+    print(f"ampscope devices: warning: {words}", file=sys.stderr)
+
+
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
-    """Print the devices once; returns the exit status."""
+    """Print the devices once; returns the exit status. A reader that closes the pipe
+    early (``| head``) ends it quietly (``pipe.EXIT_CLOSED_PIPE``)."""
     out = out or sys.stdout
     try:
-        client = client_from_args(args)
-        devices = fetch(client, args.since, args.min_runs)
-    except QueryError as exc:
+        client = prometheus_client_from_args(args)
+        if client.authorization is not None and credentials_in_clear(client.url):
+            print(
+                f"ampscope devices: {clear_text_warning('the Prometheus credentials', client.url)}",
+                file=sys.stderr,
+            )
+        devices = fetch(client, args.since, args.min_runs, _warn)
+    except (QueryError, Refused) as exc:
         print(f"ampscope devices: {exc}", file=sys.stderr)
         return exc.code
-    if args.json:
-        print(json.dumps([d.as_json() for d in devices]), file=out)
-    else:
-        print("\n".join(table(devices, client.url, args.since, args.min_runs)), file=out)
+    except Malformed as exc:
+        print(f"ampscope devices: {exc}", file=sys.stderr)
+        return EXIT_MALFORMED
+    try:
+        if args.json:
+            print(json.dumps([d.as_json() for d in devices]), file=out, flush=True)
+        else:
+            lines = table(devices, client.url, args.since, args.min_runs)
+            print("\n".join(lines), file=out, flush=True)
+    except BrokenPipeError:
+        return pipe.closed()
     return int(any(d.flagged for d in devices))

@@ -20,6 +20,7 @@ class Device:
 
     device: str
     node: str
+    """The node of its newest offence (by time; without times, of its last run)."""
     runs: list[str] = field(default_factory=list)
     """The runs in which it offended, sorted."""
     offences: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
@@ -32,12 +33,20 @@ class Device:
     """DCGM-exporter error fields of its UUID that are not zero."""
     flagged: bool = False
     """It offended in at least the threshold's number of runs."""
+    nodes: list[str] = field(default_factory=list)
+    """Every node label it offended under, sorted: on Kubernetes without ``AMPSCOPE_NODE``
+    the node label is the pod's name, new in every run, while the GPU stays one device."""
+    hostname: str | None = None
+    """The host DCGM-exporter names for its UUID (``Hostname``, or ``hostname`` on its main
+    branch: on Kubernetes the node's name), where DCGM-exporter reports it."""
 
     def as_json(self) -> dict[str, Any]:
         """What ``--json`` lists for it: ``runs`` is a count, ``run_ids`` the runs."""
         return {
             "device": self.device,
             "node": self.node,
+            "nodes": self.nodes,
+            "hostname": self.hostname,
             "runs": len(self.runs),
             "run_ids": self.runs,
             "offences": self.offences,
@@ -50,48 +59,89 @@ class Device:
 
 def rank(offences: Iterable[Sample], last: Iterable[Sample], min_runs: int) -> list[Device]:
     """Devices from the samples of ``offences_query`` and ``last_offence_query``, most runs
-    first (then most offences, newest offence, device). Each (device, node) is one entry: a
-    GPU's UUID names it anywhere, ``<node>:<local_rank>`` only on its node.
+    first (then most offences, newest offence, device).
+
+    Each device is one entry, whatever the node label its offences carry: a GPU's UUID names
+    it anywhere, so the runs of a GPU whose pod (the node label on Kubernetes without
+    ``AMPSCOPE_NODE``) or node label changed are counted together; a device without a UUID
+    is named ``<node>:<local_rank>``, which holds its node already.
 
     ``min_runs``: a device that offended in at least this many runs is ``flagged``.
     """
-    devices: dict[tuple[str, str], Device] = {}
+    devices: dict[str, Device] = {}
+    nodes_of_run: dict[str, dict[str, str]] = {}
     for sample in offences:
         labels, count = sample.labels, round(sample.value)
         if count <= 0:
             continue
-        key = (labels["device"], labels["node"])
-        device = devices.setdefault(key, Device(*key))
+        name = labels["device"]
+        device = devices.setdefault(name, Device(name, labels["node"]))
         if labels["run"] not in device.runs:
             device.runs.append(labels["run"])
+        if labels["node"] not in device.nodes:
+            device.nodes.append(labels["node"])
+        nodes_of_run.setdefault(name, {})[labels["run"]] = labels["node"]
         kind = labels["kind"]
         device.offences[kind] = device.offences.get(kind, 0) + count
-    times: dict[tuple[str, str], dict[str, float]] = {}
+    times: dict[str, dict[str, tuple[float, str]]] = {}
     for sample in last:
         labels = sample.labels
-        times.setdefault((labels["device"], labels["node"]), {})[labels["run"]] = sample.value
-    for key, device in devices.items():
+        held = times.setdefault(labels["device"], {})
+        newest = held.get(labels["run"])
+        if newest is None or sample.value >= newest[0]:
+            held[labels["run"]] = (sample.value, labels["node"])
+    for name, device in devices.items():
         device.runs.sort()
+        device.nodes.sort()
         device.flagged = len(device.runs) >= min_runs
-        known = {run: t for run, t in times.get(key, {}).items() if run in device.runs}
+        known = {run: t for run, t in times.get(name, {}).items() if run in device.runs}
         if known:
-            device.last_run = max(known, key=lambda run: (known[run], run))
-            device.last_time = known[device.last_run]
+            device.last_run = max(known, key=lambda run: (known[run][0], run))
+            device.last_time, device.node = known[device.last_run]
         else:
             device.last_run = device.runs[-1]
+            device.node = nodes_of_run[name][device.last_run]
     return sorted(
         devices.values(),
         key=lambda d: (-len(d.runs), -sum(d.offences.values()), -(d.last_time or 0), d.device),
     )
 
 
-def add_dcgm(devices: Iterable[Device], samples: Iterable[Sample]) -> None:
+UUID_LABELS = ("UUID", "uuid")
+"""DCGM-exporter's GPU UUID label: ``UUID``, or ``uuid`` under ``--use-old-namespace``."""
+HOST_LABELS = ("Hostname", "hostname")
+"""DCGM-exporter's host label: ``Hostname`` in its releases, ``hostname`` on its main
+branch; on Kubernetes it holds the node's name (``NODE_NAME``, from ``spec.nodeName``)."""
+
+
+def _first(labels: dict[str, str], names: tuple[str, ...]) -> str | None:
+    return next((labels[name] for name in names if labels.get(name)), None)
+
+
+def add_dcgm(devices: Iterable[Device], samples: Iterable[Sample]) -> list[Sample]:
     """Put the non-zero DCGM fields (samples of ``dcgm_query``) on the devices whose name is
-    their ``UUID`` (a GPU's ``GPU-…``; ``<node>:<local_rank>`` never matches)."""
+    their UUID (``UUID``, or ``uuid`` from an exporter run with ``--use-old-namespace``; a
+    GPU's ``GPU-…``, which ``<node>:<local_rank>`` never matches), and the host DCGM-exporter
+    names (``Hostname`` or ``hostname``).
+
+    Returns:
+        The samples left out because they name no UUID at all, for the caller to warn of:
+        one such exporter never hides the fleet's other GPUs.
+    """
     by_uuid: dict[str, dict[str, float]] = {}
+    hosts: dict[str, str] = {}
+    unnamed = []
     for sample in samples:
+        uuid = _first(sample.labels, UUID_LABELS)
+        if uuid is None:
+            unnamed.append(sample)
+            continue
+        host = _first(sample.labels, HOST_LABELS)
+        if host is not None:
+            hosts[uuid] = host
         if sample.value:
-            fields = by_uuid.setdefault(sample.labels["UUID"], {})
-            fields[sample.labels["field"]] = sample.value
+            by_uuid.setdefault(uuid, {})[sample.labels["field"]] = sample.value
     for device in devices:
         device.dcgm = dict(sorted(by_uuid.get(device.device, {}).items()))
+        device.hostname = hosts.get(device.device)
+    return unnamed

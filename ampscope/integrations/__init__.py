@@ -4,15 +4,18 @@
 * ``ampscope.integrations.accelerate.instrument(accelerator)``: Accelerate;
 * ``ampscope.integrations.lightning.AmpscopeCallback()``: PyTorch Lightning;
 * ``ampscope.integrations.olmo_core.AmpscopeCallback()``: OLMo-core's trainer;
-* ``--override.imports ampscope.integrations.torchtitan.gradwatch``: torchtitan.
+* ``--override.imports ampscope.integrations.torchtitan.gradwatch``: torchtitan;
+* ``ampscope.integrations.deepspeed.instrument(engine)``: DeepSpeed (also what the
+  Trainer and Accelerate integrations do when they run on DeepSpeed).
 
 Each swaps the library's loss scaler for ampscope's twin of it (same class, same scaling
 settings, so numerics do not change), attaches it to the wrapped model (origin tracking
 on when the run is distributed), and exposes the ampscope scaler. Where the library trains
 in bf16 or fp32 without a loss scaler, each installs a :class:`~ampscope.GradWatch` in its
 place (``policy="observe"`` by default: numerics unchanged) and exposes that. Elsewhere
-(fp16 that the library refused on CPU, DeepSpeed) they say so once and change nothing: an
-integration never turns loss scaling on by itself. OLMo-core and torchtitan train bf16
+(fp16 that the library refused on CPU) they say so once and change nothing: an
+integration never turns loss scaling on by itself. DeepSpeed's engine scales, checks and
+skips inside itself: it is observed, never swapped. OLMo-core and torchtitan train bf16
 without a scaler: theirs always install a watch.
 
 Batch ids: the Trainer and Lightning integrations note the ids of a batch that is a mapping

@@ -13,6 +13,12 @@ path with it: ``backward()`` calls ``scale()`` (the loss unchanged), each
 ``step_was_skipped`` when the watch did not call the optimizer's ``step()`` (policy
 ``skip``), which holds the ``AcceleratedScheduler``.
 
+On DeepSpeed (``accelerate launch`` with a DeepSpeed config, or a ``DeepSpeedPlugin``)
+the engine scales, checks and skips inside itself, out of a scaler swap's reach:
+``instrument`` returns a :class:`~ampscope.integrations.deepspeed.DeepSpeedMonitor`
+instead, bound to the engine ``prepare()`` builds (or built), as
+``ampscope.integrations.deepspeed.instrument(engine)`` would.
+
 Batch ids: the training loop is the user's and Accelerate has no per-batch hook (its
 prepared data loader yields batches already on the device, and exposes no sample indices),
 so the loop notes them in one line, ``note_ids(scaler, batch)``, re-exported here from
@@ -54,6 +60,9 @@ _STATE = "_ampscope_instrumented"
 """Attribute on the accelerator that marks it instrumented (holds the Attacher)."""
 
 
+_DEEPSPEED = "_ampscope_deepspeed"
+"""Attribute on a DeepSpeed accelerator that holds the monitor of its engine."""
+
 _WATCHED_PRECISIONS = ("bf16", "no")
 """Accelerate's mixed precisions that train without a loss scaler and get a watch."""
 
@@ -94,10 +103,13 @@ def instrument(
             (initial scale, factors, interval) stays Accelerate's.
 
     Returns:
-        The ampscope scaler or watch (also ``accelerator.scaler``), or ``None`` when
-        Accelerate has neither a loss scaler nor a precision a watch applies to (fp16
-        refused on CPU, DeepSpeed, fp8): then nothing is changed and a warning says so
-        once.
+        The ampscope scaler or watch (also ``accelerator.scaler``); on DeepSpeed
+        (``distributed_type == DEEPSPEED``) a
+        :class:`~ampscope.integrations.deepspeed.DeepSpeedMonitor` that observes the
+        engine ``prepare()`` builds (DeepSpeed scales and skips inside it; no scaler is
+        swapped); or ``None`` when Accelerate has neither a loss scaler nor a precision a
+        watch applies to (fp16 refused on CPU, fp8): then nothing is changed and a warning
+        says so once.
     """
     check_options(scaler_options)
     watch = check_policy(policy, max_consecutive_skips)
@@ -113,10 +125,12 @@ def instrument_accelerator(
 ) -> TelemetryFrontEnd | None:
     """:func:`instrument` for an accelerator of ``library`` (Accelerate or a Trainer)."""
     if attacher_of(accelerator) is not None:
-        current = accelerator.scaler
+        current = getattr(accelerator, _DEEPSPEED, None) or accelerator.scaler
         return current if isinstance(current, TelemetryFrontEnd) else None
     attacher = Attacher(track_origin)
     setattr(accelerator, _STATE, attacher)
+    if _on_deepspeed(accelerator):
+        return _observe_deepspeed(accelerator, attacher, scaler_options, library)
     ours: TelemetryFrontEnd | None = twin(accelerator.scaler, scaler_options)
     if ours is None and _watchable(accelerator):
         why = f"mixed_precision={accelerator.mixed_precision!r}"
@@ -146,6 +160,33 @@ def instrument_accelerator(
         attacher.attach(ours, model, names_only=hidden)
     _attach_on_prepare(accelerator, ours, attacher)
     return ours
+
+
+def _on_deepspeed(accelerator: Accelerator) -> bool:
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type == DistributedType.DEEPSPEED
+
+
+def _observe_deepspeed(
+    accelerator: Accelerator,
+    attacher: Attacher,
+    scaler_options: dict[str, Any],
+    library: str,
+) -> TelemetryFrontEnd:
+    """DeepSpeed scales, checks and skips inside its engine, where no scaler swap reaches:
+    a :class:`~ampscope.integrations.deepspeed.DeepSpeedMonitor` observes the engine that
+    ``prepare()`` builds (or built already), as ``instrument(engine)`` would."""
+    from ampscope.integrations.deepspeed import make_monitor
+
+    monitor = make_monitor(attacher.track_origin, scaler_options)
+    setattr(accelerator, _DEEPSPEED, monitor)
+    logger.info("ampscope: %s trains with DeepSpeed; ampscope observes its engine", library)
+    wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
+    if wrapped is not None:
+        attacher.attach(monitor, wrapped.engine)
+    _attach_on_prepare(accelerator, monitor, attacher)
+    return monitor
 
 
 def attacher_of(accelerator: Accelerator) -> Attacher | None:

@@ -6,16 +6,22 @@ optimizer. Where it hooks into one step of ``Trainer._fit_epoch``:
 
 * ``pre_epoch`` (the first): attaches the watch to ``train_module.model``, after the
   trainer's dry-run batch, whose backward must not reach the origin hooks;
+* ``pre_step``: a new batch; the rank's loss of the last one is forgotten;
+* ``train_module.model_forward`` (an instance attribute for the length of ``fit``): each
+  micro-batch's CE loss is added up on the device, as ``train_batch`` adds it, before
+  OLMo-core reduces it over the ranks (with a ``SkipStepOptimizer`` it all-reduces it in
+  place at once, so ``trainer.get_metric("train/CE loss")`` is the job's mean, not the
+  rank's: a loss spike could not name its rank). One add per micro-batch, no sync;
 * ``pre_optim_step``: gradients are complete and reduced, not yet clipped. The watch
-  takes this rank's CE loss (``trainer.get_metric("train/CE loss")``, before OLMo-core
-  reduces it) and checks the gradients (``unscale_``: the non-finite check, the norms,
-  under ``skip``/``raise`` the all-reduce every rank agrees on);
+  takes this rank's own CE loss (the sum above; ``get_metric`` where no micro-batch went
+  through ``model_forward``) and checks the gradients (``unscale_``: the non-finite
+  check, the norms, under ``skip``/``raise`` the all-reduce every rank agrees on);
 * ``optim.step()``, called by ``train_module.optim_step()`` after clipping and the LR
   update, goes through ``watch.step(optim)`` (an instance attribute for the length of
   ``fit``): ``skip`` does not step, ``raise`` raises on every rank;
 * ``post_train_batch``: ``watch.update()``, one record per step;
-* ``close`` (always, also after an error): the watch closes, the optimizer's and the
-  scheduler's own methods come back.
+* ``close`` (always, also after an error): the watch closes, the optimizer's, the
+  scheduler's and the train module's own methods come back.
 
 OLMo-core's schedulers are functions of ``trainer.global_step`` (or of the tokens seen),
 which advance on a skipped step; under ``skip`` the callback holds them: it hands the
@@ -32,6 +38,7 @@ from typing import Any
 import torch
 
 try:
+    from olmo_core.distributed.utils import get_local_tensor
     from olmo_core.optim import SkipStepOptimizer
     from olmo_core.train.callbacks import Callback
     from olmo_core.train.common import TRAIN_CE_LOSS_METRIC, MetricMergeStrategy
@@ -48,6 +55,7 @@ from ampscope.reporter.schema import Policy
 logger = logging.getLogger("ampscope")
 
 _SET_LR = "set_lr"
+_MODEL_FORWARD = "model_forward"
 
 
 class AmpscopeCallback(Callback):
@@ -92,6 +100,7 @@ class AmpscopeCallback(Callback):
         self._attacher: Attacher | None = None
         self._stepper: StepThroughWatch | None = None
         self._scheduler: Any = None
+        self._rank_loss: _RankLoss | None = None
         self._spike_window: tuple[Any, Any] = (None, None)
         self._watch_state: dict[str, Any] | None = None  # from a checkpoint
 
@@ -130,6 +139,7 @@ class AmpscopeCallback(Callback):
         self._attacher = Attacher(self._track_origin)
         self._stepper = StepThroughWatch(watch, optim)
         self._tokens_before = self.trainer.global_train_tokens_seen
+        self._rank_loss = _RankLoss.install(module)
         if watch.policy == "skip":
             self._hold_scheduler(getattr(module, "scheduler", None))
 
@@ -138,6 +148,10 @@ class AmpscopeCallback(Callback):
         if self.watch is not None and self._attacher is not None and not self._attached:
             self._attached = True
             self._attacher.attach(self.watch, self.trainer.train_module.model)
+
+    def pre_step(self, batch: dict[str, Any]) -> None:
+        if self._rank_loss is not None:
+            self._rank_loss.forget()  # the dry-run batch's, an evaluation's, the last step's
 
     def pre_optim_step(self) -> None:
         watch, stepper = self.watch, self._stepper
@@ -148,7 +162,9 @@ class AmpscopeCallback(Callback):
         if isinstance(optim, SkipStepOptimizer):
             # train_batch() appended this step's loss; optim_step() appends its grad norm.
             self._spike_window = (optim.latest_loss, optim.latest_grad_norm)
-        loss = self.trainer.get_metric(TRAIN_CE_LOSS_METRIC)
+        loss = self._rank_loss.take() if self._rank_loss is not None else None
+        if loss is None:
+            loss = self.trainer.get_metric(TRAIN_CE_LOSS_METRIC)
         if loss is not None:
             watch.scale(loss)
         # Before train_module.optim_step() clips: the gradients as backward left them.
@@ -186,6 +202,9 @@ class AmpscopeCallback(Callback):
         if self._stepper is not None:
             self._stepper.remove()
             self._stepper = None
+        if self._rank_loss is not None:
+            self._rank_loss.remove()
+            self._rank_loss = None
         scheduler, self._scheduler = self._scheduler, None
         if scheduler is not None and _SET_LR in vars(scheduler):
             delattr(scheduler, _SET_LR)  # the class's method again
@@ -212,6 +231,48 @@ class AmpscopeCallback(Callback):
         # Scheduler configs are plain dataclasses: the attribute shadows the method.
         object.__setattr__(scheduler, _SET_LR, held_set_lr)
         self._scheduler = scheduler
+
+
+class _RankLoss:
+    """This rank's CE loss of one batch, read from ``model_forward``'s output per micro-batch
+    and added up as ``TransformerTrainModule.train_batch`` adds it (each micro-batch's CE
+    loss is already divided by the rank's tokens for the loss), before OLMo-core reduces
+    it. The sum stays on the device: one add per micro-batch, never a sync."""
+
+    def __init__(self, module: Any, forward: Any) -> None:
+        self._module = module
+        self._total: torch.Tensor | None = None
+
+        def model_forward(*args: Any, **kwargs: Any) -> Any:
+            output = forward(*args, **kwargs)
+            ce_loss = getattr(output, "ce_loss", None)  # None: logits only, no labels
+            if isinstance(ce_loss, torch.Tensor):
+                local = get_local_tensor(ce_loss.detach())
+                self._total = local.clone() if self._total is None else self._total + local
+            return output
+
+        # An instance attribute shadows the method until remove(), as with the optimizer.
+        setattr(module, _MODEL_FORWARD, model_forward)
+
+    @classmethod
+    def install(cls, module: Any) -> _RankLoss | None:
+        """Wrap ``module.model_forward``; ``None`` for a train module without one."""
+        forward = getattr(module, _MODEL_FORWARD, None)
+        return cls(module, forward) if callable(forward) else None
+
+    def forget(self) -> None:
+        """Start a new batch."""
+        self._total = None
+
+    def take(self) -> torch.Tensor | None:
+        """The batch's loss so far (``None``: no micro-batch went through), then forget it."""
+        total, self._total = self._total, None
+        return total
+
+    def remove(self) -> None:
+        """The train module's own ``model_forward`` again."""
+        if _MODEL_FORWARD in vars(self._module):
+            delattr(self._module, _MODEL_FORWARD)
 
 
 def _forget_step(optim: Any, loss: Any, grad_norm_before: Any) -> None:

@@ -8,10 +8,12 @@ optimizer, which hands that scaler to the optimizer wrapper. So the swap happens
 of Hugging Face's own ``TensorBoardCallback``) does the attaching, adds ``loss_scale`` and
 ``skipped_steps`` to the training logs and closes the scaler when training ends.
 
-With ``bf16=True`` (or fp32) there is no scaler: a :class:`~ampscope.GradWatch` takes its
-place (see :mod:`ampscope.integrations.accelerate`). The Trainer steps its LR scheduler
-only when ``accelerator.optimizer_step_was_skipped`` is false, so under ``policy="skip"``
-a skipped iteration holds the scheduler, as an fp16 overflow does.
+With ``deepspeed=`` the engine the Trainer builds is observed instead (see
+:mod:`ampscope.integrations.deepspeed`). With ``bf16=True`` (or fp32) there is no
+scaler: a :class:`~ampscope.GradWatch` takes its place (see
+:mod:`ampscope.integrations.accelerate`). The Trainer steps its LR scheduler only when
+``accelerator.optimizer_step_was_skipped`` is false, so under ``policy="skip"`` a skipped
+iteration holds the scheduler, as an fp16 overflow does.
 
 Batch ids: a ``TrainerCallback`` never sees the batch, so ``instrument`` wraps the
 Trainer's ``training_step`` (an instance attribute over the class's method, as Accelerate's
@@ -160,9 +162,12 @@ def instrument(
             the Trainer's.
 
     Returns:
-        The ampscope scaler or watch, or ``None`` when the Trainer has neither a loss
-        scaler nor a precision a watch applies to (``fp16=True`` on CPU, DeepSpeed):
-        then nothing changes and a warning says so once.
+        The ampscope scaler or watch; with ``deepspeed=`` a
+        :class:`~ampscope.integrations.deepspeed.DeepSpeedMonitor` that observes the
+        engine ``train()`` builds (DeepSpeed decides the skips; ``policy`` does not
+        apply; the logs get ``loss_scale`` and ``skipped_steps``); or ``None`` when the
+        Trainer has neither a loss scaler nor a precision a watch applies to
+        (``fp16=True`` on CPU): then nothing changes and a warning says so once.
     """
     check_options(scaler_options)
     watch = check_policy(policy, max_consecutive_skips)

@@ -129,8 +129,9 @@ class DeviceIdentity(_Model):
     """The GPU's PCI address as NVML writes it (``00000000:3B:00.0``); ``None`` without a
     GPU, or when neither torch nor nvidia-ml-py could say."""
     hostname: Label
-    """The machine's host name (``socket.gethostname()``), whatever ``AMPSCOPE_NODE`` says:
-    what DCGM-exporter's ``Hostname`` label holds."""
+    """The machine's host name (``socket.gethostname()``; on Kubernetes ``NODE_NAME``, the
+    node's name from the Downward API), whatever ``AMPSCOPE_NODE`` says: what
+    DCGM-exporter's ``Hostname`` label (``hostname`` on its main branch) holds."""
 
 
 class NonfiniteParam(_Model):

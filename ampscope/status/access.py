@@ -6,55 +6,38 @@ from __future__ import annotations
 
 import argparse
 import base64
-import json
 import os
-import ssl
-import urllib.error
-import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ampscope.reporter.schema import DEFAULT_URL
-from ampscope.reporter.tls import ClientTls, explain_401, explain_tls_failure
+from ampscope.reporter.tls import ClientTls
 from ampscope.status import shapes
 from ampscope.status.prometheus.api import PrometheusClient
-from ampscope.status.shapes import Malformed
 from ampscope.status.targets import read_targets
-from ampscope.status.transport import open_url
+from ampscope.status.transport import (
+    EXIT_TLS_REFUSED,
+    EXIT_UNAUTHORIZED,
+    Endpoint,
+    HttpStatus,
+    Refused,
+    Unreachable,
+    request_json,
+)
 
-EXIT_UNAUTHORIZED = 5
-EXIT_TLS_REFUSED = 6
+__all__ = ["EXIT_TLS_REFUSED", "EXIT_UNAUTHORIZED", "Exporter", "NoSuchRun", "Refused"]
+__all__ += ["Unreachable", "exporters_from_args", "get_json", "prometheus_client_from_args"]
+
 PASSWORD_ENV = "AMPSCOPE_PASSWORD"
 TOKEN_ENV = "AMPSCOPE_PROMETHEUS_TOKEN"
-
-
-class Unreachable(Exception):
-    """The exporter did not answer (or answered an HTTP error)."""
 
 
 class NoSuchRun(Exception):
     """The exporter answered 404 for the run."""
 
 
-class Refused(Exception):
-    """The exporter refused us: ``code`` is ``EXIT_UNAUTHORIZED`` or ``EXIT_TLS_REFUSED``."""
-
-    def __init__(self, reason: str, code: int) -> None:
-        super().__init__(reason)
-        self.code = code
-
-
-@dataclass(frozen=True)
-class Exporter:
-    """Where the exporter is and how to talk to it."""
-
-    url: str
-    context: ssl.SSLContext | None = None
-    """For ``https://``: whom to trust, which client certificate to show."""
-    authorization: str | None = None
-    """``Basic ...`` when a user is given."""
-    client_cert: bool = False
+Exporter = Endpoint
+"""Where an exporter is and how to talk to it (the one client's ``Endpoint``)."""
 
 
 def client_tls(args: argparse.Namespace) -> ClientTls:
@@ -90,28 +73,44 @@ def exporters_from_args(args: argparse.Namespace) -> list[Exporter]:
         context = tls.context() if any(u.startswith("https://") for u in urls) else None
     except ValueError as exc:
         raise Refused(str(exc), EXIT_TLS_REFUSED) from None
-    authorization = None
-    if args.user is not None:
-        if args.password_file is not None:
-            try:
-                password = Path(args.password_file).read_text(encoding="utf-8").rstrip("\r\n")
-            except OSError as exc:
-                message = f"cannot read --password-file {args.password_file}: {exc.strerror}"
-                raise Refused(message, EXIT_UNAUTHORIZED) from None
-        elif PASSWORD_ENV in os.environ:
-            password = os.environ[PASSWORD_ENV]
-        else:
-            raise Refused(f"--user needs --password-file or {PASSWORD_ENV}", EXIT_UNAUTHORIZED)
-        token = base64.b64encode(f"{args.user}:{password}".encode()).decode()
-        authorization = f"Basic {token}"
+    authorization = basic_authorization(args)
     client_cert = tls.cert_file is not None
     return [
-        Exporter(url, context if url.startswith("https://") else None, authorization, client_cert)
+        Exporter(
+            url,
+            authorization=authorization,
+            context=context if url.startswith("https://") else None,
+            client_cert=client_cert,
+        )
         for url in urls
     ]
 
 
-def prometheus_client_from_args(args: argparse.Namespace, exporter: Exporter) -> PrometheusClient:
+def basic_authorization(args: argparse.Namespace) -> str | None:
+    """``Basic …`` for ``--user`` with ``--password-file``, else ``AMPSCOPE_PASSWORD``;
+    ``None`` without ``--user``.
+
+    Raises:
+        Refused: an unreadable password file, or ``--user`` without a password
+            (``EXIT_UNAUTHORIZED``).
+    """
+    if args.user is None:
+        return None
+    if args.password_file is not None:
+        try:
+            password = Path(args.password_file).read_text(encoding="utf-8").rstrip("\r\n")
+        except OSError as exc:
+            message = f"cannot read --password-file {args.password_file}: {exc.strerror}"
+            raise Refused(message, EXIT_UNAUTHORIZED) from None
+    elif PASSWORD_ENV in os.environ:
+        password = os.environ[PASSWORD_ENV]
+    else:
+        raise Refused(f"--user needs --password-file or {PASSWORD_ENV}", EXIT_UNAUTHORIZED)
+    token = base64.b64encode(f"{args.user}:{password}".encode()).decode()
+    return f"Basic {token}"
+
+
+def prometheus_client_from_args(args: argparse.Namespace) -> PrometheusClient:
     """The ``--prometheus`` client: a bearer token from ``--bearer-token-file`` or
     ``AMPSCOPE_PROMETHEUS_TOKEN``, else the basic auth of ``--user``; TLS as for exporters.
 
@@ -119,7 +118,7 @@ def prometheus_client_from_args(args: argparse.Namespace, exporter: Exporter) ->
         Refused: an unreadable token file (``EXIT_UNAUTHORIZED``), unreadable TLS files.
     """
     url = args.prometheus.rstrip("/")
-    authorization = exporter.authorization
+    authorization = basic_authorization(args)
     token = os.environ.get(TOKEN_ENV)
     if args.bearer_token_file is not None:
         try:
@@ -130,12 +129,13 @@ def prometheus_client_from_args(args: argparse.Namespace, exporter: Exporter) ->
     if token:
         authorization = f"Bearer {token}"
     context = None
+    tls = client_tls(args)
     if url.startswith("https://"):
         try:
-            context = client_tls(args).context()
+            context = tls.context()
         except ValueError as exc:
             raise Refused(str(exc), EXIT_TLS_REFUSED) from None
-    return PrometheusClient(url, authorization, context)
+    return PrometheusClient(Endpoint(url, authorization, context, tls.cert_file is not None))
 
 
 def get_json(exporter: Exporter, path: str, shape: shapes.Check) -> Any:
@@ -147,35 +147,10 @@ def get_json(exporter: Exporter, path: str, shape: shapes.Check) -> Any:
         Refused: it refused the credentials or the TLS handshake.
         Malformed: the answer is not JSON, or not of ``shape``.
     """
-    url = exporter.url
-    request = urllib.request.Request(url + path)
     try:
-        with open_url(
-            request,
-            timeout=5.0,
-            context=exporter.context,
-            authorization=exporter.authorization,
-        ) as response:
-            body = response.read()
-    except urllib.error.HTTPError as exc:
-        if exc.code == 404 and path.startswith("/api/v1/runs/"):
-            raise NoSuchRun(path) from exc
-        if exc.code == 401:
-            why = explain_401(exc.headers.get("WWW-Authenticate"))
-            message = f"{url} refused the request (HTTP 401): {why}"
-            raise Refused(message, EXIT_UNAUTHORIZED) from None
-        raise Unreachable(f"{url}{path} answered HTTP {exc.code}") from exc
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        # urlopen wraps errors of connecting in URLError, not those of reading the answer.
-        reason: object = exc.reason if isinstance(exc, urllib.error.URLError) else exc
-        if exporter.context is not None and isinstance(reason, BaseException):
-            refusal = explain_tls_failure(reason, fresh=True, client_cert=exporter.client_cert)
-            if refusal is not None:
-                raise Refused(f"{url}: {refusal}", EXIT_TLS_REFUSED) from exc
-        raise Unreachable(f"no exporter answers at {url} ({reason})") from exc
-    try:
-        document = json.loads(body)
-    except ValueError:
-        start = body[:40].decode("utf-8", "replace")
-        raise Malformed(url + path, f"not JSON (it begins {start!r})") from None
-    return shapes.check(document, shape, url + path)
+        document = request_json(exporter, path, timeout=5.0, what="exporter")
+    except HttpStatus as exc:
+        if exc.status == 404 and path.startswith("/api/v1/runs/"):
+            raise NoSuchRun(path) from None
+        raise
+    return shapes.check(document, shape, exporter.url + path)

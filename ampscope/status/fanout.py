@@ -15,15 +15,14 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ampscope.status import merge
+from ampscope.status.transport import EXIT_MALFORMED, EXIT_UNREACHABLE
 from ampscope.verdicts.verdict import SEVERITY
 
 MAX_PARALLEL = 32
 """Targets asked at once; more wait for a free thread."""
 
-EXIT_UNREACHABLE = 3
+__all__ = ["EXIT_MALFORMED", "EXIT_NO_SUCH_RUN", "EXIT_UNREACHABLE", "TargetResult"]
 EXIT_NO_SUCH_RUN = 4
-EXIT_MALFORMED = 7
-"""The answer was not JSON, or JSON of another shape than the API's."""
 
 E = TypeVar("E")
 

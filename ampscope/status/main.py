@@ -9,7 +9,8 @@ verdict of the runs shown), 3 when the exporter cannot be reached (of several: w
 can), 4 when it holds no such run, 5 when it refuses our credentials (401), 6 when TLS fails
 (untrusted server certificate, client certificate missing or refused), 7 when it answers
 something of the wrong shape (of several: when none answers usably), 70 when ampscope
-itself fails (a bug: one line, the traceback with ``--debug``).
+itself fails (a bug: one line, the traceback with ``--debug``), 141 when the reader closed
+the pipe (``| head -1``: quietly).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from ampscope.reporter.tls import (
     clear_text_warning,
     credentials_in_clear,
 )
-from ampscope.status import access, fanout, merge, prometheus, shapes, suspects
+from ampscope.status import access, fanout, merge, pipe, prometheus, shapes, suspects
 from ampscope.status.access import (
     PASSWORD_ENV,
     TOKEN_ENV,
@@ -156,7 +157,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "5 it refused the "
         "credentials (401), 6 TLS failed (untrusted server certificate, client certificate "
         "missing or refused), 7 it answered something of the wrong shape (of several: none "
-        "answered usably), 70 ampscope itself failed (--debug shows the traceback)."
+        "answered usably), 70 ampscope itself failed (--debug shows the traceback), 141 "
+        "the reader closed the pipe (| head)."
     )
 
 
@@ -314,12 +316,15 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Print the status once (or until Ctrl-C with ``--watch``); returns the exit status.
 
     Whatever fails inside ampscope itself ends here as one line and ``EXIT_INTERNAL``,
-    never as a status a verdict gives; ``--debug`` adds the traceback.
+    never as a status a verdict gives; ``--debug`` adds the traceback. A reader that closes
+    the pipe early (``| head -1``) ends it quietly, with ``pipe.EXIT_CLOSED_PIPE``.
     """
     try:
         return _run(args, out or sys.stdout)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        return pipe.closed()  # `ampscope status | head -1`: the reader has what it wanted
     except Exception as exc:
         if getattr(args, "debug", False):
             traceback.print_exc(file=sys.stderr)
@@ -356,7 +361,7 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
     whole_job = len(exporters) > 1 or args.targets is not None
     if args.prometheus is not None:
         try:
-            client = prometheus_client_from_args(args, exporters[0])
+            client = prometheus_client_from_args(args)
         except Refused as exc:
             print(f"ampscope status: {exc}", file=sys.stderr)
             return exc.code

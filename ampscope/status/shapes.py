@@ -16,6 +16,7 @@ verdict's status) must be known. Standard library only; costs O(size of the answ
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -270,6 +271,25 @@ VECTOR = obj(
     {"resultType": one_of("vector"), "result": array(_SAMPLE, "a list of samples")},
     what="a query's data (an object)",
 )
+
+
+def check_finite(samples: Iterable[Mapping[str, Any]], where: str) -> None:
+    """Every sample's value is a finite number: where a count, a step or a scale is read,
+    ``NaN`` or ``1e400`` (``+Inf`` once parsed) is a malformed answer, not a number to use.
+
+    Raises:
+        Malformed: naming ``where`` and the first sample at fault.
+    """
+    for index, sample in enumerate(samples):
+        value = float(sample["value"][1])
+        if not math.isfinite(value):
+            name = sample["metric"].get("__name__", "a series")
+            raise Malformed(
+                where,
+                f"data.result[{index}].value[1]: {name} is {sample['value'][1]!r}, "
+                "not a finite number",
+            )
+
 
 _SERIES_LABELS = ("run", "rank", "node")
 _FAMILY_LABELS: dict[str, tuple[str, ...]] = {

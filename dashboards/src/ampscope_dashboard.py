@@ -503,7 +503,7 @@ def suspect_devices() -> list[Panel]:
             "diagnostics. All runs, whatever the run variable.",
             Query(
                 "topk(20, ampscope_device:offending_runs:count_30d)",
-                "{{device}} on {{node}}",
+                "{{device}}",
                 instant=True,
             ),
         ),
@@ -543,13 +543,16 @@ def suspect_devices() -> list[Panel]:
             "DCGM errors of offending devices",
             "DCGM-exporter's XID, double-bit ECC and row-remap fields of the devices that "
             "offended in the last 30 days, joined on UUID (recording rule "
-            "ampscope_device:dcgm_errors:offenders). Empty where Prometheus holds no "
-            "DCGM-exporter series.",
+            "ampscope_device:dcgm_errors:offenders, which fills hostname from "
+            "DCGM-exporter's Hostname label and UUID from --use-old-namespace's uuid). Empty "
+            "where Prometheus holds no DCGM-exporter series.",
             Query("ampscope_device:dcgm_errors:offenders", instant=True, table=True),
-            columns=["UUID", "Hostname", "gpu", "field", "Value"],
+            columns=["UUID", "hostname", "gpu", "field", "Value"],
             hidden=[
                 "Time",
                 "__name__",
+                "Hostname",
+                "uuid",
                 "instance",
                 "job",
                 "device",

@@ -19,6 +19,8 @@ from typing import Any
 import pytest
 from support import DEADLOCK_GUARD_S, free_port
 
+from ampscope.demo.report import ampscope_command
+
 STEPS = 30
 PREFIX = "t"
 BAD_BATCH_STEP = 23  # the spike run's bad batch: the first step past 3/4 of 30
@@ -217,10 +219,16 @@ def test_without_keep_serving_the_exporter_has_stopped_before_any_link() -> None
             process.kill()
     assert stopped_at is not None, "\n".join(output)
     trained = next(i for i, line in enumerate(output) if line.startswith("trained in"))
-    # Before the line that says it stopped, only the banner (while it ran) names it.
-    assert not [line for line in output[trained:stopped_at] if base in line]
-    assert output[stopped_at + 1] == "Where to look"
-    assert output[stopped_at + 2].startswith(f"  web view      {base}/")
+    # After training, no line names the stopped exporter: no link, no command to it.
+    assert not [line for line in output[trained:] if base in line], "\n".join(output)
+    assert "Where to look" not in output
+    # Instead, how to keep it serving: the same options and --keep-serving, as a command
+    # that runs as printed (this installation's ampscope, the venv's path if need be).
+    again = output[-1].strip()
+    assert again == (
+        f"{ampscope_command()} demo --scenario overflow --steps {STEPS} --port {port} "
+        "--keep-serving"
+    ), "\n".join(output)
 
 
 def test_taken_port_and_missing_exporter_are_explained() -> None:

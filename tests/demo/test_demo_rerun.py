@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from support import DEADLOCK_GUARD_S, free_port
 
 from ampscope.demo.exporter import ExporterProcess
+from ampscope.demo.report import ampscope_command
 from ampscope.demo.trainer import NAN_SAMPLE, sample_ids
 
 pytestmark = pytest.mark.distributed
@@ -71,7 +72,9 @@ def test_the_demo_says_which_fault_was_the_data_and_which_the_device(
 ) -> None:
     url, output = trained
     assert "Every scenario drew the verdicts it was built to provoke." in output
-    assert f"suspects      ampscope status --url {url} {RUN} --suspect-batches" in output
+    # The command as a shell runs this installation's ampscope (the venv's path if need be).
+    command = ampscope_command()
+    assert f"suspects      {command} status --url {url} {RUN} --suspect-batches" in output
     health = _get(f"{url}/api/v1/runs/{RUN}/health")
     verdicts = {v["rule"]: v for v in health["verdicts"]}
     assert health["status"] == "critical"

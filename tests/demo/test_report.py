@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import re
+import sys
+from pathlib import Path
 from typing import Any
 
 from ampscope.demo.report import (
+    ampscope_command,
     health_lines,
+    keep_serving_hint,
     missing_verdicts,
     progress_lines,
     rank_table,
@@ -114,3 +118,35 @@ def test_the_promql_to_try_names_catalogued_metrics_only() -> None:
     names = set(re.findall(r"\bampscope_\w+\b(?!:)", promql))
     assert {"ampscope_loss_scale", "ampscope_spikes_total"} <= names
     assert names <= set(BY_NAME), names - set(BY_NAME)
+
+
+def test_printed_commands_run_as_printed(monkeypatch: Any, tmp_path: Path) -> None:
+    """``ampscope`` where the name on PATH is this installation's, else the venv's script by
+    its path (a venv that is not activated), else this interpreter with ``-m``."""
+    bin_dir = tmp_path / "venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    python = bin_dir / "python"
+    python.write_text("")
+    monkeypatch.setattr(sys, "executable", str(python))
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert ampscope_command() == f"{python} -m ampscope.cli"  # no script beside it
+    script = bin_dir / "ampscope"
+    script.write_text("#!/bin/sh\n")
+    script.chmod(0o755)
+    assert ampscope_command() == str(script)  # not on PATH: the full path
+    monkeypatch.setenv("PATH", str(bin_dir))
+    assert ampscope_command() == "ampscope"  # activated
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "ampscope").write_text("#!/bin/sh\n")
+    (other / "ampscope").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{other}:{bin_dir}")
+    assert ampscope_command() == str(script)  # another installation's comes first
+
+
+def test_a_stopped_exporter_gets_no_links_but_the_way_to_keep_it() -> None:
+    lines = keep_serving_hint("/opt/venv/bin/ampscope", ["--scenario", "spike", "--steps", "40"])
+    assert lines[-1] == "  /opt/venv/bin/ampscope demo --scenario spike --steps 40 --keep-serving"
+    assert not [line for line in lines if "http://" in line]
+    lines = where_to_look("http://127.0.0.1:9478", ["d-rerun"], None, "d-rerun", "/v/ampscope")
+    assert "  terminal      /v/ampscope status --url http://127.0.0.1:9478 d-rerun" in lines

@@ -257,3 +257,18 @@ def test_docs_name_every_manifest_and_the_regeneration_command() -> None:
     for path in KUBERNETES_DIR.glob("*.yaml"):
         assert f"`{path.name}`" in section, path.name
     assert f"`{REGENERATE}`" in section
+
+
+def test_the_node_name_comes_from_the_downward_api() -> None:
+    """DCGM-exporter labels its series with the node's name (NODE_NAME from spec.nodeName),
+    and a pod's host name is the pod's: the DaemonSet sets NODE_NAME the same way and says
+    how the training pods set it (the variable a rank reads for its hostname label)."""
+    from ampscope.rank.telemetry.identity import NODE_NAME_ENV
+
+    text = (KUBERNETES_DIR / "daemonset.yaml").read_text()
+    (container,) = yaml.safe_load(text)["spec"]["template"]["spec"]["containers"]
+    env = {item["name"]: item for item in container["env"]}
+    assert env[NODE_NAME_ENV]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    header = "".join(line for line in text.splitlines(True) if line.startswith("#"))
+    assert f"#     - name: {NODE_NAME_ENV}\n" in header
+    assert "#       valueFrom: {fieldRef: {fieldPath: spec.nodeName}}\n" in header

@@ -296,7 +296,9 @@ def test_device_rules_count_runs_over_30_days_and_join_dcgm_on_the_uuid() -> Non
     # Fault offences only, whatever kinds the exporter adds (OFFENCE_KINDS are the faults).
     kinds = "|".join(OFFENCE_KINDS)
     assert f'max_over_time(ampscope_device_offences_total{{kind=~"{kinds}"}}[30d])' in runs
-    assert runs.startswith("count by (device, node) ( max by (device, node, run) (")
+    # By device alone: a GPU keeps its UUID when its pod (the node label on Kubernetes
+    # without AMPSCOPE_NODE) or node label changes between runs.
+    assert runs.startswith("count by (device) ( max by (device, run) (")
     alert = alert_rules()["AmpscopeRepeatOffenderDevice"]
     assert alert["expr"].strip() == "ampscope_device:offending_runs:count_30d >= 2"
     assert alert["labels"]["severity"] == "warning"
@@ -305,3 +307,6 @@ def test_device_rules_count_runs_over_30_days_and_join_dcgm_on_the_uuid() -> Non
     (fields,) = re.findall(r'__name__=~"([^"]+)"', joined)
     assert fields.split("|") == list(DCGM_FIELDS)
     assert "and on (UUID)" in joined
+    # Both spellings of DCGM-exporter's labels: uuid (--use-old-namespace), Hostname.
+    assert '"UUID", "$1", "uuid", "(.+)"' in joined
+    assert '"hostname", "$1", "Hostname", "(.+)"' in joined

@@ -1,6 +1,6 @@
 """``ampscope devices`` as a user runs it, against a loopback server answering as Prometheus
 would, or as a broken one would: the shape of every answer is checked, and a malformed one
-is one line on stderr and exit status 3, never a traceback."""
+is one line on stderr and exit status 7 (3 for an error answer), never a traceback."""
 
 from __future__ import annotations
 
@@ -158,51 +158,70 @@ def test_no_offence_at_all_is_exit_0() -> None:
 
 
 MALFORMED = {
-    "not JSON": (200, b"<html>proxy error</html>", "answered something else than JSON"),
-    "a JSON list": (200, b"[]", "answered a JSON list, not an object"),
+    "not JSON": (200, b"<html>proxy error</html>", "not JSON (it begins '<html>proxy", 7),
+    "a JSON list": (200, b"[]", "expected an object, got an array ([])", 7),
     "an error": (
         200,
         b'{"status":"error","errorType":"bad_data","error":"parse error at char 3"}',
         "answered an error: parse error at char 3",
+        3,
     ),
     "a matrix": (
         200,
         b'{"status":"success","data":{"resultType":"matrix","result":[]}}',
-        "answered 'matrix' data, not an instant vector",
+        'data.resultType: expected "vector", got a string ("matrix")',
+        7,
     ),
     "no result list": (
         200,
         b'{"status":"success","data":{"resultType":"vector","result":{}}}',
-        "answered a vector whose result is not a list",
+        "data.result: expected a list of samples",
+        7,
     ),
     "a sample without a value": (
         200,
         b'{"status":"success","data":{"resultType":"vector","result":[{"metric":{}}]}}',
-        "answered a malformed sample",
+        "the key 'value' is missing",
+        7,
     ),
     "a value that is not a number": (
         200,
         _vector(_offence("r1", "GPU-aa", "n1", "many")),
-        "answered a sample value 'many'",
+        'expected a number as a string, got a string ("many")',
+        7,
+    ),
+    "a NaN value": (
+        200,
+        _vector(_offence("r1", "GPU-aa", "n1", "NaN")),
+        "data.result[0].value[1] is nan, not a finite number",
+        7,
+    ),
+    "a value past a float's range": (
+        200,
+        _vector(_offence("r1", "GPU-aa", "n1", "1e400")),
+        "data.result[0].value[1] is inf, not a finite number",
+        7,
     ),
     "a sample without its labels": (
         200,
         _vector(({"run": "r1", "device": "GPU-aa"}, "1")),
-        "answered a sample without node, kind",
+        "data.result[0] has no node, kind label",
+        7,
     ),
-    "HTTP 500": (500, b"internal error", "answered HTTP 500: internal error"),
+    "HTTP 500": (500, b"internal error", "answered HTTP 500: internal error", 3),
 }
 
 
 @pytest.mark.parametrize("case", sorted(MALFORMED))
-def test_a_malformed_answer_is_one_line_and_exit_3(case: str) -> None:
-    status, body, said = MALFORMED[case]
+def test_a_malformed_answer_is_one_line_and_its_exit_status(case: str) -> None:
+    """Exit 7 for an answer of the wrong shape (as ``ampscope status``), 3 for an error."""
+    status, body, said, code = MALFORMED[case]
     with FakePrometheus(_answers_all(status, body)) as server:
         done = devices(server.url)
-    assert done.returncode == 3, done.stderr
+    assert done.returncode == code, done.stderr
     assert done.stdout == ""
     assert done.stderr.count("\n") == 1, done.stderr
-    assert done.stderr.startswith(f"ampscope devices: {server.url} "), done.stderr
+    assert done.stderr.startswith(f"ampscope devices: {server.url}"), done.stderr
     assert said in done.stderr
     assert "Traceback" not in done.stderr
 
@@ -211,19 +230,19 @@ def _answers_all(status: int, body: bytes) -> Answer:
     return lambda promql: (status, body)
 
 
-def test_a_malformed_dcgm_answer_is_exit_3_too() -> None:
-    broken = _vector(({"UUID": "GPU-aa"}, "79"))  # no field label
+def test_a_malformed_dcgm_answer_is_exit_7_too() -> None:
+    broken = _vector(({"UUID": "GPU-aa"}, "79"))  # no field label: not our query's answer
     with FakePrometheus(_answers(GOOD_OFFENCES, _vector(), broken)) as server:
         done = devices(server.url)
-    assert done.returncode == 3
-    assert "answered a sample without field" in done.stderr
+    assert done.returncode == 7
+    assert "(DCGM) answered JSON of the wrong shape: data.result[0] has no field" in done.stderr
 
 
 def test_refused_credentials_are_exit_5_and_no_server_is_exit_3() -> None:
     with FakePrometheus(_answers_all(401, b"unauthorized")) as server:
         done = devices(server.url)
     assert done.returncode == 5
-    assert "refused the query (HTTP 401)" in done.stderr
+    assert "refused the request (HTTP 401)" in done.stderr
     gone = devices(f"http://127.0.0.1:{free_port()}")
     assert gone.returncode == 3
     assert "no Prometheus answers at" in gone.stderr
@@ -237,3 +256,22 @@ def test_the_bearer_token_is_sent(tmp_path: Path) -> None:
         done = devices(server.url, "--bearer-token-file", str(token))
     assert done.returncode == 0, done.stderr
     assert server.authorizations == ["Bearer s3cret"] * 3
+
+
+def test_an_old_namespace_exporter_never_fails_the_fleet() -> None:
+    """One node's dcgm-exporter runs with --use-old-namespace (uuid), another's series lack
+    any UUID: the first joins, the second is left out with a warning, exit by the offences."""
+    dcgm = _vector(
+        ({"uuid": "GPU-aa", "field": "DCGM_FI_DEV_XID_ERRORS", "Hostname": "host-1"}, "79"),
+        ({"gpu": "3", "field": "DCGM_FI_DEV_XID_ERRORS", "instance": "n9:9400"}, "13"),
+    )
+    with FakePrometheus(_answers(GOOD_OFFENCES, _vector(), dcgm)) as server:
+        done = devices(server.url, "--json")
+    assert done.returncode == 1, done.stderr
+    listed = json.loads(done.stdout)
+    assert (listed[0]["device"], listed[0]["hostname"]) == ("GPU-aa", "host-1")
+    assert listed[0]["dcgm"] == {"DCGM_FI_DEV_XID_ERRORS": 79.0}
+    assert done.stderr == (
+        "ampscope devices: warning: left out 1 DCGM-exporter series without a UUID or uuid "
+        "label (the first: DCGM_FI_DEV_XID_ERRORS of n9:9400)\n"
+    )

@@ -39,6 +39,8 @@ def test_devices_are_ranked_by_runs_then_offences() -> None:
         {
             "device": "GPU-a",
             "node": "n1",
+            "nodes": ["n1"],
+            "hostname": None,
             "runs": 3,
             "run_ids": ["r1", "r2", "r3"],
             "offences": {"nonfinite_origin": 3, "origin_outlier": 5, "transient_fault": 0},
@@ -50,6 +52,8 @@ def test_devices_are_ranked_by_runs_then_offences() -> None:
         {
             "device": "GPU-b",
             "node": "n1",
+            "nodes": ["n1"],
+            "hostname": None,
             "runs": 2,
             "run_ids": ["r1", "r4"],
             "offences": {
@@ -67,6 +71,8 @@ def test_devices_are_ranked_by_runs_then_offences() -> None:
         {
             "device": "n2:0",
             "node": "n2",
+            "nodes": ["n2"],
+            "hostname": None,
             "runs": 1,
             "run_ids": ["r2"],
             "offences": {"nonfinite_origin": 7, "origin_outlier": 0, "transient_fault": 0},
@@ -78,6 +84,59 @@ def test_devices_are_ranked_by_runs_then_offences() -> None:
     ]
     assert [d.flagged for d in rank(OFFENCES, LAST, min_runs=3)] == [True, False, False]
     assert rank([], LAST, min_runs=2) == []
+
+
+def test_a_gpu_is_one_device_whatever_its_node_label() -> None:
+    """On Kubernetes without AMPSCOPE_NODE the node label is the pod's name, new in every
+    run: the GPU's UUID still names one device, offending in both runs; its node is that of
+    its newest offence."""
+    offences = [
+        _offence("r1", "GPU-a", "train-r1-worker-0", "nonfinite_origin", 1),
+        _offence("r2", "GPU-a", "train-r2-worker-3", "nonfinite_origin", 2),
+    ]
+    last = [
+        _last("r1", "GPU-a", "train-r1-worker-0", 100.0),
+        _last("r2", "GPU-a", "train-r2-worker-3", 200.0),
+    ]
+    (device,) = rank(offences, last, min_runs=2)
+    assert (device.device, device.runs, device.flagged) == ("GPU-a", ["r1", "r2"], True)
+    assert device.nodes == ["train-r1-worker-0", "train-r2-worker-3"]
+    assert (device.node, device.last_run) == ("train-r2-worker-3", "r2")
+    # Without times: the node of the last run.
+    (untimed,) = rank(offences, [], min_runs=2)
+    assert untimed.node == "train-r2-worker-3"
+
+
+def test_dcgm_joins_both_spellings_and_leaves_out_series_without_a_uuid() -> None:
+    """dcgm-exporter's releases write UUID and Hostname; its main branch hostname; with
+    --use-old-namespace, uuid. A series with no UUID at all is returned, not a failure."""
+    devices = rank(
+        [
+            _offence("r1", "GPU-a", "n1", "nonfinite_origin", 1),
+            _offence("r1", "GPU-b", "n2", "nonfinite_origin", 1),
+            _offence("r1", "GPU-c", "n3", "nonfinite_origin", 1),
+        ],
+        [],
+        min_runs=1,
+    )
+    stray = Sample({"field": "DCGM_FI_DEV_XID_ERRORS", "gpu": "0"}, 43.0)
+    left_out = add_dcgm(
+        devices,
+        [
+            Sample({"UUID": "GPU-a", "Hostname": "host-a", "field": "DCGM_FI_DEV_XID_ERRORS"}, 79),
+            Sample(
+                {"UUID": "GPU-b", "hostname": "gpu-node-7", "field": "DCGM_FI_DEV_XID_ERRORS"}, 48
+            ),
+            Sample({"uuid": "GPU-c", "Hostname": "host-c", "field": "DCGM_FI_DEV_XID_ERRORS"}, 31),
+            stray,
+        ],
+    )
+    assert left_out == [stray]
+    assert [(d.device, d.hostname, d.dcgm) for d in devices] == [
+        ("GPU-a", "host-a", {"DCGM_FI_DEV_XID_ERRORS": 79}),
+        ("GPU-b", "gpu-node-7", {"DCGM_FI_DEV_XID_ERRORS": 48}),
+        ("GPU-c", "host-c", {"DCGM_FI_DEV_XID_ERRORS": 31}),
+    ]
 
 
 def test_dcgm_errors_go_to_the_gpus_they_name() -> None:

@@ -172,6 +172,7 @@ def olmo_run(
         "optimizer_steps": sorted({int(s["step"]) for s in optimizer.state.values()}),
         "step_is_class_method": "step" not in vars(optimizer),
         "scheduler_restored": "set_lr" not in vars(train_module.scheduler),
+        "forward_restored": "model_forward" not in vars(train_module),
     }
     if callback is not None:
         watch = callback.watch

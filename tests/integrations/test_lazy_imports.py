@@ -13,6 +13,7 @@ LIBRARIES = {
     "pytorch_lightning",
     "olmo_core",
     "torchtitan",
+    "deepspeed",
 }
 SERVER_STACK = {"fastapi", "starlette", "uvicorn", "prometheus_client"}
 
@@ -21,7 +22,12 @@ SCRIPT = """
 import importlib, json, sys
 def top_level():
     return sorted({m.split('.')[0] for m in sys.modules})
-for name in ("ampscope", "ampscope.integrations", "ampscope.integrations.accelerate"):
+for name in (
+    "ampscope",
+    "ampscope.integrations",
+    "ampscope.integrations.accelerate",
+    "ampscope.integrations.deepspeed",
+):
     importlib.import_module(name)
 stages = [top_level()]
 for name in (
@@ -41,7 +47,8 @@ def test_integrations_import_their_library_only_when_used() -> None:
         [sys.executable, "-c", SCRIPT], check=True, capture_output=True, text=True, timeout=300
     ).stdout
     core, callbacks = (set(stage) for stage in json.loads(out.splitlines()[-1]))
-    # ampscope and the Accelerate integration (duck-typed) import no training library.
+    # ampscope and the Accelerate and DeepSpeed integrations (duck-typed) import no
+    # training library.
     assert "torch" in core  # proof the scaler side really was imported
     assert not core & (LIBRARIES | SERVER_STACK)
     # The callback-based integrations import their library, never the server stack.

@@ -112,6 +112,23 @@ def test_olmo_core_skip_step_optimizer(tmp_path: Path) -> None:
         assert skip["skipped"] == _at_inject()
         assert _metric(skip, "optim/step skipped") == [float(s) for s in _at_inject()]
         assert skip["optimizer_steps"] == [STEPS - 1]
+        assert skip["forward_restored"]
+    # Each rank's record holds its own CE loss, read before the SkipStepOptimizer's
+    # all-reduce (in place, in train_batch): the ranks' losses differ, and their mean is
+    # what OLMo-core logs.
+    losses = [r["skip"]["loss"] for r in results]
+    assert losses[0] != losses[1]
+    logged = _metric(results[0]["skip"], "train/CE loss")
+    # The skipped step's record holds no loss (its statistics are not kept).
+    compared = [
+        (pair, theirs)
+        for pair, theirs in zip(zip(*losses, strict=True), logged, strict=True)
+        if None not in pair
+    ]
+    assert len(compared) == STEPS - 1
+    for (rank0, rank1), theirs in compared:
+        assert rank0 != rank1
+        assert math.isclose((rank0 + rank1) / 2, theirs, rel_tol=1e-5)
 
 
 def test_options_are_checked_where_given() -> None:

@@ -276,7 +276,9 @@ def test_an_error_answer_from_prometheus_stays_exit_status_3() -> None:
     with serving({"/api/v1/query": Reply(error)}) as prometheus:
         result = run_status("--prometheus", prometheus.url)
     assert result.returncode == 3
-    assert result.stderr == f"ampscope status: {prometheus.url}: parse error at char 3.\n"
+    assert result.stderr == (
+        f"ampscope status: {prometheus.url} answered an error: parse error at char 3.\n"
+    )
 
 
 def _args(*argv: str) -> argparse.Namespace:

@@ -64,7 +64,8 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "group_left(job_id) ampscope_rank_info`. device: on CUDA the GPU's UUID as "
         "DCGM-exporter's UUID label writes it (GPU-...), else <node>:<local_rank>; pci_bus_id: "
         "the GPU's PCI address as DCGM-exporter writes it (empty without a GPU); hostname: "
-        "the machine's host name (DCGM-exporter's Hostname), whatever node says.",
+        "the machine's host name, on Kubernetes the node's (NODE_NAME from the Downward "
+        "API), as DCGM-exporter's Hostname (hostname) holds it, whatever node says.",
         "mode",
         "policy",
         "grad_dtype",

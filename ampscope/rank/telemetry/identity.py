@@ -207,6 +207,19 @@ def _cuda_index(devices: tuple[str, ...]) -> int | None:
     return None
 
 
+NODE_NAME_ENV = "NODE_NAME"
+"""Where Kubernetes' Downward API puts the node's name (``fieldRef: spec.nodeName``), as
+dcgm-exporter's DaemonSet sets it: dcgm-exporter writes it as its host label, so a rank
+reads it too (a pod's own host name is the pod's name)."""
+
+
+def resolve_hostname() -> str:
+    """The host DCGM-exporter names: ``NODE_NAME`` where the Downward API sets it (on
+    Kubernetes), else the machine's host name. Whatever ``AMPSCOPE_NODE`` says."""
+    node_name = os.environ.get(NODE_NAME_ENV, "").strip()
+    return sanitize_label(node_name or socket.gethostname(), fallback="localhost")
+
+
 def resolve_device(identity: Identity, devices: tuple[str, ...]) -> DeviceIdentity:
     """The device of a rank whose gradients live on ``devices`` (``("cuda:0",)``): the
     first CUDA one's UUID and PCI address from torch's device properties, from nvidia-ml-py
@@ -216,7 +229,7 @@ def resolve_device(identity: Identity, devices: tuple[str, ...]) -> DeviceIdenti
     on the telemetry thread. Never raises: a GPU that says nothing is named by its node and
     local rank.
     """
-    hostname = sanitize_label(socket.gethostname(), fallback="localhost")
+    hostname = resolve_hostname()
     fallback = DeviceIdentity(
         device=sanitize_label(f"{identity.node}:{identity.local_rank}"), hostname=hostname
     )

@@ -312,7 +312,9 @@ def fetch(client: PrometheusClient, run: str | None, t: Thresholds | None = None
     now = time.time()
     source = "given"
     if t is None:
-        t, source = thresholds_of(client.query(THRESHOLDS_QUERY, now))
+        published = client.query(THRESHOLDS_QUERY, now)
+        shapes.check_finite(published, f"{client.url}/api/v1/query (thresholds)")
+        t, source = thresholds_of(published)
     asked = queries(run, t)
     with ThreadPoolExecutor(max_workers=len(asked)) as pool:
         futures = {name: pool.submit(client.query, promql, now) for name, promql in asked.items()}
@@ -321,6 +323,11 @@ def fetch(client: PrometheusClient, run: str | None, t: Thresholds | None = None
         # The labels every rank's series carries: a series without them is not ampscope's.
         where = f"{client.url}/api/v1/query ({name!r} query)"
         shapes.check_series(results.get(name, []), where)
+    for name in asked:
+        # Counts, steps and scales: NaN or 1e400 there is a malformed answer (FP8's own
+        # queries read a NaN amax as what it is).
+        if name not in prometheus_fp8.FP8_QUERIES:
+            shapes.check_finite(results[name], f"{client.url}/api/v1/query ({name!r} query)")
     # Second round, only where the first found any: the families of the gone ranks, and the
     # ranks the failing exporters held (the hour's range reads, narrowed to few series).
     sel = _selector(run)
@@ -336,7 +343,9 @@ def fetch(client: PrometheusClient, run: str | None, t: Thresholds | None = None
             futures = {name: pool.submit(client.query, q, now) for name, q in follow.items()}
             results.update({name: future.result() for name, future in futures.items()})
         for name in follow:
-            shapes.check_series(results[name], f"{client.url}/api/v1/query ({name!r} query)")
+            where = f"{client.url}/api/v1/query ({name!r} query)"
+            shapes.check_series(results[name], where)
+            shapes.check_finite(results[name], where)
     views = build_views(results["now"] + results["state"] + results["aligned_separate"], now)
     views.update(gone_ranks(results.get("seen", []), views, now))
     down = exporters_down(results["up"], results.get("down_seen", []))

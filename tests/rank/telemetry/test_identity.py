@@ -113,11 +113,27 @@ def test_a_rank_without_a_gpu_is_named_by_its_node_and_local_rank(
     monkeypatch.setenv("AMPSCOPE_NODE", "n1")
     monkeypatch.setenv("LOCAL_RANK", "3")
     monkeypatch.setattr(socket, "gethostname", lambda: "host 7")
+    monkeypatch.delenv("NODE_NAME", raising=False)
     identity = resolve_identity("r1", collective=False)
     device = resolve_device(identity, ("cpu",))
     assert (device.device, device.pci_bus_id, device.hostname) == ("n1:3", None, "host_7")
     # No device at all (a rank whose model has no gradients yet): the same.
     assert resolve_device(identity, ()).device == "n1:3"
+
+
+def test_the_hostname_is_the_node_name_the_downward_api_sets(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On Kubernetes a pod's host name is the pod's; dcgm-exporter labels its series with
+    NODE_NAME (spec.nodeName through the Downward API), and so does the rank's hostname."""
+    monkeypatch.setattr(socket, "gethostname", lambda: "train-r1-worker-0")
+    monkeypatch.setenv("NODE_NAME", "gpu-node-7")
+    monkeypatch.delenv("AMPSCOPE_NODE", raising=False)
+    identity = resolve_identity("r1", collective=False)
+    assert resolve_device(identity, ("cpu",)).hostname == "gpu-node-7"
+    assert identity.node == "train-r1-worker-0"  # the node label: AMPSCOPE_NODE's to set
+    monkeypatch.setenv("NODE_NAME", " ")  # blank: unset
+    assert resolve_device(identity, ("cpu",)).hostname == "train-r1-worker-0"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is there to name")

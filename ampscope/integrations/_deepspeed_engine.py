@@ -1,0 +1,94 @@
+"""Every read of a DeepSpeed engine's state, in one place (DeepSpeed 0.19.8).
+
+The engine's public surface says what DeepSpeed decided at a gradient-accumulation
+boundary: ``was_step_applied()``, ``skipped_steps``, ``get_global_grad_norm()`` and
+``is_gradient_accumulation_boundary()``. The loss scale and the overflow flag sit on the
+optimizer DeepSpeed built (``engine.optimizer``): ``overflow`` (every ZeRO stage, and
+``BF16_Optimizer``; stale between boundaries), the scale as ``cur_scale`` (ZeRO 1-3
+fp16) or ``loss_scale`` (ZeRO-0's ``FP16_Optimizer``), and the dynamic loss scaler's
+iteration counters (``loss_scaler.cur_iter``, ``last_overflow_iter``, ``scale_window``)
+for the growth tracker. ``tests/integrations/test_deepspeed.py`` fails when a release
+moves any of them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+def fp16(engine: Any) -> bool:
+    """Whether the engine scales the loss (fp16 mixed precision)."""
+    return bool(engine.fp16_enabled())
+
+
+def checks_overflow(engine: Any) -> bool:
+    """Whether DeepSpeed is configured to skip a step whose gradients hold inf/NaN: under
+    fp16 always, under bf16 unless ``"bf16": {"check_grad_overflow": false}``, under fp32
+    at ZeRO 1-3 on a non-finite norm (at ZeRO-0 the user's optimizer steps regardless: the
+    monitor learns it from the first such step)."""
+    if fp16(engine) or not engine.bfloat16_enabled():
+        return True
+    bf16 = getattr(getattr(engine, "_config", None), "bfloat16_config", None)
+    return bool(getattr(bf16, "check_grad_overflow", True))
+
+
+def loss_scale(engine: Any) -> float:
+    """The loss scale in use; 1.0 when the engine does not scale (bf16, fp32)."""
+    if not fp16(engine):
+        return 1.0
+    optimizer = engine.optimizer
+    for name in ("cur_scale", "loss_scale"):
+        value = getattr(optimizer, name, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    scaler = getattr(optimizer, "loss_scaler", None)
+    value = getattr(scaler, "cur_scale", None)
+    return float(value) if isinstance(value, (int, float)) else 1.0
+
+
+def overflow(engine: Any) -> bool:
+    """DeepSpeed's verdict on the boundary step just taken: its gradients (after the
+    reduction) held inf/NaN. Read right after ``step()`` at a boundary (stale otherwise);
+    an optimizer without the flag: the step was not applied."""
+    flag = getattr(engine.optimizer, "overflow", None)
+    if isinstance(flag, bool):
+        return flag
+    return not engine.was_step_applied()
+
+
+def grad_norm(engine: Any) -> float | None:
+    """The global gradient norm of the boundary step just taken (a float, a 0-dim tensor,
+    fp64 at ZeRO-3; ``inf`` on an overflow; ``None`` when DeepSpeed computed none). A
+    tensor on an accelerator is read: one host-device sync."""
+    norm = engine.get_global_grad_norm()
+    if norm is None:
+        return None
+    value = float(norm.item()) if hasattr(norm, "item") else float(norm)
+    return value
+
+
+def growth_tracker(engine: Any, found: bool, before: float, after: float) -> int:
+    """Clean steps since the scale last changed, as torch's growth tracker counts them:
+    0 right after a backoff or a growth, so that a record's event reads as a scaler's.
+
+    DeepSpeed's dynamic scaler grows after ``scale_window`` clean steps past its last
+    overflow, counting from ``last_overflow_iter``; a static scale never grows.
+    """
+    if found or after > before:
+        return 0
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    current = getattr(scaler, "cur_iter", None)
+    last = getattr(scaler, "last_overflow_iter", None)
+    window = getattr(scaler, "scale_window", None)
+    if not (isinstance(current, int) and isinstance(last, int) and isinstance(window, int)):
+        return 1
+    if window < 1:
+        return 1
+    clean = current - last - 1  # clean update()s since the last overflow, this one included
+    return max(1, clean if clean <= window else (clean - 1) % window or window)
+
+
+def finite(value: float | None) -> bool:
+    """``value`` is a finite number (``None``: nothing to judge, finite)."""
+    return value is None or math.isfinite(value)

@@ -1,0 +1,349 @@
+"""DeepSpeed: ``instrument(engine)`` once after ``deepspeed.initialize``.
+
+::
+
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, config=config, ...)
+    monitor = ampscope.integrations.deepspeed.instrument(engine, run_id="exp-42")
+    for batch in loader:
+        loss = engine(batch)
+        engine.backward(loss)
+        engine.step()
+
+DeepSpeed's engine scales the loss, reduces the gradients, checks them and decides the
+skip inside ``engine.step()``; ampscope observes and never changes a number (training is
+bit-identical with and without it). At every gradient-accumulation boundary, on every
+rank, one record through the same pipeline as the scalers' and the watch's (reporter,
+sinks, ``monitor.telemetry``):
+
+* read from DeepSpeed (:mod:`~ampscope.integrations._deepspeed_engine`): whether the
+  gradients held inf/NaN after the reduction (``optimizer.overflow``) and whether the
+  step was applied (``was_step_applied()``), the loss scale before and after the step
+  (fp16), the global gradient norm (``get_global_grad_norm()``);
+* from ampscope's own hooks (:mod:`~ampscope.integrations._deepspeed_hooks`): the origin,
+  whether this rank's own gradients held inf/NaN before the reduction
+  (``found_inf_origin``) and which parameters (``nonfinite_params``), over all the
+  micro-batches of the step; the rank's own loss (``engine.backward``'s argument,
+  unscaled; the mean over micro-batches); the batch ids noted with ``note_batch``.
+
+fp16 records read as a loss scaler's (``setup.mode == "scaler"``: scale before and after,
+the backoff or growth event, the growth tracker), so the scale rules apply as they do to
+``GradScaler``'s. bf16 and fp32 records read as a watch's (no scale) whose policy is what
+DeepSpeed does with an inf/NaN step: ``skip``, or ``observe`` when the config sets
+``"bf16": {"check_grad_overflow": false}`` and DeepSpeed applies it; a step applied on
+inf/NaN gradients counts in ``nonfinite_applied`` (the critical
+``nonfinite_update_applied`` verdict), judged from the global norm and the hooks rather
+than from DeepSpeed's ``overflow``, which says ``False`` there.
+
+Costs per micro-batch: one fused non-finite kernel per parameter, in its tensor hook
+(no sync, no allocation); per optimizer step: one reduction and one host read of the
+flag vector per device, the norm's host read (DeepSpeed's own overflow check has already
+synchronised within ``step()``), and the record on the telemetry thread.
+
+Not available under DeepSpeed: the classifying rerun (``step(..., rerun=closure)``: the
+engine's ``step()`` takes no closure and DeepSpeed has already reduced, and under ZeRO-2/3
+freed, the gradients a rerun would compare), the per-parameter gradient norms on spikes and
+``grad_norm_origin`` (the hooks flag, they do not take norms).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from ampscope.integrations import _deepspeed_engine as ds
+from ampscope.integrations._deepspeed_hooks import OwnGradientFlags
+from ampscope.integrations._swap import check_options, is_distributed
+from ampscope.rank.capture import layout
+from ampscope.rank.capture.layout import OptimizerSlot
+from ampscope.rank.capture.pending import PendingStep
+from ampscope.rank.config import SCALE_CLAMPS, telemetry_config
+from ampscope.rank.frontends.base import TelemetryFrontEnd, warn_if_torch_changed
+from ampscope.rank.gradients.stats import OptimizerNorms, TakenStats
+from ampscope.reporter.schema import Policy, Setup
+
+__all__ = ["DeepSpeedMonitor", "instrument", "monitor_of"]
+
+logger = logging.getLogger("ampscope")
+
+_STATE = "_ampscope_monitor"
+"""Attribute on the engine that holds its monitor (instrumenting twice changes nothing)."""
+
+
+class _Closable:
+    """The monitor's capture slot: something to close (the base's life cycle)."""
+
+    def __init__(self, monitor: DeepSpeedMonitor) -> None:
+        self._monitor = monitor
+
+    def close(self) -> None:
+        self._monitor._stop_observing()
+
+
+class DeepSpeedMonitor(TelemetryFrontEnd):
+    """Observes a DeepSpeed engine: one record per rank and optimizer step. Built by
+    :func:`instrument`; not meant to be constructed by hand.
+
+    Speaks the front-ends' public API: ``telemetry``, ``note_batch``, ``close``.
+    """
+
+    def __init__(self, *, track_origin: bool | None, telemetry: dict[str, Any]) -> None:
+        config = telemetry_config("instrument", telemetry, scale=True)
+        warn_if_torch_changed()
+        self._ampscope_start(config, True)
+        self._ampscope_capture = _Closable(self)
+        self._track_origin = track_origin
+        self.engine: Any = None
+        """The engine observed; ``None`` until bound (the Trainer and Accelerate bind it
+        when ``accelerator.prepare()`` builds it)."""
+        self._fp16 = False
+        self._policy: Policy = "skip"
+        self._warned_applied = False
+        self._setups: dict[Policy, Setup] = {}
+        self._steps = 0
+        self._dtypes = ""
+        self._slot: OptimizerSlot | None = None
+        self._flags: OwnGradientFlags | None = None
+        self._device = "cpu"
+
+    def attach(
+        self, model: nn.Module, track_origin: bool = False, *, fp8_every: int | None = None
+    ) -> None:
+        """Observe ``model`` when it is a DeepSpeed engine (and none is observed yet);
+        anything else is left alone: the engine's module names the parameters. The
+        Trainer and Accelerate integrations call it with what ``prepare()`` returned."""
+        if self.engine is None and is_engine(model) and self._ampscope_capture is not None:
+            self.bind(model)
+
+    def bind(self, engine: Any) -> None:
+        """Start observing ``engine``: wrap its ``backward`` and ``step``, hook its
+        parameters (origin tracking), name them. Once, before its first backward.
+
+        Raises:
+            RuntimeError: an engine is already observed.
+        """
+        if self.engine is not None:
+            raise RuntimeError("this monitor already observes an engine")
+        self.engine = engine
+        self._fp16 = ds.fp16(engine)
+        self._policy = "skip" if self._fp16 or ds.checks_overflow(engine) else "observe"
+        module = _module(engine)
+        self._dtypes = "+".join(
+            sorted({str(p.dtype).removeprefix("torch.") for p in module.parameters()})
+        )
+        self._slot = OptimizerSlot(
+            index=0,
+            name=type(engine.optimizer).__name__,
+            fused=False,
+            stepped=True,
+            num_flags=1,
+        )
+        self._ampscope_names.attach(module)
+        self._ampscope_attach_fp8(module, self._ampscope_config.fp8_every)
+        track = self._track_origin
+        if is_distributed() if track is None else track:
+            self._flags = OwnGradientFlags(module.named_parameters())
+        self._device = str(_first_device(module))
+        self._own_step = engine.step
+        self._own_backward = engine.backward
+        engine.step = self._step
+        engine.backward = self._backward
+        setattr(engine, _STATE, self)
+
+    def get_scale(self) -> float:
+        """DeepSpeed's loss scale now (fp16); 1.0 under bf16/fp32 or before an engine."""
+        return 1.0 if self.engine is None else ds.loss_scale(self.engine)
+
+    # -- the engine's calls --------------------------------------------------------------
+
+    def _backward(self, loss: Any, *args: Any, **kwargs: Any) -> Any:
+        stats = self._ampscope_stats
+        if stats is not None:
+            try:
+                stats.add_loss(loss)
+            except Exception:
+                self._ampscope_failed()
+        return self._own_backward(loss, *args, **kwargs)
+
+    def _step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._ampscope_capture is None:
+            return self._own_step(*args, **kwargs)
+        engine = self.engine
+        boundary = engine.is_gradient_accumulation_boundary()
+        before = self._ampscope_guard(ds.loss_scale, engine) if boundary else None
+        result = self._own_step(*args, **kwargs)
+        if boundary:
+            try:
+                self._record(1.0 if before is None else before)
+            except Exception:
+                self._ampscope_failed()
+        return result
+
+    def _record(self, before: float) -> None:
+        """Close the optimizer step DeepSpeed just took: one record (training thread)."""
+        engine = self.engine
+        self._steps += 1
+        identity = self._ampscope_identity_now()  # a collective in the first step
+        overflow = ds.overflow(engine)
+        applied = engine.was_step_applied()
+        norm = ds.grad_norm(engine)
+        origin: dict[str, bool] = {}
+        named: dict[str, int] = {}
+        if self._flags is not None:
+            origin, named = self._flags.take()
+        own = any(origin.values())
+        # What really happened: DeepSpeed's overflow, or a non-finite global norm (which
+        # DeepSpeed computes even where it does not check: check_grad_overflow=false), or
+        # this rank's own gradients.
+        found = overflow or not ds.finite(norm) or own
+        if found and applied and not self._warned_applied:
+            self._warned_applied = True
+            logger.warning(
+                "ampscope: DeepSpeed applied optimizer step %d on inf/NaN gradients "
+                "(DeepSpeed's overflow flag: %s)",
+                self._steps,
+                overflow,
+            )
+            if not self._fp16:
+                self._policy = "observe"  # that is what DeepSpeed does with them
+        after = ds.loss_scale(engine)
+        tracker = ds.growth_tracker(engine, found, before, after) if self._fp16 else 0
+        flag = float(found)
+        values = layout.head(before, [flag, flag]) + layout.tail(
+            after, float(tracker), [float(v) for v in origin.values()]
+        )
+        pending = PendingStep(
+            identity,
+            self._steps,
+            time.time(),
+            False,
+            nonfinite=named,
+            optimizers=(self._slot,) if self._slot is not None else (),
+            local_devices=(self._device,),
+            origin_devices=tuple(origin),
+            values=values,
+        )
+        pending.setup = self._setup()
+        pending.stats = self._take_stats(norm)
+        fp8 = self._ampscope_take_fp8()
+        if fp8 is not None:
+            pending.extra, pending.fp8 = fp8
+        self._ampscope_telemetry.submit(pending)
+
+    def _setup(self) -> Setup:
+        setup = self._setups.get(self._policy)
+        if setup is None:
+            setup = self._setups[self._policy] = Setup(
+                mode="scaler" if self._fp16 else "watch",
+                policy=self._policy,
+                grad_dtype=self._dtypes or None,
+            )
+        return setup
+
+    def _take_stats(self, norm: float | None) -> TakenStats | None:
+        stats = self._ampscope_stats
+        if stats is None:
+            return None
+        taken = stats.take({})
+        square = None
+        optimizers: tuple[OptimizerNorms, ...] = ()
+        if norm is not None:
+            square = torch.tensor(norm * norm if ds.finite(norm) else norm, dtype=torch.float64)
+            optimizers = (OptimizerNorms((), (), False, square),)
+        loss = taken.loss
+        if loss is not None and loss.device.type != "cpu":
+            loss = loss.float().to("cpu", non_blocking=False)  # telemetry thread reads it
+        return TakenStats(loss, taken.loss_count, optimizers, {})
+
+    def _stop_observing(self) -> None:
+        if self._flags is not None:
+            self._flags.remove()
+            self._flags = None
+
+
+def instrument(
+    engine: Any,
+    *,
+    track_origin: bool | None = None,
+    **scaler_options: Any,
+) -> DeepSpeedMonitor:
+    """Observe ``engine`` (a ``deepspeed.DeepSpeedEngine``): one record per rank at every
+    gradient-accumulation boundary. Call once on every rank, after ``deepspeed.initialize``
+    and before the first ``engine.backward``; calling it again returns the same monitor.
+
+    Wraps ``engine.backward`` (notes the rank's loss) and ``engine.step`` (reads what
+    DeepSpeed decided after a boundary step) as instance attributes, and registers one
+    tensor hook per parameter (origin tracking). DeepSpeed's numerics are unchanged.
+
+    Args:
+        engine: The engine ``deepspeed.initialize`` returned.
+        track_origin: ``None`` (default): on when the process group has more than one
+            rank; ``False``: no hooks (records carry no origin and name no parameters).
+        **scaler_options: Telemetry options of :class:`ampscope.GradScaler` (``run_id``,
+            ``reporter``, ``sinks``, ``top_k``, ``stats``...). The loss scaling stays
+            DeepSpeed's: ``min_scale``/``max_scale`` are refused.
+
+    Returns:
+        The monitor: ``monitor.telemetry.snapshot()``, ``monitor.note_batch(ids)``,
+        ``monitor.close()``.
+
+    Raises:
+        TypeError: ``engine`` is not a DeepSpeed engine, or an unknown option.
+        ValueError: a bad option value, or a scale clamp.
+    """
+    existing = monitor_of(engine)
+    if existing is not None:
+        return existing
+    if not is_engine(engine):
+        raise TypeError(f"instrument() needs a DeepSpeed engine, not {type(engine).__name__}")
+    monitor = make_monitor(track_origin, scaler_options)
+    monitor.bind(engine)
+    return monitor
+
+
+def make_monitor(track_origin: bool | None, scaler_options: dict[str, Any]) -> DeepSpeedMonitor:
+    """A monitor with the user's telemetry options, no engine bound yet.
+
+    Raises:
+        TypeError: an unknown option; ValueError: a bad value, or a scale clamp.
+    """
+    check_options(scaler_options)
+    clamps = [name for name in SCALE_CLAMPS if scaler_options.get(name) is not None]
+    if clamps:
+        raise ValueError(f"DeepSpeed's loss scaling is its own; {', '.join(clamps)} do not apply")
+    options = {k: v for k, v in scaler_options.items() if k not in SCALE_CLAMPS}
+    return DeepSpeedMonitor(track_origin=track_origin, telemetry=options)
+
+
+def monitor_of(engine: Any) -> DeepSpeedMonitor | None:
+    """The monitor observing ``engine``, if any."""
+    monitor = getattr(engine, _STATE, None)
+    return monitor if isinstance(monitor, DeepSpeedMonitor) else None
+
+
+def is_engine(obj: Any) -> bool:
+    """Whether ``obj`` is a DeepSpeed engine (duck-typed: DeepSpeed is never imported)."""
+    return all(
+        callable(getattr(obj, name, None))
+        for name in ("was_step_applied", "is_gradient_accumulation_boundary", "backward", "step")
+    )
+
+
+def _module(engine: Any) -> nn.Module:
+    module = getattr(engine, "module", engine)
+    return module if isinstance(module, nn.Module) else engine
+
+
+@functools.cache
+def _cpu() -> torch.device:
+    return torch.device("cpu")
+
+
+def _first_device(module: nn.Module) -> torch.device:
+    for param in module.parameters():
+        return param.device
+    return _cpu()

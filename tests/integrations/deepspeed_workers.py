@@ -1,0 +1,333 @@
+"""DeepSpeed ranks for tests/integrations/test_deepspeed.py (and the CUDA test).
+
+Every scenario group runs in one launch: each rank builds several engines one after the
+other on the same gloo process group. DeepSpeed runs on the CPU accelerator
+(``DS_ACCELERATOR=cpu``, set by the tests before the ranks start), and its shared-memory
+comm op, which the first start would compile with g++ for minutes, is turned off: gloo's
+collectives carry everything (:func:`setup`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+
+STEPS = 6
+"""Optimizer steps (accumulation boundaries) per scenario."""
+NAN_STEP = 3
+"""The 1-based optimizer step whose rank-1 input holds a NaN (its first micro-batch)."""
+NAN_RANK = 1
+"""The rank whose input holds the NaN (rank 0 when there is one rank)."""
+PARAMS = ("body.weight", "body.bias", "head.weight", "head.bias")
+FEATURES = 8
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(FEATURES, 16)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.body(x)))
+
+
+def setup(*, fp16: bool = False) -> Any:
+    """Import DeepSpeed on the CPU accelerator, its shm comm op off, on the process group
+    the test launched. ``fp16``: a TEST-ONLY override of the CPU accelerator's
+    ``is_fp16_supported`` (DeepSpeed refuses fp16 on a CPU without AVX512-FP16 support,
+    "Type fp16 is not supported on your device"); with it fp16 trains at every stage."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    # deepspeed.comm's `torch` attribute is torch itself: the module is in sys.modules.
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # type: ignore[attr-defined]
+    if fp16:
+        type(get_accelerator()).is_fp16_supported = lambda self: True
+    deepspeed.init_distributed(dist_backend="gloo")
+    return deepspeed
+
+
+def config(stage: int, dtype: str, gas: int, **precision: Any) -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": gas,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+        "zero_optimization": {"stage": stage},
+        dtype: {"enabled": True, **precision},
+        "steps_per_print": 10**9,
+    }
+
+
+def world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def batch(
+    rank: int, step: int, micro: int, dtype: torch.dtype, nan_step: int | None
+) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    x = torch.randn(4, FEATURES, generator=generator)
+    if rank == NAN_RANK % world() and step == nan_step and micro == 0:
+        x[0, 0] = math.nan
+    return x.to(dtype)
+
+
+def train(
+    rank: int,
+    *,
+    stage: int,
+    dtype: str,
+    gas: int = 2,
+    steps: int = STEPS,
+    nan_step: int | None = NAN_STEP,
+    instrumented: bool = True,
+    run_id: str | None = None,
+    track_origin: bool | None = None,
+    **precision: Any,
+) -> dict[str, Any]:
+    """Train one engine; the rank's records, DeepSpeed's own view per step, the weights."""
+    import deepspeed
+
+    from ampscope.reporter.sinks import CallbackSink
+
+    model = Net()
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        model_parameters=model.parameters(),
+        config=config(stage, dtype, gas, **precision),
+    )
+    records: list[Any] = []
+    monitor = None
+    if instrumented:
+        from ampscope.integrations.deepspeed import instrument
+
+        monitor = instrument(
+            engine,
+            run_id=run_id,
+            reporter=None if run_id is None else "auto",
+            sinks=[CallbackSink(records.append)],
+            track_origin=track_origin,
+        )
+        assert instrument(engine) is monitor
+    torch_dtype = torch.float16 if dtype == "fp16" else torch.bfloat16
+    seen: list[dict[str, Any]] = []
+    for step in range(1, steps + 1):
+        for micro in range(gas):
+            x = batch(rank, step, micro, torch_dtype, nan_step).to(engine.device)
+            if monitor is not None:
+                monitor.note_batch([f"r{rank}s{step}m{micro}"])
+            loss = engine(x).float().pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+        seen.append(
+            {
+                "applied": engine.was_step_applied(),
+                "skipped_steps": engine.skipped_steps,
+                "overflow": bool(getattr(engine.optimizer, "overflow", False)),
+                "scale": float(engine.optimizer.loss_scale) if dtype == "fp16" else None,
+            }
+        )
+    if monitor is not None:
+        monitor.close()
+    weights = _weights(engine, stage)
+    engine.destroy()
+    return {
+        "records": [r.model_dump(mode="json") for r in records],
+        "seen": seen,
+        "weights": weights,
+        "optimizer": type(engine.optimizer).__name__,
+    }
+
+
+CUDA_STEPS = 16
+CUDA_NAN_STEP = 14
+CUDA_FP16 = {"initial_scale_power": 20, "loss_scale_window": 1000, "hysteresis": 1}
+"""fp16 on a GPU from 2**20: backoffs until the gradients fit (weather), then clean steps."""
+
+
+def cuda_run(rank: int, world_size: int) -> dict[str, Any]:
+    """One CUDA rank (nccl), ZeRO-2: bf16 and real fp16, each with and without ampscope;
+    origin tracking asked for (one rank: it is off by default)."""
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="nccl")
+    out: dict[str, Any] = {}
+    common = {"stage": 2, "steps": CUDA_STEPS, "nan_step": CUDA_NAN_STEP}
+    out["bf16_plain"] = train(rank, dtype="bf16", instrumented=False, **common)
+    out["bf16"] = train(rank, dtype="bf16", track_origin=True, **common)
+    out["fp16_plain"] = train(rank, dtype="fp16", instrumented=False, **common, **CUDA_FP16)
+    out["fp16"] = train(rank, dtype="fp16", track_origin=True, **common, **CUDA_FP16)
+    return out
+
+
+def _weights(engine: Any, stage: int) -> list[float]:
+    params = list(engine.module.parameters())
+    if stage == 3:  # partitioned: gathered whole for the comparison
+        from deepspeed.runtime.zero import GatheredParameters
+
+        with GatheredParameters(params):
+            return [v for p in params for v in p.detach().float().flatten().tolist()]
+    return [v for p in params for v in p.detach().float().flatten().tolist()]
+
+
+def bf16_stages(rank: int, world_size: int) -> dict[str, Any]:
+    """ZeRO 0-3 in bf16 with the NaN, with and without ampscope; bf16 ZeRO-2 with
+    ``check_grad_overflow: false`` (DeepSpeed applies the NaN); 50 clean steps."""
+    setup()
+    out: dict[str, Any] = {}
+    for stage in (0, 1, 2, 3):
+        out[f"plain{stage}"] = train(rank, stage=stage, dtype="bf16", instrumented=False)
+        out[f"ours{stage}"] = train(rank, stage=stage, dtype="bf16", run_id=f"ds-bf16-z{stage}")
+    out["applied"] = train(
+        rank, stage=2, dtype="bf16", run_id="ds-applied", check_grad_overflow=False
+    )
+    out["clean"] = clean_run(rank, world_size, "ds-clean")
+    return out
+
+
+FP16_STEPS = 8
+FP16_NAN_STEP = 6
+FP16_PRECISION = {"initial_scale_power": 18, "loss_scale_window": 2, "hysteresis": 1}
+"""A scale too high for the gradients at first (backoffs), a window short enough to grow."""
+
+
+def fp16_stages(rank: int, world_size: int) -> dict[str, Any]:
+    """fp16 (the test-only override) at ZeRO 0 and 2: backoffs from a scale too high for
+    the gradients, growth, then the NaN."""
+    setup(fp16=True)
+    out: dict[str, Any] = {}
+    for stage in (0, 2):
+        common = {"stage": stage, "dtype": "fp16", "steps": FP16_STEPS, "nan_step": FP16_NAN_STEP}
+        out[f"plain{stage}"] = train(rank, instrumented=False, **common, **FP16_PRECISION)
+        out[f"ours{stage}"] = train(rank, run_id=f"ds-fp16-z{stage}", **common, **FP16_PRECISION)
+    return out
+
+
+def clean_run(rank: int, world_size: int, run_id: str) -> dict[str, Any]:
+    """50 clean bf16 ZeRO-2 steps reported to the exporter (after :func:`setup`)."""
+    return train(rank, stage=2, dtype="bf16", gas=1, steps=50, nan_step=None, run_id=run_id)
+
+
+def accelerate_run(rank: int, world_size: int) -> dict[str, Any]:
+    """Accelerate with a DeepSpeed plugin (ZeRO-2, bf16): ``instrument(accelerator)``
+    before ``prepare()`` observes the engine ``prepare()`` builds."""
+    setup()
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin
+
+    from ampscope.integrations.accelerate import instrument
+    from ampscope.reporter.sinks import CallbackSink
+
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # as `accelerate launch` sets it
+    ds_config = config(2, "bf16", 2)
+    del ds_config["optimizer"]  # the loop's own optimizer
+    plugin = DeepSpeedPlugin(hf_ds_config=ds_config)
+    accelerator = Accelerator(
+        deepspeed_plugin=plugin, mixed_precision="bf16", gradient_accumulation_steps=2
+    )
+    records: list[Any] = []
+    monitor = instrument(accelerator, reporter=None, sinks=[CallbackSink(records.append)])
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    assert instrument(accelerator) is monitor
+    for step in range(1, STEPS + 1):
+        for micro in range(2):
+            with accelerator.accumulate(model):
+                x = batch(rank, step, micro, torch.bfloat16, NAN_STEP)
+                loss = model(x).float().pow(2).mean()
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+    assert monitor is not None
+    monitor.close()
+    return {
+        "records": [r.model_dump(mode="json") for r in records],
+        "engine": type(model).__name__,
+        "monitor": type(monitor).__name__,
+    }
+
+
+class _Samples(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Each rank's samples; rank 1's sample ``NAN_SAMPLE`` holds a NaN."""
+
+    def __init__(self, rank: int) -> None:
+        generator = torch.Generator().manual_seed(7 + rank)
+        self.x = torch.randn(32, FEATURES, generator=generator)
+        if rank == NAN_RANK:
+            self.x[NAN_SAMPLE, 0] = math.nan
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {"x": self.x[index], "sample_ids": index}
+
+
+NAN_SAMPLE = 9
+"""Rank 1's poisoned sample: in its third micro-batch of 4 samples, step 2 (gas 2)."""
+
+
+class _Regression(Net):
+    def forward(self, x: torch.Tensor) -> Any:  # type: ignore[override]
+        return {"loss": super().forward(x).float().pow(2).mean()}
+
+
+def trainer_run(rank: int, world_size: int, output_dir: str) -> dict[str, Any]:
+    """The Trainer with ``deepspeed=`` (ZeRO-2; fp32: the Trainer refuses bf16 on a CPU
+    unless ``use_cpu``, which turns DeepSpeed off): ``instrument(trainer)`` observes the
+    engine the Trainer builds in ``train()``; the batch ids come from the dataset."""
+    setup()
+    from transformers import Trainer, TrainingArguments
+
+    from ampscope.integrations.transformers import instrument
+    from ampscope.reporter.sinks import CallbackSink
+
+    ds_config = config(2, "bf16", 2)
+    del ds_config["optimizer"], ds_config["bf16"]
+    ds_config["train_micro_batch_size_per_gpu"] = "auto"
+    ds_config["gradient_accumulation_steps"] = "auto"
+    args = TrainingArguments(
+        output_dir=output_dir,
+        deepspeed=ds_config,
+        max_steps=4,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        learning_rate=0.01,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_drop_last=True,
+    )
+    trainer = Trainer(model=_Regression(), args=args, train_dataset=_Samples(rank))
+    records: list[Any] = []
+    monitor = instrument(trainer, reporter=None, sinks=[CallbackSink(records.append)])
+    trainer.train()
+    assert monitor is not None
+    return {
+        "records": [r.model_dump(mode="json") for r in records],
+        "monitor": type(monitor).__name__,
+        "closed": monitor.telemetry.closed,
+        "logged": [log.get("skipped_steps") for log in trainer.state.log_history if "loss" in log],
+    }
+
+
+def hugging_face_runs(rank: int, world_size: int, output_dir: str) -> dict[str, Any]:
+    """Accelerate, then the Trainer, on DeepSpeed in one launch (Accelerate's process-wide
+    state reset between them, keeping the process group)."""
+    from accelerate.state import AcceleratorState
+
+    out = {"accelerate": accelerate_run(rank, world_size)}
+    AcceleratorState._reset_state(reset_partial_state=False)
+    out["trainer"] = trainer_run(rank, world_size, output_dir)
+    return out

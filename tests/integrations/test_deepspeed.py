@@ -1,0 +1,242 @@
+"""``ampscope.integrations.deepspeed.instrument`` with the real DeepSpeed on 2 gloo ranks.
+
+One launch per scenario group (the ranks build several engines one after the other):
+ZeRO 0-3 in bf16, fp16 at ZeRO 0 and 2 (with a TEST-ONLY override of the CPU
+accelerator's ``is_fp16_supported``: see ``deepspeed_workers.setup``), and 50 clean steps.
+Every instrumented engine is compared bit for bit with the same training without ampscope.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+from checks import exporter_ranks
+from deepspeed_workers import (
+    FP16_NAN_STEP,
+    FP16_PRECISION,
+    FP16_STEPS,
+    NAN_RANK,
+    NAN_SAMPLE,
+    NAN_STEP,
+    PARAMS,
+    STEPS,
+    bf16_stages,
+    fp16_stages,
+    hugging_face_runs,
+)
+from support import get_json, need_module, run_distributed
+
+need_module("deepspeed")
+
+pytestmark = pytest.mark.distributed
+
+_ENV = {"DS_ACCELERATOR": "cpu"}
+
+
+def _health(url: str, run: str, steps: int) -> dict[str, dict[str, Any]]:
+    exporter_ranks(url, run, 2, steps=steps)
+    return {v["rule"]: v for v in get_json(f"{url}/api/v1/runs/{run}/health")["verdicts"]}
+
+
+def _check_origin(
+    results: list[dict[str, Any]], key: str, nan_step: int, steps: int, *, only_nan: bool = True
+) -> None:
+    """At the NaN step only the NaN rank's own gradients held inf/NaN, every parameter of
+    it named, and the other rank names none; with ``only_nan``, no other step held any."""
+    for rank, result in enumerate(results):
+        records = result[key]["records"]
+        assert [r["step"] for r in records] == list(range(1, steps + 1))
+        for record in records:
+            if record["step"] != nan_step and not only_nan:
+                continue
+            own = rank == NAN_RANK and record["step"] == nan_step
+            assert record["found_inf_origin"] == {"cpu": own}, (key, rank, record["step"])
+            names = {p["name"] for p in record["nonfinite_params"]}
+            assert names == (set(PARAMS) if own else set()), (key, rank, record["step"])
+        assert records[nan_step - 1]["found_inf_global"], (key, rank)
+
+
+def _check_as_deepspeed(result: dict[str, Any]) -> None:
+    """Each record's skip is DeepSpeed's (``was_step_applied``), the same on every rank."""
+    records, seen = result["records"], result["seen"]
+    assert [r["skipped"] for r in records] == [not s["applied"] for s in seen]
+    assert [r["found_inf_global"] for r in records] == [s["overflow"] for s in seen]
+    assert records[-1]["totals"]["skipped_steps"] == seen[-1]["skipped_steps"]
+
+
+@pytest.fixture(scope="module")
+def bf16_results(exporter: Any) -> list[dict[str, Any]]:
+    """One launch for every bf16 scenario, reporting to the session's exporter."""
+    env = {**_ENV, "AMPSCOPE_URL": exporter.url}
+    return run_distributed(bf16_stages, 2, env=env, timeout=600)
+
+
+def test_bf16_zero_stages(bf16_results: list[dict[str, Any]], report_to: str) -> None:
+    results = bf16_results
+    for stage in (0, 1, 2, 3):
+        key = f"ours{stage}"
+        for result in results:
+            ours = result[key]
+            # Observe-only: bit for bit the training without ampscope.
+            assert ours["weights"] == result[f"plain{stage}"]["weights"], stage
+            assert not any(map(math.isnan, ours["weights"]))
+            _check_as_deepspeed(ours)
+            assert [r["skipped"] for r in ours["records"]] == [
+                step == NAN_STEP for step in range(1, STEPS + 1)
+            ]
+            for record in ours["records"]:
+                assert record["setup"] == {
+                    "mode": "watch",
+                    "policy": "skip",
+                    "grad_dtype": "bfloat16",
+                }
+                assert record["scale_before"] == record["scale_after"] == 1.0
+                assert record["event"] == "none"
+                norm = record["stats"]["grad_norm"]
+                assert (norm is None) == (record["step"] == NAN_STEP)
+                assert (record["stats"]["loss"] is None) == (record["step"] == NAN_STEP)
+                # Gradient accumulation: both micro-batches' ids in the step's record.
+                rank = record["identity"]["rank"]
+                assert record["batch"]["ids"] == [
+                    f"r{rank}s{record['step']}m{micro}" for micro in (0, 1)
+                ]
+        _check_origin(results, key, NAN_STEP, STEPS)
+        # The norm is DeepSpeed's global one: the same on both ranks.
+        norms = [[r["stats"]["grad_norm"] for r in result[key]["records"]] for result in results]
+        assert norms[0] == norms[1]
+        for result in results:  # without a loss scaler, inf/NaN gradients are a fault
+            nan = result[key]["records"][NAN_STEP - 1]
+            if nan.get("nonfinite") is not None:
+                assert nan["nonfinite"]["kind"] == "fault", nan
+        verdict = _health(report_to, f"ds-bf16-z{stage}", STEPS)["nonfinite_skipped"]
+        assert verdict["status"] == "warning", verdict
+        assert verdict["evidence"]["origin_ranks"] == [NAN_RANK]
+        assert verdict["evidence"]["last_step"] == NAN_STEP
+
+    # check_grad_overflow: false: DeepSpeed applies the NaN and says nothing.
+    for rank, result in enumerate(results):
+        applied = result["applied"]
+        assert all(s["applied"] and not s["overflow"] for s in applied["seen"])
+        assert any(map(math.isnan, applied["weights"]))
+        records = applied["records"]
+        assert {r["setup"]["policy"] for r in records} == {"observe"}
+        assert [r["skipped"] for r in records] == [False] * STEPS
+        assert [r["found_inf_global"] for r in records] == [
+            step >= NAN_STEP for step in range(1, STEPS + 1)
+        ]
+        totals = records[-1]["totals"]
+        assert totals["nonfinite_applied"] == STEPS - NAN_STEP + 1
+        assert totals["first_nonfinite_applied"] == {"step": NAN_STEP, "origin": rank == NAN_RANK}
+    verdict = _health(report_to, "ds-applied", STEPS)["nonfinite_update_applied"]
+    assert verdict["status"] == "critical", verdict
+    assert verdict["evidence"]["first_step"] == NAN_STEP
+    assert verdict["evidence"]["origin_ranks"] == [NAN_RANK]
+
+
+def test_fp16_backoffs_and_origin(report_to: str) -> None:
+    results = run_distributed(fp16_stages, 2, env=_ENV, timeout=600)
+    initial = 2.0 ** FP16_PRECISION["initial_scale_power"]
+    for stage in (0, 2):
+        key = f"ours{stage}"
+        for result in results:
+            ours = result[key]
+            assert ours["weights"] == result[f"plain{stage}"]["weights"], stage
+            _check_as_deepspeed(ours)
+            records, seen = ours["records"], ours["seen"]
+            # The scale trajectory is DeepSpeed's, read as a loss scaler's records read.
+            scales = [initial] + [s["scale"] for s in seen]
+            assert [r["scale_before"] for r in records] == scales[:-1]
+            assert [r["scale_after"] for r in records] == scales[1:]
+            for record in records:
+                assert record["setup"] == {
+                    "mode": "scaler",
+                    "policy": "skip",
+                    "grad_dtype": "float16",
+                }
+                before, after = record["scale_before"], record["scale_after"]
+                if record["skipped"]:
+                    assert record["event"] == "backoff"
+                    assert after < before
+                elif after > before:
+                    assert record["event"] == "growth"
+                    assert record["growth_tracker"] == 0
+                else:
+                    assert record["event"] == "none"
+                    assert record["growth_tracker"] >= 1
+            totals = records[-1]["totals"]
+            assert totals["growths"] >= 1
+            assert totals["backoffs"] == totals["skipped_steps"]
+            assert totals["nonfinite_applied"] == 0
+        _check_origin(results, key, FP16_NAN_STEP, FP16_STEPS, only_nan=False)
+    # ZeRO-2 starts from a scale too high: backoffs that are weather, not the NaN...
+    zero2 = [result["ours2"]["records"] for result in results]
+    weather = [r["step"] for r in zero2[0] if r["skipped"] and r["step"] != FP16_NAN_STEP]
+    assert weather
+    # ...one of which no rank's own gradients held: born in the (summing) reduction.
+    born = [
+        step
+        for step in weather
+        if not any(records[step - 1]["found_inf_origin"]["cpu"] for records in zero2)
+    ]
+    assert born
+    # The fault rule's call, where records carry it (StepRecord.nonfinite): the warm-up's
+    # backoffs, before the first clean step, are the scaler's weather.
+    for records in zero2:
+        first_clean = next(r["step"] for r in records if not r["skipped"])
+        for record in records[: first_clean - 1]:
+            if record.get("nonfinite") is not None:
+                assert record["nonfinite"]["kind"] == "weather", record
+    health = _health(report_to, "ds-fp16-z2", FP16_STEPS)
+    assert health["nonfinite_update_applied"]["status"] == "ok"
+
+
+def test_fifty_clean_steps_are_healthy(bf16_results: list[dict[str, Any]], report_to: str) -> None:
+    for result in bf16_results:
+        records = result["clean"]["records"]
+        assert len(records) == 50
+        assert not any(r["found_inf_global"] or r["skipped"] for r in records)
+        assert not any(r["found_inf_origin"]["cpu"] for r in records)
+        assert all(r["stats"]["grad_norm"] is not None for r in records)
+    exporter_ranks(report_to, "ds-clean", 2, steps=50)
+    health = get_json(f"{report_to}/api/v1/runs/ds-clean/health")
+    assert health["status"] == "ok", health
+
+
+def test_instrument_needs_an_engine() -> None:
+    from torch import nn
+
+    from ampscope.integrations.deepspeed import instrument
+
+    with pytest.raises(TypeError, match="DeepSpeed engine"):
+        instrument(nn.Linear(2, 2), reporter=None)
+
+
+def test_accelerate_and_trainer_observe_the_engine(tmp_path: Any) -> None:
+    need_module("accelerate")
+    need_module("transformers")
+    results = run_distributed(hugging_face_runs, 2, args=(str(tmp_path),), env=_ENV, timeout=600)
+    for rank, result in enumerate(results):
+        # Accelerate: instrument(accelerator) before prepare() observes the engine.
+        acc = result["accelerate"]
+        assert (acc["engine"], acc["monitor"]) == ("DeepSpeedEngine", "DeepSpeedMonitor")
+        records = acc["records"]
+        assert [r["skipped"] for r in records] == [s == NAN_STEP for s in range(1, STEPS + 1)]
+        assert records[0]["setup"] == {"mode": "watch", "policy": "skip", "grad_dtype": "bfloat16"}
+        own = [r["step"] for r in records if r["found_inf_origin"]["cpu"]]
+        assert own == ([NAN_STEP] if rank == NAN_RANK else [])
+        # The Trainer: its engine is built in train(); ids from the dataset's column.
+        trainer = result["trainer"]
+        assert trainer["monitor"] == "DeepSpeedMonitor"
+        assert trainer["closed"]
+        records = trainer["records"]
+        nan_step = next(r["step"] for r in records if NAN_SAMPLE in r["batch"]["ids"])
+        assert [r["skipped"] for r in records] == [r["step"] == nan_step for r in records]
+        own = [r["step"] for r in records if r["found_inf_origin"]["cpu"]]
+        assert own == ([nan_step] if rank == NAN_RANK else [])
+        if rank == NAN_RANK:
+            names = {p["name"] for p in records[nan_step - 1]["nonfinite_params"]}
+            assert names == set(PARAMS)
+        # The training logs carry DeepSpeed's skipped steps, as the scalers' do.
+        assert trainer["logged"] == [int(r["step"] >= nan_step) for r in records]
