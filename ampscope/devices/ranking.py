@@ -8,7 +8,7 @@ from typing import Any
 
 from ampscope.devices.query import Sample
 
-KINDS = ("nonfinite_origin", "origin_outlier", "transient_fault")
+KINDS = ("nonfinite_origin", "origin_outlier", "transient_fault", "replica_divergence")
 """Offence kinds always listed (0 when none): the exporter's ``OFFENCE_KINDS`` (not imported:
 this command loads neither the server stack nor pydantic); another kind a newer exporter
 sends is kept."""

@@ -28,6 +28,7 @@ from ampscope.exporter.state.spike_windows import SpikeKindName
 from ampscope.verdicts import batches as batch_verdicts
 from ampscope.verdicts import failures, liveness, nonfinite, scale
 from ampscope.verdicts import fp8 as fp8_rules
+from ampscope.verdicts import replicas as replica_rules
 from ampscope.verdicts import reruns as rerun_rules
 from ampscope.verdicts import spikes as spike_rules
 from ampscope.verdicts.ranks import RankFacts, is_scaler
@@ -332,6 +333,32 @@ def reproducible_fault(ranks: Sequence[RankSnapshot], now: float, t: Thresholds)
     return rerun_rules.reproducible_fault(rerun_facts(ranks, "reproducible", now, t), t)
 
 
+def replica_divergence(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
+    """``replica_rules.replica_divergence`` over the store's snapshots: each rank's
+    diverged checks and its current process's first divergence. O(ranks)."""
+    del now  # a divergence lasts as long as the process: no window
+    facts = []
+    for snap in ranks:
+        first = snap.replica_divergence
+        facts.append(
+            replica_rules.ReplicaFacts(
+                **_who(snap),
+                diverged=snap.replica_counts.diverged,
+                device=None if snap.device is None else snap.device.device,
+                first=None
+                if first is None
+                else replica_rules.DivergenceDetail(
+                    step=first.step,
+                    ranks=first.ranks,
+                    majority=first.majority,
+                    parameters=first.parameters,
+                    parameters_differing=first.parameters_differing,
+                ),
+            )
+        )
+    return replica_rules.replica_divergence(facts, t)
+
+
 def _isolated(rule: Rule, ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
     """``rule`` over ``ranks``, leaving out any rank it cannot evaluate on its own.
 
@@ -391,6 +418,7 @@ _SCOPES: dict[RuleName, _Scope] = {
     "origin_outlier": _Scope(origin_outlier),
     "transient_fault": _Scope(transient_fault),
     "reproducible_fault": _Scope(reproducible_fault),
+    "replica_divergence": _Scope(replica_divergence),
 }
 """Each rule of ``ampscope.verdicts.RULES`` over the store's snapshots, but the FP8 rules
 (``FP8_RULES``: over the ranks' FP8 series, ``fp8_facts``)."""

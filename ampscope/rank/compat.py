@@ -45,6 +45,7 @@ __all__ = [
     "clean_param_name",
     "ddp_comm_hooks",
     "ddp_uses_python_reducer",
+    "dtensor_replica_group",
     "flat_param_segments",
     "float8_amax_to_scale",
     "float8_casts",
@@ -57,6 +58,7 @@ __all__ = [
     "found_inf_reduction",
     "fsdp1_comm_hook",
     "fsdp1_hybrid",
+    "fsdp1_replica_group",
     "fsdp_default_hooks",
     "fully_shard_param_groups",
     "fully_shard_predivide_factor",
@@ -201,6 +203,20 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def dtensor_replica_group(param: torch.Tensor) -> Any:
+    """The group of the ranks holding the same local values of DTensor ``param``: its
+    mesh's first dimension with a ``Replicate`` placement (FSDP2 HSDP's replicate
+    dimension); ``None`` for a plain tensor or one sharded on every dimension."""
+    if not is_dtensor(param):
+        return None
+    from torch.distributed.tensor import Replicate
+
+    for dim, placement in enumerate(param.placements):  # type: ignore[attr-defined]
+        if isinstance(placement, Replicate):
+            return param.device_mesh.get_group(dim)  # type: ignore[attr-defined]
+    return None
+
+
 def sparse_values(tensor: torch.Tensor, *, coalesce: bool = False) -> torch.Tensor:
     """The values a sparse COO tensor stores (``_values()``), duplicates summed first when
     ``coalesce`` (as a norm needs; a non-finite check does not). No copy unless coalescing."""
@@ -331,6 +347,17 @@ def fsdp1_hybrid(unit: FSDP) -> bool:
         ShardingStrategy.HYBRID_SHARD,
         ShardingStrategy._HYBRID_SHARD_ZERO2,
     )
+
+
+def fsdp1_replica_group(root: FSDP) -> Any:
+    """The group of the ranks holding the same FlatParameter shards as this one under
+    FSDP1: the inter-node group (``_inter_node_pg``, no accessor) of a hybrid root, the
+    process group of a ``NO_SHARD`` root, ``None`` for the others (no replica)."""
+    if fsdp1_hybrid(root):
+        return getattr(root, "_inter_node_pg", None)
+    if root.sharding_strategy == ShardingStrategy.NO_SHARD:
+        return root.process_group
+    return None
 
 
 def fsdp1_comm_hook(unit: FSDP) -> tuple[object, object]:
@@ -552,6 +579,7 @@ def check_torch() -> tuple[str, ...]:
         problems.append("torch.amp.grad_scaler.OptState members changed")
     problems.extend(_check_dtensor())
     problems.extend(_check_flat_param())
+    problems.extend(_check_hybrid_group())
     problems.extend(_check_collectives())
     problems.extend(_check_stats())
     return tuple(problems)
@@ -651,6 +679,16 @@ def _check_flat_param() -> list[str]:
         if attr not in annotations:
             problems.append(f"FSDP1 FlatParameter no longer declares {attr}")
     return problems
+
+
+def _check_hybrid_group() -> list[str]:
+    """FSDP1 keeps a hybrid unit's inter-node group (the replicas, ``fsdp1_replica_group``)
+    as ``_inter_node_pg``, set where it builds its process groups."""
+    from torch.distributed.fsdp import _init_utils
+
+    if "_inter_node_pg" not in inspect.getsource(_init_utils):
+        return ["FSDP1 no longer keeps a hybrid unit's inter-node group as _inter_node_pg"]
+    return []
 
 
 def _check_collectives() -> list[str]:

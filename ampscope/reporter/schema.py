@@ -20,6 +20,8 @@ from pydantic import (
     model_validator,
 )
 
+from ampscope.reporter.fault_rule import CallKind, FaultKind, NonfiniteClass
+
 SCHEMA_VERSION = 1
 """Bumped on any incompatible change; the exporter rejects other versions with 422."""
 
@@ -279,6 +281,14 @@ class RankTotals(_Model):
     ``observe``): from the first one on, the weights hold inf/NaN. Always 0 for scalers."""
     first_nonfinite_applied: NonfiniteApplied | None = None
     """The first such iteration; ``None`` while there was none."""
+    faults: dict[FaultKind, Count] | None = None
+    """Iterations the fault rule (``ampscope.reporter.fault_rule``) called a fault of this
+    rank's own (its own loss or gradients held inf/NaN), by kind; ``None`` from reporters
+    that predate the rule. The loss scaler's weather is never counted."""
+    clean_scale: Scale | None = None
+    """The fault rule's clean scale: the newest scale at which the scaler trained cleanly
+    (``scale_collapse`` measures the fall from it); ``None`` before one, for a watch, and
+    from reporters that predate the rule."""
 
 
 BatchId = (
@@ -386,6 +396,49 @@ class Rerun(_Model):
     second: RerunPass
 
 
+MAX_REPLICA_PARAMETERS = 16
+"""Differing parameters a replica check names at most (the count is always given)."""
+MAX_REPLICA_RANKS = 4096
+"""Disagreeing ranks a replica check lists at most."""
+
+
+class ReplicaCheckResult(_Model):
+    """A replica check (``attach(model, replica_check_every=N)``): this rank's parameters
+    compared bit for bit with the ranks that must hold the same values, after the
+    optimizer step. Every rank of the replica group records the same result."""
+
+    agree: bool
+    """Every replica's fingerprints were equal."""
+    replicas: Annotated[int, Field(ge=2, le=MAX_COUNT)]
+    """Ranks compared (this rank's replica group)."""
+    ranks: list[Annotated[int, Field(ge=0, le=MAX_COUNT)]] = Field(
+        default_factory=list, max_length=MAX_REPLICA_RANKS
+    )
+    """Global ranks that disagree: the minority when a majority agrees, else (two replicas,
+    a tie) every rank of the disagreement. Empty when they agree."""
+    majority: bool = True
+    """A strict majority held every differing value: ``ranks`` are the odd ones out."""
+    parameters: list[ParamName] = Field(default_factory=list, max_length=MAX_REPLICA_PARAMETERS)
+    """Names of the differing parameters (FSDP1: the original parameters), at most
+    ``MAX_REPLICA_PARAMETERS``."""
+    parameters_differing: Count = 0
+    """How many parameters differ."""
+
+
+class NonfiniteCall(_Model):
+    """The fault rule's decision about a non-finite iteration (``ampscope.reporter.fault_rule``),
+    made by the rank from its own scaler's history."""
+
+    kind: NonfiniteClass
+    """``weather`` (the loss scaler's own dynamics), ``fault`` or ``consequence`` (of an
+    earlier non-finite update that was applied)."""
+    reason: CallKind
+    own: bool | None
+    """This rank's own loss or gradients held inf/NaN; ``None``: origin not tracked."""
+    clean_scale: Scale | None
+    """The clean scale the iteration was judged against; ``None``: none yet."""
+
+
 class StepRecord(_Model):
     """One iteration: everything one update() call saw and did on one rank."""
 
@@ -429,6 +482,13 @@ class StepRecord(_Model):
     """The iteration was flagged and rerun (``step(..., rerun=closure)``); ``None`` when not."""
     """The attached model's FP8 layers (torchao ``Float8Linear``) on an observed iteration
     (one in ``fp8_every``); ``None`` on others and without FP8 layers."""
+    replicas: ReplicaCheckResult | None = None
+    """This iteration's replica check (one in ``replica_check_every``); ``None`` on the
+    others and where no parameter has a replica."""
+    nonfinite: NonfiniteCall | None = None
+    """On a non-finite iteration (inf/NaN gradients or loss, on this rank or after the
+    reduction): the fault rule's decision; ``None`` on clean iterations and from reporters
+    that predate the rule."""
 
 
 class IngestBatch(_Model):

@@ -176,6 +176,30 @@ def _fp8_merged(rule: str, reports: Sequence[tuple[str, Mapping[str, Any]]]) -> 
     return out
 
 
+def _replica_merged(reports: Sequence[tuple[str, Mapping[str, Any]]]) -> dict[str, Any]:
+    """``replica_divergence`` over every exporter's: the flagged verdict of the earliest
+    step, preferring the one that names the most devices (the exporter of the minority's
+    node knows its device), naming every exporter that flagged it."""
+    merged = _worst_of("replica_divergence", reports)
+    found = [
+        v
+        for _, report in reports
+        for v in report["verdicts"]
+        if v["rule"] == "replica_divergence" and v["status"] != "ok"
+    ]
+    if not found:
+        return merged
+
+    def rank(v: Mapping[str, Any]) -> tuple[int, int]:
+        evidence = v["evidence"]
+        named = sum("device" in e for e in evidence.get("ranks", []))
+        return (evidence.get("step", 2**62), -named)
+
+    best = min(found, key=rank)
+    evidence = {**merged["evidence"], **best["evidence"]}
+    return {**merged, "summary": best["summary"], "evidence": evidence}
+
+
 def merge_health(
     run: str,
     reports: Sequence[tuple[str, Mapping[str, Any]]],
@@ -192,6 +216,8 @@ def merge_health(
     }
     given = [v["rule"] for _, report in reports for v in report["verdicts"]]
     recomputed.update({rule: _fp8_merged(rule, reports) for rule in FP8_RULES if rule in given})
+    if "replica_divergence" in given:
+        recomputed["replica_divergence"] = _replica_merged(reports)
     verdicts = [
         recomputed.get(rule) or _worst_of(rule, reports)
         for rule in in_report_order([*given, *recomputed])

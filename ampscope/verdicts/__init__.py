@@ -13,6 +13,7 @@ torch nor the server stack, only pydantic and the standard library
 - ``liveness``: ``lost_rank``, ``missing_rank``, ``stalled_rank``.
 - ``failures``: ``rank_failed`` (ranks whose training ended on an exception).
 - ``spikes``: ``loss_spike``, ``grad_norm_spike``, ``origin_outlier``.
+- ``replicas``: ``replica_divergence`` (replicas whose parameters stopped agreeing).
 - ``fp8``: ``fp8_amax_spike``, ``fp8_underflow``, ``fp8_nonfinite_amax`` over FP8 layers'
   series, and their thresholds (``Fp8Rule``).
 - ``rollup``: a run's status, state and state counts from its verdicts and ranks.

@@ -36,6 +36,7 @@ RuleName = Literal[
     "origin_outlier",
     "transient_fault",
     "reproducible_fault",
+    "replica_divergence",
     "fp8_amax_spike",
     "fp8_underflow",
     "fp8_nonfinite_amax",

@@ -209,6 +209,22 @@ def loss_and_gradient_norm() -> list[Panel]:
             ),
             colors=("red", "orange"),
         ),
+        bars(
+            44,
+            "Replica checks that diverged",
+            "Replica checks (attach(model, replica_check_every=N)) whose data-parallel replicas "
+            "held different parameter values after the optimizer step, per scrape interval "
+            'and rank (ampscope_replica_checks_total{result="diverged"}), a series\' first '
+            "check included: silent corruption (AmpscopeReplicaDivergence). Every rank of the "
+            "group counts it; the verdict replica_divergence names the disagreeing rank and "
+            "the parameters, the device offences of kind replica_divergence its device. Empty "
+            "while every check agrees, or without checks.",
+            Query(
+                _counted(per_rank("ampscope_replica_checks_total", 'result="diverged"')),
+                f"diverged: {RANK_LEGEND}",
+            ),
+            colors=("red",),
+        ),
     ]
 
 

@@ -377,3 +377,52 @@ def test_reruns_panel_counts_a_series_first_rerun(
         check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.prometheus
+def test_replica_panel_draws_diverged_checks_a_series_first_included(
+    dashboard: dict[str, Any], tmp_path: Path
+) -> None:
+    """ampscope_replica_checks_total{result="diverged"} appears at 1 (exposed once
+    non-zero): the panel shows it from that first sample; agreeing checks draw nothing."""
+    (panel,) = [p for p in panels(dashboard) if p["id"] == 44]
+    assert panel["title"] == "Replica checks that diverged"
+    (target,) = panel["targets"]
+    assert 'result="diverged"' in target["expr"]
+    labels = 'run="r",node="n0",rank="2",local_rank="0"'
+    rules = tmp_path / "panel.yml"
+    recorded = [{"record": "panel:diverged", "expr": substitute(target["expr"])}]
+    rules.write_text(yaml.safe_dump({"groups": [{"name": "panel", "rules": recorded}]}))
+    # Agreeing checks from the start; the first diverged check at 1m, the next at 2m15s.
+    series = [
+        {"series": f'ampscope_replica_checks_total{{{labels},result="agree"}}',
+         "values": "1+1x40"},
+        {"series": f'ampscope_replica_checks_total{{{labels},result="diverged"}}',
+         "values": "_x4 1x4 2x30"},
+    ]  # fmt: skip
+    named = f'panel:diverged{{{labels},result="diverged"}}'
+    one = [{"labels": named, "value": 1}]
+    checks = [
+        {"expr": "panel:diverged", "eval_time": "45s", "exp_samples": []},
+        {"expr": "panel:diverged", "eval_time": "1m", "exp_samples": one},  # its first sample
+        {"expr": "panel:diverged", "eval_time": "2m30s", "exp_samples": one},  # increase()
+    ]
+    tests = tmp_path / "panel-test.yml"
+    tests.write_text(
+        yaml.safe_dump(
+            {
+                "rule_files": [rules.name],
+                "evaluation_interval": "15s",
+                "tests": [{"interval": "15s", "input_series": series, "promql_expr_test": checks}],
+            }
+        )
+    )
+    result = subprocess.run(
+        [need_tool("promtool"), "test", "rules", tests.name],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr

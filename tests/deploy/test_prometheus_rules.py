@@ -40,6 +40,7 @@ ALERTS = {
     "AmpscopeOriginOutlier",
     "AmpscopeTransientFault",
     "AmpscopeReproducibleFault",
+    "AmpscopeReplicaDivergence",
     "AmpscopeRepeatOffenderDevice",
     "AmpscopeFp8NonfiniteAmax",
     "AmpscopeFp8Underflow",

@@ -125,6 +125,7 @@ def test_a_repeat_offender_is_listed_first_with_its_dcgm_errors_and_exit_1(
         "nonfinite_origin": 2,
         "origin_outlier": 1,
         "transient_fault": 0,
+        "replica_divergence": 0,
     }
     assert listed[0]["last_run"] == "r2"
     assert listed[0]["dcgm"] == {"DCGM_FI_DEV_XID_ERRORS": 79.0}
@@ -136,10 +137,10 @@ def test_a_repeat_offender_is_listed_first_with_its_dcgm_errors_and_exit_1(
     header = next(line for line in lines if "DEVICE" in line)
     assert header.split() == [
         "DEVICE", "NODE", "RUNS", "NONFINITE_ORIGIN", "ORIGIN_OUTLIER", "TRANSIENT_FAULT",
-        "LAST", "RUN", "LAST", "OFFENCE", "DCGM",
+        "REPLICA_DIVERGENCE", "LAST", "RUN", "LAST", "OFFENCE", "DCGM",
     ]  # fmt: skip
     first = lines[lines.index(header) + 1].split()
-    assert first[:8] == ["!", "GPU-aa", "n1", "2", "2", "1", "0", "r2"]
+    assert first[:9] == ["!", "GPU-aa", "n1", "2", "2", "1", "0", "0", "r2"]
     assert first[-1] == "xid_errors=79"
     assert "1 device(s) offended in 2 or more runs (!)" in table.stdout
 

@@ -185,6 +185,7 @@ def test_ranks_count_while_their_last_report_is_within_the_window() -> None:
         "origin_outlier": "ok",
         "transient_fault": "ok",
         "reproducible_fault": "ok",
+        "replica_divergence": "ok",
     }
     assert report.status == "critical"
 

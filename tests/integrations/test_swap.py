@@ -64,3 +64,13 @@ def test_scaling_arguments_are_not_telemetry_options() -> None:
         check_options({"growth_interval": 10})
     with pytest.raises(ValueError, match="top_k"):
         check_options({"top_k": 0})
+
+
+def test_the_replica_check_travels_with_the_integrations_options() -> None:
+    check_options({"replica_check_every": 50})
+    with pytest.raises(ValueError, match="replica_check_every"):
+        check_options({"replica_check_every": -1})
+    swapped = twin(torch.amp.GradScaler("cpu"), {"reporter": None, "replica_check_every": 7})
+    assert swapped is not None
+    assert swapped._ampscope_config.replica_check_every == 7
+    swapped.close()

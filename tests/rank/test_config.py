@@ -22,6 +22,9 @@ from ampscope.reporter.sinks import CallbackSink
         ({"min_scale": 8.0, "max_scale": 4.0}, "exceeds"),
         ({"run_id": "has space"}, "run_id"),
         ({"run_id": "x" * 129}, "run_id"),
+        ({"replica_check_every": -1}, "replica_check_every"),
+        ({"replica_check_every": 2.5}, "replica_check_every"),
+        ({"replica_check_every": True}, "replica_check_every"),
     ],
 )
 def test_invalid_values(kwargs: dict[str, object], error: str) -> None:
@@ -80,3 +83,12 @@ def test_each_front_end_takes_its_options_and_refuses_others() -> None:
         ampscope.GradScaler("cpu", 2.0, 2.0, 0.5, 10, True, None)  # type: ignore[call-arg, misc]
     watch.close()
     scaler.close()
+
+
+def test_replica_check_every_is_validated_by_attach_too() -> None:
+    from torch import nn
+
+    watch = ampscope.GradWatch(reporter=None, replica_check_every=0)  # 0: never
+    with pytest.raises(ValueError, match="replica_check_every"):
+        watch.attach(nn.Linear(2, 2), replica_check_every=-3)
+    watch.close()

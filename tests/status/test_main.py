@@ -28,10 +28,11 @@ def exporter() -> Iterator[str]:
     process.start()
     try:
         # 12 steps each: 4 skipped of 12 is a skip storm (scale 2^10 -> 2^6, no collapse);
-        # 9 backoffs in a row take 2^10 to 2^1, a fall of 2^9: a collapse.
+        # 3 clean steps make 2^10 the clean scale, then 9 backoffs in a row take it to 2^1,
+        # a fall of 2^9 from the scale the run trained cleanly at: a collapse.
         train_scaler(process.url, "calm", 12, set())
         train_scaler(process.url, "stormy", 12, {3, 6, 9, 12})
-        train_scaler(process.url, "collapsed", 12, set(range(2, 11)))
+        train_scaler(process.url, "collapsed", 12, set(range(4, 13)))
         deadline = time.monotonic() + DEADLOCK_GUARD_S
         while True:
             runs_url = process.url + "/api/v1/runs"

@@ -198,3 +198,32 @@ def test_fp8_verdicts_of_calm_exporters_count_every_series_and_a_run_without_fp8
     assert "exporters" not in verdicts["fp8_amax_spike"]["evidence"]
     plain = merge_health("r", [("http://n0", _report()), ("http://n1", _report())], views)
     assert not [v for v in plain["verdicts"] if v["rule"].startswith("fp8_")]
+
+
+def test_replica_divergence_takes_the_exporter_that_names_the_minoritys_device() -> None:
+    # Node 0's exporter holds ranks 0-1, which only know rank 2 by number; node 1's holds
+    # rank 2 itself and names its device. Both saw the divergence at step 300.
+    far = _verdict(
+        "replica_divergence", "critical", "rank 2 disagree(s)", step=300, ranks=[{"rank": 2}]
+    )
+    near = _verdict(
+        "replica_divergence",
+        "critical",
+        "rank 2 (device GPU-2) disagree(s)",
+        step=300,
+        ranks=[{"rank": 2, "node": "n1", "device": "GPU-2"}],
+    )
+    views = merge_ranks([[_view(0, "n0"), _view(1, "n0")], [_view(2, "n1"), _view(3, "n1")]])
+    for order in (
+        [("http://n0", far), ("http://n1", near)],
+        [("http://n1", near), ("http://n0", far)],
+    ):
+        reports = [
+            (url, {**_report(), "verdicts": [*_report()["verdicts"], v]}) for url, v in order
+        ]
+        merged = {v["rule"]: v for v in merge_health("r", reports, views)["verdicts"]}
+        verdict = merged["replica_divergence"]
+        assert verdict["status"] == "critical"
+        assert verdict["summary"] == "rank 2 (device GPU-2) disagree(s)"
+        assert verdict["evidence"]["ranks"] == [{"rank": 2, "node": "n1", "device": "GPU-2"}]
+        assert [e["url"] for e in verdict["evidence"]["exporters"]] == [u for u, _ in order]

@@ -92,6 +92,20 @@ class Fp8SeriesView(BaseModel):
     nonfinite: Fp8Event | None = Field(description="The newest non-finite amax.")
 
 
+class ReplicaChecksView(BaseModel):
+    """A rank's replica checks (``attach(model, replica_check_every=N)``)."""
+
+    agree: int
+    diverged: int
+    first_diverged_step: int | None = Field(
+        default=None, description="Step of the first check whose replicas disagreed."
+    )
+    ranks: list[int] = Field(
+        default=[], description="The ranks that disagreed at that check (the minority)."
+    )
+    parameters: list[str] = Field(default=[], description="The parameters that differed.")
+
+
 class RankView(BaseModel):
     """A rank's current state, from its newest record."""
 
@@ -140,6 +154,11 @@ class RankView(BaseModel):
     fp8: list[Fp8SeriesView] = Field(
         default=[],
         description="Every FP8 layer's tensors (torchao Float8Linear), when the rank has any.",
+    )
+    replica_checks: ReplicaChecksView | None = Field(
+        default=None,
+        description="Its replica group's checks (attach(model, replica_check_every=N)) "
+        "since its process started; null when it ran none.",
     )
 
 

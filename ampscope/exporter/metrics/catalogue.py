@@ -16,10 +16,11 @@ RANK_LABELS = ("run", "node", "rank", "local_rank")
 DEVICE_LABELS = ("run", "device", "node")
 """Labels of the per-device families: ``device`` as ``ampscope_rank_info`` names it."""
 
-OFFENCE_KINDS = ("nonfinite_origin", "origin_outlier", "transient_fault")
+OFFENCE_KINDS = ("nonfinite_origin", "origin_outlier", "transient_fault", "replica_divergence")
 """Offences ``ampscope_device_offences_total`` counts (its ``kind``): the rank's own
 gradients held inf/NaN (a rerun that reproduced them says the data did it: not counted), its
-own gradient norm stood out, or a rerun did not reproduce its flagged result."""
+own gradient norm stood out, or a rerun did not reproduce its flagged result; or a majority
+of its replicas outvoted its parameters (``replica_divergence``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,6 +103,13 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "that no store can pair a new step with an old scale: step + (log2(scale) + 1024) / "
         "2048. floor() is the step, 2 ^ ((x - floor(x)) * 2048 - 1024) the scale (within a "
         "factor of 1.0007 below step 2**31). What AmpscopeScaleDesync compares.",
+    ),
+    _rank(
+        "ampscope_loss_scale_clean",
+        "gauge",
+        "The fault rule's clean scale: the newest scale at which the rank's scaler trained "
+        "cleanly; an overflow at or below it is a fault, and scale_collapse measures the fall "
+        "from it. Absent during the warm-up (no clean scale yet).",
     ),
     _rank(
         "ampscope_loss",
@@ -192,6 +200,18 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "scalers and for the skip and raise policies.",
     ),
     _rank(
+        "ampscope_faults_total",
+        "counter",
+        "Iterations the fault rule called a fault of the rank's own loss or gradients, by "
+        "kind: nonfinite_loss, nonfinite_gradients (no loss scaler), overflow_at_clean_scale "
+        "(an overflow at or below the scale at which the run recently trained cleanly), "
+        "transient (a rerun did not reproduce it), reproducible (a rerun reproduced it: the "
+        "data). The loss scaler's own backoffs (warm-up, probing upward) and the "
+        "consequences of an earlier applied update are never counted (docs/scalers.md). "
+        "Exposed for every kind once the rank's reporter applies the rule.",
+        "kind",
+    ),
+    _rank(
         "ampscope_spikes_total",
         "counter",
         "Spike iterations the exporter found for the rank, by kind: loss and grad_norm (the "
@@ -209,6 +229,16 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "(the rerun did not reproduce it: suspect the rank's device), reproducible (it did: "
         "the data or the numerics). Counted from the exporter's start, or the rank "
         "process's; each result exposed once non-zero.",
+        "result",
+    ),
+    _rank(
+        "ampscope_replica_checks_total",
+        "counter",
+        "Replica checks (attach(model, replica_check_every=N)) of the rank's replica group, "
+        "by result: agree (every replica's parameters were bit-identical after the optimizer "
+        "step), diverged (some replica's were not: silent corruption). Every rank of the "
+        "group counts each check of the group. Counted from the exporter's start, or the "
+        "rank process's; each result exposed once non-zero.",
         "result",
     ),
     _rank(
@@ -266,7 +296,9 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "origin_outlier (its own gradient norm stood out, as ampscope_spikes_total counts "
         "it), transient_fault (a rerun from the same batch did not reproduce its flagged "
         'result, as ampscope_reruns_total{result="transient"} counts it). Exposed once '
-        "non-zero; the ranks of a run that share a device are summed.",
+        "non-zero; the ranks of a run that share a device are summed. Also "
+        "replica_divergence (a majority of the rank's replicas held other parameter values "
+        "at a replica check).",
         labels=(*DEVICE_LABELS, "kind"),
     ),
     MetricSpec(

@@ -22,6 +22,7 @@ from ampscope.exporter.state.lifecycle import Lifecycle
 from ampscope.exporter.state.ranks import RankSnapshot
 from ampscope.exporter.state.spike_windows import SPIKE_KINDS
 from ampscope.exporter.state.store import Store
+from ampscope.reporter.fault_rule import DEVICE_FAULT_KINDS, FAULT_KINDS
 from ampscope.verdicts import aligned
 from ampscope.verdicts.ranks import STATES, is_scaler
 from ampscope.verdicts.thresholds import Thresholds
@@ -79,11 +80,16 @@ def device_families(snaps: Iterable[RankSnapshot]) -> list[Metric]:
         who = snap.identity
         key = (who.run, device_labels(snap)[0], who.node)
         # A reproduced rerun said the data did it: its origin detections are not the device's.
-        origins = sum(snap.newest.totals.found_inf_origin.values()) - snap.rerun_data_origins
+        faults = snap.newest.totals.faults
+        if faults is None:  # a reporter that predates the fault rule
+            origins = sum(snap.newest.totals.found_inf_origin.values()) - snap.rerun_data_origins
+        else:  # the rank's own faults, before a rerun told the device from the data
+            origins = sum(n for kind, n in faults.items() if kind in DEVICE_FAULT_KINDS)
         offences: tuple[tuple[str, int], ...] = (
             ("nonfinite_origin", max(0, origins)),
             ("origin_outlier", snap.spike_counts.origin_outlier),
             ("transient_fault", snap.rerun_counts.transient),
+            ("replica_divergence", snap.replica_offences),
         )
         for kind, count in offences:
             if count:
@@ -231,6 +237,8 @@ class StoreCollector(Collector):
                     aligned.pack(totals.aligned_scale.step, float(totals.aligned_scale.scale)),
                 )
             )
+        if scaler and totals.clean_scale is not None:
+            rows.append(("ampscope_loss_scale_clean", labels, float(totals.clean_scale)))
         rows.append(("ampscope_last_report_timestamp_seconds", labels, float(snap.last_report)))
         rows += self.time_rows(snap, now)
         rows += [
@@ -251,6 +259,11 @@ class StoreCollector(Collector):
         rows.append(
             ("ampscope_nonfinite_updates_applied_total", labels, float(totals.nonfinite_applied))
         )
+        if totals.faults is not None:
+            for fault in FAULT_KINDS:
+                rows.append(
+                    ("ampscope_faults_total", [*labels, fault], float(totals.faults.get(fault, 0)))
+                )
         if stats is not None:
             counts = snap.spike_counts
             for kind in SPIKE_KINDS:
@@ -260,6 +273,9 @@ class StoreCollector(Collector):
         for result, count in snap.rerun_counts._asdict().items():
             if count:  # none in a healthy fleet: no series (docs/deployment.md, Sizing)
                 rows.append(("ampscope_reruns_total", [*labels, result], float(count)))
+        for result, count in snap.replica_counts._asdict().items():
+            if count:  # ranks that check expose agree; diverged once one diverged
+                rows.append(("ampscope_replica_checks_total", [*labels, result], float(count)))
         if snap.fp8:
             chosen = exported(snap.fp8, self._store.fp8_rule.max_layers, now, self._fp8_window_s)
             for series in chosen:

@@ -5,9 +5,10 @@ Per run, ``BatchLedger`` keeps each rank's ids of its most recent ``RECENT_STEPS
 every flagged (step, rank) with its reasons and ids, at most ``MAX_SUSPECTS`` per run
 (the oldest dropped first, counted). A step is flagged on a rank when:
 
-- ``nonfinite_origin``: the rank's own gradients held inf/NaN before the reduction;
-- ``skipped_step``: the step was skipped and origin tracking is off on the rank, so any
-  rank's batch may be the cause;
+- ``nonfinite_origin``: the fault rule (``ampscope.reporter.fault_rule``) called the step a
+  fault of the rank's own loss or gradients (the loss scaler's weather is never flagged);
+- ``skipped_step``: a fault's step was skipped and origin tracking is off on the rank, so
+  any rank's batch may be the cause;
 - ``nonfinite_update_applied``: the rank's first optimizer step on inf/NaN gradients;
 - ``reproducible_fault``, ``transient_fault``: the step was rerun and the rank's own
   flagged result was, or was not, reproduced;
@@ -22,6 +23,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from ampscope.exporter.state.spike_windows import ORIGIN_STEPS
+from ampscope.reporter.fault_rule import DEVICE_FAULT_KINDS
 from ampscope.reporter.schema import BatchIds, StepRecord
 
 RECENT_STEPS = ORIGIN_STEPS
@@ -59,12 +61,26 @@ class Suspect:
 
 
 def record_reasons(record: StepRecord) -> list[str]:
-    """The reasons a record flags its own step for, without the spike rules."""
+    """The reasons a record flags its own step for, without the spike rules.
+
+    Where the record carries the fault rule's decision (``record.nonfinite``), only a fault
+    flags the step: the loss scaler's weather and the consequences of an earlier applied
+    update do not. Records of reporters that predate the rule flag every inf/NaN step.
+    """
     reasons = []
-    if any(record.found_inf_origin.values()):
-        reasons.append("nonfinite_origin")
-    if record.skipped and not record.found_inf_origin:
-        reasons.append("skipped_step")
+    call = record.nonfinite
+    if call is not None or record.totals.faults is not None:
+        # A rerun's fault (transient, reproducible) is flagged by the rerun's reason below.
+        fault = call is not None and call.kind == "fault" and call.reason in DEVICE_FAULT_KINDS
+        if fault and call is not None and call.own:
+            reasons.append("nonfinite_origin")
+        if fault and call is not None and call.own is None and record.skipped:
+            reasons.append("skipped_step")
+    else:
+        if any(record.found_inf_origin.values()):
+            reasons.append("nonfinite_origin")
+        if record.skipped and not record.found_inf_origin:
+            reasons.append("skipped_step")
     first = record.totals.first_nonfinite_applied
     if first is not None and first.step == record.step:
         reasons.append("nonfinite_update_applied")

@@ -42,6 +42,13 @@ from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 from ampscope.exporter.state.fp8_series import Fp8Series, RankFp8
+from ampscope.exporter.state.replicas import (
+    NO_REPLICA_CHECKS,
+    Divergence,
+    RankReplicas,
+    ReplicaCounts,
+    replica_offended,
+)
 from ampscope.exporter.state.reruns import (
     NO_RERUNS,
     RankReruns,
@@ -50,6 +57,7 @@ from ampscope.exporter.state.reruns import (
     device_offended,
 )
 from ampscope.exporter.state.spike_windows import RankSpikes, SpikeCounts, SpikeEvent
+from ampscope.reporter.fault_rule import FAULT_KINDS
 from ampscope.reporter.schema import (
     DeviceIdentity,
     Heartbeat,
@@ -179,9 +187,10 @@ class Sample(NamedTuple):
     counts: WindowCounts
     """Counters of the newest record after the batch."""
     scale: float
-    """scale_after of that record."""
+    """The scale ``scale_collapse`` measures from as of that record (``collapse_reference``:
+    its clean scale, else its scale after ``update()``)."""
     peak_scale: float
-    """Highest scale (before or after) of the records the batch advanced through."""
+    """Highest ``collapse_reference`` of the records the batch advanced through."""
 
 
 class SkipEvent(NamedTuple):
@@ -244,6 +253,13 @@ class RankSnapshot:
     rerun_data_origins: int = 0
     """Origin detections of steps whose rerun reproduced the rank's flagged result (the
     data's): left out of the device's ``nonfinite_origin`` offences."""
+    replica_counts: ReplicaCounts = NO_REPLICA_CHECKS
+    """Replica checks of its group, by result (``ampscope_replica_checks_total``)."""
+    replica_divergence: Divergence | None = None
+    """The first check of its current process whose replicas disagreed."""
+    replica_offences: int = 0
+    """Diverged checks in which a majority of its replicas outvoted it (its device's
+    ``replica_divergence`` offences)."""
 
     @property
     def identity(self) -> Identity:
@@ -253,6 +269,18 @@ class RankSnapshot:
         """Whether the rank's last report is at most ``seconds`` old: with the stale TTL,
         the one definition of a rank being up (``ampscope_rank_up``, the API, health)."""
         return now - self.last_report <= seconds
+
+
+def collapse_reference(record: StepRecord, *, after: bool = False) -> float:
+    """The scale ``scale_collapse`` measures a fall from, as one record tells it: the fault
+    rule's clean scale (the scale at which the run trained cleanly: a warm-up from a high
+    ``init_scale``, or a probe upward, is no height to fall from), 0 while there is none
+    yet; a record of a reporter that predates the rule, its scales (``after``: its scale
+    after ``update()`` alone)."""
+    totals = record.totals
+    if totals.faults is not None:
+        return 0.0 if totals.clean_scale is None else totals.clean_scale
+    return record.scale_after if after else max(record.scale_before, record.scale_after)
 
 
 def series_of(record: StepRecord) -> int:
@@ -267,6 +295,8 @@ def series_of(record: StepRecord) -> int:
         + len(totals.found_inf_local)
         + len(totals.found_inf_origin)
         + len(totals.nonfinite_params)
+        + (0 if totals.faults is None else len(FAULT_KINDS))
+        + (1 if scaler and totals.clean_scale is not None else 0)
         + (
             0
             if stats is None
@@ -385,6 +415,7 @@ class RankState:
         self.spikes = RankSpikes(spike_rule or SpikeRule())
         self.fp8 = RankFp8(fp8_rule or Fp8Rule())
         self.reruns = RankReruns()
+        self.replicas = RankReplicas()
         self.newest: StepRecord | None = None
         self.last_report = 0.0
         self.dropped_records = 0
@@ -412,6 +443,7 @@ class RankState:
         Contract: the rank holds a record. O(devices)."""
         assert self.newest is not None
         reruns = sum(count > 0 for count in self.reruns.counts)
+        reruns += sum(count > 0 for count in self.replicas.counts)
         return series_of(self.newest) + (self.failure is not None) + self.fp8.exposed() + reruns
 
     def newest_after(self, records: list[StepRecord], now: float) -> StepRecord:
@@ -452,7 +484,7 @@ class RankState:
                 if outcome == "restart":
                     restarted, peak = True, 0.0
                 advanced = True
-                peak = max(peak, record.scale_before, record.scale_after)
+                peak = max(peak, collapse_reference(record))
         if accepted == 0:
             return 0, ignored
         self.last_report = now
@@ -531,14 +563,14 @@ class RankState:
             Sample(
                 received=now,
                 counts=WindowCounts.of(self.newest.totals),
-                scale=self.newest.scale_after,
+                scale=collapse_reference(self.newest, after=True),
                 peak_scale=peak,
             )
         )
 
     def _apply(self, record: StepRecord, now: float) -> _Outcome:
         outcome = _classify(record, self.newest, self._process_start)
-        if outcome != "ignored" and device_offended(record):
+        if outcome != "ignored" and (device_offended(record) or replica_offended(record)):
             self.note_offence(record.time)
         if outcome == "newest":
             if self.newest is None:
@@ -548,6 +580,7 @@ class RankState:
             self.spikes.observe(record, now)
             self.fp8.observe(record, now)
             self.reruns.observe(record, now)
+            self.replicas.observe(record, now)
         elif outcome == "restart":
             self._process_start = min(record.time, now)
             self.restarts += 1
@@ -559,12 +592,14 @@ class RankState:
             self.last_skip = None
             self.fp8.reset()
             self.reruns.reset()
+            self.replicas.reset()
             self.newest = record
             self.first_step = record.step
             self._append(HeldRecord.of(record))
             self.spikes.observe(record, now)
             self.fp8.observe(record, now)
             self.reruns.observe(record, now)
+            self.replicas.observe(record, now)
         elif outcome == "late" and not self._insert_late(record):
             return "ignored"
         if record.skipped and (self.last_skip is None or record.step > self.last_skip.step):
@@ -639,4 +674,7 @@ class RankState:
             rerun_counts=self.reruns.counts,
             reruns=tuple(self.reruns.recent),
             rerun_data_origins=self.reruns.data_origins,
+            replica_counts=self.replicas.counts,
+            replica_divergence=self.replicas.first,
+            replica_offences=self.replicas.offences,
         )

@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, get_args
 
+from ampscope.reporter.fault_rule import device_offence
 from ampscope.reporter.schema import StepRecord
 
 RerunResult = Literal["transient", "reproducible"]
@@ -94,8 +95,15 @@ class RankReruns:
 
 def device_offended(record: StepRecord) -> bool:
     """Whether ``record``'s step is an offence of its rank's device as the record alone
-    tells: its own gradients held inf/NaN (origin tracking) and no rerun reproduced that,
-    or its flagged result was not reproduced by the rerun (a transient fault)."""
+    tells: the fault rule called it a fault of the rank's own that no rerun reproduced
+    (``fault_rule.device_offence``). A record of a reporter that predates the rule: its own
+    gradients held inf/NaN (origin tracking) and no rerun reproduced that, or its flagged
+    result was not reproduced by the rerun (a transient fault)."""
+    call = record.nonfinite
+    if call is not None:
+        return device_offence(call.kind, call.reason, call.own)
+    if record.totals.faults is not None:
+        return False  # the fault rule saw no inf/NaN (or a spike rerun reproduced)
     rerun = record.rerun
     if rerun is not None and rerun.flagged:
         return not rerun.reproduced

@@ -61,6 +61,7 @@ class PendingStep:
         "optimizers",
         "origin_devices",
         "ready",
+        "replicas",
         "rerun",
         "setup",
         "snapshot",
@@ -130,6 +131,9 @@ class PendingStep:
         self.fp8: Any = None
         self.rerun: Any = None
         """The iteration's rerun (``ampscope.rank.frontends.rerun.RerunOutcome``), if any."""
+        self.replicas: Any = None
+        """The iteration's replica check (``ampscope.rank.replicas.check.ReplicaOutcome``),
+        if any."""
         """What names ``extra``'s values (``ampscope.rank.fp8.observer.Fp8Taken``)."""
 
     def read(self) -> list[float]:

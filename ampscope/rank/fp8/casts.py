@@ -115,6 +115,10 @@ def _counts(
     # counts. abs in the tensor's dtype, compared in float32 (the threshold has a dim, so it
     # sets the comparison's dtype), those above it zeroed in place.
     nonzero = torch.count_nonzero(tensor).float().reshape(1)
+    # An inf/NaN amax gives no threshold: nothing counts as underflowed (a NaN threshold
+    # would keep every element below it, and count them all). One op on the threshold's
+    # few elements.
+    threshold = torch.nan_to_num(threshold, nan=-1.0, posinf=-1.0, neginf=-1.0)
     magnitude = tensor.abs()
     magnitude.masked_fill_(magnitude > threshold, 0.0)
     underflowed = torch.count_nonzero(magnitude).float().reshape(1)

@@ -200,6 +200,11 @@ class Fp8Observer:
         )
         return vector, taken
 
+    def restart(self) -> None:
+        """Forget what the open iteration observed so far, keeping it armed: a rerun's
+        second pass replaces the first, and the record describes that pass alone. O(1)."""
+        self._values = {}
+
     # -- hooks ---------------------------------------------------------------------------
 
     def _add(self, layer: _Layer, tensor: Fp8TensorName, cast: CastName, stats: CastStats) -> None:

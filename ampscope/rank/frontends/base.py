@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ampscope.rank import compat
-from ampscope.rank.config import TelemetryConfig, check_fp8_every
+from ampscope.rank.config import TelemetryConfig, check_fp8_every, check_replica_check_every
 from ampscope.rank.frontends.rerun import Checks, Closure, Rerun, RerunOutcome, agree_flagged
 from ampscope.rank.gradients.names import ParamNames
 from ampscope.rank.gradients.stats import GradStats, SquareSumReduce, TakenStats
@@ -32,6 +32,7 @@ from ampscope.reporter.schema import Identity
 
 if TYPE_CHECKING:
     from ampscope.rank.fp8.observer import Fp8Observer
+    from ampscope.rank.replicas.check import ReplicaCheck, ReplicaOutcome
 
 logger = logging.getLogger("ampscope")
 
@@ -50,6 +51,7 @@ OWN_ATTRIBUTES = (
     "_ampscope_errors",
     "_ampscope_stats",
     "_ampscope_fp8",
+    "_ampscope_replicas",
 )
 """Attributes a front-end adds; dropped when it is pickled (threads, hooks, sinks)."""
 
@@ -82,6 +84,7 @@ class TelemetryFrontEnd(failure.ClosedByWith):
     _ampscope_errors: int
     _ampscope_stats: GradStats | None
     _ampscope_fp8: Fp8Observer | None
+    _ampscope_replicas: ReplicaCheck | None
 
     def _ampscope_start(
         self, config: TelemetryConfig, enabled: bool, reduce: SquareSumReduce | None = None
@@ -93,6 +96,7 @@ class TelemetryFrontEnd(failure.ClosedByWith):
             history=config.history,
             top_k=config.top_k,
             spike_rule=config.spike_rule,
+            fault_rule=config.fault_rule,
         )
         self._ampscope_capture = None
         # Closed after observing: it still takes part in the ranks' rerun agreement.
@@ -103,6 +107,7 @@ class TelemetryFrontEnd(failure.ClosedByWith):
         self._ampscope_origin_handles = []
         self._ampscope_errors = 0
         self._ampscope_fp8 = None
+        self._ampscope_replicas = None
         self._ampscope_last_rerun: RerunOutcome | None = None
         self._ampscope_rerun_pending: RerunOutcome | None = None
         """The rerun of the iteration update() closes, for its record."""
@@ -128,7 +133,12 @@ class TelemetryFrontEnd(failure.ClosedByWith):
         return self._ampscope_last_rerun
 
     def attach(
-        self, model: nn.Module, track_origin: bool = False, *, fp8_every: int | None = None
+        self,
+        model: nn.Module,
+        track_origin: bool = False,
+        *,
+        fp8_every: int | None = None,
+        replica_check_every: int | None = None,
     ) -> None:
         """Name ``model``'s parameters in records; optionally track found-inf origin;
         observe its FP8 layers.
@@ -150,16 +160,30 @@ class TelemetryFrontEnd(failure.ClosedByWith):
                 one in this many; ``None``: the front-end's ``fp8_every`` option. An
                 observed iteration costs three reductions and three elementwise passes
                 over each cast tensor, on its device, and no sync.
+            replica_check_every: Compare the parameters bit for bit with their replicas
+                (DDP; FSDP2 on a replicate x shard mesh; FSDP1 ``HYBRID_SHARD``) after the
+                optimizer step, in ``update()``, on one iteration in this many; 0: never;
+                ``None``: the front-end's option. Every rank must attach with the same
+                value. A check costs two kernels per 2**24 parameter elements, one small
+                all-gather over the replica group and one host read; other iterations
+                cost nothing (docs/silent-corruption.md). Attach again after replacing a
+                parameter's ``.data``.
 
         Raises:
             TypeError, ValueError: from ``install_origin_hooks`` when the model runs no
                 supported gradient collective; ValueError: ``fp8_every`` is not a
-                positive int.
+                positive int, or ``replica_check_every`` not an int >= 0.
         """
         every = check_fp8_every(self._ampscope_config.fp8_every if fp8_every is None else fp8_every)
+        replica_every = check_replica_check_every(
+            self._ampscope_config.replica_check_every
+            if replica_check_every is None
+            else replica_check_every
+        )
         self._ampscope_names.attach(model)
         if self._ampscope_capture is not None:
             self._ampscope_attach_fp8(model, every)
+            self._ampscope_attach_replicas(model, replica_every)
         stats = self._ampscope_stats
         if stats is not None:
             from ampscope.rank.gradients.origin_hooks import fsdp1_gradient_group
@@ -226,6 +250,7 @@ class TelemetryFrontEnd(failure.ClosedByWith):
         fp8, self._ampscope_fp8 = self._ampscope_fp8, None
         if fp8 is not None:
             fp8.close()
+        self._ampscope_replicas = None
         self._ampscope_telemetry.close(timeout)
 
     # -- internals -----------------------------------------------------------------------
@@ -237,10 +262,13 @@ class TelemetryFrontEnd(failure.ClosedByWith):
         closure: Closure,
         rtol: float,
         group: Any = None,
+        scale: torch.Tensor | None = None,
     ) -> bool:
         """Agree whether the iteration is flagged and, if so, rerun it
-        (:class:`~ampscope.rank.frontends.rerun.Rerun`): whether it was rerun. Exceptions
-        of the closure reach the caller, as any of the loop's own code."""
+        (:class:`~ampscope.rank.frontends.rerun.Rerun`): whether it was rerun. ``scale``:
+        a scaler's scale tensor, compared on the device with the fault rule's clean scale
+        (an overflow above it is weather, never rerun). Exceptions of the closure reach the
+        caller, as any of the loop's own code."""
         if self._ampscope_rerun_pending is not None:
             # The closure recomputed every gradient and an optimizer already stepped on
             # them: a second rerun would compare a different iteration.
@@ -264,23 +292,45 @@ class TelemetryFrontEnd(failure.ClosedByWith):
             group=group,
             thresholds=thresholds,
             on_failure=self._ampscope_failed,
+            scale=scale,
+            fault_threshold=self._ampscope_telemetry.fault_threshold(),
+            consequences=self._ampscope_telemetry.nonfinite_applied,
         )
         if not check.flagged():
             return False
-        self._ampscope_last_rerun = self._ampscope_rerun_pending = check.run(closure)
+        batches = self._ampscope_telemetry.batches
+        first_ids: tuple[list[Any], int] = ([], 0)
+
+        def second_pass() -> Any:
+            # One reset before the second pass: the record describes that pass alone
+            # (Rerun.run already dropped the first pass's stats and origin flags).
+            nonlocal first_ids
+            fp8 = self._ampscope_fp8
+            if fp8 is not None:
+                fp8.restart()
+            first_ids = batches.restart_pass()
+            return closure()
+
+        try:
+            self._ampscope_last_rerun = self._ampscope_rerun_pending = check.run(second_pass)
+        finally:
+            batches.end_pass(first_ids)
         return True
 
-    def _ampscope_rerun_closed(self, closure: Closure, group: Any = None) -> None:
+    def _ampscope_rerun_closed(self, closure: Closure, group: Any = None) -> bool:
         """A closed front-end's part in the rerun: ranks that still observe agree on every
         iteration with a closure, so this one takes part with a zero flag and, when another
         rank flagged the iteration, calls the closure once (its collectives pair with
-        theirs). Nothing is compared: a closed front-end records nothing. A front-end
-        disabled from the start (or unpickled) takes no part: all ranks are alike there."""
+        theirs): whether it did. Nothing is compared: a closed front-end records nothing. A
+        front-end disabled from the start (or unpickled) takes no part: all ranks are alike
+        there."""
         if not self._ampscope_closed:
-            return
+            return False
         if agree_flagged(torch.zeros(1), group) > 0:
             with torch.enable_grad():
                 closure()
+            return True
+        return False
 
     def _ampscope_attach_fp8(self, model: nn.Module, every: int) -> None:
         """Observe ``model``'s ``Float8Linear`` layers (replacing an earlier attach's)."""
@@ -292,6 +342,29 @@ class TelemetryFrontEnd(failure.ClosedByWith):
         layers = float8_layers(model)
         if layers:
             self._ampscope_fp8 = Fp8Observer(layers, every, compat.float8_sharded_weights(model))
+
+    def _ampscope_attach_replicas(self, model: nn.Module, every: int) -> None:
+        """Check ``model``'s parameters against their replicas (replacing an earlier
+        attach's check); nothing when ``every`` is 0 or no parameter has a replica."""
+        self._ampscope_replicas = None
+        if every:
+            from ampscope.rank.replicas.check import ReplicaCheck
+
+            check = ReplicaCheck(model, every)
+            self._ampscope_replicas = check if check.compares else None
+
+    def _ampscope_check_replicas(self) -> ReplicaOutcome | None:
+        """The replica check after this iteration's optimizer step (``None``: not a
+        checking iteration, or nothing to compare). Call once per ``update()`` on every
+        rank. Never raises."""
+        check = self._ampscope_replicas
+        if check is None:
+            return None
+        try:
+            return check.after_step()
+        except Exception:
+            self._ampscope_failed()
+            return None
 
     def _ampscope_take_fp8(self) -> tuple[torch.Tensor, Any] | None:
         """The closing iteration's FP8 values and their names (``None``: not observed);

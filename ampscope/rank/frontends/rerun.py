@@ -136,12 +136,15 @@ def same_value(first: float | None, second: float | None, rtol: float) -> bool:
 
 
 def compare(first: PassResult, second: PassResult, rtol: float = 0.0) -> bool:
-    """Whether ``second`` reproduces ``first``: same non-finiteness, loss and norm."""
-    return (
-        first.nonfinite == second.nonfinite
-        and same_value(first.loss, second.loss, rtol)
-        and same_value(first.norm, second.norm, rtol)
-    )
+    """Whether ``second`` reproduces ``first``, decided on non-finiteness first: two
+    non-finite passes reproduce each other whatever their finite parts (dropout with a
+    closure that does not restore the RNG moves the loss, not the overflow); values (loss
+    and norm) are compared only when both passes are finite."""
+    if first.nonfinite != second.nonfinite:
+        return False
+    if first.nonfinite:
+        return True
+    return same_value(first.loss, second.loss, rtol) and same_value(first.norm, second.norm, rtol)
 
 
 def agree_flagged(own: torch.Tensor, group: dist.ProcessGroup | None = None) -> float:
@@ -162,17 +165,34 @@ def own_flag(
     origin: OriginFlags | None,
     spikes: SpikeTests = NO_SPIKE_TESTS,
     loss: torch.Tensor | None = None,
+    *,
+    scale: torch.Tensor | None = None,
+    fault_threshold: tuple[float, float] = (math.inf, math.inf),
 ) -> torch.Tensor:
-    """This rank's one-element flag: :data:`NONFINITE` when its pre-reduction found-inf
-    (origin tracking: its own gradients) or torch's found-inf (after the collective) is
-    set, or its ``loss`` (the sum of what ``scale()`` saw) is inf/NaN, else :data:`SPIKE`
-    when one of ``spikes`` (:func:`spike_tests`) is, else 0. A few small kernels, no sync."""
+    """This rank's one-element flag: :data:`NONFINITE` when its iteration is a fault by the
+    fault rule (``ampscope.reporter.fault_rule``): its ``loss`` (the sum of what ``scale()``
+    saw) is inf/NaN, or its pre-reduction found-inf (origin tracking: its own gradients) or
+    torch's found-inf (after the collective) is set and, under a loss scaler, its ``scale``
+    is at or below ``fault_threshold[0]`` (the rule's clean scale) and below
+    ``fault_threshold[1]`` (its edge band): elsewhere an overflow is the scaler's weather,
+    never rerun; else :data:`SPIKE` when one of ``spikes``
+    (:func:`spike_tests`) is, else 0. A few small kernels, no sync: the threshold goes in as
+    a scalar kernel argument."""
     flags = list(found.values())
     if origin is not None:
         flags += list(origin.peek().values())
+    tests = [test for test in spikes if test is not None]
+    if flags and tests:
+        # An overflow's norm is inf: no spike. Spikes count on finite iterations only, as
+        # the rank's spike windows see them.
+        finite = torch.stack([f.reshape(()).to(tests[0].device) for f in flags]).any().logical_not()
+        tests = [test.logical_and(finite) for test in tests]
+    if flags and scale is not None:
+        at = scale.detach().reshape(())
+        fault = (at <= fault_threshold[0]).logical_and(at < fault_threshold[1])
+        flags = [f.reshape(()).to(fault.device).logical_and(fault) for f in flags]
     if loss is not None:
         flags.append(~torch.isfinite(loss.detach()).all())
-    tests = [test for test in spikes if test is not None]
     if not flags and not tests:
         return torch.zeros(1)
     device = (flags or tests)[0].device
@@ -225,8 +245,14 @@ class Rerun:
         group: dist.ProcessGroup | None = None,
         thresholds: SpikeThresholds | None = None,
         on_failure: Callable[[], None] | None = None,
+        scale: torch.Tensor | None = None,
+        fault_threshold: tuple[float, float] = (math.inf, math.inf),
+        consequences: bool = False,
     ) -> None:
         self._on_failure = on_failure
+        self._consequences = consequences
+        self._scale = scale
+        self._fault_threshold = fault_threshold
         self._checks = checks
         self._optimizer = optimizer
         self._stats = stats
@@ -244,7 +270,18 @@ class Rerun:
         try:
             self._spikes = spike_tests(self._stats, self._thresholds)
             loss = None if self._stats is None else self._stats.peek_loss()
-            own = own_flag(found, self._origin, self._spikes, loss)
+            if self._consequences:
+                # The weights hold inf/NaN since an applied update: every non-finite
+                # result is its consequence, no fault, and a rerun would change nothing.
+                found, loss = {}, None
+            own = own_flag(
+                found,
+                None if self._consequences else self._origin,
+                self._spikes,
+                loss,
+                scale=self._scale,
+                fault_threshold=self._fault_threshold,
+            )
         except Exception:
             # This rank still takes part in the agreement (a zero flag), or the others
             # would wait for it in the all-reduce.
@@ -291,7 +328,7 @@ class Rerun:
     def _read(self, *, keep: bool, spikes: SpikeTests = NO_SPIKE_TESTS) -> PassResult:
         """This pass's result on the host (a flagged iteration: a few reads). ``keep``
         ``False``: the stats and origin of the pass are dropped (the first pass)."""
-        optimizer, stats, origin = self._optimizer, self._stats, self._origin
+        _optimizer, stats, origin = self._optimizer, self._stats, self._origin
         loss_tensor = None
         if stats is not None:
             loss_tensor = stats.peek_loss() if keep else stats.restart()
@@ -302,10 +339,10 @@ class Rerun:
             nonfinite = any(bool(f.item()) for f in flags.values())
             norm = math.sqrt(sum(float(s.item()) for s in squares.values())) if squares else None
             if not squares:
-                norm = _local_norm(optimizer)
+                norm = self._local_norm()
         else:
             nonfinite = any(bool(f.item()) for f in found.values())
-            norm = _local_norm(optimizer)
+            norm = self._local_norm()
         loss = None if loss_tensor is None else float(loss_tensor.item())
         if loss is not None and not math.isfinite(loss):
             nonfinite = True
@@ -315,6 +352,17 @@ class Rerun:
         return PassResult(
             loss=loss, norm=norm, nonfinite=nonfinite, loss_spike=loss_spike, norm_spike=norm_spike
         )
+
+    def _local_norm(self) -> float | None:
+        """:func:`_local_norm`, or ``None`` when it fails (a sparse gradient, say): the error
+        is counted in ampscope's errors (``on_failure``), never raised into training, and
+        the rerun goes on (the other ranks wait for this one's collectives)."""
+        try:
+            return _local_norm(self._optimizer)
+        except Exception:
+            if self._on_failure is not None:
+                self._on_failure()
+            return None
 
 
 def _local_norm(optimizer: torch.optim.Optimizer) -> float | None:

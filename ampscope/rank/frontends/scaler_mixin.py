@@ -100,7 +100,14 @@ class TelemetryMixin(TelemetryFrontEnd):
                 self._ampscope_rerun_closed(rerun, group)
             else:
                 checks = _ScalerChecks(self, optimizer)
-                self._ampscope_rerun(checks, optimizer, rerun, rerun_rtol, group)
+                self._ampscope_rerun(
+                    checks,
+                    optimizer,
+                    rerun,
+                    rerun_rtol,
+                    group,
+                    compat.scale_tensor(self),  # type: ignore[arg-type]
+                )
         return parent.step(optimizer, *args, **kwargs)
 
     # -- torch hook points ---------------------------------------------------------------
@@ -196,12 +203,15 @@ class TelemetryMixin(TelemetryFrontEnd):
             scale = compat.scale_tensor(self)  # type: ignore[arg-type]
             if scale is not None:
                 scale.clamp_(min=config.min_scale, max=config.max_scale)
+        # After the optimizer step(s) and torch's update: the weights the next forward reads.
+        replicas = self._ampscope_check_replicas()
         fp8 = self._ampscope_take_fp8()
         if fp8 is not None and pending is not None:
             pending.extra, pending.fp8 = fp8  # copied with the step's own values
         rerun, self._ampscope_rerun_pending = self._ampscope_rerun_pending, None
         if pending is not None:
             pending.rerun = rerun
+            pending.replicas = replicas
         try:
             origin = self._ampscope_take_origin()
             pending = capture.after_update(

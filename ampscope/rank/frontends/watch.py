@@ -102,6 +102,8 @@ class GradWatch(TelemetryFrontEnd):
         warn_if_torch_changed()
         self._enabled = enabled
         self._consecutive_skips = 0
+        self._closed_updates = 0
+        """update() calls since close(): a closed watch's raise names the ranks' step."""
         self._rerun_armed = False
         """A step() took a rerun closure: from then on the rerun's agreement replaces the
         policy's on clean iterations, so unscale_() leaves it to step()."""
@@ -208,8 +210,18 @@ class GradWatch(TelemetryFrontEnd):
         """
         capture = self._ampscope_capture
         if capture is None:
+            rerun_flagged = False
             if rerun is not None:
-                self._ampscope_rerun_closed(rerun, self._watch.process_group)
+                rerun_flagged = self._ampscope_rerun_closed(rerun, self._watch.process_group)
+            # The open ranks agree on the policy on every iteration without a closure, and
+            # after a flagged rerun: this rank takes part (clean), and skips or raises with
+            # them, so their collectives stay paired and the weights alike.
+            if (
+                self._ampscope_closed
+                and self._watch.policy != "observe"
+                and (rerun is None or rerun_flagged)
+            ):
+                return self._closed_policy_step(optimizer, args, kwargs)
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradWatch is enabled.")
@@ -248,6 +260,40 @@ class GradWatch(TelemetryFrontEnd):
             self._stop(f"{limit} consecutive iterations skipped (max_consecutive_skips={limit})")
         return None
 
+    def _closed_policy_step(
+        self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """A closed watch's part in the policy under ``skip``/``raise``: the agreement's
+        all-reduce with a zero flag; then the optimizer steps, or skips, or (``raise``, or
+        ``max_consecutive_skips`` reached) the watch takes part in the open ranks' gather
+        and raises the error they raise. Nothing is recorded. One all-reduce and one host
+        read per iteration, as on the open ranks."""
+        group = self._watch.process_group
+        agreed = agree({}, group, self._ampscope_failed)
+        if not agreed.item():
+            self._consecutive_skips = 0
+            return optimizer.step(*args, **kwargs)
+        limit = self._watch.max_consecutive_skips
+        reason = None
+        if self._watch.policy == "raise":
+            reason = "policy 'raise' stops at the first non-finite iteration"
+        elif limit is not None and self._consecutive_skips + 1 >= limit:
+            reason = f"{limit} consecutive iterations skipped (max_consecutive_skips={limit})"
+        if reason is None:
+            self._consecutive_skips += 1
+            return None
+        self._consecutive_skips = 0
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        reports, gathered = stop.gather(stop.unknown(rank), group)
+        error = stop.build_error(
+            reports,
+            self.telemetry.snapshot().steps + self._closed_updates + 1,
+            reason,
+            gathered=gathered,
+        )
+        failure.note(error)
+        raise error
+
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Close the iteration: one record. On the CPU the telemetry thread reads the
         flags (host memory, no sync); on accelerators one small stack and its non-blocking
@@ -261,6 +307,7 @@ class GradWatch(TelemetryFrontEnd):
             raise ValueError("GradWatch has no scale to set; update() takes no new_scale")
         capture = self._ampscope_capture
         if capture is None:
+            self._closed_updates += int(self._ampscope_closed)
             return
         if capture.closed_by_raise:
             capture.closed_by_raise = False
@@ -269,6 +316,8 @@ class GradWatch(TelemetryFrontEnd):
         iteration, step = capture.iteration, capture.step + 1
         skipped = any(e.skipped for e in iteration.values())
         self._consecutive_skips = self._consecutive_skips + 1 if skipped else 0
+        # After the optimizer step(s), on every rank whatever fails below (a collective).
+        replicas = self._ampscope_check_replicas()
         try:
             # The identity first: its collective (first update()) is made by every rank,
             # whatever fails after it.
@@ -282,6 +331,7 @@ class GradWatch(TelemetryFrontEnd):
                 self._ampscope_take_fp8(),
             )
             pending.rerun, self._ampscope_rerun_pending = self._ampscope_rerun_pending, None
+            pending.replicas = replicas
             self._ampscope_telemetry.submit(pending)
         except Exception:
             self._abandon(capture, iteration, step)

@@ -48,6 +48,19 @@ class BatchNotes:
             self.ids.extend(ids[:room])
             self.left_out += len(ids) - room
 
+    def restart_pass(self) -> tuple[list[Any], int]:
+        """Before a rerun's second pass: take the first pass's ids, leaving none. Hand them
+        to :meth:`end_pass` after the pass. O(1)."""
+        taken = (self.ids, self.left_out)
+        self.ids, self.left_out = [], 0
+        return taken
+
+    def end_pass(self, first: tuple[list[Any], int]) -> None:
+        """After a rerun's second pass: its own ids when it noted any (a closure that draws
+        its batch again), else the first pass's, which are the same batch's. O(1)."""
+        if not self.ids and not self.left_out:
+            self.ids, self.left_out = first
+
     def take(self) -> tuple[list[Any], int] | None:
         """The iteration's ids and left-out count, and a fresh start; ``None`` when nothing
         was noted."""

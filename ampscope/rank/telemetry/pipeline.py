@@ -24,6 +24,7 @@ from ampscope.rank.gradients.attribution import top_k
 from ampscope.rank.telemetry.batches import BatchNotes
 from ampscope.rank.telemetry.records import RecordBuilder
 from ampscope.rank.telemetry.stats_record import SpikeThresholds
+from ampscope.reporter.fault_rule import FaultRule
 from ampscope.reporter.schema import NonfiniteParam, StepRecord
 from ampscope.reporter.sinks import Sink
 from ampscope.reporter.spike_rule import SpikeRule
@@ -113,13 +114,14 @@ class Telemetry:
         history: int,
         top_k: int,
         spike_rule: SpikeRule | None = None,
+        fault_rule: FaultRule | None = None,
     ) -> None:
         self._sinks = tuple(sinks)
         self._top_k = top_k
         self._pending: deque[PendingStep] = deque()
         self._outbox: deque[StepRecord] = deque()
         self._history: deque[StepRecord] = deque(maxlen=history)
-        self._builder = RecordBuilder(top_k, spike_rule)
+        self._builder = RecordBuilder(top_k, spike_rule, fault_rule)
         self.batches = BatchNotes()
         """The ids ``note_batch`` noted for the iteration in progress (training thread)."""
         self._totals = self._builder.totals  # changed in place by the builder
@@ -149,6 +151,26 @@ class Telemetry:
     def spike_thresholds(self) -> SpikeThresholds:
         """The rank's spike thresholds, kept up to date once armed (a rerun closure)."""
         return self._builder.stats.thresholds
+
+    def fault_threshold(self) -> tuple[float, float]:
+        """The fault rule's thresholds over every step submitted so far
+        (``FaultState.threshold``): host floats the training thread compares a scaler's
+        scale with on the device, to rerun faults only (``rerun=closure``).
+
+        Cost: builds the pending records first, on the calling thread, which waits for
+        their device-to-host copies (queued before this iteration's work); the rerun's
+        agreement reads its flag on the host right after, which waits for more. The
+        threshold therefore never depends on how far the telemetry thread got."""
+        self._resolve_and_wake()
+        with self._resolve_lock:
+            return self._builder.faults.threshold()
+
+    @property
+    def nonfinite_applied(self) -> bool:
+        """An update ran on inf/NaN gradients (a watch under ``observe``) among the records
+        built so far: from then on inf/NaN is its consequence (call after
+        :meth:`fault_threshold`, which builds the pending records)."""
+        return self._totals.first_nonfinite_applied is not None
 
     @property
     def closed(self) -> bool:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
@@ -29,6 +29,7 @@ from ampscope.rank.gradients.attribution import top_k
 from ampscope.rank.telemetry.batches import batch_ids
 from ampscope.rank.telemetry.identity import resolve_device
 from ampscope.rank.telemetry.stats_record import StatsBuilder
+from ampscope.reporter.fault_rule import Call, FaultRule, FaultState, Iteration, after_rerun
 from ampscope.reporter.schema import (
     MAX_DEVICES,
     MAX_LABEL_LENGTH,
@@ -39,6 +40,7 @@ from ampscope.reporter.schema import (
     AlignedScale,
     DeviceIdentity,
     NonfiniteApplied,
+    NonfiniteCall,
     NonfiniteParam,
     OptimizerDetail,
     RankTotals,
@@ -95,6 +97,8 @@ class RunningTotals:
     aligned_scale: AlignedScale | None = None
     nonfinite_applied: int = 0
     first_nonfinite_applied: NonfiniteApplied | None = None
+    faults: dict[str, int] = field(default_factory=dict)
+    """The rank's own faults by kind (the fault rule's ``faults``)."""
 
 
 def _count(counter: dict[str, int], flags: dict[str, bool]) -> dict[str, int]:
@@ -109,6 +113,14 @@ def _count(counter: dict[str, int], flags: dict[str, bool]) -> dict[str, int]:
 
 _SCALER = Setup()
 """An fp16 scaler whose gradient dtype is not known."""
+
+
+def _own(origin: dict[str, bool], local: dict[str, bool], world_size: int) -> bool | None:
+    """Whether this rank's own gradients held inf/NaN: its origin flags, or alone in its
+    world its local ones; ``None`` when it cannot be told (no origin tracking)."""
+    if origin:
+        return any(origin.values())
+    return any(local.values()) if world_size == 1 else None
 
 
 def _is_scale(value: float) -> bool:
@@ -137,8 +149,12 @@ class RecordBuilder:
         spike_rule: The rank's own spike rule for its loss and gradient norm.
     """
 
-    def __init__(self, k: int, spike_rule: SpikeRule | None = None) -> None:
+    def __init__(
+        self, k: int, spike_rule: SpikeRule | None = None, fault_rule: FaultRule | None = None
+    ) -> None:
         self.totals = RunningTotals()
+        self.faults = FaultState(fault_rule)
+        """The fault rule's state over this rank's whole history (``fault_threshold``)."""
         self._k = k
         self.stats = StatsBuilder(k, spike_rule)
         self._label = _Vouched(LABEL_PATTERN, MAX_LABEL_LENGTH)
@@ -228,6 +244,25 @@ class RecordBuilder:
                 on_host=pending.values is not None,
             )
             stats = _build(StepStats, validate or named, **fields)
+        call = self._call(
+            pending,
+            values,
+            decoded.stats_at,
+            Iteration(
+                scaler=not watch,
+                nonfinite=found_global or any(local.values()) or any(origin.values()),
+                own=_own(origin, local, pending.identity.world_size),
+                scale_before=scale_before,
+                scale_after=scale_after,
+                growth_tracker=tracker,
+                grew=event == "growth",
+                manual=pending.manual,
+                after_applied=totals.first_nonfinite_applied is not None,
+            ),
+        )
+        faults = totals.faults
+        if call is not None and call.cls == "fault" and call.own:
+            faults = {**faults, call.kind: faults.get(call.kind, 0) + 1}
         details = [
             self._detail(slot, found, validate)
             for slot, found in zip(pending.optimizers, decoded.optimizer_found, strict=True)
@@ -302,12 +337,25 @@ class RecordBuilder:
                 aligned_scale=aligned,
                 nonfinite_applied=nonfinite_applied,
                 first_nonfinite_applied=first_applied,
+                faults=faults,
+                clean_scale=None if watch else self.faults.clean_scale,
             ),
             setup=setup,
             device=device,
             batch=None if pending.batch is None else batch_ids(pending.batch),
             fp8=fp8,
             rerun=None if pending.rerun is None else pending.rerun.to_record(),
+            replicas=None if pending.replicas is None else pending.replicas.to_record(),
+            nonfinite=None
+            if call is None
+            else _build(
+                NonfiniteCall,
+                validate,
+                kind=call.cls,
+                reason=call.kind,
+                own=call.own,
+                clean_scale=call.clean_scale,
+            ),
         )
         # The record exists: only now do the totals move.
         if device is not None:
@@ -320,8 +368,34 @@ class RecordBuilder:
         totals.last_growth_tracker = tracker
         totals.aligned_scale = aligned
         totals.nonfinite_applied, totals.first_nonfinite_applied = nonfinite_applied, first_applied
+        totals.faults = faults
         self._top = top
         return record
+
+    def _call(
+        self, pending: PendingStep, values: list[float], stats_at: int, iteration: Iteration
+    ) -> Call | None:
+        """The fault rule's decision about the step (``None``: clean); moves its state.
+
+        Reads only host values the record already holds, plus the loss sum when stats are
+        on: no device access. A rerun's record keeps its second pass: the rule judges that
+        pass, and the rerun's own finding corrects it (``after_rerun``).
+        """
+        if pending.stats is not None and self.stats.loss_nonfinite(
+            pending.stats, values, stats_at, on_host=pending.values is not None
+        ):
+            iteration = replace(iteration, loss_nonfinite=True)
+        call = self.faults.observe(iteration)
+        rerun = pending.rerun
+        if rerun is not None:
+            call = after_rerun(
+                call,
+                rerun.flagged,
+                rerun.reproduced,
+                rerun.first.nonfinite,
+                nonfinite=rerun.reason == "nonfinite",
+            )
+        return call
 
     # -- cheap checks, each standing for what strict validation would check --------------
 

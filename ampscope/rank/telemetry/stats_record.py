@@ -138,6 +138,18 @@ class StatsBuilder:
         }
         return fields, bool(top)
 
+    @staticmethod
+    def loss_nonfinite(
+        taken: TakenStats, values: Sequence[float], stats_at: int, *, on_host: bool
+    ) -> bool:
+        """Whether the step's loss sum (what ``scale()`` saw) is inf/NaN, for the fault rule;
+        ``False`` without a loss. One host value (on the host transport, one read of a CPU
+        tensor)."""
+        if taken.loss is None:
+            return False
+        loss_sum = taken.loss.item() if on_host else values[stats_at]
+        return not math.isfinite(loss_sum)
+
     def _top_params(
         self, taken: TakenStats, inverse: float, host_norms: torch.Tensor | None
     ) -> list[ParamNorm]:

@@ -20,9 +20,11 @@ baseline, which only the exporters hold (``SPIKE_DETAIL``); ``nonfinite_skipped`
 (``SKIP_DETAIL``). ``transient_fault`` and ``reproducible_fault`` read
 ``ampscope_reruns_total`` counted within the verdicts' window (``spike_verdict_window_s``,
 as the exporter and the alerts count; ``ranks.counted_within``): which rank and how many, not
-the step or the device (``RERUN_DETAIL``). For a run whose ranks export FP8 series,
-``fp8_nonfinite_amax`` (from the non-finite amax counter) and ``fp8_underflow`` (from the
-gauges' samples) are judged, ``fp8_amax_spike`` is not (``ampscope.status.prometheus.fp8``).
+the step or the device (``RERUN_DETAIL``); ``replica_divergence`` reads
+``ampscope_replica_checks_total`` (since each rank process started): which ranks' groups
+diverged, not which rank disagrees (``REPLICA_DETAIL``). For a run whose ranks export FP8
+series, ``fp8_nonfinite_amax`` (from the non-finite amax counter) and ``fp8_underflow`` (from
+the gauges' samples) are judged, ``fp8_amax_spike`` is not (``ampscope.status.prometheus.fp8``).
 
 A rank whose series were there within the last hour and are gone now (its exporter's scrape
 fails, or its series went stale) is ``lost``, as the exporter's own health would call a rank
@@ -30,8 +32,8 @@ it no longer hears (the alert ``AmpscopeNodeLost`` pages on the same condition o
 same hour), and ``lost_rank`` names it and the exporters whose scrape fails
 (``ampscope.status.prometheus.ranks``). The thresholds are those the exporters publish
 (``ampscope_exporter_health_threshold``), the defaults where none does. Cost: one query for
-the thresholds, then sixteen instant queries run in parallel (a rank's state read as its one
-series at 1, of five); the answer holds O(ranks x devices) samples.
+the thresholds, then seventeen instant queries run in parallel (a rank's state read as its
+one series at 1, of five); the answer holds O(ranks x devices) samples.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ from ampscope.status.prometheus.ranks import (
     up_query,
 )
 from ampscope.verdicts import failures, liveness, nonfinite, scale
+from ampscope.verdicts import replicas as replica_rules
 from ampscope.verdicts import reruns as rerun_rules
 from ampscope.verdicts import spikes as spike_rules
 from ampscope.verdicts.fp8 import Fp8Rule
@@ -93,6 +96,7 @@ RANK_QUERIES = (
     "skipped_nonfinite",
     "reruns",
     "gone",
+    "replica_checks",
     *prometheus_fp8.FP8_QUERIES,
 )
 """The queries whose every series is a rank's (run, rank and node labels), checked so."""
@@ -118,7 +122,16 @@ RERUN_DETAIL = (
 )
 """What a rerun verdict computed from Prometheus says it lacks."""
 
+REPLICA_DETAIL = (
+    "counted from Prometheus (ampscope_replica_checks_total, since the rank process "
+    "started): which rank disagrees, the step and the parameters are in each exporter's "
+    "GET /api/v1/runs/{run}/health; the minority's device is the one "
+    'ampscope_device_offences_total{{kind="replica_divergence"}} counts'
+)
+"""What ``replica_divergence`` computed from Prometheus says it lacks."""
+
 COUNTED = {
+    "replica_divergence": REPLICA_DETAIL,
     "transient_fault": RERUN_DETAIL,
     "reproducible_fault": RERUN_DETAIL,
     "loss_spike": SPIKE_DETAIL,
@@ -153,6 +166,7 @@ def queries(run: str | None, t: Thresholds) -> dict[str, str]:
         "skipped_nonfinite": f"increase(ampscope_skipped_steps_total{{{sel}}}"
         f"[{t.nonfinite_skipped_window_s:g}s])",
         "reruns": counted_within(f"ampscope_reruns_total{{{sel}}}", t.spike_verdict_window_s),
+        "replica_checks": f"ampscope_replica_checks_total{{{sel}}}",
         "gone": gone_query(sel),
         "up": up_query(sel),
         **prometheus_fp8.queries(sel, Fp8Rule()),
@@ -245,6 +259,12 @@ def health_of(
             if n
         ]
 
+    replicas = [
+        replica_rules.ReplicaFacts(rank=v["rank"], node=v["node"], diverged=n)
+        for v, n in ((v, round(window("replica_checks", v, "diverged"))) for v in views)
+        if n
+    ]
+
     skipped = [
         nonfinite.SkippedFacts(
             rank=v["rank"],
@@ -279,6 +299,7 @@ def health_of(
         "origin_outlier": counted(spike_rules.origin_outlier(spikes("origin_outlier"), t)),
         "transient_fault": counted(rerun_rules.transient_fault(reruns("transient"), t)),
         "reproducible_fault": counted(rerun_rules.reproducible_fault(reruns("reproducible"), t)),
+        "replica_divergence": counted(replica_rules.replica_divergence(replicas, t)),
     }
     if fp8 is not None:
         by_rule.update(prometheus_fp8.verdicts(run, views, fp8, Fp8Rule()))

@@ -196,6 +196,7 @@ def _view(info: Mapping[str, str]) -> dict[str, Any]:
         "seconds_since_report": 0.0,
         "restarts": None,
         "fp8": None,
+        "replica_checks": None,
     }
 
 

@@ -15,7 +15,7 @@ from ampscope.exporter.metrics.catalogue import (
     RANK_LABELS,
     SCALER_ONLY,
 )
-from ampscope.reporter.schema import Rerun, RerunPass
+from ampscope.reporter.schema import ReplicaCheckResult, Rerun, RerunPass
 from ampscope.verdicts.aligned import unpack
 from ampscope.verdicts.thresholds import Thresholds
 from exporter.conftest import MakeClient
@@ -455,8 +455,10 @@ def test_a_transient_rerun_is_an_offence_of_the_device_and_a_reproduced_one_is_n
 
 def test_every_offence_kind_is_catalogued(make_client: MakeClient) -> None:
     client, _ = make_client()
-    # One rank offends in all three ways: its own inf at step 3, a transient rerun at
-    # step 5, and an origin outlier at step 25 (after the spike rule's window).
+    # One rank offends in all four ways: its own inf at step 3, a transient rerun at
+    # step 5, its replicas outvote it at step 10, and an origin outlier at step 25 (after
+    # the spike rule's window).
+    outvoted = ReplicaCheckResult(agree=False, replicas=3, ranks=[0], parameters=["w"])
     for rank in range(3):
         records = []
         for s in range(1, 26):
@@ -465,6 +467,7 @@ def test_every_offence_kind_is_catalogued(make_client: MakeClient) -> None:
                 record(
                     s, run="all", rank=rank, world_size=3, origin=own and s == 3,
                     rerun=_rerun(flagged=own, reproduced=False) if s == 5 else None,
+                    replicas=outvoted if s == 10 else None,
                     stats=stats(1.0, 1.0, 100.0 if own and s == 25 else 1.0),
                     total=totals(s, origin={"cuda:0": int(own and s >= 3)}),
                     device=gpu(rank) if s == 1 else None,

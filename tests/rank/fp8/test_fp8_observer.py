@@ -108,6 +108,22 @@ def test_a_non_finite_amax_is_reported_as_none() -> None:
     (record,) = sink.records
     first = {(e.layer, e.tensor): e for e in record.fp8 or ()}
     assert first[("blocks.0.up", "input")].amax is None
+    # No threshold without an amax: the finite elements are not counted as underflowed.
+    assert first[("blocks.0.up", "input")].underflow_ratio < 0.5
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_a_non_finite_amax_counts_no_underflow(value: float) -> None:
+    from ampscope.rank import compat
+    from ampscope.rank.fp8.casts import cast_stats
+
+    model = fp8_model()
+    cast = compat.float8_casts(model.blocks[0].up)[0]
+    x = data(0)
+    x[0, 0] = value
+    stats = cast_stats(x, cast)
+    assert float(stats.nonzero.item()) == x.numel()
+    assert float(stats.underflowed.item()) <= 1.0  # the inf/NaN element at most
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
@@ -137,3 +153,40 @@ def test_two_micro_batches_combine_into_one_entry(recipe: str) -> None:
             assert entry.scale_min == pytest.approx(min(mine.scale), rel=1e-2)
         low, high = sorted(mine.underflow)
         assert low - 1e-3 <= entry.underflow_ratio <= high + 1e-3
+
+
+def test_a_rerun_records_the_kept_pass_alone() -> None:
+    """A flagged iteration rerun from the same batch: the record's FP8 entries and batch
+    ids are the second pass's, not both passes' combined."""
+    model = fp8_model()
+    sink = ListSink()
+    watch = ampscope.GradWatch("skip", reporter=None, sinks=[sink])
+    watch.attach(model, fp8_every=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    x = data(0)
+    corrupt = [True]
+
+    def backward() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = model(x).square().mean()
+        watch.scale(loss).backward()
+        if corrupt[0]:
+            corrupt[0] = False
+            param = next(model.parameters())
+            assert param.grad is not None
+            param.grad.view(-1)[0] = math.inf
+        return loss
+
+    watch.note_batch([1, 2])
+    backward()
+    watch.step(optimizer, rerun=backward)
+    watch.update()
+    watch.close()
+    (record,) = sink.records
+    assert record.rerun is not None
+    assert not record.rerun.reproduced
+    assert record.fp8
+    assert {entry.calls for entry in record.fp8} == {1}
+    assert all(entry.amax is not None for entry in record.fp8)
+    assert record.batch is not None
+    assert record.batch.ids == [1, 2]

@@ -14,6 +14,7 @@ from rerun_setups import RerunLoop
 
 import ampscope
 from ampscope.rank.frontends.rerun import PassResult, compare, same_value
+from ampscope.reporter.fault_rule import FaultRule
 
 NAN, INF = float("nan"), float("inf")
 
@@ -44,6 +45,12 @@ def test_compare_needs_loss_norm_and_finiteness_to_agree() -> None:
     assert not compare(clean, PassResult(loss=2.0, norm=3.5, nonfinite=False))
     assert not compare(clean, PassResult(loss=2.5, norm=3.0, nonfinite=False))
     assert not compare(PassResult(loss=2.0, norm=INF, nonfinite=True), clean)
+    # Non-finiteness first: two non-finite passes reproduce each other whatever their
+    # finite losses (dropout with a closure that does not restore the RNG).
+    assert compare(
+        PassResult(loss=2.0, norm=INF, nonfinite=True),
+        PassResult(loss=2.5, norm=None, nonfinite=True),
+    )
 
 
 SCALERS = pytest.mark.parametrize(
@@ -68,9 +75,18 @@ def one_rank_group(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[N
 
 def _loop(scaler: type[ampscope.GradScaler] = ampscope.GradScaler) -> RerunLoop:
     """A single-process float32 loop on the CPU through a fresh ``scaler``, its records
-    kept in ``loop.sink``."""
+    kept in ``loop.sink``. One clean iteration makes its scale clean (``settle_steps=1``):
+    an overflow after it is a fault, which alone is rerun."""
     sink = ListSink()
-    loop = RerunLoop(scaler("cpu", init_scale=4.0, reporter=None, sinks=[sink]))
+    loop = RerunLoop(
+        scaler(
+            "cpu",
+            init_scale=4.0,
+            reporter=None,
+            sinks=[sink],
+            fault_rule=FaultRule(settle_steps=1),
+        )
+    )
     loop.sink = sink  # type: ignore[attr-defined]
     return loop
 
@@ -118,6 +134,56 @@ def test_one_time_fault_is_transient_and_the_step_uses_the_rerun(scaler: type) -
     # The record describes the second pass: the step was taken.
     assert not records[2].skipped
     assert not records[2].found_inf_global
+    # The fault rule: a transient fault of this rank's own, counted as such.
+    call = records[2].nonfinite
+    assert call is not None
+    assert (call.kind, call.reason, call.own) == ("fault", "transient", True)
+    assert records[-1].totals.faults == {"transient": 1}
+
+
+@SCALERS
+def test_weather_is_never_rerun(scaler: type) -> None:
+    """An overflow before the scale is clean (warm-up), one above the clean scale (the
+    scaler probing upward after it grew) and one right below the edge are the scaler's
+    weather: no rerun, no fault. Lower still, after clean iterations there: a fault."""
+    sink = ListSink()
+    front_end = scaler(
+        "cpu",
+        init_scale=4.0,
+        growth_interval=3,
+        reporter=None,
+        sinks=[sink],
+        fault_rule=FaultRule(settle_steps=2, probe_steps=50),
+    )
+    loop = RerunLoop(front_end)
+    loop.sink = sink  # type: ignore[attr-defined]
+    # Step 0 overflows at 4 (warm-up); 1-3 clean at 2, then growth from 2 (clean scale 2);
+    # step 4 overflows at 4 (probing: the edge is 4), step 5 at 2 (right below the edge);
+    # 6-7 clean at 1 (clean scale 1); step 8 overflows at 1: a fault, rerun.
+    for step in range(9):
+        loop.corrupt_once = step in (0, 4, 5, 8)
+        loop.step(step)
+    front_end.close()
+    records = sink.records
+    calls = [
+        None if r.nonfinite is None else (r.nonfinite.kind, r.nonfinite.reason) for r in records
+    ]
+    assert calls == [
+        ("weather", "warmup"),
+        None,
+        None,
+        None,
+        ("weather", "probing"),
+        ("weather", "edge"),
+        None,
+        None,
+        ("fault", "transient"),
+    ]
+    assert loop.calls == 1
+    assert [r.rerun is not None for r in records] == [False] * 8 + [True]
+    assert [r.scale_before for r in records] == [4.0, 2.0, 2.0, 2.0, 4.0, 2.0, 1.0, 1.0, 1.0]
+    assert records[-1].totals.faults == {"transient": 1}
+    assert records[-1].totals.clean_scale == 1.0
 
 
 @SCALERS
@@ -143,3 +209,39 @@ def test_reproduced_fault_is_still_skipped(scaler: type) -> None:
     assert record.rerun is not None
     assert record.rerun.reproduced
     assert record.rerun.first.loss is None  # NaN is not sent
+
+
+def test_an_error_of_ampscope_s_own_in_a_rerun_is_counted_not_raised() -> None:
+    """``Embedding(sparse=True)``: the local norm of a sparse gradient fails inside the
+    rerun; training goes on, the error is counted, the rerun completes."""
+    from helpers import Net, batch, poison
+
+    model = Net(sparse=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = ampscope.GradScaler(
+        "cpu", init_scale=4.0, reporter=None, fault_rule=FaultRule(settle_steps=1)
+    )
+    calls = 0
+    for step in range(3):
+
+        def closure(step: int = step) -> torch.Tensor:
+            nonlocal calls
+            calls += 1
+            opt.zero_grad()
+            loss = model(batch(step))
+            scaler.scale(loss).backward()
+            return loss
+
+        opt.zero_grad()
+        scaler.scale(model(batch(step))).backward()
+        if step == 2:
+            poison(model.head.weight)
+        scaler.step(opt, rerun=closure)
+        scaler.update()
+    scaler.close()
+    assert calls == 1
+    outcome = scaler.last_rerun
+    assert outcome is not None
+    assert outcome.transient
+    assert outcome.second.norm is None  # unknown: its reading failed
+    assert scaler._ampscope_errors >= 1

@@ -241,3 +241,26 @@ def test_a_nan_loss_flags_the_iteration_itself() -> None:
     assert outcome.reason == "nonfinite"
     assert outcome.reproduced
     watch.close()
+
+
+def test_consequences_of_an_applied_update_are_not_rerun() -> None:
+    """Under ``observe`` a reproduced NaN is applied: the weights hold NaN from then on, and
+    every later iteration is its consequence, never rerun."""
+    sink = ListSink()
+    loop = RerunLoop(ampscope.GradWatch("observe", reporter=None, sinks=[sink]))
+    for step in range(5):
+        loop.bad_input = step == 1
+        loop.step(step)
+    loop.front_end.close()
+    assert loop.calls == 1
+    calls = [
+        None if r.nonfinite is None else (r.nonfinite.kind, r.nonfinite.reason)
+        for r in sink.records
+    ]
+    assert calls == [
+        None,
+        ("fault", "reproducible"),
+        ("consequence", "after_applied"),
+        ("consequence", "after_applied"),
+        ("consequence", "after_applied"),
+    ]

@@ -266,3 +266,42 @@ def test_spike_verdicts_count_what_prometheus_holds() -> None:
     assert "it stood out at 2 steps" in outlier["summary"]
     assert outlier["evidence"]["source"] == "prometheus"
     assert report["status"] == "warning"
+
+
+def test_replica_divergence_counts_the_ranks_whose_group_diverged() -> None:
+    from ampscope.status import prometheus
+    from ampscope.status.prometheus import health
+    from ampscope.status.prometheus.ranks import build_views, per_rank
+    from ampscope.verdicts.thresholds import Thresholds
+
+    t = Thresholds()
+    assert prometheus.queries(RUN, t)["replica_checks"] == (
+        f'ampscope_replica_checks_total{{run="{RUN}"}}'
+    )
+    now = 1_700_000_000.0
+    samples = []
+    for rank in range(4):
+        samples += [
+            _sample("ampscope_rank_info", rank, 1.0, mode="watch", world_size="4"),
+            _sample("ampscope_last_report_timestamp_seconds", rank, now - 1),
+            _sample("ampscope_rank_up", rank, 1.0),
+            _sample("ampscope_rank_state", rank, 1.0, state="running"),
+        ]
+    views = build_views(samples, now)
+    ranks = sorted(views.values(), key=lambda v: v["rank"])
+    windows = {name: {} for name in prometheus.queries(RUN, t) if name != "now"}
+    # HSDP 2 x 2: the group of ranks 1 and 3 diverged twice; every rank's checks agreed before.
+    checks = [_sample("", r, 5.0, result="agree") for r in range(4)]
+    checks += [_sample("", r, 2.0, result="diverged") for r in (1, 3)]
+    windows["replica_checks"] = per_rank(checks, views)
+    verdict = {v["rule"]: v for v in prometheus.health_of(RUN, ranks, windows, t, now)["verdicts"]}[
+        "replica_divergence"
+    ]
+    assert verdict["status"] == "critical"
+    assert [r["rank"] for r in verdict["evidence"]["ranks"]] == [1, 3]
+    assert verdict["evidence"]["checks_diverged"] == 4
+    assert verdict["evidence"]["source"] == "prometheus"
+    assert health.REPLICA_DETAIL.format(run=RUN) in verdict["summary"]
+    windows["replica_checks"] = per_rank(checks[:4], views)  # agreeing only: silent
+    calm = {v["rule"]: v for v in prometheus.health_of(RUN, ranks, windows, t, now)["verdicts"]}
+    assert calm["replica_divergence"]["status"] == "ok"

@@ -15,6 +15,7 @@ from ampscope.exporter.api.models import (
     HealthReport,
     History,
     RankView,
+    ReplicaChecksView,
     RunSummary,
     SuspectBatch,
 )
@@ -29,6 +30,19 @@ RankId = Annotated[int, Path(ge=0, description="Global rank.")]
 NOT_FOUND = responses(404)
 """Every route here answers 404 for a run or rank not held. The response model of each is
 its return annotation."""
+
+
+def _replica_checks(snap: RankSnapshot) -> ReplicaChecksView | None:
+    counts, first = snap.replica_counts, snap.replica_divergence
+    if not any(counts):
+        return None
+    return ReplicaChecksView(
+        agree=counts.agree,
+        diverged=counts.diverged,
+        first_diverged_step=None if first is None else first.step,
+        ranks=[] if first is None else list(first.ranks),
+        parameters=[] if first is None else list(first.parameters),
+    )
 
 
 def _view(snap: RankSnapshot, now: float, settings: Settings) -> RankView:
@@ -71,6 +85,7 @@ def _view(snap: RankSnapshot, now: float, settings: Settings) -> RankView:
             )
             for series in snap.fp8
         ],
+        replica_checks=_replica_checks(snap),
     )
 
 

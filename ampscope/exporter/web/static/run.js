@@ -314,6 +314,14 @@
       const first = t.first_nonfinite_applied;
       a.cell(tr, applied, applied ? "num bad" : "num").title = first
         ? `first at step ${first.step}` : "";
+      // Replica checks: how many agreed, or since when the group's replicas differ.
+      const checks = rank.replica_checks;
+      if (!checks) a.cell(tr, "-", "num");
+      else if (!checks.diverged) a.cell(tr, `${checks.agree} agree`, "num replicas");
+      else {
+        a.cell(tr, `diverged since step ${checks.first_diverged_step}`, "num bad replicas").title =
+          `ranks ${checks.ranks.join(", ")} differ in ${checks.parameters.join(", ")}`;
+      }
       a.cell(tr, `${rank.seconds_since_report.toFixed(1)} s ago`, "num");
       return tr;
     });
