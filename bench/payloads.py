@@ -270,6 +270,10 @@ class SimulatedRank:
             "ampscope_fp8_underflow_ratio": [],
             "ampscope_fp8_scale": [],
             "ampscope_fp8_nonfinite_amax_total": [],
+            # A simulated rank's reporter predates the fault rule and the replica check.
+            "ampscope_loss_scale_clean": [],
+            "ampscope_faults_total": [],
+            "ampscope_replica_checks_total": [],
         }
         lines: list[str] = []
         for spec in PUSHED_FAMILIES:

@@ -280,7 +280,7 @@ def loss_scale() -> list[Panel]:
             Query(_increase(per_rank("ampscope_scale_growths_total")), f"growth {RANK_LEGEND}"),
         ),
         series(
-            44,
+            46,
             "Aligned scale per rank",
             "Each rank's loss scale after its newest step that is a multiple of 10 "
             "(ampscope_loss_scale_aligned; the step is on the last-reported-step panel): ranks "
