@@ -239,6 +239,11 @@ def test_scale_alerts_select_only_what_watch_ranks_do_not_export() -> None:
     # from those families alone (besides liveness) cannot fire for it; promtool shows it
     # on a bf16 run's series.
     liveness = {"ampscope_rank_state", "ampscope_rank_up"}
+    # Read only after `unless`, to tell ranks whose reporter applies the fault rule: it can
+    # remove a rank from the collapse alert, never select one. The clean scale is exported
+    # for scaler ranks only (once they trained cleanly, so not in SCALER_ONLY, which a
+    # scaler always exports).
+    liveness |= {"ampscope_faults_total", "ampscope_loss_scale_clean"}
     for name in ("AmpscopeScaleCollapse", "AmpscopeScaleDesync"):
         families = selected_families(alert_rules()[name]["expr"])
         assert families & SCALER_ONLY, name
