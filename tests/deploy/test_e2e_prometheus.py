@@ -159,6 +159,8 @@ def test_every_dashboard_and_alert_expression_returns_data(
         "FP8 underflow ratio per layer (rank $fp8_rank)",
         "FP8 scale per layer (rank $fp8_rank)",
         "FP8 non-finite amax observations (rank $fp8_rank)",
+        # The demo's runs check no replicas (attach(model, replica_check_every=N)).
+        "Replica checks that diverged",
     }
     assert {title for title, _ in empty} == expected_empty, (
         f"dashboard queries without data: {empty}"
