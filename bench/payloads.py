@@ -28,6 +28,7 @@ from ampscope.reporter.schema import (
     RankTotals,
     StepRecord,
 )
+from ampscope.verdicts import aligned as aligned_sample
 
 # Families the exporter computes itself rather than receives from a rank; a Pushgateway
 # adds its own push_time_seconds instead.
@@ -244,6 +245,11 @@ class SimulatedRank:
             "ampscope_grad_norm_origin": [],
             "ampscope_loss_scale_aligned": [("", self.aligned.scale)] if self.aligned else [],
             "ampscope_loss_scale_aligned_step": [("", self.aligned.step)] if self.aligned else [],
+            "ampscope_loss_scale_aligned_packed": (
+                [("", aligned_sample.pack(self.aligned.step, self.aligned.scale))]
+                if self.aligned
+                else []
+            ),
             "ampscope_steps_total": [("", self.step)],
             "ampscope_skipped_steps_total": [("", self.skipped)],
             "ampscope_scale_backoffs_total": [("", self.backoffs)],
@@ -263,6 +269,11 @@ class SimulatedRank:
             "ampscope_fp8_amax": [],
             "ampscope_fp8_underflow_ratio": [],
             "ampscope_fp8_scale": [],
+            "ampscope_fp8_nonfinite_amax_total": [],
+            # A simulated rank's reporter predates the fault rule and the replica check.
+            "ampscope_loss_scale_clean": [],
+            "ampscope_faults_total": [],
+            "ampscope_replica_checks_total": [],
         }
         lines: list[str] = []
         for spec in PUSHED_FAMILIES:

@@ -279,6 +279,18 @@ def loss_scale() -> list[Panel]:
             Query(_increase(per_rank("ampscope_scale_backoffs_total")), f"backoff {RANK_LEGEND}"),
             Query(_increase(per_rank("ampscope_scale_growths_total")), f"growth {RANK_LEGEND}"),
         ),
+        series(
+            46,
+            "Aligned scale per rank",
+            "Each rank's loss scale after its newest step that is a multiple of 10 "
+            "(ampscope_loss_scale_aligned; the step is on the last-reported-step panel): ranks "
+            "at the same aligned step hold the same scale in a healthy run. The desync rule "
+            "reads both from one sample (ampscope_loss_scale_aligned_packed), so that no store "
+            "pairs a new step with an old scale.",
+            Query(per_rank("ampscope_loss_scale_aligned"), RANK_LEGEND),
+            width=24,
+            log=2,
+        ),
     ]
 
 
@@ -416,8 +428,11 @@ def ranks() -> list[Panel]:
             17,
             "Last reported step",
             "Newest iteration (update() count) each rank reported; ranks of one run should "
-            "move together.",
+            "move together. The lines named aligned: each scaler rank's newest aligned step "
+            "(a multiple of 10, ampscope_loss_scale_aligned_step), where the desync rule "
+            "compares scales.",
             Query(per_rank("ampscope_last_step"), RANK_LEGEND),
+            Query(per_rank("ampscope_loss_scale_aligned_step"), f"{RANK_LEGEND} aligned"),
             width=8,
         ),
         bars(
@@ -613,6 +628,16 @@ def fp8_layers() -> list[Panel]:
             Query(f"ampscope_fp8_scale{{{FP8_SELECTOR}}}", FP8_LEGEND),
             width=24,
             log=2,
+        ),
+        bars(
+            45,
+            "FP8 non-finite amax observations (rank $fp8_rank)",
+            "Observed iterations whose amax of a layer's tensor was inf or NaN, on iterations "
+            "the rank did not skip for overflow (ampscope_fp8_nonfinite_amax_total, counted by "
+            "the exporter for every layer; alert AmpscopeFp8NonfiniteAmax). Empty while none "
+            'was: the counter appears once non-zero. For the rank chosen in "FP8 rank".',
+            Query(_counted(f"ampscope_fp8_nonfinite_amax_total{{{FP8_SELECTOR}}}"), FP8_LEGEND),
+            width=24,
         ),
     ]
 

@@ -158,6 +158,9 @@ def test_every_dashboard_and_alert_expression_returns_data(
         "FP8 amax per layer, log10 (rank $fp8_rank)",
         "FP8 underflow ratio per layer (rank $fp8_rank)",
         "FP8 scale per layer (rank $fp8_rank)",
+        "FP8 non-finite amax observations (rank $fp8_rank)",
+        # The demo's runs check no replicas (attach(model, replica_check_every=N)).
+        "Replica checks that diverged",
     }
     assert {title for title, _ in empty} == expected_empty, (
         f"dashboard queries without data: {empty}"
@@ -181,6 +184,8 @@ def test_every_dashboard_and_alert_expression_returns_data(
     assert f"{PREFIX}-collapse" in runs("AmpscopeSkipStorm")
     assert runs("AmpscopeScaleDesync") == {f"{PREFIX}-desync"}
     assert runs("AmpscopeRankLost") == runs("AmpscopeRankStalled") == set()
+    # Its exporter answers every scrape: no rank is gone with it.
+    assert runs("AmpscopeNodeLost") == set()
     # The rerun run: rank 0's one-time fault pages, rank 1's NaN sample warns, no one else's.
     assert [s["metric"]["rank"] for s in hits["AmpscopeTransientFault"]] == ["0"]
     assert [s["metric"]["rank"] for s in hits["AmpscopeReproducibleFault"]] == ["1"]

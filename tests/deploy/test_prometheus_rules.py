@@ -18,8 +18,11 @@ from deploy_files import (
 from support import need_tool
 
 from ampscope.devices.query import DCGM_FIELDS
-from ampscope.exporter.metrics.catalogue import BY_NAME, SCALER_ONLY
+from ampscope.exporter.metrics.catalogue import BY_NAME, OFFENCE_KINDS, SCALER_ONLY
+from ampscope.status.prometheus.ranks import LOOKBACK_S
+from ampscope.verdicts import aligned
 from ampscope.verdicts.fp8 import Fp8Rule
+from ampscope.verdicts.ranks import FINAL_STATES
 from ampscope.verdicts.thresholds import Thresholds
 
 ALERTS = {
@@ -27,6 +30,7 @@ ALERTS = {
     "AmpscopeSkipStorm",
     "AmpscopeScaleDesync",
     "AmpscopeRankLost",
+    "AmpscopeNodeLost",
     "AmpscopeRankStalled",
     "AmpscopeRankFailed",
     "AmpscopeInfHotspot",
@@ -157,21 +161,60 @@ def test_alert_thresholds_are_the_shared_defaults() -> None:
     assert alerts["AmpscopeGradNormSpike"]["expr"].startswith("max by (run) (")
 
 
+def _windowed_count(counter: str, window: str) -> str:
+    """A counter exposed once non-zero, counted within ``window`` (``10m``): its increase, or
+    its value where the series appeared within the window (increase() cannot count a
+    series' first sample)."""
+    appeared = f"{counter} * 1 unless {counter} offset {window}"
+    return f"( increase({counter}[{window}]) > 0 or ( {appeared} ) )"
+
+
 def test_rerun_alerts_read_the_counter_by_result_with_the_verdicts_window() -> None:
+    """One window for the rerun verdicts: the exporter's (``spike_verdict_window_s``), the
+    alerts' and ``status --prometheus``'s (``health.queries``)."""
     alerts = alert_rules()
-    transient = alerts["AmpscopeTransientFault"]
-    assert transient["labels"]["severity"] == "critical"
-    assert 'ampscope_reruns_total{result="transient"} > 0' in transient["expr"]
-    reproducible = alerts["AmpscopeReproducibleFault"]
-    assert reproducible["labels"]["severity"] == "warning"
-    expr = " ".join(reproducible["expr"].split())
-    window = f"[{Thresholds().spike_verdict_window_s / 60:g}m]"
-    counter = 'ampscope_reruns_total{result="reproducible"}'
-    assert f"increase({counter}{window}) > 0" in expr
-    # The counter appears once non-zero, at 1: a series new within the window counts too.
-    assert f"{counter} * 1 unless {counter} offset {window[1:-1]}" in expr
+    window = f"{Thresholds().spike_verdict_window_s / 60:g}m"
+    for name, result, severity in (
+        ("AmpscopeTransientFault", "transient", "critical"),
+        ("AmpscopeReproducibleFault", "reproducible", "warning"),
+    ):
+        rule = alerts[name]
+        assert rule["labels"]["severity"] == severity
+        expr = " ".join(rule["expr"].split())
+        counter = f'ampscope_reruns_total{{result="{result}"}}'
+        assert expr.startswith(_windowed_count(counter, window)), name
+        assert "10 minutes" in rule["annotations"]["description"], name
     # The on-call finds the batch ids in the exporter, not in Prometheus.
-    assert "--suspect-batches" in reproducible["annotations"]["description"]
+    assert "--suspect-batches" in alerts["AmpscopeReproducibleFault"]["annotations"]["description"]
+
+
+def test_the_node_lost_alert_reads_what_status_calls_lost_over_the_same_window() -> None:
+    """A dead node's exporter cannot say its ranks are lost: the alert reads the absence of
+    their series, over ``status --prometheus``'s ``LOOKBACK_S``, leaving out final states."""
+    rule = alert_rules()["AmpscopeNodeLost"]
+    assert rule["labels"]["severity"] == "critical"
+    expr = " ".join(rule["expr"].split())
+    window = f"[{LOOKBACK_S / 3600:g}h]"
+    assert expr.startswith("count by (run, node, job, instance) (")
+    assert (
+        f"last_over_time(ampscope_rank_info{window}) unless on (run, rank) ampscope_rank_info"
+        in expr
+    )
+    final = "|".join(FINAL_STATES)
+    assert f'last_over_time(ampscope_rank_state{{state=~"{final}"}}{window}) == 1' in expr
+
+
+def test_the_desync_rule_reads_the_aligned_step_and_scale_from_one_sample() -> None:
+    """Two series of one scrape can be paired across scrapes (VictoriaMetrics): the rule
+    reads the packed series alone, with ``ampscope.verdicts.aligned``'s formula."""
+    recorded = recording_rules()["ampscope_rank:loss_scale_aligned:newest_step"]["expr"]
+    assert selected_families(recorded) == {"ampscope_loss_scale_aligned_packed", "ampscope_rank_up"}
+    packed = "ampscope_loss_scale_aligned_packed"
+    assert " ".join(recorded.split()).startswith(f"{aligned.promql_scale(packed)} and on (")
+    step = aligned.promql_step(packed)
+    # The ranks' steps (and the run's newest among them) as well as the scale's fraction.
+    assert recorded.count(step) == 2 + aligned.promql_scale(packed).count(step)
+    assert "timestamp(" not in recorded
 
 
 def test_no_alert_fires_for_a_finished_rank() -> None:
@@ -182,7 +225,8 @@ def test_no_alert_fires_for_a_finished_rank() -> None:
         expr = " ".join(rule["expr"].split())
         if name in DEVICE_ALERTS:
             continue  # about finished runs by design: a device's record across them
-        if name in ("AmpscopeRankLost", "AmpscopeRankStalled", "AmpscopeRankFailed"):
+        if name in ("AmpscopeRankLost", "AmpscopeNodeLost", "AmpscopeRankStalled",
+                    "AmpscopeRankFailed"):  # fmt: skip
             assert 'state="finished"' not in expr, name
             continue
         assert f"unless on (run, node, rank, local_rank) {finished}" in expr or (
@@ -195,6 +239,11 @@ def test_scale_alerts_select_only_what_watch_ranks_do_not_export() -> None:
     # from those families alone (besides liveness) cannot fire for it; promtool shows it
     # on a bf16 run's series.
     liveness = {"ampscope_rank_state", "ampscope_rank_up"}
+    # Read only after `unless`, to tell ranks whose reporter applies the fault rule: it can
+    # remove a rank from the collapse alert, never select one. The clean scale is exported
+    # for scaler ranks only (once they trained cleanly, so not in SCALER_ONLY, which a
+    # scaler always exports).
+    liveness |= {"ampscope_faults_total", "ampscope_loss_scale_clean"}
     for name in ("AmpscopeScaleCollapse", "AmpscopeScaleDesync"):
         families = selected_families(alert_rules()[name]["expr"])
         assert families & SCALER_ONLY, name
@@ -222,15 +271,10 @@ def test_fp8_alerts_read_the_gauges_with_the_verdicts_thresholds() -> None:
     nonfinite = alerts["AmpscopeFp8NonfiniteAmax"]
     assert nonfinite["labels"]["severity"] == "critical"
     expr = " ".join(nonfinite["expr"].split())
-    # Only NaN differs from itself; a NaN sample makes the window's sum NaN.
-    assert expr.startswith(
-        f"sum_over_time(ampscope_fp8_amax{window}) != sum_over_time(ampscope_fp8_amax{window})"
-    )
-    # A skipped overflow iteration is not judged by the verdict; the alert leaves it out too.
-    assert (
-        "unless on (run, node, rank, local_rank) "
-        f"increase(ampscope_skipped_steps_total{window}) > 0" in expr
-    )
+    # A count every store keeps (VictoriaMetrics drops a NaN sample), within the window;
+    # the exporter counts unskipped iterations only, so no skipped-steps exclusion is needed.
+    assert expr.startswith(_windowed_count("ampscope_fp8_nonfinite_amax_total", window[1:-1]))
+    assert "ampscope_fp8_amax" not in selected_families(expr)
     underflow = alerts["AmpscopeFp8Underflow"]
     assert underflow["labels"]["severity"] == "warning"
     assert f"ampscope_fp8_underflow_ratio > {Fp8Rule().underflow_ratio:g}" in underflow["expr"]
@@ -255,7 +299,9 @@ def test_no_alert_divides_by_a_recorded_run_total() -> None:
 def test_device_rules_count_runs_over_30_days_and_join_dcgm_on_the_uuid() -> None:
     recorded = recording_rules()
     runs = " ".join(recorded["ampscope_device:offending_runs:count_30d"]["expr"].split())
-    assert "max_over_time(ampscope_device_offences_total[30d])" in runs
+    # Fault offences only, whatever kinds the exporter adds (OFFENCE_KINDS are the faults).
+    kinds = "|".join(OFFENCE_KINDS)
+    assert f'max_over_time(ampscope_device_offences_total{{kind=~"{kinds}"}}[30d])' in runs
     # By device alone: a GPU keeps its UUID when its pod (the node label on Kubernetes
     # without AMPSCOPE_NODE) or node label changes between runs.
     assert runs.startswith("count by (device) ( max by (device, run) (")

@@ -32,6 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from support import DEADLOCK_GUARD_S, free_port, promtool_check_metrics, run_distributed
 
 from ampscope.demo.exporter import ExporterProcess
+from ampscope.verdicts import aligned
 
 pytestmark = pytest.mark.distributed
 
@@ -215,6 +216,10 @@ def test_counters_equal_ground_truth_across_an_exporter_kill(tmp_path, caplog):
                 "ampscope_last_step": truth["steps"],
                 "ampscope_loss_scale_aligned": truth["aligned_scale"],
                 "ampscope_loss_scale_aligned_step": truth["aligned_step"],
+                # The pair in one sample, for the desync rule: equal to the float, bit for bit.
+                "ampscope_loss_scale_aligned_packed": aligned.pack(
+                    truth["aligned_step"], truth["aligned_scale"]
+                ),
                 "ampscope_rank_up": 1,
             }
             actual = {name: _value(samples, name, **labels) for name in expected}

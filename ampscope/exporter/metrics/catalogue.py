@@ -44,6 +44,7 @@ SCALER_ONLY = frozenset(
         "ampscope_growth_tracker",
         "ampscope_loss_scale_aligned",
         "ampscope_loss_scale_aligned_step",
+        "ampscope_loss_scale_aligned_packed",
         "ampscope_scale_backoffs_total",
         "ampscope_scale_growths_total",
     }
@@ -94,6 +95,14 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "gauge",
         f"The step (a multiple of {SCALE_ALIGN_STEPS}) at which ampscope_loss_scale_aligned was "
         "taken.",
+    ),
+    _rank(
+        "ampscope_loss_scale_aligned_packed",
+        "gauge",
+        "ampscope_loss_scale_aligned_step and ampscope_loss_scale_aligned in one sample, so "
+        "that no store can pair a new step with an old scale: step + (log2(scale) + 1024) / "
+        "2048. floor() is the step, 2 ^ ((x - floor(x)) * 2048 - 1024) the scale (within a "
+        "factor of 1.0007 below step 2**31). What AmpscopeScaleDesync compares.",
     ),
     _rank(
         "ampscope_loss_scale_clean",
@@ -256,6 +265,18 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "The scale the layer's FP8 cast multiplied by (tensorwise), or the smallest row scale "
         "(rowwise), in the rank's newest observed iteration (same layers as "
         "ampscope_fp8_amax); absent when not finite.",
+        "layer",
+        "tensor",
+    ),
+    _rank(
+        "ampscope_fp8_nonfinite_amax_total",
+        "counter",
+        "Observed iterations whose amax of the layer's tensor was inf or NaN, on iterations "
+        "the rank did not skip for overflow (a skipped overflow is no FP8 fault), by layer and "
+        "tensor, for every layer (not only the fp8_max_layers exposed in the gauges). What "
+        "AmpscopeFp8NonfiniteAmax reads: every store keeps a count, where VictoriaMetrics "
+        "drops the gauge's NaN. Counted from the exporter's start, or the rank process's; "
+        "exposed once non-zero.",
         "layer",
         "tensor",
     ),

@@ -23,6 +23,7 @@ from ampscope.exporter.state.ranks import RankSnapshot
 from ampscope.exporter.state.spike_windows import SPIKE_KINDS
 from ampscope.exporter.state.store import Store
 from ampscope.reporter.fault_rule import DEVICE_FAULT_KINDS, FAULT_KINDS
+from ampscope.verdicts import aligned
 from ampscope.verdicts.ranks import STATES, is_scaler
 from ampscope.verdicts.thresholds import Thresholds
 
@@ -229,6 +230,13 @@ class StoreCollector(Collector):
             rows.append(
                 ("ampscope_loss_scale_aligned_step", labels, float(totals.aligned_scale.step))
             )
+            rows.append(
+                (
+                    "ampscope_loss_scale_aligned_packed",
+                    labels,
+                    aligned.pack(totals.aligned_scale.step, float(totals.aligned_scale.scale)),
+                )
+            )
         if scaler and totals.clean_scale is not None:
             rows.append(("ampscope_loss_scale_clean", labels, float(totals.clean_scale)))
         rows.append(("ampscope_last_report_timestamp_seconds", labels, float(snap.last_report)))
@@ -279,6 +287,17 @@ class StoreCollector(Collector):
                 scale = entry.scale_min if entry.rowwise else entry.scale
                 if scale is not None:
                     rows.append(("ampscope_fp8_scale", at, float(scale)))
+            # Every series that counted one, chosen or not: the count is what the alerts read
+            # (VictoriaMetrics drops the gauge's NaN on ingest), and there are few.
+            for series in snap.fp8:
+                if series.nonfinite_count:
+                    rows.append(
+                        (
+                            "ampscope_fp8_nonfinite_amax_total",
+                            [*labels, series.layer, series.tensor],
+                            float(series.nonfinite_count),
+                        )
+                    )
         rows.append(
             ("ampscope_reporter_dropped_records_total", labels, float(snap.dropped_records))
         )

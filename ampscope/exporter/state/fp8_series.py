@@ -38,10 +38,22 @@ class Fp8Series:
     underflow_recent: tuple[float, ...]
     spike: Fp8Event | None
     nonfinite: Fp8Event | None
+    nonfinite_count: int = 0
+    """Observations with an inf or NaN amax on iterations not skipped, since the exporter
+    first heard the rank's process (``ampscope_fp8_nonfinite_amax_total``)."""
 
 
 class _Held:
-    __slots__ = ("entry", "nonfinite", "previous", "skipped", "spike", "step", "underflow")
+    __slots__ = (
+        "entry",
+        "nonfinite",
+        "nonfinite_count",
+        "previous",
+        "skipped",
+        "spike",
+        "step",
+        "underflow",
+    )
 
     def __init__(self, window: int) -> None:
         self.previous: deque[float] = deque(maxlen=window)
@@ -51,6 +63,7 @@ class _Held:
         self.skipped = False
         self.spike: Fp8Event | None = None
         self.nonfinite: Fp8Event | None = None
+        self.nonfinite_count = 0
 
 
 class RankFp8:
@@ -90,6 +103,7 @@ class RankFp8:
                 held.nonfinite = Fp8Event(
                     step=record.step, value=None, baseline=None, received=received
                 )
+                held.nonfinite_count += 1
                 continue
             baseline = rule.is_spike(amax, held.previous)
             if baseline is not None:
@@ -116,6 +130,7 @@ class RankFp8:
                     underflow_recent=tuple(held.underflow),
                     spike=held.spike,
                     nonfinite=held.nonfinite,
+                    nonfinite_count=held.nonfinite_count,
                 )
             )
         return tuple(out)
@@ -130,8 +145,12 @@ class RankFp8:
 
     def exposed(self) -> int:
         """Label sets /metrics may expose for this rank's FP8 series, at most: three
-        families, three tensors for each of up to ``max_layers`` layers. O(series)."""
-        return 9 * min(self.layers(), self._rule.max_layers) if self._series else 0
+        families, three tensors for each of up to ``max_layers`` layers, and the non-finite
+        amax counter of every series that counted one. O(series)."""
+        if not self._series:
+            return 0
+        counted = sum(1 for held in self._series.values() if held.nonfinite_count)
+        return 9 * min(self.layers(), self._rule.max_layers) + counted
 
 
 def exported(

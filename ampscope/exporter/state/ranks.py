@@ -77,8 +77,9 @@ report time, up, steps, skipped, non-finite updates applied, reporter drops, and
 ``RankState.series``)."""
 SCALER_SERIES = 4
 """A scaler rank's scale, growth tracker, backoffs and growths (a watch has no scale)."""
-ALIGNED_SERIES = 2
-"""A scaler's aligned scale and its step, once it has reached its first aligned step."""
+ALIGNED_SERIES = 3
+"""A scaler's aligned scale, its step and both packed, once it has reached its first
+aligned step."""
 SPIKE_SERIES = 3
 """A rank that reports stats: ``ampscope_spikes_total`` of each kind (its loss and gradient
 norm gauges count when its newest record holds them)."""

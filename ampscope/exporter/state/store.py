@@ -129,10 +129,12 @@ def _device_of(records: list[StepRecord]) -> DeviceIdentity | None:
 
 
 def _fp8_exposed(record: StepRecord, max_layers: int) -> int:
-    """``RankFp8.exposed`` for a rank whose FP8 layers are those of ``record``."""
+    """``RankFp8.exposed`` for a rank whose FP8 layers are those of ``record`` (with the
+    non-finite amax counters ``record`` itself starts)."""
     if not record.fp8:
         return 0
-    return 9 * min(len({entry.layer for entry in record.fp8}), max_layers)
+    counted = 0 if record.skipped else sum(1 for entry in record.fp8 if entry.amax is None)
+    return 9 * min(len({entry.layer for entry in record.fp8}), max_layers) + counted
 
 
 class Store:

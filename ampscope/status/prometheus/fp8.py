@@ -4,10 +4,10 @@ Prometheus holds, per rank, the ``fp8_max_layers`` layers each exporter exports 
 a live FP8 verdict first), as the gauges of the rank's newest observed iteration, sampled
 at each scrape: not every observation, and no step. So:
 
-* ``fp8_nonfinite_amax`` (critical): an ``ampscope_fp8_amax`` sample within
-  ``WINDOW_S`` was NaN (the gauge's inf or NaN), on a rank that skipped no step for
-  non-finite gradients in that time (a skipped overflow iteration is no FP8 fault), as the
-  alert ``AmpscopeFp8NonfiniteAmax`` asks;
+* ``fp8_nonfinite_amax`` (critical): ``ampscope_fp8_nonfinite_amax_total`` (each exporter's
+  count of non-finite amaxes on iterations its rank did not skip: a skipped overflow
+  iteration is no FP8 fault) counted within ``WINDOW_S``, as the alert
+  ``AmpscopeFp8NonfiniteAmax`` asks; not the gauge's NaN, which VictoriaMetrics drops;
 * ``fp8_underflow`` (warning): every ``ampscope_fp8_underflow_ratio`` sample within
   ``WINDOW_S``, at least ``underflow_observations`` of them, above the ratio: scrapes stand
   for the rule's observations;
@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ampscope.status.prometheus.ranks import counted_within
 from ampscope.verdicts import fp8 as fp8_rules
 
 WINDOW_S = 600
@@ -51,14 +52,12 @@ _RANK = "run, node, rank, local_rank"
 
 def queries(selector: str, rule: fp8_rules.Fp8Rule) -> dict[str, str]:
     """The FP8 PromQL of one answer (``selector``: the run's label matcher, or empty)."""
-    amax = f"ampscope_fp8_amax{{{selector}}}[{WINDOW_S}s]"
     ratio = f"ampscope_fp8_underflow_ratio{{{selector}}}"
     return {
         "fp8_now": ratio,
-        # Only NaN differs from itself, and one NaN sample makes the window's sum NaN.
-        "fp8_nonfinite": f"(sum_over_time({amax}) != sum_over_time({amax}))"
-        f" unless on ({_RANK})"
-        f" increase(ampscope_skipped_steps_total{{{selector}}}[{WINDOW_S}s]) > 0",
+        "fp8_nonfinite": counted_within(
+            f"ampscope_fp8_nonfinite_amax_total{{{selector}}}", WINDOW_S
+        ),
         "fp8_underflow": f"min_over_time({ratio}[{WINDOW_S}s])"
         f" and count_over_time({ratio}[{WINDOW_S}s]) >= {rule.underflow_observations}",
     }

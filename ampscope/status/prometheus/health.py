@@ -6,8 +6,9 @@ every run's), with ``null`` where Prometheus does not hold a value (a rank's ste
 last event, restarts, FP8 series: its gauges hold only ``fp8_max_layers`` layers a rank),
 and computes the verdicts by the exporter's own rule implementations (``ampscope.verdicts``)
 from instant vectors and ``max_over_time`` / ``increase`` over each rule's window;
-``scale_desync`` compares the ranks' aligned scales (``ampscope_loss_scale_aligned`` at the
-same ``_step``), as the alert rule does; ``rank_failed`` names the failed ranks from
+``scale_desync`` compares the ranks' aligned scales at the same aligned step, both read
+from one sample (``ampscope_loss_scale_aligned_packed``; the two separate series from
+exporters that predate it), as the alert rule does; ``rank_failed`` names the failed ranks from
 ``ampscope_rank_failure_info`` (the exception's class and each rank's origin; the step is
 the rank's last, the message only the exporters hold). Verdicts
 that need the exporter's per-step history (``stalled_rank``'s progress times,
@@ -17,21 +18,22 @@ that need the exporter's per-step history (``stalled_rank``'s progress times,
 baseline, which only the exporters hold (``SPIKE_DETAIL``); ``nonfinite_skipped`` counts
 ``increase`` of ``ampscope_skipped_steps_total``, without the last step and its origin
 (``SKIP_DETAIL``). ``transient_fault`` and ``reproducible_fault`` read
-``ampscope_reruns_total`` (since each rank process started; exposed once non-zero, so
-``increase`` would miss the first): which rank and how many, not the step or the device
-(``RERUN_DETAIL``); ``replica_divergence`` reads ``ampscope_replica_checks_total`` likewise:
-which ranks' groups diverged, not which rank disagrees (``REPLICA_DETAIL``). For a run
-whose ranks export FP8 series, ``fp8_nonfinite_amax`` and
-``fp8_underflow`` are judged from the FP8 gauges' samples, ``fp8_amax_spike`` is not
-(``ampscope.status.prometheus.fp8``).
+``ampscope_reruns_total`` counted within the verdicts' window (``spike_verdict_window_s``,
+as the exporter and the alerts count; ``ranks.counted_within``): which rank and how many, not
+the step or the device (``RERUN_DETAIL``); ``replica_divergence`` reads
+``ampscope_replica_checks_total`` (since each rank process started): which ranks' groups
+diverged, not which rank disagrees (``REPLICA_DETAIL``). For a run whose ranks export FP8
+series, ``fp8_nonfinite_amax`` (from the non-finite amax counter) and ``fp8_underflow`` (from
+the gauges' samples) are judged, ``fp8_amax_spike`` is not (``ampscope.status.prometheus.fp8``).
 
 A rank whose series were there within the last hour and are gone now (its exporter's scrape
 fails, or its series went stale) is ``lost``, as the exporter's own health would call a rank
-it no longer hears, and ``lost_rank`` names it and the exporters whose scrape fails
+it no longer hears (the alert ``AmpscopeNodeLost`` pages on the same condition over the
+same hour), and ``lost_rank`` names it and the exporters whose scrape fails
 (``ampscope.status.prometheus.ranks``). The thresholds are those the exporters publish
 (``ampscope_exporter_health_threshold``), the defaults where none does. Cost: one query for
-the thresholds, then fifteen instant queries run in parallel; the answer holds O(ranks x devices)
-samples.
+the thresholds, then seventeen instant queries run in parallel (a rank's state read as its
+one series at 1, of five); the answer holds O(ranks x devices) samples.
 """
 
 from __future__ import annotations
@@ -50,10 +52,16 @@ from ampscope.status.prometheus.ranks import (
     GAUGES,
     LOOKBACK_S,
     build_views,
+    counted_within,
+    down_seen_query,
     exporters_down,
+    gone_query,
     gone_ranks,
+    narrowed,
     per_rank,
     seen_query,
+    separate_aligned_query,
+    state_query,
     thresholds_of,
     up_query,
 )
@@ -77,6 +85,8 @@ NEEDS_HISTORY = {
 
 RANK_QUERIES = (
     "now",
+    "state",
+    "aligned_separate",
     "peak",
     "steps",
     "skipped",
@@ -85,11 +95,14 @@ RANK_QUERIES = (
     "spikes",
     "skipped_nonfinite",
     "reruns",
+    "gone",
     "replica_checks",
-    "seen",
     *prometheus_fp8.FP8_QUERIES,
 )
 """The queries whose every series is a rank's (run, rank and node labels), checked so."""
+
+INSTANT = ("state", "aligned_separate")
+"""The queries that complete ``now``'s per-rank gauges (read with them, not per window)."""
 
 SPIKE_DETAIL = (
     "counted from Prometheus (increase of ampscope_spikes_total): the step, the value and the "
@@ -104,7 +117,7 @@ SKIP_DETAIL = (
 """What ``nonfinite_skipped`` computed from Prometheus says it lacks."""
 
 RERUN_DETAIL = (
-    "counted from Prometheus (ampscope_reruns_total, since the rank process started): the "
+    "counted from Prometheus (ampscope_reruns_total, within the verdicts' window): the "
     "step, the device and the batch ids are in each exporter's GET /api/v1/runs/{run}/health"
 )
 """What a rerun verdict computed from Prometheus says it lacks."""
@@ -141,6 +154,8 @@ def queries(run: str | None, t: Thresholds) -> dict[str, str]:
     joined = f",{sel}" if sel else ""
     return {
         "now": f'{{__name__=~"{names}"{joined}}}',
+        "state": state_query(sel),
+        "aligned_separate": separate_aligned_query(sel),
         "peak": f"max_over_time(ampscope_loss_scale{{{sel}}}[{t.collapse_window_s:g}s])",
         "steps": f"increase(ampscope_steps_total{{{sel}}}[{t.skip_storm_window_s:g}s])",
         "skipped": f"increase(ampscope_skipped_steps_total{{{sel}}}[{t.skip_storm_window_s:g}s])",
@@ -150,9 +165,9 @@ def queries(run: str | None, t: Thresholds) -> dict[str, str]:
         "spikes": f"increase(ampscope_spikes_total{{{sel}}}[{t.spike_verdict_window_s:g}s])",
         "skipped_nonfinite": f"increase(ampscope_skipped_steps_total{{{sel}}}"
         f"[{t.nonfinite_skipped_window_s:g}s])",
-        "reruns": f"ampscope_reruns_total{{{sel}}}",
+        "reruns": counted_within(f"ampscope_reruns_total{{{sel}}}", t.spike_verdict_window_s),
         "replica_checks": f"ampscope_replica_checks_total{{{sel}}}",
-        "seen": seen_query(sel),
+        "gone": gone_query(sel),
         "up": up_query(sel),
         **prometheus_fp8.queries(sel, Fp8Rule()),
     }
@@ -334,10 +349,28 @@ def fetch(client: PrometheusClient, run: str | None, t: Thresholds | None = None
         # queries read a NaN amax as what it is).
         if name not in prometheus_fp8.FP8_QUERIES:
             shapes.check_finite(results[name], f"{client.url}/api/v1/query ({name!r} query)")
-    views = build_views(results["now"], now)
-    views.update(gone_ranks(results["seen"], views, now))
-    down = exporters_down(results["up"], results["seen"])
-    unwindowed = ("now", "seen", "up", *prometheus_fp8.FP8_QUERIES)
+    # Second round, only where the first found any: the families of the gone ranks, and the
+    # ranks the failing exporters held (the hour's range reads, narrowed to few series).
+    sel = _selector(run)
+    follow = {}
+    gone = {(s["metric"]["run"], int(s["metric"]["rank"])) for s in results["gone"]}
+    if gone:
+        follow["seen"] = seen_query(narrowed(sel, gone))
+    down_now = {s["metric"].get("instance", "") for s in results["up"]}
+    if down_now:
+        follow["down_seen"] = down_seen_query(sel, down_now)
+    if follow:
+        with ThreadPoolExecutor(max_workers=len(follow)) as pool:
+            futures = {name: pool.submit(client.query, q, now) for name, q in follow.items()}
+            results.update({name: future.result() for name, future in futures.items()})
+        for name in follow:
+            where = f"{client.url}/api/v1/query ({name!r} query)"
+            shapes.check_series(results[name], where)
+            shapes.check_finite(results[name], where)
+    views = build_views(results["now"] + results["state"] + results["aligned_separate"], now)
+    views.update(gone_ranks(results.get("seen", []), views, now))
+    down = exporters_down(results["up"], results.get("down_seen", []))
+    unwindowed = ("now", *INSTANT, "gone", "up", *prometheus_fp8.FP8_QUERIES)
     windows = {name: per_rank(results[name], views) for name in asked if name not in unwindowed}
     fp8 = {name: results[name] for name in prometheus_fp8.FP8_QUERIES}
     judged = {"source": source, **{f.name: getattr(t, f.name) for f in fields(t)}}

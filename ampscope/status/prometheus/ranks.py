@@ -9,11 +9,14 @@ over query results.
 
 from __future__ import annotations
 
+import json
+import re
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import fields
 from typing import Any
 
+from ampscope.verdicts import aligned
 from ampscope.verdicts.ranks import FINAL_STATES
 from ampscope.verdicts.thresholds import Thresholds
 
@@ -25,11 +28,9 @@ GAUGES = (
     "ampscope_last_step",
     "ampscope_loss_scale",
     "ampscope_growth_tracker",
-    "ampscope_loss_scale_aligned",
-    "ampscope_loss_scale_aligned_step",
+    "ampscope_loss_scale_aligned_packed",
     "ampscope_last_report_timestamp_seconds",
     "ampscope_rank_up",
-    "ampscope_rank_state",
     "ampscope_rank_failure_info",
     "ampscope_steps_total",
     "ampscope_skipped_steps_total",
@@ -40,7 +41,13 @@ GAUGES = (
     "ampscope_nonfinite_updates_applied_total",
     "ampscope_reporter_dropped_records_total",
 )
-"""Families read as instant vectors, in one query by name."""
+"""Families read as instant vectors, in one query by name. A rank's state and, from exporters
+that predate ``ampscope_loss_scale_aligned_packed``, its aligned pair come from their own
+queries (``state_query``, ``separate_aligned_query``): one series of five for the state,
+none of two for the pair where the packed sample is there."""
+
+SEPARATE_ALIGNED = ("ampscope_loss_scale_aligned", "ampscope_loss_scale_aligned_step")
+"""The aligned scale and its step as two series: read only where the packed one is absent."""
 
 SEEN = (
     "ampscope_rank_info",
@@ -68,10 +75,76 @@ def seen_query(selector: str) -> str:
     )
 
 
-def up_query(selector: str) -> str:
-    """``up`` of every exporter that held a rank of the selection within ``LOOKBACK_S``."""
+def state_query(selector: str) -> str:
+    """Each rank's current state: the one ``ampscope_rank_state`` series at 1 (of five), named
+    as its family (a comparison's answer may drop the name)."""
     return (
-        f"up and on (job, instance) last_over_time(ampscope_rank_info{{{selector}}}[{LOOKBACK_S}s])"
+        f'label_replace(ampscope_rank_state{{{selector}}} == 1, "__name__", '
+        '"ampscope_rank_state", "", "")'
+    )
+
+
+def separate_aligned_query(selector: str) -> str:
+    """The aligned scale and step as two series, of the ranks without the packed one (an
+    exporter that predates it): empty for the others."""
+    joined = f",{selector}" if selector else ""
+    names = "|".join(SEPARATE_ALIGNED)
+    return (
+        f'{{__name__=~"{names}"{joined}}} unless on (run, node, rank, local_rank) '
+        f"ampscope_loss_scale_aligned_packed{{{selector}}}"
+    )
+
+
+def counted_within(counter: str, window_s: float) -> str:
+    """How much ``counter`` (a selector of a counter exposed once non-zero) counted within
+    the last ``window_s``: its increase, or its value where the series appeared within the
+    window (``increase()`` cannot count a series' first sample). The alerts' form
+    (``AmpscopeTransientFault``, ``AmpscopeFp8NonfiniteAmax``), so both count alike."""
+    return (
+        f"increase({counter}[{window_s:g}s]) > 0"
+        f" or ({counter} * 1 unless {counter} offset {window_s:g}s)"
+    )
+
+
+def gone_query(selector: str) -> str:
+    """The ranks of the selection held within ``LOOKBACK_S`` whose info series is gone now,
+    matched by (run, rank) (a rank that restarted onto another node is there), each its last
+    ``ampscope_rank_info`` sample, named so. The one range read over the hour of every rank,
+    of one family: ``seen_query`` then reads the other families for these ranks only."""
+    info = f"ampscope_rank_info{{{selector}}}"
+    return (
+        f"label_replace(last_over_time({info}[{LOOKBACK_S}s]) unless on (run, rank) {info}, "
+        '"__name__", "ampscope_rank_info", "", "")'
+    )
+
+
+def up_query(selector: str) -> str:
+    """The scrapes that fail now (``up == 0``): few, whatever the job's size."""
+    return "up == 0"
+
+
+def _any_of(label: str, values: Iterable[str]) -> str:
+    # An anchored regex of exactly these values, as a PromQL string literal (JSON's escapes
+    # are PromQL's).
+    return f"{label}=~{json.dumps('|'.join(sorted(re.escape(v) for v in set(values))))}"
+
+
+def narrowed(selector: str, keys: Iterable[tuple[str, int]]) -> str:
+    """``selector`` narrowed to the runs and ranks of ``keys`` ((run, rank); a superset when
+    several runs are given, which ``gone_ranks`` filters)."""
+    keys = list(keys)
+    runs = _any_of("run", (run for run, _ in keys))
+    ranks = _any_of("rank", (str(rank) for _, rank in keys))
+    return ",".join(part for part in (selector, runs, ranks) if part)
+
+
+def down_seen_query(selector: str, instances: Iterable[str]) -> str:
+    """The last ``ampscope_rank_info`` within ``LOOKBACK_S`` of the selection's ranks that
+    the exporters ``instances`` (whose scrape fails) held, named so."""
+    where = ",".join(part for part in (selector, _any_of("instance", instances)) if part)
+    return (
+        f"label_replace(last_over_time(ampscope_rank_info{{{where}}}[{LOOKBACK_S}s]), "
+        '"__name__", "ampscope_rank_info", "", "")'
     )
 
 
@@ -157,6 +230,9 @@ def build_views(samples: list[dict[str, Any]], now: float) -> dict[tuple[str, in
             if views.get(key, {}).get("node", labels["node"]) == labels["node"]:
                 views[key] = _view(labels)
     views = {key: view for key, view in views.items() if "rank" in view}
+    # The packed aligned sample wins over the two separate series (exporters before it
+    # served only those): a store can pair one's new value with the other's old one.
+    packed: set[tuple[str, int]] = set()
     for sample in samples:
         labels, value = sample["metric"], float(sample["value"][1])
         key = _key(labels)
@@ -176,9 +252,13 @@ def build_views(samples: list[dict[str, Any]], now: float) -> dict[tuple[str, in
             totals["found_inf_local"][labels["device"]] = int(value)
         elif name == "ampscope_found_inf_origin_total":
             totals["found_inf_origin"][labels["device"]] = int(value)
-        elif name == "ampscope_loss_scale_aligned":
+        elif name == "ampscope_loss_scale_aligned_packed":
+            step, scale = aligned.unpack(value)
+            totals["aligned_scale"] = {"step": step, "scale": scale}
+            packed.add(key)
+        elif name == "ampscope_loss_scale_aligned" and key not in packed:
             totals["aligned_scale"] = {**(totals["aligned_scale"] or {}), "scale": value}
-        elif name == "ampscope_loss_scale_aligned_step":
+        elif name == "ampscope_loss_scale_aligned_step" and key not in packed:
             totals["aligned_scale"] = {**(totals["aligned_scale"] or {}), "step": int(value)}
         elif name == "ampscope_reporter_dropped_records_total":
             view["dropped_records"] = int(value)

@@ -122,6 +122,15 @@ def test_non_finite_amax_is_critical_unless_the_scaler_skipped(make_client: Make
     assert verdict["evidence"]["series"] == [
         {"rank": 0, "node": "node0", "layer": "l0", "tensor": "input", "step": 2}
     ]
+    # The alerts read a count, which every store keeps (VictoriaMetrics drops a NaN sample):
+    # the unskipped iteration's input counts, the skipped one's grad_output does not.
+    counted = {k: v for k, v in _fp8_samples(client).items() if k[0].endswith("_total")}
+    assert counted == {("ampscope_fp8_nonfinite_amax_total", "l0", "input"): 1.0}
+    _post(client, record(3, total=totals(3, skipped=1), fp8=_entries(1, **{"l0/input": None})))
+    _post(client, record(4, total=totals(4, skipped=1), fp8=_entries(1)))
+    samples = _fp8_samples(client)
+    assert samples[("ampscope_fp8_nonfinite_amax_total", "l0", "input")] == 2.0
+    assert samples[("ampscope_fp8_amax", "l0", "input")] == 1.0  # the gauge: newest only
 
 
 def test_runs_without_fp8_layers_have_no_fp8_verdicts(client: TestClient) -> None:

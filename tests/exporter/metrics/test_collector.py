@@ -16,6 +16,7 @@ from ampscope.exporter.metrics.catalogue import (
     SCALER_ONLY,
 )
 from ampscope.reporter.schema import ReplicaCheckResult, Rerun, RerunPass
+from ampscope.verdicts.aligned import unpack
 from ampscope.verdicts.thresholds import Thresholds
 from exporter.conftest import MakeClient
 from exporter.factory import T0, body, gpu, record, stats, totals, watch
@@ -78,6 +79,7 @@ def test_values_match_the_newest_record(make_client: MakeClient) -> None:
     assert got[("ampscope_last_step", me)] == 12
     assert got[("ampscope_loss_scale_aligned", me)] == 4096.0
     assert got[("ampscope_loss_scale_aligned_step", me)] == 10
+    assert unpack(got[("ampscope_loss_scale_aligned_packed", me)]) == (10, 4096.0)
     assert got[("ampscope_last_report_timestamp_seconds", me)] == clock.now
     assert got[("ampscope_rank_up", me)] == 1
     assert got[("ampscope_steps_total", me)] == 12
@@ -96,7 +98,7 @@ def test_values_match_the_newest_record(make_client: MakeClient) -> None:
     assert got[("ampscope_nonfinite_updates_applied_total", me)] == 0
     assert got[("ampscope_exporter_tracked_runs", frozenset())] == 1
     assert got[("ampscope_exporter_tracked_ranks", frozenset())] == 1
-    assert got[("ampscope_exporter_tracked_series", frozenset())] == 17 + 2 + 2 + 1 + 2
+    assert got[("ampscope_exporter_tracked_series", frozenset())] == 17 + 3 + 2 + 1 + 2
     assert got[("ampscope_exporter_ingest_records_total", frozenset())] == 3
 
 
@@ -110,7 +112,8 @@ def test_aligned_scale_appears_from_the_first_aligned_step(make_client: MakeClie
     got = _samples(client)
     assert got[("ampscope_loss_scale_aligned", _labels())] == 512.0
     assert got[("ampscope_loss_scale_aligned_step", _labels())] == 10
-    assert got[("ampscope_exporter_tracked_series", frozenset())] == 17 + 2 + 1
+    assert unpack(got[("ampscope_loss_scale_aligned_packed", _labels())]) == (10, 512.0)
+    assert got[("ampscope_exporter_tracked_series", frozenset())] == 17 + 3 + 1
 
 
 def _watch_totals(steps: int) -> object:

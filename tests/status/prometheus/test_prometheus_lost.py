@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from exporter.factory import body, record
 from status_cli import run_status
 from support import DEADLOCK_GUARD_S, free_port, start_prometheus, stop_process
@@ -29,6 +30,7 @@ RUN = "job-lost"
 NODES = {"n0": (0, 1, 2), "n1": (3,)}
 STEPS = 12
 SETTINGS = {"AMPSCOPE_LOST_CRITICAL_SHARE": "0.2"}
+RULES = Path(__file__).parents[3] / "deploy" / "prometheus" / "rules" / "ampscope-alerts.yml"
 STALE_AFTER = 1800.0
 """Long enough that the surviving node's ranks stay running however slow the machine."""
 
@@ -138,6 +140,23 @@ def test_the_dead_nodes_rank_is_lost_and_named_critical(dead_node: tuple[str, st
         "finished": 0,
         "failed": 0,
     }
+
+
+def test_the_node_lost_alert_names_the_ranks_status_calls_lost(dead_node: tuple[str, str]) -> None:
+    """The shipped alert (its expression, on the same Prometheus) and ``status --prometheus``
+    judge a dead node alike: the ranks status calls lost, by run, node and exporter. Its
+    ``for:`` aside, it would page now; the live node's ranks are not in it."""
+    url, dead = dead_node
+    groups = yaml.safe_load(RULES.read_text())["groups"]
+    (rule,) = [r for g in groups for r in g["rules"] if r.get("alert") == "AmpscopeNodeLost"]
+    got = [
+        ({k: s["metric"][k] for k in ("run", "node", "instance")}, float(s["value"][1]))
+        for s in _query(url, rule["expr"])
+    ]
+    assert got == [({"run": RUN, "node": "n1", "instance": dead}, 1.0)]
+    answer = json.loads(run_status(RUN, "--json", "--prometheus", url).stdout)
+    lost = [v for v in answer["ranks"] if v["state"] == "lost"]
+    assert [(v["run"], v["node"]) for v in lost] == [(RUN, "n1")] * int(got[0][1])
 
 
 def test_the_table_shows_the_lost_rank_on_its_node(dead_node: tuple[str, str]) -> None:

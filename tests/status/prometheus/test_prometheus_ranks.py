@@ -7,8 +7,11 @@ from typing import Any
 
 from ampscope.status.prometheus.ranks import (
     build_views,
+    down_seen_query,
     exporters_down,
+    gone_query,
     gone_ranks,
+    narrowed,
     seen_query,
     thresholds_of,
     up_query,
@@ -114,4 +117,22 @@ def test_the_lookback_queries_restore_each_familys_name() -> None:
     )
     assert 'ampscope_rank_state{state=~"finished|failed",run="r"}[3600s]' in query
     assert '"ampscope_rank_failure_info", "", "")' in query
-    assert up_query("") == ("up and on (job, instance) last_over_time(ampscope_rank_info{}[3600s])")
+    assert up_query("") == "up == 0"
+
+
+def test_the_hours_range_reads_are_narrowed_to_the_gone_ranks_and_failing_exporters() -> None:
+    """At scale the hour's range read of every rank's families cost more than the gauges:
+    one family finds the gone ranks, then only theirs are read (and the failing exporters')."""
+    gone = gone_query('run="r"')
+    assert gone == (
+        'label_replace(last_over_time(ampscope_rank_info{run="r"}[3600s]) unless on (run, rank) '
+        'ampscope_rank_info{run="r"}, "__name__", "ampscope_rank_info", "", "")'
+    )
+    # Regex metacharacters in a run name match themselves; several runs give a superset.
+    narrowed_to = narrowed("", [("a.b", 3), ("c", 12)])
+    assert narrowed_to == 'run=~"a\\\\.b|c",rank=~"12|3"'
+    assert 'ampscope_rank_info{run=~"a\\\\.b|c",rank=~"12|3"}[3600s]' in seen_query(narrowed_to)
+    assert down_seen_query('run="r"', ["n1:9478", "n0:9478"]) == (
+        'label_replace(last_over_time(ampscope_rank_info{run="r",instance=~"n0:9478|n1:9478"}'
+        '[3600s]), "__name__", "ampscope_rank_info", "", "")'
+    )

@@ -1,0 +1,110 @@
+"""``ampscope status --prometheus`` counts reruns within the verdicts' window, as the exporter
+and the alerts do, and reads a rank's aligned step and scale from one sample."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import yaml
+from support import need_tool
+
+from ampscope.status import prometheus
+from ampscope.status.prometheus.ranks import build_views
+from ampscope.verdicts.aligned import pack
+from ampscope.verdicts.thresholds import Thresholds
+
+RUN = "rr"
+NOW = 1_700_000_000.0
+
+
+def _labels(rank: int, **more: str) -> str:
+    labels = {"run": RUN, "node": "n0", "rank": str(rank), "local_rank": str(rank), **more}
+    return ",".join(f'{k}="{v}"' for k, v in labels.items())
+
+
+def test_reruns_are_counted_within_the_verdicts_window_on_promtool(tmp_path: Path) -> None:
+    """The query as sent, on Prometheus' own engine: a rerun counts for 600 s from when its
+    counter appeared or grew, then no more, though the rank process (and its counter) lives."""
+    promtool = need_tool("promtool")
+    t = Thresholds()
+    assert t.spike_verdict_window_s == 600
+    query = prometheus.queries(RUN, t)["reruns"]
+    counter = "ampscope_reruns_total"
+    series = [
+        # rank 0: a transient result at 45s; rank 1: a reproduced one at 0s (its counter
+        # there from the start) and another at 12m.
+        {"series": f"{counter}{{{_labels(0, result='transient')}}}", "values": "_x3 1x60"},
+        {"series": f"{counter}{{{_labels(1, result='reproducible')}}}", "values": "1x47 2x16"},
+    ]
+    tests = {
+        "rule_files": [],
+        "evaluation_interval": "15s",
+        "tests": [
+            {
+                "interval": "15s",
+                "input_series": series,
+                "promql_expr_test": [
+                    {
+                        "expr": f"round({query})",
+                        "eval_time": "5m",
+                        "exp_samples": [
+                            {"labels": f"{{{_labels(0, result='transient')}}}", "value": 1},
+                            {"labels": f"{{{_labels(1, result='reproducible')}}}", "value": 1},
+                        ],
+                    },
+                    {
+                        "expr": f"round({query})",
+                        "eval_time": "13m",
+                        "exp_samples": [
+                            {"labels": f"{{{_labels(1, result='reproducible')}}}", "value": 1}
+                        ],
+                    },
+                    {"expr": query, "eval_time": "22m30s", "exp_samples": []},
+                ],
+            }
+        ],
+    }
+    path = tmp_path / "reruns-status-test.yml"
+    path.write_text(yaml.safe_dump(tests))
+    result = subprocess.run(
+        [promtool, "test", "rules", str(path)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _sample(name: str, rank: int, value: float, **labels: str) -> dict[str, Any]:
+    metric = {"__name__": name, "run": RUN, "node": "n0", "rank": str(rank),
+              "local_rank": str(rank), **labels}  # fmt: skip
+    return {"metric": metric, "value": [NOW, repr(value)]}
+
+
+def test_the_aligned_step_and_scale_come_from_the_packed_sample() -> None:
+    """Where a store paired a new aligned step with the old scale, the packed sample holds
+    the pair the exporter served; exporters without it still give the two series."""
+    samples = []
+    for rank in range(2):
+        samples += [
+            _sample("ampscope_rank_info", rank, 1.0, mode="scaler", world_size="3"),
+            _sample("ampscope_last_report_timestamp_seconds", rank, NOW - 1),
+        ]
+    samples += [
+        # rank 0: the separate series mix two scrapes (step 20, the scale of step 10).
+        _sample("ampscope_loss_scale_aligned", 0, 65536.0),
+        _sample("ampscope_loss_scale_aligned_step", 0, 20.0),
+        _sample("ampscope_loss_scale_aligned_packed", 0, pack(20, 32768.0)),
+        # rank 1: an exporter that predates the packed series.
+        _sample("ampscope_loss_scale_aligned", 1, 32768.0),
+        _sample("ampscope_loss_scale_aligned_step", 1, 20.0),
+    ]
+    views = build_views(samples, NOW)
+    assert views[(RUN, 0)]["totals"]["aligned_scale"] == {"step": 20, "scale": 32768.0}
+    assert views[(RUN, 1)]["totals"]["aligned_scale"] == {"step": 20, "scale": 32768.0}
+    # Either order of the samples.
+    views = build_views(list(reversed(samples)), NOW)
+    assert views[(RUN, 0)]["totals"]["aligned_scale"] == {"step": 20, "scale": 32768.0}
