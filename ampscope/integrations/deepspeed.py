@@ -111,11 +111,24 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
         self._device = "cpu"
 
     def attach(
-        self, model: nn.Module, track_origin: bool = False, *, fp8_every: int | None = None
+        self,
+        model: nn.Module,
+        track_origin: bool = False,
+        *,
+        fp8_every: int | None = None,
+        replica_check_every: int | None = None,
     ) -> None:
         """Observe ``model`` when it is a DeepSpeed engine (and none is observed yet);
         anything else is left alone: the engine's module names the parameters. The
-        Trainer and Accelerate integrations call it with what ``prepare()`` returned."""
+        Trainer and Accelerate integrations call it with what ``prepare()`` returned.
+        DeepSpeed's replicas are not compared (``replica_check_every`` is said once in the
+        log and otherwise ignored: ZeRO keeps its own copies of the weights)."""
+        if replica_check_every:
+            logger.warning(
+                "ampscope: replica checks are not made under DeepSpeed; "
+                "replica_check_every=%d is ignored",
+                replica_check_every,
+            )
         if self.engine is None and is_engine(model) and self._ampscope_capture is not None:
             self.bind(model)
 
