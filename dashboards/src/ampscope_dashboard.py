@@ -225,6 +225,17 @@ def loss_and_gradient_norm() -> list[Panel]:
             ),
             colors=("red",),
         ),
+        bars(
+            47,
+            "Faults per rank, by kind",
+            "Non-finite iterations the fault rule called faults, per scrape interval, rank and "
+            "kind (ampscope_faults_total; a series' first fault included): a non-finite loss, "
+            "inf/NaN gradients without a loss scaler, an overflow at a scale the run had "
+            "trained cleanly at, or a rerun's result (transient, reproducible). The loss "
+            "scaler's own backoffs (warm-up, probing upward) are weather and never appear "
+            "here; consequences of an applied inf/NaN update count once, at their origin.",
+            Query(_counted(per_rank("ampscope_faults_total")), f"{{{{kind}}}}: {RANK_LEGEND}"),
+        ),
     ]
 
 
@@ -238,8 +249,12 @@ def loss_scale() -> list[Panel]:
             "Current loss scale of every rank's GradScaler (log2 axis: one grid line per "
             "halving). A staircase down is a burst of overflows; a slope down to 1 or below "
             "is a collapse. Only ranks that run a loss scaler appear: a bf16/fp32 rank watched "
-            "by a GradWatch has no scale and exports none.",
+            "by a GradWatch has no scale and exports none. The lines named clean: the "
+            "clean scale, the recent scale the rank trained at without overflow "
+            "(ampscope_loss_scale_clean; absent during warm-up), from which scale_collapse "
+            "measures a fall.",
             Query(per_rank("ampscope_loss_scale"), RANK_LEGEND),
+            Query(per_rank("ampscope_loss_scale_clean"), f"clean: {RANK_LEGEND}"),
             log=2,
         ),
         series(
