@@ -10,6 +10,8 @@ and four setups, each ampscope against what users run without it, interleaved bl
 block in one process (:mod:`bench.ab`):
 
 * ``scaler``: ``torch.amp.GradScaler`` against ``ampscope.GradScaler``;
+* ``scaler-clip``: the same loops clipping after ``unscale_``, stock with
+  ``torch.nn.utils.clip_grad_norm_``, ampscope with its ``clip_grad_norm_`` (one pass);
 * ``watch``: a plain loop against ``GradWatch("observe")``;
 * ``origin``: the scalers under 1-rank DDP (gloo), ampscope with ``track_origin=True``;
 * ``fp8``: ``GradWatch`` with FP8 observation at the default ``fp8_every`` on the model's
@@ -51,7 +53,7 @@ from bench.ab import interleaved_order
 from bench.gpt import GPTShape, batch, build_gpt
 
 SIZES = (16, 148)
-SETUPS = ("scaler", "watch", "origin", "fp8")
+SETUPS = ("scaler", "scaler-clip", "watch", "origin", "fp8")
 GPT_148 = GPTShape(layers=12, heads=2, width=32, vocab=64, context=16, batch=2)
 
 
@@ -95,7 +97,8 @@ class Contender:
         self.expect_records = ampscope_on
         if setup == "origin":
             model = nn.parallel.DistributedDataParallel(model)
-        if setup in ("scaler", "origin"):
+        self.clip = setup == "scaler-clip"
+        if setup in ("scaler", "scaler-clip", "origin"):
             if ampscope_on:
                 self.front = GradScaler("cpu", reporter=sink, run_id=f"growth-{setup}")
                 self.front.attach(model, track_origin=setup == "origin")
@@ -119,6 +122,10 @@ class Contender:
             self.optimizer.step()
         else:
             front.scale(loss).backward()
+            if self.clip:
+                front.unscale_(self.optimizer)
+                clip = getattr(front, "clip_grad_norm_", torch.nn.utils.clip_grad_norm_)
+                clip(self.model.parameters(), 1.0)
             front.step(self.optimizer)
             front.update()
         self.steps += 1

@@ -182,6 +182,9 @@ class GradStats:
         self._loss_count = 0
         self._optimizers: list[OptimizerNorms] = []
         self._empty: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        self.pack_on_cpu = False
+        """Stack the norms on the training thread on the CPU too, as on accelerators
+        (tests run the accelerators' path on the CPU)."""
         self.defer = True
         """Settable: whether :meth:`add_grads` may leave the norms to the loop's clip
         (a front-end turns it off inside ``step()``, after which no clip can come)."""
@@ -231,8 +234,9 @@ class GradStats:
                 continue
             if optimizer.square is not None:
                 parts.append(optimizer.square)
-            elif optimizer.norms:
-                norms = torch.stack(optimizer.norms)
+            elif optimizer.count:
+                packed = optimizer.packed
+                norms = torch.stack(optimizer.norms) if packed is None else packed.float()
                 parts.append(torch.dot(norms, norms))
         if not parts:
             return None
@@ -292,8 +296,19 @@ class GradStats:
                         break
                 else:
                     each = compat.foreach_norm(grads, plan.low_precision)  # type: ignore[arg-type]
-                    if info.place is None:
+                    place = info.place
+                    if place is None:
                         each = _on_one_device(each)
+                    elif place[0].type != "cpu" or self.pack_on_cpu:
+                        # One stacked vector from here on (one launch): the step keeps one
+                        # small block in flight, not one per parameter. On the CPU the
+                        # telemetry thread stacks them (host memory; the training thread's
+                        # time is the scarcer one).
+                        packed = torch.stack(each)
+                        self._optimizers.append(
+                            OptimizerNorms(plan.names, (), scaled, None, packed=packed)
+                        )
+                        return each
                     self._optimizers.append(OptimizerNorms(plan.names, each, scaled, None))
                     return each
             self._optimizers.append(

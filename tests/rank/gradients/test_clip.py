@@ -171,11 +171,16 @@ def test_a_clip_over_other_parameters_leaves_the_norms_their_own() -> None:
     scaler.close()
 
 
+@pytest.mark.parametrize(
+    ("clip", "packed"), [(True, False), (False, True)], ids=["clip", "stacked-at-unscale"]
+)
 @pytest.mark.parametrize("device_transport", [False, True], ids=["host", "device"])
 @pytest.mark.parametrize("front_end", ["scaler", "watch"])
 def test_a_spike_names_the_same_top_parameters_through_the_clip(
-    front_end: str, device_transport: bool
+    front_end: str, device_transport: bool, clip: bool, packed: bool
 ) -> None:
+    """Through the clip, or with the norms stacked as soon as they are taken (as on
+    accelerators), the spike's attribution is the one the separate norms give."""
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     front: ampscope.GradScaler | ampscope.GradWatch
@@ -189,6 +194,8 @@ def test_a_spike_names_the_same_top_parameters_through_the_clip(
         front = ampscope.GradWatch(reporter=None, spike_rule=FAST_RULE, top_k=3)
         front._ampscope_capture = WatchCapture("observe", read_on_host=not device_transport)
     front.attach(model)
+    assert front._ampscope_stats is not None
+    front._ampscope_stats.pack_on_cpu = packed
     expected: dict[str, float] = {}
     totals = []
     for step in range(9):
@@ -198,7 +205,8 @@ def test_a_spike_names_the_same_top_parameters_through_the_clip(
         front.unscale_(opt)
         if step == 7:
             expected = {n: p.grad.norm().item() for n, p in model.named_parameters()}
-        totals.append(front.clip_grad_norm_(model.parameters(), math.inf).item())
+        clip_grad_norm_ = front.clip_grad_norm_ if clip else torch.nn.utils.clip_grad_norm_
+        totals.append(clip_grad_norm_(model.parameters(), math.inf).item())
         front.step(opt)
         front.update()
     records = front.telemetry.history()
