@@ -234,8 +234,10 @@ class TelemetryFrontEnd(failure.ClosedByWith):
         stats = self._ampscope_stats
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         names = None
-        if stats is not None and self._ampscope_guard(clippable, params, norm_type, foreach):
-            names = self._ampscope_guard(stats.before_clip, params)
+        if stats is not None:
+            keep = bool(self._ampscope_guard(clippable, params, norm_type, foreach))
+            # Norms left to this clip are taken before it changes the gradients.
+            names = self._ampscope_guard(stats.before_clip, params, keep)
         total, norms = clip_grad_norm_with_norms(
             params, max_norm, norm_type, error_if_nonfinite, foreach, keep=names is not None
         )

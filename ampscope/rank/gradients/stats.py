@@ -193,7 +193,7 @@ class GradStats:
         ones defer their norms to the clip, until one ends without it."""
         self._clipped = False
         self._deferred: list[tuple[OptimizerInfo, NormPlan]] = []
-        self._clip_names: dict[tuple[tuple[int, ...], ...], tuple[str, ...] | None] = {}
+        self._clip_names: dict[tuple[Any, ...], tuple[str, ...] | None] = {}
         """Per (parameter ids, plan ids): the clip's names in its order, or ``None``."""
 
     def add_loss(self, outputs: object) -> None:
@@ -389,23 +389,27 @@ class GradStats:
         elif self.reduce is not None:
             self.reduce(_local_square(None, (), _first_device(params)))
 
-    def before_clip(self, params: list[torch.Tensor]) -> tuple[str, ...] | None:
+    def before_clip(self, params: list[torch.Tensor], keep: bool) -> tuple[str, ...] | None:
         """A clip through the front-end is about to run over ``params``' gradients (each
         dense, none missing; :func:`~ampscope.rank.gradients.clip.clippable`): from the
         next iteration on, :meth:`add_grads` leaves its norms to the clip.
 
-        Returns the names of ``params``, in order, when they are exactly the parameters
-        whose norms this iteration deferred (then :meth:`after_clip` takes the clip's);
-        else ``None``, after norming the deferred gradients now, before the clip changes
-        them. Cost on a repeated call: a tuple of the parameters' ids, a dict lookup.
+        Returns the names of ``params``, in order, when the clip keeps its norms
+        (``keep``) and they are exactly the parameters whose norms this iteration deferred
+        (then :meth:`after_clip` takes the clip's); else ``None``, after norming the
+        deferred gradients now, before the clip changes them. Cost on a repeated call: a
+        tuple of the parameters' ids, a dict lookup.
         """
         self._clips = self._clipped = True
         deferred = self._deferred
         if not deferred:
             return None
+        if not keep:
+            self.resolve()
+            return None
         ids = tuple(map(id, params))
-        # The plans' ids too: a rebuilt plan (new names, new parameters) is a new key.
-        key = (ids, tuple(id(plan) for _, plan in deferred))
+        # The plans too: a rebuilt plan (new names, new parameters) is a new key.
+        key = (ids, tuple((id(plan), plan.names_version, plan.groups) for _, plan in deferred))
         if key in self._clip_names:
             names = self._clip_names[key]
         else:

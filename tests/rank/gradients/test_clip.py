@@ -217,3 +217,24 @@ def test_a_spike_names_the_same_top_parameters_through_the_clip(
     assert [p.name for p in top] == [name for name, _ in ranked]
     assert [p.norm for p in top] == pytest.approx([norm for _, norm in ranked], rel=1e-5)
     front.close()
+
+
+def test_a_clip_that_keeps_no_norms_takes_the_deferred_ones_before_clipping() -> None:
+    """After clipped iterations, one whose clip takes torch's general path
+    (``foreach=False``): the norms left to it are the unclipped gradients'."""
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = ampscope.GradScaler("cpu", init_scale=2.0**10, reporter=None)
+    expected = []
+    for step in range(4):
+        opt.zero_grad()
+        scaler.scale(model(batch(step))).backward()
+        scaler.unscale_(opt)
+        norms = torch.stack([p.grad.norm() for p in model.parameters()])
+        expected.append(torch.linalg.vector_norm(norms).item())
+        scaler.clip_grad_norm_(model.parameters(), 1e-4, foreach=False if step == 2 else None)
+        scaler.step(opt)
+        scaler.update()
+    records = scaler.telemetry.history()
+    assert [r.stats.grad_norm for r in records] == pytest.approx(expected, rel=1e-6)
+    scaler.close()
