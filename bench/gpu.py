@@ -9,7 +9,8 @@ important first:
 2. ``profile``: synchronising CUDA calls and device-to-host copies per iteration in a
    torch.profiler trace of 20 iterations, stock against ampscope (:mod:`bench.gpu_profile`).
 3. ``costs``: step-time ratios on the GPT-2-small-shaped model (fp16 autocast and
-   AdamW, fused and not; bf16 GradWatch against a plain loop), origin tracking's added
+   AdamW, fused and not; bf16 GradWatch against a plain loop; fp16 loops that clip, ampscope
+   through its ``clip_grad_norm_``), origin tracking's added
    time, and added peak memory (:mod:`bench.gpu_costs`).
 4. ``event_wait``: the telemetry thread's CPU per step while it waits for the host
    copies, with a spin-waited event against the blocking one ampscope records
@@ -258,6 +259,7 @@ def run_profile(config: GPUBenchConfig, device: torch.device) -> dict[str, Any]:
 def run_costs(config: GPUBenchConfig, device: torch.device) -> dict[str, Any]:
     from bench.gpu_costs import (
         BF16_SPECS,
+        CLIP_SPECS,
         FP16_SPECS,
         REPORTER_SPEC,
         Spec,
@@ -297,6 +299,13 @@ def run_costs(config: GPUBenchConfig, device: torch.device) -> dict[str, Any]:
             "telemetry_cpu_s_per_step": telemetry_cpu,
         }
 
+    def clip_family(fused: bool) -> dict[str, Any]:
+        blocks, telemetry_cpu = timed(CLIP_SPECS, "fp16", fused)
+        return {
+            **compare_groups(blocks, baseline="stock_clip"),
+            "telemetry_cpu_s_per_step": telemetry_cpu,
+        }
+
     for fused in (False, True):
         key = "fused" if fused else "non_fused"
         log.info("costs: fp16 %s", key)
@@ -314,6 +323,8 @@ def run_costs(config: GPUBenchConfig, device: torch.device) -> dict[str, Any]:
                 exporter.__exit__(None, None, None)
         log.info("costs: bf16 %s", key)
         out[f"bf16_{key}"] = guarded(bf16_family, fused)
+        log.info("costs: fp16 clipping %s", key)
+        out[f"fp16_clip_{key}"] = guarded(clip_family, fused)
     log.info("costs: memory")
     memory = guarded(
         lambda: {"rows": memory_costs(base, inputs, device=device, steps=config.memory_steps)}

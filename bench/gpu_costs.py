@@ -44,6 +44,11 @@ FP16_SPECS: tuple[Spec, ...] = (
 )
 REPORTER_SPEC: Spec = ("ampscope_reporter", "ampscope_reporter", "none")
 BF16_SPECS: tuple[Spec, ...] = (("plain", "plain", "none"), ("watch", "watch", "none"))
+CLIP_SPECS: tuple[Spec, ...] = (
+    ("stock_clip", "stock_clip", "none"),
+    ("ampscope_clip", "ampscope_clip", "none"),
+)
+"""fp16 loops that clip after ``unscale_``: ampscope through its ``clip_grad_norm_``."""
 
 
 def _timed_block(setup: Setup, inputs: tuple[torch.Tensor, ...], steps: int) -> list[float]:

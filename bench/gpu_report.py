@@ -154,6 +154,15 @@ def _costs(section: dict[str, Any]) -> list[str]:
             f"| bf16 GradWatch observe / plain loop | {optimizer} | {plain_ms:.2f} "
             f"| {_ratio(bf16['ratio']['watch'])} |"
         )
+        clip = section.get(f"fp16_clip_{key}")
+        if clip is not None and "error" not in clip:
+            clip_ms = clip["samples"]["stock_clip"]["median"]
+            lines.append(
+                f"| fp16 clipping, ampscope's clip_grad_norm_ / torch's | {optimizer} "
+                f"| {clip_ms:.2f} | {_ratio(clip['ratio']['ampscope_clip'])} |"
+            )
+        elif clip is not None:
+            lines.append(f"| fp16 clipping | {optimizer} | failed: {_failure(clip['error'])} | |")
         origin, added = fp16["origin_added_ms"], fp16["ampscope_added_ms"]
         cpu = {**fp16["telemetry_cpu_s_per_step"], **bf16["telemetry_cpu_s_per_step"]}
         cpu_text = ", ".join(f"{name} {seconds * 1e3:.2f} ms" for name, seconds in cpu.items())

@@ -16,7 +16,19 @@ from typing import Any
 import torch
 from torch import nn
 
-CONTROLLERS = ("stock", "ampscope", "ampscope_origin", "ampscope_reporter", "plain", "watch")
+CONTROLLERS = (
+    "stock",
+    "ampscope",
+    "ampscope_origin",
+    "ampscope_reporter",
+    "plain",
+    "watch",
+    "stock_clip",
+    "ampscope_clip",
+)
+"""``*_clip``: the loop clips after ``unscale_`` (stock with ``torch.nn.utils.clip_grad_norm_``,
+ampscope with its own ``clip_grad_norm_``, whose pass gives the records' norms)."""
+CLIP_MAX_NORM = 1.0
 WRAPS = ("none", "ddp", "fsdp1")
 PRECISIONS = {"fp16": torch.float16, "bf16": torch.bfloat16}
 PHASES = ("zero_grad", "forward", "backward", "step", "update")
@@ -49,7 +61,7 @@ def _controller(kind: str, device: torch.device, wrap: str, url: str | None) -> 
         return None
     if kind == "watch":
         return ampscope.GradWatch("observe", reporter=None, run_id="bench-gpu-watch")
-    if kind == "stock":
+    if kind in ("stock", "stock_clip"):
         if wrap == "fsdp1":
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
@@ -104,7 +116,7 @@ def make_setup(
     driver = _controller(controller, device, wrap, url)
     if controller == "ampscope_origin":
         driver.attach(model, track_origin=True)
-    elif controller in ("ampscope", "ampscope_reporter", "watch"):
+    elif controller in ("ampscope", "ampscope_reporter", "watch", "ampscope_clip"):
         driver.attach(model)
     return Setup(
         name=name,
@@ -113,7 +125,16 @@ def make_setup(
         controller=driver,
         autocast_dtype=PRECISIONS[precision],
         device=device,
+        extra={"clip": controller.endswith("_clip")},
     )
+
+
+def clip(setup: Setup) -> None:
+    """A clipping setup's unscale and clip, between backward and step."""
+    driver = setup.controller
+    driver.unscale_(setup.optimizer)
+    clip_grad_norm_ = getattr(driver, "clip_grad_norm_", torch.nn.utils.clip_grad_norm_)
+    clip_grad_norm_(setup.model.parameters(), CLIP_MAX_NORM)
 
 
 def phases(
@@ -139,6 +160,8 @@ def phases(
         if driver is None:
             setup.optimizer.step()
         else:
+            if setup.extra.get("clip"):
+                clip(setup)
             driver.step(setup.optimizer)
 
     def update() -> None:
@@ -163,6 +186,8 @@ def iteration(setup: Setup, inputs: tuple[torch.Tensor, ...]) -> None:
         setup.optimizer.step()
         return
     driver.scale(loss).backward()
+    if setup.extra.get("clip"):
+        clip(setup)
     driver.step(setup.optimizer)
     driver.update()
 

@@ -19,6 +19,10 @@ LightningModule's ``lr_scheduler_step`` hook for the length of ``fit``.
 constructor checks the precision before setting it, and drops the argument); setting the
 plugin's ``scaler`` attribute afterwards, as this callback does, works.
 
+Clipping by norm (``gradient_clip_algorithm="norm"``, the default) goes through the
+front-end's ``clip_grad_norm_`` for the length of ``fit``: the same clip, bit for bit,
+whose one pass over the gradients also gives the records' gradient norms.
+
 Batch ids: ``on_train_batch_start`` sees each training batch (each micro-batch under
 ``accumulate_grad_batches``) and notes the ids of one that is a mapping holding
 ``batch_ids_key``. Lightning has moved the batch to the device by then (no public hook sees
@@ -135,6 +139,7 @@ class AmpscopeCallback(pl.Callback):
             return
         plugin.scaler = ours
         self.scaler, self._active = ours, True
+        _clip_through(plugin, ours)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.scaler is not None and self._active:
@@ -178,7 +183,30 @@ class AmpscopeCallback(pl.Callback):
         if stage == "fit" and self.scaler is not None and self._active:
             if _HOOK in vars(pl_module):
                 delattr(pl_module, _HOOK)  # the class's hook again
+            plugin = trainer.precision_plugin
+            if _CLIP in vars(plugin):
+                delattr(plugin, _CLIP)  # the class's clip again
             self.scaler.close()
+
+
+_CLIP = "clip_grad_by_norm"
+
+
+def _clip_through(plugin: Any, front: TelemetryFrontEnd) -> None:
+    """Route ``gradient_clip_algorithm="norm"`` through the front-end's
+    ``clip_grad_norm_`` (torch's clip bit for bit, whose pass also gives the records'
+    gradient norms), for this fit only: where the plugin clips as Lightning's base
+    precision plugin does (``clip_grad_norm_`` over ``main_params``). FSDP1 clips through
+    the model's own method and keeps it."""
+    from lightning.pytorch.plugins.precision import Precision
+
+    if getattr(type(plugin), _CLIP, None) is not Precision.clip_grad_by_norm:
+        return
+
+    def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
+        front.clip_grad_norm_(plugin.main_params(optimizer), clip_val)
+
+    setattr(plugin, _CLIP, clip_grad_by_norm)
 
 
 def _watchable(plugin: Any) -> bool:

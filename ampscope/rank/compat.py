@@ -168,6 +168,20 @@ def foreach_norm(tensors: list[torch.Tensor], low_precision: bool) -> tuple[torc
     return torch._foreach_norm(tensors, 2)
 
 
+def foreach_norm_typed(tensors: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
+    """The ``norm_type`` norm of each tensor, exactly as ``clip_grad_norm_``'s foreach path
+    computes them (no dtype argument: each norm in its tensor's dtype)."""
+    return list(torch._foreach_norm(tensors, norm_type))
+
+
+def foreach_supported(tensors: list[torch.Tensor], device: torch.device) -> bool:
+    """Whether torch's clipping would take its foreach path for ``tensors`` on ``device``
+    (``foreach=None``): plain tensors on a device with foreach kernels."""
+    from torch.utils._foreach_utils import _has_foreach_support
+
+    return bool(_has_foreach_support(tensors, device))
+
+
 def tensor_version(tensor: torch.Tensor) -> int:
     """The tensor's version counter: autograd's count of in-place changes to its data."""
     version: int = tensor._version
@@ -535,6 +549,26 @@ def _signature_names(fn: Callable[..., Any]) -> list[str]:
     return list(inspect.signature(fn).parameters)
 
 
+def _check_clip() -> list[str]:
+    """``clip_grad_norm_`` still stacks its foreach norms and takes their norm, the pass
+    :mod:`ampscope.rank.gradients.clip` repeats bit for bit."""
+    from torch.nn.utils import clip_grad
+
+    total = inspect.getsource(clip_grad._get_total_norm)
+    clip = inspect.getsource(clip_grad._clip_grads_with_norm_)
+    if (
+        "torch._foreach_norm(device_tensors, norm_type)" not in total
+        or "torch.linalg.vector_norm(" not in total
+        or "torch.stack([norm.to(first_device) for norm in norms])" not in total
+        or "_foreach_mul_" not in clip
+    ):
+        return [
+            "torch.nn.utils.clip_grad_norm_ no longer takes the norm of its stacked foreach "
+            "norms; ampscope's clip_grad_norm_ must be revisited"
+        ]
+    return []
+
+
 @functools.lru_cache(maxsize=1)
 def check_torch() -> tuple[str, ...]:
     """Every assumption above that this torch breaks, each naming what changed. Cheap;
@@ -564,6 +598,7 @@ def check_torch() -> tuple[str, ...]:
                     f"{_signature_names(fn)} != {params}"
                 )
     problems.extend(_check_non_finite_kernel())
+    problems.extend(_check_clip())
     probe = _TorchGradScaler("cpu", init_scale=2.0)
     probe.scale(torch.ones(()))
     for attr in ("_device", "_scale", "_growth_tracker", "_per_optimizer_states"):

@@ -302,3 +302,77 @@ def test_lightnings_device_move_leaves_ids_collated_as_a_list() -> None:
     moved = move_data_to_device({"x": torch.ones(2), "sample_ids": [7, 8]}, torch.device("meta"))
     assert moved["x"].device.type == "meta"
     assert moved["sample_ids"] == [7, 8]
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
+def test_lightning_clips_through_the_front_end(
+    precision: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``gradient_clip_val``: the same training as without ampscope, bit for bit, and
+    after the first iteration the records' norms are the clip's (no norm pass of ampscope's
+    own); the plugin's clip is Lightning's again after fit."""
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from ampscope.integrations.lightning import AmpscopeCallback
+    from ampscope.rank import compat
+
+    own_passes = {"n": 0}
+    original = compat.foreach_norm
+
+    def counted(tensors: list[torch.Tensor], low_precision: bool) -> Any:
+        own_passes["n"] += 1
+        return original(tensors, low_precision)
+
+    compat.check_torch()  # once per process, with a norm of its own: before counting
+    monkeypatch.setattr(compat, "foreach_norm", counted)
+    clip_norms: list[float] = []
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(3)
+            self.net = Net()
+
+        def training_step(self, x: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            return self.net(x).square().mean()  # type: ignore[no-any-return]
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+        def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+            # Lightning calls it after unscale_, before clipping.
+            norms = torch.stack([p.grad.norm() for p in self.parameters()])
+            clip_norms.append(torch.linalg.vector_norm(norms).item())
+
+    def fit(callbacks: list[Any]) -> tuple[Module, MixedPrecision]:
+        plugin = MixedPrecision(precision, "cpu")  # type: ignore[arg-type]
+        module = Module()
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            plugins=[plugin],
+            max_steps=STEPS,
+            gradient_clip_val=1e-3,
+            logger=False,
+            callbacks=callbacks,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        data = torch.stack([batch(0, step) for step in range(STEPS)])
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=None))
+        return module, plugin
+
+    stock, _ = fit([])
+    callback = AmpscopeCallback(reporter=None)
+    own_passes["n"] = 0
+    clip_norms.clear()
+    ours, plugin = fit([callback])
+    for mine, theirs in zip(ours.parameters(), stock.parameters(), strict=True):
+        assert torch.equal(mine, theirs)
+    assert own_passes["n"] == 1  # the first iteration's, before any clip was seen
+    assert "clip_grad_by_norm" not in vars(plugin)
+    assert callback.scaler is not None
+    records = callback.scaler.telemetry.history()
+    assert [r.stats.grad_norm for r in records] == pytest.approx(clip_norms, rel=1e-5)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from ampscope.rank import compat
 
@@ -67,3 +68,16 @@ def test_fully_shard_param_groups_reads_both_torch_layouts() -> None:
     assert read(_Module(listed)) == ["g0", "g1"]  # type: ignore[arg-type]
     assert read(_Module(single)) == ["g0"]  # type: ignore[arg-type]
     assert read(_Module(empty)) == []  # type: ignore[arg-type]
+
+
+def test_a_changed_clip_grad_norm_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The front-ends' clip repeats torch's pass: a torch whose clip computes its total
+    norm differently is reported."""
+    from torch.nn.utils import clip_grad
+
+    def other_total(tensors: list[torch.Tensor], *args: object) -> torch.Tensor:
+        return torch.linalg.vector_norm(torch.cat([t.flatten() for t in tensors]))
+
+    assert compat._check_clip() == []
+    monkeypatch.setattr(clip_grad, "_get_total_norm", other_total)
+    assert any("clip_grad_norm_" in p for p in compat._check_clip())

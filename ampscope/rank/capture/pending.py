@@ -211,10 +211,12 @@ def copy_with_norms(
     parts = [values]
     if stats is not None and norm_count:
         for optimizer in stats.optimizers:
-            if optimizer.norms:
-                # One stack per optimizer (its norms share a device); a cast only when they
-                # are not float32 on the values' device.
-                stacked = torch.stack(optimizer.norms)
+            if optimizer.count:
+                # One stack per optimizer (its norms share a device), none when a clip
+                # stacked them; a cast only when they are not float32 on the values' device.
+                stacked = optimizer.packed
+                if stacked is None:
+                    stacked = torch.stack(optimizer.norms)
                 if stacked.dtype is not float32 or stacked.device != device:
                     stacked = stacked.to(device=device, dtype=float32, non_blocking=True)
                 parts.append(stacked)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import warnings
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -22,6 +22,7 @@ from torch import nn
 from ampscope.rank import compat
 from ampscope.rank.config import TelemetryConfig, check_fp8_every, check_replica_check_every
 from ampscope.rank.frontends.rerun import Checks, Closure, Rerun, RerunOutcome, agree_flagged
+from ampscope.rank.gradients.clip import clip_grad_norm_with_norms, clippable
 from ampscope.rank.gradients.names import ParamNames
 from ampscope.rank.gradients.stats import GradStats, SquareSumReduce, TakenStats
 from ampscope.rank.telemetry.identity import resolve_identity
@@ -229,6 +230,45 @@ class TelemetryFrontEnd(failure.ClosedByWith):
         except Exception:
             self._ampscope_failed()
 
+    def clip_grad_norm_(
+        self,
+        parameters: torch.Tensor | Iterable[torch.Tensor],
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+    ) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_``, whose pass over the gradients also gives this
+        iteration's gradient norms (``stats``): the loop reads gradient memory once for
+        both instead of twice.
+
+        Same arguments, same result and the same clipped gradients, bit for bit. Call it
+        where the loop clips, after ``unscale_()`` (as torch's scalers require), before
+        ``step()``. From the next iteration on, ``unscale_()`` leaves the norms to this
+        clip; an iteration that does not clip through here gets them at ``step()``, before
+        the optimizer runs. The clip's norms are taken for the record when its parameters
+        are exactly the optimizers' (any order), every gradient is present, dense, on one
+        device and dtype, and ``norm_type`` is 2; otherwise the norms come from their own
+        pass, as without this method. Records then hold the norms in the gradients' dtype
+        (a bf16 model's are bf16, as the clip computes them).
+
+        Returns:
+            The total norm of the gradients before clipping, as torch's.
+        """
+        stats = self._ampscope_stats
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        names = None
+        if stats is not None:
+            keep = bool(self._ampscope_guard(clippable, params, norm_type, foreach))
+            # Norms left to this clip are taken before it changes the gradients.
+            names = self._ampscope_guard(stats.before_clip, params, keep)
+        total, norms = clip_grad_norm_with_norms(
+            params, max_norm, norm_type, error_if_nonfinite, foreach, keep=names is not None
+        )
+        if stats is not None and names is not None and norms is not None:
+            self._ampscope_guard(stats.after_clip, names, norms, total)
+        return total
+
     def close(self, timeout: float = 1.0) -> None:
         """Flush pending records, close the sinks and remove hooks. Idempotent.
 
@@ -413,6 +453,15 @@ class TelemetryFrontEnd(failure.ClosedByWith):
                 exc_info=True,
             )
             return resolve_identity(self._ampscope_config.run_id, collective=False)
+
+    def _ampscope_stepping(self) -> None:
+        """``step()`` has begun: no clip comes before the optimizer runs, so the norms
+        left to one are taken now (and none is left until ``update()``)."""
+        stats = self._ampscope_stats
+        if stats is not None:
+            stats.defer = False
+            if stats.waiting:
+                self._ampscope_guard(stats.resolve)
 
     def _ampscope_guard(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Run telemetry work; an exception is counted and logged once, never raised."""

@@ -93,6 +93,7 @@ class TelemetryMixin(TelemetryFrontEnd):
             rerun_rtol: Relative tolerance of the comparison; 0 compares bit for bit.
         """
         parent: Any = super()
+        self._ampscope_stepping()
         if rerun is not None:
             # ShardedGradScaler's own group (torch's process_group); GradScaler's: the default.
             group = getattr(self, "process_group", None)

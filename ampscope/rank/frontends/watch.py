@@ -225,6 +225,7 @@ class GradWatch(TelemetryFrontEnd):
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradWatch is enabled.")
+        self._ampscope_stepping()
         entry = capture.iteration.get(id(optimizer))
         if entry is not None and entry.stepped:
             raise RuntimeError("step() has already been called since the last update().")

@@ -81,7 +81,7 @@ class NormPlan:
 class OptimizerNorms:
     """One optimizer's norms of one iteration (immutable once built)."""
 
-    __slots__ = ("names", "norms", "scaled", "square")
+    __slots__ = ("count", "names", "norms", "packed", "scaled", "square")
 
     def __init__(
         self,
@@ -89,8 +89,14 @@ class OptimizerNorms:
         norms: tuple[torch.Tensor, ...],
         scaled: bool,
         square: torch.Tensor | None,
+        packed: torch.Tensor | None = None,
     ) -> None:
         self.names = names
+        self.packed = packed
+        """The per-parameter norms already in one 1-D tensor (a clip's stacked norms);
+        then ``norms`` is empty."""
+        self.count = len(norms) if packed is None else len(packed)
+        """How many per-parameter (segment) norms there are."""
         self.norms = norms
         """The per-parameter (segment) norms of the local gradients: float32 0-dim
         tensors, all on one device, not stacked (the host transport stacks them on the
@@ -156,7 +162,7 @@ class TakenStats:
         return loss, squares, values[at : at + len(self.origin)]
 
     def norm_count(self) -> int:
-        return sum(len(o.norms) for o in self.optimizers)
+        return sum(o.count for o in self.optimizers)
 
 
 class GradStats:
@@ -176,6 +182,19 @@ class GradStats:
         self._loss_count = 0
         self._optimizers: list[OptimizerNorms] = []
         self._empty: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        self.pack_on_cpu = False
+        """Stack the norms on the training thread on the CPU too, as on accelerators
+        (tests run the accelerators' path on the CPU)."""
+        self.defer = True
+        """Settable: whether :meth:`add_grads` may leave the norms to the loop's clip
+        (a front-end turns it off inside ``step()``, after which no clip can come)."""
+        self._clips = False
+        """The last iteration clipped through the front-end (:meth:`clipped`): the next
+        ones defer their norms to the clip, until one ends without it."""
+        self._clipped = False
+        self._deferred: list[tuple[OptimizerInfo, NormPlan]] = []
+        self._clip_names: dict[tuple[Any, ...], tuple[str, ...] | None] = {}
+        """Per (parameter ids, plan ids): the clip's names in its order, or ``None``."""
 
     def add_loss(self, outputs: object) -> None:
         """Note what ``scale()`` got, when it is one loss value (a one-element tensor);
@@ -215,8 +234,9 @@ class GradStats:
                 continue
             if optimizer.square is not None:
                 parts.append(optimizer.square)
-            elif optimizer.norms:
-                norms = torch.stack(optimizer.norms)
+            elif optimizer.count:
+                packed = optimizer.packed
+                norms = torch.stack(optimizer.norms) if packed is None else packed.float()
                 parts.append(torch.dot(norms, norms))
         if not parts:
             return None
@@ -230,6 +250,8 @@ class GradStats:
         sum it had (``None`` without a loss); the norms are dropped. No kernel, no sync."""
         loss, self._loss, self._loss_count = self._loss, None, 0
         self._optimizers = []
+        self._deferred = []
+        self._clipped = False
         return loss
 
     def add_grads(
@@ -262,6 +284,10 @@ class GradStats:
             self._sum_nothing(optimizer)
             raise
         if not plan.reductions and self.reduce is None:
+            if self._clips and self.defer and not scaled and plan.simple and info.place:
+                # The loop clips through the front-end: its pass norms these gradients.
+                self._deferred.append((info, plan))
+                return None
             if plan.simple and not info.dtensor:
                 # The common case, inlined: one dense gradient per parameter, named whole.
                 grads = [p.grad for p in plan.params]
@@ -270,8 +296,19 @@ class GradStats:
                         break
                 else:
                     each = compat.foreach_norm(grads, plan.low_precision)  # type: ignore[arg-type]
-                    if info.place is None:
+                    place = info.place
+                    if place is None:
                         each = _on_one_device(each)
+                    elif place[0].type != "cpu" or self.pack_on_cpu:
+                        # One stacked vector from here on (one launch): the step keeps one
+                        # small block in flight, not one per parameter. On the CPU the
+                        # telemetry thread stacks them (host memory; the training thread's
+                        # time is the scarcer one).
+                        packed = torch.stack(each)
+                        self._optimizers.append(
+                            OptimizerNorms(plan.names, (), scaled, None, packed=packed)
+                        )
+                        return each
                     self._optimizers.append(OptimizerNorms(plan.names, each, scaled, None))
                     return each
             self._optimizers.append(
@@ -352,8 +389,70 @@ class GradStats:
         elif self.reduce is not None:
             self.reduce(_local_square(None, (), _first_device(params)))
 
+    def before_clip(self, params: list[torch.Tensor], keep: bool) -> tuple[str, ...] | None:
+        """A clip through the front-end is about to run over ``params``' gradients (each
+        dense, none missing; :func:`~ampscope.rank.gradients.clip.clippable`): from the
+        next iteration on, :meth:`add_grads` leaves its norms to the clip.
+
+        Returns the names of ``params``, in order, when the clip keeps its norms
+        (``keep``) and they are exactly the parameters whose norms this iteration deferred
+        (then :meth:`after_clip` takes the clip's); else ``None``, after norming the
+        deferred gradients now, before the clip changes them. Cost on a repeated call: a
+        tuple of the parameters' ids, a dict lookup.
+        """
+        self._clips = self._clipped = True
+        deferred = self._deferred
+        if not deferred:
+            return None
+        if not keep:
+            self.resolve()
+            return None
+        ids = tuple(map(id, params))
+        # The plans too: a rebuilt plan (new names, new parameters) is a new key.
+        key = (ids, tuple((id(plan), plan.names_version, plan.groups) for _, plan in deferred))
+        if key in self._clip_names:
+            names = self._clip_names[key]
+        else:
+            if len(self._clip_names) >= _CLIP_KEYS:
+                self._clip_names.clear()
+            names = self._clip_names[key] = _names_in_order(ids, deferred)
+        if names is None:
+            self.resolve()
+        return names
+
+    def after_clip(self, names: tuple[str, ...], norms: torch.Tensor, total: torch.Tensor) -> None:
+        """Take the clip's per-parameter ``norms`` (stacked, in the order of ``names``)
+        and ``total`` norm as the norms of the optimizers :meth:`before_clip` matched.
+        One multiply on the device (the squared total); no sync."""
+        self._deferred = []
+        square = total.detach().float()
+        self._optimizers.append(
+            OptimizerNorms(names, (), False, square * square, packed=norms.detach())
+        )
+
+    @property
+    def waiting(self) -> bool:
+        """Some optimizer's norms wait for a clip (:meth:`resolve` takes them)."""
+        return bool(self._deferred)
+
+    def resolve(self) -> None:
+        """Norm the gradients deferred to a clip that did not come (``step()``, before the
+        optimizer runs): as :meth:`add_grads` would have, and stop deferring."""
+        deferred, self._deferred = self._deferred, []
+        if not self._clipped:
+            self._clips = False
+        for info, plan in deferred:
+            norms = self._local_norms(plan, info)
+            self._optimizers.append(OptimizerNorms(plan.names, norms, False, None))
+
     def take(self, origin: Mapping[str, torch.Tensor]) -> TakenStats:
         """The iteration's values, then start the next iteration afresh (update())."""
+        if self._deferred:
+            self.resolve()
+        if not self._clipped:
+            self._clips = False
+        self._clipped = False
+        self.defer = True
         taken = TakenStats(self._loss, self._loss_count, tuple(self._optimizers), origin)
         self._loss, self._loss_count, self._optimizers = None, 0, []
         return taken
@@ -361,6 +460,7 @@ class GradStats:
     def discard(self) -> None:
         """Forget the open iteration (its record could not be made)."""
         self._loss, self._loss_count, self._optimizers = None, 0, []
+        self._deferred, self._clipped, self.defer = [], False, True
 
     # -- internals -----------------------------------------------------------------------
 
@@ -405,6 +505,24 @@ class GradStats:
             device=_first_device(params),
             low_precision=any(p.dtype.itemsize < 4 for p in params if p.is_floating_point()),
         )
+
+
+_CLIP_KEYS = 8
+"""Distinct clip calls remembered (a loop clips one parameter list, or a few)."""
+
+
+def _names_in_order(
+    key: tuple[int, ...], deferred: list[tuple[OptimizerInfo, NormPlan]]
+) -> tuple[str, ...] | None:
+    """The names of the parameters whose ids are ``key``, in its order, when they are
+    exactly the deferred optimizers' parameters; else ``None``."""
+    by_id: dict[int, str] = {}
+    for _, plan in deferred:
+        for param, name in zip(plan.params, plan.names, strict=True):
+            by_id[id(param)] = name
+    if len(key) != len(by_id) or set(key) != by_id.keys():
+        return None
+    return tuple(by_id[k] for k in key)
 
 
 def _layout_key(reduction: compat.FoundInfReduction) -> int:

@@ -109,7 +109,7 @@ class StatsBuilder:
         start = 0
         for optimizer, summed in zip(taken.optimizers, squares, strict=True):
             square = _square_sum(optimizer, host_norms, start) if summed is None else summed
-            start += len(optimizer.norms)
+            start += optimizer.count
             factor = inverse if optimizer.scaled else 1.0
             grad_square += square * factor * factor
         grad_norm = _finite(math.sqrt(grad_square)) if taken.optimizers else None
@@ -159,7 +159,7 @@ class StatsBuilder:
         start = 0
         for optimizer in taken.optimizers:
             norms = _norms(optimizer, host_norms, start).tolist()
-            start += len(optimizer.norms)
+            start += optimizer.count
             factor = inverse if optimizer.scaled else 1.0
             for name, norm in zip(optimizer.names, norms, strict=True):
                 value = norm * factor
@@ -181,7 +181,7 @@ SMALL = 64
 
 def _square_sum(optimizer: OptimizerNorms, host_norms: torch.Tensor | None, start: int) -> float:
     """The sum of one optimizer's squared per-parameter norms."""
-    count = len(optimizer.norms)
+    count = optimizer.count
     if not count:
         return 0.0
     if count > SMALL:
@@ -190,6 +190,8 @@ def _square_sum(optimizer: OptimizerNorms, host_norms: torch.Tensor | None, star
         return float(torch.dot(norms, norms).item())
     if host_norms is not None:
         values = host_norms[start : start + count].tolist()
+    elif optimizer.packed is not None:
+        values = optimizer.packed.tolist()
     else:
         values = [norm.item() for norm in optimizer.norms]
     return math.fsum(v * v for v in values)
@@ -199,7 +201,9 @@ def _norms(optimizer: OptimizerNorms, host_norms: torch.Tensor | None, start: in
     """One optimizer's per-parameter norms as a CPU vector: its slice of the host copy, or
     its own CPU tensors stacked."""
     if host_norms is not None:
-        return host_norms[start : start + len(optimizer.norms)]
+        return host_norms[start : start + optimizer.count]
+    if optimizer.packed is not None:
+        return optimizer.packed.float()
     if not optimizer.norms:
         return torch.zeros(0)
     return torch.stack(optimizer.norms)
