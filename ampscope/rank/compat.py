@@ -65,6 +65,7 @@ __all__ = [
     "is_dtensor",
     "local_tensor",
     "non_finite_check_",
+    "non_finite_check_by_norm_",
     "param_group_reduce_scatter",
     "param_group_reduce_scatter_size",
     "reduce_found_inf",
@@ -145,6 +146,11 @@ def forget_unscale(scaler: _TorchGradScaler, optimizer: object) -> None:
     scaler._per_optimizer_states[id(optimizer)] = _refresh_per_optimizer_state()
 
 
+_KERNEL_LACKS: set[tuple[str, torch.dtype]] = set()
+"""(device type, dtype) groups torch's found-inf kernel refused: its CUDA kernel has no
+bfloat16 (torch 2.11 on an H200), while its CPU kernel has."""
+
+
 def non_finite_check_(
     grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
 ) -> None:
@@ -153,8 +159,32 @@ def non_finite_check_(
     when any element is inf/NaN and multiplies every element by ``inv_scale``. With an
     ``inv_scale`` of 1 the kernel writes each value back unchanged (torch skips the
     multiplication), except that a NaN may come back as a NaN of another bit pattern when
-    the gradient dtype is narrower than float32. One read of the group's memory, no sync."""
-    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+    the gradient dtype is narrower than float32. One read of the group's memory, no sync.
+
+    Where torch's kernel lacks the group's dtype (bfloat16 on CUDA) it falls back to
+    :func:`non_finite_check_by_norm_`, which only reads: every caller in ampscope passes an
+    ``inv_scale`` of 1 (a check, never an unscale)."""
+    key = (grads[0].device.type, grads[0].dtype) if grads else None
+    if key not in _KERNEL_LACKS:
+        try:
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+            return
+        except (NotImplementedError, RuntimeError) as exc:
+            if key is None or "not implemented" not in str(exc).lower():
+                raise
+            _KERNEL_LACKS.add(key)
+    # ampscope only checks with it (an inv_scale of 1, never an unscale): reading suffices.
+    non_finite_check_by_norm_(grads, found_inf)
+
+
+def non_finite_check_by_norm_(grads: list[torch.Tensor], found_inf: torch.Tensor) -> None:
+    """Sets ``found_inf`` to 1 when any element of ``grads`` (one device and dtype) is
+    inf/NaN, from their L1 norms accumulated in float32 (a sum carries inf and NaN; it
+    overflows only where the absolute values sum past 3.4e38). Reads the gradients, never
+    writes them: one multi-tensor norm, a stack and two small ops, no sync."""
+    norms = torch._foreach_norm(grads, 1, dtype=torch.float32)
+    bad = torch.stack(norms).isfinite().logical_not().any()
+    found_inf.copy_(torch.maximum(found_inf, bad.to(found_inf.dtype)))
 
 
 def foreach_norm(tensors: list[torch.Tensor], low_precision: bool) -> tuple[torch.Tensor, ...]:
