@@ -64,7 +64,7 @@ def _gather(local: torch.Tensor, group: Any, size: int) -> torch.Tensor:
     if dist.get_backend(group) == "gloo" and local.device.type != "cpu":
         local = local.cpu()  # gloo's all_gather takes host tensors
     out = torch.empty(size * local.numel(), dtype=local.dtype, device=local.device)
-    dist.all_gather_single(out, local.contiguous(), group=group)
+    dist.all_gather_into_tensor(out, local.contiguous(), group=group)
     return out.view(size, -1).cpu()
 
 
