@@ -147,6 +147,21 @@ def _selector(run: str | None) -> str:
     return "" if run is None else f"run={json.dumps(run)}"
 
 
+def peak_query(sel: str, window_s: float) -> str:
+    """The scale ``scale_collapse`` measures a fall from, per rank, as the exporter and the
+    alert ``AmpscopeScaleCollapse`` take it: the fault rule's clean scale
+    (``ampscope_loss_scale_clean``; absent while a rank has none yet, so a warm-up from a high
+    ``init_scale`` is no height to fall from); for a rank whose reporter predates the rule
+    (no ``ampscope_faults_total``), its highest scale in the window."""
+    w = f"{window_s:g}s"
+    ranks = "run, node, rank, local_rank"
+    return (
+        f"max_over_time(ampscope_loss_scale_clean{{{sel}}}[{w}]) or "
+        f"(max_over_time(ampscope_loss_scale{{{sel}}}[{w}]) "
+        f"unless on ({ranks}) ampscope_faults_total{{{sel}}})"
+    )
+
+
 def queries(run: str | None, t: Thresholds) -> dict[str, str]:
     """The PromQL of one answer: name -> query."""
     sel = _selector(run)
@@ -156,7 +171,7 @@ def queries(run: str | None, t: Thresholds) -> dict[str, str]:
         "now": f'{{__name__=~"{names}"{joined}}}',
         "state": state_query(sel),
         "aligned_separate": separate_aligned_query(sel),
-        "peak": f"max_over_time(ampscope_loss_scale{{{sel}}}[{t.collapse_window_s:g}s])",
+        "peak": peak_query(sel, t.collapse_window_s),
         "steps": f"increase(ampscope_steps_total{{{sel}}}[{t.skip_storm_window_s:g}s])",
         "skipped": f"increase(ampscope_skipped_steps_total{{{sel}}}[{t.skip_storm_window_s:g}s])",
         "inf_local": f"increase(ampscope_found_inf_total{{{sel}}}[{t.hotspot_window_s:g}s])",

@@ -108,3 +108,59 @@ def test_the_aligned_step_and_scale_come_from_the_packed_sample() -> None:
     # Either order of the samples.
     views = build_views(list(reversed(samples)), NOW)
     assert views[(RUN, 0)]["totals"]["aligned_scale"] == {"step": 20, "scale": 32768.0}
+
+
+def test_the_collapse_reference_is_the_clean_scale_on_promtool(tmp_path: Path) -> None:
+    """The scale status --prometheus measures a fall from, on Prometheus' own engine: a rank
+    whose reporter has the fault rule falls from its clean scale (none during a warm-up from
+    2**40, so the warm-up is no collapse), an older reporter's rank from its peak."""
+    promtool = need_tool("promtool")
+    t = Thresholds()
+    query = prometheus.queries(RUN, t)["peak"]
+    warm, old = _labels(0), _labels(1)
+    series = [
+        # rank 0: a warm-up from 2**40 that settles at 2**15: no clean scale for 2 minutes.
+        {"series": f"ampscope_loss_scale{{{warm}}}", "values": "1099511627776 32768x40"},
+        {"series": f"ampscope_loss_scale_clean{{{warm}}}", "values": "_x8 32768x32"},
+        {
+            "series": f"ampscope_faults_total{{{_labels(0, kind='nonfinite_loss')}}}",
+            "values": "0x40",
+        },
+        # rank 1 predates the rule: its peak is its highest scale.
+        {"series": f"ampscope_loss_scale{{{old}}}", "values": "65536x10 256x30"},
+    ]
+    tests = {
+        "rule_files": [],
+        "evaluation_interval": "15s",
+        "tests": [
+            {
+                "interval": "15s",
+                "input_series": series,
+                "promql_expr_test": [
+                    {
+                        "expr": query,
+                        "eval_time": "1m",
+                        "exp_samples": [{"labels": f"{{{old}}}", "value": 65536}],
+                    },
+                    {
+                        "expr": query,
+                        "eval_time": "5m",
+                        "exp_samples": [
+                            {"labels": f"{{{warm}}}", "value": 32768},
+                            {"labels": f"{{{old}}}", "value": 65536},
+                        ],
+                    },
+                ],
+            }
+        ],
+    }
+    path = tmp_path / "collapse-status-test.yml"
+    path.write_text(yaml.safe_dump(tests))
+    result = subprocess.run(
+        [promtool, "test", "rules", str(path)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
