@@ -99,6 +99,12 @@ def _origin(at_step: Sequence[tuple[int, bool | None]]) -> tuple[list[int], bool
     tracked = any(origin is not None for _, origin in at_step)
     if origins:
         text = "origin: rank(s) " + ", ".join(map(str, origins[:MAX_EVIDENCE_RANKS]))
+    elif tracked and all(origin is not None for _, origin in at_step):
+        # Every rank's own gradients were finite: the sum of them was not.
+        text = (
+            "origin: no rank held inf/NaN of its own at that step: born in the cross-rank "
+            "reduction (finite gradients whose sum overflowed)"
+        )
     elif tracked:
         text = "origin: no rank that tracks it held inf/NaN of its own at that step"
     else:

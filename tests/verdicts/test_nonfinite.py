@@ -104,3 +104,22 @@ def test_nonfinite_skipped_counts_the_steps_and_names_the_origin_at_the_newest()
     ]
     quiet = nonfinite_skipped(others, t)
     assert (quiet.status, quiet.summary) == ("ok", "no rank runs a watch under policy skip")
+
+
+def test_an_inf_no_rank_held_of_its_own_was_born_in_the_reduction() -> None:
+    t = Thresholds()
+
+    def skipping(rank: int, origin: bool | None) -> SkippedFacts:
+        return SkippedFacts(rank=rank, node="n0", mode="watch", policy="skip", skipped=1,
+                            last_step=7, origin=origin)  # fmt: skip
+
+    born = nonfinite_skipped([skipping(0, False), skipping(1, False)], t)
+    assert born.summary.endswith(
+        "origin: no rank held inf/NaN of its own at that step: born in the cross-rank "
+        "reduction (finite gradients whose sum overflowed)"
+    )
+    # A rank that does not track its own gradients could have held it: nothing is claimed.
+    unsure = nonfinite_skipped([skipping(0, False), skipping(1, None)], t)
+    assert unsure.summary.endswith(
+        "origin: no rank that tracks it held inf/NaN of its own at that step"
+    )
