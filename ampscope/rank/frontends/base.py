@@ -53,6 +53,7 @@ OWN_ATTRIBUTES = (
     "_ampscope_stats",
     "_ampscope_fp8",
     "_ampscope_replicas",
+    "_ampscope_closed_stats",
 )
 """Attributes a front-end adds; dropped when it is pickled (threads, hooks, sinks)."""
 
@@ -86,6 +87,7 @@ class TelemetryFrontEnd(failure.ClosedByWith):
     _ampscope_stats: GradStats | None
     _ampscope_fp8: Fp8Observer | None
     _ampscope_replicas: ReplicaCheck | None
+    _ampscope_closed_stats: GradStats | None
 
     def _ampscope_start(
         self, config: TelemetryConfig, enabled: bool, reduce: SquareSumReduce | None = None
@@ -109,6 +111,9 @@ class TelemetryFrontEnd(failure.ClosedByWith):
         self._ampscope_errors = 0
         self._ampscope_fp8 = None
         self._ampscope_replicas = None
+        self._ampscope_closed_stats = None
+        """After ``close()``: the norms whose all-reduces (sharded gradients) this rank
+        still makes with the open ranks (:meth:`GradStats.pair_closed`)."""
         self._ampscope_last_rerun: RerunOutcome | None = None
         self._ampscope_rerun_pending: RerunOutcome | None = None
         """The rerun of the iteration update() closes, for its record."""
@@ -280,9 +285,10 @@ class TelemetryFrontEnd(failure.ClosedByWith):
         seconds (default 1), even with the exporter down.
         """
         capture, self._ampscope_capture = self._ampscope_capture, None
-        self._ampscope_stats = None
+        stats, self._ampscope_stats = self._ampscope_stats, None
         if capture is not None:
             self._ampscope_closed = True
+            self._ampscope_closed_stats = stats
             capture.close()
         for handle in self._ampscope_origin_handles:
             handle.remove()
@@ -394,6 +400,17 @@ class TelemetryFrontEnd(failure.ClosedByWith):
 
             check = ReplicaCheck(model, every)
             self._ampscope_replicas = check if check.compares else None
+
+    def _ampscope_pair_closed_norms(self, optimizer: torch.optim.Optimizer) -> None:
+        """Where an open front-end all-reduces the norm of ``optimizer``'s sharded gradients,
+        a closed one makes the same all-reduces (the open ranks would wait for it). Never
+        raises."""
+        stats = self._ampscope_closed_stats
+        if stats is not None:
+            try:
+                stats.pair_closed(optimizer)
+            except Exception:
+                self._ampscope_failed()
 
     def _ampscope_check_replicas(self) -> ReplicaOutcome | None:
         """The replica check after this iteration's optimizer step (``None``: not a

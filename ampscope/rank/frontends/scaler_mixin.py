@@ -145,6 +145,7 @@ class TelemetryMixin(TelemetryFrontEnd):
             result: dict[torch.device, torch.Tensor] = parent._unscale_grads_(
                 optimizer, inv_scale, found_inf, allow_fp16
             )
+            self._ampscope_pair_closed_norms(optimizer)
             return result
         # Inline guards on the per-step path: _ampscope_guard's frame and argument packing
         # cost more than the try itself.

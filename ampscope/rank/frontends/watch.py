@@ -103,6 +103,9 @@ class GradWatch(TelemetryFrontEnd):
         self._enabled = enabled
         self._consecutive_skips = 0
         self._closed_updates = 0
+        self._closed_checked: dict[int, torch.Tensor | None] = {}
+        """A closed watch's optimizers whose check ``unscale_()`` stood in for, this
+        iteration: the policy's agreement made there (``None``: none was due)."""
         """update() calls since close(): a closed watch's raise names the ranks' step."""
         self._rerun_armed = False
         """A step() took a rerun closure: from then on the rerun's agreement replaces the
@@ -153,6 +156,14 @@ class GradWatch(TelemetryFrontEnd):
         """
         capture = self._ampscope_capture
         if capture is None:
+            if self._ampscope_closed and id(optimizer) not in self._closed_checked:
+                # Where the open ranks check: the norm's all-reduces (sharded gradients)
+                # and, under skip/raise, the policy's agreement, in the same order.
+                self._ampscope_pair_closed_norms(optimizer)
+                due = self._watch.policy != "observe" and not self._rerun_armed
+                self._closed_checked[id(optimizer)] = (
+                    agree({}, self._watch.process_group, self._ampscope_failed) if due else None
+                )
             return
         entry = capture.iteration.get(id(optimizer))
         if entry is not None:
@@ -210,6 +221,8 @@ class GradWatch(TelemetryFrontEnd):
         """
         capture = self._ampscope_capture
         if capture is None:
+            if self._ampscope_closed and id(optimizer) not in self._closed_checked:
+                self._ampscope_pair_closed_norms(optimizer)  # where the open ranks check
             rerun_flagged = False
             if rerun is not None:
                 rerun_flagged = self._ampscope_rerun_closed(rerun, self._watch.process_group)
@@ -270,7 +283,9 @@ class GradWatch(TelemetryFrontEnd):
         and raises the error they raise. Nothing is recorded. One all-reduce and one host
         read per iteration, as on the open ranks."""
         group = self._watch.process_group
-        agreed = agree({}, group, self._ampscope_failed)
+        agreed = self._closed_checked.get(id(optimizer))
+        if agreed is None:
+            agreed = agree({}, group, self._ampscope_failed)
         if not agreed.item():
             self._consecutive_skips = 0
             return optimizer.step(*args, **kwargs)
@@ -309,6 +324,7 @@ class GradWatch(TelemetryFrontEnd):
         capture = self._ampscope_capture
         if capture is None:
             self._closed_updates += int(self._ampscope_closed)
+            self._closed_checked.clear()
             self._ampscope_check_replicas()  # a closed rank keeps its part in the collective
             return
         if capture.closed_by_raise:

@@ -195,6 +195,8 @@ class GradStats:
         self._deferred: list[tuple[OptimizerInfo, NormPlan]] = []
         self._clip_names: dict[tuple[Any, ...], tuple[str, ...] | None] = {}
         """Per (parameter ids, plan ids): the clip's names in its order, or ``None``."""
+        self._closed_sums: dict[tuple[int, int], bool] = {}
+        """Per (optimizer id, parameter count): whether its norm is summed over ranks."""
 
     def add_loss(self, outputs: object) -> None:
         """Note what ``scale()`` got, when it is one loss value (a one-element tensor);
@@ -370,6 +372,22 @@ class GradStats:
         assert self.reduce is not None
         every = tuple(range(len(plan.names)))
         return self.reduce(_local_square(norms, every, plan.device))
+
+    def pair_closed(self, optimizer: torch.optim.Optimizer) -> None:
+        """A closed front-end's part in the norm's all-reduces (:meth:`_summed_square`) the
+        open ranks still make for ``optimizer``: the same all-reduces with NaN (that
+        iteration's ``grad_norm`` is ``null`` on the open ranks, as for a rank whose norms
+        fail), so no rank waits alone. Whether there are any is decided once per optimizer
+        and parameter count (none for whole gradients: DDP, one rank)."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        key = (id(optimizer), len(params))
+        sums = self._closed_sums.get(key)
+        if sums is None:
+            sums = self._closed_sums[key] = self.reduce is not None or any(
+                compat.square_sum_reduction(param) is not None for param in params
+            )
+        if sums:
+            self._sum_nothing(optimizer)
 
     def _sum_nothing(self, optimizer: torch.optim.Optimizer) -> None:
         """The all-reduces :meth:`_summed_square` makes for ``optimizer``, each with NaN:

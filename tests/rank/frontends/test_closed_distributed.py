@@ -1,13 +1,15 @@
 """A front-end closed on one rank keeps taking part in every collective the open ranks make.
 
-One launch per world size (2 and 4 real gloo ranks) runs five scenarios in sequence: a
+One launch per world size (2 and 4 real gloo ranks) runs seven scenarios in sequence: a
 ``GradWatch`` under ``skip`` and under ``raise``, each without and with a rerun closure,
 and a ``GradScaler``; every front-end checks the replicas at every iteration (an all-gather
 over the DDP group), and the last rank closes its front-end after ``CLOSE_AFTER``
 iterations, and rank 0's data turns NaN at ``BAD_STEP`` (on every pass: a rerun reproduces
 it). No collective mismatch and no hang: under ``skip`` every rank skips that step and the
 weights stay alike on every rank; under ``raise`` every rank raises at it, the closed one
-included; the scaler's ranks go on to the end.
+included; the scaler's ranks go on to the end. Two more run FSDP2 (sharded gradients, the
+norm's all-reduce) with the loop's own ``unscale_()`` and a clip before ``step()``, a
+``GradWatch`` under ``skip`` and a ``GradScaler``: every rank skips the NaN step together.
 """
 
 from __future__ import annotations
@@ -96,6 +98,49 @@ def _scaler_scenario(rank: int, world_size: int) -> dict[str, Any]:
     return {"done": done, "checksum": checksum}
 
 
+def _sharded_scenario(rank: int, world_size: int, kind: str) -> dict[str, Any]:
+    """FSDP2 with the norms on (their all-reduce of sharded gradients), the loop's own
+    ``unscale_()`` and a clip (another all-reduce) before ``step()``."""
+    import torch
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    import ampscope
+
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    front: Any = (
+        ampscope.GradScaler("cpu", init_scale=2.0**4, reporter=None)
+        if kind == "scaler"
+        else ampscope.GradWatch("skip", reporter=None)
+    )
+    front.attach(model)
+    data = torch.Generator().manual_seed(rank)
+    skipped: list[int] = []
+    for step in range(1, STEPS + 1):
+        if step == CLOSE_AFTER + 1 and rank == world_size - 1:
+            front.close()
+        opt.zero_grad()
+        x = torch.randn(3, 4, generator=data)
+        if rank == 0 and step == BAD_STEP:
+            x[0, 0] = float("nan")
+        front.scale(model(x).square().mean()).backward()
+        front.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        before = [p.detach().to_local().clone() for p in model.parameters()]
+        front.step(opt)
+        front.update()
+        after = [p.detach().to_local() for p in model.parameters()]
+        if all(torch.equal(a, b) for a, b in zip(before, after, strict=True)):
+            skipped.append(step)
+    front.close()
+    return {"skipped": skipped}
+
+
 def _rank(rank: int, world_size: int) -> dict[Any, dict[str, Any]]:
     import torch
 
@@ -106,6 +151,8 @@ def _rank(rank: int, world_size: int) -> dict[Any, dict[str, Any]]:
         for rerun in (False, True)
     }
     results["scaler"] = _scaler_scenario(rank, world_size)
+    for kind in ("watch", "scaler"):
+        results[("sharded", kind)] = _sharded_scenario(rank, world_size, kind)
     return results
 
 
@@ -126,3 +173,8 @@ def test_a_closed_front_end_keeps_the_collectives_paired(world_size: int) -> Non
     scaler = [out["scaler"] for out in results]
     assert [s["done"] for s in scaler] == [STEPS] * world_size
     assert len({s["checksum"] for s in scaler}) == 1
+    # Sharded gradients with the norms on, the loop unscaling and clipping itself: every
+    # rank skips the NaN step together (the scaler backs off), the closed one included.
+    for kind in ("watch", "scaler"):
+        sharded = [out[("sharded", kind)] for out in results]
+        assert [s["skipped"] for s in sharded] == [[BAD_STEP]] * world_size, kind
