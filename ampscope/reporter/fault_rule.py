@@ -11,7 +11,11 @@ explains:
 - ``nonfinite_gradients``: inf/NaN gradients without a loss scaler (a ``GradWatch`` on a
   bf16/fp32 run: nothing there overflows by design);
 - ``overflow_at_clean_scale``: a scaler's overflow at or below its *clean scale*, the newest
-  scale at which it recently trained cleanly (below), and below its *edge*;
+  scale at which it recently trained cleanly (below), and below its *edge*. The scale alone
+  cannot tell a device's one-time inf from gradients that outgrew the scale, so this kind is
+  no device offence and no suspect batch by itself: it is what a rerun closure reruns; a
+  clean rerun makes it ``transient`` (the device's), a reproduced overflow with a finite
+  loss makes it weather (``edge``: the gradients outgrew the scale);
 - ``transient``: a rerun from the same batch (``rerun=closure``) did not reproduce the
   rank's inf/NaN: the device made it;
 - ``reproducible``: a rerun reproduced the rank's fault: the data (or the numerics) made it.
@@ -44,8 +48,9 @@ Examples (the defaults: ``settle_steps`` 3, ``probe_steps`` 100):
   (probing; the edge is 2**16); back at 2**15, an overflow there: weather (the edge);
   at 2**14 after 3 clean iterations, an overflow: a fault.
 - ``init_scale`` 2**10 on a run that never overflows by itself, an inf in one rank's
-  gradients after 5 clean iterations: a fault, and the ranks whose own gradients held it
-  (origin tracking) are its offenders.
+  gradients after 5 clean iterations: ``overflow_at_clean_scale``, rerun with a closure; the
+  rerun clean, a ``transient`` fault, and the rank whose own gradients held it (origin
+  tracking) is its device's offender.
 - A warm-up that trains once at 2**18 and overflows there on the next iteration: weather
   (2**18 was never clean three times in a row).
 
@@ -93,12 +98,13 @@ CallKind = Literal[
 """Every reason a :class:`Call` gives, of the three classes together."""
 
 FAULT_KINDS: tuple[FaultKind, ...] = get_args(FaultKind)
-DEVICE_FAULT_KINDS: frozenset[str] = frozenset(
-    {"nonfinite_loss", "nonfinite_gradients", "overflow_at_clean_scale"}
-)
+DEVICE_FAULT_KINDS: frozenset[str] = frozenset({"nonfinite_loss", "nonfinite_gradients"})
 """Fault kinds that point at the rank that held them, before any rerun tells the device
 (``transient``) from the data (``reproducible``): the rank's device offences
-(``nonfinite_origin``) count these."""
+(``nonfinite_origin``) and its suspect batches count these. Not ``overflow_at_clean_scale``:
+a scale alone cannot tell a device's one-time inf from gradients that outgrew a scale that
+trained cleanly (healthy runs do both), so only a rerun pins it (a clean rerun:
+``transient``, the device's; a reproduced overflow: the scaler's weather)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -241,8 +247,9 @@ class FaultState:
 
 def device_offence(cls: str, kind: str, own: bool | None) -> bool:
     """Whether a decision is an offence of the rank's device: a fault whose inf/NaN was the
-    rank's own and that no rerun reproduced (``reproducible`` is the data's)."""
-    return cls == "fault" and own is True and kind != "reproducible"
+    rank's own, of a kind that points at it (:data:`DEVICE_FAULT_KINDS`) or a rerun that did
+    not reproduce it (``transient``); never a reproduced one (the data's)."""
+    return cls == "fault" and own is True and (kind in DEVICE_FAULT_KINDS or kind == "transient")
 
 
 def after_rerun(
@@ -262,6 +269,9 @@ def after_rerun(
     clean = None if call is None else call.clean_scale
     if not reproduced:
         return Call("fault", "transient", True, clean)
+    if call is not None and call.kind == "overflow_at_clean_scale":
+        # Reproduced with a finite loss: the gradients outgrew the scale, the scaler's job.
+        return Call("weather", "edge", call.own, clean)
     if first_nonfinite:
         return Call("fault", "reproducible", True, clean)
     return call

@@ -7,9 +7,12 @@ One launch runs the scenarios in sequence, each its own run on the same two devi
   with a short growth interval: real fp16 overflows of the warm-up, the scaler probing
   upward and at its edge. No fault, no rerun, no suspect batch, no device offence, no
   verdict (``scale_collapse`` included: 2**40 settling far lower is no collapse);
-- ``corrupt``: an fp32 model that never overflows by itself; rank 1's own gradients turn
-  inf once: a fault of rank 1 (``overflow_at_clean_scale``), its device's offence alone,
-  its batch a suspect (a rerun of such a fault: tests/integration/test_rerun_classifies.py);
+- ``corrupt``: an fp32 model that never overflows by itself, with a rerun closure; rank 1's
+  own gradients turn inf once, at a scale that trained cleanly (``overflow_at_clean_scale``):
+  rerun, not reproduced, a ``transient`` fault of rank 1, its device's offence alone;
+- ``corrupt-unrerun``: the same without a closure: ``overflow_at_clean_scale`` is counted,
+  but the scale alone blames neither a device nor a batch (healthy gradients outgrow a
+  scale too): no offence, no suspect batch;
 - ``nan-loss``: one NaN sample on rank 0, rerun: reproduced, a fault of the data's
   (``reproducible``), no device's offence;
 - ``watch``: a bf16 ``GradWatch`` under ``skip``; rank 1's gradients turn inf once: a
@@ -157,7 +160,10 @@ def _rank(rank: int, world_size: int, url: str) -> dict[str, Any]:
             growth_interval=8,
         )
     fault = FAULT_STEP if rank == FAULT_RANK else None
-    out["corrupt"] = _train(rank, url, "corrupt", steps=FAULT_STEPS, poison_at=fault, rerun=False)
+    out["corrupt"] = _train(rank, url, "corrupt", steps=FAULT_STEPS, poison_at=fault)
+    out["corrupt-unrerun"] = _train(
+        rank, url, "corrupt-unrerun", steps=FAULT_STEPS, poison_at=fault, rerun=False
+    )
     nan = NAN_STEP if rank == NAN_RANK else None
     out["nan-loss"] = _train(rank, url, "nan-loss", steps=FAULT_STEPS, nan_at=nan)
     for policy in ("skip", "observe"):
@@ -263,18 +269,24 @@ def test_a_one_time_corruption_is_the_rank_s_fault(
     trained: tuple[str, list[dict[str, Any]]],
 ) -> None:
     url, results = trained
+    assert results[FAULT_RANK]["corrupt"]["calls_by_step"] == {
+        FAULT_STEP: ("fault", "transient", True)
+    }
+    assert [out["corrupt"]["calls"] for out in results] == [1] * RANKS  # every rank reran
+    assert _faults(url, "corrupt") == {(str(FAULT_RANK), "transient"): 1.0}
+    assert _offences(url, "corrupt") == {(f"node0:{FAULT_RANK}", "transient_fault"): 1.0}
+    suspects = get_json(f"{url}/api/v1/runs/corrupt/suspect-batches")
+    assert [(s["step"], s["rank"]) for s in suspects] == [(FAULT_STEP, FAULT_RANK)]
+    assert suspects[0]["batch_ids"] == _ids(FAULT_RANK, FAULT_STEP)
+    # Without a closure: counted as what it is, blamed on nothing.
     for rank, out in enumerate(results):
-        seen = out["corrupt"]
+        seen = out["corrupt-unrerun"]
         assert seen["calls_by_step"] == {
             FAULT_STEP: ("fault", "overflow_at_clean_scale", rank == FAULT_RANK)
         }
-    assert _faults(url, "corrupt") == {(str(FAULT_RANK), "overflow_at_clean_scale"): 1.0}
-    assert _offences(url, "corrupt") == {(f"node0:{FAULT_RANK}", "nonfinite_origin"): 1.0}
-    suspects = get_json(f"{url}/api/v1/runs/corrupt/suspect-batches")
-    assert [(s["step"], s["rank"], s["reasons"]) for s in suspects] == [
-        (FAULT_STEP, FAULT_RANK, ["nonfinite_origin"])
-    ]
-    assert suspects[0]["batch_ids"] == _ids(FAULT_RANK, FAULT_STEP)
+    assert _faults(url, "corrupt-unrerun") == {(str(FAULT_RANK), "overflow_at_clean_scale"): 1.0}
+    assert _offences(url, "corrupt-unrerun") == {}
+    assert get_json(f"{url}/api/v1/runs/corrupt-unrerun/suspect-batches") == []
 
 
 def test_a_nan_sample_is_reproduced_and_not_the_device_s(

@@ -157,7 +157,12 @@ def test_rerun_corrects_the_call_and_offences() -> None:
     assert after_rerun(weather, False, True, True) is weather
     assert after_rerun(None, True, False, True) == Call("fault", "transient", True, None)
     assert after_rerun(weather, True, True, True) == Call("fault", "reproducible", True, 8.0)
-    assert device_offence("fault", "overflow_at_clean_scale", True)
+    # An overflow at a clean scale: no offence by its scale alone; a rerun decides.
+    at_clean = Call("fault", "overflow_at_clean_scale", True, 8.0)
+    assert not device_offence("fault", "overflow_at_clean_scale", True)
+    assert after_rerun(at_clean, True, False, True) == Call("fault", "transient", True, 8.0)
+    assert after_rerun(at_clean, True, True, True) == Call("weather", "edge", True, 8.0)
+    assert device_offence("fault", "nonfinite_gradients", True)
     assert device_offence("fault", "transient", True)
     assert not device_offence("fault", "reproducible", True)
     assert not device_offence("fault", "nonfinite_loss", None)

@@ -3,7 +3,9 @@ the newest of them, for ``ampscope_reruns_total``, the ``transient_fault`` and
 ``reproducible_fault`` verdicts and the device offences (``ampscope_device_offences_total``).
 
 A rank counts a rerun only where its own result was flagged (``rerun.flagged``): the other
-ranks reran the iteration to keep the collectives paired, and no verdict is about them.
+ranks reran the iteration to keep the collectives paired, and no verdict is about them. A
+loss scaler's overflow that the rerun reproduced is the scaler's weather (the fault rule's
+``edge``), no result either.
 
 For the device: a transient result is an offence of the rank's device (``transient_fault``);
 a reproduced one is the data's, so its origin detections (the record keeps the second pass,
@@ -69,6 +71,11 @@ class RankReruns:
     def observe(self, record: StepRecord, now: float) -> None:
         rerun = record.rerun
         if rerun is None or not rerun.flagged:
+            return
+        call = record.nonfinite
+        if rerun.reproduced and call is not None and call.kind == "weather":
+            # A loss scaler's overflow the rerun reproduced (the fault rule's ``edge``): the
+            # gradients outgrew a scale that trained cleanly, the scaler's job; no result.
             return
         result: RerunResult = "reproducible" if rerun.reproduced else "transient"
         self.counts = self.counts._replace(**{result: getattr(self.counts, result) + 1})

@@ -36,7 +36,7 @@ def test_weather_is_no_offence_and_no_suspect() -> None:
 
 
 def test_a_fault_of_the_rank_s_own_is_an_offence_and_a_suspect() -> None:
-    own = NonfiniteCall(kind="fault", reason="overflow_at_clean_scale", own=True, clean_scale=8.0)
+    own = NonfiniteCall(kind="fault", reason="nonfinite_gradients", own=True, clean_scale=None)
     assert device_offended(_with_rule(5, own))
     assert record_reasons(_with_rule(5, own)) == ["nonfinite_origin"]
     peer = own.model_copy(update={"own": False})
@@ -46,6 +46,13 @@ def test_a_fault_of_the_rank_s_own_is_an_offence_and_a_suspect() -> None:
     assert record_reasons(_with_rule(5, untracked)) == ["skipped_step"]
     data = NonfiniteCall(kind="fault", reason="reproducible", own=True, clean_scale=None)
     assert not device_offended(_with_rule(6, data))
+    # An overflow at a clean scale, not rerun: the scale alone blames neither the device
+    # nor the batch (healthy gradients outgrow a scale too).
+    at_clean = NonfiniteCall(
+        kind="fault", reason="overflow_at_clean_scale", own=True, clean_scale=8.0
+    )
+    assert not device_offended(_with_rule(7, at_clean))
+    assert record_reasons(_with_rule(7, at_clean)) == []
 
 
 def test_records_before_the_rule_are_judged_as_before() -> None:

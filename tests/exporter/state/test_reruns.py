@@ -59,3 +59,24 @@ def test_a_reproduced_result_keeps_its_origin_detections_off_the_device() -> Non
     assert not device_offended(record(5, rerun=_rerun(flagged=False, reproduced=True)))
     reruns.reset()
     assert reruns.data_origins == 0
+
+
+def test_a_scaler_overflow_the_rerun_reproduced_is_no_result() -> None:
+    """The fault rule's ``edge`` weather after a rerun: the gradients outgrew a scale that
+    trained cleanly. Neither a reproducible fault (no bad data) nor a transient one."""
+    from ampscope.reporter.schema import NonfiniteCall
+
+    reruns = RankReruns()
+    edge = NonfiniteCall(kind="weather", reason="edge", own=True, clean_scale=8.0)
+    outgrew = record(2, rerun=_rerun(flagged=True, reproduced=True)).model_copy(
+        update={"nonfinite": edge}
+    )
+    nan_loss = NonfiniteCall(kind="fault", reason="reproducible", own=True, clean_scale=8.0)
+    sample = record(3, rerun=_rerun(flagged=True, reproduced=True)).model_copy(
+        update={"nonfinite": nan_loss}
+    )
+    reruns.observe(outgrew, 10.0)
+    assert reruns.counts == RerunCounts()
+    assert not device_offended(outgrew)
+    reruns.observe(sample, 11.0)
+    assert reruns.counts == RerunCounts(reproducible=1)
