@@ -46,14 +46,36 @@ class Piece:
     numel: int
 
 
+def dense(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s elements fill one span of its storage, each once, in some order
+    of its dimensions (contiguous, ``channels_last``, a transpose): a flat view of that span
+    holds exactly its elements."""
+    expected = 1
+    for size, stride in sorted(zip(tensor.shape, tensor.stride(), strict=True), key=lambda d: d[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def bit_view(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``'s storage, flattened, as signed integers of 2 or 4 bytes. No copy for a
-    contiguous tensor.
+    """``tensor``'s memory, flattened in storage order, as signed integers of 2 or 4 bytes:
+    a view, never a copy (a copy made once would be fingerprinted forever after). A dense
+    tensor in another memory format (``channels_last``) is read in its storage order, the
+    same on every replica.
 
     Raises:
-        TypeError: a 1-byte dtype (FP8, bool, int8): not supported.
+        TypeError: a 1-byte dtype (FP8, bool, int8), or memory with gaps or overlaps: not
+            supported.
     """
-    flat = tensor.detach().reshape(-1)
+    t = tensor.detach()
+    if not t.is_contiguous():
+        if not dense(t):
+            raise TypeError("cannot fingerprint a parameter whose memory has gaps or overlaps")
+        t = torch.as_strided(t, (t.numel(),), (1,), t.storage_offset())
+    flat = t.view(-1)
     size = flat.element_size()
     if size == 2:
         return flat.view(torch.int16)

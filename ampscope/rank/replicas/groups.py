@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ampscope.rank import compat
-from ampscope.rank.replicas.fingerprint import Piece
+from ampscope.rank.replicas.fingerprint import Piece, dense
 
 
 @dataclass
@@ -91,7 +91,11 @@ def replica_sets(model: nn.Module) -> list[ReplicaSet]:
 def _ddp_set(ddp: nn.Module) -> ReplicaSet:
     group = getattr(ddp, "process_group", None) or dist.group.WORLD
     replicas = ReplicaSet("ddp", group, _group_ranks(group))
+    # Parameters DDP was told to leave alone (model-parallel parts) differ by design.
+    ignored = set(getattr(ddp, "parameters_to_ignore", ()) or ())
     for name, param in ddp.module.named_parameters():  # type: ignore[union-attr]
+        if name in ignored:
+            continue
         replicas.pieces.append(_whole(compat.clean_param_name(name)[0], param))
     return replicas
 
@@ -114,7 +118,10 @@ def _dtensor_sets(model: nn.Module) -> list[ReplicaSet]:
 
 def _sized(sets: list[ReplicaSet]) -> list[ReplicaSet]:
     """The sets with at least two replicas and a piece to compare; 1-byte parameters (FP8
-    storage) are left out, as the fingerprints read 2- and 4-byte words."""
+    storage) are left out, as the fingerprints read 2- and 4-byte words, and so are
+    parameters whose memory has gaps or overlaps (no view of it in place)."""
     for replicas in sets:
-        replicas.pieces = [p for p in replicas.pieces if p.tensor.element_size() > 1]
+        replicas.pieces = [
+            p for p in replicas.pieces if p.tensor.element_size() > 1 and dense(p.tensor)
+        ]
     return [s for s in sets if len(s.ranks) > 1 and any(p.numel for p in s.pieces)]

@@ -108,3 +108,19 @@ def test_a_check_runs_the_same_kernels_for_148_tensors_as_for_1480() -> None:
     small, large = _ops(FingerprintPlan(_pieces(few))), _ops(FingerprintPlan(_pieces(many)))
     assert small == large
     assert len(small) <= 4  # the packed copy, the view, the sum
+
+
+def test_a_channels_last_parameter_is_read_in_place() -> None:
+    """A dense tensor in another memory format is viewed, not copied: a flip made after the
+    plan was built is seen (a copy would be fingerprinted forever after)."""
+    from ampscope.rank.replicas.fingerprint import FingerprintPlan, Piece, bit_view
+
+    weight = torch.randn(4, 3, 5, 5).to(memory_format=torch.channels_last)
+    assert not weight.is_contiguous()
+    assert bit_view(weight).data_ptr() == weight.data_ptr()
+    plan = FingerprintPlan([Piece("conv.weight", weight, 0, weight.numel())])
+    clean = plan.chunks().clone()
+    flipped = weight.permute(0, 2, 3, 1).contiguous().view(-1)  # storage order, a copy
+    flipped.view(torch.int32)[7] ^= 1  # one low mantissa bit
+    weight.copy_(flipped.view(4, 5, 5, 3).permute(0, 3, 1, 2))
+    assert not torch.equal(plan.chunks(), clean)
