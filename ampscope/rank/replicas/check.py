@@ -58,6 +58,11 @@ class ReplicaOutcome:
         )
 
 
+FAILED = -(2**63)
+"""A replica's whole fingerprint row when it could not take it: the all-gather still pairs,
+and every replica sees that one failed (no sum of bit patterns fills a row with it)."""
+
+
 def _gather(local: torch.Tensor, group: Any, size: int) -> torch.Tensor:
     """Every replica's ``local`` vector, on the host, one row each in group order: one
     collective and one host read."""
@@ -103,9 +108,25 @@ class _SetCheck:
         self.replicas = replicas
         self.plan = FingerprintPlan(replicas.pieces)
 
-    def run(self) -> ReplicaOutcome:
+    def run(self) -> ReplicaOutcome | None:
+        """The set's outcome; ``None`` when a replica could not take its fingerprints
+        (every replica sees that alike). Raises on the replica that failed, after it took
+        its part in the all-gather: a failure never leaves the others waiting in it."""
         ranks, group = self.replicas.ranks, self.replicas.group
-        chunks = _judge(_gather(self.plan.chunks(), group, len(ranks)))
+        failed: Exception | None = None
+        try:
+            local = self.plan.chunks()
+        except Exception as exc:  # e.g. out of memory for the packed copy
+            failed = exc
+            local = torch.full(
+                (self.plan.size,), FAILED, dtype=torch.int64, device=self.plan.device
+            )
+        rows = _gather(local, group, len(ranks))
+        if failed is not None:
+            raise failed
+        if bool((rows == FAILED).all(dim=1).any()):
+            return None  # a replica could not fingerprint: no outcome this time
+        chunks = _judge(rows)
         if not chunks:
             return ReplicaOutcome(agree=True, replicas=len(ranks))
         # Named: every replica saw the same rows, so all gather the same pieces here.
@@ -150,7 +171,20 @@ class ReplicaCheck:
         self._calls += 1
         if not self._sets or self._calls % self.every:
             return None
-        outcomes = [s.run() for s in self._sets]
+        outcomes: list[ReplicaOutcome] = []
+        failed: Exception | None = None
+        for check in self._sets:  # every set's collective, whatever failed before it
+            try:
+                outcome = check.run()
+            except Exception as exc:
+                failed = failed or exc
+                continue
+            if outcome is not None:
+                outcomes.append(outcome)
+        if failed is not None:
+            raise failed
+        if not outcomes:
+            return None
         if len(outcomes) == 1:
             return outcomes[0]
         diverged = [o for o in outcomes if not o.agree]

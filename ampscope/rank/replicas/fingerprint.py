@@ -156,6 +156,11 @@ class FingerprintPlan:
         """Values :meth:`chunks` returns: ``CHUNKS_PER_BUCKET`` per bucket."""
         return CHUNKS_PER_BUCKET * len(self._buckets)
 
+    @property
+    def device(self) -> torch.device:
+        """Where :meth:`chunks` puts its vector: the first bucket's device."""
+        return self._buckets[0].parts[0].device if self._buckets else torch.device("cpu")
+
     def chunks(self) -> torch.Tensor:
         """Every chunk's fingerprint, an int64 vector of :attr:`size` on the first
         bucket's device. Two kernels per bucket (the packed copy, the sum) and, with
