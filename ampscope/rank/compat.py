@@ -179,10 +179,10 @@ def non_finite_check_(
 
 def non_finite_check_by_norm_(grads: list[torch.Tensor], found_inf: torch.Tensor) -> None:
     """Sets ``found_inf`` to 1 when any element of ``grads`` (one device and dtype) is
-    inf/NaN, from their L1 norms accumulated in float32 (a sum carries inf and NaN; it
-    overflows only where the absolute values sum past 3.4e38). Reads the gradients, never
+    inf/NaN, from their L1 norms accumulated in float64 (a sum carries inf and NaN; finite
+    bf16 or fp16 values cannot overflow it, a float32 sum could). Reads the gradients, never
     writes them: one multi-tensor norm, a stack and two small ops, no sync."""
-    norms = torch._foreach_norm(grads, 1, dtype=torch.float32)
+    norms = torch._foreach_norm(grads, 1, dtype=torch.float64)
     bad = torch.stack(norms).isfinite().logical_not().any()
     found_inf.copy_(torch.maximum(found_inf, bad.to(found_inf.dtype)))
 

@@ -398,7 +398,15 @@ class TelemetryFrontEnd(failure.ClosedByWith):
         if every:
             from ampscope.rank.replicas.check import ReplicaCheck
 
-            check = ReplicaCheck(model, every)
+            try:
+                check = ReplicaCheck(model, every)
+            except Exception:
+                # A model the check cannot lay out (two DDP wrappers in one container, ...):
+                # the rest of attach() stands; identically on every rank (same model).
+                logger.warning(
+                    "ampscope: replica check off for this model (attach goes on)", exc_info=True
+                )
+                return
             self._ampscope_replicas = check if check.compares else None
 
     def _ampscope_pair_closed_norms(self, optimizer: torch.optim.Optimizer) -> None:

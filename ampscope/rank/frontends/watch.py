@@ -330,7 +330,10 @@ class GradWatch(TelemetryFrontEnd):
         if capture.closed_by_raise:
             capture.closed_by_raise = False
             if not capture.iteration:
-                return  # the raise recorded this iteration already
+                # The raise recorded this iteration already; the replica check still runs,
+                # as on every rank that goes on (a closed one included), to keep its count.
+                self._ampscope_check_replicas()
+                return
         iteration, step = capture.iteration, capture.step + 1
         skipped = any(e.skipped for e in iteration.values())
         self._consecutive_skips = self._consecutive_skips + 1 if skipped else 0
