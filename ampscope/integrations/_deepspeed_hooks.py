@@ -7,8 +7,9 @@ computed, whatever the stage. :class:`OwnGradientFlags` registers one such hook 
 parameter. Each hook runs torch's fused non-finite kernel (the one a scaler's unscale
 runs, with an inverse scale of 1: the values are written back unchanged) on that one
 gradient, into the parameter's own slot of one float32 flag vector per device (where a
-build lacks that kernel for a dtype, CUDA bfloat16 in torch 2.11, a read-only ``aminmax``
-and three one-element ops instead): one kernel per parameter and micro-batch, no
+build lacks that kernel for a dtype, CUDA bfloat16 in torch 2.11, the shared check's
+read-only norm fallback, ``compat.non_finite_check_``; a read-only ``aminmax`` for a
+non-contiguous gradient): one kernel per parameter and micro-batch, no
 allocation, no host-device sync, no name looked up. Slots only go from 0 to 1, so
 micro-batches combine (ZeRO-2 frees each micro-batch's gradient after reducing it; ZeRO-1
 accumulates) and autograd threads cannot lose each other's marks.
@@ -51,8 +52,6 @@ class OwnGradientFlags:
             device: torch.ones(1, dtype=torch.float32, device=device) for device in self._flags
         }
         self._lock = threading.Lock()
-        self._unfused: set[tuple[str, torch.dtype]] = set()
-        """(device type, dtype) pairs whose fused kernel this torch lacks."""
         self.errors = 0
         """Hook calls that failed (training went on; warned about once)."""
         self._handles: list[Any] = []
@@ -80,21 +79,13 @@ class OwnGradientFlags:
             if grad.layout != torch.strided or not grad.is_floating_point() or not grad.numel():
                 return
             with torch.no_grad():
-                place = (grad.device.type, grad.dtype)
-                if (
-                    grad.device == slot.device
-                    and grad.is_contiguous()
-                    and place not in self._unfused
-                ):
-                    try:
-                        compat.non_finite_check_([grad], slot, one)
-                        return
-                    except (NotImplementedError, RuntimeError):
-                        # Some builds lack the kernel for a dtype (CUDA bfloat16 in torch
-                        # 2.11): the read-only check from then on, for that dtype.
-                        self._unfused.add(place)
-                # Not contiguous (an expanded gradient cannot be written back), or no
-                # fused kernel: read only, min and max (non-finite exactly when an element is).
+                if grad.device == slot.device and grad.is_contiguous():
+                    # The shared check; it falls back by itself where torch lacks the fused
+                    # kernel for a dtype (CUDA bfloat16).
+                    compat.non_finite_check_([grad], slot, one)
+                    return
+                # Not contiguous (an expanded gradient cannot be written back): read only,
+                # min and max (non-finite exactly when an element is).
                 low, high = torch.aminmax(grad)
                 finite = torch.isfinite(low).logical_and_(torch.isfinite(high))
                 slot.masked_fill_(finite.logical_not_().to(slot.device), 1.0)
