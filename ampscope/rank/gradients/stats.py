@@ -379,10 +379,11 @@ class GradStats:
         iteration's ``grad_norm`` is ``null`` on the open ranks, as for a rank whose norms
         fail), so no rank waits alone. Whether there are any is decided once per optimizer
         and parameter count (none for whole gradients: DDP, one rank)."""
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        key = (id(optimizer), len(params))
+        # O(parameter groups) per call; the parameters are walked once per key.
+        key = (id(optimizer), sum(len(group["params"]) for group in optimizer.param_groups))
         sums = self._closed_sums.get(key)
         if sums is None:
+            params = (p for group in optimizer.param_groups for p in group["params"])
             sums = self._closed_sums[key] = self.reduce is not None or any(
                 compat.square_sum_reduction(param) is not None for param in params
             )
