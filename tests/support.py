@@ -170,6 +170,22 @@ def promtool_check_metrics(text: str) -> str:
     return (result.stdout + result.stderr).strip()
 
 
+def promtool_test_rules(path: Path, tests: dict[str, Any]) -> None:
+    """Fail the test unless ``promtool test rules`` passes the unit-test file ``tests``
+    (written to ``path``): queries and rules on Prometheus' own engine."""
+    import yaml
+
+    path.write_text(yaml.safe_dump(tests))
+    result = subprocess.run(
+        [need_tool("promtool"), "test", "rules", str(path)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def _worker(
     rank: int,
     world_size: int,

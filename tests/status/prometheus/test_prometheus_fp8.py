@@ -3,12 +3,10 @@ and the verdicts built from their answers."""
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 from typing import Any
 
-import yaml
-from support import need_tool
+from support import promtool_test_rules
 
 from ampscope.status import prometheus
 from ampscope.status.prometheus import fp8 as prometheus_fp8
@@ -43,7 +41,6 @@ def test_the_queries_find_a_nan_amax_and_lasting_underflow_on_promtool(tmp_path:
     """The PromQL as ``status --prometheus`` sends it, evaluated by Prometheus' own engine:
     a non-finite amax counted within 600 s (the exporter counts unskipped iterations only),
     and underflow above 10 % in every sample of 600 s (at least 5)."""
-    promtool = need_tool("promtool")
     asked = prometheus_fp8.queries(f'run="{RUN}"', Fp8Rule())
     amax, ratio = "ampscope_fp8_amax", "ampscope_fp8_underflow_ratio"
     counter = "ampscope_fp8_nonfinite_amax_total"
@@ -100,16 +97,7 @@ def test_the_queries_find_a_nan_amax_and_lasting_underflow_on_promtool(tmp_path:
             }
         ],
     }
-    path = tmp_path / "fp8-status-test.yml"
-    path.write_text(yaml.safe_dump(tests))
-    result = subprocess.run(
-        [promtool, "test", "rules", str(path)],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
+    promtool_test_rules(tmp_path / "fp8-status-test.yml", tests)
 
 
 def _views() -> list[dict[str, Any]]:

@@ -3,12 +3,10 @@ and the alerts do, and reads a rank's aligned step and scale from one sample."""
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 from typing import Any
 
-import yaml
-from support import need_tool
+from support import promtool_test_rules
 
 from ampscope.status import prometheus
 from ampscope.status.prometheus.ranks import build_views
@@ -27,7 +25,6 @@ def _labels(rank: int, **more: str) -> str:
 def test_reruns_are_counted_within_the_verdicts_window_on_promtool(tmp_path: Path) -> None:
     """The query as sent, on Prometheus' own engine: a rerun counts for 600 s from when its
     counter appeared or grew, then no more, though the rank process (and its counter) lives."""
-    promtool = need_tool("promtool")
     t = Thresholds()
     assert t.spike_verdict_window_s == 600
     query = prometheus.queries(RUN, t)["reruns"]
@@ -66,16 +63,7 @@ def test_reruns_are_counted_within_the_verdicts_window_on_promtool(tmp_path: Pat
             }
         ],
     }
-    path = tmp_path / "reruns-status-test.yml"
-    path.write_text(yaml.safe_dump(tests))
-    result = subprocess.run(
-        [promtool, "test", "rules", str(path)],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
+    promtool_test_rules(tmp_path / "reruns-status-test.yml", tests)
 
 
 def _sample(name: str, rank: int, value: float, **labels: str) -> dict[str, Any]:
@@ -114,7 +102,6 @@ def test_the_collapse_reference_is_the_clean_scale_on_promtool(tmp_path: Path) -
     """The scale status --prometheus measures a fall from, on Prometheus' own engine: a rank
     whose reporter has the fault rule falls from its clean scale (none during a warm-up from
     2**40, so the warm-up is no collapse), an older reporter's rank from its peak."""
-    promtool = need_tool("promtool")
     t = Thresholds()
     query = prometheus.queries(RUN, t)["peak"]
     warm, old = _labels(0), _labels(1)
@@ -154,13 +141,4 @@ def test_the_collapse_reference_is_the_clean_scale_on_promtool(tmp_path: Path) -
             }
         ],
     }
-    path = tmp_path / "collapse-status-test.yml"
-    path.write_text(yaml.safe_dump(tests))
-    result = subprocess.run(
-        [promtool, "test", "rules", str(path)],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
+    promtool_test_rules(tmp_path / "collapse-status-test.yml", tests)
