@@ -128,23 +128,26 @@ class WatchCapture:
         self._constants: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def clean_from_norms(
-        self, norms: tuple[torch.Tensor, ...], device: torch.device
+        self, norms: tuple[torch.Tensor, ...] | torch.Tensor, device: torch.device
     ) -> dict[torch.device, torch.Tensor] | None:
         """The found-inf of gradients on the CPU whose norms (one per gradient, every
-        element counted) were just taken, without the non-finite kernel: when every norm is
-        finite no element is inf/NaN (one would make its norm inf or NaN), and the flag is
-        this capture's zero on ``device``. ``None`` when some norm is not finite: that may
-        come from finite elements too (a float32 square overflows above ~1.8e19), so the
-        kernel must decide. Reads the norms on the host: only for CPU tensors (no sync),
-        and never when the capture is told to use the device transport (which stands for
-        an accelerator in tests): then ``None``.
+        element counted; 0-dim tensors or one vector) were just taken, without the
+        non-finite kernel: when every norm is finite no element is inf/NaN (one would
+        make its norm inf or NaN), and the flag is this capture's zero on ``device``.
+        ``None`` when some norm is not finite: that may come from finite elements too (a
+        float32 square overflows above ~1.8e19), so the kernel must decide. Reads the
+        norms on the host: only for CPU tensors (no sync), and never when the capture is
+        told to use the device transport (which stands for an accelerator in tests):
+        then ``None``.
 
         The zero flag is shared by every clean iteration: nothing writes a flag in place
         (:func:`agree` reduces a copy; records read them).
         """
         if self._read_on_host is False:
             return None
-        if len(norms) <= _READ_EACH:
+        if isinstance(norms, torch.Tensor):
+            total = sum(norms.tolist())
+        elif len(norms) <= _READ_EACH:
             total = sum([norm.item() for norm in norms])
         else:
             total = sum(torch.stack(norms).tolist())

@@ -22,6 +22,7 @@ a :class:`~ampscope.reporter.schema.StepStats` (:mod:`ampscope.rank.telemetry.st
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -76,6 +77,62 @@ class NormPlan:
     device: torch.device
     """Where the plain gradients' squared norm is all-reduced (the first parameter's
     device; the CPU without parameters)."""
+    batches: NormBatches | None = None
+    """A simple plan's norms as the CPU computes them (:class:`NormBatches`)."""
+
+
+class NormBatches:
+    """A simple plan's per-parameter norms in a few tensor ops on the CPU, whatever the
+    number of parameters.
+
+    On the CPU torch's multi-tensor norm is a loop of one norm per tensor (some 10,000
+    instructions of dispatch each, whatever the tensor's size), and the telemetry thread
+    would then stack the results. Small gradients of one shape (each transformer block's
+    biases, norms and same-shaped weights) are stacked into one matrix and normed along its
+    rows in one reduction; the rest (large gradients, where the dispatch is nothing against
+    the elements) go through the multi-tensor norm. The result is one vector, in the order
+    of :attr:`names`, with the same values as the per-tensor norms (a row is reduced as the
+    tensor alone is).
+    """
+
+    __slots__ = ("gathers", "names", "rest", "sizes")
+
+    def __init__(self, plan_names: tuple[str, ...], params: tuple[torch.Tensor, ...]) -> None:
+        by_shape: dict[tuple[Any, ...], list[int]] = {}
+        for index, param in enumerate(params):
+            if param.numel() <= STACK_NUMEL:
+                by_shape.setdefault((tuple(param.shape), param.dtype), []).append(index)
+        stacked = [ix for ix in by_shape.values() if len(ix) > 1]
+        placed = {i for ix in stacked for i in ix}
+        rest = [i for i in range(len(params)) if i not in placed]
+        self.gathers = tuple(operator.itemgetter(*ix) for ix in stacked)
+        """Per stack: picks its gradients out of the list of all of them."""
+        self.sizes = tuple(len(ix) for ix in stacked)
+        self.rest = operator.itemgetter(*rest) if rest else None
+        """The gradients normed one by one (large, or alone of their shape)."""
+        order = [i for ix in stacked for i in ix] + rest
+        self.names = tuple(plan_names[i] for i in order)
+        """The parameters' names in the order of the vector of norms."""
+
+    def norms(self, grads: list[torch.Tensor], low_precision: bool) -> torch.Tensor:
+        """The vector of the gradients' L2 norms (float32 where ``low_precision``), in the
+        order of :attr:`names`. One stack and one norm per shape, one multi-tensor norm
+        for the rest, one concatenation."""
+        dtype = torch.float32 if low_precision else None
+        parts = [
+            torch.linalg.vector_norm(torch.stack(gather(grads)).flatten(1), dim=1, dtype=dtype)
+            for gather in self.gathers
+        ]
+        if self.rest is not None:
+            picked = self.rest(grads)
+            rest = [picked] if isinstance(picked, torch.Tensor) else list(picked)
+            parts.append(torch.stack(compat.foreach_norm(rest, low_precision)))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+STACK_NUMEL = 1 << 16
+"""Gradients up to this many elements are stacked with others of their shape for the CPU's
+norms: copying them costs less than a norm's dispatch; larger ones are normed in place."""
 
 
 class OptimizerNorms:
@@ -258,9 +315,10 @@ class GradStats:
 
     def add_grads(
         self, optimizer: torch.optim.Optimizer, info: OptimizerInfo | None, scaled: bool
-    ) -> tuple[torch.Tensor, ...] | None:
+    ) -> tuple[torch.Tensor, ...] | torch.Tensor | None:
         """Norm ``optimizer``'s local gradients (after their unscale, or ``scaled`` when
-        the check unscaled nothing): one multi-tensor norm per device. Sharded gradients add
+        the check unscaled nothing): one multi-tensor norm per device (on the CPU, a few
+        ops whatever the number of gradients: :class:`NormBatches`). Sharded gradients add
         a stack, a dot and one all-reduce per mesh layout; every rank calls this for the
         same optimizers in the same order, and the all-reduces run whatever fails here
         (the local norms, the plan, or the capture, which then passes ``info=None``): this
@@ -270,7 +328,8 @@ class GradStats:
         Returns:
             In the common case (every parameter has a dense, whole, non-DTensor gradient,
             and nothing is summed over ranks) the norms, one per gradient, in which an
-            inf/NaN element always shows as a non-finite norm; else ``None``.
+            inf/NaN element always shows as a non-finite norm: a tuple of 0-dim tensors or
+            one vector, in an order of the plan's; else ``None``.
         """
         try:
             if info is None:
@@ -297,15 +356,24 @@ class GradStats:
                     if grad is None or grad.is_sparse:
                         break
                 else:
-                    each = compat.foreach_norm(grads, plan.low_precision)  # type: ignore[arg-type]
                     place = info.place
+                    if (
+                        place is not None
+                        and place[0].type == "cpu"
+                        and not self.pack_on_cpu
+                        and plan.batches is not None
+                    ):
+                        packed = plan.batches.norms(grads, plan.low_precision)  # type: ignore[arg-type]
+                        self._optimizers.append(
+                            OptimizerNorms(plan.batches.names, (), scaled, None, packed=packed)
+                        )
+                        return packed
+                    each = compat.foreach_norm(grads, plan.low_precision)  # type: ignore[arg-type]
                     if place is None:
                         each = _on_one_device(each)
-                    elif place[0].type != "cpu" or self.pack_on_cpu:
+                    else:
                         # One stacked vector from here on (one launch): the step keeps one
-                        # small block in flight, not one per parameter. On the CPU the
-                        # telemetry thread stacks them (host memory; the training thread's
-                        # time is the scarcer one).
+                        # small block in flight, not one per parameter.
                         packed = torch.stack(each)
                         self._optimizers.append(
                             OptimizerNorms(plan.names, (), scaled, None, packed=packed)
@@ -511,6 +579,10 @@ class GradStats:
                     names.append(segment.name)
                     segments.append((index, segment.offset, segment.numel))
                 index += 1
+        simple = segments == [(i, 0, None) for i in range(index)]
+        batches = None
+        if simple and params and not layouts and self.reduce is None:
+            batches = NormBatches(tuple(names), tuple(params))
         return NormPlan(
             names=tuple(names),
             segments=tuple(segments),
@@ -519,10 +591,11 @@ class GradStats:
             groups=groups,
             # Read after naming: a name lookup may re-walk the model (and bump it).
             names_version=self._names.version,
-            simple=segments == [(i, 0, None) for i in range(index)],
+            simple=simple,
             params=tuple(params),
             device=_first_device(params),
             low_precision=any(p.dtype.itemsize < 4 for p in params if p.is_floating_point()),
+            batches=batches,
         )
 
 

@@ -15,6 +15,7 @@ from helpers import Net, batch, count_host_reads, poison, use_device_transport
 
 import ampscope
 from ampscope.rank.capture.watch import WatchCapture
+from ampscope.rank.gradients.stats import NormBatches
 from ampscope.reporter.schema import StepRecord
 from ampscope.reporter.spike_rule import SpikeRule
 
@@ -330,3 +331,92 @@ def test_a_clean_run_of_hundreds_of_iterations_flags_no_spike(front_end: str) ->
     assert max(losses) > 1.5 * min(losses), "the series must be noisy, not flat"
     assert [r.step for r in records if r.stats.spikes] == []
     scaler.close()
+
+
+def _repeated_shapes() -> torch.nn.Sequential:
+    """Small layers of one shape (stacked for the CPU's norms), one layer of another shape,
+    and one too large to stack (normed on its own)."""
+    torch.manual_seed(3)
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, 16),
+        torch.nn.Linear(16, 16),
+        torch.nn.Linear(16, 16),
+        torch.nn.Linear(16, 300),
+        torch.nn.Linear(300, 300),
+        torch.nn.Linear(300, 1),
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_norm_batches_equal_the_per_tensor_norms_in_their_names_order(
+    dtype: torch.dtype,
+) -> None:
+    model = _repeated_shapes().to(dtype)
+    model(torch.randn(4, 16, dtype=dtype)).float().square().mean().backward()
+    params = tuple(model.parameters())
+    names = tuple(name for name, _ in model.named_parameters())
+    batches = NormBatches(names, params)
+    low = dtype.itemsize < 4
+    vector = batches.norms([p.grad for p in params], low)  # type: ignore[misc]
+    by_name = dict(
+        zip(
+            names,
+            torch._foreach_norm([p.grad for p in params], 2, dtype=torch.float32 if low else None),
+            strict=True,
+        )
+    )  # type: ignore[misc]
+    assert sorted(batches.names) == sorted(names)
+    assert len(batches.gathers) >= 2, "the repeated shapes are stacked"
+    assert batches.rest is not None, "the large and unique gradients are normed alone"
+    assert vector.dtype == (torch.float32 if low else dtype)
+    assert torch.equal(vector, torch.stack([by_name[name] for name in batches.names]))
+
+
+def test_norm_batches_show_an_inf_in_a_stacked_gradient() -> None:
+    model = _repeated_shapes()
+    model(torch.randn(4, 16)).square().mean().backward()
+    params = tuple(model.parameters())
+    poisoned = params[2]  # "1.weight", the second Linear(16, 16): stacked with its peers
+    assert poisoned.grad is not None
+    poisoned.grad[3, 4] = math.inf
+    names = tuple(name for name, _ in model.named_parameters())
+    batches = NormBatches(names, params)
+    vector = batches.norms([p.grad for p in params], False)  # type: ignore[misc]
+    flagged = [
+        name
+        for name, norm in zip(batches.names, vector.tolist(), strict=True)
+        if not math.isfinite(norm)
+    ]
+    assert flagged == ["1.weight"]
+
+
+@pytest.mark.parametrize("front_end", ["scaler", "watch"])
+def test_a_spike_names_the_top_parameters_among_stacked_gradients(front_end: str) -> None:
+    """The CPU's stacked norms name a spike's parameters as the per-tensor norms do."""
+    model = _repeated_shapes()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    if front_end == "scaler":
+        front: torch.amp.GradScaler | ampscope.GradWatch = ampscope.GradScaler(
+            "cpu", init_scale=2.0**8, reporter=None, spike_rule=FAST_RULE, top_k=4
+        )
+    else:
+        front = ampscope.GradWatch(reporter=None, spike_rule=FAST_RULE, top_k=4)
+    front.attach(model)
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
+    expected: dict[str, float] = {}
+    for step in range(9):
+        loss = model(x).square().mean() * (50.0 if step == 7 else 1.0)
+        front.scale(loss).backward()
+        front.unscale_(optimizer)
+        if step == 7:
+            expected = {n: p.grad.norm().item() for n, p in model.named_parameters()}  # type: ignore[union-attr]
+        front.step(optimizer)
+        front.update()
+        optimizer.zero_grad()
+    records = _stats(front)
+    assert [i for i, r in enumerate(records) if r.stats.spikes] == [7]
+    ranked = sorted(expected.items(), key=lambda item: (-item[1], item[0]))[:4]
+    top = records[7].stats.top_params
+    assert [p.name for p in top] == [name for name, _ in ranked]
+    assert [p.norm for p in top] == pytest.approx([norm for _, norm in ranked], rel=1e-5)
+    front.close()
