@@ -146,6 +146,7 @@ def instrument_accelerator(
         logger.warning(NO_SCALER.format(library=library, why=why, cpu_fallback="fp32"))
         return None
     swap_into(accelerator, ours)
+    _clip_through(accelerator, ours)
     for model in accelerator._models:
         if not isinstance(model, nn.Module):
             continue
@@ -160,6 +161,42 @@ def instrument_accelerator(
         attacher.attach(ours, model, names_only=hidden)
     _attach_on_prepare(accelerator, ours, attacher)
     return ours
+
+
+def _clip_through(accelerator: Accelerator, front: TelemetryFrontEnd) -> None:
+    """Route ``accelerator.clip_grad_norm_`` (the ``Trainer`` calls it with
+    ``max_grad_norm``, 1.0 by default) through the front-end's ``clip_grad_norm_``: the
+    same clip as Accelerate's, bit for bit, whose one pass also gives the records' gradient
+    norms, so ampscope runs no norm pass of its own. Where Accelerate clips otherwise
+    (FSDP's own clip, DeepSpeed, XLA, DTensor gradients, whose norms it combines per mesh)
+    its own method runs unchanged. An instance attribute shadows the method for this
+    accelerator only."""
+    from accelerate.utils import DistributedType
+
+    from ampscope.rank import compat
+    from ampscope.rank.frontends.watch import GradWatch
+
+    original = accelerator.clip_grad_norm_
+    own_clip = (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.XLA)
+
+    @functools.wraps(original)
+    def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
+        params = list(parameters)
+        if accelerator.distributed_type in own_clip or any(
+            p.grad is not None and compat.is_dtensor(p.grad) for p in params
+        ):
+            return original(params, max_norm, norm_type)
+        accelerator.unscale_gradients()  # fp16: the scaler's unscale_, as Accelerate's
+        if isinstance(front, GradWatch):
+            # No scaler, nothing to unscale: the watch checks before the clip instead of
+            # at step(), so that the clip's pass gives the norms.
+            for optimizer in accelerator._optimizers:
+                inner = getattr(optimizer, "optimizer", optimizer)
+                if not front.checked(inner):
+                    front.unscale_(inner)
+        return front.clip_grad_norm_(params, max_norm, norm_type)
+
+    accelerator.clip_grad_norm_ = clip_grad_norm_
 
 
 def _on_deepspeed(accelerator: Accelerator) -> bool:

@@ -6,9 +6,11 @@ import logging
 from typing import Any
 
 import pytest
+import torch
 from checks import check_exporter, check_origin, check_same_training, check_watch, expected_skips
 from support import need_module, run_distributed
 from watch_workers import accelerate_worker as accelerate_watch_worker
+from watch_workers import reset_accelerate
 from workers import INJECT_STEPS, STEPS, Net, accelerate_worker, batch
 
 need_module("accelerate")
@@ -214,3 +216,61 @@ def test_accelerates_device_move_leaves_ids_collated_as_a_list() -> None:
     moved = send_to_device({"x": torch.ones(2), "sample_ids": [7, 8]}, torch.device("meta"))
     assert moved["x"].device.type == "meta"
     assert moved["sample_ids"] == [7, 8]
+
+
+def _clipping_loop(precision: str, instrumented: bool, norm_passes: list[int]) -> dict[str, Any]:
+    """Accelerate's documented loop with ``accelerator.clip_grad_norm_`` (a max norm that
+    clips), fp16 set up as on a GPU, or bf16/fp32 with a watch. ``norm_passes`` counts
+    ampscope's own norm passes (the spy below)."""
+    from accelerate import Accelerator
+    from workers import as_on_gpu
+
+    from ampscope.integrations.accelerate import instrument
+
+    reset_accelerate()
+    accelerator = Accelerator(mixed_precision=precision, cpu=True)
+    if precision == "fp16":
+        as_on_gpu(accelerator)
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    front = instrument(accelerator, reporter=None) if instrumented else None
+    model, optimizer = accelerator.prepare(model, optimizer)
+    totals: list[float] = []
+    for step in range(6):
+        loss = model(batch(0, step)).square().mean() * 40.0
+        accelerator.backward(loss)
+        totals.append(float(accelerator.clip_grad_norm_(model.parameters(), 0.5)))
+        optimizer.step()
+        optimizer.zero_grad()
+    params = [p.detach().clone() for p in model.parameters()]
+    records = front.telemetry.history() if front is not None else []
+    if front is not None:
+        front.close()
+    return {"totals": totals, "params": params, "records": records, "passes": list(norm_passes)}
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16", "no"])
+def test_accelerate_clip_gives_the_records_norms_without_a_pass_of_its_own(
+    precision: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``accelerator.clip_grad_norm_`` (what the ``Trainer`` calls) goes through the
+    front-end's clip: the same totals and weights as Accelerate's own, the records' norms
+    are the clip's, and from the second iteration ampscope runs no norm pass of its own."""
+    from ampscope.rank.gradients import stats
+
+    passes: list[int] = []
+    own_pass = stats.NormBatches.norms
+
+    def counted(self: Any, *args: Any) -> Any:
+        passes.append(1)
+        return own_pass(self, *args)
+
+    stock = _clipping_loop(precision, False, passes)
+    monkeypatch.setattr(stats.NormBatches, "norms", counted)
+    ours = _clipping_loop(precision, True, passes)
+    assert ours["totals"] == stock["totals"]
+    assert all(torch.equal(a, b) for a, b in zip(ours["params"], stock["params"], strict=True))
+    assert max(stock["totals"]) > 0.5, "the clip clipped"
+    assert [r.stats.grad_norm for r in ours["records"]] == pytest.approx(ours["totals"], rel=1e-6)
+    assert len(ours["passes"]) <= 1, "only the first iteration, before the loop clipped once"

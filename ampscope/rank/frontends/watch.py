@@ -142,6 +142,12 @@ class GradWatch(TelemetryFrontEnd):
                 self._ampscope_failed()
         return outputs
 
+    def checked(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer``'s gradients were checked since the last ``update()``
+        (``unscale_()`` or ``step()``); ``False`` once the watch is closed."""
+        capture = self._ampscope_capture
+        return capture is not None and id(optimizer) in capture.iteration
+
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Check ``optimizer``'s gradients now, e.g. before clipping (nothing is scaled).
 
