@@ -494,3 +494,27 @@ def test_scaler_records_name_only_the_bad_rank_as_origin():
             # Every rank skipped the bad steps: the reduction spread the inf everywhere.
             assert [(g, s) for _, g, s, _ in records] == [(b, b) for b in (False, True) * 2], name
             assert records[-1][3] == {"cpu": 1}, name
+
+
+def _ops(run: Any) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run()
+    return sum(1 for event in prof.events() if event.cpu_parent is None)
+
+
+@pytest.mark.parametrize("buckets", [3, 150])
+def test_a_bucket_costs_two_ops_and_a_take_the_same_whatever_the_buckets(buckets: int):
+    """On a GPU each op is a kernel launch: a mark launches the check and the norm into its
+    slot, and take() makes the flag and squared norm in a fixed number, so the per-bucket
+    cost does not grow with what the flag needs (more than one buffer's worth included)."""
+    flags = OriginFlags(norms=True)
+    tensors = [torch.randn(64) for _ in range(buckets)]
+    for tensor in tensors:  # first iteration: the buffers
+        flags.mark(tensor)
+    flags.take(), flags.take_squares()
+    assert _ops(lambda: [flags.mark(t) for t in tensors]) == 2 * buckets
+    take_ops = _ops(lambda: (flags.take(), flags.take_squares()))
+    # Past one buffer (64 buckets), one concatenation each for the extrema and the norms.
+    assert take_ops == 9 + (2 if buckets > 64 else 0)
