@@ -64,6 +64,7 @@ from ampscope.status.prometheus.ranks import (
     state_query,
     thresholds_of,
     up_query,
+    without_packed,
 )
 from ampscope.verdicts import failures, liveness, nonfinite, scale
 from ampscope.verdicts import replicas as replica_rules
@@ -162,30 +163,49 @@ def peak_query(sel: str, window_s: float) -> str:
     )
 
 
+def steps_query(sel: str, window_s: float) -> str:
+    """The steps ``skip_storm`` divides by, of the ranks that skipped any within its window
+    only: a rank that skipped none has ratio 0, which changes neither the rule's worst ratio
+    (0 at least) nor its hits, so a healthy job answers with no series."""
+    w = f"{window_s:g}s"
+    return (
+        f"increase(ampscope_steps_total{{{sel}}}[{w}]) and on (run, node, rank, local_rank) "
+        f"(increase(ampscope_skipped_steps_total{{{sel}}}[{w}]) > 0)"
+    )
+
+
 def queries(run: str | None, t: Thresholds) -> dict[str, str]:
-    """The PromQL of one answer: name -> query."""
+    """The PromQL of the first round of one answer: name -> query. The windowed counts
+    answer with the ranks that counted any (``> 0``; the steps of the ranks that skipped
+    any; the diverged replica checks): a rank without a series counts 0, which is what each
+    rule reads for it, so a healthy job's windowed answers hold few series."""
     sel = _selector(run)
     names = "|".join(GAUGES)
     joined = f",{sel}" if sel else ""
+    skipped = f"increase(ampscope_skipped_steps_total{{{sel}}}[{t.skip_storm_window_s:g}s])"
     return {
         "now": f'{{__name__=~"{names}"{joined}}}',
         "state": state_query(sel),
-        "aligned_separate": separate_aligned_query(sel),
         "peak": peak_query(sel, t.collapse_window_s),
-        "steps": f"increase(ampscope_steps_total{{{sel}}}[{t.skip_storm_window_s:g}s])",
-        "skipped": f"increase(ampscope_skipped_steps_total{{{sel}}}[{t.skip_storm_window_s:g}s])",
+        "steps": steps_query(sel, t.skip_storm_window_s),
+        "skipped": f"{skipped} > 0",
         "inf_local": f"increase(ampscope_found_inf_total{{{sel}}}[{t.hotspot_window_s:g}s])",
         "inf_origin": f"increase(ampscope_found_inf_origin_total{{{sel}}}"
         f"[{t.hotspot_window_s:g}s])",
-        "spikes": f"increase(ampscope_spikes_total{{{sel}}}[{t.spike_verdict_window_s:g}s])",
+        "spikes": f"increase(ampscope_spikes_total{{{sel}}}[{t.spike_verdict_window_s:g}s]) > 0",
         "skipped_nonfinite": f"increase(ampscope_skipped_steps_total{{{sel}}}"
-        f"[{t.nonfinite_skipped_window_s:g}s])",
+        f"[{t.nonfinite_skipped_window_s:g}s]) > 0",
         "reruns": counted_within(f"ampscope_reruns_total{{{sel}}}", t.spike_verdict_window_s),
-        "replica_checks": f"ampscope_replica_checks_total{{{sel}}}",
+        "replica_checks": f'ampscope_replica_checks_total{{result="diverged"{joined}}} > 0',
         "gone": gone_query(sel),
         "up": up_query(sel),
         **prometheus_fp8.queries(sel, Fp8Rule()),
     }
+
+
+NARROWED_MAX = 256
+"""The most ranks a second-round query names (a regex of their numbers); more are read by
+the run's selector, which the query's own ``unless`` narrows the same way."""
 
 
 THRESHOLDS_QUERY = f"last_over_time(ampscope_exporter_health_threshold[{LOOKBACK_S}s])"
@@ -364,10 +384,16 @@ def fetch(client: PrometheusClient, run: str | None, t: Thresholds | None = None
         # queries read a NaN amax as what it is).
         if name not in prometheus_fp8.FP8_QUERIES:
             shapes.check_finite(results[name], f"{client.url}/api/v1/query ({name!r} query)")
-    # Second round, only where the first found any: the families of the gone ranks, and the
-    # ranks the failing exporters held (the hour's range reads, narrowed to few series).
+    # Second round, only where the first found any: the separate aligned series of the
+    # scalers without the packed one (exporters that predate it), the families of the gone
+    # ranks, and the ranks the failing exporters held (the hour's range reads, narrowed to
+    # few series).
     sel = _selector(run)
     follow = {}
+    unpacked = without_packed(results["now"])
+    if unpacked:
+        narrow = narrowed(sel, unpacked) if len(unpacked) <= NARROWED_MAX else sel
+        follow["aligned_separate"] = separate_aligned_query(narrow)
     gone = {(s["metric"]["run"], int(s["metric"]["rank"])) for s in results["gone"]}
     if gone:
         follow["seen"] = seen_query(narrowed(sel, gone))
@@ -382,7 +408,8 @@ def fetch(client: PrometheusClient, run: str | None, t: Thresholds | None = None
             where = f"{client.url}/api/v1/query ({name!r} query)"
             shapes.check_series(results[name], where)
             shapes.check_finite(results[name], where)
-    views = build_views(results["now"] + results["state"] + results["aligned_separate"], now)
+    aligned_separate = results.get("aligned_separate", [])
+    views = build_views(results["now"] + results["state"] + aligned_separate, now)
     views.update(gone_ranks(results.get("seen", []), views, now))
     down = exporters_down(results["up"], results.get("down_seen", []))
     unwindowed = ("now", *INSTANT, "gone", "up", *prometheus_fp8.FP8_QUERIES)

@@ -17,7 +17,7 @@ from dataclasses import fields
 from typing import Any
 
 from ampscope.verdicts import aligned
-from ampscope.verdicts.ranks import FINAL_STATES
+from ampscope.verdicts.ranks import FINAL_STATES, is_scaler
 from ampscope.verdicts.thresholds import Thresholds
 
 LOOKBACK_S = 3600
@@ -44,7 +44,7 @@ GAUGES = (
 """Families read as instant vectors, in one query by name. A rank's state and, from exporters
 that predate ``ampscope_loss_scale_aligned_packed``, its aligned pair come from their own
 queries (``state_query``, ``separate_aligned_query``): one series of five for the state,
-none of two for the pair where the packed sample is there."""
+none of two for the pair where the packed sample is there (``without_packed``)."""
 
 SEPARATE_ALIGNED = ("ampscope_loss_scale_aligned", "ampscope_loss_scale_aligned_step")
 """The aligned scale and its step as two series: read only where the packed one is absent."""
@@ -93,6 +93,24 @@ def separate_aligned_query(selector: str) -> str:
         f'{{__name__=~"{names}"{joined}}} unless on (run, node, rank, local_rank) '
         f"ampscope_loss_scale_aligned_packed{{{selector}}}"
     )
+
+
+def without_packed(samples: Iterable[dict[str, Any]]) -> set[tuple[str, int]]:
+    """(run, rank) of the scalers among the ranks whose info series ``samples`` (the ``now``
+    answer) holds and that have no ``ampscope_loss_scale_aligned_packed`` sample with it:
+    the only ranks ``separate_aligned_query`` can answer for (a watch has no aligned scale;
+    an exporter that predates the packed sample, or a scaler before its first aligned step,
+    has none)."""
+    info, packed = set(), set()
+    for sample in samples:
+        labels = sample["metric"]
+        name = labels.get("__name__")
+        where = (labels["run"], labels["node"], labels["rank"], labels.get("local_rank"))
+        if name == "ampscope_rank_info" and is_scaler(labels.get("mode", "scaler")):
+            info.add(where)
+        elif name == "ampscope_loss_scale_aligned_packed":
+            packed.add(where)
+    return {(run, int(rank)) for run, _, rank, _ in info - packed}
 
 
 def counted_within(counter: str, window_s: float) -> str:

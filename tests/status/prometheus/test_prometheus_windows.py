@@ -142,3 +142,77 @@ def test_the_collapse_reference_is_the_clean_scale_on_promtool(tmp_path: Path) -
         ],
     }
     promtool_test_rules(tmp_path / "collapse-status-test.yml", tests)
+
+
+def test_the_windowed_counts_answer_with_the_ranks_that_counted_on_promtool(
+    tmp_path: Path,
+) -> None:
+    """On Prometheus' own engine, the windowed queries of a job where one rank of four skipped
+    steps, spiked and diverged answer with that rank only (a healthy rank's zero is what the
+    rules read where a rank has no series): steps only where a rank skipped, spikes and
+    skips above zero, the diverged replica checks and not the agreeing ones."""
+    t = Thresholds()
+    asked = prometheus.queries(RUN, t)
+    assert (t.skip_storm_window_s, t.spike_verdict_window_s) == (300, 600)
+    series = []
+    for rank in range(4):
+        hot = rank == 2
+        series += [
+            {"series": f"ampscope_steps_total{{{_labels(rank)}}}", "values": "0+1x60"},
+            {
+                "series": f"ampscope_skipped_steps_total{{{_labels(rank)}}}",
+                "values": "0x40 0+1x20" if hot else "0x60",
+            },
+            {
+                "series": f"ampscope_spikes_total{{{_labels(rank, kind='loss')}}}",
+                "values": "0x40 1x20" if hot else "0x60",
+            },
+            {
+                "series": f"ampscope_replica_checks_total{{{_labels(rank, result='agree')}}}",
+                "values": "1+1x60",
+            },
+        ]
+    series.append(
+        {
+            "series": f"ampscope_replica_checks_total{{{_labels(2, result='diverged')}}}",
+            "values": "_x40 1x20",
+        }
+    )
+    hot = _labels(2)
+
+    def at(name: str, when: str, samples: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"expr": f"round({asked[name]})", "eval_time": when, "exp_samples": samples}
+
+    tests = {
+        "rule_files": [],
+        "evaluation_interval": "15s",
+        "tests": [
+            {
+                "interval": "15s",
+                "input_series": series,
+                "promql_expr_test": [
+                    # Before anything happened: nothing to answer.
+                    *(
+                        {"expr": asked[name], "eval_time": "9m", "exp_samples": []}
+                        for name in ("steps", "skipped", "spikes", "skipped_nonfinite")
+                    ),
+                    {"expr": asked["replica_checks"], "eval_time": "9m", "exp_samples": []},
+                    # Rank 2 skipped 19 of the 300 s window's 20 steps, every one since 10m.
+                    at("steps", "15m", [{"labels": f"{{{hot}}}", "value": 20}]),
+                    at("skipped", "15m", [{"labels": f"{{{hot}}}", "value": 19}]),
+                    at("skipped_nonfinite", "15m", [{"labels": f"{{{hot}}}", "value": 19}]),
+                    at(
+                        "spikes",
+                        "15m",
+                        [{"labels": f"{{{_labels(2, kind='loss')}}}", "value": 1}],
+                    ),
+                    at(
+                        "replica_checks",
+                        "15m",
+                        [{"labels": f"{{{_labels(2, result='diverged')}}}", "value": 1}],
+                    ),
+                ],
+            }
+        ],
+    }
+    promtool_test_rules(tmp_path / "standouts-status-test.yml", tests)
