@@ -45,6 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields
 from typing import Any
 
+from ampscope.reporter.fault_rule import FAULT_KINDS
 from ampscope.status import merge, shapes
 from ampscope.status.prometheus import fp8 as prometheus_fp8
 from ampscope.status.prometheus.api import PrometheusClient, QueryError
@@ -58,6 +59,8 @@ from ampscope.status.prometheus.ranks import (
     gone_query,
     gone_ranks,
     narrowed,
+    not_running,
+    other_state_query,
     per_rank,
     seen_query,
     separate_aligned_query,
@@ -102,7 +105,7 @@ RANK_QUERIES = (
 )
 """The queries whose every series is a rank's (run, rank and node labels), checked so."""
 
-INSTANT = ("state", "aligned_separate")
+INSTANT = ("state", "other_state", "aligned_separate")
 """The queries that complete ``now``'s per-rank gauges (read with them, not per window)."""
 
 SPIKE_DETAIL = (
@@ -153,13 +156,16 @@ def peak_query(sel: str, window_s: float) -> str:
     alert ``AmpscopeScaleCollapse`` take it: the fault rule's clean scale
     (``ampscope_loss_scale_clean``; absent while a rank has none yet, so a warm-up from a high
     ``init_scale`` is no height to fall from); for a rank whose reporter predates the rule
-    (no ``ampscope_faults_total``), its highest scale in the window."""
+    (no ``ampscope_faults_total``), its highest scale in the window. Whether a rank has the
+    rule is read from one kind's series: the exporter exports every kind, 0 or not, for a
+    rank whose reporter has the rule (the alert reads them all, to the same effect)."""
     w = f"{window_s:g}s"
     ranks = "run, node, rank, local_rank"
+    joined = f",{sel}" if sel else ""
     return (
         f"max_over_time(ampscope_loss_scale_clean{{{sel}}}[{w}]) or "
         f"(max_over_time(ampscope_loss_scale{{{sel}}}[{w}]) "
-        f"unless on ({ranks}) ampscope_faults_total{{{sel}}})"
+        f'unless on ({ranks}) ampscope_faults_total{{kind="{FAULT_KINDS[0]}"{joined}}})'
     )
 
 
@@ -384,12 +390,16 @@ def fetch(client: PrometheusClient, run: str | None, t: Thresholds | None = None
         # queries read a NaN amax as what it is).
         if name not in prometheus_fp8.FP8_QUERIES:
             shapes.check_finite(results[name], f"{client.url}/api/v1/query ({name!r} query)")
-    # Second round, only where the first found any: the separate aligned series of the
-    # scalers without the packed one (exporters that predate it), the families of the gone
-    # ranks, and the ranks the failing exporters held (the hour's range reads, narrowed to
-    # few series).
+    # Second round, only where the first found any: the state of the ranks not running, the
+    # separate aligned series of the scalers without the packed one (exporters that predate
+    # it), the families of the gone ranks, and the ranks the failing exporters held (the
+    # hour's range reads), each narrowed to those ranks.
     sel = _selector(run)
     follow = {}
+    stopped = not_running(results["state"])
+    if stopped:
+        narrow = narrowed(sel, stopped) if len(stopped) <= NARROWED_MAX else sel
+        follow["other_state"] = other_state_query(narrow)
     unpacked = without_packed(results["now"])
     if unpacked:
         narrow = narrowed(sel, unpacked) if len(unpacked) <= NARROWED_MAX else sel
@@ -409,7 +419,8 @@ def fetch(client: PrometheusClient, run: str | None, t: Thresholds | None = None
             shapes.check_series(results[name], where)
             shapes.check_finite(results[name], where)
     aligned_separate = results.get("aligned_separate", [])
-    views = build_views(results["now"] + results["state"] + aligned_separate, now)
+    states = results["state"] + results.get("other_state", [])
+    views = build_views(results["now"] + states + aligned_separate, now)
     views.update(gone_ranks(results.get("seen", []), views, now))
     down = exporters_down(results["up"], results.get("down_seen", []))
     unwindowed = ("now", *INSTANT, "gone", "up", *prometheus_fp8.FP8_QUERIES)

@@ -43,8 +43,9 @@ GAUGES = (
 )
 """Families read as instant vectors, in one query by name. A rank's state and, from exporters
 that predate ``ampscope_loss_scale_aligned_packed``, its aligned pair come from their own
-queries (``state_query``, ``separate_aligned_query``): one series of five for the state,
-none of two for the pair where the packed sample is there (``without_packed``)."""
+queries (``state_query``, ``separate_aligned_query``): one series of five for the state
+(``running``'s; the others' of the ranks that are not), none of two for the pair where the
+packed sample is there (``without_packed``)."""
 
 SEPARATE_ALIGNED = ("ampscope_loss_scale_aligned", "ampscope_loss_scale_aligned_step")
 """The aligned scale and its step as two series: read only where the packed one is absent."""
@@ -76,12 +77,27 @@ def seen_query(selector: str) -> str:
 
 
 def state_query(selector: str) -> str:
-    """Each rank's current state: the one ``ampscope_rank_state`` series at 1 (of five), named
-    as its family (a comparison's answer may drop the name)."""
+    """Whether each rank is ``running``: its one ``ampscope_rank_state{state="running"}``
+    series (1 or 0), read alone rather than all five. The exporter exports every state, 1 for
+    the current one (Prometheus' enum convention), so a rank at 1 here is at 0 in the others,
+    and only the ranks at 0 need ``other_state_query``."""
+    joined = f",{selector}" if selector else ""
+    return f'ampscope_rank_state{{state="running"{joined}}}'
+
+
+def other_state_query(selector: str) -> str:
+    """The current state of the ranks of ``selector`` that are not running: the one series at
+    1 of the four others, named as its family (a comparison's answer may drop the name)."""
+    joined = f",{selector}" if selector else ""
     return (
-        f'label_replace(ampscope_rank_state{{{selector}}} == 1, "__name__", '
+        f'label_replace(ampscope_rank_state{{state!="running"{joined}}} == 1, "__name__", '
         '"ampscope_rank_state", "", "")'
     )
+
+
+def not_running(samples: Iterable[dict[str, Any]]) -> set[tuple[str, int]]:
+    """(run, rank) of the ranks whose ``state_query`` sample is not 1."""
+    return {_key(s["metric"]) for s in samples if float(s["value"][1]) != 1.0}
 
 
 def separate_aligned_query(selector: str) -> str:
