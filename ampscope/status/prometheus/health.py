@@ -170,21 +170,19 @@ def peak_query(sel: str, window_s: float) -> str:
 
 
 def steps_query(sel: str, window_s: float) -> str:
-    """The steps ``skip_storm`` divides by, of the ranks that skipped any within its window
-    only: a rank that skipped none has ratio 0, which changes neither the rule's worst ratio
-    (0 at least) nor its hits, so a healthy job answers with no series."""
-    w = f"{window_s:g}s"
-    return (
-        f"increase(ampscope_steps_total{{{sel}}}[{w}]) and on (run, node, rank, local_rank) "
-        f"(increase(ampscope_skipped_steps_total{{{sel}}}[{w}]) > 0)"
-    )
+    """The steps ``skip_storm`` divides by, sent in the second round for the ranks the first
+    found skipping within its window only (``sel`` narrowed to them): a rank that skipped
+    none has ratio 0, which changes neither the rule's worst ratio (0 at least) nor its
+    hits, so a job that skipped nothing sends no steps query at all."""
+    return f"increase(ampscope_steps_total{{{sel}}}[{window_s:g}s])"
 
 
 def queries(run: str | None, t: Thresholds) -> dict[str, str]:
     """The PromQL of the first round of one answer: name -> query. The windowed counts
-    answer with the ranks that counted any (``> 0``; the steps of the ranks that skipped
-    any; the diverged replica checks): a rank without a series counts 0, which is what each
-    rule reads for it, so a healthy job's windowed answers hold few series."""
+    answer with the ranks that counted any (``> 0``; the diverged replica checks; the steps
+    of the ranks that skipped any come in the second round, ``steps_query``): a rank without
+    a series counts 0, which is what each rule reads for it, so a healthy job's windowed
+    answers hold few series."""
     sel = _selector(run)
     names = "|".join(GAUGES)
     joined = f",{sel}" if sel else ""
@@ -193,7 +191,6 @@ def queries(run: str | None, t: Thresholds) -> dict[str, str]:
         "now": f'{{__name__=~"{names}"{joined}}}',
         "state": state_query(sel),
         "peak": peak_query(sel, t.collapse_window_s),
-        "steps": steps_query(sel, t.skip_storm_window_s),
         "skipped": f"{skipped} > 0",
         "inf_local": f"increase(ampscope_found_inf_total{{{sel}}}[{t.hotspot_window_s:g}s])",
         "inf_origin": f"increase(ampscope_found_inf_origin_total{{{sel}}}"
@@ -212,6 +209,12 @@ def queries(run: str | None, t: Thresholds) -> dict[str, str]:
 NARROWED_MAX = 256
 """The most ranks a second-round query names (a regex of their numbers); more are read by
 the run's selector, which the query's own ``unless`` narrows the same way."""
+
+
+def _narrowed(sel: str, keys: set[tuple[str, int]]) -> str:
+    """``sel`` narrowed to the (run, rank) ``keys``, or ``sel`` itself beyond
+    ``NARROWED_MAX`` of them."""
+    return narrowed(sel, keys) if len(keys) <= NARROWED_MAX else sel
 
 
 THRESHOLDS_QUERY = f"last_over_time(ampscope_exporter_health_threshold[{LOOKBACK_S}s])"
@@ -233,7 +236,8 @@ def health_of(
     report holds when the run's ranks export FP8 series."""
 
     def window(name: str, view: Mapping[str, Any], device: str = "") -> float:
-        return windows[name].get((run, view["rank"]), {}).get(device, 0.0)
+        # A second-round window that was not sent (no rank skipped: no steps) counts 0.
+        return windows.get(name, {}).get((run, view["rank"]), {}).get(device, 0.0)
 
     facts = merge.facts_of(views)
     scale_facts = [
@@ -391,19 +395,21 @@ def fetch(client: PrometheusClient, run: str | None, t: Thresholds | None = None
         if name not in prometheus_fp8.FP8_QUERIES:
             shapes.check_finite(results[name], f"{client.url}/api/v1/query ({name!r} query)")
     # Second round, only where the first found any: the state of the ranks not running, the
-    # separate aligned series of the scalers without the packed one (exporters that predate
-    # it), the families of the gone ranks, and the ranks the failing exporters held (the
-    # hour's range reads), each narrowed to those ranks.
+    # steps of the ranks that skipped (``skip_storm``'s ratio), the separate aligned series
+    # of the scalers without the packed one (exporters that predate it), the families of the
+    # gone ranks, and the ranks the failing exporters held (the hour's range reads), each
+    # narrowed to those ranks.
     sel = _selector(run)
     follow = {}
     stopped = not_running(results["state"])
     if stopped:
-        narrow = narrowed(sel, stopped) if len(stopped) <= NARROWED_MAX else sel
-        follow["other_state"] = other_state_query(narrow)
+        follow["other_state"] = other_state_query(_narrowed(sel, stopped))
+    skipping = {(s["metric"]["run"], int(s["metric"]["rank"])) for s in results["skipped"]}
+    if skipping:
+        follow["steps"] = steps_query(_narrowed(sel, skipping), t.skip_storm_window_s)
     unpacked = without_packed(results["now"])
     if unpacked:
-        narrow = narrowed(sel, unpacked) if len(unpacked) <= NARROWED_MAX else sel
-        follow["aligned_separate"] = separate_aligned_query(narrow)
+        follow["aligned_separate"] = separate_aligned_query(_narrowed(sel, unpacked))
     gone = {(s["metric"]["run"], int(s["metric"]["rank"])) for s in results["gone"]}
     if gone:
         follow["seen"] = seen_query(narrowed(sel, gone))
@@ -423,8 +429,9 @@ def fetch(client: PrometheusClient, run: str | None, t: Thresholds | None = None
     views = build_views(results["now"] + states + aligned_separate, now)
     views.update(gone_ranks(results.get("seen", []), views, now))
     down = exporters_down(results["up"], results.get("down_seen", []))
-    unwindowed = ("now", *INSTANT, "gone", "up", *prometheus_fp8.FP8_QUERIES)
-    windows = {name: per_rank(results[name], views) for name in asked if name not in unwindowed}
+    unwindowed = ("now", *INSTANT, "gone", "up", "seen", "down_seen", *prometheus_fp8.FP8_QUERIES)
+    windowed = [name for name in (*asked, *follow) if name not in unwindowed]
+    windows = {name: per_rank(results[name], views) for name in windowed}
     fp8 = {name: results[name] for name in prometheus_fp8.FP8_QUERIES}
     judged = {"source": source, **{f.name: getattr(t, f.name) for f in fields(t)}}
     by_run: dict[str, list[dict[str, Any]]] = {}
