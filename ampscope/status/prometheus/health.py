@@ -32,8 +32,12 @@ it no longer hears (the alert ``AmpscopeNodeLost`` pages on the same condition o
 same hour), and ``lost_rank`` names it and the exporters whose scrape fails
 (``ampscope.status.prometheus.ranks``). The thresholds are those the exporters publish
 (``ampscope_exporter_health_threshold``), the defaults where none does. Cost: one query for
-the thresholds, then seventeen instant queries run in parallel (a rank's state read as its
-one series at 1, of five); the answer holds O(ranks x devices) samples.
+the thresholds, then fifteen instant queries run in parallel, then, only where they found
+any, a second round narrowed to the ranks concerned: the other states of the ranks not
+running (the first round reads ``running``'s one series a rank), the steps of the ranks that
+skipped, the separate aligned pair of the scalers without the packed sample, the families of
+the gone ranks and the ranks of the failing exporters. The windowed counts answer with the
+ranks that counted (``> 0``); every rank's gauges are one query, O(ranks x families) series.
 """
 
 from __future__ import annotations
