@@ -211,8 +211,9 @@ def queries(run: str | None, t: Thresholds) -> dict[str, str]:
 
 
 NARROWED_MAX = 256
-"""The most ranks a second-round query names (a regex of their numbers); more are read by
-the run's selector, which the query's own ``unless`` narrows the same way."""
+"""The most ranks a second-round query names (a regex of their numbers); beyond them it reads
+the whole selection, a superset whose other ranks change nothing: they have no other state
+at 1, skipped nothing (ratio 0), or hold the packed sample (the query's ``unless``)."""
 
 
 def _narrowed(sel: str, keys: set[tuple[str, int]]) -> str:
