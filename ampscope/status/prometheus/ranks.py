@@ -64,14 +64,18 @@ SEEN = (
 def seen_query(selector: str) -> str:
     """The last value within ``LOOKBACK_S`` of every ``SEEN`` series (and of the final states,
     ``finished`` and ``failed``), named as its family. ``last_over_time`` drops the name, so
-    ``label_replace`` puts it back, and ``or on (__name__)`` keeps the families apart."""
+    ``label_replace`` puts it back, and in a ``family`` label too, which keeps the families
+    apart where ``or`` joins them: VictoriaMetrics' ``or`` matches series without their names
+    (and ``or on (__name__)`` on no label at all), so it would keep only a rank's first
+    family."""
     joined = f",{selector}" if selector else ""
     selectors = [f"{name}{{{selector}}}" for name in SEEN]
     final = "|".join(FINAL_STATES)
     selectors.append(f'ampscope_rank_state{{state=~"{final}"{joined}}}')
     names = [*SEEN, "ampscope_rank_state"]
-    return " or on (__name__) ".join(
-        f'label_replace(last_over_time({sel}[{LOOKBACK_S}s]), "__name__", "{name}", "", "")'
+    return " or ".join(
+        f'label_replace(label_replace(last_over_time({sel}[{LOOKBACK_S}s]), "__name__", '
+        f'"{name}", "", ""), "family", "{name}", "", "")'
         for sel, name in zip(selectors, names, strict=True)
     )
 

@@ -116,8 +116,9 @@ def test_thresholds_are_the_ones_most_exporters_publish() -> None:
 def test_the_lookback_queries_restore_each_familys_name() -> None:
     query = seen_query('run="r"')
     assert query.startswith(
-        'label_replace(last_over_time(ampscope_rank_info{run="r"}[3600s]), "__name__", '
-        '"ampscope_rank_info", "", "") or on (__name__) '
+        'label_replace(label_replace(last_over_time(ampscope_rank_info{run="r"}[3600s]), '
+        '"__name__", "ampscope_rank_info", "", ""), "family", "ampscope_rank_info", "", "") '
+        "or "
     )
     assert 'ampscope_rank_state{state=~"finished|failed",run="r"}[3600s]' in query
     assert '"ampscope_rank_failure_info", "", "")' in query
