@@ -32,8 +32,12 @@ it no longer hears (the alert ``AmpscopeNodeLost`` pages on the same condition o
 same hour), and ``lost_rank`` names it and the exporters whose scrape fails
 (``ampscope.status.prometheus.ranks``). The thresholds are those the exporters publish
 (``ampscope_exporter_health_threshold``), the defaults where none does. Cost: one query for
-the thresholds, then seventeen instant queries run in parallel (a rank's state read as its
-one series at 1, of five); the answer holds O(ranks x devices) samples.
+the thresholds, then fifteen instant queries run in parallel, then, only where they found
+any, a second round narrowed to the ranks concerned: the other states of the ranks not
+running (the first round reads ``running``'s one series a rank), the steps of the ranks that
+skipped, the separate aligned pair of the scalers without the packed sample, the families of
+the gone ranks and the ranks of the failing exporters. The windowed counts answer with the
+ranks that counted (``> 0``); every rank's gauges are one query, O(ranks x families) series.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields
 from typing import Any
 
+from ampscope.reporter.fault_rule import FAULT_KINDS
 from ampscope.status import merge, shapes
 from ampscope.status.prometheus import fp8 as prometheus_fp8
 from ampscope.status.prometheus.api import PrometheusClient, QueryError
@@ -58,12 +63,15 @@ from ampscope.status.prometheus.ranks import (
     gone_query,
     gone_ranks,
     narrowed,
+    not_running,
+    other_state_query,
     per_rank,
     seen_query,
     separate_aligned_query,
     state_query,
     thresholds_of,
     up_query,
+    without_packed,
 )
 from ampscope.verdicts import failures, liveness, nonfinite, scale
 from ampscope.verdicts import replicas as replica_rules
@@ -101,7 +109,7 @@ RANK_QUERIES = (
 )
 """The queries whose every series is a rank's (run, rank and node labels), checked so."""
 
-INSTANT = ("state", "aligned_separate")
+INSTANT = ("state", "other_state", "aligned_separate")
 """The queries that complete ``now``'s per-rank gauges (read with them, not per window)."""
 
 SPIKE_DETAIL = (
@@ -152,40 +160,66 @@ def peak_query(sel: str, window_s: float) -> str:
     alert ``AmpscopeScaleCollapse`` take it: the fault rule's clean scale
     (``ampscope_loss_scale_clean``; absent while a rank has none yet, so a warm-up from a high
     ``init_scale`` is no height to fall from); for a rank whose reporter predates the rule
-    (no ``ampscope_faults_total``), its highest scale in the window."""
+    (no ``ampscope_faults_total``), its highest scale in the window. Whether a rank has the
+    rule is read from one kind's series: the exporter exports every kind, 0 or not, for a
+    rank whose reporter has the rule (the alert reads them all, to the same effect)."""
     w = f"{window_s:g}s"
     ranks = "run, node, rank, local_rank"
+    joined = f",{sel}" if sel else ""
     return (
         f"max_over_time(ampscope_loss_scale_clean{{{sel}}}[{w}]) or "
         f"(max_over_time(ampscope_loss_scale{{{sel}}}[{w}]) "
-        f"unless on ({ranks}) ampscope_faults_total{{{sel}}})"
+        f'unless on ({ranks}) ampscope_faults_total{{kind="{FAULT_KINDS[0]}"{joined}}})'
     )
 
 
+def steps_query(sel: str, window_s: float) -> str:
+    """The steps ``skip_storm`` divides by, sent in the second round for the ranks the first
+    found skipping within its window only (``sel`` narrowed to them): a rank that skipped
+    none has ratio 0, which changes neither the rule's worst ratio (0 at least) nor its
+    hits, so a job that skipped nothing sends no steps query at all."""
+    return f"increase(ampscope_steps_total{{{sel}}}[{window_s:g}s])"
+
+
 def queries(run: str | None, t: Thresholds) -> dict[str, str]:
-    """The PromQL of one answer: name -> query."""
+    """The PromQL of the first round of one answer: name -> query. The windowed counts
+    answer with the ranks that counted any (``> 0``; the diverged replica checks; the steps
+    of the ranks that skipped any come in the second round, ``steps_query``): a rank without
+    a series counts 0, which is what each rule reads for it, so a healthy job's windowed
+    answers hold few series."""
     sel = _selector(run)
     names = "|".join(GAUGES)
     joined = f",{sel}" if sel else ""
+    skipped = f"increase(ampscope_skipped_steps_total{{{sel}}}[{t.skip_storm_window_s:g}s])"
     return {
         "now": f'{{__name__=~"{names}"{joined}}}',
         "state": state_query(sel),
-        "aligned_separate": separate_aligned_query(sel),
         "peak": peak_query(sel, t.collapse_window_s),
-        "steps": f"increase(ampscope_steps_total{{{sel}}}[{t.skip_storm_window_s:g}s])",
-        "skipped": f"increase(ampscope_skipped_steps_total{{{sel}}}[{t.skip_storm_window_s:g}s])",
+        "skipped": f"{skipped} > 0",
         "inf_local": f"increase(ampscope_found_inf_total{{{sel}}}[{t.hotspot_window_s:g}s])",
         "inf_origin": f"increase(ampscope_found_inf_origin_total{{{sel}}}"
         f"[{t.hotspot_window_s:g}s])",
-        "spikes": f"increase(ampscope_spikes_total{{{sel}}}[{t.spike_verdict_window_s:g}s])",
+        "spikes": f"increase(ampscope_spikes_total{{{sel}}}[{t.spike_verdict_window_s:g}s]) > 0",
         "skipped_nonfinite": f"increase(ampscope_skipped_steps_total{{{sel}}}"
-        f"[{t.nonfinite_skipped_window_s:g}s])",
+        f"[{t.nonfinite_skipped_window_s:g}s]) > 0",
         "reruns": counted_within(f"ampscope_reruns_total{{{sel}}}", t.spike_verdict_window_s),
-        "replica_checks": f"ampscope_replica_checks_total{{{sel}}}",
+        "replica_checks": f'ampscope_replica_checks_total{{result="diverged"{joined}}} > 0',
         "gone": gone_query(sel),
         "up": up_query(sel),
         **prometheus_fp8.queries(sel, Fp8Rule()),
     }
+
+
+NARROWED_MAX = 256
+"""The most ranks a second-round query names (a regex of their numbers); beyond them it reads
+the whole selection, a superset whose other ranks change nothing: they have no other state
+at 1, skipped nothing (ratio 0), or hold the packed sample (the query's ``unless``)."""
+
+
+def _narrowed(sel: str, keys: set[tuple[str, int]]) -> str:
+    """``sel`` narrowed to the (run, rank) ``keys``, or ``sel`` itself beyond
+    ``NARROWED_MAX`` of them."""
+    return narrowed(sel, keys) if len(keys) <= NARROWED_MAX else sel
 
 
 THRESHOLDS_QUERY = f"last_over_time(ampscope_exporter_health_threshold[{LOOKBACK_S}s])"
@@ -207,7 +241,8 @@ def health_of(
     report holds when the run's ranks export FP8 series."""
 
     def window(name: str, view: Mapping[str, Any], device: str = "") -> float:
-        return windows[name].get((run, view["rank"]), {}).get(device, 0.0)
+        # A second-round window that was not sent (no rank skipped: no steps) counts 0.
+        return windows.get(name, {}).get((run, view["rank"]), {}).get(device, 0.0)
 
     facts = merge.facts_of(views)
     scale_facts = [
@@ -364,10 +399,22 @@ def fetch(client: PrometheusClient, run: str | None, t: Thresholds | None = None
         # queries read a NaN amax as what it is).
         if name not in prometheus_fp8.FP8_QUERIES:
             shapes.check_finite(results[name], f"{client.url}/api/v1/query ({name!r} query)")
-    # Second round, only where the first found any: the families of the gone ranks, and the
-    # ranks the failing exporters held (the hour's range reads, narrowed to few series).
+    # Second round, only where the first found any: the state of the ranks not running, the
+    # steps of the ranks that skipped (``skip_storm``'s ratio), the separate aligned series
+    # of the scalers without the packed one (exporters that predate it), the families of the
+    # gone ranks, and the ranks the failing exporters held (the hour's range reads), each
+    # narrowed to those ranks.
     sel = _selector(run)
     follow = {}
+    stopped = not_running(results["state"])
+    if stopped:
+        follow["other_state"] = other_state_query(_narrowed(sel, stopped))
+    skipping = {(s["metric"]["run"], int(s["metric"]["rank"])) for s in results["skipped"]}
+    if skipping:
+        follow["steps"] = steps_query(_narrowed(sel, skipping), t.skip_storm_window_s)
+    unpacked = without_packed(results["now"])
+    if unpacked:
+        follow["aligned_separate"] = separate_aligned_query(_narrowed(sel, unpacked))
     gone = {(s["metric"]["run"], int(s["metric"]["rank"])) for s in results["gone"]}
     if gone:
         follow["seen"] = seen_query(narrowed(sel, gone))
@@ -382,11 +429,14 @@ def fetch(client: PrometheusClient, run: str | None, t: Thresholds | None = None
             where = f"{client.url}/api/v1/query ({name!r} query)"
             shapes.check_series(results[name], where)
             shapes.check_finite(results[name], where)
-    views = build_views(results["now"] + results["state"] + results["aligned_separate"], now)
+    aligned_separate = results.get("aligned_separate", [])
+    states = results["state"] + results.get("other_state", [])
+    views = build_views(results["now"] + states + aligned_separate, now)
     views.update(gone_ranks(results.get("seen", []), views, now))
     down = exporters_down(results["up"], results.get("down_seen", []))
-    unwindowed = ("now", *INSTANT, "gone", "up", *prometheus_fp8.FP8_QUERIES)
-    windows = {name: per_rank(results[name], views) for name in asked if name not in unwindowed}
+    unwindowed = ("now", *INSTANT, "gone", "up", "seen", "down_seen", *prometheus_fp8.FP8_QUERIES)
+    windowed = [name for name in (*asked, *follow) if name not in unwindowed]
+    windows = {name: per_rank(results[name], views) for name in windowed}
     fp8 = {name: results[name] for name in prometheus_fp8.FP8_QUERIES}
     judged = {"source": source, **{f.name: getattr(t, f.name) for f in fields(t)}}
     by_run: dict[str, list[dict[str, Any]]] = {}

@@ -17,7 +17,7 @@ from dataclasses import fields
 from typing import Any
 
 from ampscope.verdicts import aligned
-from ampscope.verdicts.ranks import FINAL_STATES
+from ampscope.verdicts.ranks import FINAL_STATES, is_scaler
 from ampscope.verdicts.thresholds import Thresholds
 
 LOOKBACK_S = 3600
@@ -43,8 +43,9 @@ GAUGES = (
 )
 """Families read as instant vectors, in one query by name. A rank's state and, from exporters
 that predate ``ampscope_loss_scale_aligned_packed``, its aligned pair come from their own
-queries (``state_query``, ``separate_aligned_query``): one series of five for the state,
-none of two for the pair where the packed sample is there."""
+queries (``state_query``, ``separate_aligned_query``): one series of five for the state
+(``running``'s; the others' of the ranks that are not), none of two for the pair where the
+packed sample is there (``without_packed``)."""
 
 SEPARATE_ALIGNED = ("ampscope_loss_scale_aligned", "ampscope_loss_scale_aligned_step")
 """The aligned scale and its step as two series: read only where the packed one is absent."""
@@ -63,25 +64,44 @@ SEEN = (
 def seen_query(selector: str) -> str:
     """The last value within ``LOOKBACK_S`` of every ``SEEN`` series (and of the final states,
     ``finished`` and ``failed``), named as its family. ``last_over_time`` drops the name, so
-    ``label_replace`` puts it back, and ``or on (__name__)`` keeps the families apart."""
+    ``label_replace`` puts it back, and in a ``family`` label too, which keeps the families
+    apart where ``or`` joins them: VictoriaMetrics' ``or`` matches series without their names
+    (and ``or on (__name__)`` on no label at all), so it would keep only a rank's first
+    family."""
     joined = f",{selector}" if selector else ""
     selectors = [f"{name}{{{selector}}}" for name in SEEN]
     final = "|".join(FINAL_STATES)
     selectors.append(f'ampscope_rank_state{{state=~"{final}"{joined}}}')
     names = [*SEEN, "ampscope_rank_state"]
-    return " or on (__name__) ".join(
-        f'label_replace(last_over_time({sel}[{LOOKBACK_S}s]), "__name__", "{name}", "", "")'
+    return " or ".join(
+        f'label_replace(label_replace(last_over_time({sel}[{LOOKBACK_S}s]), "__name__", '
+        f'"{name}", "", ""), "family", "{name}", "", "")'
         for sel, name in zip(selectors, names, strict=True)
     )
 
 
 def state_query(selector: str) -> str:
-    """Each rank's current state: the one ``ampscope_rank_state`` series at 1 (of five), named
-    as its family (a comparison's answer may drop the name)."""
+    """Whether each rank is ``running``: its one ``ampscope_rank_state{state="running"}``
+    series (1 or 0), read alone rather than all five. The exporter exports every state, 1 for
+    the current one (Prometheus' enum convention), so a rank at 1 here is at 0 in the others,
+    and only the ranks at 0 need ``other_state_query``."""
+    joined = f",{selector}" if selector else ""
+    return f'ampscope_rank_state{{state="running"{joined}}}'
+
+
+def other_state_query(selector: str) -> str:
+    """The current state of the ranks of ``selector`` that are not running: the one series at
+    1 of the four others, named as its family (a comparison's answer may drop the name)."""
+    joined = f",{selector}" if selector else ""
     return (
-        f'label_replace(ampscope_rank_state{{{selector}}} == 1, "__name__", '
+        f'label_replace(ampscope_rank_state{{state!="running"{joined}}} == 1, "__name__", '
         '"ampscope_rank_state", "", "")'
     )
+
+
+def not_running(samples: Iterable[dict[str, Any]]) -> set[tuple[str, int]]:
+    """(run, rank) of the ranks whose ``state_query`` sample is not 1."""
+    return {_key(s["metric"]) for s in samples if float(s["value"][1]) != 1.0}
 
 
 def separate_aligned_query(selector: str) -> str:
@@ -93,6 +113,24 @@ def separate_aligned_query(selector: str) -> str:
         f'{{__name__=~"{names}"{joined}}} unless on (run, node, rank, local_rank) '
         f"ampscope_loss_scale_aligned_packed{{{selector}}}"
     )
+
+
+def without_packed(samples: Iterable[dict[str, Any]]) -> set[tuple[str, int]]:
+    """(run, rank) of the scalers among the ranks whose info series ``samples`` (the ``now``
+    answer) holds and that have no ``ampscope_loss_scale_aligned_packed`` sample with it:
+    the only ranks ``separate_aligned_query`` can answer for (a watch has no aligned scale;
+    an exporter that predates the packed sample, or a scaler before its first aligned step,
+    has none)."""
+    info, packed = set(), set()
+    for sample in samples:
+        labels = sample["metric"]
+        name = labels.get("__name__")
+        where = (labels["run"], labels["node"], labels["rank"], labels.get("local_rank"))
+        if name == "ampscope_rank_info" and is_scaler(labels.get("mode", "scaler")):
+            info.add(where)
+        elif name == "ampscope_loss_scale_aligned_packed":
+            packed.add(where)
+    return {(run, int(rank)) for run, _, rank, _ in info - packed}
 
 
 def counted_within(counter: str, window_s: float) -> str:

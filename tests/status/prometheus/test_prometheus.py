@@ -223,7 +223,7 @@ def test_spike_verdicts_count_what_prometheus_holds() -> None:
 
     t = Thresholds()
     assert prometheus.queries(RUN, t)["spikes"] == (
-        f'increase(ampscope_spikes_total{{run="{RUN}"}}[600s])'
+        f'increase(ampscope_spikes_total{{run="{RUN}"}}[600s]) > 0'
     )
     now = 1_700_000_000.0
     samples = []
@@ -276,7 +276,7 @@ def test_replica_divergence_counts_the_ranks_whose_group_diverged() -> None:
 
     t = Thresholds()
     assert prometheus.queries(RUN, t)["replica_checks"] == (
-        f'ampscope_replica_checks_total{{run="{RUN}"}}'
+        f'ampscope_replica_checks_total{{result="diverged",run="{RUN}"}} > 0'
     )
     now = 1_700_000_000.0
     samples = []

@@ -12,6 +12,7 @@ and times the command (bench/README.md, "Whole job at scale").
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -118,3 +119,37 @@ def test_the_table_names_each_fault_its_node_and_the_missing_rank(
     assert f"on node(s) {job.node_of(faults.desync)}" in out
     assert f"rank {faults.hotspot} device {job.hotspot_device} holds" in out
     assert f"rank {faults.lost} last heard" in out
+
+
+def test_the_first_round_answers_with_the_ranks_that_stand_out(
+    loaded: tuple[str, SimulatedJob],
+) -> None:
+    """At the newest scrape, the windowed counts name only the ranks that counted (the bad
+    batch's rank spiked; no rank reran or diverged), the state is one series a rank, the
+    second round reads the other states of the one rank not running (the lost one), and none
+    is needed for the separate aligned pair (every scaler exports the packed sample)."""
+    from ampscope.status import prometheus
+    from ampscope.status.prometheus.ranks import not_running, without_packed
+    from ampscope.verdicts.thresholds import Thresholds
+
+    url, job = loaded
+    host, port = url.removeprefix("http://").split(":")
+    client = VictoriaClient(host, int(port))
+    try:
+        newest = client.query("max(tlast_over_time(ampscope_last_step[1h]))", time.time())
+        at = float(newest[1][0]["value"][1])
+        asked = prometheus.queries(RUN, Thresholds())
+        answers = {name: client.query(promql, at)[1] for name, promql in asked.items()}
+    finally:
+        client.close()
+    spike = job.faults.spike
+    assert {(s["metric"]["rank"], s["metric"]["kind"]) for s in answers["spikes"]} == {
+        (str(spike), "loss"),
+        (str(spike), "origin_outlier"),
+    }
+    assert answers["reruns"] == answers["replica_checks"] == []
+    # One series a rank that reported (the missing one never did); the second round reads the
+    # other states of the lost rank alone.
+    assert len(answers["state"]) == job.world_size - 1
+    assert not_running(answers["state"]) == {(RUN, job.faults.lost)}
+    assert without_packed(answers["now"]) == set()

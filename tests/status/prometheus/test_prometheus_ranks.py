@@ -12,9 +12,13 @@ from ampscope.status.prometheus.ranks import (
     gone_query,
     gone_ranks,
     narrowed,
+    not_running,
+    other_state_query,
     seen_query,
+    state_query,
     thresholds_of,
     up_query,
+    without_packed,
 )
 from ampscope.verdicts.thresholds import Thresholds
 
@@ -112,8 +116,9 @@ def test_thresholds_are_the_ones_most_exporters_publish() -> None:
 def test_the_lookback_queries_restore_each_familys_name() -> None:
     query = seen_query('run="r"')
     assert query.startswith(
-        'label_replace(last_over_time(ampscope_rank_info{run="r"}[3600s]), "__name__", '
-        '"ampscope_rank_info", "", "") or on (__name__) '
+        'label_replace(label_replace(last_over_time(ampscope_rank_info{run="r"}[3600s]), '
+        '"__name__", "ampscope_rank_info", "", ""), "family", "ampscope_rank_info", "", "") '
+        "or "
     )
     assert 'ampscope_rank_state{state=~"finished|failed",run="r"}[3600s]' in query
     assert '"ampscope_rank_failure_info", "", "")' in query
@@ -136,3 +141,45 @@ def test_the_hours_range_reads_are_narrowed_to_the_gone_ranks_and_failing_export
         'label_replace(last_over_time(ampscope_rank_info{run="r",instance=~"n0:9478|n1:9478"}'
         '[3600s]), "__name__", "ampscope_rank_info", "", "")'
     )
+
+
+def test_only_the_ranks_not_running_have_their_other_states_read() -> None:
+    """The first round reads one state series a rank (``running``'s); the ranks at 0 there
+    are the only ones whose four other states the second round reads."""
+    assert state_query('run="r"') == 'ampscope_rank_state{state="running",run="r"}'
+    assert 'ampscope_rank_state{state!="running",run="r"} == 1' in other_state_query('run="r"')
+    running = [
+        _sample("ampscope_rank_state", 0, 1.0, state="running"),
+        _sample("ampscope_rank_state", 1, 0.0, state="running"),
+        _sample("ampscope_rank_state", 2, 1.0, state="running"),
+        _sample("ampscope_rank_state", 3, 0.0, state="running"),
+    ]
+    assert not_running(running) == {("r", 1), ("r", 3)}
+    # Rank 1 failed, rank 3 finished: the second round's answer completes the states.
+    others = [
+        _sample("ampscope_rank_state", 1, 1.0, state="failed"),
+        _sample("ampscope_rank_state", 3, 1.0, state="finished"),
+    ]
+    info = [_sample("ampscope_rank_info", r, 1.0, mode="scaler", world_size="4") for r in range(4)]
+    views = build_views(info + running + others, NOW)
+    assert [views[("r", r)]["state"] for r in range(4)] == [
+        "running",
+        "failed",
+        "running",
+        "finished",
+    ]
+
+
+def test_the_separate_aligned_pair_is_read_only_for_scalers_without_the_packed_sample() -> None:
+    """A watch has no aligned scale; a scaler with the packed sample needs no separate pair:
+    only a scaler without it (an exporter that predates it, or no aligned step yet) is
+    named, by (run, rank)."""
+    samples = [
+        _sample("ampscope_rank_info", 0, 1.0, mode="scaler", world_size="4"),
+        _sample("ampscope_loss_scale_aligned_packed", 0, 10.5),
+        _sample("ampscope_rank_info", 1, 1.0, mode="scaler", world_size="4"),
+        _sample("ampscope_rank_info", 2, 1.0, mode="watch", world_size="4"),
+        _sample("ampscope_rank_info", 3, 1.0, world_size="4"),  # predates the mode: a scaler
+    ]
+    assert without_packed(samples) == {("r", 1), ("r", 3)}
+    assert without_packed(samples[:2]) == set()

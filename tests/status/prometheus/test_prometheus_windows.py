@@ -4,8 +4,10 @@ and the alerts do, and reads a rank's aligned step and scale from one sample."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
+import pytest
 from support import promtool_test_rules
 
 from ampscope.status import prometheus
@@ -142,3 +144,141 @@ def test_the_collapse_reference_is_the_clean_scale_on_promtool(tmp_path: Path) -
         ],
     }
     promtool_test_rules(tmp_path / "collapse-status-test.yml", tests)
+
+
+def test_the_windowed_counts_answer_with_the_ranks_that_counted_on_promtool(
+    tmp_path: Path,
+) -> None:
+    """On Prometheus' own engine, the windowed queries of a job where one rank of four skipped
+    steps, spiked and diverged answer with that rank only (a healthy rank's zero is what the
+    rules read where a rank has no series): spikes and skips above zero, the diverged
+    replica checks and not the agreeing ones. The steps are no first-round query: the
+    second round asks them of the ranks that skipped."""
+    t = Thresholds()
+    asked = prometheus.queries(RUN, t)
+    assert "steps" not in asked
+    assert (t.skip_storm_window_s, t.spike_verdict_window_s) == (300, 600)
+    series = []
+    for rank in range(4):
+        hot = rank == 2
+        series += [
+            {"series": f"ampscope_steps_total{{{_labels(rank)}}}", "values": "0+1x60"},
+            {
+                "series": f"ampscope_skipped_steps_total{{{_labels(rank)}}}",
+                "values": "0x40 0+1x20" if hot else "0x60",
+            },
+            {
+                "series": f"ampscope_spikes_total{{{_labels(rank, kind='loss')}}}",
+                "values": "0x40 1x20" if hot else "0x60",
+            },
+            {
+                "series": f"ampscope_replica_checks_total{{{_labels(rank, result='agree')}}}",
+                "values": "1+1x60",
+            },
+        ]
+    series.append(
+        {
+            "series": f"ampscope_replica_checks_total{{{_labels(2, result='diverged')}}}",
+            "values": "_x40 1x20",
+        }
+    )
+    hot = _labels(2)
+
+    def at(name: str, when: str, samples: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"expr": f"round({asked[name]})", "eval_time": when, "exp_samples": samples}
+
+    tests = {
+        "rule_files": [],
+        "evaluation_interval": "15s",
+        "tests": [
+            {
+                "interval": "15s",
+                "input_series": series,
+                "promql_expr_test": [
+                    # Before anything happened: nothing to answer.
+                    *(
+                        {"expr": asked[name], "eval_time": "9m", "exp_samples": []}
+                        for name in ("skipped", "spikes", "skipped_nonfinite")
+                    ),
+                    {"expr": asked["replica_checks"], "eval_time": "9m", "exp_samples": []},
+                    # Rank 2 skipped 19 of the 300 s window's 20 steps, every one since 10m.
+                    at("skipped", "15m", [{"labels": f"{{{hot}}}", "value": 19}]),
+                    at("skipped_nonfinite", "15m", [{"labels": f"{{{hot}}}", "value": 19}]),
+                    at(
+                        "spikes",
+                        "15m",
+                        [{"labels": f"{{{_labels(2, kind='loss')}}}", "value": 1}],
+                    ),
+                    at(
+                        "replica_checks",
+                        "15m",
+                        [{"labels": f"{{{_labels(2, result='diverged')}}}", "value": 1}],
+                    ),
+                ],
+            }
+        ],
+    }
+    promtool_test_rules(tmp_path / "standouts-status-test.yml", tests)
+
+
+class _Answers:
+    """A ``PrometheusClient`` that answers each query by its name in ``queries`` (the first
+    round's) or by a second-round builder's PromQL, and records what it was asked."""
+
+    url = "http://prometheus.test"
+
+    def __init__(self, first: dict[str, list[dict[str, Any]]], t: Thresholds) -> None:
+        self.by_promql = {q: first.get(name, []) for name, q in prometheus.queries(RUN, t).items()}
+        self.asked: list[str] = []
+
+    def query(self, promql: str, at: float) -> list[dict[str, Any]]:
+        self.asked.append(promql)
+        return self.by_promql.get(promql, [])
+
+
+def _metric(name: str, rank: int, **more: str) -> dict[str, str]:
+    labels = {"run": RUN, "node": "n0", "rank": str(rank), "local_rank": str(rank)}
+    return {"__name__": name, **labels, **more}
+
+
+def test_the_second_round_asks_only_what_the_first_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four scalers with the packed aligned sample, all running, rank 3 skipping: the second
+    round asks the steps of rank 3 alone, and neither the other states nor the separate
+    aligned pair; the skip storm is judged from them. Without a skip, no second round."""
+    from ampscope.status.prometheus import health
+    from ampscope.status.prometheus.ranks import narrowed
+
+    t = Thresholds()
+    now = []
+    for rank in range(4):
+        now += [
+            {"metric": _metric("ampscope_rank_info", rank, mode="scaler", world_size="4"),
+             "value": [NOW, "1"]},
+            {"metric": _metric("ampscope_last_report_timestamp_seconds", rank),
+             "value": [NOW, str(NOW)]},
+            {"metric": _metric("ampscope_loss_scale_aligned_packed", rank),
+             "value": [NOW, str(pack(100, 65536.0))]},
+            {"metric": _metric("ampscope_steps_total", rank), "value": [NOW, "100"]},
+            {"metric": _metric("ampscope_skipped_steps_total", rank),
+             "value": [NOW, "12" if rank == 3 else "0"]},
+        ]  # fmt: skip
+    state = [
+        {"metric": _metric("ampscope_rank_state", r, state="running"), "value": [NOW, "1"]}
+        for r in range(4)
+    ]
+    skipped = [{"metric": _metric("", 3), "value": [NOW, "12"]}]
+    client = _Answers({"now": now, "state": state, "skipped": skipped}, t)
+    steps = health.steps_query(narrowed(f'run="{RUN}"', {(RUN, 3)}), t.skip_storm_window_s)
+    client.by_promql[steps] = [{"metric": _metric("", 3), "value": [NOW, "20"]}]
+    first = len(client.by_promql) - 1
+    monkeypatch.setattr(health, "time", SimpleNamespace(time=lambda: NOW))
+    answer = health.fetch(client, RUN, t)  # type: ignore[arg-type]
+    assert client.asked[first:] == [steps]
+    storm = {v["rule"]: v for v in answer["health"]["verdicts"]}["skip_storm"]
+    assert storm["status"] == "warning"
+    assert [(r["rank"], r["steps"], r["skipped"]) for r in storm["evidence"]["ranks"]] == [
+        (3, 20, 12)
+    ]
+    calm = _Answers({"now": now, "state": state}, t)
+    health.fetch(calm, RUN, t)  # type: ignore[arg-type]
+    assert len(calm.asked) == first

@@ -1,0 +1,34 @@
+"""``python -m bench.status_queries`` at 4 nodes: a smoke test of the harness, not a timed
+assertion. Both figures of each round come out (the first round's queries, and the whole
+answer with the command's and the store's CPU seconds), for each tree given."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from support import need_tool
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_each_round_times_the_first_round_and_the_whole_answer(tmp_path: Path) -> None:
+    need_tool("victoria-metrics")
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "bench.status_queries", "--nodes", "4", "--rounds", "1"),
+            *("--tree", str(REPO), "--data", str(tmp_path / "vm")),
+        ],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    out = done.stdout
+    assert re.search(rf"round 0 {re.escape(str(REPO))}: [\d.]+ s, [\d,]+ series", out), out
+    answer = rf"round 0 {re.escape(str(REPO))} answer: [\d.]+ s, command CPU [\d.]+ s, store CPU"
+    assert re.search(answer, out), out
+    assert f"{REPO}: answer median" in out
