@@ -95,7 +95,7 @@ class NormBatches:
     tensor alone is).
     """
 
-    __slots__ = ("gathers", "names", "rest", "sizes")
+    __slots__ = ("gathers", "names", "order", "rest", "sizes")
 
     def __init__(self, plan_names: tuple[str, ...], params: tuple[torch.Tensor, ...]) -> None:
         by_shape: dict[tuple[Any, ...], list[int]] = {}
@@ -110,8 +110,9 @@ class NormBatches:
         self.sizes = tuple(len(ix) for ix in stacked)
         self.rest = operator.itemgetter(*rest) if rest else None
         """The gradients normed one by one (large, or alone of their shape)."""
-        order = [i for ix in stacked for i in ix] + rest
-        self.names = tuple(plan_names[i] for i in order)
+        self.order = tuple(i for ix in stacked for i in ix) + tuple(rest)
+        """The gradients' indices in the order of the vector of norms."""
+        self.names = tuple(plan_names[i] for i in self.order)
         """The parameters' names in the order of the vector of norms."""
 
     def norms(self, grads: list[torch.Tensor], low_precision: bool) -> torch.Tensor:
@@ -119,10 +120,16 @@ class NormBatches:
         order of :attr:`names`. One stack and one norm per shape, one multi-tensor norm
         for the rest, one concatenation."""
         dtype = torch.float32 if low_precision else None
-        parts = [
-            torch.linalg.vector_norm(torch.stack(gather(grads)).flatten(1), dim=1, dtype=dtype)
-            for gather in self.gathers
-        ]
+        try:
+            parts = [
+                torch.linalg.vector_norm(torch.stack(gather(grads)).flatten(1), dim=1, dtype=dtype)
+                for gather in self.gathers
+            ]
+        except RuntimeError:
+            # A gradient no longer has its parameter's shape at planning (a parameter's
+            # data replaced): one by one, as the accelerators' path.
+            ordered = [grads[i] for i in self.order]
+            return torch.stack(compat.foreach_norm(ordered, low_precision))
         if self.rest is not None:
             picked = self.rest(grads)
             rest = [picked] if isinstance(picked, torch.Tensor) else list(picked)

@@ -420,3 +420,21 @@ def test_a_spike_names_the_top_parameters_among_stacked_gradients(front_end: str
     assert [p.name for p in top] == [name for name, _ in ranked]
     assert [p.norm for p in top] == pytest.approx([norm for _, norm in ranked], rel=1e-5)
     front.close()
+
+
+def test_norm_batches_still_norm_a_gradient_whose_shape_changed() -> None:
+    """A parameter's data replaced by one of another shape after the plan was made (an
+    embedding resized in place): the batch no longer stacks, and the norms come one by one,
+    in the same order, with the same values."""
+    model = _repeated_shapes()
+    params = tuple(model.parameters())
+    names = tuple(name for name, _ in model.named_parameters())
+    batches = NormBatches(names, params)
+    with torch.no_grad():
+        params[0].data = torch.randn(16, 8)  # "0.weight", stacked with its peers at planning
+    model[0].in_features = 8
+    model(torch.randn(4, 8)).square().mean().backward()
+    grads = [p.grad for p in params]
+    vector = batches.norms(grads, False)  # type: ignore[arg-type]
+    by_name = dict(zip(names, torch._foreach_norm(grads), strict=True))  # type: ignore[arg-type]
+    assert torch.equal(vector, torch.stack([by_name[name] for name in batches.names]))
