@@ -178,25 +178,57 @@ def _clip_through(accelerator: Accelerator, front: TelemetryFrontEnd) -> None:
 
     original = accelerator.clip_grad_norm_
     own_clip = (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.XLA)
+    owners: dict[tuple[int, ...], list[Any]] = {}
+    """Per optimizers and clipped parameter list (by ids): the optimizers that hold some
+    of the parameters."""
 
     @functools.wraps(original)
     def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
         params = list(parameters)
-        if accelerator.distributed_type in own_clip or any(
-            p.grad is not None and compat.is_dtensor(p.grad) for p in params
+        if (
+            # A micro-batch of an accumulation (bf16/fp32 loops may clip on every one):
+            # the gradients are not whole yet, and no update() follows to end a check.
+            not accelerator.sync_gradients
+            or accelerator.distributed_type in own_clip
+            or any(p.grad is not None and compat.is_dtensor(p.grad) for p in params)
         ):
             return original(params, max_norm, norm_type)
         accelerator.unscale_gradients()  # fp16: the scaler's unscale_, as Accelerate's
         if isinstance(front, GradWatch):
             # No scaler, nothing to unscale: the watch checks before the clip instead of
-            # at step(), so that the clip's pass gives the norms.
-            for optimizer in accelerator._optimizers:
-                inner = getattr(optimizer, "optimizer", optimizer)
+            # at step(), so that the clip's pass gives the norms; only the optimizers of
+            # the clipped parameters (another's backward may not have run yet).
+            for inner in _owners(owners, params, accelerator._optimizers):
                 if not front.checked(inner):
                     front.unscale_(inner)
         return front.clip_grad_norm_(params, max_norm, norm_type)
 
     accelerator.clip_grad_norm_ = clip_grad_norm_
+
+
+_OWNER_KEYS = 8
+"""Distinct clipped parameter lists remembered (a loop clips one, or one per optimizer)."""
+
+
+def _owners(
+    cache: dict[tuple[int, ...], list[Any]], params: list[Any], optimizers: list[Any]
+) -> list[Any]:
+    """The (unwrapped) optimizers among ``optimizers`` that hold some of ``params``; walked
+    once per parameter list."""
+    key = (*map(id, optimizers), -1, *map(id, params))
+    found = cache.get(key)
+    if found is None:
+        ids = set(map(id, params))
+        inners = [getattr(o, "optimizer", o) for o in optimizers]
+        found = [
+            inner
+            for inner in inners
+            if any(id(p) in ids for group in inner.param_groups for p in group["params"])
+        ]
+        if len(cache) >= _OWNER_KEYS:
+            cache.clear()
+        cache[key] = found
+    return found
 
 
 def _on_deepspeed(accelerator: Accelerator) -> bool:

@@ -274,3 +274,60 @@ def test_accelerate_clip_gives_the_records_norms_without_a_pass_of_its_own(
     assert max(stock["totals"]) > 0.5, "the clip clipped"
     assert [r.stats.grad_norm for r in ours["records"]] == pytest.approx(ours["totals"], rel=1e-6)
     assert len(ours["passes"]) <= 1, "only the first iteration, before the loop clipped once"
+
+
+def test_accelerate_clip_on_every_micro_batch_still_skips_a_nan_one() -> None:
+    """bf16 loops may clip on every micro-batch of an accumulation (stock Accelerate
+    allows it there): the clip of a micro-batch that does not sync is Accelerate's own, so
+    the watch checks the whole gradient at the sync step and skips the NaN it holds."""
+    from accelerate import Accelerator
+
+    from ampscope.integrations.accelerate import instrument
+
+    reset_accelerate()
+    torch.manual_seed(0)
+    accelerator = Accelerator(mixed_precision="bf16", cpu=True, gradient_accumulation_steps=2)
+    watch = instrument(accelerator, policy="skip", reporter=None)
+    assert watch is not None
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    for x in (torch.randn(3, 4), torch.full((3, 4), float("nan"))):  # the second syncs
+        with accelerator.accumulate(model):
+            accelerator.backward(model(x).square().mean())
+            accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+    assert optimizer.step_was_skipped
+    assert all(bool(p.isfinite().all()) for p in model.parameters())
+    (record,) = watch.telemetry.history()
+    assert record.skipped
+    assert any(record.found_inf_local.values())
+    watch.close()
+
+
+def test_accelerate_clip_checks_only_the_clipped_parameters_optimizer() -> None:
+    """Two models, two optimizers, each clipped after its own backward: the first clip
+    must not check the second optimizer, whose gradients (NaN here) are not there yet."""
+    from accelerate import Accelerator
+
+    from ampscope.integrations.accelerate import instrument
+
+    reset_accelerate()
+    torch.manual_seed(0)
+    accelerator = Accelerator(mixed_precision="bf16", cpu=True)
+    watch = instrument(accelerator, policy="skip", reporter=None)
+    assert watch is not None
+    a, b = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
+    opt_a = torch.optim.SGD(a.parameters(), lr=0.1)
+    opt_b = torch.optim.SGD(b.parameters(), lr=0.1)
+    a, b, opt_a, opt_b = accelerator.prepare(a, b, opt_a, opt_b)
+    accelerator.backward(a(torch.randn(3, 4)).square().mean())
+    accelerator.clip_grad_norm_(a.parameters(), 1.0)
+    accelerator.backward(b(torch.full((3, 4), float("nan"))).square().mean())
+    accelerator.clip_grad_norm_(b.parameters(), 1.0)
+    opt_b.step()
+    opt_a.step()
+    assert opt_b.step_was_skipped
+    assert all(bool(p.isfinite().all()) for p in b.parameters())
+    watch.close()

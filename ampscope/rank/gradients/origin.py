@@ -20,6 +20,7 @@ buckets; no host-device sync, and one small buffer per device.
 ``bench/scaler_distributed.py`` measures it on DDP.
 """
 
+import math
 import threading
 import warnings
 
@@ -75,6 +76,7 @@ class OriginFlags:
         Args:
             tensor: A dense gradient bucket or flat gradient, any floating dtype.
         """
+        claimed: tuple[torch.Tensor, ...] = ()
         try:
             if tensor.numel() == 0 or tensor.layout != torch.strided:
                 return
@@ -82,6 +84,9 @@ class OriginFlags:
                 tensor = torch.view_as_real(tensor)
             elif not tensor.is_floating_point():
                 return
+            if tensor.dtype not in _CHECKED:
+                # isfinite has no float8 kernels: take() could not read its slot.
+                raise TypeError(f"cannot check a {tensor.dtype} bucket")
             device = tensor.device
             key = str(device)
             with self._lock:
@@ -89,20 +94,30 @@ class OriginFlags:
                 if extrema is None:
                     extrema = self._extrema[(key, tensor.dtype)] = _Slots(device, tensor.dtype, 2)
                     self._devices.setdefault(key, device)
-                low, high = extrema.claim()
+                low, high = claimed = extrema.claim()
                 if self._norms:
                     sums = self._sums.get(key)
                     if sums is None:
                         sums = self._sums[key] = _Slots(device, torch.float32, 1)
                     (norm,) = sums.claim()
+                    claimed = (low, high, norm)
             with torch.no_grad():
                 torch.aminmax(tensor, out=(low, high))
                 if self._norms:
-                    torch.linalg.vector_norm(tensor, dtype=torch.float32, out=norm)
+                    if tensor.dtype == torch.float64:  # no float32 norm of float64 values
+                        norm.copy_(torch.linalg.vector_norm(tensor))
+                    else:
+                        torch.linalg.vector_norm(tensor, dtype=torch.float32, out=norm)
                     if factor != 1.0:
                         norm.mul_(factor)
         except Exception as exc:  # telemetry must never break a backward pass
             with self._lock:
+                # A claimed slot would count stale or empty memory: the check adds no flag
+                # (as a failed check never did), the norm is unknown (NaN: no origin norm).
+                for slot in claimed[:2]:
+                    slot.zero_()
+                for slot in claimed[2:]:
+                    slot.fill_(math.nan)
                 self.errors += 1
                 first = self.errors == 1
             if first:
@@ -173,6 +188,9 @@ class OriginFlags:
                 squares[key] = torch.dot(norms, norms)
         return squares
 
+
+_CHECKED = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+"""The bucket dtypes :meth:`OriginFlags.mark` checks (complex ones as their real parts)."""
 
 _CHUNK = 64
 """Slots per buffer: more buckets than this in one iteration add a buffer."""

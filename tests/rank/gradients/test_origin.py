@@ -518,3 +518,36 @@ def test_a_bucket_costs_two_ops_and_a_take_the_same_whatever_the_buckets(buckets
     take_ops = _ops(lambda: (flags.take(), flags.take_squares()))
     # Past one buffer (64 buckets), one concatenation each for the extrema and the norms.
     assert take_ops == 9 + (2 if buckets > 64 else 0)
+
+
+def test_a_mark_that_fails_after_claiming_its_slot_leaves_no_stale_value(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """A check that fails once its slot is claimed: no flag from the slot's old contents
+    (the previous iteration's NaN bucket), and the norm is unknown rather than stale."""
+    flags = OriginFlags(norms=True)
+    flags.mark(torch.tensor([NAN, 50.0]))
+    assert _values(flags.take()) == {"cpu": 1.0}
+    flags.take_squares()
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("no kernel")
+
+    monkeypatch.setattr(torch, "aminmax", broken)
+    with pytest.warns(RuntimeWarning, match="no kernel"):
+        flags.mark(torch.ones(4))
+    assert flags.errors == 1
+    assert _values(flags.take()) == {"cpu": 0.0}
+    (square,) = flags.take_squares().values()
+    assert math.isnan(square.item())
+
+
+def test_float64_buckets_are_normed_and_float8_ones_counted_as_errors():
+    flags = OriginFlags(norms=True)
+    flags.mark(torch.full((4,), 3.0, dtype=torch.float64))
+    assert _values(flags.take()) == {"cpu": 0.0}
+    assert flags.take_squares()["cpu"].item() == pytest.approx(36.0)
+    with pytest.warns(RuntimeWarning, match="float8"):
+        flags.mark(torch.ones(4).to(torch.float8_e4m3fn))
+    assert flags.errors == 1
+    assert _values(flags.take()) == {"cpu": 0.0}  # take() still reads every slot

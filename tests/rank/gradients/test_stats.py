@@ -369,7 +369,27 @@ def test_norm_batches_equal_the_per_tensor_norms_in_their_names_order(
     assert len(batches.gathers) >= 2, "the repeated shapes are stacked"
     assert batches.rest is not None, "the large and unique gradients are normed alone"
     assert vector.dtype == (torch.float32 if low else dtype)
-    assert torch.equal(vector, torch.stack([by_name[name] for name in batches.names]))
+    expected = torch.stack([by_name[name] for name in batches.names])
+    # A row may be added in another order than the tensor alone: an ulp at most.
+    torch.testing.assert_close(vector, expected, rtol=2.5e-7, atol=0.0)
+
+
+def test_norm_batches_norm_scalar_parameters() -> None:
+    """0-dim parameters (learned scales, a logit scale) stack to a vector: each is its own
+    row, its norm its absolute value."""
+    scales = [torch.nn.Parameter(torch.tensor(v)) for v in (2.0, -3.0, 0.5)]
+    weight = torch.nn.Parameter(torch.randn(4, 4))
+    loss = (weight.sum() * scales[0] + scales[1] ** 2 + scales[2] * 3).square()
+    loss.backward()
+    params = (weight, *scales)
+    batches = NormBatches(("w", "s0", "s1", "s2"), params)
+    vector = batches.norms([p.grad for p in params], False)  # type: ignore[misc]
+    by_name = {
+        name: param.grad.norm().item()  # type: ignore[union-attr]
+        for name, param in zip(("w", "s0", "s1", "s2"), params, strict=True)
+    }
+    assert vector.tolist() == pytest.approx([by_name[n] for n in batches.names], rel=1e-6)
+    assert batches.gathers, "the scalars are stacked together"
 
 
 def test_norm_batches_show_an_inf_in_a_stacked_gradient() -> None:
