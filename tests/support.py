@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
+import queue
 import shutil
 import signal
 import socket
@@ -213,12 +215,90 @@ def _worker(
 
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, rank=rank, world_size=world_size)
-        try:
-            results.put((rank, "ok", fn(rank, world_size, *args)))
-        finally:
-            dist.destroy_process_group()
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
+        return
+    try:
+        outcome = (rank, "ok", fn(rank, world_size, *args))
+    except BaseException:
+        outcome = (rank, "error", traceback.format_exc())
+    # Reported before the process group goes: a failing rank's own error is then on its way
+    # before its peers see the connection drop and report theirs.
+    results.put(outcome)
+    # The outcome is reported; a broken group's teardown adds nothing to it.
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()
+
+
+REPORT_GRACE_S = DEADLOCK_GUARD_S
+"""After one rank fails, how long :func:`run_distributed` still waits for the others'
+outcomes. A rank blocked in a collective whose peer is gone may never report: it is then
+named with "did not report", and the grace bounds the wait."""
+
+_POLL_S = 0.5
+"""How often the wait for results looks for a rank that exited without reporting."""
+
+
+def _exit_status(process: Any) -> str:
+    """A rank's process as ``Process.exitcode`` tells it, in words."""
+    code = process.exitcode
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _collect(
+    results: Any, procs: list[Any], timeout: float, grace: float
+) -> tuple[dict[int, Any], dict[int, str], list[int]]:
+    """Read every rank's outcome from ``results``: ``(values, errors, failure order)``.
+
+    Waits up to ``timeout`` seconds for each next outcome, as long as no rank has failed;
+    from the first failure (a reported error, or a rank that exited without reporting) on,
+    the others get ``grace`` seconds in all. A rank with no outcome is absent from both
+    dictionaries."""
+    values: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    order: list[int] = []
+    pending = set(range(len(procs)))
+    next_deadline = time.monotonic() + timeout
+    grace_deadline: float | None = None
+    while pending:
+        deadline = next_deadline if grace_deadline is None else min(next_deadline, grace_deadline)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return values, errors, order
+        try:
+            rank, status, value = results.get(timeout=min(left, _POLL_S))
+        except queue.Empty:
+            exited = [r for r in sorted(pending) if procs[r].exitcode is not None]
+            if not exited:
+                continue
+            # A rank's queued outcome is in the pipe before its process ends, but may land
+            # just after the check above: read what is there before calling it silent.
+            try:
+                rank, status, value = results.get(timeout=_POLL_S)
+            except queue.Empty:
+                for r in exited:
+                    pending.discard(r)
+                    order.append(r)
+                if grace_deadline is None:
+                    grace_deadline = time.monotonic() + grace
+                continue
+        pending.discard(rank)
+        next_deadline = time.monotonic() + timeout
+        if status == "ok":
+            values[rank] = value
+            continue
+        errors[rank] = value
+        order.append(rank)
+        if grace_deadline is None:
+            grace_deadline = time.monotonic() + grace
+    return values, errors, order
 
 
 def run_distributed(
@@ -228,12 +308,18 @@ def run_distributed(
     env: dict[str, str] | None = None,
     timeout: float = 180.0,
     backend: str = "gloo",
+    grace: float = REPORT_GRACE_S,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` real processes on gloo (or
     ``backend``: ``"nccl"`` for one rank per GPU on a CUDA machine).
 
     ``fn`` must be a module-level function and its return value picklable. Returns the
-    results ordered by rank; any rank's exception fails the calling test with its traceback.
+    results ordered by rank. Any rank's failure fails the calling test with every rank's
+    outcome: each error's traceback, ``ok`` for a rank that finished, and for a rank that
+    did not report (within ``timeout`` seconds of the last outcome, or ``grace`` seconds
+    of the first failure) its process's exit code or signal, or that it was still running.
+    The first rank to fail is marked: the others' errors are often only its echo (a
+    collective whose peer is gone).
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -248,23 +334,33 @@ def run_distributed(
     ]
     for p in procs:
         p.start()
-    collected: dict[int, Any] = {}
-    errors: list[str] = []
+    values: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    order: list[int] = []
     try:
-        for _ in range(world_size):
-            rank, status, value = results.get(timeout=timeout)
-            if status == "ok":
-                collected[rank] = value
-            else:
-                errors.append(f"rank {rank} failed:\n{value}")
-                break
-    except Exception as exc:  # queue.Empty: a rank hung or died without reporting
-        errors.append(f"ranks did not finish within {timeout:.0f}s: {exc!r}")
+        values, errors, order = _collect(results, procs, timeout, grace)
     finally:
+        failed = len(values) < world_size
+        statuses = []
         for p in procs:
-            p.join(timeout=10 if not errors else 1)
+            p.join(timeout=10 if not failed else 1)
+            # Read before kill(): "still running" is what the test needs to know.
+            statuses.append(_exit_status(p))
             if p.is_alive():
                 p.kill()
-    if errors:
-        pytest.fail("\n".join(errors))
-    return [collected[r] for r in range(world_size)]
+                p.join()
+    if len(values) == world_size:
+        return [values[r] for r in range(world_size)]
+    lines = []
+    for rank in range(world_size):
+        first = " (the first to fail)" if order and order[0] == rank else ""
+        if rank in values:
+            lines.append(f"rank {rank}: ok")
+        elif rank in errors:
+            lines.append(f"rank {rank} failed{first}:\n{errors[rank].rstrip()}")
+        elif statuses[rank] == "still running":
+            waited = f"{grace:.0f}s after the first failure" if order else f"for {timeout:.0f}s"
+            lines.append(f"rank {rank} did not report: still running {waited}, killed")
+        else:
+            lines.append(f"rank {rank} did not report{first}: {statuses[rank]}")
+    pytest.fail("\n".join(lines), pytrace=False)

@@ -9,7 +9,10 @@ of the ampscope watch.
 
 from __future__ import annotations
 
+import math
 import os
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +26,8 @@ SEQUENCE = 16
 INSTANCES = 2
 """Instances per rank and step (one micro-batch)."""
 VOCAB = 64
+LATE_GUARD_S = 60.0
+"""Deadlock guard of :func:`check_metrics_late`'s wait: only a hang gets there."""
 
 
 def reset_world_mesh() -> None:
@@ -83,9 +88,12 @@ def olmo_run(
     skip_step_optimizer: bool = False,
     device: str = "cpu",
     inject_rank: int = INJECT_RANK,
+    late_bookkeeping_rank: int | None = None,
 ) -> dict[str, Any]:
     """One ``Trainer.fit()``; ``policy=None``: without ampscope. ``device``: ``"cuda"`` for
-    the GPU machine's one-rank NCCL run (tests/integrations/test_gpu_frameworks.py)."""
+    the GPU machine's one-rank NCCL run (tests/integrations/test_gpu_frameworks.py).
+    ``late_bookkeeping_rank``: that rank checks the reduced metrics a step late, as a
+    loaded machine can make it (:func:`check_metrics_late`)."""
     from olmo_core.config import DType
     from olmo_core.distributed.parallel import DataParallelType
     from olmo_core.nn.transformer import TransformerConfig
@@ -147,12 +155,22 @@ def olmo_run(
         max_duration=Duration.steps(STEPS),
         metrics_collect_interval=1,
         no_checkpoints=True,
+        # A poisoned run without ampscope ends in OLMo-core's own check of the reduced loss
+        # ("nan loss encountered"). On gloo that check runs in the bookkeeping thread and
+        # each rank's training thread sees its error at its own next look: a loaded rank
+        # can leave fit() a step after the other, and its next training step's collectives
+        # then meet the other's closing full_tensor() (a size mismatch that aborts one rank,
+        # "Connection reset by peer" on the other). Checked on the training thread, as with
+        # NCCL alone, the error ends every rank at the same step.
+        async_bookkeeping=False if inject and policy is None else None,
     ).with_callback("probe", Probe())
     if policy is not None:
         ampscope = AmpscopeCallback(policy=policy, run_id=f"{run_id}-{policy}")  # type: ignore[arg-type]
         config = config.with_callback("ampscope", ampscope)
     trainer = config.build(train_module, _loader(rank, world_size, root))
     built.append(trainer)
+    if rank == late_bookkeeping_rank:
+        check_metrics_late(trainer)
     # with_callback() deep-copies the callbacks added before: the trainer's are the ones.
     probe = trainer.callbacks["probe"]
     callback = trainer.callbacks.get("ampscope")
@@ -169,6 +187,7 @@ def olmo_run(
         "bits": [p.detach().float().view(torch.int32).flatten().tolist() for p in params],
         "finite": all(bool(p.isfinite().all()) for p in params),
         "metrics": getattr(probe, "metrics", {}),
+        "left_at_step": trainer.global_step,
         "optimizer_steps": sorted({int(s["step"]) for s in optimizer.state.values()}),
         "step_is_class_method": "step" not in vars(optimizer),
         "scheduler_restored": "set_lr" not in vars(train_module.scheduler),
@@ -201,11 +220,44 @@ def olmo_worker(rank: int, world_size: int, run_id: str, work_dir: str) -> dict[
     }
 
 
+def check_metrics_late(trainer: Any) -> None:
+    """Make ``trainer`` check a non-finite loss a step late where it checks in the
+    bookkeeping thread, as a loaded machine can: its reduced metrics are held until the
+    training thread has begun the step after the one it was in when they arrived, so that
+    it passes one more look for the bookkeeping error than a rank whose thread kept up.
+    Where the trainer checks on the training thread (synchronous bookkeeping) nothing can
+    lag and nothing waits. Patches this trainer only (an instance attribute)."""
+    from olmo_core.train.common import TRAIN_CE_LOSS_METRIC
+
+    check = trainer._check_and_pass_on_metrics  # what _log_metrics hands the thread
+
+    def late_check(metrics: dict[int, dict[str, float]]) -> None:
+        losses = [m.get(TRAIN_CE_LOSS_METRIC, 0.0) for m in metrics.values()]
+        if threading.current_thread() is not threading.main_thread() and not all(
+            math.isfinite(loss) for loss in losses
+        ):
+            until = trainer.global_step + 1
+            deadline = time.monotonic() + LATE_GUARD_S
+            while trainer.global_step < until and time.monotonic() < deadline:
+                time.sleep(0.01)
+        check(metrics)
+
+    trainer._check_and_pass_on_metrics = late_check
+
+
 def skip_step_worker(rank: int, world_size: int, run_id: str, work_dir: str) -> dict[str, Any]:
-    """OLMo-core's SkipStepAdamW, poisoned, without ampscope and with ``skip``."""
+    """OLMo-core's SkipStepAdamW, poisoned, without ampscope and with ``skip``; the run
+    without ampscope dies of its NaN loss, with :data:`INJECT_RANK`'s bookkeeping late."""
     return {
         policy or "stock": olmo_run(
-            rank, world_size, policy, run_id, work_dir, inject=True, skip_step_optimizer=True
+            rank,
+            world_size,
+            policy,
+            run_id,
+            work_dir,
+            inject=True,
+            skip_step_optimizer=True,
+            late_bookkeeping_rank=INJECT_RANK if policy is None else None,
         )
         for policy in (None, "skip")
     }

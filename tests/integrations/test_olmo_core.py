@@ -113,6 +113,9 @@ def test_olmo_core_skip_step_optimizer(tmp_path: Path) -> None:
         assert _metric(skip, "optim/step skipped") == [float(s) for s in _at_inject()]
         assert skip["optimizer_steps"] == [STEPS - 1]
         assert skip["forward_restored"]
+    # Without ampscope OLMo-core's NaN-loss check ended the run at the same step on both
+    # ranks, though rank INJECT_RANK checked its metrics a step late (check_metrics_late).
+    assert results[0]["stock"]["left_at_step"] == results[1]["stock"]["left_at_step"]
     # Each rank's record holds its own CE loss, read before the SkipStepOptimizer's
     # all-reduce (in place, in train_batch): the ranks' losses differ, and their mean is
     # what OLMo-core logs.
