@@ -78,17 +78,10 @@ class OwnGradientFlags:
         try:
             if grad.layout != torch.strided or not grad.is_floating_point() or not grad.numel():
                 return
-            with torch.no_grad():
-                if grad.device == slot.device and grad.is_contiguous():
-                    # The shared check; it falls back by itself where torch lacks the fused
-                    # kernel for a dtype (CUDA bfloat16).
-                    compat.non_finite_check_([grad], slot, one)
-                    return
-                # Not contiguous (an expanded gradient cannot be written back): read only,
-                # min and max (non-finite exactly when an element is).
-                low, high = torch.aminmax(grad)
-                finite = torch.isfinite(low).logical_and_(torch.isfinite(high))
-                slot.masked_fill_(finite.logical_not_().to(slot.device), 1.0)
+            # No no_grad: it would cost as much as the kernel, once per parameter and
+            # micro-batch, and the check records nothing (the fused kernel has no
+            # derivative, and backward(create_graph=True) keeps its graph: a test says so).
+            _check(grad, slot, one)
         except Exception as exc:  # telemetry must never break a backward pass
             with self._lock:
                 self.errors += 1
@@ -126,3 +119,17 @@ class OwnGradientFlags:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+def _check(grad: torch.Tensor, slot: torch.Tensor, one: torch.Tensor) -> None:
+    """Set ``slot`` to 1 when ``grad`` holds inf/NaN."""
+    if grad.device == slot.device and grad.is_contiguous():
+        # The shared check; it falls back by itself where torch lacks the fused kernel for
+        # a dtype (CUDA bfloat16).
+        compat.non_finite_check_([grad], slot, one)
+        return
+    # Not contiguous (an expanded gradient cannot be written back): read only, min and max
+    # (non-finite exactly when an element is).
+    low, high = torch.aminmax(grad)
+    finite = torch.isfinite(low).logical_and_(torch.isfinite(high))
+    slot.masked_fill_(finite.logical_not_().to(slot.device), 1.0)
