@@ -257,17 +257,17 @@ def test_accelerate_clip_gives_the_records_norms_without_a_pass_of_its_own(
     """``accelerator.clip_grad_norm_`` (what the ``Trainer`` calls) goes through the
     front-end's clip: the same totals and weights as Accelerate's own, the records' norms
     are the clip's, and from the second iteration ampscope runs no norm pass of its own."""
-    from ampscope.rank.gradients import stats
+    from ampscope.rank.gradients import norm_batches
 
     passes: list[int] = []
-    own_pass = stats.NormBatches.norms
+    own_pass = norm_batches.NormBatches.norms
 
     def counted(self: Any, *args: Any) -> Any:
         passes.append(1)
         return own_pass(self, *args)
 
     stock = _clipping_loop(precision, False, passes)
-    monkeypatch.setattr(stats.NormBatches, "norms", counted)
+    monkeypatch.setattr(norm_batches.NormBatches, "norms", counted)
     ours = _clipping_loop(precision, True, passes)
     assert ours["totals"] == stock["totals"]
     assert all(torch.equal(a, b) for a, b in zip(ours["params"], stock["params"], strict=True))

@@ -104,3 +104,17 @@ def count_host_reads(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
 
         monkeypatch.setattr(torch.Tensor, method, counted)
     return reads
+
+
+def repeated_shapes() -> torch.nn.Sequential:
+    """Small layers of one shape (stacked for the CPU's norms), one layer of another shape,
+    and one too large to stack (normed on its own)."""
+    torch.manual_seed(3)
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, 16),
+        torch.nn.Linear(16, 16),
+        torch.nn.Linear(16, 16),
+        torch.nn.Linear(16, 300),
+        torch.nn.Linear(300, 300),
+        torch.nn.Linear(300, 1),
+    )
