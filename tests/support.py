@@ -188,6 +188,19 @@ def promtool_test_rules(path: Path, tests: dict[str, Any]) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def promtool_test_queries(
+    path: Path, series: list[dict[str, Any]], exprs: list[dict[str, Any]]
+) -> None:
+    """:func:`promtool_test_rules` for queries alone: ``exprs`` (``promql_expr_test``
+    entries) over ``series`` (``input_series``) scraped every 15 s, no rule file."""
+    tests = {
+        "rule_files": [],
+        "evaluation_interval": "15s",
+        "tests": [{"interval": "15s", "input_series": series, "promql_expr_test": exprs}],
+    }
+    promtool_test_rules(path, tests)
+
+
 def _worker(
     rank: int,
     world_size: int,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from support import promtool_test_rules
+from support import promtool_test_queries
 
 from ampscope.status import prometheus
 from ampscope.status.prometheus import fp8 as prometheus_fp8
@@ -62,42 +62,30 @@ def test_the_queries_find_a_nan_amax_and_lasting_underflow_on_promtool(tmp_path:
     def counted(expr: str) -> str:
         return f"count by (rank, layer, tensor) ({expr})"
 
-    tests = {
-        "rule_files": [],
-        "evaluation_interval": "15s",
-        "tests": [
-            {
-                "interval": "15s",
-                "input_series": series,
-                "promql_expr_test": [
-                    {
-                        "expr": counted(asked["fp8_nonfinite"]),
-                        "eval_time": "8m",
-                        "exp_samples": [
-                            {"labels": '{rank="0",layer="layers.0",tensor="input"}', "value": 1}
-                        ],
-                    },
-                    # 600 s after the observation it has left the window.
-                    {
-                        "expr": counted(asked["fp8_nonfinite"]),
-                        "eval_time": "15m1s",
-                        "exp_samples": [],
-                    },
-                    # The lowest sample of each series (the verdict compares it with the
-                    # ratio): rank 1's dip shows.
-                    {
-                        "expr": asked["fp8_underflow"],
-                        "eval_time": "10m",
-                        "exp_samples": [
-                            {"labels": _text(0, "layers.1", "grad_output"), "value": 0.3},
-                            {"labels": _text(1, "layers.1", "grad_output"), "value": 0.05},
-                        ],
-                    },
-                ],
-            }
-        ],
-    }
-    promtool_test_rules(tmp_path / "fp8-status-test.yml", tests)
+    exprs = [
+        {
+            "expr": counted(asked["fp8_nonfinite"]),
+            "eval_time": "8m",
+            "exp_samples": [{"labels": '{rank="0",layer="layers.0",tensor="input"}', "value": 1}],
+        },
+        # 600 s after the observation it has left the window.
+        {
+            "expr": counted(asked["fp8_nonfinite"]),
+            "eval_time": "15m1s",
+            "exp_samples": [],
+        },
+        # The lowest sample of each series (the verdict compares it with the
+        # ratio): rank 1's dip shows.
+        {
+            "expr": asked["fp8_underflow"],
+            "eval_time": "10m",
+            "exp_samples": [
+                {"labels": _text(0, "layers.1", "grad_output"), "value": 0.3},
+                {"labels": _text(1, "layers.1", "grad_output"), "value": 0.05},
+            ],
+        },
+    ]
+    promtool_test_queries(tmp_path / "fp8-status-test.yml", series, exprs)
 
 
 def _views() -> list[dict[str, Any]]:

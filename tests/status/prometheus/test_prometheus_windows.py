@@ -8,7 +8,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from support import promtool_test_rules
+from support import promtool_test_queries
 
 from ampscope.status import prometheus
 from ampscope.status.prometheus.ranks import build_views
@@ -37,35 +37,23 @@ def test_reruns_are_counted_within_the_verdicts_window_on_promtool(tmp_path: Pat
         {"series": f"{counter}{{{_labels(0, result='transient')}}}", "values": "_x3 1x60"},
         {"series": f"{counter}{{{_labels(1, result='reproducible')}}}", "values": "1x47 2x16"},
     ]
-    tests = {
-        "rule_files": [],
-        "evaluation_interval": "15s",
-        "tests": [
-            {
-                "interval": "15s",
-                "input_series": series,
-                "promql_expr_test": [
-                    {
-                        "expr": f"round({query})",
-                        "eval_time": "5m",
-                        "exp_samples": [
-                            {"labels": f"{{{_labels(0, result='transient')}}}", "value": 1},
-                            {"labels": f"{{{_labels(1, result='reproducible')}}}", "value": 1},
-                        ],
-                    },
-                    {
-                        "expr": f"round({query})",
-                        "eval_time": "13m",
-                        "exp_samples": [
-                            {"labels": f"{{{_labels(1, result='reproducible')}}}", "value": 1}
-                        ],
-                    },
-                    {"expr": query, "eval_time": "22m30s", "exp_samples": []},
-                ],
-            }
-        ],
-    }
-    promtool_test_rules(tmp_path / "reruns-status-test.yml", tests)
+    exprs = [
+        {
+            "expr": f"round({query})",
+            "eval_time": "5m",
+            "exp_samples": [
+                {"labels": f"{{{_labels(0, result='transient')}}}", "value": 1},
+                {"labels": f"{{{_labels(1, result='reproducible')}}}", "value": 1},
+            ],
+        },
+        {
+            "expr": f"round({query})",
+            "eval_time": "13m",
+            "exp_samples": [{"labels": f"{{{_labels(1, result='reproducible')}}}", "value": 1}],
+        },
+        {"expr": query, "eval_time": "22m30s", "exp_samples": []},
+    ]
+    promtool_test_queries(tmp_path / "reruns-status-test.yml", series, exprs)
 
 
 def _sample(name: str, rank: int, value: float, **labels: str) -> dict[str, Any]:
@@ -118,32 +106,22 @@ def test_the_collapse_reference_is_the_clean_scale_on_promtool(tmp_path: Path) -
         # rank 1 predates the rule: its peak is its highest scale.
         {"series": f"ampscope_loss_scale{{{old}}}", "values": "65536x10 256x30"},
     ]
-    tests = {
-        "rule_files": [],
-        "evaluation_interval": "15s",
-        "tests": [
-            {
-                "interval": "15s",
-                "input_series": series,
-                "promql_expr_test": [
-                    {
-                        "expr": query,
-                        "eval_time": "1m",
-                        "exp_samples": [{"labels": f"{{{old}}}", "value": 65536}],
-                    },
-                    {
-                        "expr": query,
-                        "eval_time": "5m",
-                        "exp_samples": [
-                            {"labels": f"{{{warm}}}", "value": 32768},
-                            {"labels": f"{{{old}}}", "value": 65536},
-                        ],
-                    },
-                ],
-            }
-        ],
-    }
-    promtool_test_rules(tmp_path / "collapse-status-test.yml", tests)
+    exprs = [
+        {
+            "expr": query,
+            "eval_time": "1m",
+            "exp_samples": [{"labels": f"{{{old}}}", "value": 65536}],
+        },
+        {
+            "expr": query,
+            "eval_time": "5m",
+            "exp_samples": [
+                {"labels": f"{{{warm}}}", "value": 32768},
+                {"labels": f"{{{old}}}", "value": 65536},
+            ],
+        },
+    ]
+    promtool_test_queries(tmp_path / "collapse-status-test.yml", series, exprs)
 
 
 def test_the_windowed_counts_answer_with_the_ranks_that_counted_on_promtool(
@@ -187,38 +165,28 @@ def test_the_windowed_counts_answer_with_the_ranks_that_counted_on_promtool(
     def at(name: str, when: str, samples: list[dict[str, Any]]) -> dict[str, Any]:
         return {"expr": f"round({asked[name]})", "eval_time": when, "exp_samples": samples}
 
-    tests = {
-        "rule_files": [],
-        "evaluation_interval": "15s",
-        "tests": [
-            {
-                "interval": "15s",
-                "input_series": series,
-                "promql_expr_test": [
-                    # Before anything happened: nothing to answer.
-                    *(
-                        {"expr": asked[name], "eval_time": "9m", "exp_samples": []}
-                        for name in ("skipped", "spikes", "skipped_nonfinite")
-                    ),
-                    {"expr": asked["replica_checks"], "eval_time": "9m", "exp_samples": []},
-                    # Rank 2 skipped 19 of the 300 s window's 20 steps, every one since 10m.
-                    at("skipped", "15m", [{"labels": f"{{{hot}}}", "value": 19}]),
-                    at("skipped_nonfinite", "15m", [{"labels": f"{{{hot}}}", "value": 19}]),
-                    at(
-                        "spikes",
-                        "15m",
-                        [{"labels": f"{{{_labels(2, kind='loss')}}}", "value": 1}],
-                    ),
-                    at(
-                        "replica_checks",
-                        "15m",
-                        [{"labels": f"{{{_labels(2, result='diverged')}}}", "value": 1}],
-                    ),
-                ],
-            }
-        ],
-    }
-    promtool_test_rules(tmp_path / "standouts-status-test.yml", tests)
+    exprs = [
+        # Before anything happened: nothing to answer.
+        *(
+            {"expr": asked[name], "eval_time": "9m", "exp_samples": []}
+            for name in ("skipped", "spikes", "skipped_nonfinite")
+        ),
+        {"expr": asked["replica_checks"], "eval_time": "9m", "exp_samples": []},
+        # Rank 2 skipped 19 of the 300 s window's 20 steps, every one since 10m.
+        at("skipped", "15m", [{"labels": f"{{{hot}}}", "value": 19}]),
+        at("skipped_nonfinite", "15m", [{"labels": f"{{{hot}}}", "value": 19}]),
+        at(
+            "spikes",
+            "15m",
+            [{"labels": f"{{{_labels(2, kind='loss')}}}", "value": 1}],
+        ),
+        at(
+            "replica_checks",
+            "15m",
+            [{"labels": f"{{{_labels(2, result='diverged')}}}", "value": 1}],
+        ),
+    ]
+    promtool_test_queries(tmp_path / "standouts-status-test.yml", series, exprs)
 
 
 class _Answers:
