@@ -236,9 +236,13 @@ def check_metrics_late(trainer: Any) -> None:
         if threading.current_thread() is not threading.main_thread() and not all(
             math.isfinite(loss) for loss in losses
         ):
+            # Waits on the training thread's own progress, not on time: the guard only
+            # ends a hang, and then fails the run rather than going on unheld.
             until = trainer.global_step + 1
             deadline = time.monotonic() + LATE_GUARD_S
-            while trainer.global_step < until and time.monotonic() < deadline:
+            while trainer.global_step < until:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"step {until} never began: a hang, not a late check")
                 time.sleep(0.01)
         check(metrics)
 
