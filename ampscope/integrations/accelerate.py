@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from torch import nn
 
@@ -173,14 +173,11 @@ def _clip_through(accelerator: Accelerator, front: TelemetryFrontEnd) -> None:
     accelerator only."""
     from accelerate.utils import DistributedType
 
-    from ampscope.rank import compat
     from ampscope.rank.frontends.watch import GradWatch
 
     original = accelerator.clip_grad_norm_
     own_clip = (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.XLA)
-    owners: dict[tuple[int, ...], list[Any]] = {}
-    """Per optimizers and clipped parameter list (by ids): the optimizers that hold some
-    of the parameters."""
+    plans: dict[tuple[int, ...], _ClipPlan] = {}
 
     @functools.wraps(original)
     def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
@@ -188,17 +185,18 @@ def _clip_through(accelerator: Accelerator, front: TelemetryFrontEnd) -> None:
         if (
             # A micro-batch of an accumulation (bf16/fp32 loops may clip on every one):
             # the gradients are not whole yet, and no update() follows to end a check.
-            not accelerator.sync_gradients
-            or accelerator.distributed_type in own_clip
-            or any(p.grad is not None and compat.is_dtensor(p.grad) for p in params)
+            not accelerator.sync_gradients or accelerator.distributed_type in own_clip
         ):
+            return original(params, max_norm, norm_type)
+        plan = _clip_plan(plans, params, accelerator._optimizers)
+        if plan.dtensors:
             return original(params, max_norm, norm_type)
         accelerator.unscale_gradients()  # fp16: the scaler's unscale_, as Accelerate's
         if isinstance(front, GradWatch):
             # No scaler, nothing to unscale: the watch checks before the clip instead of
             # at step(), so that the clip's pass gives the norms; only the optimizers of
             # the clipped parameters (another's backward may not have run yet).
-            for inner in _owners(owners, params, accelerator._optimizers):
+            for inner in plan.owners:
                 if not front.checked(inner):
                     front.unscale_(inner)
         return front.clip_grad_norm_(params, max_norm, norm_type)
@@ -206,29 +204,44 @@ def _clip_through(accelerator: Accelerator, front: TelemetryFrontEnd) -> None:
     accelerator.clip_grad_norm_ = clip_grad_norm_
 
 
-_OWNER_KEYS = 8
+class _ClipPlan(NamedTuple):
+    """What a clip over one parameter list needs to know, decided once per list."""
+
+    dtensors: bool
+    """Some parameter is a DTensor (FSDP2, tensor parallelism; so are its gradients):
+    Accelerate combines their norms per mesh, its own clip runs."""
+    owners: list[Any]
+    """The (unwrapped) optimizers that hold some of the parameters."""
+
+
+_PLAN_KEYS = 8
 """Distinct clipped parameter lists remembered (a loop clips one, or one per optimizer)."""
 
 
-def _owners(
-    cache: dict[tuple[int, ...], list[Any]], params: list[Any], optimizers: list[Any]
-) -> list[Any]:
-    """The (unwrapped) optimizers among ``optimizers`` that hold some of ``params``; walked
-    once per parameter list."""
+def _clip_plan(
+    cache: dict[tuple[int, ...], _ClipPlan], params: list[Any], optimizers: list[Any]
+) -> _ClipPlan:
+    """The plan of a clip over ``params`` with these ``optimizers``: the parameters are
+    walked once per list; a repeated clip costs a tuple of ids and a lookup."""
+    from ampscope.rank import compat
+
     key = (*map(id, optimizers), -1, *map(id, params))
-    found = cache.get(key)
-    if found is None:
+    plan = cache.get(key)
+    if plan is None:
         ids = set(map(id, params))
         inners = [getattr(o, "optimizer", o) for o in optimizers]
-        found = [
-            inner
-            for inner in inners
-            if any(id(p) in ids for group in inner.param_groups for p in group["params"])
-        ]
-        if len(cache) >= _OWNER_KEYS:
+        plan = _ClipPlan(
+            dtensors=any(compat.is_dtensor(p) for p in params),
+            owners=[
+                inner
+                for inner in inners
+                if any(id(p) in ids for group in inner.param_groups for p in group["params"])
+            ],
+        )
+        if len(cache) >= _PLAN_KEYS:
             cache.clear()
-        cache[key] = found
-    return found
+        cache[key] = plan
+    return plan
 
 
 def _on_deepspeed(accelerator: Accelerator) -> bool:
