@@ -31,6 +31,8 @@ FLIP_STEP = 3
 """The replica fault: after this optimizer step's update, rank ``NAN_RANK``'s copy of
 ``FLIP_PARAM`` has one bit flipped (as a corrupted all-gather or memory would leave it)."""
 FLIP_PARAM = "head.weight"
+CLOSE_AFTER = 2
+"""Rank 0 closes its monitor after this step; rank 1's replica checks go on with it."""
 
 
 class Net(nn.Module):
@@ -100,10 +102,12 @@ def train(
     track_origin: bool | None = None,
     replica_check_every: int | None = None,
     flip_step: int | None = None,
+    close_after: int | None = None,
     **precision: Any,
 ) -> dict[str, Any]:
     """Train one engine; the rank's records, DeepSpeed's own view per step, the weights,
-    what ampscope logged about replicas. ``flip_step``: plant the replica fault."""
+    what ampscope logged about replicas. ``flip_step``: plant the replica fault;
+    ``close_after``: rank 0 closes its monitor after that step and trains on."""
     import deepspeed
 
     from ampscope.reporter.sinks import CallbackSink
@@ -154,6 +158,8 @@ def train(
                 "scale": float(engine.optimizer.loss_scale) if dtype == "fp16" else None,
             }
         )
+        if monitor is not None and rank == 0 and step == close_after:
+            monitor.close()
     if monitor is not None:
         monitor.close()
     weights = _weights(engine, stage)
@@ -250,6 +256,16 @@ def bf16_stages(rank: int, world_size: int) -> dict[str, Any]:
             replica_check_every=1,
             flip_step=FLIP_STEP,
         )
+    out["closed"] = train(
+        rank,
+        stage=2,
+        dtype="bf16",
+        gas=1,
+        steps=FLIP_STEPS,
+        nan_step=None,
+        replica_check_every=1,
+        close_after=CLOSE_AFTER,
+    )
     out["applied"] = train(
         rank, stage=2, dtype="bf16", run_id="ds-applied", check_grad_overflow=False
     )

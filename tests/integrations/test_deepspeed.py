@@ -1,7 +1,8 @@
 """``ampscope.integrations.deepspeed.instrument`` with the real DeepSpeed on 2 gloo ranks.
 
 One launch per scenario group (the ranks build several engines one after the other):
-ZeRO 0-3 in bf16 (with the replica check at every step, and a flipped bit at ZeRO 0-2),
+ZeRO 0-3 in bf16 (with the replica check at every step, a flipped bit at ZeRO 0-2, and a
+rank that closes its monitor early),
 fp16 at ZeRO 0 and 2 (with a TEST-ONLY override of the CPU
 accelerator's ``is_fp16_supported``: see ``deepspeed_workers.setup``), and 50 clean steps.
 Every instrumented engine is compared bit for bit with the same training without ampscope.
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 from checks import exporter_ranks
 from deepspeed_workers import (
+    CLOSE_AFTER,
     FLIP_PARAM,
     FLIP_STEP,
     FLIP_STEPS,
@@ -191,6 +193,16 @@ def test_replica_check_at_zero_0_1_2_and_not_at_zero_3(
         [FLIP_PARAM],
         False,
     )
+
+
+def test_a_closed_monitor_keeps_its_part_in_the_replica_check(
+    bf16_results: list[dict[str, Any]],
+) -> None:
+    """Rank 0 closes its monitor after step 2 and trains on: it still meets rank 1 in the
+    check's all-gather (else rank 1 would wait in it for ever), and records nothing more."""
+    closing, going_on = (result["closed"]["records"] for result in bf16_results)
+    assert [r["step"] for r in closing] == list(range(1, CLOSE_AFTER + 1))
+    assert [r["replicas"] for r in going_on] == [_AGREE] * FLIP_STEPS
 
 
 def test_fp16_backoffs_and_origin(report_to: str) -> None:
