@@ -7,14 +7,21 @@ optimizer DeepSpeed built (``engine.optimizer``): ``overflow`` (every ZeRO stage
 ``BF16_Optimizer``; stale between boundaries), the scale as ``cur_scale`` (ZeRO 1-3
 fp16) or ``loss_scale`` (ZeRO-0's ``FP16_Optimizer``), and the dynamic loss scaler's
 iteration counters (``loss_scaler.cur_iter``, ``last_overflow_iter``, ``scale_window``)
-for the growth tracker. ``tests/integrations/test_deepspeed.py`` fails when a release
-moves any of them.
+for the growth tracker. For the replica check: the ZeRO stage
+(``zero_optimization_stage()``), the group the parameters are replicated over
+(``seq_data_parallel_group``: DeepSpeed's data-parallel group, widened by sequence
+parallelism; the group it broadcasts the parameters over at start and reduces the
+gradients over) and, for MoE experts, ``expert_data_parallel_group[param.group_name]``.
+``tests/integrations/test_deepspeed.py`` fails when a release moves any of them.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any
+
+import torch
 
 
 def fp16(engine: Any) -> bool:
@@ -92,3 +99,29 @@ def growth_tracker(engine: Any, found: bool, before: float, after: float) -> int
 def finite(value: float | None) -> bool:
     """``value`` is a finite number (``None``: nothing to judge, finite)."""
     return value is None or math.isfinite(value)
+
+
+def zero_stage(engine: Any) -> int:
+    """The engine's ZeRO stage (0-3)."""
+    return int(engine.zero_optimization_stage())
+
+
+def replicated_parameters(engine: Any, module: Any) -> Iterator[tuple[str, torch.Tensor, Any]]:
+    """``module``'s parameters that every rank of a group holds whole, each with that
+    group, in ``named_parameters()`` order: the ones DeepSpeed's ``_broadcast_model``
+    makes identical at start. Dense parameters: the (sequence-)data-parallel group; an
+    MoE expert's (``param.allreduce`` false): its expert data-parallel group. Left out:
+    ZeRO-3's partitioned parameters (``ds_status``) and ``OptimizedLinear``'s
+    per-shard weights (``ds_optim_param``), as DeepSpeed leaves them out.
+    """
+    dense = engine.seq_data_parallel_group
+    experts = getattr(engine, "expert_data_parallel_group", None) or {}
+    for name, param in module.named_parameters():
+        if hasattr(param, "ds_status") or hasattr(param, "ds_optim_param"):
+            continue
+        if not getattr(param, "allreduce", True):  # deepspeed.moe.utils.is_moe_param
+            group = experts.get(getattr(param, "group_name", None))
+            if group is not None:
+                yield name, param, group
+            continue
+        yield name, param, dense

@@ -24,6 +24,14 @@ sinks, ``monitor.telemetry``):
   (``found_inf_origin``) and which parameters (``nonfinite_params``), over all the
   micro-batches of the step; the rank's own loss (``engine.backward``'s argument,
   unscaled; the mean over micro-batches); the batch ids noted with ``note_batch``.
+* from ampscope's replica check (:mod:`ampscope.rank.replicas`), on one boundary in
+  ``replica_check_every`` (default 100), after DeepSpeed's ``step()`` (applied or skipped):
+  the engine's module parameters compared bit for bit with the other ranks of DeepSpeed's
+  data-parallel group (``seq_data_parallel_group``; an MoE expert's:
+  ``expert_data_parallel_group``), at ZeRO 0, 1 and 2, where every rank holds them whole
+  after the step. ZeRO-3 partitions them: nothing is compared, and the log says so once.
+  At ZeRO 1-2 the fp32 master copy is partitioned, so a corruption of the owner's master
+  copy reaches every replica through the all-gather unseen (docs/silent-corruption.md).
 
 fp16 records read as a loss scaler's (``setup.mode == "scaler"``: scale before and after,
 the backoff or growth event, the growth tracker), so the scale rules apply as they do to
@@ -37,12 +45,15 @@ than from DeepSpeed's ``overflow``, which says ``False`` there.
 Costs per micro-batch: one fused non-finite kernel per parameter, in its tensor hook
 (no sync, no allocation); per optimizer step: one reduction and one host read of the
 flag vector per device, the norm's host read (DeepSpeed's own overflow check has already
-synchronised within ``step()``), and the record on the telemetry thread.
+synchronised within ``step()``), and the record on the telemetry thread. A checking step adds
+the replica check's two kernels per 2**24 parameter elements, one small all-gather over
+the data-parallel group and one host read.
 
 Not available under DeepSpeed: the classifying rerun (``step(..., rerun=closure)``: the
 engine's ``step()`` takes no closure and DeepSpeed has already reduced, and under ZeRO-2/3
 freed, the gradients a rerun would compare), the per-parameter gradient norms on spikes and
-``grad_norm_origin`` (the hooks flag, they do not take norms).
+``grad_norm_origin`` (the hooks flag, they do not take norms); the replica check at ZeRO-3
+(each rank holds a different slice of every parameter: no replica).
 """
 
 from __future__ import annotations
@@ -50,7 +61,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -61,10 +72,18 @@ from ampscope.integrations._swap import check_options, is_distributed
 from ampscope.rank.capture import layout
 from ampscope.rank.capture.layout import OptimizerSlot
 from ampscope.rank.capture.pending import PendingStep
-from ampscope.rank.config import SCALE_CLAMPS, telemetry_config
+from ampscope.rank.config import (
+    DEFAULT_REPLICA_CHECK_EVERY,
+    SCALE_CLAMPS,
+    check_replica_check_every,
+    telemetry_config,
+)
 from ampscope.rank.frontends.base import TelemetryFrontEnd, warn_if_torch_changed
 from ampscope.rank.gradients.stats import OptimizerNorms, TakenStats
 from ampscope.reporter.schema import Policy, Setup
+
+if TYPE_CHECKING:
+    from ampscope.rank.replicas.check import ReplicaOutcome
 
 __all__ = ["DeepSpeedMonitor", "instrument", "monitor_of"]
 
@@ -121,16 +140,17 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
         """Observe ``model`` when it is a DeepSpeed engine (and none is observed yet);
         anything else is left alone: the engine's module names the parameters. The
         Trainer and Accelerate integrations call it with what ``prepare()`` returned.
-        DeepSpeed's replicas are not compared (``replica_check_every`` is said once in the
-        log and otherwise ignored: ZeRO keeps its own copies of the weights)."""
-        if replica_check_every:
-            logger.warning(
-                "ampscope: replica checks are not made under DeepSpeed; "
-                "replica_check_every=%d is ignored",
-                replica_check_every,
-            )
+        ``replica_check_every``: as for :func:`instrument`'s option of that name (``None``:
+        the option's value); the ZeRO-3 note of :meth:`attach_replicas` applies.
+
+        Raises:
+            ValueError: ``replica_check_every`` is not an int >= 0.
+        """
+        if replica_check_every is not None:
+            check_replica_check_every(replica_check_every)
         if self.engine is None and is_engine(model) and self._ampscope_capture is not None:
             self.bind(model)
+            self.attach_replicas(replica_check_every)
 
     def bind(self, engine: Any) -> None:
         """Start observing ``engine``: wrap its ``backward`` and ``step``, hook its
@@ -167,6 +187,42 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
         engine.backward = self._backward
         setattr(engine, _STATE, self)
 
+    def attach_replicas(self, every: int | None = None) -> None:
+        """Compare the bound engine's module parameters with their replicas after the
+        boundary ``step()`` on one in ``every`` of them (``None``: the monitor's
+        ``replica_check_every`` option; 0: never). At ZeRO 0-2 every rank of DeepSpeed's
+        data-parallel group holds them whole (MoE experts: their expert data-parallel
+        group); ZeRO-3 partitions them (each rank a different slice), so nothing is
+        compared there and the log says so once. Every rank must call it alike (the
+        check's all-gathers pair up by call order). Never raises."""
+        engine = self.engine
+        if every is None:
+            every = self._ampscope_config.replica_check_every
+        asked = every != DEFAULT_REPLICA_CHECK_EVERY  # the default says so at INFO only
+        self._ampscope_replicas = None
+        if engine is None or not every:
+            return
+        try:
+            if ds.zero_stage(engine) >= 3:
+                logger.log(
+                    logging.WARNING if asked else logging.INFO,
+                    "ampscope: replica checks are not made under DeepSpeed ZeRO-3: the "
+                    "parameters are partitioned, every rank holds a different slice "
+                    "(replica_check_every=%d is ignored)",
+                    every,
+                )
+                return
+            from ampscope.rank.replicas.check import ReplicaCheck
+            from ampscope.rank.replicas.groups import deepspeed_sets
+
+            sets = deepspeed_sets(ds.replicated_parameters(engine, _module(engine)))
+            check = ReplicaCheck(None, every, sets=sets)
+        except Exception:
+            # Identically on every rank (same engine): the check is off, training goes on.
+            logger.warning("ampscope: replica check off for this engine", exc_info=True)
+            return
+        self._ampscope_replicas = check if check.compares else None
+
     def get_scale(self) -> float:
         """DeepSpeed's loss scale now (fp16); 1.0 under bf16/fp32 or before an engine."""
         return 1.0 if self.engine is None else ds.loss_scale(self.engine)
@@ -183,20 +239,26 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
         return self._own_backward(loss, *args, **kwargs)
 
     def _step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._ampscope_capture is None:
-            return self._own_step(*args, **kwargs)
         engine = self.engine
         boundary = engine.is_gradient_accumulation_boundary()
+        if self._ampscope_capture is None:
+            result = self._own_step(*args, **kwargs)
+            if boundary:  # a closed rank keeps its part in the replica check's collective
+                self._ampscope_check_replicas()
+            return result
         before = self._ampscope_guard(ds.loss_scale, engine) if boundary else None
         result = self._own_step(*args, **kwargs)
         if boundary:
+            # After DeepSpeed's step (its all-gather included), applied or skipped, on
+            # every rank whatever fails below: the check's all-gather is a collective.
+            replicas = self._ampscope_check_replicas()
             try:
-                self._record(1.0 if before is None else before)
+                self._record(1.0 if before is None else before, replicas)
             except Exception:
                 self._ampscope_failed()
         return result
 
-    def _record(self, before: float) -> None:
+    def _record(self, before: float, replicas: ReplicaOutcome | None = None) -> None:
         """Close the optimizer step DeepSpeed just took: one record (training thread)."""
         engine = self.engine
         self._steps += 1
@@ -241,6 +303,7 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
             values=values,
         )
         pending.setup = self._setup()
+        pending.replicas = replicas
         pending.stats = self._take_stats(norm)
         fp8 = self._ampscope_take_fp8()
         if fp8 is not None:
@@ -288,6 +351,11 @@ def instrument(
     gradient-accumulation boundary. Call once on every rank, after ``deepspeed.initialize``
     and before the first ``engine.backward``; calling it again returns the same monitor.
 
+    With ``replica_check_every=N`` among the options (default 100; 0: off), every rank
+    compares the engine's module parameters bit for bit with the rest of DeepSpeed's
+    data-parallel group after one boundary ``step()`` in ``N`` (ZeRO 0-2; not at ZeRO-3,
+    whose parameters are partitioned). Every rank must use the same ``N``.
+
     Wraps ``engine.backward`` (notes the rank's loss) and ``engine.step`` (reads what
     DeepSpeed decided after a boundary step) as instance attributes, and registers one
     tensor hook per parameter (origin tracking). DeepSpeed's numerics are unchanged.
@@ -297,7 +365,8 @@ def instrument(
         track_origin: ``None`` (default): on when the process group has more than one
             rank; ``False``: no hooks (records carry no origin and name no parameters).
         **scaler_options: Telemetry options of :class:`ampscope.GradScaler` (``run_id``,
-            ``reporter``, ``sinks``, ``top_k``, ``stats``...). The loss scaling stays
+            ``reporter``, ``sinks``, ``top_k``, ``stats``, ``replica_check_every``...).
+            The loss scaling stays
             DeepSpeed's: ``min_scale``/``max_scale`` are refused.
 
     Returns:
@@ -315,6 +384,7 @@ def instrument(
         raise TypeError(f"instrument() needs a DeepSpeed engine, not {type(engine).__name__}")
     monitor = make_monitor(track_origin, scaler_options)
     monitor.bind(engine)
+    monitor.attach_replicas()
     return monitor
 
 

@@ -99,10 +99,11 @@ class TelemetryConfig:
     each cast tensor, on its device (docs/fp8.md#costs)."""
     replica_check_every: int = DEFAULT_REPLICA_CHECK_EVERY
     """Compare the attached model's parameters, bit for bit, with the ranks that must hold
-    the same values (DDP, HSDP, FSDP1 ``HYBRID_SHARD``) after the optimizer step, on one
-    iteration in this many; 0: never (``attach(model, replica_check_every=...)``
-    overrides it). A check costs two kernels per 2**24 parameter elements, one small
-    all-gather and one host read (docs/silent-corruption.md)."""
+    the same values (DDP, HSDP, FSDP1 ``HYBRID_SHARD``, DeepSpeed ZeRO 0-2) after the
+    optimizer step, on one iteration in this many; 0: never (``attach(model,
+    replica_check_every=...)`` overrides it). A check costs two kernels per 2**24
+    parameter elements, one small all-gather and one host read
+    (docs/silent-corruption.md)."""
 
     def __post_init__(self) -> None:
         if not (

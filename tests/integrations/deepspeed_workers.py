@@ -9,6 +9,7 @@ collectives carry everything (:func:`setup`).
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import sys
@@ -25,6 +26,13 @@ NAN_RANK = 1
 """The rank whose input holds the NaN (rank 0 when there is one rank)."""
 PARAMS = ("body.weight", "body.bias", "head.weight", "head.bias")
 FEATURES = 8
+FLIP_STEPS = 5
+FLIP_STEP = 3
+"""The replica fault: after this optimizer step's update, rank ``NAN_RANK``'s copy of
+``FLIP_PARAM`` has one bit flipped (as a corrupted all-gather or memory would leave it)."""
+FLIP_PARAM = "head.weight"
+CLOSE_AFTER = 2
+"""Rank 0 closes its monitor after this step; rank 1's replica checks go on with it."""
 
 
 class Net(nn.Module):
@@ -92,9 +100,14 @@ def train(
     instrumented: bool = True,
     run_id: str | None = None,
     track_origin: bool | None = None,
+    replica_check_every: int | None = None,
+    flip_step: int | None = None,
+    close_after: int | None = None,
     **precision: Any,
 ) -> dict[str, Any]:
-    """Train one engine; the rank's records, DeepSpeed's own view per step, the weights."""
+    """Train one engine; the rank's records, DeepSpeed's own view per step, the weights,
+    what ampscope logged about replicas. ``flip_step``: plant the replica fault;
+    ``close_after``: rank 0 closes its monitor after that step and trains on."""
     import deepspeed
 
     from ampscope.reporter.sinks import CallbackSink
@@ -107,17 +120,26 @@ def train(
     )
     records: list[Any] = []
     monitor = None
+    logged = _Logged()
+    logging.getLogger("ampscope").addHandler(logged)
     if instrumented:
         from ampscope.integrations.deepspeed import instrument
 
+        options = (
+            {} if replica_check_every is None else {"replica_check_every": replica_check_every}
+        )
         monitor = instrument(
             engine,
             run_id=run_id,
             reporter=None if run_id is None else "auto",
             sinks=[CallbackSink(records.append)],
             track_origin=track_origin,
+            **options,
         )
         assert instrument(engine) is monitor
+    logging.getLogger("ampscope").removeHandler(logged)
+    if flip_step is not None and rank == NAN_RANK:
+        _flip_after(engine, flip_step)
     torch_dtype = torch.float16 if dtype == "fp16" else torch.bfloat16
     seen: list[dict[str, Any]] = []
     for step in range(1, steps + 1):
@@ -136,6 +158,8 @@ def train(
                 "scale": float(engine.optimizer.loss_scale) if dtype == "fp16" else None,
             }
         )
+        if monitor is not None and rank == 0 and step == close_after:
+            monitor.close()
     if monitor is not None:
         monitor.close()
     weights = _weights(engine, stage)
@@ -145,7 +169,37 @@ def train(
         "seen": seen,
         "weights": weights,
         "optimizer": type(engine.optimizer).__name__,
+        "replica_logs": [m for m in logged.messages if "replica" in m],
     }
+
+
+class _Logged(logging.Handler):
+    """The messages ampscope logs while an engine is instrumented."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _flip_after(engine: Any, step: int) -> None:
+    """After the ``step``-th update of DeepSpeed's optimizer (inside ``engine.step()``, its
+    all-gather done), flip the lowest bit of element 0 of this rank's ``FLIP_PARAM``."""
+    own = engine.optimizer.step
+    calls = [0]
+
+    def step_then_flip(*args: Any, **kwargs: Any) -> Any:
+        out = own(*args, **kwargs)
+        calls[0] += 1
+        if calls[0] == step:
+            param = dict(engine.module.named_parameters())[FLIP_PARAM]
+            words = {2: torch.int16, 4: torch.int32}[param.element_size()]
+            param.detach().reshape(-1).view(words)[0] ^= 1
+        return out
+
+    engine.optimizer.step = step_then_flip
 
 
 CUDA_STEPS = 16
@@ -180,13 +234,38 @@ def _weights(engine: Any, stage: int) -> list[float]:
 
 
 def bf16_stages(rank: int, world_size: int) -> dict[str, Any]:
-    """ZeRO 0-3 in bf16 with the NaN, with and without ampscope; bf16 ZeRO-2 with
-    ``check_grad_overflow: false`` (DeepSpeed applies the NaN); 50 clean steps."""
+    """ZeRO 0-3 in bf16 with the NaN, with and without ampscope (a replica check at every
+    step); the replica fault at ZeRO 0-2; bf16 ZeRO-2 with ``check_grad_overflow: false``
+    (DeepSpeed applies the NaN); 50 clean steps."""
     setup()
     out: dict[str, Any] = {}
     for stage in (0, 1, 2, 3):
         out[f"plain{stage}"] = train(rank, stage=stage, dtype="bf16", instrumented=False)
-        out[f"ours{stage}"] = train(rank, stage=stage, dtype="bf16", run_id=f"ds-bf16-z{stage}")
+        out[f"ours{stage}"] = train(
+            rank, stage=stage, dtype="bf16", run_id=f"ds-bf16-z{stage}", replica_check_every=1
+        )
+    for stage in (0, 1, 2):
+        out[f"flip{stage}"] = train(
+            rank,
+            stage=stage,
+            dtype="bf16",
+            gas=1,
+            steps=FLIP_STEPS,
+            nan_step=None,
+            run_id="ds-flip" if stage == 2 else None,
+            replica_check_every=1,
+            flip_step=FLIP_STEP,
+        )
+    out["closed"] = train(
+        rank,
+        stage=2,
+        dtype="bf16",
+        gas=1,
+        steps=FLIP_STEPS,
+        nan_step=None,
+        replica_check_every=1,
+        close_after=CLOSE_AFTER,
+    )
     out["applied"] = train(
         rank, stage=2, dtype="bf16", run_id="ds-applied", check_grad_overflow=False
     )
@@ -235,7 +314,9 @@ def accelerate_run(rank: int, world_size: int) -> dict[str, Any]:
         deepspeed_plugin=plugin, mixed_precision="bf16", gradient_accumulation_steps=2
     )
     records: list[Any] = []
-    monitor = instrument(accelerator, reporter=None, sinks=[CallbackSink(records.append)])
+    monitor = instrument(
+        accelerator, reporter=None, sinks=[CallbackSink(records.append)], replica_check_every=1
+    )
     model = Net()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -311,7 +392,9 @@ def trainer_run(rank: int, world_size: int, output_dir: str) -> dict[str, Any]:
     )
     trainer = Trainer(model=_Regression(), args=args, train_dataset=_Samples(rank))
     records: list[Any] = []
-    monitor = instrument(trainer, reporter=None, sinks=[CallbackSink(records.append)])
+    monitor = instrument(
+        trainer, reporter=None, sinks=[CallbackSink(records.append)], replica_check_every=1
+    )
     trainer.train()
     assert monitor is not None
     return {

@@ -1,7 +1,9 @@
 """``ampscope.integrations.deepspeed.instrument`` with the real DeepSpeed on 2 gloo ranks.
 
 One launch per scenario group (the ranks build several engines one after the other):
-ZeRO 0-3 in bf16, fp16 at ZeRO 0 and 2 (with a TEST-ONLY override of the CPU
+ZeRO 0-3 in bf16 (with the replica check at every step, a flipped bit at ZeRO 0-2, and a
+rank that closes its monitor early),
+fp16 at ZeRO 0 and 2 (with a TEST-ONLY override of the CPU
 accelerator's ``is_fp16_supported``: see ``deepspeed_workers.setup``), and 50 clean steps.
 Every instrumented engine is compared bit for bit with the same training without ampscope.
 """
@@ -14,6 +16,10 @@ from typing import Any
 import pytest
 from checks import exporter_ranks
 from deepspeed_workers import (
+    CLOSE_AFTER,
+    FLIP_PARAM,
+    FLIP_STEP,
+    FLIP_STEPS,
     FP16_NAN_STEP,
     FP16_PRECISION,
     FP16_STEPS,
@@ -135,6 +141,70 @@ def test_bf16_zero_stages(bf16_results: list[dict[str, Any]], report_to: str) ->
     assert verdict["evidence"]["origin_ranks"] == [NAN_RANK]
 
 
+_AGREE = {
+    "agree": True,
+    "replicas": 2,
+    "ranks": [],
+    "majority": True,
+    "parameters": [],
+    "parameters_differing": 0,
+}
+
+
+def test_replica_check_at_zero_0_1_2_and_not_at_zero_3(
+    bf16_results: list[dict[str, Any]], report_to: str
+) -> None:
+    # Healthy (the NaN step skipped included): every check agrees, at every step, on
+    # every rank; ZeRO-3 partitions the parameters: no check, one log line saying so.
+    for result in bf16_results:
+        for stage in (0, 1, 2):
+            records = result[f"ours{stage}"]["records"]
+            assert [r["replicas"] for r in records] == [_AGREE] * STEPS, stage
+            assert result[f"ours{stage}"]["replica_logs"] == [], stage
+        assert [r["replicas"] for r in result["ours3"]["records"]] == [None] * STEPS
+        logs = result["ours3"]["replica_logs"]
+        assert len(logs) == 1, logs
+        assert "not made under DeepSpeed ZeRO-3" in logs[0], logs
+    for stage in (0, 1, 2, 3):
+        verdict = _health(report_to, f"ds-bf16-z{stage}", STEPS)["replica_divergence"]
+        assert verdict["status"] == "ok", verdict
+    # One bit of rank 1's copy flipped after the update: both ranks' check of that step
+    # sees it (two replicas: no majority, both named) and names the parameter. ZeRO 0-2
+    # rewrite the working weights from the fp32 master copy at every step, which heals it.
+    flipped = {
+        "agree": False,
+        "replicas": 2,
+        "ranks": [0, 1],
+        "majority": False,
+        "parameters": [FLIP_PARAM],
+        "parameters_differing": 1,
+    }
+    for result in bf16_results:
+        for stage in (0, 1, 2):
+            checks = [r["replicas"] for r in result[f"flip{stage}"]["records"]]
+            expected = [flipped if s == FLIP_STEP else _AGREE for s in range(1, FLIP_STEPS + 1)]
+            assert checks == expected, (stage, checks)
+    verdict = _health(report_to, "ds-flip", FLIP_STEPS)["replica_divergence"]
+    assert verdict["status"] == "critical", verdict
+    evidence = verdict["evidence"]
+    assert [e["rank"] for e in evidence["ranks"]] == [0, 1]
+    assert (evidence["step"], evidence["parameters"], evidence["majority"]) == (
+        FLIP_STEP,
+        [FLIP_PARAM],
+        False,
+    )
+
+
+def test_a_closed_monitor_keeps_its_part_in_the_replica_check(
+    bf16_results: list[dict[str, Any]],
+) -> None:
+    """Rank 0 closes its monitor after step 2 and trains on: it still meets rank 1 in the
+    check's all-gather (else rank 1 would wait in it for ever), and records nothing more."""
+    closing, going_on = (result["closed"]["records"] for result in bf16_results)
+    assert [r["step"] for r in closing] == list(range(1, CLOSE_AFTER + 1))
+    assert [r["replicas"] for r in going_on] == [_AGREE] * FLIP_STEPS
+
+
 def test_fp16_backoffs_and_origin(report_to: str) -> None:
     results = run_distributed(fp16_stages, 2, env=_ENV, timeout=600)
     initial = 2.0 ** FP16_PRECISION["initial_scale_power"]
@@ -226,6 +296,8 @@ def test_accelerate_and_trainer_observe_the_engine(tmp_path: Any) -> None:
         assert records[0]["setup"] == {"mode": "watch", "policy": "skip", "grad_dtype": "bfloat16"}
         own = [r["step"] for r in records if r["found_inf_origin"]["cpu"]]
         assert own == ([NAN_STEP] if rank == NAN_RANK else [])
+        # replica_check_every=1 among instrument()'s options: a check at every step.
+        assert [r["replicas"] for r in records] == [_AGREE] * STEPS
         # The Trainer: its engine is built in train(); ids from the dataset's column.
         trainer = result["trainer"]
         assert trainer["monitor"] == "DeepSpeedMonitor"
@@ -235,6 +307,7 @@ def test_accelerate_and_trainer_observe_the_engine(tmp_path: Any) -> None:
         assert [r["skipped"] for r in records] == [r["step"] == nan_step for r in records]
         own = [r["step"] for r in records if r["found_inf_origin"]["cpu"]]
         assert own == ([nan_step] if rank == NAN_RANK else [])
+        assert [r["replicas"] for r in records] == [_AGREE] * len(records)  # fp32 ZeRO-2
         if rank == NAN_RANK:
             names = {p["name"] for p in records[nan_step - 1]["nonfinite_params"]}
             assert names == set(PARAMS)

@@ -151,14 +151,21 @@ class ReplicaCheck:
     """Compares this rank's parameters with its replicas' every ``every`` iterations.
 
     Args:
-        model: The wrapped model (DDP, FSDP1, FSDP2), as given to ``attach``.
+        model: The wrapped model (DDP, FSDP1, FSDP2), as given to ``attach``; ``None``
+            with ``sets``.
         every: Check on every ``every``-th call of :meth:`after_step` (1-based).
+        sets: The replica sets to compare, when the caller laid them out (DeepSpeed:
+            :func:`~ampscope.rank.replicas.groups.deepspeed_sets`) instead of ``model``.
     """
 
-    def __init__(self, model: nn.Module, every: int) -> None:
+    def __init__(
+        self, model: nn.Module | None, every: int, *, sets: list[ReplicaSet] | None = None
+    ) -> None:
         self.every = every
         self._calls = 0
-        self._sets = [_SetCheck(s) for s in replica_sets(model)]
+        if sets is None:
+            sets = [] if model is None else replica_sets(model)
+        self._sets = [_SetCheck(s) for s in sets]
 
     @property
     def compares(self) -> bool:

@@ -10,6 +10,10 @@ depends on how the model is wrapped:
   the mesh dimension). A 1-D mesh that only shards holds no replica.
 - FSDP1 ``HYBRID_SHARD``: the ranks of the inter-node group hold the same FlatParameter
   shards; ``NO_SHARD``: every rank of the process group holds them whole.
+- DeepSpeed ZeRO 0-2: every rank of the data-parallel group holds the engine's module
+  parameters whole after each step (ZeRO-1/2 all-gather the updated partitions); an MoE
+  expert's, the ranks of its expert data-parallel group. The integration reads the groups
+  (:func:`deepspeed_sets`). ZeRO-3 partitions them: no replica.
 - Plain FSDP (``FULL_SHARD``, ``SHARD_GRAD_OP``, FSDP2 on a 1-D mesh), one rank, or a
   model with none of these wrappers: no parameter has a replica, there is nothing to
   compare, and the check does nothing.
@@ -19,6 +23,7 @@ Called once per ``attach``: walks ``named_parameters()`` once.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +40,8 @@ class ReplicaSet:
     """Parameters this rank holds together with the same other ranks."""
 
     how: str
-    """``ddp``, ``hsdp`` (FSDP2 2-D mesh), ``fsdp1_hybrid`` or ``fsdp1_no_shard``."""
+    """``ddp``, ``hsdp`` (FSDP2 2-D mesh), ``fsdp1_hybrid``, ``fsdp1_no_shard`` or
+    ``deepspeed``."""
     group: Any
     """The process group of the replicas (this rank included)."""
     ranks: tuple[int, ...]
@@ -114,6 +120,21 @@ def _dtensor_sets(model: nn.Module) -> list[ReplicaSet]:
         local = compat.local_tensor(param)
         replicas.pieces.append(_whole(compat.clean_param_name(name)[0], local))
     return list(sets.values())
+
+
+def deepspeed_sets(params: Iterable[tuple[str, torch.Tensor, Any]]) -> list[ReplicaSet]:
+    """DeepSpeed's replica sets: one per process group of ``params`` (name, parameter,
+    the group that holds it whole, as the integration reads them from the engine), in
+    the parameters' order; none on a single process."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return []
+    sets: dict[int, ReplicaSet] = {}
+    for name, param, group in params:
+        replicas = sets.get(id(group))
+        if replicas is None:
+            replicas = sets[id(group)] = ReplicaSet("deepspeed", group, _group_ranks(group))
+        replicas.pieces.append(_whole(name, param))
+    return _sized(list(sets.values()))
 
 
 def _sized(sets: list[ReplicaSet]) -> list[ReplicaSet]:
