@@ -25,14 +25,18 @@ sinks, ``monitor.telemetry``):
   micro-batches of the step; the rank's own loss (``engine.backward``'s argument,
   unscaled; the mean over micro-batches); the batch ids noted with ``note_batch``.
 
-fp16 records read as a loss scaler's (``setup.mode == "scaler"``: scale before and after,
-the backoff or growth event, the growth tracker), so the scale rules apply as they do to
-``GradScaler``'s. bf16 and fp32 records read as a watch's (no scale) whose policy is what
-DeepSpeed does with an inf/NaN step: ``skip``, or ``observe`` when the config sets
-``"bf16": {"check_grad_overflow": false}`` and DeepSpeed applies it; a step applied on
-inf/NaN gradients counts in ``nonfinite_applied`` (the critical
+fp16 records (the ``fp16`` section, or ``torch_autocast`` in float16, whose torch
+``GradScaler`` scales) read as a loss scaler's (``setup.mode == "scaler"``: scale before
+and after, the backoff or growth event, the growth tracker), so the scale rules apply as
+they do to ``GradScaler``'s. bf16 and fp32 records read as a watch's (no scale). The
+policy is what DeepSpeed does with an inf/NaN step: ``skip``, or ``observe`` when the
+config sets ``"bf16": {"check_grad_overflow": false}`` or DeepSpeed is seen applying one.
+Each record says what its step did (``PendingStep.applied``): a step applied on inf/NaN
+gradients, fp16 or not, counts in ``nonfinite_applied`` (the critical
 ``nonfinite_update_applied`` verdict), judged from the global norm and the hooks rather
-than from DeepSpeed's ``overflow``, which says ``False`` there.
+than from DeepSpeed's ``overflow``, which says ``False`` there; a step the
+``torch_autocast`` ``GradScaler`` skipped (its scale fell) is a skip, although the engine
+says it applied it at ZeRO-0.
 
 Costs per micro-batch: one fused non-finite kernel per parameter, in its tensor hook
 (no sync, no allocation); per optimizer step: one reduction and one host read of the
@@ -101,6 +105,10 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
         """The engine observed; ``None`` until bound (the Trainer and Accelerate bind it
         when ``accelerator.prepare()`` builds it)."""
         self._fp16 = False
+        """Records read as a loss scaler's: ``"fp16"``, or ``torch_autocast`` in fp16."""
+        self._autocast = False
+        """DeepSpeed's ``torch_autocast`` fp16 mode: a torch ``GradScaler`` scales."""
+        self._scaled_norm = False
         self._policy: Policy = "skip"
         self._warned_applied = False
         self._setups: dict[Policy, Setup] = {}
@@ -142,8 +150,7 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
         if self.engine is not None:
             raise RuntimeError("this monitor already observes an engine")
         self.engine = engine
-        self._fp16 = ds.fp16(engine)
-        self._policy = "skip" if self._fp16 or ds.checks_overflow(engine) else "observe"
+        self._read_precision(engine)
         module = _module(engine)
         self._dtypes = "+".join(
             sorted({str(p.dtype).removeprefix("torch.") for p in module.parameters()})
@@ -166,6 +173,12 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
         engine.step = self._step
         engine.backward = self._backward
         setattr(engine, _STATE, self)
+
+    def _read_precision(self, engine: Any) -> None:
+        self._autocast = ds.autocast_scaler(engine) is not None
+        self._fp16 = ds.fp16(engine) or self._autocast
+        self._scaled_norm = ds.autocast_norm_is_scaled(engine)
+        self._policy = "skip" if self._fp16 or ds.checks_overflow(engine) else "observe"
 
     def get_scale(self) -> float:
         """DeepSpeed's loss scale now (fp16); 1.0 under bf16/fp32 or before an engine."""
@@ -209,21 +222,27 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
         if self._flags is not None:
             origin, named = self._flags.take()
         own = any(origin.values())
+        after = ds.loss_scale(engine)
+        # torch_autocast: torch's GradScaler skips exactly the steps it backs off on, and
+        # at ZeRO-0 the engine still says it applied them (was_step_applied, skipped_steps).
+        scaler_skipped = self._autocast and after < before
+        applied = applied and not scaler_skipped
         # What really happened: DeepSpeed's overflow, or a non-finite global norm (which
         # DeepSpeed computes even where it does not check: check_grad_overflow=false), or
-        # this rank's own gradients.
-        found = overflow or not ds.finite(norm) or own
-        if found and applied and not self._warned_applied:
-            self._warned_applied = True
-            logger.warning(
-                "ampscope: DeepSpeed applied optimizer step %d on inf/NaN gradients "
-                "(DeepSpeed's overflow flag: %s)",
-                self._steps,
-                overflow,
-            )
-            if not self._fp16:
-                self._policy = "observe"  # that is what DeepSpeed does with them
-        after = ds.loss_scale(engine)
+        # this rank's own gradients, or the GradScaler's skip.
+        found = overflow or not ds.finite(norm) or own or scaler_skipped
+        if found and applied:
+            # That is what DeepSpeed does with them: the setup says so from now on, and
+            # each such step counts in nonfinite_applied (pending.applied), fp16 or not.
+            self._policy = "observe"
+            if not self._warned_applied:
+                self._warned_applied = True
+                logger.warning(
+                    "ampscope: DeepSpeed applied optimizer step %d on inf/NaN gradients "
+                    "(DeepSpeed's overflow flag: %s)",
+                    self._steps,
+                    overflow,
+                )
         tracker = ds.growth_tracker(engine, found, before, after) if self._fp16 else 0
         flag = float(found)
         values = layout.head(before, [flag, flag]) + layout.tail(
@@ -241,6 +260,7 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
             values=values,
         )
         pending.setup = self._setup()
+        pending.applied = applied
         pending.stats = self._take_stats(norm)
         fp8 = self._ampscope_take_fp8()
         if fp8 is not None:
@@ -266,7 +286,9 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
         optimizers: tuple[OptimizerNorms, ...] = ()
         if norm is not None:
             square = torch.tensor(norm * norm if ds.finite(norm) else norm, dtype=torch.float64)
-            optimizers = (OptimizerNorms((), (), False, square),)
+            # torch_autocast at ZeRO 1-3: the norm of the gradients still scaled by the
+            # GradScaler (the telemetry thread divides it by the scale before the step).
+            optimizers = (OptimizerNorms((), (), self._scaled_norm, square),)
         loss = taken.loss
         if loss is not None and loss.device.type != "cpu":
             loss = loss.float().to("cpu", non_blocking=False)  # telemetry thread reads it
