@@ -41,7 +41,10 @@ says it applied it at ZeRO-0.
 Costs per micro-batch: one fused non-finite kernel per parameter, in its tensor hook
 (no sync, no allocation); per optimizer step: one reduction and one host read of the
 flag vector per device, the norm's host read (DeepSpeed's own overflow check has already
-synchronised within ``step()``), and the record on the telemetry thread.
+synchronised within ``step()``), under ``torch_autocast`` fp16 the host reads of the
+``GradScaler``'s scale before and after ``step()`` and of its tracker (the one before
+waits for the backward's kernels on an accelerator), and the record on the telemetry
+thread.
 
 Not available under DeepSpeed: the classifying rerun (``step(..., rerun=closure)``: the
 engine's ``step()`` takes no closure and DeepSpeed has already reduced, and under ZeRO-2/3
