@@ -31,7 +31,12 @@ def fp16(engine: Any) -> bool:
 def autocast_scaler(engine: Any) -> torch.amp.GradScaler | None:
     """The torch ``GradScaler`` DeepSpeed built for ``"torch_autocast": {"dtype":
     "float16"}`` (the engine's at ZeRO-0, the ZeRO optimizer's at ZeRO 1-3); ``None``
-    under any other precision."""
+    under any other precision. Asked of the engine's own config: DeepSpeed keeps the
+    autocast setting process-wide, so a ZeRO optimizer built after a ``torch_autocast``
+    engine in the same process gets a ``GradScaler`` too, whatever its config says."""
+    enabled = getattr(engine, "torch_autocast_enabled", None)  # absent from older releases
+    if not (callable(enabled) and enabled()):
+        return None
     scaler = getattr(engine, "torch_autocast_z0_gradscaler", None)
     if scaler is None:
         scaler = getattr(engine.optimizer, "torch_autocast_gradscaler", None)
@@ -42,7 +47,10 @@ def autocast_norm_is_scaled(engine: Any) -> bool:
     """Whether ``get_global_grad_norm()`` is of the gradients still multiplied by the
     ``torch_autocast`` scaler's scale: at ZeRO 1-3, whose optimizer divides the norm by its
     own loss scale (1 there), not by the ``GradScaler``'s."""
-    return getattr(engine.optimizer, "torch_autocast_gradscaler", None) is not None
+    return (
+        autocast_scaler(engine) is not None
+        and getattr(engine.optimizer, "torch_autocast_gradscaler", None) is not None
+    )
 
 
 def checks_overflow(engine: Any) -> bool:

@@ -245,6 +245,8 @@ def fp16_stages(rank: int, world_size: int) -> dict[str, Any]:
         common = {"stage": stage, "dtype": "fp16", "steps": FP16_STEPS, "nan_step": FP16_NAN_STEP}
         out[f"plain{stage}"] = train(rank, instrumented=False, **common, **FP16_PRECISION)
         out[f"ours{stage}"] = train(rank, run_id=f"ds-fp16-z{stage}", **common, **FP16_PRECISION)
+    # torch_autocast last: DeepSpeed keeps it process-wide, and a ZeRO engine built after
+    # one gets a GradScaler too, whatever its config says.
     for stage in (0, 2):
         common = {"stage": stage, "dtype": AUTOCAST, "steps": FP16_STEPS, "nan_step": FP16_NAN_STEP}
         out[f"autocast_plain{stage}"] = train(rank, instrumented=False, **common)
