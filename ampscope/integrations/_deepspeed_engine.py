@@ -7,10 +7,12 @@ optimizer DeepSpeed built (``engine.optimizer``): ``overflow`` (every ZeRO stage
 ``BF16_Optimizer``; stale between boundaries), the scale as ``cur_scale`` (ZeRO 1-3
 fp16) or ``loss_scale`` (ZeRO-0's ``FP16_Optimizer``), and the dynamic loss scaler's
 iteration counters (``loss_scaler.cur_iter``, ``last_overflow_iter``, ``scale_window``)
-for the growth tracker. For the replica check: the ZeRO stage
-(``zero_optimization_stage()``), the group the parameters are replicated over
-(``seq_data_parallel_group``: DeepSpeed's data-parallel group, widened by sequence
-parallelism; the group it broadcasts the parameters over at start and reduces the
+for the growth tracker. The ``torch_autocast`` fp16 mode scales with a torch
+``GradScaler`` of DeepSpeed's instead: the engine's ``torch_autocast_z0_gradscaler`` at
+ZeRO-0, the ZeRO optimizer's ``torch_autocast_gradscaler`` at ZeRO 1-3. For the replica
+check: the ZeRO stage (``zero_optimization_stage()``), the group the parameters are
+replicated over (``seq_data_parallel_group``: DeepSpeed's data-parallel group, widened by
+sequence parallelism; the group it broadcasts the parameters over at start and reduces the
 gradients over) and, for MoE experts, ``expert_data_parallel_group[param.group_name]``.
 ``tests/integrations/test_deepspeed.py`` fails when a release moves any of them.
 """
@@ -23,10 +25,37 @@ from typing import Any
 
 import torch
 
+from ampscope.rank import compat
+
 
 def fp16(engine: Any) -> bool:
-    """Whether the engine scales the loss (fp16 mixed precision)."""
+    """Whether the engine scales the loss with its own loss scaler (``"fp16"`` config)."""
     return bool(engine.fp16_enabled())
+
+
+def autocast_scaler(engine: Any) -> torch.amp.GradScaler | None:
+    """The torch ``GradScaler`` DeepSpeed built for ``"torch_autocast": {"dtype":
+    "float16"}`` (the engine's at ZeRO-0, the ZeRO optimizer's at ZeRO 1-3); ``None``
+    under any other precision. Asked of the engine's own config: DeepSpeed keeps the
+    autocast setting process-wide, so a ZeRO optimizer built after a ``torch_autocast``
+    engine in the same process gets a ``GradScaler`` too, whatever its config says."""
+    enabled = getattr(engine, "torch_autocast_enabled", None)  # absent from older releases
+    if not (callable(enabled) and enabled()):
+        return None
+    scaler = getattr(engine, "torch_autocast_z0_gradscaler", None)
+    if scaler is None:
+        scaler = getattr(engine.optimizer, "torch_autocast_gradscaler", None)
+    return scaler if isinstance(scaler, torch.amp.GradScaler) else None
+
+
+def autocast_norm_is_scaled(engine: Any) -> bool:
+    """Whether ``get_global_grad_norm()`` is of the gradients still multiplied by the
+    ``torch_autocast`` scaler's scale: at ZeRO 1-3, whose optimizer divides the norm by its
+    own loss scale (1 there), not by the ``GradScaler``'s."""
+    return (
+        autocast_scaler(engine) is not None
+        and getattr(engine.optimizer, "torch_autocast_gradscaler", None) is not None
+    )
 
 
 def checks_overflow(engine: Any) -> bool:
@@ -41,9 +70,12 @@ def checks_overflow(engine: Any) -> bool:
 
 
 def loss_scale(engine: Any) -> float:
-    """The loss scale in use; 1.0 when the engine does not scale (bf16, fp32)."""
+    """The loss scale in use; 1.0 when the engine does not scale (bf16, fp32). The
+    ``torch_autocast`` scaler's is a tensor: read, one host-device sync on an
+    accelerator."""
     if not fp16(engine):
-        return 1.0
+        scaler = autocast_scaler(engine)
+        return 1.0 if scaler is None else float(scaler.get_scale())
     optimizer = engine.optimizer
     for name in ("cur_scale", "loss_scale"):
         value = getattr(optimizer, name, None)
@@ -80,8 +112,14 @@ def growth_tracker(engine: Any, found: bool, before: float, after: float) -> int
     0 right after a backoff or a growth, so that a record's event reads as a scaler's.
 
     DeepSpeed's dynamic scaler grows after ``scale_window`` clean steps past its last
-    overflow, counting from ``last_overflow_iter``; a static scale never grows.
+    overflow, counting from ``last_overflow_iter``; a static scale never grows. Under
+    ``torch_autocast`` fp16 the ``GradScaler``'s own tracker (one host read), which stays
+    as it was where DeepSpeed skipped the step before the ``GradScaler`` saw it.
     """
+    autocast = autocast_scaler(engine)
+    if autocast is not None:  # torch's own tracker (untouched where DeepSpeed skipped first)
+        tracker = compat.scale_and_tracker(autocast)[1]
+        return 0 if tracker is None else int(tracker.item())
     if found or after > before:
         return 0
     scaler = getattr(engine.optimizer, "loss_scaler", None)

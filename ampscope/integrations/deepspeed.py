@@ -33,21 +33,27 @@ sinks, ``monitor.telemetry``):
   At ZeRO 1-2 the fp32 master copy is partitioned, so a corruption of the owner's master
   copy reaches every replica through the all-gather unseen (docs/silent-corruption.md).
 
-fp16 records read as a loss scaler's (``setup.mode == "scaler"``: scale before and after,
-the backoff or growth event, the growth tracker), so the scale rules apply as they do to
-``GradScaler``'s. bf16 and fp32 records read as a watch's (no scale) whose policy is what
-DeepSpeed does with an inf/NaN step: ``skip``, or ``observe`` when the config sets
-``"bf16": {"check_grad_overflow": false}`` and DeepSpeed applies it; a step applied on
-inf/NaN gradients counts in ``nonfinite_applied`` (the critical
+fp16 records (the ``fp16`` section, or ``torch_autocast`` in float16, whose torch
+``GradScaler`` scales) read as a loss scaler's (``setup.mode == "scaler"``: scale before
+and after, the backoff or growth event, the growth tracker), so the scale rules apply as
+they do to ``GradScaler``'s. bf16 and fp32 records read as a watch's (no scale). The
+policy is what DeepSpeed does with an inf/NaN step: ``skip``, or ``observe`` when the
+config sets ``"bf16": {"check_grad_overflow": false}`` or DeepSpeed is seen applying one.
+Each record says what its step did (``PendingStep.applied``): a step applied on inf/NaN
+gradients, fp16 or not, counts in ``nonfinite_applied`` (the critical
 ``nonfinite_update_applied`` verdict), judged from the global norm and the hooks rather
-than from DeepSpeed's ``overflow``, which says ``False`` there.
+than from DeepSpeed's ``overflow``, which says ``False`` there; a step the
+``torch_autocast`` ``GradScaler`` skipped (its scale fell) is a skip, although the engine
+says it applied it at ZeRO-0.
 
 Costs per micro-batch: one fused non-finite kernel per parameter, in its tensor hook
 (no sync, no allocation); per optimizer step: one reduction and one host read of the
 flag vector per device, the norm's host read (DeepSpeed's own overflow check has already
-synchronised within ``step()``), and the record on the telemetry thread. A checking step adds
-the replica check's two kernels per 2**24 parameter elements, one small all-gather over
-the data-parallel group and one host read.
+synchronised within ``step()``), under ``torch_autocast`` fp16 the host reads of the
+``GradScaler``'s scale before and after ``step()`` and of its tracker (the one before
+waits for the backward's kernels on an accelerator), and the record on the telemetry
+thread. A checking step adds the replica check's two kernels per 2**24 parameter elements,
+one small all-gather over the data-parallel group and one host read.
 
 Not available under DeepSpeed: the classifying rerun (``step(..., rerun=closure)``: the
 engine's ``step()`` takes no closure and DeepSpeed has already reduced, and under ZeRO-2/3
@@ -120,6 +126,10 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
         """The engine observed; ``None`` until bound (the Trainer and Accelerate bind it
         when ``accelerator.prepare()`` builds it)."""
         self._fp16 = False
+        """Records read as a loss scaler's: ``"fp16"``, or ``torch_autocast`` in fp16."""
+        self._autocast = False
+        """DeepSpeed's ``torch_autocast`` fp16 mode: a torch ``GradScaler`` scales."""
+        self._scaled_norm = False
         self._policy: Policy = "skip"
         self._warned_applied = False
         self._setups: dict[Policy, Setup] = {}
@@ -162,8 +172,7 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
         if self.engine is not None:
             raise RuntimeError("this monitor already observes an engine")
         self.engine = engine
-        self._fp16 = ds.fp16(engine)
-        self._policy = "skip" if self._fp16 or ds.checks_overflow(engine) else "observe"
+        self._read_precision(engine)
         module = _module(engine)
         self._dtypes = "+".join(
             sorted({str(p.dtype).removeprefix("torch.") for p in module.parameters()})
@@ -223,6 +232,12 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
             return
         self._ampscope_replicas = check if check.compares else None
 
+    def _read_precision(self, engine: Any) -> None:
+        self._autocast = ds.autocast_scaler(engine) is not None
+        self._fp16 = ds.fp16(engine) or self._autocast
+        self._scaled_norm = ds.autocast_norm_is_scaled(engine)
+        self._policy = "skip" if self._fp16 or ds.checks_overflow(engine) else "observe"
+
     def get_scale(self) -> float:
         """DeepSpeed's loss scale now (fp16); 1.0 under bf16/fp32 or before an engine."""
         return 1.0 if self.engine is None else ds.loss_scale(self.engine)
@@ -271,21 +286,27 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
         if self._flags is not None:
             origin, named = self._flags.take()
         own = any(origin.values())
+        after = ds.loss_scale(engine)
+        # torch_autocast: torch's GradScaler skips exactly the steps it backs off on, and
+        # at ZeRO-0 the engine still says it applied them (was_step_applied, skipped_steps).
+        scaler_skipped = self._autocast and after < before
+        applied = applied and not scaler_skipped
         # What really happened: DeepSpeed's overflow, or a non-finite global norm (which
         # DeepSpeed computes even where it does not check: check_grad_overflow=false), or
-        # this rank's own gradients.
-        found = overflow or not ds.finite(norm) or own
-        if found and applied and not self._warned_applied:
-            self._warned_applied = True
-            logger.warning(
-                "ampscope: DeepSpeed applied optimizer step %d on inf/NaN gradients "
-                "(DeepSpeed's overflow flag: %s)",
-                self._steps,
-                overflow,
-            )
-            if not self._fp16:
-                self._policy = "observe"  # that is what DeepSpeed does with them
-        after = ds.loss_scale(engine)
+        # this rank's own gradients, or the GradScaler's skip.
+        found = overflow or not ds.finite(norm) or own or scaler_skipped
+        if found and applied:
+            # That is what DeepSpeed does with them: the setup says so from now on, and
+            # each such step counts in nonfinite_applied (pending.applied), fp16 or not.
+            self._policy = "observe"
+            if not self._warned_applied:
+                self._warned_applied = True
+                logger.warning(
+                    "ampscope: DeepSpeed applied optimizer step %d on inf/NaN gradients "
+                    "(DeepSpeed's overflow flag: %s)",
+                    self._steps,
+                    overflow,
+                )
         tracker = ds.growth_tracker(engine, found, before, after) if self._fp16 else 0
         flag = float(found)
         values = layout.head(before, [flag, flag]) + layout.tail(
@@ -304,6 +325,7 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
         )
         pending.setup = self._setup()
         pending.replicas = replicas
+        pending.applied = applied
         pending.stats = self._take_stats(norm)
         fp8 = self._ampscope_take_fp8()
         if fp8 is not None:
@@ -329,7 +351,9 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
         optimizers: tuple[OptimizerNorms, ...] = ()
         if norm is not None:
             square = torch.tensor(norm * norm if ds.finite(norm) else norm, dtype=torch.float64)
-            optimizers = (OptimizerNorms((), (), False, square),)
+            # torch_autocast at ZeRO 1-3: the norm of the gradients still scaled by the
+            # GradScaler (the telemetry thread divides it by the scale before the step).
+            optimizers = (OptimizerNorms((), (), self._scaled_norm, square),)
         loss = taken.loss
         if loss is not None and loss.device.type != "cpu":
             loss = loss.float().to("cpu", non_blocking=False)  # telemetry thread reads it

@@ -9,7 +9,8 @@ explains:
 
 - ``nonfinite_loss``: the loss itself is inf/NaN (any mode);
 - ``nonfinite_gradients``: inf/NaN gradients without a loss scaler (a ``GradWatch`` on a
-  bf16/fp32 run: nothing there overflows by design);
+  bf16/fp32 run: nothing there overflows by design), or ones a scaler's step was applied
+  on (a DeepSpeed fp16 engine that did not skip them: no scale explains new weights);
 - ``overflow_at_clean_scale``: a scaler's overflow at or below its *clean scale*, the newest
   scale at which it recently trained cleanly (below), and below its *edge*. The scale alone
   cannot tell a device's one-time inf from gradients that outgrew the scale, so this kind is
@@ -155,6 +156,9 @@ class Iteration:
     """``update(new_scale)`` set the scale by hand: the scaler starts settling afresh."""
     after_applied: bool = False
     """An earlier iteration's update ran on inf/NaN gradients (policy ``observe``)."""
+    applied: bool = False
+    """This iteration's update ran on its inf/NaN gradients (a watch under ``observe``, or
+    a DeepSpeed fp16 engine that applied them): a fault whatever the scale."""
 
 
 @dataclass(frozen=True)
@@ -213,7 +217,7 @@ class FaultState:
             return Call("consequence", "after_applied", own, clean)
         if it.loss_nonfinite:
             return Call("fault", "nonfinite_loss", own, clean)
-        if not it.scaler:
+        if not it.scaler or it.applied:
             return Call("fault", "nonfinite_gradients", own, clean)
         if clean is None or it.manual:
             self.edge = it.scale_before

@@ -192,7 +192,9 @@ class Setup(_Model):
 
     mode: RankMode = "scaler"
     policy: Policy = "skip"
-    """``skip`` for every scaler; a watch's ``observe``, ``skip`` or ``raise``."""
+    """A watch's ``observe``, ``skip`` or ``raise``; ``skip`` for every torch scaler, and
+    for a DeepSpeed fp16 engine until it is seen applying a step on inf/NaN gradients
+    (then ``observe``: its records' ``skipped`` still say each step's fate)."""
     grad_dtype: Label | None = None
     """dtype of the gradients checked (``float16``, ``bfloat16``, ``float32``); ``None``
     when unknown."""
@@ -278,7 +280,8 @@ class RankTotals(_Model):
     ``None`` before the first such step. Ranks of a healthy run agree on it at equal steps."""
     nonfinite_applied: Count = 0
     """Iterations whose optimizer step ran on non-finite gradients (a watch under
-    ``observe``): from the first one on, the weights hold inf/NaN. Always 0 for scalers."""
+    ``observe``): from the first one on, the weights hold inf/NaN. Always 0 for torch's
+    scalers (a DeepSpeed fp16 engine that applied such a step counts it)."""
     first_nonfinite_applied: NonfiniteApplied | None = None
     """The first such iteration; ``None`` while there was none."""
     faults: dict[FaultKind, Count] | None = None

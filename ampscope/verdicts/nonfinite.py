@@ -115,7 +115,8 @@ def _origin(at_step: Sequence[tuple[int, bool | None]]) -> tuple[list[int], bool
 @dataclass(frozen=True, kw_only=True)
 class AppliedFacts(RankRef):
     """What ``nonfinite_update_applied`` reads of a rank whose optimizer stepped on inf/NaN
-    gradients (a watch under policy ``observe``) since its process started."""
+    gradients (a watch under policy ``observe``, or a DeepSpeed engine, bf16 or fp16, that
+    applied them) since its process started."""
 
     first_step: int
     """Its first such step (``RankTotals.first_nonfinite_applied``)."""

@@ -62,15 +62,21 @@ def setup(*, fp16: bool = False) -> Any:
     return deepspeed
 
 
-def config(stage: int, dtype: str, gas: int, **precision: Any) -> dict[str, Any]:
+def config(stage: int, section: str, gas: int, **precision: Any) -> dict[str, Any]:
+    """``section``: the precision's config section (``fp16``, ``bf16``, ``torch_autocast``)."""
     return {
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": gas,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
         "zero_optimization": {"stage": stage},
-        dtype: {"enabled": True, **precision},
+        section: {"enabled": True, **precision},
         "steps_per_print": 10**9,
     }
+
+
+AUTOCAST = "torch_autocast"
+"""DeepSpeed's torch.autocast mode, in fp16 (``"dtype": "float16"``): a torch GradScaler of
+DeepSpeed's scales the loss; the model's weights stay float32."""
 
 
 def world() -> int:
@@ -80,10 +86,15 @@ def world() -> int:
 
 
 def batch(
-    rank: int, step: int, micro: int, dtype: torch.dtype, nan_step: int | None
+    rank: int,
+    step: int,
+    micro: int,
+    dtype: torch.dtype,
+    nan_step: int | None,
+    features: int = FEATURES,
 ) -> torch.Tensor:
     generator = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
-    x = torch.randn(4, FEATURES, generator=generator)
+    x = torch.randn(4, features, generator=generator)
     if rank == NAN_RANK % world() and step == nan_step and micro == 0:
         x[0, 0] = math.nan
     return x.to(dtype)
@@ -103,16 +114,21 @@ def train(
     replica_check_every: int | None = None,
     flip_step: int | None = None,
     close_after: int | None = None,
+    model: nn.Module | None = None,
     **precision: Any,
 ) -> dict[str, Any]:
     """Train one engine; the rank's records, DeepSpeed's own view per step, the weights,
-    what ampscope logged about replicas. ``flip_step``: plant the replica fault;
-    ``close_after``: rank 0 closes its monitor after that step and trains on."""
+    what ampscope logged about replicas. ``dtype``: the config section (``AUTOCAST``:
+    torch_autocast in fp16); ``flip_step``: plant the replica fault; ``close_after``: rank
+    0 closes its monitor after that step and trains on."""
     import deepspeed
 
     from ampscope.reporter.sinks import CallbackSink
 
-    model = Net()
+    if dtype == AUTOCAST:
+        precision = {"dtype": "float16", **precision}
+    model = Net() if model is None else model
+    features = next(model.parameters()).shape[-1]  # before ZeRO-3 partitions it
     engine, *_ = deepspeed.initialize(
         model=model,
         model_parameters=model.parameters(),
@@ -140,11 +156,11 @@ def train(
     logging.getLogger("ampscope").removeHandler(logged)
     if flip_step is not None and rank == NAN_RANK:
         _flip_after(engine, flip_step)
-    torch_dtype = torch.float16 if dtype == "fp16" else torch.bfloat16
+    torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(dtype, torch.float32)
     seen: list[dict[str, Any]] = []
     for step in range(1, steps + 1):
         for micro in range(gas):
-            x = batch(rank, step, micro, torch_dtype, nan_step).to(engine.device)
+            x = batch(rank, step, micro, torch_dtype, nan_step, features).to(engine.device)
             if monitor is not None:
                 monitor.note_batch([f"r{rank}s{step}m{micro}"])
             loss = engine(x).float().pow(2).mean()
@@ -155,7 +171,9 @@ def train(
                 "applied": engine.was_step_applied(),
                 "skipped_steps": engine.skipped_steps,
                 "overflow": bool(getattr(engine.optimizer, "overflow", False)),
-                "scale": float(engine.optimizer.loss_scale) if dtype == "fp16" else None,
+                "scale": _scale(engine),
+                "norm": _norm(engine),
+                "weights": _weights(engine, stage),
             }
         )
         if monitor is not None and rank == 0 and step == close_after:
@@ -223,6 +241,22 @@ def cuda_run(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
+def _scale(engine: Any) -> float | None:
+    """The loss scale DeepSpeed holds: its fp16 scaler's, or torch_autocast's GradScaler's
+    (the engine's at ZeRO-0, the optimizer's at ZeRO 1-3); ``None`` without one."""
+    if engine.fp16_enabled():
+        return float(engine.optimizer.loss_scale)
+    scaler = getattr(engine, "torch_autocast_z0_gradscaler", None) or getattr(
+        engine.optimizer, "torch_autocast_gradscaler", None
+    )
+    return None if scaler is None else float(scaler.get_scale())
+
+
+def _norm(engine: Any) -> float | None:
+    norm = engine.get_global_grad_norm()
+    return None if norm is None else float(norm)
+
+
 def _weights(engine: Any, stage: int) -> list[float]:
     params = list(engine.module.parameters())
     if stage == 3:  # partitioned: gathered whole for the comparison
@@ -281,14 +315,42 @@ FP16_PRECISION = {"initial_scale_power": 18, "loss_scale_window": 2, "hysteresis
 
 def fp16_stages(rank: int, world_size: int) -> dict[str, Any]:
     """fp16 (the test-only override) at ZeRO 0 and 2: backoffs from a scale too high for
-    the gradients, growth, then the NaN."""
+    the gradients, growth, then the NaN. Then DeepSpeed's torch_autocast fp16 mode at ZeRO
+    0 and 2 with the NaN (its GradScaler; at ZeRO-0 the engine says it applied the step the
+    GradScaler skipped), and with torchao's Float8Linear (emulated) at ZeRO-0."""
     setup(fp16=True)
     out: dict[str, Any] = {}
     for stage in (0, 2):
         common = {"stage": stage, "dtype": "fp16", "steps": FP16_STEPS, "nan_step": FP16_NAN_STEP}
         out[f"plain{stage}"] = train(rank, instrumented=False, **common, **FP16_PRECISION)
         out[f"ours{stage}"] = train(rank, run_id=f"ds-fp16-z{stage}", **common, **FP16_PRECISION)
+    # torch_autocast last: DeepSpeed keeps it process-wide, and a ZeRO engine built after
+    # one gets a GradScaler too, whatever its config says.
+    for stage in (0, 2):
+        common = {"stage": stage, "dtype": AUTOCAST, "steps": FP16_STEPS, "nan_step": FP16_NAN_STEP}
+        out[f"autocast_plain{stage}"] = train(rank, instrumented=False, **common)
+        out[f"autocast{stage}"] = train(rank, run_id=f"ds-autocast-z{stage}", **common)
+    out["autocast_fp8"] = autocast_fp8(rank)
     return out
+
+
+def autocast_fp8(rank: int) -> dict[str, Any]:
+    """torch_autocast fp16 at ZeRO-0 on a model of torchao ``Float8Linear`` layers
+    (``emulate=True``: the CPU), clean; the error's text where they do not compose."""
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError:
+        return {"missing": "torchao"}
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+    convert_to_float8_training(model, config=Float8LinearConfig(emulate=True))
+    try:
+        return train(
+            rank, stage=0, dtype=AUTOCAST, steps=3, nan_step=None, model=model, run_id=None
+        )
+    except Exception as error:  # the test shows what the combination does
+        return {"error": f"{type(error).__name__}: {error}"}
 
 
 def clean_run(rank: int, world_size: int, run_id: str) -> dict[str, Any]:

@@ -152,6 +152,16 @@ def test_loss_watch_consequence_and_manual() -> None:
     assert settled.clean_scale is None
 
 
+def test_a_scalers_step_applied_on_inf_nan_is_a_fault_at_any_scale() -> None:
+    """DeepSpeed fp16 that applied the step: no scale explains new weights, even in the
+    warm-up where the same overflow, skipped, would be weather."""
+    state = FaultState()
+    skipped = Iteration(scaler=True, nonfinite=True, own=True, scale_before=2.0**16)
+    assert state.observe(skipped).cls == "weather"  # type: ignore[union-attr]
+    applied = Iteration(scaler=True, nonfinite=True, own=True, scale_before=2.0**15, applied=True)
+    assert state.observe(applied) == Call("fault", "nonfinite_gradients", True, None)
+
+
 def test_rerun_corrects_the_call_and_offences() -> None:
     weather = Call("weather", "probing", True, 8.0)
     assert after_rerun(weather, False, True, True) is weather

@@ -196,8 +196,9 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "ampscope_nonfinite_updates_applied_total",
         "counter",
         "Iterations whose optimizer step ran on inf/NaN gradients (a watch under policy "
-        "observe): from the first one on, the rank's weights hold inf/NaN. Always 0 for "
-        "scalers and for the skip and raise policies.",
+        "observe, or a DeepSpeed engine that applied them): from the first one on, the "
+        "rank's weights hold inf/NaN. Always 0 for torch's scalers and for the skip and "
+        "raise policies.",
     ),
     _rank(
         "ampscope_faults_total",

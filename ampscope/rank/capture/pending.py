@@ -45,6 +45,7 @@ class PendingStep:
     """
 
     __slots__ = (
+        "applied",
         "batch",
         "before",
         "clean",
@@ -116,6 +117,11 @@ class PendingStep:
         head stacked on the device."""
         self.setup: Setup | None = None
         """What the rank runs; set by the capture's lay-out."""
+        self.applied: bool | None = None
+        """Whether the optimizer step ran, where the front-end knows it from what the
+        library did rather than from its policy (DeepSpeed: the engine's decision,
+        corrected by ampscope's reads); ``None``: the setup's policy says it (a scaler
+        skips, a watch skips or under ``observe`` applies)."""
         self.stats: TakenStats | None = None
         """The loss and gradient norms' tensors and layout; ``None`` with ``stats=False``."""
         self.host_norms: torch.Tensor | None = None

@@ -173,7 +173,10 @@ class RecordBuilder:
         watch (``setup.mode == "watch"``) has no scale: its values carry a scale of 1 and
         a tracker of 0, its event is always ``none`` and its totals hold no scale. Under
         ``observe`` a stepped optimizer that found inf/NaN applied the update instead of
-        skipping it (``nonfinite_applied``).
+        skipping it (``nonfinite_applied``). Where the front-end says what the library did
+        (``pending.applied``, DeepSpeed), that decides instead of the policy, for a
+        scaler's record too: an applied step is no skip and no backoff unless the scale
+        fell (its event follows the scale).
 
         Raises:
             pydantic.ValidationError: a value the schema rejects (e.g. an infinite scale);
@@ -185,8 +188,12 @@ class RecordBuilder:
         decoded = layout.decode(
             values, pending.optimizers, pending.local_devices, pending.origin_devices
         )
-        applied = watch and setup.policy == "observe" and decoded.stepped_on_nonfinite
-        skipped = decoded.stepped_on_nonfinite and not applied
+        stepped = decoded.stepped_on_nonfinite
+        if pending.applied is None:
+            applied = watch and setup.policy == "observe" and stepped
+        else:  # the front-end saw what the library did (DeepSpeed), scaler or watch
+            applied = pending.applied and stepped
+        skipped = stepped and not applied
         found_global = any(decoded.optimizer_found)
         local = self._flag_dict(pending.local_devices, decoded.local)
         origin = self._flag_dict(pending.origin_devices, decoded.origin)
@@ -198,8 +205,17 @@ class RecordBuilder:
             event = "none"
         elif pending.manual:
             event = "manual"
-        elif found_global:
+        elif found_global and not applied:
             event = "backoff"
+        elif applied:
+            # A scaler's step that ran on inf/NaN (DeepSpeed): the scale says what it did.
+            event = (
+                "backoff"
+                if scale_after < scale_before
+                else "growth"
+                if scale_after > scale_before
+                else "none"
+            )
         elif tracker == 0:
             # Without found-inf, torch's update either grows the scale and resets the
             # tracker to 0 or increments the tracker: 0 here means it grew (even if a
@@ -258,6 +274,7 @@ class RecordBuilder:
                 grew=event == "growth",
                 manual=pending.manual,
                 after_applied=totals.first_nonfinite_applied is not None,
+                applied=applied,
             ),
         )
         faults = totals.faults

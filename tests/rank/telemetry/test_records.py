@@ -153,3 +153,47 @@ def test_the_first_record_alone_names_the_device() -> None:
     assert first.device.device == "n0:0"
     assert second.device is None
     assert _strict(first) == first
+
+
+def test_a_step_the_front_end_says_was_applied_on_inf_nan() -> None:
+    """``pending.applied`` (DeepSpeed) decides skip or applied in a scaler's record too: an
+    applied step counts in nonfinite_applied, is no skip, and its event follows the scale;
+    a real skip stays a skip with its backoff; ``None`` leaves a scaler's reading as is."""
+    from ampscope.reporter.schema import Setup
+
+    scaler_observe = Setup(mode="scaler", policy="observe", grad_dtype="float16")
+    found = (1, 0, 0, 1, 0)  # the first optimizer's flag and a local one
+
+    def build(builder: RecordBuilder, step: int, values: list[float], applied: bool | None):
+        pending = _pending(step, values)
+        pending.setup = scaler_observe
+        pending.applied = applied
+        record = builder.build(pending, values)
+        assert record == _strict(record)
+        return record
+
+    builder = RecordBuilder(k=3)
+    clean = _values(before=8.0, after=8.0, tracker=1.0)
+    build(builder, 1, clean, True)  # clean: applied, nothing to count
+    kept = build(builder, 2, _values(8.0, 8.0, 2.0, found), True)
+    assert (kept.skipped, kept.event, kept.totals.nonfinite_applied) == (False, "none", 1)
+    assert kept.totals.first_nonfinite_applied is not None
+    assert kept.totals.first_nonfinite_applied.step == 2
+    assert kept.nonfinite is not None
+    assert (kept.nonfinite.kind, kept.nonfinite.reason) == ("fault", "nonfinite_gradients")
+    lowered = build(builder, 3, _values(8.0, 4.0, 0.0, found), True)
+    assert (lowered.skipped, lowered.event) == (False, "backoff")
+    skipped = build(builder, 4, _values(4.0, 2.0, 0.0, found), False)
+    assert (skipped.skipped, skipped.event) == (True, "backoff")
+    assert skipped.totals.nonfinite_applied == 2
+    assert skipped.totals.skipped_steps == 1
+
+    # A scaler's record without the front-end's word: found-inf is a skip, as ever.
+    plain = RecordBuilder(k=3)
+    values = _values(8.0, 4.0, 0.0, found)
+    record = plain.build(_pending(1, values), values)
+    assert (record.skipped, record.event, record.totals.nonfinite_applied) == (
+        True,
+        "backoff",
+        0,
+    )
