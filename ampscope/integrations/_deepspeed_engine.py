@@ -86,6 +86,19 @@ def loss_scale(engine: Any) -> float:
     return float(value) if isinstance(value, (int, float)) else 1.0
 
 
+def scale_before_step(engine: Any) -> float | torch.Tensor:
+    """The loss scale in use, taken right before ``step()`` without waiting for the
+    device: the ``torch_autocast`` scaler's as a copy on its device (its ``update()`` inside
+    ``step()`` rewrites the tensor in place), read as a float after ``step()``; any other
+    precision's as :func:`loss_scale` says it (a Python float)."""
+    if not fp16(engine):
+        scaler = autocast_scaler(engine)
+        scale = None if scaler is None else compat.scale_tensor(scaler)
+        if scale is not None:
+            return scale.detach().clone()
+    return loss_scale(engine)
+
+
 def overflow(engine: Any) -> bool:
     """DeepSpeed's verdict on the boundary step just taken: its gradients (after the
     reduction) held inf/NaN. Read right after ``step()`` at a boundary (stale otherwise);

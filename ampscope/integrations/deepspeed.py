@@ -50,8 +50,8 @@ Costs per micro-batch: one fused non-finite kernel per parameter, in its tensor 
 (no sync, no allocation); per optimizer step: one reduction and one host read of the
 flag vector per device, the norm's host read (DeepSpeed's own overflow check has already
 synchronised within ``step()``), under ``torch_autocast`` fp16 the host reads of the
-``GradScaler``'s scale before and after ``step()`` and of its tracker (the one before
-waits for the backward's kernels on an accelerator), and the record on the telemetry
+``GradScaler``'s scale and tracker after ``step()`` (the scale before it is a copy on the
+device, taken without waiting for the backward's kernels), and the record on the telemetry
 thread. A checking step adds the replica check's two kernels per 2**24 parameter elements,
 one small all-gather over the data-parallel group and one host read.
 
@@ -261,14 +261,14 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
             if boundary:  # a closed rank keeps its part in the replica check's collective
                 self._ampscope_check_replicas()
             return result
-        before = self._ampscope_guard(ds.loss_scale, engine) if boundary else None
+        before = self._ampscope_guard(ds.scale_before_step, engine) if boundary else None
         result = self._own_step(*args, **kwargs)
         if boundary:
             # After DeepSpeed's step (its all-gather included), applied or skipped, on
             # every rank whatever fails below: the check's all-gather is a collective.
             replicas = self._ampscope_check_replicas()
             try:
-                self._record(1.0 if before is None else before, replicas)
+                self._record(1.0 if before is None else float(before), replicas)
             except Exception:
                 self._ampscope_failed()
         return result
