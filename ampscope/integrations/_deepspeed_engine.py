@@ -9,11 +9,19 @@ fp16) or ``loss_scale`` (ZeRO-0's ``FP16_Optimizer``), and the dynamic loss scal
 iteration counters (``loss_scaler.cur_iter``, ``last_overflow_iter``, ``scale_window``)
 for the growth tracker. ``tests/integrations/test_deepspeed.py`` fails when a release
 moves any of them.
+
+Where DeepSpeed reduces the gradients is read here too (:func:`reduces_at_boundary_only`,
+:func:`check_before_reduction`): ZeRO-0 (``FP16_Optimizer``, fp32) and ZeRO-1 (without
+``overlap_comm`` or an fp32 accumulation attribute) keep each rank's gradients in the
+parameters' ``.grad``, accumulated over the micro-batches, until one reduction inside
+``engine.allreduce_gradients()`` at the accumulation boundary; ZeRO-2/3 and the others
+reduce during backward, bucket by bucket, and keep ampscope's per-parameter hooks.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 
@@ -92,3 +100,71 @@ def growth_tracker(engine: Any, found: bool, before: float, after: float) -> int
 def finite(value: float | None) -> bool:
     """``value`` is a finite number (``None``: nothing to judge, finite)."""
     return value is None or math.isfinite(value)
+
+
+def reduces_at_boundary_only(engine: Any) -> bool:
+    """Whether the engine leaves this rank's gradients in the parameters' ``.grad`` (summed
+    over the micro-batches by autograd) until one reduction in ``allreduce_gradients()`` at
+    the accumulation boundary, so that one check there sees every micro-batch's own
+    gradients before any rank's are mixed in.
+
+    True for ZeRO-0 (fp32, or ``FP16_Optimizer`` under fp16 and bf16: its ``zero_grad``
+    runs in ``step()`` only) and for ZeRO-1's ``DeepSpeedZeroOptimizer`` without
+    ``overlap_comm`` (which reduces inside the boundary micro-batch's backward) and without
+    ``use_grad_accum_attribute`` (fp32 accumulation, which moves ``.grad`` into
+    ``param.grad_accum`` after the reduction call). False for ZeRO-2/3 (they reduce bucket
+    by bucket during every backward), ``BF16_Optimizer`` (it copies each micro-batch's
+    gradient into an fp32 buffer and clears ``.grad``), engines that reduce elsewhere
+    (``enable_backward_allreduce`` off: the pipeline engine; DeepCompile; ZenFlow), and
+    anything this module does not recognise."""
+    try:
+        if not callable(getattr(engine, "allreduce_gradients", None)):
+            return False
+        if engine.enable_backward_allreduce is not True or getattr(engine, "zenflow", False):
+            return False
+        if engine.is_deepcompile_active():
+            return False
+        if engine.zero_optimization_partition_gradients():
+            return False
+        optimizer = engine.optimizer
+        if hasattr(optimizer, "fp32_groups_gradients"):  # BF16_Optimizer
+            return False
+        stage = int(engine.zero_optimization_stage())
+        if stage == 0:
+            return True
+        if stage == 1 and type(optimizer).__name__ == "DeepSpeedZeroOptimizer":
+            return optimizer.overlap_comm is False and optimizer.use_grad_accum_attribute is False
+    except Exception:  # a release that moved these: keep the per-parameter hooks
+        return False
+    return False
+
+
+def check_before_reduction(engine: Any, check: Callable[[], None]) -> Callable[[], None]:
+    """Wrap ``engine.allreduce_gradients`` (an instance attribute; DeepSpeed's method runs
+    unchanged) so that ``check`` runs first whenever it is called at an accumulation
+    boundary: the engine's backward calls it after every micro-batch, and ``step()`` calls
+    it at the boundary under unmanaged accumulation. ``check`` must not raise.
+
+    Returns:
+        A function that removes the wrap (idempotent).
+    """
+    own_attribute = engine.__dict__.get("allreduce_gradients")
+    own = engine.allreduce_gradients
+    boundary = engine.is_gradient_accumulation_boundary
+
+    def allreduce_gradients(*args: Any, **kwargs: Any) -> Any:
+        if boundary():
+            check()
+        return own(*args, **kwargs)
+
+    engine.allreduce_gradients = allreduce_gradients
+
+    def unwrap() -> None:
+        if engine.__dict__.get("allreduce_gradients") is not allreduce_gradients:
+            return  # already removed, or wrapped again by someone else: leave theirs
+        if own_attribute is None:
+            del engine.allreduce_gradients
+        else:
+            engine.allreduce_gradients = own_attribute
+
+    return unwrap

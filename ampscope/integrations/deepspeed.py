@@ -19,7 +19,7 @@ sinks, ``monitor.telemetry``):
   gradients held inf/NaN after the reduction (``optimizer.overflow``) and whether the
   step was applied (``was_step_applied()``), the loss scale before and after the step
   (fp16), the global gradient norm (``get_global_grad_norm()``);
-* from ampscope's own hooks (:mod:`~ampscope.integrations._deepspeed_hooks`): the origin,
+* from ampscope's own checks (:mod:`~ampscope.integrations._deepspeed_hooks`): the origin,
   whether this rank's own gradients held inf/NaN before the reduction
   (``found_inf_origin``) and which parameters (``nonfinite_params``), over all the
   micro-batches of the step; the rank's own loss (``engine.backward``'s argument,
@@ -34,10 +34,14 @@ inf/NaN gradients counts in ``nonfinite_applied`` (the critical
 ``nonfinite_update_applied`` verdict), judged from the global norm and the hooks rather
 than from DeepSpeed's ``overflow``, which says ``False`` there.
 
-Costs per micro-batch: one fused non-finite kernel per parameter, in its tensor hook
-(no sync, no allocation); per optimizer step: one reduction and one host read of the
-flag vector per device, the norm's host read (DeepSpeed's own overflow check has already
-synchronised within ``step()``), and the record on the telemetry thread.
+Costs of the origin: at ZeRO-0/1, where DeepSpeed reduces only at the accumulation
+boundary, nothing per micro-batch but a Python call around ``allreduce_gradients``, and
+one multi-tensor check of every ``.grad`` right before the boundary's reduction; at
+ZeRO-2/3, which reduce bucket by bucket during backward, one fused non-finite kernel per
+parameter and micro-batch in its tensor hook (no sync, no allocation). Per optimizer step:
+one reduction and one host read of the flag vector per device, the norm's host read
+(DeepSpeed's own overflow check has already synchronised within ``step()``), and the
+record on the telemetry thread.
 
 Not available under DeepSpeed: the classifying rerun (``step(..., rerun=closure)``: the
 engine's ``step()`` takes no closure and DeepSpeed has already reduced, and under ZeRO-2/3
@@ -56,7 +60,7 @@ import torch
 from torch import nn
 
 from ampscope.integrations import _deepspeed_engine as ds
-from ampscope.integrations._deepspeed_hooks import OwnGradientFlags
+from ampscope.integrations._deepspeed_hooks import BoundaryGradientFlags, OwnGradientFlags
 from ampscope.integrations._swap import check_options, is_distributed
 from ampscope.rank.capture import layout
 from ampscope.rank.capture.layout import OptimizerSlot
@@ -107,7 +111,8 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
         self._steps = 0
         self._dtypes = ""
         self._slot: OptimizerSlot | None = None
-        self._flags: OwnGradientFlags | None = None
+        self._flags: OwnGradientFlags | BoundaryGradientFlags | None = None
+        self._unwrap_reduction: Any = None
         self._device = "cpu"
 
     def attach(
@@ -133,8 +138,9 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
             self.bind(model)
 
     def bind(self, engine: Any) -> None:
-        """Start observing ``engine``: wrap its ``backward`` and ``step``, hook its
-        parameters (origin tracking), name them. Once, before its first backward.
+        """Start observing ``engine``: wrap its ``backward`` and ``step``, set up the
+        origin check (before the boundary's reduction at ZeRO-0/1, a hook per parameter at
+        ZeRO-2/3), name the parameters. Once, before its first backward.
 
         Raises:
             RuntimeError: an engine is already observed.
@@ -159,13 +165,25 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
         self._ampscope_attach_fp8(module, self._ampscope_config.fp8_every)
         track = self._track_origin
         if is_distributed() if track is None else track:
-            self._flags = OwnGradientFlags(module.named_parameters())
+            self._flags = self._origin_flags(engine, module)
         self._device = str(_first_device(module))
         self._own_step = engine.step
         self._own_backward = engine.backward
         engine.step = self._step
         engine.backward = self._backward
         setattr(engine, _STATE, self)
+
+    def _origin_flags(
+        self, engine: Any, module: nn.Module
+    ) -> OwnGradientFlags | BoundaryGradientFlags:
+        """Where DeepSpeed reduces only at the boundary (ZeRO-0/1), one check right before
+        that reduction; elsewhere (ZeRO-2/3 reduce bucket by bucket during backward) one
+        tensor hook per parameter."""
+        if ds.reduces_at_boundary_only(engine):
+            flags = BoundaryGradientFlags(module.named_parameters())
+            self._unwrap_reduction = ds.check_before_reduction(engine, flags.check)
+            return flags
+        return OwnGradientFlags(module.named_parameters())
 
     def get_scale(self) -> float:
         """DeepSpeed's loss scale now (fp16); 1.0 under bf16/fp32 or before an engine."""
@@ -188,6 +206,8 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
         engine = self.engine
         boundary = engine.is_gradient_accumulation_boundary()
         before = self._ampscope_guard(ds.loss_scale, engine) if boundary else None
+        if boundary and self._flags is not None:
+            self._flags.check_now()  # never raises; nothing when the reduction checked
         result = self._own_step(*args, **kwargs)
         if boundary:
             try:
@@ -276,6 +296,9 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
         if self._flags is not None:
             self._flags.remove()
             self._flags = None
+        if self._unwrap_reduction is not None:
+            self._unwrap_reduction()
+            self._unwrap_reduction = None
 
 
 def instrument(
@@ -289,8 +312,10 @@ def instrument(
     and before the first ``engine.backward``; calling it again returns the same monitor.
 
     Wraps ``engine.backward`` (notes the rank's loss) and ``engine.step`` (reads what
-    DeepSpeed decided after a boundary step) as instance attributes, and registers one
-    tensor hook per parameter (origin tracking). DeepSpeed's numerics are unchanged.
+    DeepSpeed decided after a boundary step) as instance attributes; for origin tracking,
+    at ZeRO-0/1 ``engine.allreduce_gradients`` too (a check before the boundary's
+    reduction), at ZeRO-2/3 one tensor hook per parameter. DeepSpeed's numerics are
+    unchanged.
 
     Args:
         engine: The engine ``deepspeed.initialize`` returned.

@@ -136,15 +136,21 @@ def train(
                 "scale": float(engine.optimizer.loss_scale) if dtype == "fp16" else None,
             }
         )
+    # Which origin check the monitor chose (the stage's reduction point), and that close()
+    # took its wrap of allreduce_gradients off the engine.
+    origin_check = None if monitor is None else type(monitor._flags).__name__
     if monitor is not None:
         monitor.close()
     weights = _weights(engine, stage)
+    unwrapped = "allreduce_gradients" not in vars(engine)
     engine.destroy()
     return {
         "records": [r.model_dump(mode="json") for r in records],
         "seen": seen,
         "weights": weights,
         "optimizer": type(engine.optimizer).__name__,
+        "origin_check": origin_check,
+        "unwrapped": unwrapped,
     }
 
 

@@ -58,6 +58,17 @@ def _check_origin(
         assert records[nan_step - 1]["found_inf_global"], (key, rank)
 
 
+_ORIGIN_CHECK = {0: "BoundaryGradientFlags", 1: "BoundaryGradientFlags", 2: "OwnGradientFlags"}
+"""Per ZeRO stage, the origin check the monitor picks from where DeepSpeed 0.19.8 reduces
+(``_deepspeed_engine.reduces_at_boundary_only``): one check before the boundary's reduction
+at ZeRO-0/1, a hook per parameter at ZeRO-2/3. Fails when a release moves that point."""
+
+
+def _check_origin_point(result: dict[str, Any], stage: int) -> None:
+    assert result["origin_check"] == _ORIGIN_CHECK.get(stage, "OwnGradientFlags"), stage
+    assert result["unwrapped"], stage
+
+
 def _check_as_deepspeed(result: dict[str, Any]) -> None:
     """Each record's skip is DeepSpeed's (``was_step_applied``), the same on every rank."""
     records, seen = result["records"], result["seen"]
@@ -83,6 +94,7 @@ def test_bf16_zero_stages(bf16_results: list[dict[str, Any]], report_to: str) ->
             assert ours["weights"] == result[f"plain{stage}"]["weights"], stage
             assert not any(map(math.isnan, ours["weights"]))
             _check_as_deepspeed(ours)
+            _check_origin_point(ours, stage)
             assert [r["skipped"] for r in ours["records"]] == [
                 step == NAN_STEP for step in range(1, STEPS + 1)
             ]
@@ -144,6 +156,7 @@ def test_fp16_backoffs_and_origin(report_to: str) -> None:
             ours = result[key]
             assert ours["weights"] == result[f"plain{stage}"]["weights"], stage
             _check_as_deepspeed(ours)
+            _check_origin_point(ours, stage)
             records, seen = ours["records"], ours["seen"]
             # The scale trajectory is DeepSpeed's, read as a loss scaler's records read.
             scales = [initial] + [s["scale"] for s in seen]
