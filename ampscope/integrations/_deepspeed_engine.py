@@ -10,19 +10,43 @@ iteration counters (``loss_scaler.cur_iter``, ``last_overflow_iter``, ``scale_wi
 for the growth tracker. ``tests/integrations/test_deepspeed.py`` fails when a release
 moves any of them.
 
-Where DeepSpeed reduces the gradients is read here too (:func:`reduces_at_boundary_only`,
-:func:`check_before_reduction`): ZeRO-0 (``FP16_Optimizer``, fp32) and ZeRO-1 (without
-``overlap_comm`` or an fp32 accumulation attribute) keep each rank's gradients in the
-parameters' ``.grad``, accumulated over the micro-batches, until one reduction inside
-``engine.allreduce_gradients()`` at the accumulation boundary; ZeRO-2/3 and the others
-reduce during backward, bucket by bucket, and keep ampscope's per-parameter hooks.
+Where DeepSpeed reduces the gradients is read here too, so that ampscope checks this
+rank's own gradients right before they are reduced:
+
+* ZeRO-0 (``FP16_Optimizer``, fp32) and ZeRO-1 (without ``overlap_comm`` or an fp32
+  accumulation attribute) keep them in the parameters' ``.grad``, accumulated over the
+  micro-batches, until one reduction inside ``engine.allreduce_gradients()`` at the
+  accumulation boundary (:func:`reduces_at_boundary_only`, :func:`check_before_reduction`);
+* ZeRO-2's ``DeepSpeedZeroOptimizer`` copies each micro-batch's fresh gradients into
+  buckets (``ipg_buckets[dtype].grads``, ``.params``) and reduces each full bucket in
+  ``reduce_ipg_grads``; after every backward it clears ``.grad`` (its accumulation is of
+  the reduced partitions), so a bucket holds this rank's own gradients of this micro-batch
+  only (:func:`reduces_per_bucket`, :func:`check_each_bucket`);
+* ZeRO-3 reduces through a name-mangled private method of its optimizer
+  (``__reduce_and_partition_ipg_grads``), and the other optimizers (``BF16_Optimizer``,
+  CPU offload, ZenFlow, the pipeline engine) move or reduce gradients elsewhere: ampscope
+  keeps one tensor hook per parameter there rather than patch them.
+
+Every wrap is an instance attribute whose removal restores DeepSpeed's method, and every
+read is guarded: a release that moves these makes :func:`reduces_at_boundary_only` and
+:func:`reduces_per_bucket` say ``False`` (the per-parameter hooks, slower but correct), and
+``tests/integrations/test_deepspeed.py`` fail.
 """
 
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable
 from typing import Any
+
+import torch
+
+BucketCheck = Callable[[list[torch.Tensor], tuple[int, ...]], None]
+"""Called with a bucket's gradients and DeepSpeed's ids of their parameters, in order."""
+
+_PARAM_ID = operator.itemgetter(2)
+"""A ZeRO-1/2 bucket entry is ``(group index, index in group, param id)``."""
 
 
 def fp16(engine: Any) -> bool:
@@ -166,5 +190,70 @@ def check_before_reduction(engine: Any, check: Callable[[], None]) -> Callable[[
             del engine.allreduce_gradients
         else:
             engine.allreduce_gradients = own_attribute
+
+    return unwrap
+
+
+def reduces_per_bucket(engine: Any) -> bool:
+    """Whether the engine is ZeRO-2 on ``DeepSpeedZeroOptimizer`` as read here (see the
+    module docstring): every gradient reduced through ``reduce_ipg_grads`` from an
+    ``ipg_buckets`` bucket that holds only this micro-batch's own gradients. False for CPU
+    offload, ZenFlow, an fp32 accumulation attribute, a coalesced reduction, DeepCompile,
+    and anything this module does not recognise."""
+    try:
+        optimizer = engine.optimizer
+        if type(optimizer).__name__ != "DeepSpeedZeroOptimizer":
+            return False
+        if int(engine.zero_optimization_stage()) != 2 or engine.is_deepcompile_active():
+            return False
+        if getattr(engine, "zenflow", False) or getattr(optimizer, "zenflow", False):
+            return False
+        flags = ("cpu_offload", "use_grad_accum_attribute", "_coalesce_grad_reduction")
+        if any(getattr(optimizer, name) is not False for name in flags):
+            return False
+        if optimizer.partition_gradients is not True:
+            return False
+        return callable(optimizer.reduce_ipg_grads) and isinstance(optimizer.ipg_buckets, dict)
+    except Exception:  # a release that moved these: keep the per-parameter hooks
+        return False
+
+
+def param_id(engine: Any) -> Callable[[torch.Tensor], int]:
+    """DeepSpeed's id of a parameter, as its ZeRO-1/2 buckets name them (``get_param_id``)."""
+    get: Callable[[torch.Tensor], int] = engine.optimizer.get_param_id
+    return get
+
+
+def check_each_bucket(engine: Any, check: BucketCheck) -> Callable[[], None]:
+    """Wrap the ZeRO-2 optimizer's ``reduce_ipg_grads`` (an instance attribute; DeepSpeed's
+    method runs unchanged) so that ``check`` sees every bucket it is about to reduce: the
+    bucket's gradient list and its parameters' ids (read in C, no Python per parameter).
+    ``check`` must not raise.
+
+    Returns:
+        A function that removes the wrap (idempotent).
+    """
+    optimizer = engine.optimizer
+    own_attribute = optimizer.__dict__.get("reduce_ipg_grads")
+    own = optimizer.reduce_ipg_grads
+    buckets = optimizer.ipg_buckets
+
+    def reduce_ipg_grads(*args: Any, **kwargs: Any) -> Any:
+        comm_dtype = kwargs.get("comm_dtype", args[0] if args else None)
+        for dtype in list(buckets) if comm_dtype is None else [comm_dtype]:
+            bucket = buckets.get(dtype)
+            if bucket is not None and bucket.grads:
+                check(bucket.grads, tuple(map(_PARAM_ID, bucket.params)))
+        return own(*args, **kwargs)
+
+    optimizer.reduce_ipg_grads = reduce_ipg_grads
+
+    def unwrap() -> None:
+        if optimizer.__dict__.get("reduce_ipg_grads") is not reduce_ipg_grads:
+            return  # already removed, or wrapped again by someone else: leave theirs
+        if own_attribute is None:
+            del optimizer.reduce_ipg_grads
+        else:
+            optimizer.reduce_ipg_grads = own_attribute
 
     return unwrap

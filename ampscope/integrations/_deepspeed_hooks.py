@@ -1,32 +1,34 @@
 """Which of this rank's own parameters' gradients held inf/NaN before DeepSpeed reduced them.
 
-DeepSpeed reduces (ZeRO 1/2: reduce-scatters or all-reduces, ZeRO-3: reduce-scatters)
-each gradient in hooks that run after autograd accumulated it; a tensor hook
-(``param.register_hook``) runs before those, on the gradient this rank's backward just
-computed, whatever the stage. :class:`OwnGradientFlags` registers one such hook per
-parameter. Each hook runs torch's fused non-finite kernel (the one a scaler's unscale
-runs, with an inverse scale of 1: the values are written back unchanged) on that one
-gradient, into the parameter's own slot of one float32 flag vector per device (where a
-build lacks that kernel for a dtype, CUDA bfloat16 in torch 2.11, the shared check's
-read-only norm fallback, ``compat.non_finite_check_``; a read-only ``aminmax`` for a
-non-contiguous gradient): one kernel per parameter and micro-batch, no
-allocation, no host-device sync, no name looked up. Slots only go from 0 to 1, so
-micro-batches combine (ZeRO-2 frees each micro-batch's gradient after reducing it; ZeRO-1
-accumulates) and autograd threads cannot lose each other's marks.
-:meth:`OwnGradientFlags.take` reads the vectors once per optimizer step and names the
-flagged parameters only then.
+Three ways to the same flags (one float32 flag per parameter, one vector per device,
+slots only going from 0 to 1 until :meth:`take` reads them once per optimizer step and
+names the flagged parameters only then), each checking the gradients right before
+DeepSpeed reduces them; :mod:`~ampscope.integrations._deepspeed_engine` says where that is
+for an engine:
 
-Where DeepSpeed leaves the gradients in ``.grad`` until one reduction at the accumulation
-boundary (ZeRO-0, ZeRO-1; which engines do is read in
-:func:`~ampscope.integrations._deepspeed_engine.reduces_at_boundary_only`),
-:class:`BoundaryGradientFlags` replaces the hooks: nothing runs per parameter during
-backward, and one check right before that reduction reads every gradient once, summed over
-the step's micro-batches (an inf/NaN stays one in a sum; an fp16 sum of finite gradients
-that overflows is an inf in this rank's own gradient before the reduction, flagged as the
-reduction would carry it).
+* :class:`BoundaryGradientFlags` (ZeRO-0, ZeRO-1): DeepSpeed leaves the gradients in
+  ``.grad`` until one reduction at the accumulation boundary; one check of all of them
+  right before it, summed over the step's micro-batches (an inf/NaN stays one in a sum; an
+  fp16 sum of finite gradients that overflows is an inf in this rank's own gradient before
+  the reduction, which the reduction would carry). Nothing per micro-batch.
+* :class:`BucketGradientFlags` (ZeRO-2): DeepSpeed reduces bucket by bucket during every
+  backward, each bucket holding this micro-batch's own gradients; one check per bucket
+  right before its reduction. Nothing per parameter.
+* :class:`OwnGradientFlags` (ZeRO-3 and every engine the first two do not fit): a tensor
+  hook (``param.register_hook``) per parameter, which runs before DeepSpeed's own reduce
+  hooks on the gradient this rank's backward just computed, whatever the stage. Each hook
+  runs torch's fused non-finite kernel (the one a scaler's unscale runs, with an inverse
+  scale of 1: the values are written back unchanged) on that one gradient, into the
+  parameter's slot (where a build lacks that kernel for a dtype, CUDA bfloat16 in torch
+  2.11, the shared check's read-only norm fallback, ``compat.non_finite_check_``; a
+  read-only ``aminmax`` for a non-contiguous gradient): one kernel and one Python call per
+  parameter and micro-batch, no allocation, no sync.
 
-Under fp16 both see the gradient multiplied by the loss scale: an inf/NaN there is one
-whatever the scale, so the flags need no unscaling.
+The first two read the gradients with ``compat.non_finite_each`` (torch's multi-tensor L1
+norm per gradient, accumulated in float64: exact, a gradient is flagged when and only when
+it holds inf/NaN, as the hooks' kernel flags it) and never write them. None of them syncs
+with the device before :meth:`take`. Under fp16 all of them see the gradients multiplied by
+the loss scale: an inf/NaN there is one whatever the scale, so the flags need no unscaling.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from __future__ import annotations
 import itertools
 import threading
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -207,6 +209,64 @@ class BoundaryGradientFlags(_FlagVectors):
         return taken
 
     take.__doc__ = _FlagVectors.take.__doc__
+
+
+class BucketGradientFlags(_FlagVectors):
+    """The same flags from one check per gradient bucket, right before DeepSpeed reduces
+    it (ZeRO-2: :func:`~ampscope.integrations._deepspeed_engine.check_each_bucket`), on the
+    bucket's own gradients of this micro-batch: nothing runs per parameter.
+
+    :meth:`check` reads the bucket's gradients once (``compat.non_finite_each``, exact, as
+    for :class:`BoundaryGradientFlags`) and adds the result into the flag vector at the
+    bucket's parameters' slots (``index_add_``: no sync). The slots of a bucket's
+    parameters, an index tensor on the device, are built the first time that bucket's
+    layout is seen and reused (DeepSpeed fills its buckets in the same order every
+    micro-batch); building one is a host-to-device copy.
+
+    Args:
+        named: ``(name, parameter)`` pairs; those that do not require grad are skipped.
+        param_id: DeepSpeed's id of a parameter, as its buckets name them.
+    """
+
+    _LAYOUTS = 256
+    """Bucket layouts kept (a model whose backward order changes starts over past it)."""
+
+    def __init__(
+        self,
+        named: Iterable[tuple[str, torch.Tensor]],
+        param_id: Callable[[torch.Tensor], int],
+    ) -> None:
+        super().__init__(named)
+        self._slots: dict[int, tuple[torch.device, int]] = {}
+        for device, params in self._params.items():
+            for index, param in enumerate(params):
+                self._slots[param_id(param)] = (device, index)
+        self._layouts: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def check(self, grads: list[torch.Tensor], ids: tuple[int, ...]) -> None:
+        """Flag the bucket's parameters whose gradient holds inf/NaN: ``grads`` and DeepSpeed's
+        ``ids`` of their parameters, in the same order. Never raises."""
+        try:
+            layout = self._layouts.get(ids)
+            if layout is None:
+                layout = self._layout(ids)
+            flags, index = layout
+            with torch.no_grad():
+                bad = compat.non_finite_each(grads)
+                flags.index_add_(0, index, bad.to(flags.dtype))
+        except Exception as exc:  # telemetry must never break a backward pass
+            self._failed(exc)
+
+    def _layout(self, ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        slots = [self._slots[i] for i in ids]
+        device = slots[0][0]
+        if any(slot[0] != device for slot in slots):
+            raise ValueError("a gradient bucket spans devices")
+        index = torch.tensor([slot[1] for slot in slots], dtype=torch.long, device=device)
+        if len(self._layouts) >= self._LAYOUTS:
+            self._layouts.clear()
+        layout = self._layouts[ids] = (self._flags[device], index)
+        return layout
 
 
 def _check(grad: torch.Tensor, slot: torch.Tensor, one: torch.Tensor) -> None:

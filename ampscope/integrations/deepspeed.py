@@ -34,11 +34,12 @@ inf/NaN gradients counts in ``nonfinite_applied`` (the critical
 ``nonfinite_update_applied`` verdict), judged from the global norm and the hooks rather
 than from DeepSpeed's ``overflow``, which says ``False`` there.
 
-Costs of the origin: at ZeRO-0/1, where DeepSpeed reduces only at the accumulation
-boundary, nothing per micro-batch but a Python call around ``allreduce_gradients``, and
-one multi-tensor check of every ``.grad`` right before the boundary's reduction; at
-ZeRO-2/3, which reduce bucket by bucket during backward, one fused non-finite kernel per
-parameter and micro-batch in its tensor hook (no sync, no allocation). Per optimizer step:
+Costs of the origin, checked right before DeepSpeed reduces (no sync, nothing per
+parameter in Python but at ZeRO-3): at ZeRO-0/1, where DeepSpeed reduces only at the
+accumulation boundary, one multi-tensor check of every ``.grad`` there and nothing per
+micro-batch; at ZeRO-2, one multi-tensor check per gradient bucket, before DeepSpeed
+reduces it; at ZeRO-3 (and on engines not recognised), one fused non-finite kernel per
+parameter and micro-batch in a tensor hook. Per optimizer step:
 one reduction and one host read of the flag vector per device, the norm's host read
 (DeepSpeed's own overflow check has already synchronised within ``step()``), and the
 record on the telemetry thread.
@@ -60,7 +61,11 @@ import torch
 from torch import nn
 
 from ampscope.integrations import _deepspeed_engine as ds
-from ampscope.integrations._deepspeed_hooks import BoundaryGradientFlags, OwnGradientFlags
+from ampscope.integrations._deepspeed_hooks import (
+    BoundaryGradientFlags,
+    BucketGradientFlags,
+    OwnGradientFlags,
+)
 from ampscope.integrations._swap import check_options, is_distributed
 from ampscope.rank.capture import layout
 from ampscope.rank.capture.layout import OptimizerSlot
@@ -71,6 +76,8 @@ from ampscope.rank.gradients.stats import OptimizerNorms, TakenStats
 from ampscope.reporter.schema import Policy, Setup
 
 __all__ = ["DeepSpeedMonitor", "instrument", "monitor_of"]
+
+_Flags = BoundaryGradientFlags | BucketGradientFlags | OwnGradientFlags
 
 logger = logging.getLogger("ampscope")
 
@@ -111,7 +118,7 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
         self._steps = 0
         self._dtypes = ""
         self._slot: OptimizerSlot | None = None
-        self._flags: OwnGradientFlags | BoundaryGradientFlags | None = None
+        self._flags: _Flags | None = None
         self._unwrap_reduction: Any = None
         self._device = "cpu"
 
@@ -139,8 +146,9 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
 
     def bind(self, engine: Any) -> None:
         """Start observing ``engine``: wrap its ``backward`` and ``step``, set up the
-        origin check (before the boundary's reduction at ZeRO-0/1, a hook per parameter at
-        ZeRO-2/3), name the parameters. Once, before its first backward.
+        origin check (before the boundary's reduction at ZeRO-0/1, before each bucket's at
+        ZeRO-2, a hook per parameter at ZeRO-3), name the parameters. Once, before its
+        first backward.
 
         Raises:
             RuntimeError: an engine is already observed.
@@ -173,17 +181,20 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
         engine.backward = self._backward
         setattr(engine, _STATE, self)
 
-    def _origin_flags(
-        self, engine: Any, module: nn.Module
-    ) -> OwnGradientFlags | BoundaryGradientFlags:
-        """Where DeepSpeed reduces only at the boundary (ZeRO-0/1), one check right before
-        that reduction; elsewhere (ZeRO-2/3 reduce bucket by bucket during backward) one
-        tensor hook per parameter."""
+    def _origin_flags(self, engine: Any, module: nn.Module) -> _Flags:
+        """The origin check right before DeepSpeed's reduction: one check at the boundary
+        where DeepSpeed reduces only there (ZeRO-0/1), one per bucket at ZeRO-2, elsewhere
+        (ZeRO-3, engines not recognised) one tensor hook per parameter."""
+        named = module.named_parameters()
         if ds.reduces_at_boundary_only(engine):
-            flags = BoundaryGradientFlags(module.named_parameters())
-            self._unwrap_reduction = ds.check_before_reduction(engine, flags.check)
-            return flags
-        return OwnGradientFlags(module.named_parameters())
+            boundary = BoundaryGradientFlags(named)
+            self._unwrap_reduction = ds.check_before_reduction(engine, boundary.check)
+            return boundary
+        if ds.reduces_per_bucket(engine):
+            buckets = BucketGradientFlags(named, ds.param_id(engine))
+            self._unwrap_reduction = ds.check_each_bucket(engine, buckets.check)
+            return buckets
+        return OwnGradientFlags(named)
 
     def get_scale(self) -> float:
         """DeepSpeed's loss scale now (fp16); 1.0 under bf16/fp32 or before an engine."""
@@ -314,7 +325,8 @@ def instrument(
     Wraps ``engine.backward`` (notes the rank's loss) and ``engine.step`` (reads what
     DeepSpeed decided after a boundary step) as instance attributes; for origin tracking,
     at ZeRO-0/1 ``engine.allreduce_gradients`` too (a check before the boundary's
-    reduction), at ZeRO-2/3 one tensor hook per parameter. DeepSpeed's numerics are
+    reduction), at ZeRO-2 its optimizer's ``reduce_ipg_grads`` (a check before each
+    bucket's), at ZeRO-3 one tensor hook per parameter. DeepSpeed's numerics are
     unchanged.
 
     Args:

@@ -58,10 +58,10 @@ def _check_origin(
         assert records[nan_step - 1]["found_inf_global"], (key, rank)
 
 
-_ORIGIN_CHECK = {0: "BoundaryGradientFlags", 1: "BoundaryGradientFlags", 2: "OwnGradientFlags"}
+_ORIGIN_CHECK = {0: "BoundaryGradientFlags", 1: "BoundaryGradientFlags", 2: "BucketGradientFlags"}
 """Per ZeRO stage, the origin check the monitor picks from where DeepSpeed 0.19.8 reduces
-(``_deepspeed_engine.reduces_at_boundary_only``): one check before the boundary's reduction
-at ZeRO-0/1, a hook per parameter at ZeRO-2/3. Fails when a release moves that point."""
+(``_deepspeed_engine``): one check before the boundary's reduction at ZeRO-0/1, one per
+bucket at ZeRO-2, a hook per parameter at ZeRO-3. Fails when a release moves them."""
 
 
 def _check_origin_point(result: dict[str, Any], stage: int) -> None:

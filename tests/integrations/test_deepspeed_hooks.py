@@ -12,7 +12,11 @@ import torch
 from torch import nn
 
 from ampscope.integrations import _deepspeed_engine as ds
-from ampscope.integrations._deepspeed_hooks import BoundaryGradientFlags, OwnGradientFlags
+from ampscope.integrations._deepspeed_hooks import (
+    BoundaryGradientFlags,
+    BucketGradientFlags,
+    OwnGradientFlags,
+)
 
 
 def _model() -> nn.Sequential:
@@ -239,3 +243,75 @@ def test_the_boundary_check_groups_dtypes_and_keeps_each_name_on_its_slot() -> N
             param.grad = torch.full_like(param, math.nan if name == bad else 1.0)
         flags.check()
         assert flags.take() == ({"cpu": True}, {bad: 1}), bad
+
+
+# -- BucketGradientFlags: one check per gradient bucket (ZeRO-2) -------------------------
+
+
+def _bucket_flags() -> tuple[BucketGradientFlags, dict[str, nn.Parameter]]:
+    params = {name: nn.Parameter(torch.zeros(2)) for name in ("a", "b", "c", "d")}
+    ids = {id(p): 10 + i for i, p in enumerate(params.values())}  # DeepSpeed's own numbering
+    return BucketGradientFlags(params.items(), lambda p: ids[id(p)]), params
+
+
+def test_a_bucket_check_names_its_parameters_by_deepspeed_id_over_micro_batches() -> None:
+    flags, _ = _bucket_flags()
+    clean, nan = torch.ones(2), torch.tensor([1.0, math.nan])
+    flags.check([clean, nan], (13, 11))  # micro-batch 1, bucket 1: d clean, b NaN
+    flags.check([clean, clean], (12, 10))  # bucket 2
+    flags.check([clean, clean], (13, 11))  # micro-batch 2: same layout, clean
+    flags.check([torch.tensor([math.inf, 0.0])], (12,))  # a new layout
+    assert flags.take() == ({"cpu": True}, {"b": 1, "c": 1})
+    flags.check([clean, clean], (13, 11))
+    assert flags.take() == ({"cpu": False}, {}), "take() starts afresh"
+    assert flags.errors == 0
+
+
+def test_a_bucket_check_that_fails_warns_once_and_never_raises() -> None:
+    flags, _ = _bucket_flags()
+    with pytest.warns(RuntimeWarning, match="could not check"):
+        flags.check([torch.ones(2)], (99,))  # an id DeepSpeed never gave these parameters
+    assert flags.errors == 1
+    assert flags.take() == ({"cpu": False}, {})
+
+
+class _Bucket:
+    def __init__(self) -> None:
+        self.grads: list[torch.Tensor] = []
+        self.params: list[tuple[int, int, int]] = []
+
+
+class _ZeroOptimizer:
+    """What check_each_bucket reads of a ZeRO-2 optimizer: its buckets per dtype and the
+    method that reduces them (called with a dtype, or none for all)."""
+
+    def __init__(self) -> None:
+        self.ipg_buckets = {torch.bfloat16: _Bucket(), torch.float32: _Bucket()}
+        self.reduced: list[object] = []
+
+    def reduce_ipg_grads(self, comm_dtype: object = None) -> None:
+        self.reduced.append(comm_dtype)
+        for dtype, bucket in self.ipg_buckets.items():
+            if comm_dtype in (None, dtype):
+                bucket.grads.clear()
+                bucket.params.clear()
+
+
+def test_each_bucket_is_checked_before_its_reduction() -> None:
+    engine = _Engine()
+    optimizer = engine.optimizer = _ZeroOptimizer()  # type: ignore[attr-defined]
+    seen: list[tuple[int, tuple[int, ...]]] = []
+    unwrap = ds.check_each_bucket(engine, lambda grads, ids: seen.append((len(grads), ids)))
+    half, full = optimizer.ipg_buckets[torch.bfloat16], optimizer.ipg_buckets[torch.float32]
+    half.grads[:] = [torch.ones(1), torch.ones(1)]
+    half.params[:] = [(0, 0, 5), (0, 1, 6)]
+    full.grads[:] = [torch.ones(1)]
+    full.params[:] = [(1, 0, 7)]
+    optimizer.reduce_ipg_grads(comm_dtype=torch.bfloat16)  # a full bucket, during backward
+    assert seen == [(2, (5, 6))]
+    optimizer.reduce_ipg_grads()  # the epilogue: every bucket left (the empty one skipped)
+    assert seen == [(2, (5, 6)), (1, (7,))]
+    assert optimizer.reduced == [torch.bfloat16, None]
+    unwrap()
+    unwrap()
+    assert "reduce_ipg_grads" not in vars(optimizer)
