@@ -11,7 +11,12 @@ interleaved block by block (:mod:`bench.ab`):
   one check of every ``.grad`` after the backward (what ``instrument`` runs at ZeRO-0/1
   right before the boundary's reduction). Timed on every backward, as if every micro-batch
   were a boundary (no gradient accumulation): the micro-batches inside an accumulation step
-  run no check at all.
+  run no check at all;
+* ``bucket``: :class:`~ampscope.integrations._deepspeed_hooks.BucketGradientFlags`, its
+  check of one bucket holding the 148 gradients (what ``instrument`` runs at ZeRO-2 before
+  each bucket's reduction; DeepSpeed's default bucket, 5e8 elements, holds this model
+  whole), with the bucket's parameter ids read from DeepSpeed-shaped entries. The list of
+  the bucket's gradients is DeepSpeed's and is built untimed.
 
 It prints the training thread's extra CPU time per micro-batch over ``stock`` (median over
 block groups of the paired block medians, with the IQR), and per parameter. DeepSpeed
@@ -33,6 +38,7 @@ instructions per micro-batch.
 from __future__ import annotations
 
 import argparse
+import operator
 import statistics
 import time
 
@@ -43,16 +49,32 @@ from bench.ab import interleaved_order
 from bench.gpt import batch, build_gpt
 from bench.tensor_growth import GPT_148
 
+_PARAM_ID = operator.itemgetter(2)
+
+
+VARIANTS = ("stock", "hooked", "boundary", "bucket")
+
 
 class _Backward:
     def __init__(self, check: str) -> None:
-        from ampscope.integrations._deepspeed_hooks import BoundaryGradientFlags, OwnGradientFlags
+        from ampscope.integrations._deepspeed_hooks import (
+            BoundaryGradientFlags,
+            BucketGradientFlags,
+            OwnGradientFlags,
+        )
 
         self.model: nn.Module = build_gpt(GPT_148)
         self.tokens, self.targets = batch(GPT_148, "cpu")
-        named = self.model.named_parameters()
+        named = list(self.model.named_parameters())
+        self.params = [param for _, param in named]
         self.hooks = OwnGradientFlags(named) if check == "hooked" else None
         self.boundary = BoundaryGradientFlags(named) if check == "boundary" else None
+        ids = {id(param): index for index, param in enumerate(self.params)}
+        self.bucket = (
+            BucketGradientFlags(named, lambda param: ids[id(param)]) if check == "bucket" else None
+        )
+        # A ZeRO-2 bucket's entries: (group index, index in group, param id).
+        self.entries = [(0, index, index) for index in range(len(self.params))]
 
     def block(self, steps: int) -> float:
         """The median training-thread CPU seconds of ``steps`` backward passes (and the
@@ -65,12 +87,18 @@ class _Backward:
             loss.backward()
             if self.boundary is not None:
                 self.boundary.check()
-            times.append(time.thread_time() - begin)
-            # Untimed: once per optimizer step, for both (the clocks time the backward).
-            if self.boundary is not None:
-                self.boundary.take()
-            if self.hooks is not None:
-                self.hooks.take()
+            elapsed = time.thread_time() - begin
+            if self.bucket is not None:
+                # DeepSpeed's list of the bucket's gradients, untimed.
+                grads = [param.grad for param in self.params if param.grad is not None]
+                begin = time.thread_time()
+                self.bucket.check(grads, tuple(map(_PARAM_ID, self.entries)))
+                elapsed += time.thread_time() - begin
+            times.append(elapsed)
+            # Untimed: once per optimizer step, for all (the clocks time the backward).
+            for flags in (self.hooks, self.boundary, self.bucket):
+                if flags is not None:
+                    flags.take()
         return statistics.median(times)
 
 
@@ -93,17 +121,17 @@ def main(argv: list[str] | None = None) -> None:
         "--instructions",
         nargs=2,
         metavar=("VARIANT", "STEPS"),
-        help="stock, hooked or boundary, and a step count: run under callgrind",
+        help=f"one of {', '.join(VARIANTS)}, and a step count: run under callgrind",
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.instructions:
         _count(args.instructions[0], int(args.instructions[1]))
         return
-    runs = {name: _Backward(name) for name in ("stock", "hooked", "boundary")}
+    runs = {name: _Backward(name) for name in VARIANTS}
     for run in runs.values():
         run.block(5)  # warm-up
-    extra: dict[str, list[float]] = {"hooked": [], "boundary": []}
+    extra: dict[str, list[float]] = {name: [] for name in VARIANTS[1:]}
     for group in range(args.groups):
         medians = {
             name: runs[name].block(args.steps) for name in interleaved_order(group, list(runs))
