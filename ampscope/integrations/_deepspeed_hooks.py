@@ -211,6 +211,10 @@ class BoundaryGradientFlags(_FlagVectors):
     take.__doc__ = _FlagVectors.take.__doc__
 
 
+_Layout = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+"""A bucket layout: its device's flag vector, its parameters' slots, the positions kept."""
+
+
 class BucketGradientFlags(_FlagVectors):
     """The same flags from one check per gradient bucket, right before DeepSpeed reduces
     it (ZeRO-2: :func:`~ampscope.integrations._deepspeed_engine.check_each_bucket`), on the
@@ -241,7 +245,7 @@ class BucketGradientFlags(_FlagVectors):
         for device, params in self._params.items():
             for index, param in enumerate(params):
                 self._slots[param_id(param)] = (device, index)
-        self._layouts: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._layouts: dict[tuple[int, ...], _Layout] = {}
 
     def check(self, grads: list[torch.Tensor], ids: tuple[int, ...]) -> None:
         """Flag the bucket's parameters whose gradient holds inf/NaN: ``grads`` and DeepSpeed's
@@ -250,22 +254,33 @@ class BucketGradientFlags(_FlagVectors):
             layout = self._layouts.get(ids)
             if layout is None:
                 layout = self._layout(ids)
-            flags, index = layout
+            flags, index, known = layout
             with torch.no_grad():
                 bad = compat.non_finite_each(grads)
+                if known is not None:
+                    bad = bad.index_select(0, known)
                 flags.index_add_(0, index, bad.to(flags.dtype))
         except Exception as exc:  # telemetry must never break a backward pass
             self._failed(exc)
 
-    def _layout(self, ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        slots = [self._slots[i] for i in ids]
+    def _layout(self, ids: tuple[int, ...]) -> _Layout:
+        """The flag vector, the slots of the bucket's parameters in it and, when some of
+        them are not the module's (an optimizer given other parameters too), the positions
+        in the bucket of those that are."""
+        positions = [k for k, i in enumerate(ids) if i in self._slots]
+        slots = [self._slots[ids[k]] for k in positions]
+        if not slots:
+            raise ValueError("a gradient bucket holds none of the module's parameters")
         device = slots[0][0]
         if any(slot[0] != device for slot in slots):
             raise ValueError("a gradient bucket spans devices")
         index = torch.tensor([slot[1] for slot in slots], dtype=torch.long, device=device)
+        known = None
+        if len(positions) < len(ids):
+            known = torch.tensor(positions, dtype=torch.long, device=device)
         if len(self._layouts) >= self._LAYOUTS:
             self._layouts.clear()
-        layout = self._layouts[ids] = (self._flags[device], index)
+        layout = self._layouts[ids] = (self._flags[device], index, known)
         return layout
 
 

@@ -267,11 +267,24 @@ def test_a_bucket_check_names_its_parameters_by_deepspeed_id_over_micro_batches(
     assert flags.errors == 0
 
 
+def test_a_bucket_check_skips_parameters_that_are_not_the_modules() -> None:
+    """An optimizer may hold parameters the engine's module does not name: their gradients
+    are in the bucket, and only the module's are flagged."""
+    flags, _ = _bucket_flags()
+    nan = torch.tensor([math.nan, 0.0])
+    flags.check([nan, torch.ones(2), nan], (99, 10, 11))
+    assert flags.take() == ({"cpu": True}, {"b": 1})
+    with pytest.warns(RuntimeWarning, match="none of the module's"):
+        flags.check([nan], (99,))  # a bucket of none of the module's: said once
+    assert flags.errors == 1
+
+
 def test_a_bucket_check_that_fails_warns_once_and_never_raises() -> None:
     flags, _ = _bucket_flags()
     with pytest.warns(RuntimeWarning, match="could not check"):
         flags.check([torch.ones(2)], (99,))  # an id DeepSpeed never gave these parameters
-    assert flags.errors == 1
+    flags.check([torch.ones(2)], (10, 11))  # fewer gradients than ids
+    assert flags.errors == 2
     assert flags.take() == ({"cpu": False}, {})
 
 
