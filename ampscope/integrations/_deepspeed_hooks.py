@@ -245,15 +245,15 @@ class BucketGradientFlags(_FlagVectors):
         for device, params in self._params.items():
             for index, param in enumerate(params):
                 self._slots[param_id(param)] = (device, index)
-        self._layouts: dict[tuple[int, ...], _Layout] = {}
+        self._layouts: dict[tuple[int, ...], _Layout | None] = {}
 
     def check(self, grads: list[torch.Tensor], ids: tuple[int, ...]) -> None:
         """Flag the bucket's parameters whose gradient holds inf/NaN: ``grads`` and DeepSpeed's
         ``ids`` of their parameters, in the same order. Never raises."""
         try:
-            layout = self._layouts.get(ids)
+            layout = self._layouts[ids] if ids in self._layouts else self._layout(ids)
             if layout is None:
-                layout = self._layout(ids)
+                return  # none of the module's parameters
             flags, index, known = layout
             with torch.no_grad():
                 bad = compat.non_finite_each(grads)
@@ -263,14 +263,17 @@ class BucketGradientFlags(_FlagVectors):
         except Exception as exc:  # telemetry must never break a backward pass
             self._failed(exc)
 
-    def _layout(self, ids: tuple[int, ...]) -> _Layout:
+    def _layout(self, ids: tuple[int, ...]) -> _Layout | None:
         """The flag vector, the slots of the bucket's parameters in it and, when some of
         them are not the module's (an optimizer given other parameters too), the positions
-        in the bucket of those that are."""
+        in the bucket of those that are; ``None`` when none is."""
+        if len(self._layouts) >= self._LAYOUTS:
+            self._layouts.clear()
         positions = [k for k, i in enumerate(ids) if i in self._slots]
         slots = [self._slots[ids[k]] for k in positions]
         if not slots:
-            raise ValueError("a gradient bucket holds none of the module's parameters")
+            self._layouts[ids] = None
+            return None
         device = slots[0][0]
         if any(slot[0] != device for slot in slots):
             raise ValueError("a gradient bucket spans devices")
@@ -278,8 +281,6 @@ class BucketGradientFlags(_FlagVectors):
         known = None
         if len(positions) < len(ids):
             known = torch.tensor(positions, dtype=torch.long, device=device)
-        if len(self._layouts) >= self._LAYOUTS:
-            self._layouts.clear()
         layout = self._layouts[ids] = (self._flags[device], index, known)
         return layout
 
