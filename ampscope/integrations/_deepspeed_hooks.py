@@ -194,7 +194,9 @@ class BoundaryGradientFlags(_FlagVectors):
             with torch.no_grad():
                 for flags, params, absent in self._groups:
                     grads = [absent if (g := p.grad) is None else g for p in params]
-                    flags.masked_fill_(compat.non_finite_each(grads), 1.0)
+                    bad = _non_finite_each(grads)
+                    if bad is not None:
+                        flags.masked_fill_(bad, 1.0)
         except Exception as exc:  # telemetry must never break a backward pass
             self._failed(exc)
 
@@ -256,7 +258,9 @@ class BucketGradientFlags(_FlagVectors):
                 return  # none of the module's parameters
             flags, index, known = layout
             with torch.no_grad():
-                bad = compat.non_finite_each(grads)
+                bad = _non_finite_each(grads)
+                if bad is None:
+                    return
                 if known is not None:
                     bad = bad.index_select(0, known)
                 flags.index_add_(0, index, bad.to(flags.dtype))
@@ -283,6 +287,27 @@ class BucketGradientFlags(_FlagVectors):
             known = torch.tensor(positions, dtype=torch.long, device=device)
         layout = self._layouts[ids] = (self._flags[device], index, known)
         return layout
+
+
+def _non_finite_each(grads: list[torch.Tensor]) -> torch.Tensor | None:
+    """Whether each of ``grads`` (one device) holds inf/NaN, as a bool vector on their device
+    (``compat.non_finite_each``: read only, no sync); ``None`` when it is known without a
+    sync that none does.
+
+    On the CPU a value is read for free, and torch's fused non-finite kernel (the hooks'
+    kernel, which writes each value back unchanged) checks a whole list for a tenth of the
+    per-gradient norms' cost (those take torch's per-tensor fallback there): it runs first
+    and the norms only when it found something. Accelerators take the norms' multi-tensor
+    kernels directly."""
+    if grads and grads[0].device.type == "cpu":
+        try:
+            found = torch.zeros(1, dtype=torch.float32)
+            compat.non_finite_check_(grads, found, torch.ones(1, dtype=torch.float32))
+            if not found.item():  # on the CPU: no sync to wait for
+                return None
+        except Exception:  # a list the fused kernel refuses (mixed dtypes): the norms
+            pass
+    return compat.non_finite_each(grads)
 
 
 def _check(grad: torch.Tensor, slot: torch.Tensor, one: torch.Tensor) -> None:
