@@ -26,8 +26,10 @@ for an engine:
 
 The first two read the gradients with ``compat.non_finite_each`` (torch's multi-tensor L1
 norm per gradient, accumulated in float64: exact, a gradient is flagged when and only when
-it holds inf/NaN, as the hooks' kernel flags it) and never write them. None of them syncs
-with the device before :meth:`take`. Under fp16 all of them see the gradients multiplied by
+it holds inf/NaN, as the hooks' kernel flags it) and never write them; on the CPU, where
+those norms take torch's per-tensor fallback, the hooks' fused kernel checks the whole list
+first and the norms run only when it found something. None of them syncs with an
+accelerator before :meth:`take`. Under fp16 all of them see the gradients multiplied by
 the loss scale: an inf/NaN there is one whatever the scale, so the flags need no unscaling.
 """
 
@@ -155,12 +157,12 @@ class BoundaryGradientFlags(_FlagVectors):
     """The same flags from one check of every ``.grad`` right before the boundary's
     reduction (where DeepSpeed reduces only there): nothing per parameter during backward.
 
-    :meth:`check` reads each device's gradients once (``compat.non_finite_each``: torch's
-    multi-tensor L1 norm per gradient, accumulated in float64, so a gradient is flagged
-    exactly when it holds inf/NaN, as the hooks' kernel flags it; a sum carries inf and NaN
-    on every device, unlike a max), then one small op into the flag vector. No sync, the
-    gradients only read. Its Python is one list of the gradients per optimizer step, none
-    per micro-batch.
+    :meth:`check` reads each (device, dtype) group of gradients once (:func:`_non_finite_each`:
+    torch's multi-tensor L1 norm per gradient, accumulated in float64, so a gradient is
+    flagged exactly when it holds inf/NaN, as the hooks' kernel flags it; a sum carries inf
+    and NaN on every device, unlike a max), then one small op into the flag vector. No sync
+    on an accelerator. Its Python is one list of the gradients per optimizer step, none per
+    micro-batch.
 
     Args:
         named: ``(name, parameter)`` pairs; those that do not require grad are skipped.
@@ -222,7 +224,7 @@ class BucketGradientFlags(_FlagVectors):
     it (ZeRO-2: :func:`~ampscope.integrations._deepspeed_engine.check_each_bucket`), on the
     bucket's own gradients of this micro-batch: nothing runs per parameter.
 
-    :meth:`check` reads the bucket's gradients once (``compat.non_finite_each``, exact, as
+    :meth:`check` reads the bucket's gradients once (:func:`_non_finite_each`, exact, as
     for :class:`BoundaryGradientFlags`) and adds the result into the flag vector at the
     bucket's parameters' slots (``index_add_``: no sync). The slots of a bucket's
     parameters, an index tensor on the device, are built the first time that bucket's

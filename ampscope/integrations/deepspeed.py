@@ -34,8 +34,8 @@ inf/NaN gradients counts in ``nonfinite_applied`` (the critical
 ``nonfinite_update_applied`` verdict), judged from the global norm and the hooks rather
 than from DeepSpeed's ``overflow``, which says ``False`` there.
 
-Costs of the origin, checked right before DeepSpeed reduces (no sync, nothing per
-parameter in Python but at ZeRO-3): at ZeRO-0/1, where DeepSpeed reduces only at the
+Costs of the origin, checked right before DeepSpeed reduces (no sync; no Python per
+parameter and micro-batch but at ZeRO-3): at ZeRO-0/1, where DeepSpeed reduces only at the
 accumulation boundary, one multi-tensor check of every ``.grad`` there and nothing per
 micro-batch; at ZeRO-2, one multi-tensor check per gradient bucket, before DeepSpeed
 reduces it; at ZeRO-3 (and on engines not recognised), one fused non-finite kernel per

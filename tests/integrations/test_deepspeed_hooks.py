@@ -104,7 +104,7 @@ def test_the_boundary_check_names_the_parameters_over_accumulated_micro_batches(
     assert flags.take() == ({"cpu": False}, {}), "take() starts afresh"
 
 
-def test_the_boundary_check_reads_and_never_writes_the_gradients() -> None:
+def test_the_boundary_check_leaves_the_gradients_as_they_were() -> None:
     model = _model()
     flags = BoundaryGradientFlags(model.named_parameters())
     model(torch.randn(3, 4)).square().mean().backward()
