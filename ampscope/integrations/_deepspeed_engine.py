@@ -15,17 +15,46 @@ replicated over (``seq_data_parallel_group``: DeepSpeed's data-parallel group, w
 sequence parallelism; the group it broadcasts the parameters over at start and reduces the
 gradients over) and, for MoE experts, ``expert_data_parallel_group[param.group_name]``.
 ``tests/integrations/test_deepspeed.py`` fails when a release moves any of them.
+
+Where DeepSpeed reduces the gradients is read here too, so that ampscope checks this
+rank's own gradients right before they are reduced:
+
+* ZeRO-0 (``FP16_Optimizer``, fp32) and ZeRO-1 (without ``overlap_comm`` or an fp32
+  accumulation attribute) keep them in the parameters' ``.grad``, accumulated over the
+  micro-batches, until one reduction inside ``engine.allreduce_gradients()`` at the
+  accumulation boundary (:func:`reduces_at_boundary_only`, :func:`check_before_reduction`);
+* ZeRO-2's ``DeepSpeedZeroOptimizer`` copies each micro-batch's fresh gradients into
+  buckets (``ipg_buckets[dtype].grads``, ``.params``) and reduces each full bucket in
+  ``reduce_ipg_grads``; after every backward it clears ``.grad`` (its accumulation is of
+  the reduced partitions), so a bucket holds this rank's own gradients of this micro-batch
+  only (:func:`reduces_per_bucket`, :func:`check_each_bucket`);
+* ZeRO-3 reduces through a name-mangled private method of its optimizer
+  (``__reduce_and_partition_ipg_grads``), and the other optimizers (``BF16_Optimizer``,
+  CPU offload, ZenFlow, the pipeline engine) move or reduce gradients elsewhere: ampscope
+  keeps one tensor hook per parameter there rather than patch them.
+
+Every wrap is an instance attribute whose removal restores DeepSpeed's method, and every
+read is guarded: a release that moves these makes :func:`reduces_at_boundary_only` and
+:func:`reduces_per_bucket` say ``False`` (the per-parameter hooks, slower but correct), and
+``tests/integrations/test_deepspeed.py`` fail.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+import operator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from ampscope.rank import compat
+
+BucketCheck = Callable[[list[torch.Tensor], tuple[int, ...]], None]
+"""Called with a bucket's gradients and DeepSpeed's ids of their parameters, in order."""
+
+_PARAM_ID = operator.itemgetter(2)
+"""A ZeRO-1/2 bucket entry is ``(group index, index in group, param id)``."""
 
 
 def fp16(engine: Any) -> bool:
@@ -176,3 +205,136 @@ def replicated_parameters(engine: Any, module: Any) -> Iterator[tuple[str, torch
                 yield name, param, group
             continue
         yield name, param, dense
+
+
+def reduces_at_boundary_only(engine: Any) -> bool:
+    """Whether the engine leaves this rank's gradients in the parameters' ``.grad`` (summed
+    over the micro-batches by autograd) until one reduction in ``allreduce_gradients()`` at
+    the accumulation boundary, so that one check there sees every micro-batch's own
+    gradients before any rank's are mixed in.
+
+    True for ZeRO-0 (fp32, or ``FP16_Optimizer`` under fp16 and bf16: its ``zero_grad``
+    runs in ``step()`` only) and for ZeRO-1's ``DeepSpeedZeroOptimizer`` without
+    ``overlap_comm`` (which reduces inside the boundary micro-batch's backward) and without
+    ``use_grad_accum_attribute`` (fp32 accumulation, which moves ``.grad`` into
+    ``param.grad_accum`` after the reduction call). False for ZeRO-2/3 (they reduce bucket
+    by bucket during every backward), ``BF16_Optimizer`` (it copies each micro-batch's
+    gradient into an fp32 buffer and clears ``.grad``), engines that reduce elsewhere
+    (``enable_backward_allreduce`` off: the pipeline engine; DeepCompile; ZenFlow), and
+    anything this module does not recognise."""
+    try:
+        if not callable(getattr(engine, "allreduce_gradients", None)):
+            return False
+        if engine.enable_backward_allreduce is not True or getattr(engine, "zenflow", False):
+            return False
+        if engine.is_deepcompile_active():
+            return False
+        if engine.zero_optimization_partition_gradients():
+            return False
+        optimizer = engine.optimizer
+        if hasattr(optimizer, "fp32_groups_gradients"):  # BF16_Optimizer
+            return False
+        stage = int(engine.zero_optimization_stage())
+        if stage == 0:
+            return True
+        if stage == 1 and type(optimizer).__name__ == "DeepSpeedZeroOptimizer":
+            return optimizer.overlap_comm is False and optimizer.use_grad_accum_attribute is False
+    except Exception:  # a release that moved these: keep the per-parameter hooks
+        return False
+    return False
+
+
+def check_before_reduction(engine: Any, check: Callable[[], None]) -> Callable[[], None]:
+    """Wrap ``engine.allreduce_gradients`` (an instance attribute; DeepSpeed's method runs
+    unchanged) so that ``check`` runs first whenever it is called at an accumulation
+    boundary: the engine's backward calls it after every micro-batch, and ``step()`` calls
+    it at the boundary under unmanaged accumulation. ``check`` must not raise.
+
+    Returns:
+        A function that removes the wrap (idempotent).
+    """
+    own_attribute = engine.__dict__.get("allreduce_gradients")
+    own = engine.allreduce_gradients
+    boundary = engine.is_gradient_accumulation_boundary
+
+    def allreduce_gradients(*args: Any, **kwargs: Any) -> Any:
+        if boundary():
+            check()
+        return own(*args, **kwargs)
+
+    engine.allreduce_gradients = allreduce_gradients
+
+    def unwrap() -> None:
+        if engine.__dict__.get("allreduce_gradients") is not allreduce_gradients:
+            return  # already removed, or wrapped again by someone else: leave theirs
+        if own_attribute is None:
+            del engine.allreduce_gradients
+        else:
+            engine.allreduce_gradients = own_attribute
+
+    return unwrap
+
+
+def reduces_per_bucket(engine: Any) -> bool:
+    """Whether the engine is ZeRO-2 on ``DeepSpeedZeroOptimizer`` as read here (see the
+    module docstring): every gradient reduced through ``reduce_ipg_grads`` from an
+    ``ipg_buckets`` bucket that holds only this micro-batch's own gradients. False for CPU
+    offload, ZenFlow, an fp32 accumulation attribute, a coalesced reduction, DeepCompile,
+    and anything this module does not recognise."""
+    try:
+        optimizer = engine.optimizer
+        if type(optimizer).__name__ != "DeepSpeedZeroOptimizer":
+            return False
+        if int(engine.zero_optimization_stage()) != 2 or engine.is_deepcompile_active():
+            return False
+        if getattr(engine, "zenflow", False) or getattr(optimizer, "zenflow", False):
+            return False
+        flags = ("cpu_offload", "use_grad_accum_attribute", "_coalesce_grad_reduction")
+        if any(getattr(optimizer, name) is not False for name in flags):
+            return False
+        if optimizer.partition_gradients is not True:
+            return False
+        return callable(optimizer.reduce_ipg_grads) and isinstance(optimizer.ipg_buckets, dict)
+    except Exception:  # a release that moved these: keep the per-parameter hooks
+        return False
+
+
+def param_id(engine: Any) -> Callable[[torch.Tensor], int]:
+    """DeepSpeed's id of a parameter, as its ZeRO-1/2 buckets name them (``get_param_id``)."""
+    get: Callable[[torch.Tensor], int] = engine.optimizer.get_param_id
+    return get
+
+
+def check_each_bucket(engine: Any, check: BucketCheck) -> Callable[[], None]:
+    """Wrap the ZeRO-2 optimizer's ``reduce_ipg_grads`` (an instance attribute; DeepSpeed's
+    method runs unchanged) so that ``check`` sees every bucket it is about to reduce: the
+    bucket's gradient list and its parameters' ids (read in C, no Python per parameter).
+    ``check`` must not raise.
+
+    Returns:
+        A function that removes the wrap (idempotent).
+    """
+    optimizer = engine.optimizer
+    own_attribute = optimizer.__dict__.get("reduce_ipg_grads")
+    own = optimizer.reduce_ipg_grads
+    buckets = optimizer.ipg_buckets
+
+    def reduce_ipg_grads(*args: Any, **kwargs: Any) -> Any:
+        comm_dtype = kwargs.get("comm_dtype", args[0] if args else None)
+        for dtype in list(buckets) if comm_dtype is None else [comm_dtype]:
+            bucket = buckets.get(dtype)
+            if bucket is not None and bucket.grads:
+                check(bucket.grads, tuple(map(_PARAM_ID, bucket.params)))
+        return own(*args, **kwargs)
+
+    optimizer.reduce_ipg_grads = reduce_ipg_grads
+
+    def unwrap() -> None:
+        if optimizer.__dict__.get("reduce_ipg_grads") is not reduce_ipg_grads:
+            return  # already removed, or wrapped again by someone else: leave theirs
+        if own_attribute is None:
+            del optimizer.reduce_ipg_grads
+        else:
+            optimizer.reduce_ipg_grads = own_attribute
+
+    return unwrap

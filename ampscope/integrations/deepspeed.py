@@ -19,7 +19,7 @@ sinks, ``monitor.telemetry``):
   gradients held inf/NaN after the reduction (``optimizer.overflow``) and whether the
   step was applied (``was_step_applied()``), the loss scale before and after the step
   (fp16), the global gradient norm (``get_global_grad_norm()``);
-* from ampscope's own hooks (:mod:`~ampscope.integrations._deepspeed_hooks`): the origin,
+* from ampscope's own checks (:mod:`~ampscope.integrations._deepspeed_hooks`): the origin,
   whether this rank's own gradients held inf/NaN before the reduction
   (``found_inf_origin``) and which parameters (``nonfinite_params``), over all the
   micro-batches of the step; the rank's own loss (``engine.backward``'s argument,
@@ -46,14 +46,19 @@ than from DeepSpeed's ``overflow``, which says ``False`` there; a step the
 ``torch_autocast`` ``GradScaler`` skipped (its scale fell) is a skip, although the engine
 says it applied it at ZeRO-0.
 
-Costs per micro-batch: one fused non-finite kernel per parameter, in its tensor hook
-(no sync, no allocation); per optimizer step: one reduction and one host read of the
-flag vector per device, the norm's host read (DeepSpeed's own overflow check has already
-synchronised within ``step()``), under ``torch_autocast`` fp16 the host reads of the
-``GradScaler``'s scale and tracker after ``step()`` (the scale before it is a copy on the
-device, taken without waiting for the backward's kernels), and the record on the telemetry
-thread. A checking step adds the replica check's two kernels per 2**24 parameter elements,
-one small all-gather over the data-parallel group and one host read.
+Costs of the origin, checked right before DeepSpeed reduces (no sync; no Python per
+parameter and micro-batch but at ZeRO-3): at ZeRO-0/1, where DeepSpeed reduces only at the
+accumulation boundary, one multi-tensor check of every ``.grad`` there and nothing per
+micro-batch; at ZeRO-2, one multi-tensor check per gradient bucket, before DeepSpeed
+reduces it; at ZeRO-3 (and on engines not recognised), one fused non-finite kernel per
+parameter and micro-batch in a tensor hook. Per optimizer step:
+one reduction and one host read of the flag vector per device, the norm's host read
+(DeepSpeed's own overflow check has already synchronised within ``step()``), under
+``torch_autocast`` fp16 the host reads of the ``GradScaler``'s scale and tracker after
+``step()`` (the scale before it is a copy on the device, taken without waiting for the
+backward's kernels), and the record on the telemetry thread. A checking step adds the
+replica check's two kernels per 2**24 parameter elements, one small all-gather over the
+data-parallel group and one host read.
 
 Not available under DeepSpeed: the classifying rerun (``step(..., rerun=closure)``: the
 engine's ``step()`` takes no closure and DeepSpeed has already reduced, and under ZeRO-2/3
@@ -73,7 +78,11 @@ import torch
 from torch import nn
 
 from ampscope.integrations import _deepspeed_engine as ds
-from ampscope.integrations._deepspeed_hooks import OwnGradientFlags
+from ampscope.integrations._deepspeed_hooks import (
+    BoundaryGradientFlags,
+    BucketGradientFlags,
+    OwnGradientFlags,
+)
 from ampscope.integrations._swap import check_options, is_distributed
 from ampscope.rank.capture import layout
 from ampscope.rank.capture.layout import OptimizerSlot
@@ -92,6 +101,8 @@ if TYPE_CHECKING:
     from ampscope.rank.replicas.check import ReplicaOutcome
 
 __all__ = ["DeepSpeedMonitor", "instrument", "monitor_of"]
+
+_Flags = BoundaryGradientFlags | BucketGradientFlags | OwnGradientFlags
 
 logger = logging.getLogger("ampscope")
 
@@ -136,7 +147,8 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
         self._steps = 0
         self._dtypes = ""
         self._slot: OptimizerSlot | None = None
-        self._flags: OwnGradientFlags | None = None
+        self._flags: _Flags | None = None
+        self._unwrap_reduction: Any = None
         self._device = "cpu"
 
     def attach(
@@ -163,8 +175,10 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
             self.attach_replicas(replica_check_every)
 
     def bind(self, engine: Any) -> None:
-        """Start observing ``engine``: wrap its ``backward`` and ``step``, hook its
-        parameters (origin tracking), name them. Once, before its first backward.
+        """Start observing ``engine``: wrap its ``backward`` and ``step``, set up the
+        origin check (before the boundary's reduction at ZeRO-0/1, before each bucket's at
+        ZeRO-2, a hook per parameter at ZeRO-3), name the parameters. Once, before its
+        first backward.
 
         Raises:
             RuntimeError: an engine is already observed.
@@ -188,7 +202,7 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
         self._ampscope_attach_fp8(module, self._ampscope_config.fp8_every)
         track = self._track_origin
         if is_distributed() if track is None else track:
-            self._flags = OwnGradientFlags(module.named_parameters())
+            self._flags = self._origin_flags(engine, module)
         self._device = str(_first_device(module))
         self._own_step = engine.step
         self._own_backward = engine.backward
@@ -238,6 +252,21 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
         self._scaled_norm = ds.autocast_norm_is_scaled(engine)
         self._policy = "skip" if self._fp16 or ds.checks_overflow(engine) else "observe"
 
+    def _origin_flags(self, engine: Any, module: nn.Module) -> _Flags:
+        """The origin check right before DeepSpeed's reduction: one check at the boundary
+        where DeepSpeed reduces only there (ZeRO-0/1), one per bucket at ZeRO-2, elsewhere
+        (ZeRO-3, engines not recognised) one tensor hook per parameter."""
+        named = module.named_parameters()
+        if ds.reduces_at_boundary_only(engine):
+            boundary = BoundaryGradientFlags(named)
+            self._unwrap_reduction = ds.check_before_reduction(engine, boundary.check)
+            return boundary
+        if ds.reduces_per_bucket(engine):
+            buckets = BucketGradientFlags(named, ds.param_id(engine))
+            self._unwrap_reduction = ds.check_each_bucket(engine, buckets.check)
+            return buckets
+        return OwnGradientFlags(named)
+
     def get_scale(self) -> float:
         """DeepSpeed's loss scale now (fp16); 1.0 under bf16/fp32 or before an engine."""
         return 1.0 if self.engine is None else ds.loss_scale(self.engine)
@@ -262,6 +291,8 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
                 self._ampscope_check_replicas()
             return result
         before = self._ampscope_guard(ds.scale_before_step, engine) if boundary else None
+        if boundary and self._flags is not None:
+            self._flags.check_now()  # never raises; nothing when the reduction checked
         result = self._own_step(*args, **kwargs)
         if boundary:
             # After DeepSpeed's step (its all-gather included), applied or skipped, on
@@ -363,6 +394,9 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
         if self._flags is not None:
             self._flags.remove()
             self._flags = None
+        if self._unwrap_reduction is not None:
+            self._unwrap_reduction()
+            self._unwrap_reduction = None
 
 
 def instrument(
@@ -381,8 +415,11 @@ def instrument(
     whose parameters are partitioned). Every rank must use the same ``N``.
 
     Wraps ``engine.backward`` (notes the rank's loss) and ``engine.step`` (reads what
-    DeepSpeed decided after a boundary step) as instance attributes, and registers one
-    tensor hook per parameter (origin tracking). DeepSpeed's numerics are unchanged.
+    DeepSpeed decided after a boundary step) as instance attributes; for origin tracking,
+    at ZeRO-0/1 ``engine.allreduce_gradients`` too (a check before the boundary's
+    reduction), at ZeRO-2 its optimizer's ``reduce_ipg_grads`` (a check before each
+    bucket's), at ZeRO-3 one tensor hook per parameter. DeepSpeed's numerics are
+    unchanged.
 
     Args:
         engine: The engine ``deepspeed.initialize`` returned.

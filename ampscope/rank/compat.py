@@ -187,6 +187,16 @@ def non_finite_check_by_norm_(grads: list[torch.Tensor], found_inf: torch.Tensor
     found_inf.copy_(torch.maximum(found_inf, bad.to(found_inf.dtype)))
 
 
+def non_finite_each(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """A bool vector on the tensors' device (one device; dtypes may mix): whether each
+    tensor holds inf/NaN, from its L1 norm accumulated in float64, as
+    :func:`non_finite_check_by_norm_` reads them (exact: a sum carries inf and NaN on every
+    device, and no finite float32 tensor overflows a float64 sum). Reads only: one
+    multi-tensor norm, a stack and one small op, no sync."""
+    norms = torch._foreach_norm(tensors, 1, dtype=torch.float64)
+    return torch.stack(norms).isfinite().logical_not_()
+
+
 def foreach_norm(tensors: list[torch.Tensor], low_precision: bool) -> tuple[torch.Tensor, ...]:
     """The L2 norm of each tensor: torch's multi-tensor norm, the one ``clip_grad_norm_``
     runs (one read of the tensors' memory, one kernel per device and dtype group on

@@ -178,9 +178,13 @@ def train(
         )
         if monitor is not None and rank == 0 and step == close_after:
             monitor.close()
+    # Which origin check the monitor chose (the stage's reduction point), and that close()
+    # took its wrap of allreduce_gradients off the engine.
+    origin_check = None if monitor is None else type(monitor._flags).__name__
     if monitor is not None:
         monitor.close()
     weights = _weights(engine, stage)
+    unwrapped = "allreduce_gradients" not in vars(engine)
     engine.destroy()
     return {
         "records": [r.model_dump(mode="json") for r in records],
@@ -188,6 +192,8 @@ def train(
         "weights": weights,
         "optimizer": type(engine.optimizer).__name__,
         "replica_logs": [m for m in logged.messages if "replica" in m],
+        "origin_check": origin_check,
+        "unwrapped": unwrapped,
     }
 
 

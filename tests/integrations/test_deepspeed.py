@@ -65,6 +65,17 @@ def _check_origin(
         assert records[nan_step - 1]["found_inf_global"], (key, rank)
 
 
+_ORIGIN_CHECK = {0: "BoundaryGradientFlags", 1: "BoundaryGradientFlags", 2: "BucketGradientFlags"}
+"""Per ZeRO stage, the origin check the monitor picks from where DeepSpeed 0.19.8 reduces
+(``_deepspeed_engine``): one check before the boundary's reduction at ZeRO-0/1, one per
+bucket at ZeRO-2, a hook per parameter at ZeRO-3. Fails when a release moves them."""
+
+
+def _check_origin_point(result: dict[str, Any], stage: int) -> None:
+    assert result["origin_check"] == _ORIGIN_CHECK.get(stage, "OwnGradientFlags"), stage
+    assert result["unwrapped"], stage
+
+
 def _check_as_deepspeed(result: dict[str, Any]) -> None:
     """Each record's skip is DeepSpeed's (``was_step_applied``), the same on every rank."""
     records, seen = result["records"], result["seen"]
@@ -90,6 +101,7 @@ def test_bf16_zero_stages(bf16_results: list[dict[str, Any]], report_to: str) ->
             assert ours["weights"] == result[f"plain{stage}"]["weights"], stage
             assert not any(map(math.isnan, ours["weights"]))
             _check_as_deepspeed(ours)
+            _check_origin_point(ours, stage)
             assert [r["skipped"] for r in ours["records"]] == [
                 step == NAN_STEP for step in range(1, STEPS + 1)
             ]
@@ -224,6 +236,7 @@ def test_fp16_backoffs_and_origin(fp16_results: list[dict[str, Any]], report_to:
             ours = result[key]
             assert ours["weights"] == result[f"plain{stage}"]["weights"], stage
             _check_as_deepspeed(ours)
+            _check_origin_point(ours, stage)
             records, seen = ours["records"], ours["seen"]
             # The scale trajectory is DeepSpeed's, read as a loss scaler's records read.
             scales = [initial] + [s["scale"] for s in seen]

@@ -1,5 +1,7 @@
-"""The DeepSpeed integration's own-gradient hooks (``OwnGradientFlags``), without DeepSpeed:
-they are plain tensor hooks, so a plain model's backward exercises them."""
+"""The DeepSpeed integration's own-gradient checks, without DeepSpeed: the per-parameter
+hooks (``OwnGradientFlags``) are plain tensor hooks and the boundary check
+(``BoundaryGradientFlags``) reads ``.grad``, so a plain model's backward exercises them; the
+wrap of ``allreduce_gradients`` on a duck-typed engine."""
 
 from __future__ import annotations
 
@@ -9,7 +11,12 @@ import pytest
 import torch
 from torch import nn
 
-from ampscope.integrations._deepspeed_hooks import OwnGradientFlags
+from ampscope.integrations import _deepspeed_engine as ds
+from ampscope.integrations._deepspeed_hooks import (
+    BoundaryGradientFlags,
+    BucketGradientFlags,
+    OwnGradientFlags,
+)
 
 
 def _model() -> nn.Sequential:
@@ -17,13 +24,13 @@ def _model() -> nn.Sequential:
     return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
 
 
-def _poison(param: nn.Parameter) -> None:
+def _poison(param: nn.Parameter) -> torch.utils.hooks.RemovableHandle:
     def hook(grad: torch.Tensor) -> torch.Tensor:
         grad = grad.clone()
         grad.view(-1)[0] = math.nan
         return grad
 
-    param.register_hook(hook)  # registered first: runs before the flags' hook
+    return param.register_hook(hook)  # registered first: runs before the flags' hook
 
 
 def test_a_clean_backward_flags_nothing() -> None:
@@ -77,3 +84,248 @@ def test_a_non_contiguous_gradient_is_read_not_written() -> None:
     param.grad = None
     (param * 1.0).backward(grad)
     assert flags.take() == ({"cpu": True}, {"p": 1})
+
+
+# -- BoundaryGradientFlags: one check before the boundary's reduction (ZeRO-0/1) ----------
+
+
+def test_the_boundary_check_names_the_parameters_over_accumulated_micro_batches() -> None:
+    model = _model()
+    poison = _poison(model[1].weight)
+    flags = BoundaryGradientFlags(model.named_parameters())
+    model(torch.randn(3, 4)).square().mean().backward()  # the NaN micro-batch
+    poison.remove()
+    model(torch.randn(3, 4)).square().mean().backward()  # a clean one, summed into .grad
+    flags.check()
+    assert flags.take() == ({"cpu": True}, {"1.weight": 1})
+    model.zero_grad(set_to_none=True)
+    model(torch.randn(3, 4)).square().mean().backward()
+    flags.check()
+    assert flags.take() == ({"cpu": False}, {}), "take() starts afresh"
+
+
+def test_the_boundary_check_leaves_the_gradients_as_they_were() -> None:
+    model = _model()
+    flags = BoundaryGradientFlags(model.named_parameters())
+    model(torch.randn(3, 4)).square().mean().backward()
+    before = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    versions = [p.grad._version for p in model.parameters() if p.grad is not None]
+    flags.check()
+    assert [p.grad._version for p in model.parameters() if p.grad is not None] == versions
+    for grad, was in zip([p.grad for p in model.parameters()], before, strict=True):
+        assert grad is not None
+        assert torch.equal(grad, was)
+    assert flags.take() == ({"cpu": False}, {})
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_the_boundary_check_is_exact_for_large_finite_gradients(dtype: torch.dtype) -> None:
+    """Huge but finite gradients are clean (a float32 sum of them would overflow; the check
+    sums in float64), an inf or a NaN anywhere in a tensor is not."""
+    big = torch.finfo(dtype).max
+    params = {name: nn.Parameter(torch.zeros(1000, dtype=dtype)) for name in "abc"}
+    flags = BoundaryGradientFlags(params.items())
+    params["a"].grad = torch.full((1000,), big, dtype=dtype)
+    params["b"].grad = torch.full((1000,), big, dtype=dtype)
+    params["b"].grad[500] = -math.inf
+    params["c"].grad = torch.zeros(1000, dtype=dtype)
+    params["c"].grad[999] = math.nan
+    flags.check()
+    assert flags.take() == ({"cpu": True}, {"b": 1, "c": 1})
+
+
+def test_the_boundary_check_runs_once_per_step_and_skips_absent_gradients() -> None:
+    used, unused = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2))
+    flags = BoundaryGradientFlags([("used", used), ("unused", unused)])
+    used.grad = torch.tensor([1.0, math.inf])
+    flags.check()
+    used.grad = torch.ones(2)  # reduced (and averaged) after the check: not read again
+    flags.check_now()
+    assert flags.take() == ({"cpu": True}, {"used": 1})
+    flags.check_now()  # a step whose reduction did not check (no_sync): step() does
+    assert flags.take() == ({"cpu": False}, {})
+    assert flags.errors == 0
+
+
+def test_a_failing_boundary_check_warns_once_and_never_raises() -> None:
+    param = nn.Parameter(torch.ones(2))
+    flags = BoundaryGradientFlags([("p", param)])
+    param.grad = torch.ones(2).to_sparse()  # no multi-tensor norm for sparse gradients
+    with pytest.warns(RuntimeWarning, match="could not check"):
+        flags.check()
+    flags.take()
+    flags.check()
+    assert flags.errors == 2
+
+
+# -- the wrap of allreduce_gradients (read in _deepspeed_engine) -------------------------
+
+
+class _Engine:
+    """What check_before_reduction reads of a DeepSpeed engine."""
+
+    def __init__(self) -> None:
+        self.boundary = False
+        self.reduced: list[bool] = []
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self.boundary
+
+    def allreduce_gradients(self, bucket_size: int = 0) -> None:
+        self.reduced.append(self.boundary)
+
+
+def test_the_check_runs_before_the_reduction_at_a_boundary_only() -> None:
+    engine = _Engine()
+    calls: list[list[bool]] = []
+    unwrap = ds.check_before_reduction(engine, lambda: calls.append(list(engine.reduced)))
+    engine.allreduce_gradients()  # a micro-batch inside the step: no check
+    engine.boundary = True
+    engine.allreduce_gradients(bucket_size=7)
+    assert calls == [[False]], "checked once, before the boundary's reduction"
+    assert engine.reduced == [False, True]
+    unwrap()
+    unwrap()
+    assert "allreduce_gradients" not in vars(engine)
+    engine.allreduce_gradients()
+    assert len(calls) == 1
+
+
+def test_only_engines_that_reduce_at_the_boundary_are_checked_there() -> None:
+    """A duck-typed engine: the attributes reduces_at_boundary_only reads (the real
+    engines' answers per stage are asserted in test_deepspeed.py)."""
+
+    class Zero(_Engine):
+        enable_backward_allreduce = True
+
+        def __init__(self, stage: int, optimizer: object) -> None:
+            super().__init__()
+            self.stage, self.optimizer = stage, optimizer
+
+        def is_deepcompile_active(self) -> bool:
+            return False
+
+        def zero_optimization_partition_gradients(self) -> bool:
+            return self.stage >= 2
+
+        def zero_optimization_stage(self) -> int:
+            return self.stage
+
+    class DeepSpeedZeroOptimizer:
+        def __init__(self, overlap_comm: bool, use_grad_accum_attribute: bool) -> None:
+            self.overlap_comm = overlap_comm
+            self.use_grad_accum_attribute = use_grad_accum_attribute
+
+    class BF16Optimizer:
+        fp32_groups_gradients = ()
+
+    assert ds.reduces_at_boundary_only(Zero(0, object()))
+    assert ds.reduces_at_boundary_only(Zero(1, DeepSpeedZeroOptimizer(False, False)))
+    assert not ds.reduces_at_boundary_only(Zero(1, DeepSpeedZeroOptimizer(True, False)))
+    assert not ds.reduces_at_boundary_only(Zero(1, DeepSpeedZeroOptimizer(False, True)))
+    assert not ds.reduces_at_boundary_only(Zero(2, DeepSpeedZeroOptimizer(False, False)))
+    assert not ds.reduces_at_boundary_only(Zero(0, BF16Optimizer()))
+    assert not ds.reduces_at_boundary_only(_Engine()), "unrecognised: keep the hooks"
+
+
+def test_the_boundary_check_groups_dtypes_and_keeps_each_name_on_its_slot() -> None:
+    """Parameters of mixed dtypes are checked one dtype group at a time (sorted, each a
+    slice of the device's flag vector): every name still lands on its own flag."""
+    params = {
+        "a16": nn.Parameter(torch.zeros(3, dtype=torch.bfloat16)),
+        "b32": nn.Parameter(torch.zeros(3)),
+        "c16": nn.Parameter(torch.zeros(3, dtype=torch.bfloat16)),
+        "d32": nn.Parameter(torch.zeros(3)),
+    }
+    flags = BoundaryGradientFlags(params.items())
+    for bad in params:
+        for name, param in params.items():
+            param.grad = torch.full_like(param, math.nan if name == bad else 1.0)
+        flags.check()
+        assert flags.take() == ({"cpu": True}, {bad: 1}), bad
+
+
+# -- BucketGradientFlags: one check per gradient bucket (ZeRO-2) -------------------------
+
+
+def _bucket_flags() -> tuple[BucketGradientFlags, dict[str, nn.Parameter]]:
+    params = {name: nn.Parameter(torch.zeros(2)) for name in ("a", "b", "c", "d")}
+    ids = {id(p): 10 + i for i, p in enumerate(params.values())}  # DeepSpeed's own numbering
+    return BucketGradientFlags(params.items(), lambda p: ids[id(p)]), params
+
+
+def test_a_bucket_check_names_its_parameters_by_deepspeed_id_over_micro_batches() -> None:
+    flags, _ = _bucket_flags()
+    clean, nan = torch.ones(2), torch.tensor([1.0, math.nan])
+    flags.check([clean, nan], (13, 11))  # micro-batch 1, bucket 1: d clean, b NaN
+    flags.check([clean, clean], (12, 10))  # bucket 2
+    flags.check([clean, clean], (13, 11))  # micro-batch 2: same layout, clean
+    flags.check([torch.tensor([math.inf, 0.0])], (12,))  # a new layout
+    assert flags.take() == ({"cpu": True}, {"b": 1, "c": 1})
+    flags.check([clean, clean], (13, 11))
+    assert flags.take() == ({"cpu": False}, {}), "take() starts afresh"
+    assert flags.errors == 0
+
+
+def test_a_bucket_check_skips_parameters_that_are_not_the_modules() -> None:
+    """An optimizer may hold parameters the engine's module does not name: their gradients
+    are in the bucket, and only the module's are flagged."""
+    flags, _ = _bucket_flags()
+    nan = torch.tensor([math.nan, 0.0])
+    flags.check([nan, torch.ones(2), nan], (99, 10, 11))
+    assert flags.take() == ({"cpu": True}, {"b": 1})
+    flags.check([nan], (99,))  # a bucket of none of the module's: nothing to flag
+    assert flags.take() == ({"cpu": False}, {})
+    assert flags.errors == 0
+
+
+def test_a_bucket_check_that_fails_warns_once_and_never_raises() -> None:
+    flags, _ = _bucket_flags()
+    nan = torch.tensor([math.nan, 0.0])
+    with pytest.warns(RuntimeWarning, match="could not check"):
+        flags.check([nan], (10, 11))  # fewer gradients than ids
+    flags.check([nan], (12, 13))
+    assert flags.errors == 2
+    assert flags.take() == ({"cpu": False}, {})
+
+
+class _Bucket:
+    def __init__(self) -> None:
+        self.grads: list[torch.Tensor] = []
+        self.params: list[tuple[int, int, int]] = []
+
+
+class _ZeroOptimizer:
+    """What check_each_bucket reads of a ZeRO-2 optimizer: its buckets per dtype and the
+    method that reduces them (called with a dtype, or none for all)."""
+
+    def __init__(self) -> None:
+        self.ipg_buckets = {torch.bfloat16: _Bucket(), torch.float32: _Bucket()}
+        self.reduced: list[object] = []
+
+    def reduce_ipg_grads(self, comm_dtype: object = None) -> None:
+        self.reduced.append(comm_dtype)
+        for dtype, bucket in self.ipg_buckets.items():
+            if comm_dtype in (None, dtype):
+                bucket.grads.clear()
+                bucket.params.clear()
+
+
+def test_each_bucket_is_checked_before_its_reduction() -> None:
+    engine = _Engine()
+    optimizer = engine.optimizer = _ZeroOptimizer()  # type: ignore[attr-defined]
+    seen: list[tuple[int, tuple[int, ...]]] = []
+    unwrap = ds.check_each_bucket(engine, lambda grads, ids: seen.append((len(grads), ids)))
+    half, full = optimizer.ipg_buckets[torch.bfloat16], optimizer.ipg_buckets[torch.float32]
+    half.grads[:] = [torch.ones(1), torch.ones(1)]
+    half.params[:] = [(0, 0, 5), (0, 1, 6)]
+    full.grads[:] = [torch.ones(1)]
+    full.params[:] = [(1, 0, 7)]
+    optimizer.reduce_ipg_grads(comm_dtype=torch.bfloat16)  # a full bucket, during backward
+    assert seen == [(2, (5, 6))]
+    optimizer.reduce_ipg_grads()  # the epilogue: every bucket left (the empty one skipped)
+    assert seen == [(2, (5, 6)), (1, (7,))]
+    assert optimizer.reduced == [torch.bfloat16, None]
+    unwrap()
+    unwrap()
+    assert "reduce_ipg_grads" not in vars(optimizer)

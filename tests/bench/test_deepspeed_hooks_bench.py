@@ -1,0 +1,29 @@
+"""bench.deepspeed_hooks: every variant runs its check on the backward it times, and the
+report names each (the figures themselves are not asserted)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench import deepspeed_hooks
+
+
+@pytest.mark.parametrize("variant", deepspeed_hooks.VARIANTS[1:])
+def test_each_variant_checks_the_backward_it_times(variant: str) -> None:
+    torch.manual_seed(0)
+    run = deepspeed_hooks._Backward(variant)
+    flags = run.hooks or run.boundary or run.bucket
+    assert flags is not None
+    assert [flags is run.hooks, flags is run.boundary, flags is run.bucket].count(True) == 1
+    run.block(2)
+    assert flags.errors == 0, "every check ran"
+    assert flags.take() == ({"cpu": False}, {}), "a clean model flags nothing"
+
+
+def test_the_report_names_every_checked_variant(capsys: pytest.CaptureFixture[str]) -> None:
+    deepspeed_hooks.main(["--groups", "2", "--steps", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(",")[1].split(":")[0].strip() for line in lines] == list(
+        deepspeed_hooks.VARIANTS[1:]
+    )
