@@ -1,10 +1,12 @@
 """DeepSpeed ``PipelineEngine`` ranks for tests/integrations/test_deepspeed_pipe.py.
 
 One launch, on 2 gloo ranks, DeepSpeed on its CPU accelerator as in
-:mod:`deepspeed_workers` (its :func:`~deepspeed_workers.setup`): a ``PipelineModule`` of
-four layers in bf16 at ZeRO-1, trained with ``train_batch()`` as 2 stages x 1
-data-parallel rank (with and without ampscope, the NaN at a known step; and clean, for the
-health) and as 1 stage x 2 data-parallel ranks (the replica check compares).
+:mod:`deepspeed_workers` (its :func:`~deepspeed_workers.setup`, with the test-only fp16
+override): a ``PipelineModule`` of four layers trained with ``train_batch()``. In bf16 at
+ZeRO-1: 2 stages x 1 data-parallel rank (with and without ampscope, the NaN at a known
+step; and clean, for the health) and 1 stage x 2 data-parallel ranks (the replica check
+compares); then 2 stages with the NaN in bf16 at ZeRO-0 (DeepSpeed's ``BF16_Optimizer``)
+and in fp16 at ZeRO 0 and 1 (DeepSpeed's loss scaler).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from deepspeed_workers import _scale
 from torch import nn
 
 STEPS = 5
@@ -34,7 +37,7 @@ def _loss(output: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
 
 
 def _batches(
-    rank: int, stages: int, nan_step: int | None
+    rank: int, stages: int, nan_step: int | None, dtype: torch.dtype
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """The micro-batches ``train_batch()`` pulls (input, label), step by step."""
     nan_rank = 0 if stages > 1 else NAN_RANK
@@ -47,7 +50,7 @@ def _batches(
         label = torch.randn(4, 1, generator=generator)
         if rank == nan_rank and step + 1 == nan_step and micro == 0:
             x[0, 0] = math.nan
-        yield x.to(torch.bfloat16), label
+        yield x.to(dtype), label
 
 
 def train(
@@ -58,6 +61,8 @@ def train(
     instrumented: bool = True,
     run_id: str | None = None,
     replica_check_every: int | None = None,
+    zero: int = 1,
+    precision: str = "bf16",
 ) -> dict[str, Any]:
     """Train a pipeline engine for :data:`STEPS` batches; the rank's records, DeepSpeed's
     own view per step, the weights, the stage and its data-parallel group."""
@@ -76,8 +81,8 @@ def train(
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": GAS,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
-        "zero_optimization": {"stage": 1},
-        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": zero},
+        precision: {"enabled": True},
         "steps_per_print": 10**9,
     }
     engine, *_ = deepspeed.initialize(
@@ -98,7 +103,8 @@ def train(
             sinks=[CallbackSink(records.append)],
             **options,
         )
-    data = _batches(rank, stages, nan_step)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    data = _batches(rank, stages, nan_step, dtype)
     seen: list[dict[str, Any]] = []
     for step in range(1, STEPS + 1):
         if monitor is not None:
@@ -111,6 +117,7 @@ def train(
                 "skipped_steps": engine.skipped_steps,
                 "overflow": bool(getattr(engine.optimizer, "overflow", False)),
                 "norm": None if norm is None else float(norm),
+                "scale": _scale(engine),
                 "loss": float(loss),
             }
         )
@@ -135,10 +142,13 @@ def pipelines(rank: int, world_size: int) -> dict[str, Any]:
     """Every pipeline scenario, in one launch."""
     from deepspeed_workers import setup
 
-    setup()
+    setup(fp16=True)
     return {
         "plain": train(rank, stages=2, instrumented=False),
         "ours": train(rank, stages=2, run_id="ds-pipe-nan"),
         "clean": train(rank, stages=2, nan_step=None, run_id="ds-pipe-clean"),
         "data": train(rank, stages=1, replica_check_every=1),
+        "bf16z0": train(rank, stages=2, zero=0),
+        "fp16z0": train(rank, stages=2, zero=0, precision="fp16"),
+        "fp16z1": train(rank, stages=2, zero=1, precision="fp16"),
     }

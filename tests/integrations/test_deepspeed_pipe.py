@@ -110,6 +110,38 @@ def test_data_parallel_stage_compares_its_replicas(results: list[dict[str, Any]]
             assert (losses[0][step] + losses[1][step]) / 2 == pytest.approx(seen["loss"], rel=1e-5)
 
 
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("key", "optimizer"),
+    [
+        ("bf16z0", "BF16_Optimizer"),
+        ("fp16z0", "FP16_UnfusedOptimizer"),
+        ("fp16z1", "DeepSpeedZeroOptimizer"),
+    ],
+)
+def test_two_stages_at_zero_0_and_in_fp16(
+    results: list[dict[str, Any]], key: str, optimizer: str
+) -> None:
+    fp16 = key.startswith("fp16")
+    for rank, result in enumerate(results):
+        ours = result[key]
+        assert ours["optimizer"] == optimizer
+        _as_deepspeed(ours)
+        records, seen = ours["records"], ours["seen"]
+        assert records[NAN_STEP - 1]["skipped"]
+        for record in records:
+            assert record["setup"]["mode"] == ("scaler" if fp16 else "watch")
+            names = {p["name"] for p in record["nonfinite_params"]}
+            assert names == (set(STAGE_PARAMS[rank]) if record["step"] == NAN_STEP else set())
+            assert (record["stats"]["loss"] is None) == (rank == 0 or record["skipped"])
+        # fp16: the scale DeepSpeed's loss scaler held before and after each step.
+        after = [s["scale"] for s in seen] if fp16 else [None] * STEPS
+        assert [r["scale_after"] for r in records] == (after if fp16 else [1.0] * STEPS)
+        if fp16:
+            assert [r["scale_before"] for r in records][1:] == after[:-1]
+            assert any(r["event"] == "backoff" for r in records)
+
+
 class PipelineEngine(nn.Module):
     """Named as DeepSpeed's, of a release without the optimizer step ampscope wraps."""
 
