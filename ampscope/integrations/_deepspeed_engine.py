@@ -210,8 +210,8 @@ def pipeline_step(engine: Any) -> Any:
         raise NotImplementedError(
             "ampscope cannot observe this DeepSpeed PipelineEngine: its optimizer step "
             "(_take_model_step, which train_batch() calls) is not where ampscope knows it "
-            "(DeepSpeed 0.19.8). Train a DeepSpeedEngine without pipeline stages, or "
-            "observe the optimizer with ampscope.watch()"
+            "(DeepSpeed 0.19.8). Use a DeepSpeed release ampscope supports, or train "
+            "without pipeline stages (a DeepSpeedEngine's step() is observed)"
         )
     return own
 
