@@ -37,6 +37,12 @@ Every wrap is an instance attribute whose removal restores DeepSpeed's method, a
 read is guarded: a release that moves these makes :func:`reduces_at_boundary_only` and
 :func:`reduces_per_bucket` say ``False`` (the per-parameter hooks, slower but correct), and
 ``tests/integrations/test_deepspeed.py`` fail.
+
+For DeepSpeed's ``PipelineEngine``, whose ``train_batch()`` takes the optimizer step without
+``step()``: the method its ``OptimizerStep`` instruction calls (``_take_model_step``) and the
+last stage's micro-batch losses (``fwd_outputs``), read in the functions at the end.
+``tests/integrations/test_deepspeed.py`` and ``test_deepspeed_pipe.py`` fail when a release
+moves any of them.
 """
 
 from __future__ import annotations
@@ -338,3 +344,53 @@ def check_each_bucket(engine: Any, check: BucketCheck) -> Callable[[], None]:
             optimizer.reduce_ipg_grads = own_attribute
 
     return unwrap
+
+
+# -- PipelineEngine ------------------------------------------------------------------------
+# ``train_batch()`` runs the whole batch from a schedule of instructions, dispatched through
+# the class's ``_INSTRUCTION_MAP`` (an instance attribute cannot replace one of them): the
+# last stage's backward calls ``DeepSpeedEngine.backward`` directly, and the ``OptimizerStep``
+# instruction (``_exec_optimizer_step``) calls ``self._take_model_step(lr_kwargs)`` with the
+# boundary forced (``is_gradient_accumulation_boundary()`` true), once per batch on every
+# rank. The engine's own ``backward()`` and ``step()`` raise ``PipelineError``.
+
+
+def is_pipeline(engine: Any) -> bool:
+    """Whether ``engine`` is DeepSpeed's ``PipelineEngine`` (or a subclass), known by its
+    class name: DeepSpeed is never imported."""
+    return any(cls.__name__ == "PipelineEngine" for cls in type(engine).__mro__)
+
+
+def pipeline_step(engine: Any) -> Any:
+    """The pipeline engine's optimizer step as its ``OptimizerStep`` instruction calls it
+    (``_take_model_step``, a bound method).
+
+    Raises:
+        NotImplementedError: this release has no such method (the observation would see
+            nothing).
+    """
+    own = getattr(engine, "_take_model_step", None)
+    if not callable(own):
+        raise NotImplementedError(
+            "ampscope cannot observe this DeepSpeed PipelineEngine: its optimizer step "
+            "(_take_model_step, which train_batch() calls) is not where ampscope knows it "
+            "(DeepSpeed 0.19.8). Use a DeepSpeed release ampscope supports, or train "
+            "without pipeline stages (a DeepSpeedEngine's step() is observed)"
+        )
+    return own
+
+
+def route_pipeline_step(engine: Any, observed: Any) -> None:
+    """Make the pipeline engine's ``train_batch()`` take its optimizer step through
+    ``observed`` (an instance attribute over :func:`pipeline_step`'s method)."""
+    engine._take_model_step = observed
+
+
+def pipeline_losses(engine: Any) -> list[torch.Tensor]:
+    """This stage's losses of the batch being trained, one per micro-batch, unscaled and
+    detached: the last stage's forward passes keep them in ``fwd_outputs`` (reset by each
+    ``train_batch()``); the other stages compute none. Read within the optimizer step. A
+    loss that is a tuple of tensors is left out (not one loss value)."""
+    if not engine.is_last_stage():
+        return []
+    return [loss for loss in getattr(engine, "fwd_outputs", ()) if isinstance(loss, torch.Tensor)]

@@ -33,6 +33,18 @@ sinks, ``monitor.telemetry``):
   At ZeRO 1-2 the fp32 master copy is partitioned, so a corruption of the owner's master
   copy reaches every replica through the all-gather unseen (docs/silent-corruption.md).
 
+DeepSpeed's ``PipelineEngine`` (``deepspeed.initialize`` with a ``PipelineModule``; ZeRO 0-1)
+trains a whole batch in ``train_batch()``, whose ``backward()`` and ``step()`` are disabled:
+``instrument`` wraps the optimizer step that ``train_batch()`` takes instead, on every rank,
+and the records are the same. Each rank hooks and names its own stage's parameters (the
+origin names the stage's parameters that held inf/NaN); the loss is the last stage's (its
+micro-batches' mean; the other stages compute none); the norm and the skip are DeepSpeed's,
+the same on every stage; the replica check compares a stage's parameters within its own
+data-parallel group (``seq_data_parallel_group`` is the pipeline grid's). Note batch ids
+before ``train_batch()``. Records carry no stage number (the schema has none): the rank
+says which stage it is (``engine.grid``). A release that moved that step is refused at
+``instrument()`` with a ``NotImplementedError`` (the Trainer and Accelerate log it once).
+
 fp16 records (the ``fp16`` section, or ``torch_autocast`` in float16, whose torch
 ``GradScaler`` scales) read as a loss scaler's (``setup.mode == "scaler"``: scale before
 and after, the backoff or growth event, the growth tracker), so the scale rules apply as
@@ -150,6 +162,8 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
         self._flags: _Flags | None = None
         self._unwrap_reduction: Any = None
         self._device = "cpu"
+        self._refused = False
+        """:meth:`attach` was refused a PipelineEngine (logged once)."""
 
     def attach(
         self,
@@ -163,28 +177,42 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
         anything else is left alone: the engine's module names the parameters. The
         Trainer and Accelerate integrations call it with what ``prepare()`` returned.
         ``replica_check_every``: as for :func:`instrument`'s option of that name (``None``:
-        the option's value); the ZeRO-3 note of :meth:`attach_replicas` applies.
+        the option's value); the ZeRO-3 note of :meth:`attach_replicas` applies. A
+        ``PipelineEngine`` that :meth:`bind` refuses is logged once and left alone.
 
         Raises:
             ValueError: ``replica_check_every`` is not an int >= 0.
         """
         if replica_check_every is not None:
             check_replica_check_every(replica_check_every)
+        if self._refused:
+            return
         if self.engine is None and is_engine(model) and self._ampscope_capture is not None:
-            self.bind(model)
+            try:
+                self.bind(model)
+            except NotImplementedError as refused:  # a PipelineEngine ampscope cannot see
+                self._refused = True
+                logger.warning("%s; training goes on unobserved", refused)
+                return
             self.attach_replicas(replica_check_every)
 
     def bind(self, engine: Any) -> None:
-        """Start observing ``engine``: wrap its ``backward`` and ``step``, set up the
+        """Start observing ``engine``: wrap its ``backward`` and ``step`` (a
+        ``PipelineEngine``'s: the optimizer step its ``train_batch()`` takes), set up the
         origin check (before the boundary's reduction at ZeRO-0/1, before each bucket's at
-        ZeRO-2, a hook per parameter at ZeRO-3), name the parameters. Once, before its
-        first backward.
+        ZeRO-2, a hook per parameter at ZeRO-3 and on pipeline engines), name the
+        parameters. Once, before its first backward.
 
         Raises:
             RuntimeError: an engine is already observed.
+            NotImplementedError: a ``PipelineEngine`` whose optimizer step is not where
+                ampscope knows it (another DeepSpeed release); nothing is hooked.
         """
         if self.engine is not None:
             raise RuntimeError("this monitor already observes an engine")
+        # A PipelineEngine steps inside train_batch(): its optimizer step is observed instead
+        # of step() (refused here, before anything is hooked, where a release moved it).
+        own_pipeline_step = ds.pipeline_step(engine) if ds.is_pipeline(engine) else None
         self.engine = engine
         self._read_precision(engine)
         module = _module(engine)
@@ -204,10 +232,14 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
         if is_distributed() if track is None else track:
             self._flags = self._origin_flags(engine, module)
         self._device = str(_first_device(module))
-        self._own_step = engine.step
-        self._own_backward = engine.backward
-        engine.step = self._step
-        engine.backward = self._backward
+        if own_pipeline_step is not None:
+            self._own_step = own_pipeline_step
+            ds.route_pipeline_step(engine, self._pipeline_step)
+        else:
+            self._own_step = engine.step
+            self._own_backward = engine.backward
+            engine.step = self._step
+            engine.backward = self._backward
         setattr(engine, _STATE, self)
 
     def attach_replicas(self, every: int | None = None) -> None:
@@ -303,6 +335,20 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
             except Exception:
                 self._ampscope_failed()
         return result
+
+    def _pipeline_step(self, *args: Any, **kwargs: Any) -> Any:
+        """A ``PipelineEngine``'s optimizer step, inside ``train_batch()`` on every rank
+        (the boundary forced): this stage's losses noted as :meth:`_backward` notes them
+        (the last stage's; the engine's ``backward()`` is not called), then the step
+        observed as :meth:`_step` observes it."""
+        stats = self._ampscope_stats
+        if stats is not None and self._ampscope_capture is not None:
+            try:
+                for loss in ds.pipeline_losses(self.engine):
+                    stats.add_loss(loss)
+            except Exception:
+                self._ampscope_failed()
+        return self._step(*args, **kwargs)
 
     def _record(self, before: float, replicas: ReplicaOutcome | None = None) -> None:
         """Close the optimizer step DeepSpeed just took: one record (training thread)."""
@@ -405,9 +451,10 @@ def instrument(
     track_origin: bool | None = None,
     **scaler_options: Any,
 ) -> DeepSpeedMonitor:
-    """Observe ``engine`` (a ``deepspeed.DeepSpeedEngine``): one record per rank at every
-    gradient-accumulation boundary. Call once on every rank, after ``deepspeed.initialize``
-    and before the first ``engine.backward``; calling it again returns the same monitor.
+    """Observe ``engine`` (a ``deepspeed.DeepSpeedEngine``, or a ``PipelineEngine``): one
+    record per rank at every gradient-accumulation boundary. Call once on every rank, after
+    ``deepspeed.initialize`` and before the first ``engine.backward`` (``train_batch``);
+    calling it again returns the same monitor.
 
     With ``replica_check_every=N`` among the options (default 100; 0: off), every rank
     compares the engine's module parameters bit for bit with the rest of DeepSpeed's
@@ -420,6 +467,9 @@ def instrument(
     reduction), at ZeRO-2 its optimizer's ``reduce_ipg_grads`` (a check before each
     bucket's), at ZeRO-3 one tensor hook per parameter. DeepSpeed's numerics are
     unchanged.
+    A ``PipelineEngine`` (whose ``backward()`` and ``step()`` are disabled): the optimizer
+    step its ``train_batch()`` takes is wrapped instead, and the last stage's micro-batch
+    losses are read there; each stage checks and names its own parameters.
 
     Args:
         engine: The engine ``deepspeed.initialize`` returned.
@@ -437,6 +487,8 @@ def instrument(
     Raises:
         TypeError: ``engine`` is not a DeepSpeed engine, or an unknown option.
         ValueError: a bad option value, or a scale clamp.
+        NotImplementedError: a ``PipelineEngine`` of a DeepSpeed release whose optimizer
+            step is not where ampscope knows it (the message says what to do instead).
     """
     existing = monitor_of(engine)
     if existing is not None:
@@ -444,7 +496,11 @@ def instrument(
     if not is_engine(engine):
         raise TypeError(f"instrument() needs a DeepSpeed engine, not {type(engine).__name__}")
     monitor = make_monitor(track_origin, scaler_options)
-    monitor.bind(engine)
+    try:
+        monitor.bind(engine)
+    except NotImplementedError:
+        monitor.close()  # nothing bound: its telemetry stops with it
+        raise
     monitor.attach_replicas()
     return monitor
 

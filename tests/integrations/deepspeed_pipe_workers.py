@@ -1,0 +1,154 @@
+"""DeepSpeed ``PipelineEngine`` ranks for tests/integrations/test_deepspeed_pipe.py.
+
+One launch, on 2 gloo ranks, DeepSpeed on its CPU accelerator as in
+:mod:`deepspeed_workers` (its :func:`~deepspeed_workers.setup`, with the test-only fp16
+override): a ``PipelineModule`` of four layers trained with ``train_batch()``. In bf16 at
+ZeRO-1: 2 stages x 1 data-parallel rank (with and without ampscope, the NaN at a known
+step; and clean, for the health) and 1 stage x 2 data-parallel ranks (the replica check
+compares); then 2 stages with the NaN in bf16 at ZeRO-0 (DeepSpeed's ``BF16_Optimizer``)
+and in fp16 at ZeRO 0 and 1 (DeepSpeed's loss scaler).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from deepspeed_workers import _scale
+from torch import nn
+
+STEPS = 5
+"""Optimizer steps (``train_batch()`` calls) per scenario."""
+NAN_STEP = 3
+"""The 1-based step whose first micro-batch holds a NaN in its input: with 2 stages, the
+first stage's (rank 0, which loads the inputs): its forward reaches the last stage, so both
+stages' gradients hold NaN; with 2 data-parallel ranks, rank ``NAN_RANK``'s only."""
+NAN_RANK = 1
+GAS = 2
+STAGE_PARAMS = (("0.weight", "0.bias"), ("2.weight", "2.bias", "3.weight", "3.bias"))
+"""Each stage's parameters (uniform partition: 2 of the 4 layers each; ReLU has none)."""
+ALL_PARAMS = STAGE_PARAMS[0] + STAGE_PARAMS[1]
+
+
+def _loss(output: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+    return (output.float() - label).pow(2).mean()
+
+
+def _batches(
+    rank: int, stages: int, nan_step: int | None, dtype: torch.dtype
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The micro-batches ``train_batch()`` pulls (input, label), step by step."""
+    nan_rank = 0 if stages > 1 else NAN_RANK
+    step_micro = 0
+    while True:
+        step, micro = divmod(step_micro, GAS)
+        step_micro += 1
+        generator = torch.Generator().manual_seed(1000 * (step + 1) + 10 * micro + rank)
+        x = torch.randn(4, 8, generator=generator)
+        label = torch.randn(4, 1, generator=generator)
+        if rank == nan_rank and step + 1 == nan_step and micro == 0:
+            x[0, 0] = math.nan
+        yield x.to(dtype), label
+
+
+def train(
+    rank: int,
+    *,
+    stages: int,
+    nan_step: int | None = NAN_STEP,
+    instrumented: bool = True,
+    run_id: str | None = None,
+    replica_check_every: int | None = None,
+    zero: int = 1,
+    precision: str = "bf16",
+) -> dict[str, Any]:
+    """Train a pipeline engine for :data:`STEPS` batches; the rank's records, DeepSpeed's
+    own view per step, the weights, the stage and its data-parallel group."""
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.pipe import PipelineModule
+
+    from ampscope.reporter.sinks import CallbackSink
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.Linear(16, 1)]
+    model = PipelineModule(
+        layers=layers, num_stages=stages, loss_fn=_loss, partition_method="uniform"
+    )
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": GAS,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+        "zero_optimization": {"stage": zero},
+        precision: {"enabled": True},
+        "steps_per_print": 10**9,
+    }
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=list(model.parameters()), config=config
+    )
+    records: list[Any] = []
+    monitor = None
+    if instrumented:
+        from ampscope.integrations.deepspeed import instrument
+
+        options = (
+            {} if replica_check_every is None else {"replica_check_every": replica_check_every}
+        )
+        monitor = instrument(
+            engine,
+            run_id=run_id,
+            reporter=None if run_id is None else "auto",
+            sinks=[CallbackSink(records.append)],
+            **options,
+        )
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    data = _batches(rank, stages, nan_step, dtype)
+    seen: list[dict[str, Any]] = []
+    for step in range(1, STEPS + 1):
+        if monitor is not None:
+            monitor.note_batch([f"r{rank}s{step}"])
+        loss = engine.train_batch(data)
+        norm = engine.get_global_grad_norm()
+        seen.append(
+            {
+                "applied": engine.was_step_applied(),
+                "skipped_steps": engine.skipped_steps,
+                "overflow": bool(getattr(engine.optimizer, "overflow", False)),
+                "norm": None if norm is None else float(norm),
+                "scale": _scale(engine),
+                "loss": float(loss),
+            }
+        )
+    if monitor is not None:
+        monitor.close()
+    weights = [v for p in engine.module.parameters() for v in p.detach().float().flatten().tolist()]
+    out = {
+        "records": [r.model_dump(mode="json") for r in records],
+        "seen": seen,
+        "weights": weights,
+        "stage": engine.stage_id,
+        "params": [name for name, _ in engine.module.named_parameters()],
+        "group": dist.get_process_group_ranks(engine.seq_data_parallel_group),
+        "grid_group": list(engine.grid.dp_group),
+        "optimizer": type(engine.optimizer).__name__,
+    }
+    engine.destroy()
+    return out
+
+
+def pipelines(rank: int, world_size: int) -> dict[str, Any]:
+    """Every pipeline scenario, in one launch."""
+    from deepspeed_workers import setup
+
+    setup(fp16=True)
+    return {
+        "plain": train(rank, stages=2, instrumented=False),
+        "ours": train(rank, stages=2, run_id="ds-pipe-nan"),
+        "clean": train(rank, stages=2, nan_step=None, run_id="ds-pipe-clean"),
+        "data": train(rank, stages=1, replica_check_every=1),
+        "bf16z0": train(rank, stages=2, zero=0),
+        "fp16z0": train(rank, stages=2, zero=0, precision="fp16"),
+        "fp16z1": train(rank, stages=2, zero=1, precision="fp16"),
+    }
