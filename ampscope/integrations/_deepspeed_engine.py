@@ -160,14 +160,10 @@ def growth_tracker(engine: Any, found: bool, before: float, after: float) -> int
     0 right after a backoff or a growth, so that a record's event reads as a scaler's.
 
     DeepSpeed's dynamic scaler grows after ``scale_window`` clean steps past its last
-    overflow, counting from ``last_overflow_iter``; a static scale never grows. Under
-    ``torch_autocast`` fp16 the ``GradScaler``'s own tracker (one host read), which stays
-    as it was where DeepSpeed skipped the step before the ``GradScaler`` saw it.
+    overflow, counting from ``last_overflow_iter``; a static scale never grows. (Not for
+    ``torch_autocast`` fp16: its ``GradScaler``'s tracker counts ``update()`` calls, one per
+    parameter group or ZeRO-3 sub-group and step; the monitor counts steps itself.)
     """
-    autocast = autocast_scaler(engine)
-    if autocast is not None:  # torch's own tracker (untouched where DeepSpeed skipped first)
-        tracker = compat.scale_and_tracker(autocast)[1]
-        return 0 if tracker is None else int(tracker.item())
     if found or after > before:
         return 0
     scaler = getattr(engine.optimizer, "loss_scaler", None)

@@ -66,11 +66,11 @@ reduces it; at ZeRO-3 (and on engines not recognised), one fused non-finite kern
 parameter and micro-batch in a tensor hook. Per optimizer step:
 one reduction and one host read of the flag vector per device, the norm's host read
 (DeepSpeed's own overflow check has already synchronised within ``step()``), under
-``torch_autocast`` fp16 the host reads of the ``GradScaler``'s scale and tracker after
-``step()`` (the scale before it is a copy on the device, taken without waiting for the
-backward's kernels), and the record on the telemetry thread. A checking step adds the
-replica check's two kernels per 2**24 parameter elements, one small all-gather over the
-data-parallel group and one host read.
+``torch_autocast`` fp16 the host read of the ``GradScaler``'s scale after ``step()`` (the
+scale before it is a copy on the device, taken without waiting for the backward's kernels),
+and the record on the telemetry thread. A checking step adds the replica check's two
+kernels per 2**24 parameter elements and, per replica group (the data-parallel group, and
+each MoE expert data-parallel group), one small all-gather and one host read.
 
 Not available under DeepSpeed: the classifying rerun (``step(..., rerun=closure)``: the
 engine's ``step()`` takes no closure and DeepSpeed has already reduced, and under ZeRO-2/3
@@ -280,6 +280,7 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
 
     def _read_precision(self, engine: Any) -> None:
         self._autocast = ds.autocast_scaler(engine) is not None
+        self._autocast_clean = 0
         self._fp16 = ds.fp16(engine) or self._autocast
         self._scaled_norm = ds.autocast_norm_is_scaled(engine)
         self._policy = "skip" if self._fp16 or ds.checks_overflow(engine) else "observe"
@@ -384,7 +385,14 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
                     self._steps,
                     overflow,
                 )
-        tracker = ds.growth_tracker(engine, found, before, after) if self._fp16 else 0
+        if self._autocast:
+            # DeepSpeed updates its GradScaler once per parameter group (ZeRO 1-2) or
+            # sub-group (ZeRO-3) in a step, so torch's tracker counts those, and a growth
+            # on any but the last leaves it non-zero: count the steps here instead.
+            self._autocast_clean = 0 if found or after != before else self._autocast_clean + 1
+            tracker = self._autocast_clean
+        else:
+            tracker = ds.growth_tracker(engine, found, before, after) if self._fp16 else 0
         flag = float(found)
         values = layout.head(before, [flag, flag]) + layout.tail(
             after, float(tracker), [float(v) for v in origin.values()]

@@ -336,8 +336,51 @@ def fp16_stages(rank: int, world_size: int) -> dict[str, Any]:
         common = {"stage": stage, "dtype": AUTOCAST, "steps": FP16_STEPS, "nan_step": FP16_NAN_STEP}
         out[f"autocast_plain{stage}"] = train(rank, instrumented=False, **common)
         out[f"autocast{stage}"] = train(rank, run_id=f"ds-autocast-z{stage}", **common)
+    out["autocast_groups"] = autocast_groups(rank)
     out["autocast_fp8"] = autocast_fp8(rank)
     return out
+
+
+AUTOCAST_GROUPS_STEPS = 8
+AUTOCAST_BURST_STEP = 7
+"""The step whose input is 100 times larger on every rank: an overflow at a grown scale."""
+
+
+def autocast_groups(rank: int) -> dict[str, Any]:
+    """torch_autocast fp16 at ZeRO-2 with three parameter groups, clean but for one burst of
+    large inputs: DeepSpeed updates its GradScaler once per group in a step, so torch's
+    growth tracker counts three per step. The GradScaler's growth interval is shortened to
+    4 updates (a TEST-ONLY write of torch's private ``_growth_interval``) so that it grows
+    within a few steps, on an update that is not the step's last. Per step: the scale and
+    torch's own tracker, read after the step."""
+    import deepspeed
+
+    from ampscope.integrations.deepspeed import instrument
+    from ampscope.reporter.sinks import CallbackSink
+
+    torch.manual_seed(0)
+    model = Net()
+    groups = [
+        {"params": [model.body.weight]},
+        {"params": [model.body.bias]},
+        {"params": list(model.head.parameters())},
+    ]
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=groups, config=config(2, AUTOCAST, 1, dtype="float16")
+    )
+    scaler = engine.optimizer.torch_autocast_gradscaler
+    scaler._growth_interval = 4
+    records: list[Any] = []
+    monitor = instrument(engine, sinks=[CallbackSink(records.append)], replica_check_every=0)
+    seen = []
+    for step in range(1, AUTOCAST_GROUPS_STEPS + 1):
+        x = batch(rank, step, 0, torch.float32, None) * (100 if step == AUTOCAST_BURST_STEP else 1)
+        engine.backward(engine(x).float().pow(2).mean())
+        engine.step()
+        seen.append({"scale": float(scaler.get_scale()), "tracker": int(scaler._growth_tracker)})
+    monitor.close()
+    engine.destroy()
+    return {"records": [r.model_dump(mode="json") for r in records], "seen": seen}
 
 
 def autocast_fp8(rank: int) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from checks import exporter_ranks
 from deepspeed_workers import (
+    AUTOCAST_BURST_STEP,
     CLOSE_AFTER,
     FLIP_PARAM,
     FLIP_STEP,
@@ -283,6 +284,28 @@ def test_fp16_backoffs_and_origin(fp16_results: list[dict[str, Any]], report_to:
             assert record["nonfinite"]["kind"] == "weather", record
     health = _health(report_to, "ds-fp16-z2", FP16_STEPS)
     assert health["nonfinite_update_applied"]["status"] == "ok"
+
+
+def test_fp16_autocast_growths_read_as_growths(fp16_results: list[dict[str, Any]]) -> None:
+    """torch_autocast fp16 at ZeRO-2 with three parameter groups: DeepSpeed updates its
+    GradScaler once per group in a step, so torch's tracker counts updates, not steps. A
+    growth reads as a growth (tracker 0) even where torch's tracker is not 0 after it, and
+    the overflow at the grown scale is the scaler probing (weather), not a fault."""
+    for result in fp16_results:
+        records, seen = result["autocast_groups"]["records"], result["autocast_groups"]["seen"]
+        assert [r["scale_after"] for r in records] == [s["scale"] for s in seen]
+        grew = [r["step"] for r in records if r["scale_after"] > r["scale_before"]]
+        assert grew
+        assert any(seen[step - 1]["tracker"] != 0 for step in grew), seen
+        for record in records:
+            growth = record["step"] in grew
+            assert (record["event"] == "growth") == growth, record
+            assert (record["growth_tracker"] == 0) == (growth or record["skipped"]), record
+        burst = records[AUTOCAST_BURST_STEP - 1]
+        assert burst["skipped"], burst
+        assert burst["step"] > grew[0], grew
+        assert not any((r.get("nonfinite") or {}).get("kind") == "fault" for r in records)
+        assert burst["nonfinite"]["kind"] == "weather", burst
 
 
 def test_fp16_autocast_records_say_what_happened(
