@@ -20,18 +20,19 @@ Where DeepSpeed reduces the gradients is read here too, so that ampscope checks 
 rank's own gradients right before they are reduced:
 
 * ZeRO-0 (``FP16_Optimizer``, fp32) and ZeRO-1 (without ``overlap_comm`` or an fp32
-  accumulation attribute) keep them in the parameters' ``.grad``, accumulated over the
-  micro-batches, until one reduction inside ``engine.allreduce_gradients()`` at the
-  accumulation boundary (:func:`reduces_at_boundary_only`, :func:`check_before_reduction`);
+  accumulation attribute), a ``PipelineEngine``'s included, keep them in the parameters'
+  ``.grad``, accumulated over the micro-batches, until one reduction inside
+  ``engine.allreduce_gradients()`` at the accumulation boundary
+  (:func:`reduces_at_boundary_only`, :func:`check_before_reduction`);
 * ZeRO-2's ``DeepSpeedZeroOptimizer`` copies each micro-batch's fresh gradients into
   buckets (``ipg_buckets[dtype].grads``, ``.params``) and reduces each full bucket in
   ``reduce_ipg_grads``; after every backward it clears ``.grad`` (its accumulation is of
   the reduced partitions), so a bucket holds this rank's own gradients of this micro-batch
   only (:func:`reduces_per_bucket`, :func:`check_each_bucket`);
 * ZeRO-3 reduces through a name-mangled private method of its optimizer
-  (``__reduce_and_partition_ipg_grads``), and the other optimizers (``BF16_Optimizer``,
-  CPU offload, ZenFlow, the pipeline engine) move or reduce gradients elsewhere: ampscope
-  keeps one tensor hook per parameter there rather than patch them.
+  (``__reduce_and_partition_ipg_grads``), and the other paths (``BF16_Optimizer``, ZeRO-2
+  with CPU offload, ZenFlow) move or reduce gradients elsewhere: ampscope keeps one tensor
+  hook per parameter there rather than patch them.
 
 Every wrap is an instance attribute whose removal restores DeepSpeed's method, and every
 read is guarded: a release that moves these makes :func:`reduces_at_boundary_only` and
@@ -219,15 +220,24 @@ def reduces_at_boundary_only(engine: Any) -> bool:
     runs in ``step()`` only) and for ZeRO-1's ``DeepSpeedZeroOptimizer`` without
     ``overlap_comm`` (which reduces inside the boundary micro-batch's backward) and without
     ``use_grad_accum_attribute`` (fp32 accumulation, which moves ``.grad`` into
-    ``param.grad_accum`` after the reduction call). False for ZeRO-2/3 (they reduce bucket
-    by bucket during every backward), ``BF16_Optimizer`` (it copies each micro-batch's
-    gradient into an fp32 buffer and clears ``.grad``), engines that reduce elsewhere
-    (``enable_backward_allreduce`` off: the pipeline engine; DeepCompile; ZenFlow), and
-    anything this module does not recognise."""
+    ``param.grad_accum`` after the reduction call). The same for a ``PipelineEngine``, whose
+    ``train_batch()`` reduces through ``allreduce_gradients()`` in its ``ReduceGrads``
+    instruction (the boundary forced). False for ZeRO-2/3 (they reduce bucket by bucket
+    during every backward), ``BF16_Optimizer`` (it copies each micro-batch's gradient into
+    an fp32 buffer and clears ``.grad``), engines that reduce elsewhere
+    (``enable_backward_allreduce`` off; DeepCompile; ZenFlow), and anything this module
+    does not recognise."""
     try:
         if not callable(getattr(engine, "allreduce_gradients", None)):
             return False
-        if engine.enable_backward_allreduce is not True or getattr(engine, "zenflow", False):
+        if getattr(engine, "zenflow", False):
+            return False
+        if is_pipeline(engine):
+            # train_batch() reduces in its ReduceGrads instruction, through
+            # allreduce_gradients() with the boundary forced (BF16_Optimizer aside: below).
+            if engine.pipeline_enable_backward_allreduce is not True:
+                return False
+        elif engine.enable_backward_allreduce is not True:
             return False
         if engine.is_deepcompile_active():
             return False

@@ -88,6 +88,7 @@ def train(
     engine, *_ = deepspeed.initialize(
         model=model, model_parameters=list(model.parameters()), config=config
     )
+    truth = _own_nonfinite(engine)
     records: list[Any] = []
     monitor = None
     if instrumented:
@@ -133,9 +134,29 @@ def train(
         "group": dist.get_process_group_ranks(engine.seq_data_parallel_group),
         "grid_group": list(engine.grid.dp_group),
         "optimizer": type(engine.optimizer).__name__,
+        "truth": truth,
     }
     engine.destroy()
     return out
+
+
+def _own_nonfinite(engine: Any) -> list[list[str]]:
+    """The origin's ground truth where ``train_batch()`` reduces through
+    ``allreduce_gradients()`` (not under ``BF16_Optimizer``): at each such reduction, this
+    stage's parameters whose ``.grad`` (summed over the micro-batches) held inf/NaN right
+    before it. Installed before ampscope's own wrap of the same method."""
+    found: list[list[str]] = []
+    named = list(engine.module.named_parameters())
+    own = engine.allreduce_gradients
+
+    def allreduce_gradients(*args: Any, **kwargs: Any) -> Any:
+        found.append(
+            [n for n, p in named if p.grad is not None and not bool(p.grad.isfinite().all())]
+        )
+        return own(*args, **kwargs)
+
+    engine.allreduce_gradients = allreduce_gradients
+    return found
 
 
 def pipelines(rank: int, world_size: int) -> dict[str, Any]:

@@ -129,10 +129,22 @@ def test_two_stages_at_zero_0_and_in_fp16(
         _as_deepspeed(ours)
         records, seen = ours["records"], ours["seen"]
         assert records[NAN_STEP - 1]["skipped"]
+        # The origin: what this stage's own gradients held right before train_batch()
+        # reduced them (summed over the micro-batches: in fp16 a sum of finite gradients
+        # can overflow there). BF16_Optimizer reduces elsewhere: each micro-batch's own.
+        truth = ours["truth"] if key != "bf16z0" else None
+        if truth is not None:
+            assert len(truth) == STEPS
+            assert truth[NAN_STEP - 1] == list(STAGE_PARAMS[rank])
         for record in records:
             assert record["setup"]["mode"] == ("scaler" if fp16 else "watch")
             names = {p["name"] for p in record["nonfinite_params"]}
-            assert names == (set(STAGE_PARAMS[rank]) if record["step"] == NAN_STEP else set())
+            step = record["step"]
+            if truth is None:
+                assert names == (set(STAGE_PARAMS[rank]) if step == NAN_STEP else set())
+            else:
+                assert names == set(truth[step - 1]), (rank, step)
+                assert record["found_inf_origin"] == {"cpu": bool(truth[step - 1])}
             assert (record["stats"]["loss"] is None) == (rank == 0 or record["skipped"])
         # fp16: the scale DeepSpeed's loss scaler held before and after each step.
         after = [s["scale"] for s in seen] if fp16 else [None] * STEPS
