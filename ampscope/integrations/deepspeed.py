@@ -22,8 +22,10 @@ sinks, ``monitor.telemetry``):
 * from ampscope's own checks (:mod:`~ampscope.integrations._deepspeed_hooks`): the origin,
   whether this rank's own gradients held inf/NaN before the reduction
   (``found_inf_origin``) and which parameters (``nonfinite_params``), over all the
-  micro-batches of the step; the rank's own loss (``engine.backward``'s argument,
-  unscaled; the mean over micro-batches); the batch ids noted with ``note_batch``.
+  micro-batches of the step; at fp32 ZeRO-0, where DeepSpeed has no overflow flag and no
+  norm, whether the reduced gradients held inf/NaN (the same on every rank); the rank's
+  own loss (``engine.backward``'s argument, unscaled; the mean over micro-batches); the
+  batch ids noted with ``note_batch``.
 * from ampscope's replica check (:mod:`ampscope.rank.replicas`), on one boundary in
   ``replica_check_every`` (default 100), after DeepSpeed's ``step()`` (applied or skipped):
   the engine's module parameters compared bit for bit with the other ranks of DeepSpeed's
