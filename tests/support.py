@@ -377,3 +377,47 @@ def run_distributed(
         else:
             lines.append(f"rank {rank} did not report{first}: {statuses[rank]}")
     pytest.fail("\n".join(lines), pytrace=False)
+
+
+class HostReads:
+    """Counts the host reads of a tensor's value on the calling thread: every
+    ``aten._local_scalar_dense`` (what ``item()``, ``float(t)``, ``int(t)`` and ``bool(t)``
+    dispatch to; on an accelerator each one waits for the device's queue: a sync). A
+    context manager over a ``TorchDispatchMode``, which is thread-local: the telemetry
+    thread's reads are not counted. Not seen: ``tolist()`` of a CPU tensor (it reads host
+    memory without dispatching), so compare counts of code that reads with ``item()``/
+    ``bool()``, as a device's values are read (``tolist()`` of a device tensor dispatches a
+    copy instead, not counted either).
+
+    ::
+
+        with HostReads() as census:
+            engine.step()
+        assert census.count == 0
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._mode: Any = None
+
+    def __enter__(self) -> HostReads:
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        census = self
+        local_scalar = torch.ops.aten._local_scalar_dense.default
+
+        class _Count(TorchDispatchMode):
+            def __torch_dispatch__(
+                self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+            ) -> Any:
+                if func is local_scalar:
+                    census.count += 1
+                return func(*args, **(kwargs or {}))
+
+        self._mode = _Count()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._mode.__exit__(*exc)

@@ -108,10 +108,14 @@ def checks_overflow(engine: Any) -> bool:
 def loss_scale(engine: Any) -> float:
     """The loss scale in use; 1.0 when the engine does not scale (bf16, fp32). The
     ``torch_autocast`` scaler's is a tensor: read, one host-device sync on an
-    accelerator."""
+    accelerator (the monitor takes :func:`scale_now` instead)."""
     if not fp16(engine):
         scaler = autocast_scaler(engine)
         return 1.0 if scaler is None else float(scaler.get_scale())
+    return _fp16_scale(engine)
+
+
+def _fp16_scale(engine: Any) -> float:
     optimizer = engine.optimizer
     for name in ("cur_scale", "loss_scale"):
         value = getattr(optimizer, name, None)
@@ -122,57 +126,86 @@ def loss_scale(engine: Any) -> float:
     return float(value) if isinstance(value, (int, float)) else 1.0
 
 
-def scale_before_step(engine: Any) -> float | torch.Tensor:
-    """The loss scale in use, taken right before ``step()`` without waiting for the
-    device: the ``torch_autocast`` scaler's as a copy on its device (its ``update()`` inside
-    ``step()`` rewrites the tensor in place), read as a float after ``step()``; any other
-    precision's as :func:`loss_scale` says it (a Python float)."""
-    if not fp16(engine):
-        scaler = autocast_scaler(engine)
-        scale = None if scaler is None else compat.scale_tensor(scaler)
-        if scale is not None:
-            return scale.detach().clone()
-    return loss_scale(engine)
+def scale_now(engine: Any) -> float | torch.Tensor:
+    """The loss scale in use, taken without waiting for the device (before and after
+    ``step()``): the ``torch_autocast`` scaler's as a copy on its device (its ``update()``
+    inside ``step()`` rewrites the tensor in place), read on the telemetry thread; fp16's
+    as the Python float DeepSpeed holds; 1.0 under bf16 and fp32."""
+    if fp16(engine):
+        return _fp16_scale(engine)
+    scaler = autocast_scaler(engine)
+    if scaler is None:
+        return 1.0
+    scale = compat.scale_tensor(scaler)
+    return float(scaler.get_scale()) if scale is None else scale.detach().clone()
 
 
 def overflow(engine: Any) -> bool:
     """DeepSpeed's verdict on the boundary step just taken: its gradients (after the
     reduction) held inf/NaN. Read right after ``step()`` at a boundary (stale otherwise);
-    an optimizer without the flag: the step was not applied."""
+    an optimizer without the flag as a bool: the step was not applied. Host state only."""
     flag = getattr(engine.optimizer, "overflow", None)
     if isinstance(flag, bool):
         return flag
     return not engine.was_step_applied()
 
 
-def grad_norm(engine: Any) -> float | None:
-    """The global gradient norm of the boundary step just taken (a float, a 0-dim tensor,
-    fp64 at ZeRO-3; ``inf`` on an overflow; ``None`` when DeepSpeed computed none). A
-    tensor on an accelerator is read: one host-device sync."""
+def gives_global_verdict(engine: Any) -> bool:
+    """Whether DeepSpeed itself says, on every rank, that the reduced gradients held
+    inf/NaN: an optimizer with an ``overflow`` flag or a global norm
+    (``_global_grad_norm``, which ``get_global_grad_norm()`` reports), fp16, or a
+    ``torch_autocast`` GradScaler (which skips on every rank). False at ZeRO-0 in fp32,
+    where the user's torch optimizer steps on whatever the reduction left."""
+    if fp16(engine) or autocast_scaler(engine) is not None:
+        return True
+    optimizer = engine.optimizer
+    return hasattr(optimizer, "overflow") or hasattr(optimizer, "_global_grad_norm")
+
+
+def grad_norm(engine: Any) -> float | torch.Tensor | None:
+    """The global gradient norm of the boundary step just taken, unread: a float, or a
+    0-dim tensor (fp64 at ZeRO-3) that the monitor reads on its telemetry thread; ``inf``
+    on an overflow; ``None`` when DeepSpeed computed none."""
     norm = engine.get_global_grad_norm()
     if norm is None:
         return None
-    value = float(norm.item()) if hasattr(norm, "item") else float(norm)
-    return value
+    return norm.detach() if isinstance(norm, torch.Tensor) else float(norm)
 
 
-def growth_tracker(engine: Any, found: bool, before: float, after: float) -> int:
-    """Clean steps since the scale last changed, as torch's growth tracker counts them:
-    0 right after a backoff or a growth, so that a record's event reads as a scaler's.
+ScalerCounters = tuple[int, int, int]
+"""DeepSpeed's dynamic loss scaler's ``cur_iter``, ``last_overflow_iter``, ``scale_window``."""
 
-    DeepSpeed's dynamic scaler grows after ``scale_window`` clean steps past its last
-    overflow, counting from ``last_overflow_iter``; a static scale never grows. (Not for
-    ``torch_autocast`` fp16: its ``GradScaler``'s tracker counts ``update()`` calls, one per
-    parameter group or ZeRO-3 sub-group and step; the monitor counts steps itself.)
-    """
-    if found or after > before:
-        return 0
+
+def scaler_counters(engine: Any) -> ScalerCounters | None:
+    """The fp16 dynamic loss scaler's iteration counters right after ``step()`` (host
+    ints; ``None`` where there are none: a static scale, another precision), for
+    :func:`growth_tracker` on the telemetry thread."""
     scaler = getattr(engine.optimizer, "loss_scaler", None)
     current = getattr(scaler, "cur_iter", None)
     last = getattr(scaler, "last_overflow_iter", None)
     window = getattr(scaler, "scale_window", None)
-    if not (isinstance(current, int) and isinstance(last, int) and isinstance(window, int)):
+    if isinstance(current, int) and isinstance(last, int) and isinstance(window, int):
+        return current, last, window
+    return None
+
+
+def growth_tracker(
+    counters: ScalerCounters | None, found: bool, before: float, after: float
+) -> int:
+    """Clean steps since the scale last changed, as torch's growth tracker counts them:
+    0 right after a backoff or a growth, so that a record's event reads as a scaler's.
+
+    DeepSpeed's dynamic scaler grows after ``scale_window`` clean steps past its last
+    overflow, counting from ``last_overflow_iter`` (``counters``: :func:`scaler_counters`
+    of the step); a static scale never grows. (Not for ``torch_autocast`` fp16: its
+    ``GradScaler``'s tracker counts ``update()`` calls, one per parameter group or ZeRO-3
+    sub-group and step; the monitor counts steps itself.)
+    """
+    if found or after > before:
+        return 0
+    if counters is None:
         return 1
+    current, last, window = counters
     if window < 1:
         return 1
     clean = current - last - 1  # clean update()s since the last overflow, this one included
@@ -256,11 +289,14 @@ def reduces_at_boundary_only(engine: Any) -> bool:
     return False
 
 
-def check_before_reduction(engine: Any, check: Callable[[], None]) -> Callable[[], None]:
+def check_before_reduction(
+    engine: Any, check: Callable[[], None], after: Callable[[], None] | None = None
+) -> Callable[[], None]:
     """Wrap ``engine.allreduce_gradients`` (an instance attribute; DeepSpeed's method runs
     unchanged) so that ``check`` runs first whenever it is called at an accumulation
     boundary: the engine's backward calls it after every micro-batch, and ``step()`` calls
-    it at the boundary under unmanaged accumulation. ``check`` must not raise.
+    it at the boundary under unmanaged accumulation. ``after``, if given, runs right after
+    it there, on the reduced ``.grad``s (before the optimizer step). Neither may raise.
 
     Returns:
         A function that removes the wrap (idempotent).
@@ -270,9 +306,13 @@ def check_before_reduction(engine: Any, check: Callable[[], None]) -> Callable[[
     boundary = engine.is_gradient_accumulation_boundary
 
     def allreduce_gradients(*args: Any, **kwargs: Any) -> Any:
-        if boundary():
-            check()
-        return own(*args, **kwargs)
+        if not boundary():
+            return own(*args, **kwargs)
+        check()
+        result = own(*args, **kwargs)
+        if after is not None:
+            after()
+        return result
 
     engine.allreduce_gradients = allreduce_gradients
 

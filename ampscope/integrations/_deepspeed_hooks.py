@@ -1,10 +1,11 @@
 """Which of this rank's own parameters' gradients held inf/NaN before DeepSpeed reduced them.
 
 Three ways to the same flags (one float32 flag per parameter, one vector per device,
-slots only going from 0 to 1 until :meth:`take` reads them once per optimizer step and
-names the flagged parameters only then), each checking the gradients right before
-DeepSpeed reduces them; :mod:`~ampscope.integrations._deepspeed_engine` says where that is
-for an engine:
+slots only going from 0 to 1 until :meth:`~_FlagVectors.take_on_device` copies them
+once per optimizer step, on the device, and :meth:`~_FlagVectors.name` names the flagged
+parameters from the copy's host values, on the telemetry thread), each checking the
+gradients right before DeepSpeed reduces them;
+:mod:`~ampscope.integrations._deepspeed_engine` says where that is for an engine:
 
 * :class:`BoundaryGradientFlags` (ZeRO-0, ZeRO-1): DeepSpeed leaves the gradients in
   ``.grad`` until one reduction at the accumulation boundary; one check of all of them
@@ -29,8 +30,9 @@ norm per gradient, accumulated in float64: exact, a gradient is flagged when and
 it holds inf/NaN, as the hooks' kernel flags it) and never write them; on the CPU, where
 those norms take torch's per-tensor fallback, the hooks' fused kernel checks the whole list
 first and the norms run only when it found something. None of them syncs with an
-accelerator before :meth:`take`. Under fp16 all of them see the gradients multiplied by
-the loss scale: an inf/NaN there is one whatever the scale, so the flags need no unscaling.
+accelerator: the monitor reads the flags' copies on its telemetry thread. Under fp16 all
+of them see the gradients multiplied by the loss scale: an inf/NaN there is one whatever
+the scale, so the flags need no unscaling.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from __future__ import annotations
 import itertools
 import threading
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -48,8 +50,8 @@ from ampscope.rank import compat
 
 class _FlagVectors:
     """One float32 flag per parameter that requires grad, one vector per device: slots only
-    go from 0 to 1 between two :meth:`take` calls, so micro-batches combine and concurrent
-    autograd threads cannot lose each other's marks."""
+    go from 0 to 1 between two :meth:`take_on_device` calls, so micro-batches combine and
+    concurrent autograd threads cannot lose each other's marks."""
 
     def __init__(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         self._params: dict[torch.device, list[torch.Tensor]] = {}
@@ -62,6 +64,7 @@ class _FlagVectors:
             device: torch.zeros(len(names), dtype=torch.float32, device=device)
             for device, names in self._names.items()
         }
+        self._labels = {str(device): names for device, names in self._names.items()}
         self._lock = threading.Lock()
         self.errors = 0
         """Checks that failed (training went on; warned about once)."""
@@ -75,26 +78,39 @@ class _FlagVectors:
         """Right before ``step()`` at a boundary: check the gradients if this step's check
         has not run yet (see :class:`BoundaryGradientFlags`); the hooks have checked."""
 
-    def take(self) -> tuple[dict[str, bool], dict[str, int]]:
-        """The flags since the last call, then zero them: per device whether any of its
-        parameters' own gradients held inf/NaN, and the names of those parameters (each
-        counted once: a gradient is flagged, its elements are not counted).
+    def take_on_device(self) -> dict[str, torch.Tensor]:
+        """The flags since the last call, by device (as records name it): a copy of each
+        device's vector, on that device, then zero them. No sync: one small copy and one
+        fill per device, queued after the checks. Call once per optimizer step, after it
+        (no check runs concurrently); :meth:`name` reads the copies' host values."""
+        taken: dict[str, torch.Tensor] = {}
+        for device, flags in self._flags.items():
+            taken[str(device)] = flags.clone()
+            flags.zero_()
+        return taken
 
-        Call once per optimizer step, after it (no check runs concurrently). Costs one
-        reduction and one host read per device (a sync on an accelerator); the names are
-        looked up only on a device whose flags are set.
-        """
+    def name(self, host: Mapping[str, Sequence[float]]) -> tuple[dict[str, bool], dict[str, int]]:
+        """From the host values of :meth:`take_on_device`'s copies: per device whether any
+        of its parameters' own gradients held inf/NaN, and the names of those parameters
+        (each counted once: a gradient is flagged, its elements are not counted). Host
+        work only (the telemetry thread); names are looked up only on a flagged device."""
         by_device: dict[str, bool] = {}
         named: dict[str, int] = {}
-        for device, flags in self._flags.items():
-            hit = bool(flags.any())  # one reduction and one read; names only when set
+        for device, values in host.items():
+            hit = any(value > 0 for value in values)
             if hit:
-                for name, value in zip(self._names[device], flags.tolist(), strict=True):
+                for name, value in zip(self._labels[device], values, strict=True):
                     if value > 0:
                         named[name] = 1
-                flags.zero_()
-            by_device[str(device)] = hit
+            by_device[device] = hit
         return by_device, named
+
+    def take(self) -> tuple[dict[str, bool], dict[str, int]]:
+        """:meth:`take_on_device` then :meth:`name`, read at once: one host read per
+        device (a sync on an accelerator; the monitor leaves the read to its telemetry
+        thread instead)."""
+        taken = self.take_on_device()
+        return self.name({device: flags.tolist() for device, flags in taken.items()})
 
     def remove(self) -> None:
         """Stop checking. Idempotent."""
@@ -187,8 +203,8 @@ class BoundaryGradientFlags(_FlagVectors):
 
     def check(self) -> None:
         """Flag the parameters whose gradient holds inf/NaN now. Call right before the
-        boundary's reduction; runs once per optimizer step (later calls until :meth:`take`
-        return at once). Never raises."""
+        boundary's reduction; runs once per optimizer step (later calls until
+        :meth:`take_on_device` return at once). Never raises."""
         if self._checked:
             return
         self._checked = True
@@ -207,12 +223,12 @@ class BoundaryGradientFlags(_FlagVectors):
         (a boundary micro-batch in ``no_sync()``, unmanaged accumulation)."""
         self.check()
 
-    def take(self) -> tuple[dict[str, bool], dict[str, int]]:
-        taken = super().take()
+    def take_on_device(self) -> dict[str, torch.Tensor]:
+        taken = super().take_on_device()
         self._checked = False
         return taken
 
-    take.__doc__ = _FlagVectors.take.__doc__
+    take_on_device.__doc__ = _FlagVectors.take_on_device.__doc__
 
 
 _Layout = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]

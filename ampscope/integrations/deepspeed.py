@@ -22,8 +22,10 @@ sinks, ``monitor.telemetry``):
 * from ampscope's own checks (:mod:`~ampscope.integrations._deepspeed_hooks`): the origin,
   whether this rank's own gradients held inf/NaN before the reduction
   (``found_inf_origin``) and which parameters (``nonfinite_params``), over all the
-  micro-batches of the step; the rank's own loss (``engine.backward``'s argument,
-  unscaled; the mean over micro-batches); the batch ids noted with ``note_batch``.
+  micro-batches of the step; at fp32 ZeRO-0, where DeepSpeed has no overflow flag and no
+  norm, whether the reduced gradients held inf/NaN (the same on every rank); the rank's
+  own loss (``engine.backward``'s argument, unscaled; the mean over micro-batches); the
+  batch ids noted with ``note_batch``.
 * from ampscope's replica check (:mod:`ampscope.rank.replicas`), on one boundary in
   ``replica_check_every`` (default 100), after DeepSpeed's ``step()`` (applied or skipped):
   the engine's module parameters compared bit for bit with the other ranks of DeepSpeed's
@@ -61,16 +63,24 @@ says it applied it at ZeRO-0.
 Costs of the origin, checked right before DeepSpeed reduces (no sync; no Python per
 parameter and micro-batch but at ZeRO-3): at ZeRO-0/1, where DeepSpeed reduces only at the
 accumulation boundary, one multi-tensor check of every ``.grad`` there and nothing per
-micro-batch; at ZeRO-2, one multi-tensor check per gradient bucket, before DeepSpeed
-reduces it; at ZeRO-3 (and on engines not recognised), one fused non-finite kernel per
-parameter and micro-batch in a tensor hook. Per optimizer step:
-one reduction and one host read of the flag vector per device, the norm's host read
-(DeepSpeed's own overflow check has already synchronised within ``step()``), under
-``torch_autocast`` fp16 the host read of the ``GradScaler``'s scale after ``step()`` (the
-scale before it is a copy on the device, taken without waiting for the backward's kernels),
-and the record on the telemetry thread. A checking step adds the replica check's two
-kernels per 2**24 parameter elements and, per replica group (the data-parallel group, and
-each MoE expert data-parallel group), one small all-gather and one host read.
+micro-batch (at fp32 ZeRO-0, where DeepSpeed has no overflow flag and no norm, the same
+check again right after the reduction, on the reduced ``.grad``: the global flag on every
+rank); at ZeRO-2, one multi-tensor check per gradient bucket, before DeepSpeed reduces it;
+at ZeRO-3 (and on engines not recognised), one fused non-finite kernel per parameter and
+micro-batch in a tensor hook.
+
+What is read where, per optimizer step (:mod:`~ampscope.integrations._deepspeed_step`): on
+the training thread, right after ``step()``, only what DeepSpeed holds on the host
+(``was_step_applied()``, ``overflow`` when a bool, fp16's ``cur_scale`` and its scaler's
+counters), and no host read of a device value: the flag vectors (copied and zeroed on the
+device), DeepSpeed's norm when a tensor, the ``torch_autocast`` ``GradScaler``'s scale
+before and after ``step()`` (device copies) and the loss go into one float64 vector whose
+host copy starts without blocking (pinned memory and an event, as the scalers' device
+transport). On the telemetry thread: the wait for that copy, the step's decisions (found,
+applied, the switch to ``observe`` and its warning, the growth tracker) and the record. A
+checking step adds the replica check's two kernels per 2**24 parameter elements and, per
+replica group (the data-parallel group, and each MoE expert data-parallel group), one
+small all-gather and one host read (training thread).
 
 Not available under DeepSpeed: the classifying rerun (``step(..., rerun=closure)``: the
 engine's ``step()`` takes no closure and DeepSpeed has already reduced, and under ZeRO-2/3
@@ -95,6 +105,7 @@ from ampscope.integrations._deepspeed_hooks import (
     BucketGradientFlags,
     OwnGradientFlags,
 )
+from ampscope.integrations._deepspeed_step import Flags, HostStep, StepReads
 from ampscope.integrations._swap import check_options, is_distributed
 from ampscope.rank.capture import layout
 from ampscope.rank.capture.layout import OptimizerSlot
@@ -113,8 +124,6 @@ if TYPE_CHECKING:
     from ampscope.rank.replicas.check import ReplicaOutcome
 
 __all__ = ["DeepSpeedMonitor", "instrument", "monitor_of"]
-
-_Flags = BoundaryGradientFlags | BucketGradientFlags | OwnGradientFlags
 
 logger = logging.getLogger("ampscope")
 
@@ -159,9 +168,12 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
         self._steps = 0
         self._dtypes = ""
         self._slot: OptimizerSlot | None = None
-        self._flags: _Flags | None = None
+        self._flags: Flags | None = None
+        self._reduced: BoundaryGradientFlags | None = None
+        """The reduced gradients' check, where DeepSpeed gives no global verdict."""
         self._unwrap_reduction: Any = None
         self._device = "cpu"
+        self._on = _cpu()
         self._refused = False
         """:meth:`attach` was refused a PipelineEngine (logged once)."""
 
@@ -231,7 +243,8 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
         track = self._track_origin
         if is_distributed() if track is None else track:
             self._flags = self._origin_flags(engine, module)
-        self._device = str(_first_device(module))
+        self._on = _first_device(module)
+        self._device = str(self._on)
         if own_pipeline_step is not None:
             self._own_step = own_pipeline_step
             ds.route_pipeline_step(engine, self._pipeline_step)
@@ -285,14 +298,20 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
         self._scaled_norm = ds.autocast_norm_is_scaled(engine)
         self._policy = "skip" if self._fp16 or ds.checks_overflow(engine) else "observe"
 
-    def _origin_flags(self, engine: Any, module: nn.Module) -> _Flags:
+    def _origin_flags(self, engine: Any, module: nn.Module) -> Flags:
         """The origin check right before DeepSpeed's reduction: one check at the boundary
         where DeepSpeed reduces only there (ZeRO-0/1), one per bucket at ZeRO-2, elsewhere
         (ZeRO-3, engines not recognised) one tensor hook per parameter."""
         named = module.named_parameters()
         if ds.reduces_at_boundary_only(engine):
             boundary = BoundaryGradientFlags(named)
-            self._unwrap_reduction = ds.check_before_reduction(engine, boundary.check)
+            after = None
+            if not ds.gives_global_verdict(engine):
+                # ZeRO-0 fp32: no overflow flag, no norm. The same check of the reduced
+                # gradients gives every rank the global flag (found_inf_global).
+                self._reduced = BoundaryGradientFlags(module.named_parameters())
+                after = self._reduced.check
+            self._unwrap_reduction = ds.check_before_reduction(engine, boundary.check, after)
             return boundary
         if ds.reduces_per_bucket(engine):
             buckets = BucketGradientFlags(named, ds.param_id(engine))
@@ -323,7 +342,7 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
             if boundary:  # a closed rank keeps its part in the replica check's collective
                 self._ampscope_check_replicas()
             return result
-        before = self._ampscope_guard(ds.scale_before_step, engine) if boundary else None
+        before = self._ampscope_guard(ds.scale_now, engine) if boundary else None
         if boundary and self._flags is not None:
             self._flags.check_now()  # never raises; nothing when the reduction checked
         result = self._own_step(*args, **kwargs)
@@ -332,7 +351,7 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
             # every rank whatever fails below: the check's all-gather is a collective.
             replicas = self._ampscope_check_replicas()
             try:
-                self._record(1.0 if before is None else float(before), replicas)
+                self._record(1.0 if before is None else before, replicas)
             except Exception:
                 self._ampscope_failed()
         return result
@@ -351,28 +370,48 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
                 self._ampscope_failed()
         return self._step(*args, **kwargs)
 
-    def _record(self, before: float, replicas: ReplicaOutcome | None = None) -> None:
-        """Close the optimizer step DeepSpeed just took: one record (training thread)."""
+    def _record(self, before: float | torch.Tensor, replicas: ReplicaOutcome | None = None) -> None:
+        """Close the optimizer step DeepSpeed just took (training thread): DeepSpeed's host
+        state read, every device value on its way to the host unread (:class:`StepReads`);
+        the telemetry thread decides and lays out the record (:meth:`lay_out`)."""
         engine = self.engine
         self._steps += 1
         identity = self._ampscope_identity_now()  # a collective in the first step
-        overflow = ds.overflow(engine)
-        applied = engine.was_step_applied()
-        norm = ds.grad_norm(engine)
-        origin: dict[str, bool] = {}
-        named: dict[str, int] = {}
-        if self._flags is not None:
-            origin, named = self._flags.take()
-        own = any(origin.values())
-        after = ds.loss_scale(engine)
+        stats = self._ampscope_stats
+        taken = None if stats is None else stats.take({})
+        loss = None if taken is None else taken.loss
+        reads = StepReads(engine, before, self._flags, self._reduced, loss, self._on)
+        pending = PendingStep(
+            identity,
+            self._steps,
+            time.time(),
+            False,
+            optimizers=(self._slot,) if self._slot is not None else (),
+            local_devices=(self._device,),
+            origin_devices=reads.origin_devices,
+        )
+        pending.deferred = (self, reads, taken)
+        pending.replicas = replicas
+        fp8 = self._ampscope_take_fp8()
+        if fp8 is not None:
+            pending.extra, pending.fp8 = fp8
+        self._ampscope_telemetry.submit(pending)
+
+    def lay_out(self, pending: PendingStep, reads: StepReads, taken: TakenStats | None) -> None:
+        """Decide what the step did from its host values and lay out its record (the
+        telemetry thread, :meth:`PendingStep.read`, in step order: the policy, the warning
+        and the growth tracker count steps here)."""
+        step = reads.read()
+        own = any(step.origin.values())
         # torch_autocast: torch's GradScaler skips exactly the steps it backs off on, and
         # at ZeRO-0 the engine still says it applied them (was_step_applied, skipped_steps).
-        scaler_skipped = self._autocast and after < before
-        applied = applied and not scaler_skipped
+        scaler_skipped = self._autocast and step.after < step.before
+        applied = step.applied and not scaler_skipped
         # What really happened: DeepSpeed's overflow, or a non-finite global norm (which
         # DeepSpeed computes even where it does not check: check_grad_overflow=false), or
-        # this rank's own gradients, or the GradScaler's skip.
-        found = overflow or not ds.finite(norm) or own or scaler_skipped
+        # this rank's own gradients, or the reduced ones (ZeRO-0 fp32: no overflow, no
+        # norm; every rank sees them), or the GradScaler's skip.
+        found = step.overflow or not ds.finite(step.norm) or own or step.reduced or scaler_skipped
         if found and applied:
             # That is what DeepSpeed does with them: the setup says so from now on, and
             # each such step counts in nonfinite_applied (pending.applied), fp16 or not.
@@ -382,9 +421,10 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
                 logger.warning(
                     "ampscope: DeepSpeed applied optimizer step %d on inf/NaN gradients "
                     "(DeepSpeed's overflow flag: %s)",
-                    self._steps,
-                    overflow,
+                    pending.step,
+                    step.overflow,
                 )
+        before, after = step.before, step.after
         if self._autocast:
             # DeepSpeed updates its GradScaler once per parameter group (ZeRO 1-2) or
             # sub-group (ZeRO-3) in a step, so torch's tracker counts those, and a growth
@@ -392,30 +432,15 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
             self._autocast_clean = 0 if found or after != before else self._autocast_clean + 1
             tracker = self._autocast_clean
         else:
-            tracker = ds.growth_tracker(engine, found, before, after) if self._fp16 else 0
+            tracker = ds.growth_tracker(step.counters, found, before, after) if self._fp16 else 0
         flag = float(found)
-        values = layout.head(before, [flag, flag]) + layout.tail(
-            after, float(tracker), [float(v) for v in origin.values()]
+        pending.values = layout.head(before, [flag, flag]) + layout.tail(
+            after, float(tracker), [float(v) for v in step.origin.values()]
         )
-        pending = PendingStep(
-            identity,
-            self._steps,
-            time.time(),
-            False,
-            nonfinite=named,
-            optimizers=(self._slot,) if self._slot is not None else (),
-            local_devices=(self._device,),
-            origin_devices=tuple(origin),
-            values=values,
-        )
+        pending.nonfinite = step.named
         pending.setup = self._setup()
-        pending.replicas = replicas
         pending.applied = applied
-        pending.stats = self._take_stats(norm)
-        fp8 = self._ampscope_take_fp8()
-        if fp8 is not None:
-            pending.extra, pending.fp8 = fp8
-        self._ampscope_telemetry.submit(pending)
+        pending.stats = None if taken is None else self._stats_of(taken, step)
 
     def _setup(self) -> Setup:
         setup = self._setups.get(self._policy)
@@ -427,27 +452,24 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
             )
         return setup
 
-    def _take_stats(self, norm: float | None) -> TakenStats | None:
-        stats = self._ampscope_stats
-        if stats is None:
-            return None
-        taken = stats.take({})
-        square = None
+    def _stats_of(self, taken: TakenStats, step: HostStep) -> TakenStats:
+        """The step's stats as CPU tensors (the host transport's, which the record's
+        builder reads): the loss and DeepSpeed's norm, squared (telemetry thread)."""
+        norm = step.norm
         optimizers: tuple[OptimizerNorms, ...] = ()
         if norm is not None:
             square = torch.tensor(norm * norm if ds.finite(norm) else norm, dtype=torch.float64)
             # torch_autocast at ZeRO 1-3: the norm of the gradients still scaled by the
-            # GradScaler (the telemetry thread divides it by the scale before the step).
+            # GradScaler (the record's builder divides it by the scale before the step).
             optimizers = (OptimizerNorms((), (), self._scaled_norm, square),)
-        loss = taken.loss
-        if loss is not None and loss.device.type != "cpu":
-            loss = loss.float().to("cpu", non_blocking=False)  # telemetry thread reads it
+        loss = None if step.loss is None else torch.tensor(step.loss, dtype=torch.float64)
         return TakenStats(loss, taken.loss_count, optimizers, {})
 
     def _stop_observing(self) -> None:
         if self._flags is not None:
             self._flags.remove()
             self._flags = None
+        self._reduced = None
         if self._unwrap_reduction is not None:
             self._unwrap_reduction()
             self._unwrap_reduction = None

@@ -16,6 +16,7 @@ import sys
 from typing import Any
 
 import torch
+from support import HostReads
 from torch import nn
 
 STEPS = 6
@@ -63,15 +64,21 @@ def setup(*, fp16: bool = False) -> Any:
 
 
 def config(stage: int, section: str, gas: int, **precision: Any) -> dict[str, Any]:
-    """``section``: the precision's config section (``fp16``, ``bf16``, ``torch_autocast``)."""
+    """``section``: the precision's config section (``fp16``, ``bf16``, ``torch_autocast``;
+    ``FP32``: none)."""
     return {
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": gas,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
         "zero_optimization": {"stage": stage},
-        section: {"enabled": True, **precision},
+        **({} if section == FP32 else {section: {"enabled": True, **precision}}),
         "steps_per_print": 10**9,
     }
+
+
+FP32 = "fp32"
+"""No precision section: fp32, whose ZeRO-0 steps the user's torch optimizer (DeepSpeed
+computes no norm there and has no overflow flag)."""
 
 
 AUTOCAST = "torch_autocast"
@@ -159,15 +166,19 @@ def train(
     torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(dtype, torch.float32)
     seen: list[dict[str, Any]] = []
     for step in range(1, steps + 1):
+        reads = 0
         for micro in range(gas):
             x = batch(rank, step, micro, torch_dtype, nan_step, features).to(engine.device)
             if monitor is not None:
                 monitor.note_batch([f"r{rank}s{step}m{micro}"])
             loss = engine(x).float().pow(2).mean()
             engine.backward(loss)
-            engine.step()
+            with HostReads() as census:  # the training thread's host reads in step()
+                engine.step()
+            reads += census.count
         seen.append(
             {
+                "reads": reads,
                 "applied": engine.was_step_applied(),
                 "skipped_steps": engine.skipped_steps,
                 "overflow": bool(getattr(engine.optimizer, "overflow", False)),
@@ -181,6 +192,7 @@ def train(
     # Which origin check the monitor chose (the stage's reduction point), and that close()
     # took its wrap of allreduce_gradients off the engine.
     origin_check = None if monitor is None else type(monitor._flags).__name__
+    reduced_check = monitor is not None and monitor._reduced is not None
     if monitor is not None:
         monitor.close()
     weights = _weights(engine, stage)
@@ -193,6 +205,7 @@ def train(
         "optimizer": type(engine.optimizer).__name__,
         "replica_logs": [m for m in logged.messages if "replica" in m],
         "origin_check": origin_check,
+        "reduced_check": reduced_check,
         "unwrapped": unwrapped,
     }
 
@@ -276,7 +289,8 @@ def _weights(engine: Any, stage: int) -> list[float]:
 def bf16_stages(rank: int, world_size: int) -> dict[str, Any]:
     """ZeRO 0-3 in bf16 with the NaN, with and without ampscope (a replica check at every
     step); the replica fault at ZeRO 0-2; bf16 ZeRO-2 with ``check_grad_overflow: false``
-    (DeepSpeed applies the NaN); 50 clean steps."""
+    (DeepSpeed applies the NaN); 50 clean steps; fp32 ZeRO-0 with the NaN, with and
+    without ampscope."""
     setup()
     out: dict[str, Any] = {}
     for stage in (0, 1, 2, 3):
@@ -310,6 +324,9 @@ def bf16_stages(rank: int, world_size: int) -> dict[str, Any]:
         rank, stage=2, dtype="bf16", run_id="ds-applied", check_grad_overflow=False
     )
     out["clean"] = clean_run(rank, world_size, "ds-clean")
+    # fp32 at ZeRO-0: DeepSpeed says nothing of the NaN (no overflow flag, no norm).
+    out["fp32_plain0"] = train(rank, stage=0, dtype=FP32, instrumented=False)
+    out["fp32_0"] = train(rank, stage=0, dtype=FP32, run_id="ds-fp32-z0")
     return out
 
 

@@ -2,7 +2,7 @@
 
 One launch per scenario group (the ranks build several engines one after the other):
 ZeRO 0-3 in bf16 (with the replica check at every step, a flipped bit at ZeRO 0-2, and a
-rank that closes its monitor early),
+rank that closes its monitor early) and fp32 at ZeRO-0,
 fp16 at ZeRO 0 and 2 (with a TEST-ONLY override of the CPU
 accelerator's ``is_fp16_supported``: see ``deepspeed_workers.setup``), and 50 clean steps.
 Every instrumented engine is compared bit for bit with the same training without ampscope.
@@ -75,6 +75,17 @@ bucket at ZeRO-2, a hook per parameter at ZeRO-3. Fails when a release moves the
 def _check_origin_point(result: dict[str, Any], stage: int) -> None:
     assert result["origin_check"] == _ORIGIN_CHECK.get(stage, "OwnGradientFlags"), stage
     assert result["unwrapped"], stage
+    # DeepSpeed's overflow flag or norm says it on every rank: no check after the reduction.
+    assert not result["reduced_check"], stage
+
+
+def _check_no_reads_added(ours: dict[str, Any], plain: dict[str, Any]) -> None:
+    """The training thread's host reads (``aten._local_scalar_dense``: item(), bool(t)...)
+    in ``step()`` are DeepSpeed's own: ampscope adds none. Its values take the device
+    transport here too (one vector, decoded on the telemetry thread; on the CPU the vector
+    is the host copy). The first step is left out: it resolves the rank's identity (a
+    collective, once per monitor)."""
+    assert [s["reads"] for s in ours["seen"][1:]] == [s["reads"] for s in plain["seen"][1:]]
 
 
 def _check_as_deepspeed(result: dict[str, Any]) -> None:
@@ -238,6 +249,7 @@ def test_fp16_backoffs_and_origin(fp16_results: list[dict[str, Any]], report_to:
             assert ours["weights"] == result[f"plain{stage}"]["weights"], stage
             _check_as_deepspeed(ours)
             _check_origin_point(ours, stage)
+            _check_no_reads_added(ours, result[f"plain{stage}"])
             records, seen = ours["records"], ours["seen"]
             # The scale trajectory is DeepSpeed's, read as a loss scaler's records read.
             scales = [initial] + [s["scale"] for s in seen]
@@ -321,6 +333,8 @@ def test_fp16_autocast_records_say_what_happened(
             ours = result[key]
             assert ours["weights"] == result[f"autocast_plain{stage}"]["weights"], stage
             assert not any(map(math.isnan, ours["weights"]))
+            # No read of the GradScaler's scale (before or after) on the training thread.
+            _check_no_reads_added(ours, result[f"autocast_plain{stage}"])
             records, seen = ours["records"], ours["seen"]
             # Ground truth: a step was skipped exactly when the weights did not move.
             still = [now["weights"] == then["weights"] for then, now in itertools.pairwise(seen)]
@@ -388,6 +402,39 @@ def test_fifty_clean_steps_are_healthy(bf16_results: list[dict[str, Any]], repor
     exporter_ranks(report_to, "ds-clean", 2, steps=50)
     health = get_json(f"{report_to}/api/v1/runs/ds-clean/health")
     assert health["status"] == "ok", health
+
+
+def test_fp32_zero_0_every_rank_records_the_global_flag(
+    bf16_results: list[dict[str, Any]], report_to: str
+) -> None:
+    """fp32 at ZeRO-0: the user's torch optimizer, no overflow flag, no norm. Rank 1's NaN
+    reaches both ranks' reduced gradients and both apply it: the check of the reduced
+    gradients makes both records say found and applied, from the NaN step on."""
+    for rank, result in enumerate(bf16_results):
+        ours, plain = result["fp32_0"], result["fp32_plain0"]
+        assert list(map(repr, ours["weights"])) == list(map(repr, plain["weights"]))
+        assert any(map(math.isnan, ours["weights"]))
+        assert ours["reduced_check"]
+        assert ours["origin_check"] == "BoundaryGradientFlags"
+        assert all(s["applied"] and s["norm"] is None for s in ours["seen"])
+        _check_no_reads_added(ours, plain)
+        records = ours["records"]
+        assert [r["found_inf_global"] for r in records] == [
+            step >= NAN_STEP for step in range(1, STEPS + 1)
+        ]
+        assert [r["skipped"] for r in records] == [False] * STEPS
+        nan = records[NAN_STEP - 1]
+        assert nan["found_inf_origin"] == {"cpu": rank == NAN_RANK}
+        assert nan["setup"] == {"mode": "watch", "policy": "observe", "grad_dtype": "float32"}
+        totals = records[-1]["totals"]
+        assert totals["nonfinite_applied"] == STEPS - NAN_STEP + 1
+        assert totals["first_nonfinite_applied"] == {"step": NAN_STEP, "origin": rank == NAN_RANK}
+    verdict = _health(report_to, "ds-fp32-z0", STEPS)["nonfinite_update_applied"]
+    assert verdict["status"] == "critical", verdict
+    evidence = verdict["evidence"]
+    assert (evidence["first_step"], evidence["origin_ranks"]) == (NAN_STEP, [NAN_RANK])
+    assert evidence["ranks_affected"] == 2, "every rank applied it"
+    assert evidence["updates_applied"] == 2 * (STEPS - NAN_STEP + 1)
 
 
 def test_instrument_needs_an_engine() -> None:

@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from support import HostReads
 from torch import nn
 
 from ampscope.integrations import _deepspeed_engine as ds
@@ -189,6 +190,41 @@ def test_the_check_runs_before_the_reduction_at_a_boundary_only() -> None:
     assert "allreduce_gradients" not in vars(engine)
     engine.allreduce_gradients()
     assert len(calls) == 1
+
+
+def test_the_reduced_gradients_are_checked_right_after_the_boundary_reduction() -> None:
+    engine = _Engine()
+    before: list[list[bool]] = []
+    after: list[list[bool]] = []
+    ds.check_before_reduction(
+        engine,
+        lambda: before.append(list(engine.reduced)),
+        lambda: after.append(list(engine.reduced)),
+    )
+    engine.allreduce_gradients()  # a micro-batch inside the step: neither check
+    engine.boundary = True
+    engine.allreduce_gradients()
+    assert before == [[False]]
+    assert after == [[False, True]], "once, after the boundary's reduction"
+
+
+def test_flags_taken_on_the_device_are_named_from_their_host_values() -> None:
+    """take_on_device() copies and zeroes without a read; name() reads the copy's host
+    values (the monitor's telemetry thread) and says what take() says at once."""
+    model = _model()
+    flags = BoundaryGradientFlags(model.named_parameters())
+    handle = _poison(model[1].weight)
+    model(torch.randn(3, 4)).square().mean().backward()
+    handle.remove()
+    flags.check()
+    with HostReads() as census:
+        taken = flags.take_on_device()
+    assert census.count == 0
+    host = {device: vector.tolist() for device, vector in taken.items()}
+    assert flags.name(host) == ({"cpu": True}, {"1.weight": 1})
+    assert flags.take() == ({"cpu": False}, {}), "taken once, and zeroed"
+    flags.check()  # a new step: the check runs again
+    assert flags.take() == ({"cpu": True}, {"1.weight": 1})
 
 
 def test_only_engines_that_reduce_at_the_boundary_are_checked_there() -> None:
