@@ -126,6 +126,17 @@ def _fp16_scale(engine: Any) -> float:
     return float(value) if isinstance(value, (int, float)) else 1.0
 
 
+def optimizer_step_call(engine: Any) -> bool:
+    """Whether the ``step()`` about to be called takes an optimizer step: at the
+    gradient-accumulation boundary, or at every call under ``"managed_gradient_accumulation":
+    false``, where the caller owns the boundary and DeepSpeed says "boundary" only while
+    ``step()`` runs."""
+    managed = getattr(engine, "managed_gradient_accumulation", None)
+    if callable(managed) and managed() is False:
+        return True
+    return bool(engine.is_gradient_accumulation_boundary())
+
+
 def scale_now(engine: Any) -> float | torch.Tensor:
     """The loss scale in use, taken without waiting for the device (before and after
     ``step()``): the ``torch_autocast`` scaler's as a copy on its device (its ``update()``

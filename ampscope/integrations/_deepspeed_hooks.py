@@ -19,7 +19,8 @@ gradients right before DeepSpeed reduces them;
   hook (``param.register_hook``) per parameter, which runs before DeepSpeed's own reduce
   hooks on the gradient this rank's backward just computed, whatever the stage. Each hook
   runs torch's fused non-finite kernel (the one a scaler's unscale runs, with an inverse
-  scale of 1: the values are written back unchanged) on that one gradient, into the
+  scale of 1: every value is written back as it was, but a NaN of an fp16/bf16 gradient
+  may come back as a NaN of another bit pattern) on that one gradient, into the
   parameter's slot (where a build lacks that kernel for a dtype, CUDA bfloat16 in torch
   2.11, the shared check's read-only norm fallback, ``compat.non_finite_check_``; a
   read-only ``aminmax`` for a non-contiguous gradient): one kernel and one Python call per
@@ -29,7 +30,8 @@ The first two read the gradients with ``compat.non_finite_each`` (torch's multi-
 norm per gradient, accumulated in float64: exact, a gradient is flagged when and only when
 it holds inf/NaN, as the hooks' kernel flags it) and never write them; on the CPU, where
 those norms take torch's per-tensor fallback, the hooks' fused kernel checks the whole list
-first and the norms run only when it found something. None of them syncs with an
+first (with its caveat: a NaN there may change bit pattern, inf/NaN stays inf/NaN, every
+other value is unchanged) and the norms run only when it found something. None of them syncs with an
 accelerator: the monitor reads the flags' copies on its telemetry thread. Under fp16 all
 of them see the gradients multiplied by the loss scale: an inf/NaN there is one whatever
 the scale, so the flags need no unscaling.
@@ -313,7 +315,8 @@ def _non_finite_each(grads: list[torch.Tensor]) -> torch.Tensor | None:
     sync that none does.
 
     On the CPU a value is read for free, and torch's fused non-finite kernel (the hooks'
-    kernel, which writes each value back unchanged) checks a whole list for a tenth of the
+    kernel, which writes each value back as it was, a NaN's bit pattern aside in fp16/bf16:
+    ``compat.non_finite_check_``) checks a whole list for a tenth of the
     per-gradient norms' cost (those take torch's per-tensor fallback there): it runs first
     and the norms only when it found something. Accelerators take the norms' multi-tensor
     kernels directly."""

@@ -336,7 +336,7 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
 
     def _step(self, *args: Any, **kwargs: Any) -> Any:
         engine = self.engine
-        boundary = engine.is_gradient_accumulation_boundary()
+        boundary = ds.optimizer_step_call(engine)
         if self._ampscope_capture is None:
             result = self._own_step(*args, **kwargs)
             if boundary:  # a closed rank keeps its part in the replica check's collective
@@ -354,7 +354,15 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
                 self._record(1.0 if before is None else before, replicas)
             except Exception:
                 self._ampscope_failed()
+                self._discard_flags()
         return result
+
+    def _discard_flags(self) -> None:
+        """Drop the flags of a step whose record failed, so that the next step reports its
+        own gradients, not this one's inf/NaN as its own."""
+        for flags in (self._flags, self._reduced):
+            if flags is not None:
+                self._ampscope_guard(flags.take_on_device)
 
     def _pipeline_step(self, *args: Any, **kwargs: Any) -> Any:
         """A ``PipelineEngine``'s optimizer step, inside ``train_batch()`` on every rank

@@ -122,12 +122,14 @@ def train(
     flip_step: int | None = None,
     close_after: int | None = None,
     model: nn.Module | None = None,
+    unmanaged: bool = False,
     **precision: Any,
 ) -> dict[str, Any]:
     """Train one engine; the rank's records, DeepSpeed's own view per step, the weights,
     what ampscope logged about replicas. ``dtype``: the config section (``AUTOCAST``:
     torch_autocast in fp16); ``flip_step``: plant the replica fault; ``close_after``: rank
-    0 closes its monitor after that step and trains on."""
+    0 closes its monitor after that step and trains on; ``unmanaged``:
+    ``"managed_gradient_accumulation": false``, ``step()`` called at the boundary only."""
     import deepspeed
 
     from ampscope.reporter.sinks import CallbackSink
@@ -139,7 +141,10 @@ def train(
     engine, *_ = deepspeed.initialize(
         model=model,
         model_parameters=model.parameters(),
-        config=config(stage, dtype, gas, **precision),
+        config={
+            **config(stage, dtype, gas, **precision),
+            **({"managed_gradient_accumulation": False} if unmanaged else {}),
+        },
     )
     records: list[Any] = []
     monitor = None
@@ -173,6 +178,8 @@ def train(
                 monitor.note_batch([f"r{rank}s{step}m{micro}"])
             loss = engine(x).float().pow(2).mean()
             engine.backward(loss)
+            if unmanaged and micro < gas - 1:
+                continue  # the caller owns the boundary: step() at the last micro-batch
             with HostReads() as census:  # the training thread's host reads in step()
                 engine.step()
             reads += census.count
@@ -327,7 +334,33 @@ def bf16_stages(rank: int, world_size: int) -> dict[str, Any]:
     # fp32 at ZeRO-0: DeepSpeed says nothing of the NaN (no overflow flag, no norm).
     out["fp32_plain0"] = train(rank, stage=0, dtype=FP32, instrumented=False)
     out["fp32_0"] = train(rank, stage=0, dtype=FP32, run_id="ds-fp32-z0")
+    for stage in (0, 2):
+        out[f"failed{stage}"] = failed_record(rank, stage)
+        out[f"unmanaged{stage}"] = train(rank, stage=stage, dtype="bf16", unmanaged=True)
     return out
+
+
+def failed_record(rank: int, stage: int) -> dict[str, Any]:
+    """bf16 with the NaN, the NaN rank's record of that step failing inside ampscope (a
+    TEST-ONLY fault: the monitor's identity read raises once): the step after it must
+    report its own, clean gradients, not the failed step's inf/NaN."""
+    from ampscope.integrations.deepspeed import DeepSpeedMonitor
+
+    own = DeepSpeedMonitor._ampscope_identity_now
+    calls = 0
+
+    def identity_now(monitor: DeepSpeedMonitor) -> Any:
+        nonlocal calls
+        calls += 1
+        if rank == NAN_RANK and calls == NAN_STEP:
+            raise RuntimeError("test-only: a failed record")
+        return own(monitor)
+
+    DeepSpeedMonitor._ampscope_identity_now = identity_now  # type: ignore[method-assign]
+    try:
+        return train(rank, stage=stage, dtype="bf16")
+    finally:
+        DeepSpeedMonitor._ampscope_identity_now = own  # type: ignore[method-assign]
 
 
 FP16_STEPS = 8

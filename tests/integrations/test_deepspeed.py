@@ -392,6 +392,35 @@ def test_fp16_autocast_composes_with_float8(fp16_results: list[dict[str, Any]]) 
         assert all(0 < amax < 1.0 for amax in grads), grads
 
 
+def test_a_failed_record_leaves_no_stale_origin(bf16_results: list[dict[str, Any]]) -> None:
+    """The NaN rank's record of the NaN step fails inside ampscope: that step has no record
+    there, and the next step's says what its own (finite) gradients held, on every rank."""
+    for stage in (0, 2):
+        for rank, result in enumerate(bf16_results):
+            records = result[f"failed{stage}"]["records"]
+            steps = [r["step"] for r in records]
+            lost = [NAN_STEP] if rank == NAN_RANK else []
+            assert [s for s in range(1, STEPS + 1) if s not in steps] == lost, (stage, rank)
+            for record in records:
+                own = record["found_inf_origin"]["cpu"]
+                assert own == (rank == NAN_RANK and record["step"] == NAN_STEP), record
+                assert not record["totals"]["nonfinite_applied"], record
+
+
+def test_unmanaged_accumulation_records_every_step(bf16_results: list[dict[str, Any]]) -> None:
+    """``"managed_gradient_accumulation": false``: the caller calls ``step()`` at its own
+    boundary only, where DeepSpeed says "boundary" only while ``step()`` runs. Every such
+    call is an optimizer step with its record, the skip DeepSpeed's, the origin rank 1's."""
+    for stage in (0, 2):
+        key = f"unmanaged{stage}"
+        for result in bf16_results:
+            _check_as_deepspeed(result[key])
+            assert [r["skipped"] for r in result[key]["records"]] == [
+                step == NAN_STEP for step in range(1, STEPS + 1)
+            ]
+        _check_origin(bf16_results, key, NAN_STEP, STEPS)
+
+
 def test_fifty_clean_steps_are_healthy(bf16_results: list[dict[str, Any]], report_to: str) -> None:
     for result in bf16_results:
         records = result["clean"]["records"]
