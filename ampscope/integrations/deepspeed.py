@@ -59,11 +59,12 @@ than from DeepSpeed's ``overflow``, which says ``False`` there; a step the
 says it applied it at ZeRO-0.
 
 Costs of the origin, checked right before DeepSpeed reduces (no sync; no Python per
-parameter and micro-batch but at ZeRO-3): at ZeRO-0/1, where DeepSpeed reduces only at the
-accumulation boundary, one multi-tensor check of every ``.grad`` there and nothing per
-micro-batch; at ZeRO-2, one multi-tensor check per gradient bucket, before DeepSpeed
-reduces it; at ZeRO-3 (and on engines not recognised), one fused non-finite kernel per
-parameter and micro-batch in a tensor hook. Per optimizer step:
+parameter and micro-batch on a recognised engine): at ZeRO-0/1, where DeepSpeed reduces
+only at the accumulation boundary, one multi-tensor check of every ``.grad`` there and
+nothing per micro-batch; at ZeRO-2 and ZeRO-3, one multi-tensor check per gradient bucket,
+before DeepSpeed reduces it; on engines not recognised (offload, ZenFlow, pipeline
+engines, ...), one fused non-finite kernel per parameter and micro-batch in a tensor hook.
+Per optimizer step:
 one reduction and one host read of the flag vector per device, the norm's host read
 (DeepSpeed's own overflow check has already synchronised within ``step()``), under
 ``torch_autocast`` fp16 the host read of the ``GradScaler``'s scale after ``step()`` (the
@@ -200,7 +201,7 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
         """Start observing ``engine``: wrap its ``backward`` and ``step`` (a
         ``PipelineEngine``'s: the optimizer step its ``train_batch()`` takes), set up the
         origin check (before the boundary's reduction at ZeRO-0/1, before each bucket's at
-        ZeRO-2, a hook per parameter at ZeRO-3 and on pipeline engines), name the
+        ZeRO-2/3, a hook per parameter on engines not recognised and pipeline engines), name the
         parameters. Once, before its first backward.
 
         Raises:
@@ -287,8 +288,8 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
 
     def _origin_flags(self, engine: Any, module: nn.Module) -> _Flags:
         """The origin check right before DeepSpeed's reduction: one check at the boundary
-        where DeepSpeed reduces only there (ZeRO-0/1), one per bucket at ZeRO-2, elsewhere
-        (ZeRO-3, engines not recognised) one tensor hook per parameter."""
+        where DeepSpeed reduces only there (ZeRO-0/1), one per bucket at ZeRO-2 and ZeRO-3,
+        elsewhere (offload, ZenFlow, engines not recognised) one tensor hook per parameter."""
         named = module.named_parameters()
         if ds.reduces_at_boundary_only(engine):
             boundary = BoundaryGradientFlags(named)
@@ -298,6 +299,10 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
             buckets = BucketGradientFlags(named, ds.param_id(engine))
             self._unwrap_reduction = ds.check_each_bucket(engine, buckets.check)
             return buckets
+        if ds.reduces_per_partition_bucket(engine, module.parameters()):
+            partitions = BucketGradientFlags(named, ds.partition_param_id)
+            self._unwrap_reduction = ds.check_each_partition_bucket(engine, partitions.check)
+            return partitions
         return OwnGradientFlags(named)
 
     def get_scale(self) -> float:
@@ -472,9 +477,9 @@ def instrument(
     Wraps ``engine.backward`` (notes the rank's loss) and ``engine.step`` (reads what
     DeepSpeed decided after a boundary step) as instance attributes; for origin tracking,
     at ZeRO-0/1 ``engine.allreduce_gradients`` too (a check before the boundary's
-    reduction), at ZeRO-2 its optimizer's ``reduce_ipg_grads`` (a check before each
-    bucket's), at ZeRO-3 one tensor hook per parameter. DeepSpeed's numerics are
-    unchanged.
+    reduction), at ZeRO-2 its optimizer's ``reduce_ipg_grads`` and at ZeRO-3 its
+    ``__reduce_and_partition_ipg_grads`` (a check before each bucket's), elsewhere one
+    tensor hook per parameter. DeepSpeed's numerics are unchanged.
     A ``PipelineEngine`` (whose ``backward()`` and ``step()`` are disabled): the optimizer
     step its ``train_batch()`` takes is wrapped instead, and the last stage's micro-batch
     losses are read there; each stage checks and names its own parameters.
