@@ -76,7 +76,7 @@ each MoE expert data-parallel group), one small all-gather and one host read.
 Not available under DeepSpeed: the classifying rerun (``step(..., rerun=closure)``: the
 engine's ``step()`` takes no closure and DeepSpeed has already reduced, and under ZeRO-2/3
 freed, the gradients a rerun would compare), the per-parameter gradient norms on spikes and
-``grad_norm_origin`` (the hooks flag, they do not take norms); the replica check at ZeRO-3
+``grad_norm_origin`` (the origin checks flag, they take no norms); the replica check at ZeRO-3
 (each rank holds a different slice of every parameter: no replica).
 """
 
