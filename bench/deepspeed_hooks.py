@@ -6,7 +6,8 @@ interleaved block by block (:mod:`bench.ab`):
 
 * ``stock``: no check;
 * ``hooked``: :class:`~ampscope.integrations._deepspeed_hooks.OwnGradientFlags`, one tensor
-  hook per parameter (what ``instrument`` registers at ZeRO-2/3), paid on every micro-batch;
+  hook per parameter (what ``instrument`` registers on engines it does not recognise;
+  ZeRO-3's check until the bucket check), paid on every micro-batch;
 * ``boundary``: :class:`~ampscope.integrations._deepspeed_hooks.BoundaryGradientFlags`, its
   one check of every ``.grad`` after the backward (what ``instrument`` runs at ZeRO-0/1
   right before the boundary's reduction). Timed on every backward, as if every micro-batch
@@ -16,7 +17,13 @@ interleaved block by block (:mod:`bench.ab`):
   check of one bucket holding the 148 gradients (what ``instrument`` runs at ZeRO-2 before
   each bucket's reduction; DeepSpeed's default bucket, 5e8 elements, holds this model
   whole), with the bucket's parameter ids read from DeepSpeed-shaped entries. The list of
-  the bucket's gradients is DeepSpeed's and is built untimed.
+  the bucket's gradients is DeepSpeed's and is built untimed;
+* ``bucket3``: the same check through ZeRO-3's wrap
+  (:func:`~ampscope.integrations._deepspeed_engine.check_each_partition_bucket`) of a
+  DeepSpeed-shaped ``DeepSpeedZeroOptimizer_Stage3`` whose one bucket holds the 148
+  parameters (the reduction itself a no-op): timed from the call of the name-mangled
+  ``__reduce_and_partition_ipg_grads``, so the wrap's own work (the bucket's gradients and
+  ``ds_id`` read from its parameters) is counted too.
 
 It prints the training thread's extra CPU time per micro-batch over ``stock`` (median over
 block groups of the paired block medians, with the IQR), and per parameter. DeepSpeed
@@ -41,6 +48,8 @@ import argparse
 import operator
 import statistics
 import time
+from types import SimpleNamespace
+from typing import Any
 
 import torch
 from torch import nn
@@ -52,7 +61,23 @@ from bench.tensor_growth import GPT_148
 _PARAM_ID = operator.itemgetter(2)
 
 
-VARIANTS = ("stock", "hooked", "boundary", "bucket")
+VARIANTS = ("stock", "hooked", "boundary", "bucket", "bucket3")
+
+
+class DeepSpeedZeroOptimizer_Stage3:  # DeepSpeed's name, which the wrap recognises
+    """What ZeRO-3's wrap reads of DeepSpeed's optimizer: one bucket holding every
+    parameter, no reduction stream (a synchronized device), a no-op reduction."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.ipg_buckets = {torch.float32: SimpleNamespace(params=params)}
+        self.reduce_and_partition_stream = None
+
+    def __reduce_and_partition_ipg_grads(self, communication_data_type: torch.dtype) -> None:
+        pass
+
+    def reduce(self) -> None:
+        """As DeepSpeed calls it: ``self.__reduce_and_partition_ipg_grads(dtype)``."""
+        self.__reduce_and_partition_ipg_grads(torch.float32)
 
 
 class _Backward:
@@ -75,6 +100,16 @@ class _Backward:
         )
         # A ZeRO-2 bucket's entries: (group index, index in group, param id).
         self.entries = [(0, index, index) for index in range(len(self.params))]
+        self.zero3: DeepSpeedZeroOptimizer_Stage3 | None = None
+        if check == "bucket3":
+            from ampscope.integrations import _deepspeed_engine as ds
+
+            for index, param in enumerate(self.params):
+                param.ds_id = index  # type: ignore[attr-defined]
+            self.zero3 = DeepSpeedZeroOptimizer_Stage3(self.params)
+            engine: Any = SimpleNamespace(optimizer=self.zero3)
+            self.bucket = BucketGradientFlags(named, ds.partition_param_id)
+            ds.check_each_partition_bucket(engine, self.bucket.check)
 
     def block(self, steps: int) -> float:
         """The median training-thread CPU seconds of ``steps`` backward passes (and the
@@ -88,7 +123,11 @@ class _Backward:
             if self.boundary is not None:
                 self.boundary.check()
             elapsed = time.thread_time() - begin
-            if self.bucket is not None:
+            if self.zero3 is not None:
+                begin = time.thread_time()
+                self.zero3.reduce()
+                elapsed += time.thread_time() - begin
+            elif self.bucket is not None:
                 # DeepSpeed's list of the bucket's gradients, untimed.
                 grads = [param.grad for param in self.params if param.grad is not None]
                 begin = time.thread_time()

@@ -29,14 +29,27 @@ rank's own gradients right before they are reduced:
   ``reduce_ipg_grads``; after every backward it clears ``.grad`` (its accumulation is of
   the reduced partitions), so a bucket holds this rank's own gradients of this micro-batch
   only (:func:`reduces_per_bucket`, :func:`check_each_bucket`);
-* ZeRO-3 reduces through a name-mangled private method of its optimizer
-  (``__reduce_and_partition_ipg_grads``), and the other paths (``BF16_Optimizer``, ZeRO-2
-  with CPU offload, ZenFlow) move or reduce gradients elsewhere: ampscope keeps one tensor
-  hook per parameter there rather than patch them.
+* ZeRO-3's ``DeepSpeedZeroOptimizer_Stage3`` adds each parameter's fresh gradient to a
+  bucket (``ipg_buckets[comm dtype].params``; the gradient stays ``param.grad``, copied
+  into the bucket's ``buffer`` when it fits, the "extra large" one left where it is) when
+  its accumulation hook fires, and reduces a bucket through a name-mangled private method,
+  ``__reduce_and_partition_ipg_grads`` (the instance attribute
+  ``_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads``, looked up on the
+  instance by every call: before a bucket would overflow, before one of another process
+  group, and for every bucket left at the end of backward,
+  ``independent_gradient_partition_epilogue``). That method sets ``.grad`` to ``None``
+  after the reduce-scatter, so a bucket holds this rank's own gradients of this micro-batch
+  only (:func:`reduces_per_partition_bucket`, :func:`check_each_partition_bucket`; the
+  check runs on the optimizer's ``reduce_and_partition_stream``, where DeepSpeed copies
+  the gradients into the buffer under ``overlap_comm``);
+* the other paths (``BF16_Optimizer``, ZeRO-2/3 with offload, ZenFlow) move or reduce
+  gradients elsewhere: ampscope keeps one tensor hook per parameter there rather than
+  patch them.
 
 Every wrap is an instance attribute whose removal restores DeepSpeed's method, and every
-read is guarded: a release that moves these makes :func:`reduces_at_boundary_only` and
-:func:`reduces_per_bucket` say ``False`` (the per-parameter hooks, slower but correct), and
+read is guarded: a release that moves these makes :func:`reduces_at_boundary_only`,
+:func:`reduces_per_bucket` and :func:`reduces_per_partition_bucket` say ``False`` (the
+per-parameter hooks, slower but correct), and
 ``tests/integrations/test_deepspeed.py`` fail.
 
 For DeepSpeed's ``PipelineEngine``, whose ``train_batch()`` takes the optimizer step without
@@ -48,9 +61,12 @@ moves any of them.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import operator
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -399,6 +415,112 @@ def check_each_bucket(engine: Any, check: BucketCheck) -> Callable[[], None]:
             del optimizer.reduce_ipg_grads
         else:
             optimizer.reduce_ipg_grads = own_attribute
+
+    return unwrap
+
+
+_ZERO3_REDUCE = "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads"
+"""ZeRO-3's ``self.__reduce_and_partition_ipg_grads``, as Python's name mangling spells it:
+an ordinary attribute lookup on the optimizer, so an instance attribute takes every call."""
+
+_DS_ID = operator.attrgetter("ds_id")
+"""ZeRO-3's id of a parameter (``param.ds_id``), as its buckets and ``get_param_id`` name it."""
+
+_GRAD = operator.attrgetter("grad")
+
+_StreamContext = Callable[[], AbstractContextManager[Any]]
+
+
+def _stream_context(stream: Any) -> _StreamContext | None:
+    """How to run work on ZeRO-3's ``reduce_and_partition_stream``: nothing to do on a
+    synchronized device (``None``: DeepSpeed's CPU accelerator), ``torch.cuda.stream`` on a
+    CUDA stream (the side stream under ``overlap_comm``, the default one without);
+    ``None`` for any other stream (not recognised)."""
+    if stream is None:
+        return contextlib.nullcontext
+    if isinstance(stream, torch.cuda.Stream):
+        return functools.partial(torch.cuda.stream, stream)
+    return None
+
+
+def reduces_per_partition_bucket(engine: Any, params: Iterable[torch.Tensor]) -> bool:
+    """Whether the engine is ZeRO-3 on ``DeepSpeedZeroOptimizer_Stage3`` as read here (see
+    the module docstring): every gradient of ``params`` (the module's) reduced through
+    ``__reduce_and_partition_ipg_grads`` from an ``ipg_buckets`` bucket that holds only this
+    micro-batch's own gradients, each parameter named by its ``ds_id``. False for optimizer
+    or parameter offload (and SuperOffload, a subclass), ZenFlow, DeepCompile, AutoEP's
+    folded tensor parallelism (its correction all-reduces a gradient over the tensor-parallel
+    group before it reaches a bucket), a reduction stream other than CUDA's, and anything
+    this module does not recognise."""
+    try:
+        optimizer = engine.optimizer
+        if type(optimizer).__name__ != "DeepSpeedZeroOptimizer_Stage3":
+            return False
+        if int(engine.zero_optimization_stage()) != 3 or engine.is_deepcompile_active():
+            return False
+        if getattr(engine, "zenflow", False) or optimizer.zenflow is not False:
+            return False
+        flags = ("offload_optimizer", "offload_param", "_coalesce_grad_reduction")
+        if any(getattr(optimizer, name) is not False for name in flags):
+            return False
+        if optimizer.autoep_folding_tp_group is not None:
+            return False
+        if _stream_context(optimizer.reduce_and_partition_stream) is None:
+            return False
+        if not callable(getattr(optimizer, _ZERO3_REDUCE)):
+            return False
+        if not isinstance(optimizer.ipg_buckets, dict):
+            return False
+        return all(isinstance(getattr(p, "ds_id", None), int) for p in params if p.requires_grad)
+    except Exception:  # a release that moved these: keep the per-parameter hooks
+        return False
+
+
+def partition_param_id(param: torch.Tensor) -> int:
+    """ZeRO-3's id of a parameter (``ds_id``), as its buckets name them."""
+    value: int = _DS_ID(param)
+    return value
+
+
+def check_each_partition_bucket(engine: Any, check: BucketCheck) -> Callable[[], None]:
+    """Wrap the ZeRO-3 optimizer's ``__reduce_and_partition_ipg_grads`` (an instance
+    attribute; DeepSpeed's method runs unchanged) so that ``check`` sees every bucket it is
+    about to reduce: its parameters' gradients and ``ds_id`` (read in C, no Python per
+    parameter), on the optimizer's reduction stream, the one DeepSpeed wrote the bucket's
+    buffer on and reduces it on (no sync). ``check`` must not raise.
+
+    Returns:
+        A function that removes the wrap (idempotent).
+
+    Raises:
+        ValueError: the reduction stream is not one :func:`reduces_per_partition_bucket`
+            recognises.
+    """
+    optimizer = engine.optimizer
+    on_stream = _stream_context(optimizer.reduce_and_partition_stream)
+    if on_stream is None:
+        raise ValueError("ZeRO-3's reduction stream is not recognised")
+    own_attribute = optimizer.__dict__.get(_ZERO3_REDUCE)
+    own = getattr(optimizer, _ZERO3_REDUCE)
+
+    def reduce_and_partition_ipg_grads(*args: Any, **kwargs: Any) -> Any:
+        dtype = kwargs.get("communication_data_type", args[0] if args else None)
+        bucket = optimizer.ipg_buckets.get(dtype)
+        params = None if bucket is None else bucket.params
+        if params:
+            with on_stream():
+                check(list(map(_GRAD, params)), tuple(map(_DS_ID, params)))
+        return own(*args, **kwargs)
+
+    setattr(optimizer, _ZERO3_REDUCE, reduce_and_partition_ipg_grads)
+
+    def unwrap() -> None:
+        if optimizer.__dict__.get(_ZERO3_REDUCE) is not reduce_and_partition_ipg_grads:
+            return  # already removed, or wrapped again by someone else: leave theirs
+        if own_attribute is None:
+            delattr(optimizer, _ZERO3_REDUCE)
+        else:
+            setattr(optimizer, _ZERO3_REDUCE, own_attribute)
 
     return unwrap
 

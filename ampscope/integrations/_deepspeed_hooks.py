@@ -12,10 +12,10 @@ gradients right before DeepSpeed reduces them;
   right before it, summed over the step's micro-batches (an inf/NaN stays one in a sum; an
   fp16 sum of finite gradients that overflows is an inf in this rank's own gradient before
   the reduction, which the reduction would carry). Nothing per micro-batch.
-* :class:`BucketGradientFlags` (ZeRO-2): DeepSpeed reduces bucket by bucket during every
-  backward, each bucket holding this micro-batch's own gradients; one check per bucket
-  right before its reduction. Nothing per parameter.
-* :class:`OwnGradientFlags` (ZeRO-3 and every engine the first two do not fit): a tensor
+* :class:`BucketGradientFlags` (ZeRO-2 and ZeRO-3): DeepSpeed reduces bucket by bucket
+  during every backward, each bucket holding this micro-batch's own gradients; one check
+  per bucket right before its reduction. Nothing per parameter.
+* :class:`OwnGradientFlags` (every engine the first two do not fit: offload, ZenFlow, ...): a tensor
   hook (``param.register_hook``) per parameter, which runs before DeepSpeed's own reduce
   hooks on the gradient this rank's backward just computed, whatever the stage. Each hook
   runs torch's fused non-finite kernel (the one a scaler's unscale runs, with an inverse
@@ -239,7 +239,8 @@ _Layout = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 class BucketGradientFlags(_FlagVectors):
     """The same flags from one check per gradient bucket, right before DeepSpeed reduces
-    it (ZeRO-2: :func:`~ampscope.integrations._deepspeed_engine.check_each_bucket`), on the
+    it (ZeRO-2: :func:`~ampscope.integrations._deepspeed_engine.check_each_bucket`; ZeRO-3:
+    :func:`~ampscope.integrations._deepspeed_engine.check_each_partition_bucket`), on the
     bucket's own gradients of this micro-batch: nothing runs per parameter.
 
     :meth:`check` reads the bucket's gradients once (:func:`_non_finite_each`, exact, as

@@ -61,13 +61,13 @@ than from DeepSpeed's ``overflow``, which says ``False`` there; a step the
 says it applied it at ZeRO-0.
 
 Costs of the origin, checked right before DeepSpeed reduces (no sync; no Python per
-parameter and micro-batch but at ZeRO-3): at ZeRO-0/1, where DeepSpeed reduces only at the
+parameter and micro-batch on a recognised engine): at ZeRO-0/1, where DeepSpeed reduces only at the
 accumulation boundary, one multi-tensor check of every ``.grad`` there and nothing per
 micro-batch (at fp32 ZeRO-0, where DeepSpeed has no overflow flag and no norm, the same
 check again right after the reduction, on the reduced ``.grad``: the global flag on every
-rank); at ZeRO-2, one multi-tensor check per gradient bucket, before DeepSpeed reduces it;
-at ZeRO-3 (and on engines not recognised), one fused non-finite kernel per parameter and
-micro-batch in a tensor hook.
+rank); at ZeRO-2 and ZeRO-3, one multi-tensor check per gradient bucket, before DeepSpeed
+reduces it; on engines not recognised (offload, ZenFlow, ``BF16_Optimizer``, ...), one fused
+non-finite kernel per parameter and micro-batch in a tensor hook.
 
 What is read where, per optimizer step (:mod:`~ampscope.integrations._deepspeed_step`): on
 the training thread, right after ``step()``, only what DeepSpeed holds on the host
@@ -85,7 +85,7 @@ small all-gather and one host read (training thread).
 Not available under DeepSpeed: the classifying rerun (``step(..., rerun=closure)``: the
 engine's ``step()`` takes no closure and DeepSpeed has already reduced, and under ZeRO-2/3
 freed, the gradients a rerun would compare), the per-parameter gradient norms on spikes and
-``grad_norm_origin`` (the hooks flag, they do not take norms); the replica check at ZeRO-3
+``grad_norm_origin`` (the origin checks flag, they take no norms); the replica check at ZeRO-3
 (each rank holds a different slice of every parameter: no replica).
 """
 
@@ -212,7 +212,7 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
         """Start observing ``engine``: wrap its ``backward`` and ``step`` (a
         ``PipelineEngine``'s: the optimizer step its ``train_batch()`` takes), set up the
         origin check (before the boundary's reduction at ZeRO-0/1, before each bucket's at
-        ZeRO-2, a hook per parameter at ZeRO-3 and on pipeline engines), name the
+        ZeRO-2/3, a hook per parameter on engines not recognised and pipeline engines), name the
         parameters. Once, before its first backward.
 
         Raises:
@@ -300,8 +300,8 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
 
     def _origin_flags(self, engine: Any, module: nn.Module) -> Flags:
         """The origin check right before DeepSpeed's reduction: one check at the boundary
-        where DeepSpeed reduces only there (ZeRO-0/1), one per bucket at ZeRO-2, elsewhere
-        (ZeRO-3, engines not recognised) one tensor hook per parameter."""
+        where DeepSpeed reduces only there (ZeRO-0/1), one per bucket at ZeRO-2 and ZeRO-3,
+        elsewhere (offload, ZenFlow, engines not recognised) one tensor hook per parameter."""
         named = module.named_parameters()
         if ds.reduces_at_boundary_only(engine):
             boundary = BoundaryGradientFlags(named)
@@ -317,6 +317,10 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
             buckets = BucketGradientFlags(named, ds.param_id(engine))
             self._unwrap_reduction = ds.check_each_bucket(engine, buckets.check)
             return buckets
+        if ds.reduces_per_partition_bucket(engine, module.parameters()):
+            partitions = BucketGradientFlags(named, ds.partition_param_id)
+            self._unwrap_reduction = ds.check_each_partition_bucket(engine, partitions.check)
+            return partitions
         return OwnGradientFlags(named)
 
     def get_scale(self) -> float:
@@ -502,9 +506,9 @@ def instrument(
     Wraps ``engine.backward`` (notes the rank's loss) and ``engine.step`` (reads what
     DeepSpeed decided after a boundary step) as instance attributes; for origin tracking,
     at ZeRO-0/1 ``engine.allreduce_gradients`` too (a check before the boundary's
-    reduction), at ZeRO-2 its optimizer's ``reduce_ipg_grads`` (a check before each
-    bucket's), at ZeRO-3 one tensor hook per parameter. DeepSpeed's numerics are
-    unchanged.
+    reduction), at ZeRO-2 its optimizer's ``reduce_ipg_grads`` and at ZeRO-3 its
+    ``__reduce_and_partition_ipg_grads`` (a check before each bucket's), elsewhere one
+    tensor hook per parameter. DeepSpeed's numerics are unchanged.
     A ``PipelineEngine`` (whose ``backward()`` and ``step()`` are disabled): the optimizer
     step its ``train_batch()`` takes is wrapped instead, and the last stage's micro-batch
     losses are read there; each stage checks and names its own parameters.

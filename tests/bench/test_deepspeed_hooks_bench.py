@@ -27,3 +27,19 @@ def test_the_report_names_every_checked_variant(capsys: pytest.CaptureFixture[st
     assert [line.split(",")[1].split(":")[0].strip() for line in lines] == list(
         deepspeed_hooks.VARIANTS[1:]
     )
+
+
+def test_the_zero3_variant_checks_through_the_wrap() -> None:
+    """bucket3 times DeepSpeed's own call of the name-mangled reduction: the wrap checks the
+    bucket's gradients there and names a poisoned one by its ds_id."""
+    torch.manual_seed(0)
+    run = deepspeed_hooks._Backward("bucket3")
+    assert run.zero3 is not None
+    assert run.bucket is not None
+    run.model.zero_grad(set_to_none=True)
+    run.model(run.tokens, run.targets).backward()
+    name, param = next(iter(run.model.named_parameters()))
+    assert param.grad is not None
+    param.grad.view(-1)[0] = float("nan")
+    run.zero3.reduce()
+    assert run.bucket.take() == ({"cpu": True}, {name: 1})

@@ -63,6 +63,14 @@ def setup(*, fp16: bool = False) -> Any:
     return deepspeed
 
 
+ZERO3_BUCKETS = {"reduce_bucket_size": 100}
+"""ZeRO-3's gradient buckets, small enough that each backward reduces three, in backward
+order: head.weight and head.bias (17 elements, copied into the bucket's buffer), body.weight
+alone (128 elements: an "extra large" gradient, left outside the buffer), body.bias (the
+end-of-backward flush). The per-bucket origin check is tried on both of DeepSpeed's paths
+and on buckets reduced during the backward."""
+
+
 def config(stage: int, section: str, gas: int, **precision: Any) -> dict[str, Any]:
     """``section``: the precision's config section (``fp16``, ``bf16``, ``torch_autocast``;
     ``FP32``: none)."""
@@ -70,7 +78,7 @@ def config(stage: int, section: str, gas: int, **precision: Any) -> dict[str, An
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": gas,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": {"stage": stage, **(ZERO3_BUCKETS if stage == 3 else {})},
         **({} if section == FP32 else {section: {"enabled": True, **precision}}),
         "steps_per_print": 10**9,
     }
@@ -203,7 +211,9 @@ def train(
     if monitor is not None:
         monitor.close()
     weights = _weights(engine, stage)
-    unwrapped = "allreduce_gradients" not in vars(engine)
+    unwrapped = "allreduce_gradients" not in vars(engine) and not any(
+        name in vars(engine.optimizer) for name in _REDUCTIONS
+    )
     engine.destroy()
     return {
         "records": [r.model_dump(mode="json") for r in records],
@@ -215,6 +225,10 @@ def train(
         "reduced_check": reduced_check,
         "unwrapped": unwrapped,
     }
+
+
+_REDUCTIONS = ("reduce_ipg_grads", "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads")
+"""The ZeRO-2 and ZeRO-3 optimizers' bucket reductions, which the origin check wraps."""
 
 
 class _Logged(logging.Handler):

@@ -66,10 +66,16 @@ def _check_origin(
         assert records[nan_step - 1]["found_inf_global"], (key, rank)
 
 
-_ORIGIN_CHECK = {0: "BoundaryGradientFlags", 1: "BoundaryGradientFlags", 2: "BucketGradientFlags"}
+_ORIGIN_CHECK = {
+    0: "BoundaryGradientFlags",
+    1: "BoundaryGradientFlags",
+    2: "BucketGradientFlags",
+    3: "BucketGradientFlags",
+}
 """Per ZeRO stage, the origin check the monitor picks from where DeepSpeed 0.19.8 reduces
 (``_deepspeed_engine``): one check before the boundary's reduction at ZeRO-0/1, one per
-bucket at ZeRO-2, a hook per parameter at ZeRO-3. Fails when a release moves them."""
+bucket at ZeRO-2 and ZeRO-3 (three buckets per backward there: ``ZERO3_BUCKETS``), a hook per
+parameter elsewhere. Fails when a release moves them."""
 
 
 def _check_origin_point(result: dict[str, Any], stage: int) -> None:

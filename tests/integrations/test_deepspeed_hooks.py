@@ -1,7 +1,8 @@
 """The DeepSpeed integration's own-gradient checks, without DeepSpeed: the per-parameter
 hooks (``OwnGradientFlags``) are plain tensor hooks and the boundary check
 (``BoundaryGradientFlags``) reads ``.grad``, so a plain model's backward exercises them; the
-wrap of ``allreduce_gradients`` on a duck-typed engine."""
+wraps of ``allreduce_gradients`` (ZeRO-0/1), ``reduce_ipg_grads`` (ZeRO-2) and the
+name-mangled ``__reduce_and_partition_ipg_grads`` (ZeRO-3) on duck-typed engines."""
 
 from __future__ import annotations
 
@@ -365,3 +366,164 @@ def test_each_bucket_is_checked_before_its_reduction() -> None:
     unwrap()
     unwrap()
     assert "reduce_ipg_grads" not in vars(optimizer)
+
+
+# -- ZeRO-3: one check per bucket before __reduce_and_partition_ipg_grads -------------------
+
+
+class _Z3Bucket:
+    def __init__(self) -> None:
+        self.params: list[nn.Parameter] = []
+        self.elements = 0
+
+
+class DeepSpeedZeroOptimizer_Stage3:  # DeepSpeed's name: it mangles the method
+    """What the ZeRO-3 wrap reads of DeepSpeed's optimizer, and its bucket logic in small:
+    the class's own calls go through ``self.__reduce_and_partition_ipg_grads`` (name-mangled
+    with this class's name, as in DeepSpeed), which sets ``.grad`` to ``None`` once reduced."""
+
+    def __init__(self, bucket_size: int) -> None:
+        self.ipg_buckets = {torch.float32: _Z3Bucket()}
+        self.bucket_size = bucket_size
+        self.reduce_and_partition_stream = None  # DeepSpeed's CPU accelerator
+        self.zenflow = False
+        self.offload_optimizer = self.offload_param = self._coalesce_grad_reduction = False
+        self.autoep_folding_tp_group = None
+        self.reduced: list[tuple[int, ...]] = []
+
+    def add(self, param: nn.Parameter) -> None:  # reduce_independent_p_g_buckets_and_remove_grads
+        bucket = self.ipg_buckets[torch.float32]
+        if bucket.elements + param.numel() > self.bucket_size and bucket.elements > 0:
+            self.__reduce_and_partition_ipg_grads(torch.float32)
+        bucket.params.append(param)
+        bucket.elements += param.numel()
+
+    def epilogue(self) -> None:  # independent_gradient_partition_epilogue
+        for dtype in self.ipg_buckets:
+            self.__reduce_and_partition_ipg_grads(dtype)
+
+    def __reduce_and_partition_ipg_grads(self, communication_data_type: torch.dtype) -> None:
+        bucket = self.ipg_buckets[communication_data_type]
+        if not bucket.params:
+            return
+        self.reduced.append(tuple(p.ds_id for p in bucket.params))  # type: ignore[attr-defined]
+        for param in bucket.params:
+            param.grad = None  # partition_grads
+        bucket.params.clear()
+        bucket.elements = 0
+
+
+class _Zero3Engine:
+    def __init__(self, optimizer: object) -> None:
+        self.optimizer = optimizer
+
+    def zero_optimization_stage(self) -> int:
+        return 3
+
+    def is_deepcompile_active(self) -> bool:
+        return False
+
+
+def _zero3_params() -> dict[str, nn.Parameter]:
+    params = {
+        name: nn.Parameter(torch.zeros(size)) for name, size in (("a", 2), ("b", 5), ("c", 2))
+    }
+    for ds_id, param in enumerate(params.values(), start=20):
+        param.ds_id = ds_id  # type: ignore[attr-defined]
+    return params
+
+
+def _backward(
+    optimizer: DeepSpeedZeroOptimizer_Stage3, params: dict[str, nn.Parameter], bad: str
+) -> None:
+    """One micro-batch: each parameter's fresh gradient (``bad``'s NaN) reaches a bucket in
+    backward order, then the end of backward flushes what is left."""
+    for name in reversed(params):
+        param = params[name]
+        param.grad = torch.full_like(param, math.nan if name == bad else 1.0)
+        optimizer.add(param)
+    optimizer.epilogue()
+
+
+def test_each_zero3_bucket_is_checked_before_its_reduction() -> None:
+    """DeepSpeed's own (name-mangled) calls reach the wrap: the bucket flushed before an
+    "extra large" gradient, that gradient's own bucket, the end-of-backward flush; each
+    checked on its gradients before the reduction clears them, over two micro-batches."""
+    params = _zero3_params()
+    optimizer = DeepSpeedZeroOptimizer_Stage3(bucket_size=4)
+    engine = _Zero3Engine(optimizer)
+    assert ds.reduces_per_partition_bucket(engine, params.values())
+    flags = BucketGradientFlags(params.items(), ds.partition_param_id)
+    seen: list[tuple[tuple[int, ...], int]] = []
+
+    def check(grads: list[torch.Tensor], ids: tuple[int, ...]) -> None:
+        seen.append((ids, len(optimizer.reduced)))
+        flags.check(grads, ids)
+
+    unwrap = ds.check_each_partition_bucket(engine, check)
+    _backward(optimizer, params, bad="b")  # b (5 elements) is larger than a bucket
+    assert optimizer.reduced == [(22,), (21,), (20,)]
+    assert seen == [((22,), 0), ((21,), 1), ((20,), 2)], "each checked before its reduction"
+    _backward(optimizer, params, bad="")  # micro-batch 2: clean, flags keep micro-batch 1's
+    assert flags.take() == ({"cpu": True}, {"b": 1})
+    _backward(optimizer, params, bad="c")
+    assert flags.take() == ({"cpu": True}, {"c": 1})
+    assert flags.errors == 0
+    unwrap()
+    unwrap()
+    assert ds._ZERO3_REDUCE not in vars(optimizer)
+    _backward(optimizer, params, bad="a")
+    assert len(seen) == 9, "unwrapped: DeepSpeed's method alone"
+    assert flags.take() == ({"cpu": False}, {})
+
+
+def test_a_zero3_bucket_check_never_writes_the_gradients() -> None:
+    params = _zero3_params()
+    optimizer = DeepSpeedZeroOptimizer_Stage3(bucket_size=100)
+    engine = _Zero3Engine(optimizer)
+    flags = BucketGradientFlags(params.items(), ds.partition_param_id)
+    before: list[list[torch.Tensor]] = []
+
+    def check(grads: list[torch.Tensor], ids: tuple[int, ...]) -> None:
+        copies = [g.clone() for g in grads]
+        versions = [g._version for g in grads]
+        flags.check(grads, ids)
+        assert [g._version for g in grads] == versions
+        for grad, copy in zip(grads, copies, strict=True):
+            torch.testing.assert_close(grad, copy, equal_nan=True)
+        before.append(copies)
+
+    ds.check_each_partition_bucket(engine, check)
+    _backward(optimizer, params, bad="a")
+    assert [len(grads) for grads in before] == [3], "one bucket of the three gradients"
+    assert flags.take() == ({"cpu": True}, {"a": 1})
+
+
+def test_only_recognised_zero3_optimizers_are_checked_per_bucket() -> None:
+    """What reduces_per_partition_bucket refuses (the hooks instead): each a gradient path
+    the bucket check would not see whole, or not before another rank's values."""
+    params = _zero3_params()
+
+    def recognised(**changes: object) -> bool:
+        optimizer = DeepSpeedZeroOptimizer_Stage3(bucket_size=4)
+        for name, value in changes.items():
+            setattr(optimizer, name, value)
+        return ds.reduces_per_partition_bucket(_Zero3Engine(optimizer), params.values())
+
+    assert recognised()
+    assert not recognised(offload_optimizer=True)
+    assert not recognised(offload_param=True)
+    assert not recognised(zenflow=True)
+    assert not recognised(autoep_folding_tp_group=object()), "all-reduced before the bucket"
+    assert not recognised(reduce_and_partition_stream=object()), "a stream not known"
+    assert not recognised(ipg_buckets=[])
+
+    class SuperOffloadOptimizer_Stage3(DeepSpeedZeroOptimizer_Stage3):
+        pass
+
+    engine = _Zero3Engine(SuperOffloadOptimizer_Stage3(bucket_size=4))
+    assert not ds.reduces_per_partition_bucket(engine, params.values())
+    unnumbered = [*params.values(), nn.Parameter(torch.zeros(1))]
+    engine = _Zero3Engine(DeepSpeedZeroOptimizer_Stage3(bucket_size=4))
+    assert not ds.reduces_per_partition_bucket(engine, unnumbered), "a parameter without ds_id"
+    assert not ds.reduces_per_partition_bucket(_Engine(), params.values()), "unrecognised"
