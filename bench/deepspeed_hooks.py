@@ -5,21 +5,21 @@
 interleaved block by block (:mod:`bench.ab`):
 
 * ``stock``: no check;
-* ``hooked``: :class:`~ampscope.integrations._deepspeed_hooks.OwnGradientFlags`, one tensor
+* ``hooked``: :class:`~ampscope.integrations.deepspeed.origin.OwnGradientFlags`, one tensor
   hook per parameter (what ``instrument`` registers on engines it does not recognise;
   ZeRO-3's check until the bucket check), paid on every micro-batch;
-* ``boundary``: :class:`~ampscope.integrations._deepspeed_hooks.BoundaryGradientFlags`, its
+* ``boundary``: :class:`~ampscope.integrations.deepspeed.origin.BoundaryGradientFlags`, its
   one check of every ``.grad`` after the backward (what ``instrument`` runs at ZeRO-0/1
   right before the boundary's reduction). Timed on every backward, as if every micro-batch
   were a boundary (no gradient accumulation): the micro-batches inside an accumulation step
   run no check at all;
-* ``bucket``: :class:`~ampscope.integrations._deepspeed_hooks.BucketGradientFlags`, its
+* ``bucket``: :class:`~ampscope.integrations.deepspeed.origin.BucketGradientFlags`, its
   check of one bucket holding the 148 gradients (what ``instrument`` runs at ZeRO-2 before
   each bucket's reduction; DeepSpeed's default bucket, 5e8 elements, holds this model
   whole), with the bucket's parameter ids read from DeepSpeed-shaped entries. The list of
   the bucket's gradients is DeepSpeed's and is built untimed;
 * ``bucket3``: the same check through ZeRO-3's wrap
-  (:func:`~ampscope.integrations._deepspeed_engine.check_each_partition_bucket`) of a
+  (:func:`~ampscope.integrations.deepspeed.engine.check_each_partition_bucket`) of a
   DeepSpeed-shaped ``DeepSpeedZeroOptimizer_Stage3`` whose one bucket holds the 148
   parameters (the reduction itself a no-op): timed from the call of the name-mangled
   ``__reduce_and_partition_ipg_grads``, so the wrap's own work (the bucket's gradients and
@@ -82,7 +82,7 @@ class DeepSpeedZeroOptimizer_Stage3:  # DeepSpeed's name, which the wrap recogni
 
 class _Backward:
     def __init__(self, check: str) -> None:
-        from ampscope.integrations._deepspeed_hooks import (
+        from ampscope.integrations.deepspeed.origin import (
             BoundaryGradientFlags,
             BucketGradientFlags,
             OwnGradientFlags,
@@ -102,7 +102,7 @@ class _Backward:
         self.entries = [(0, index, index) for index in range(len(self.params))]
         self.zero3: DeepSpeedZeroOptimizer_Stage3 | None = None
         if check == "bucket3":
-            from ampscope.integrations import _deepspeed_engine as ds
+            from ampscope.integrations.deepspeed import engine as ds
 
             for index, param in enumerate(self.params):
                 param.ds_id = index  # type: ignore[attr-defined]

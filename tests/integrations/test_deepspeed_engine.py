@@ -1,4 +1,4 @@
-"""The DeepSpeed engine reads (``_deepspeed_engine``, ``_deepspeed_step``), without
+"""The DeepSpeed engine reads (``deepspeed.engine``, ``deepspeed.step_reads``), without
 DeepSpeed: which parameters a data-parallel rank holds whole, and over which group; the
 growth tracker; a step's values read on the telemetry thread, none on the training thread.
 The real engines (ZeRO 0-3, 2 gloo ranks) are in tests/integrations/test_deepspeed.py."""
@@ -12,10 +12,10 @@ import torch
 from support import HostReads
 from torch import nn
 
-from ampscope.integrations import _deepspeed_engine as ds
-from ampscope.integrations._deepspeed_engine import replicated_parameters, zero_stage
-from ampscope.integrations._deepspeed_hooks import BoundaryGradientFlags
-from ampscope.integrations._deepspeed_step import StepReads
+from ampscope.integrations.deepspeed import engine as ds
+from ampscope.integrations.deepspeed.engine import replicated_parameters, zero_stage
+from ampscope.integrations.deepspeed.origin import BoundaryGradientFlags
+from ampscope.integrations.deepspeed.step_reads import StepReads
 
 
 def _engine(**experts: object) -> SimpleNamespace:

@@ -1,4 +1,4 @@
-"""DeepSpeed: ``instrument(engine)`` once after ``deepspeed.initialize``.
+"""The DeepSpeed monitor: ``instrument(engine)`` once after ``deepspeed.initialize``.
 
 ::
 
@@ -15,11 +15,11 @@ bit-identical with and without it). At every gradient-accumulation boundary, on 
 rank, one record through the same pipeline as the scalers' and the watch's (reporter,
 sinks, ``monitor.telemetry``):
 
-* read from DeepSpeed (:mod:`~ampscope.integrations._deepspeed_engine`): whether the
+* read from DeepSpeed (:mod:`~ampscope.integrations.deepspeed.engine`): whether the
   gradients held inf/NaN after the reduction (``optimizer.overflow``) and whether the
   step was applied (``was_step_applied()``), the loss scale before and after the step
   (fp16), the global gradient norm (``get_global_grad_norm()``);
-* from ampscope's own checks (:mod:`~ampscope.integrations._deepspeed_hooks`): the origin,
+* from ampscope's own checks (:mod:`~ampscope.integrations.deepspeed.origin`): the origin,
   whether this rank's own gradients held inf/NaN before the reduction
   (``found_inf_origin``) and which parameters (``nonfinite_params``), over all the
   micro-batches of the step; at fp32 ZeRO-0, where DeepSpeed has no overflow flag and no
@@ -69,7 +69,7 @@ rank); at ZeRO-2 and ZeRO-3, one multi-tensor check per gradient bucket, before 
 reduces it; on engines not recognised (offload, ZenFlow, ``BF16_Optimizer``, ...), one fused
 non-finite kernel per parameter and micro-batch in a tensor hook.
 
-What is read where, per optimizer step (:mod:`~ampscope.integrations._deepspeed_step`): on
+What is read where, per optimizer step (:mod:`~ampscope.integrations.deepspeed.step_reads`): on
 the training thread, right after ``step()``, only what DeepSpeed holds on the host
 (``was_step_applied()``, ``overflow`` when a bool, fp16's ``cur_scale`` and its scaler's
 counters), and no host read of a device value: the flag vectors (copied and zeroed on the
@@ -99,14 +99,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ampscope.integrations import _deepspeed_engine as ds
-from ampscope.integrations._deepspeed_hooks import (
+from ampscope.integrations._swap import check_options, is_distributed
+from ampscope.integrations.deepspeed import engine as ds
+from ampscope.integrations.deepspeed.origin import (
     BoundaryGradientFlags,
     BucketGradientFlags,
     OwnGradientFlags,
 )
-from ampscope.integrations._deepspeed_step import Flags, HostStep, StepReads
-from ampscope.integrations._swap import check_options, is_distributed
+from ampscope.integrations.deepspeed.step_reads import Flags, HostStep, StepReads
 from ampscope.rank.capture import layout
 from ampscope.rank.capture.layout import OptimizerSlot
 from ampscope.rank.capture.pending import PendingStep

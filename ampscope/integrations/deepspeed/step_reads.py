@@ -28,8 +28,8 @@ from typing import NamedTuple
 
 import torch
 
-from ampscope.integrations import _deepspeed_engine as ds
-from ampscope.integrations._deepspeed_hooks import (
+from ampscope.integrations.deepspeed import engine as ds
+from ampscope.integrations.deepspeed.origin import (
     BoundaryGradientFlags,
     BucketGradientFlags,
     OwnGradientFlags,
