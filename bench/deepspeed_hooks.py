@@ -19,7 +19,7 @@ interleaved block by block (:mod:`bench.ab`):
   whole), with the bucket's parameter ids read from DeepSpeed-shaped entries. The list of
   the bucket's gradients is DeepSpeed's and is built untimed;
 * ``bucket3``: the same check through ZeRO-3's wrap
-  (:func:`~ampscope.integrations.deepspeed.engine.check_each_partition_bucket`) of a
+  (:func:`~ampscope.integrations.deepspeed.reduction.check_each_partition_bucket`) of a
   DeepSpeed-shaped ``DeepSpeedZeroOptimizer_Stage3`` whose one bucket holds the 148
   parameters (the reduction itself a no-op): timed from the call of the name-mangled
   ``__reduce_and_partition_ipg_grads``, so the wrap's own work (the bucket's gradients and
@@ -102,7 +102,7 @@ class _Backward:
         self.entries = [(0, index, index) for index in range(len(self.params))]
         self.zero3: DeepSpeedZeroOptimizer_Stage3 | None = None
         if check == "bucket3":
-            from ampscope.integrations.deepspeed import engine as ds
+            from ampscope.integrations.deepspeed import reduction as ds
 
             for index, param in enumerate(self.params):
                 param.ds_id = index  # type: ignore[attr-defined]

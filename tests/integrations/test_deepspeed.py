@@ -73,7 +73,7 @@ _ORIGIN_CHECK = {
     3: "BucketGradientFlags",
 }
 """Per ZeRO stage, the origin check the monitor picks from where DeepSpeed 0.19.8 reduces
-(``deepspeed.engine``): one check before the boundary's reduction at ZeRO-0/1, one per
+(``deepspeed.reduction``): one check before the boundary's reduction at ZeRO-0/1, one per
 bucket at ZeRO-2 and ZeRO-3 (three buckets per backward there: ``ZERO3_BUCKETS``), a hook per
 parameter elsewhere. Fails when a release moves them."""
 

@@ -13,7 +13,7 @@ import torch
 from support import HostReads
 from torch import nn
 
-from ampscope.integrations.deepspeed import engine as ds
+from ampscope.integrations.deepspeed import reduction as ds
 from ampscope.integrations.deepspeed.origin import (
     BoundaryGradientFlags,
     BucketGradientFlags,
@@ -160,7 +160,7 @@ def test_a_failing_boundary_check_warns_once_and_never_raises() -> None:
     assert flags.errors == 2
 
 
-# -- the wrap of allreduce_gradients (read in deepspeed.engine) -------------------------
+# -- the wrap of allreduce_gradients (read in deepspeed.reduction) -------------------------
 
 
 class _Engine:

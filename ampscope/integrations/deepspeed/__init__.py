@@ -13,9 +13,11 @@ One record per rank and optimizer step, DeepSpeed's numerics unchanged. The room
 
 * :mod:`~ampscope.integrations.deepspeed.monitor`: the monitor (what each record says,
   where each value comes from, what it costs);
-* :mod:`~ampscope.integrations.deepspeed.engine`: every read of DeepSpeed's state and
-  internals (the one place that knows DeepSpeed 0.19.8's attributes), and the wraps of the
-  methods where it reduces the gradients;
+* :mod:`~ampscope.integrations.deepspeed.engine`: every read of DeepSpeed's state (with
+  :mod:`~ampscope.integrations.deepspeed.reduction`, the only modules that know DeepSpeed
+  0.19.8's attributes);
+* :mod:`~ampscope.integrations.deepspeed.reduction`: where DeepSpeed reduces the gradients
+  at each ZeRO stage, and the wraps of its methods there;
 * :mod:`~ampscope.integrations.deepspeed.origin`: the checks of this rank's own gradients
   right before the reduction (at the boundary, per bucket, or a hook per parameter);
 * :mod:`~ampscope.integrations.deepspeed.step_reads`: a step's device values on their way

@@ -1,4 +1,5 @@
-"""Every read of a DeepSpeed engine's state, in one place (DeepSpeed 0.19.8).
+"""Every read of a DeepSpeed engine's state, in one place (DeepSpeed 0.19.8); where it
+reduces the gradients, and the wraps there: :mod:`~ampscope.integrations.deepspeed.reduction`.
 
 The engine's public surface says what DeepSpeed decided at a gradient-accumulation
 boundary: ``was_step_applied()``, ``skipped_steps``, ``get_global_grad_norm()`` and
@@ -16,42 +17,6 @@ sequence parallelism; the group it broadcasts the parameters over at start and r
 gradients over) and, for MoE experts, ``expert_data_parallel_group[param.group_name]``.
 ``tests/integrations/test_deepspeed.py`` fails when a release moves any of them.
 
-Where DeepSpeed reduces the gradients is read here too, so that ampscope checks this
-rank's own gradients right before they are reduced:
-
-* ZeRO-0 (``FP16_Optimizer``, fp32) and ZeRO-1 (without ``overlap_comm`` or an fp32
-  accumulation attribute), a ``PipelineEngine``'s included, keep them in the parameters'
-  ``.grad``, accumulated over the micro-batches, until one reduction inside
-  ``engine.allreduce_gradients()`` at the accumulation boundary
-  (:func:`reduces_at_boundary_only`, :func:`check_before_reduction`);
-* ZeRO-2's ``DeepSpeedZeroOptimizer`` copies each micro-batch's fresh gradients into
-  buckets (``ipg_buckets[dtype].grads``, ``.params``) and reduces each full bucket in
-  ``reduce_ipg_grads``; after every backward it clears ``.grad`` (its accumulation is of
-  the reduced partitions), so a bucket holds this rank's own gradients of this micro-batch
-  only (:func:`reduces_per_bucket`, :func:`check_each_bucket`);
-* ZeRO-3's ``DeepSpeedZeroOptimizer_Stage3`` adds each parameter's fresh gradient to a
-  bucket (``ipg_buckets[comm dtype].params``; the gradient stays ``param.grad``, copied
-  into the bucket's ``buffer`` when it fits, the "extra large" one left where it is) when
-  its accumulation hook fires, and reduces a bucket through a name-mangled private method,
-  ``__reduce_and_partition_ipg_grads`` (the instance attribute
-  ``_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads``, looked up on the
-  instance by every call: before a bucket would overflow, before one of another process
-  group, and for every bucket left at the end of backward,
-  ``independent_gradient_partition_epilogue``). That method sets ``.grad`` to ``None``
-  after the reduce-scatter, so a bucket holds this rank's own gradients of this micro-batch
-  only (:func:`reduces_per_partition_bucket`, :func:`check_each_partition_bucket`; the
-  check runs on the optimizer's ``reduce_and_partition_stream``, where DeepSpeed copies
-  the gradients into the buffer under ``overlap_comm``);
-* the other paths (``BF16_Optimizer``, ZeRO-2/3 with offload, ZenFlow) move or reduce
-  gradients elsewhere: ampscope keeps one tensor hook per parameter there rather than
-  patch them.
-
-Every wrap is an instance attribute whose removal restores DeepSpeed's method, and every
-read is guarded: a release that moves these makes :func:`reduces_at_boundary_only`,
-:func:`reduces_per_bucket` and :func:`reduces_per_partition_bucket` say ``False`` (the
-per-parameter hooks, slower but correct), and
-``tests/integrations/test_deepspeed.py`` fail.
-
 For DeepSpeed's ``PipelineEngine``, whose ``train_batch()`` takes the optimizer step without
 ``step()``: the method its ``OptimizerStep`` instruction calls (``_take_model_step``) and the
 last stage's micro-batch losses (``fwd_outputs``), read in the functions at the end.
@@ -61,23 +26,13 @@ moves any of them.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import math
-import operator
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from ampscope.rank import compat
-
-BucketCheck = Callable[[list[torch.Tensor], tuple[int, ...]], None]
-"""Called with a bucket's gradients and DeepSpeed's ids of their parameters, in order."""
-
-_PARAM_ID = operator.itemgetter(2)
-"""A ZeRO-1/2 bucket entry is ``(group index, index in group, param id)``."""
 
 
 def fp16(engine: Any) -> bool:
@@ -268,261 +223,6 @@ def replicated_parameters(engine: Any, module: Any) -> Iterator[tuple[str, torch
                 yield name, param, group
             continue
         yield name, param, dense
-
-
-def reduces_at_boundary_only(engine: Any) -> bool:
-    """Whether the engine leaves this rank's gradients in the parameters' ``.grad`` (summed
-    over the micro-batches by autograd) until one reduction in ``allreduce_gradients()`` at
-    the accumulation boundary, so that one check there sees every micro-batch's own
-    gradients before any rank's are mixed in.
-
-    True for ZeRO-0 (fp32, or ``FP16_Optimizer`` under fp16 and bf16: its ``zero_grad``
-    runs in ``step()`` only) and for ZeRO-1's ``DeepSpeedZeroOptimizer`` without
-    ``overlap_comm`` (which reduces inside the boundary micro-batch's backward) and without
-    ``use_grad_accum_attribute`` (fp32 accumulation, which moves ``.grad`` into
-    ``param.grad_accum`` after the reduction call). The same for a ``PipelineEngine``, whose
-    ``train_batch()`` reduces through ``allreduce_gradients()`` in its ``ReduceGrads``
-    instruction (the boundary forced). False for ZeRO-2/3 (they reduce bucket by bucket
-    during every backward), ``BF16_Optimizer`` (it copies each micro-batch's gradient into
-    an fp32 buffer and clears ``.grad``), engines that reduce elsewhere
-    (``enable_backward_allreduce`` off; DeepCompile; ZenFlow), and anything this module
-    does not recognise."""
-    try:
-        if not callable(getattr(engine, "allreduce_gradients", None)):
-            return False
-        if getattr(engine, "zenflow", False):
-            return False
-        if is_pipeline(engine):
-            # train_batch() reduces in its ReduceGrads instruction, through
-            # allreduce_gradients() with the boundary forced (BF16_Optimizer aside: below).
-            if engine.pipeline_enable_backward_allreduce is not True:
-                return False
-        elif engine.enable_backward_allreduce is not True:
-            return False
-        if engine.is_deepcompile_active():
-            return False
-        if engine.zero_optimization_partition_gradients():
-            return False
-        optimizer = engine.optimizer
-        if hasattr(optimizer, "fp32_groups_gradients"):  # BF16_Optimizer
-            return False
-        stage = int(engine.zero_optimization_stage())
-        if stage == 0:
-            return True
-        if stage == 1 and type(optimizer).__name__ == "DeepSpeedZeroOptimizer":
-            return optimizer.overlap_comm is False and optimizer.use_grad_accum_attribute is False
-    except Exception:  # a release that moved these: keep the per-parameter hooks
-        return False
-    return False
-
-
-def check_before_reduction(
-    engine: Any, check: Callable[[], None], after: Callable[[], None] | None = None
-) -> Callable[[], None]:
-    """Wrap ``engine.allreduce_gradients`` (an instance attribute; DeepSpeed's method runs
-    unchanged) so that ``check`` runs first whenever it is called at an accumulation
-    boundary: the engine's backward calls it after every micro-batch, and ``step()`` calls
-    it at the boundary under unmanaged accumulation. ``after``, if given, runs right after
-    it there, on the reduced ``.grad``s (before the optimizer step). Neither may raise.
-
-    Returns:
-        A function that removes the wrap (idempotent).
-    """
-    own_attribute = engine.__dict__.get("allreduce_gradients")
-    own = engine.allreduce_gradients
-    boundary = engine.is_gradient_accumulation_boundary
-
-    def allreduce_gradients(*args: Any, **kwargs: Any) -> Any:
-        if not boundary():
-            return own(*args, **kwargs)
-        check()
-        result = own(*args, **kwargs)
-        if after is not None:
-            after()
-        return result
-
-    engine.allreduce_gradients = allreduce_gradients
-
-    def unwrap() -> None:
-        if engine.__dict__.get("allreduce_gradients") is not allreduce_gradients:
-            return  # already removed, or wrapped again by someone else: leave theirs
-        if own_attribute is None:
-            del engine.allreduce_gradients
-        else:
-            engine.allreduce_gradients = own_attribute
-
-    return unwrap
-
-
-def reduces_per_bucket(engine: Any) -> bool:
-    """Whether the engine is ZeRO-2 on ``DeepSpeedZeroOptimizer`` as read here (see the
-    module docstring): every gradient reduced through ``reduce_ipg_grads`` from an
-    ``ipg_buckets`` bucket that holds only this micro-batch's own gradients. False for CPU
-    offload, ZenFlow, an fp32 accumulation attribute, a coalesced reduction, DeepCompile,
-    and anything this module does not recognise."""
-    try:
-        optimizer = engine.optimizer
-        if type(optimizer).__name__ != "DeepSpeedZeroOptimizer":
-            return False
-        if int(engine.zero_optimization_stage()) != 2 or engine.is_deepcompile_active():
-            return False
-        if getattr(engine, "zenflow", False) or getattr(optimizer, "zenflow", False):
-            return False
-        flags = ("cpu_offload", "use_grad_accum_attribute", "_coalesce_grad_reduction")
-        if any(getattr(optimizer, name) is not False for name in flags):
-            return False
-        if optimizer.partition_gradients is not True:
-            return False
-        return callable(optimizer.reduce_ipg_grads) and isinstance(optimizer.ipg_buckets, dict)
-    except Exception:  # a release that moved these: keep the per-parameter hooks
-        return False
-
-
-def param_id(engine: Any) -> Callable[[torch.Tensor], int]:
-    """DeepSpeed's id of a parameter, as its ZeRO-1/2 buckets name them (``get_param_id``)."""
-    get: Callable[[torch.Tensor], int] = engine.optimizer.get_param_id
-    return get
-
-
-def check_each_bucket(engine: Any, check: BucketCheck) -> Callable[[], None]:
-    """Wrap the ZeRO-2 optimizer's ``reduce_ipg_grads`` (an instance attribute; DeepSpeed's
-    method runs unchanged) so that ``check`` sees every bucket it is about to reduce: the
-    bucket's gradient list and its parameters' ids (read in C, no Python per parameter).
-    ``check`` must not raise.
-
-    Returns:
-        A function that removes the wrap (idempotent).
-    """
-    optimizer = engine.optimizer
-    own_attribute = optimizer.__dict__.get("reduce_ipg_grads")
-    own = optimizer.reduce_ipg_grads
-    buckets = optimizer.ipg_buckets
-
-    def reduce_ipg_grads(*args: Any, **kwargs: Any) -> Any:
-        comm_dtype = kwargs.get("comm_dtype", args[0] if args else None)
-        for dtype in list(buckets) if comm_dtype is None else [comm_dtype]:
-            bucket = buckets.get(dtype)
-            if bucket is not None and bucket.grads:
-                check(bucket.grads, tuple(map(_PARAM_ID, bucket.params)))
-        return own(*args, **kwargs)
-
-    optimizer.reduce_ipg_grads = reduce_ipg_grads
-
-    def unwrap() -> None:
-        if optimizer.__dict__.get("reduce_ipg_grads") is not reduce_ipg_grads:
-            return  # already removed, or wrapped again by someone else: leave theirs
-        if own_attribute is None:
-            del optimizer.reduce_ipg_grads
-        else:
-            optimizer.reduce_ipg_grads = own_attribute
-
-    return unwrap
-
-
-_ZERO3_REDUCE = "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads"
-"""ZeRO-3's ``self.__reduce_and_partition_ipg_grads``, as Python's name mangling spells it:
-an ordinary attribute lookup on the optimizer, so an instance attribute takes every call."""
-
-_DS_ID = operator.attrgetter("ds_id")
-"""ZeRO-3's id of a parameter (``param.ds_id``), as its buckets and ``get_param_id`` name it."""
-
-_GRAD = operator.attrgetter("grad")
-
-_StreamContext = Callable[[], AbstractContextManager[Any]]
-
-
-def _stream_context(stream: Any) -> _StreamContext | None:
-    """How to run work on ZeRO-3's ``reduce_and_partition_stream``: nothing to do on a
-    synchronized device (``None``: DeepSpeed's CPU accelerator), ``torch.cuda.stream`` on a
-    CUDA stream (the side stream under ``overlap_comm``, the default one without);
-    ``None`` for any other stream (not recognised)."""
-    if stream is None:
-        return contextlib.nullcontext
-    if isinstance(stream, torch.cuda.Stream):
-        return functools.partial(torch.cuda.stream, stream)
-    return None
-
-
-def reduces_per_partition_bucket(engine: Any, params: Iterable[torch.Tensor]) -> bool:
-    """Whether the engine is ZeRO-3 on ``DeepSpeedZeroOptimizer_Stage3`` as read here (see
-    the module docstring): every gradient of ``params`` (the module's) reduced through
-    ``__reduce_and_partition_ipg_grads`` from an ``ipg_buckets`` bucket that holds only this
-    micro-batch's own gradients, each parameter named by its ``ds_id``. False for optimizer
-    or parameter offload (and SuperOffload, a subclass), ZenFlow, DeepCompile, AutoEP's
-    folded tensor parallelism (its correction all-reduces a gradient over the tensor-parallel
-    group before it reaches a bucket), a reduction stream other than CUDA's, and anything
-    this module does not recognise."""
-    try:
-        optimizer = engine.optimizer
-        if type(optimizer).__name__ != "DeepSpeedZeroOptimizer_Stage3":
-            return False
-        if int(engine.zero_optimization_stage()) != 3 or engine.is_deepcompile_active():
-            return False
-        if getattr(engine, "zenflow", False) or optimizer.zenflow is not False:
-            return False
-        flags = ("offload_optimizer", "offload_param", "_coalesce_grad_reduction")
-        if any(getattr(optimizer, name) is not False for name in flags):
-            return False
-        if optimizer.autoep_folding_tp_group is not None:
-            return False
-        if _stream_context(optimizer.reduce_and_partition_stream) is None:
-            return False
-        if not callable(getattr(optimizer, _ZERO3_REDUCE)):
-            return False
-        if not isinstance(optimizer.ipg_buckets, dict):
-            return False
-        return all(isinstance(getattr(p, "ds_id", None), int) for p in params if p.requires_grad)
-    except Exception:  # a release that moved these: keep the per-parameter hooks
-        return False
-
-
-def partition_param_id(param: torch.Tensor) -> int:
-    """ZeRO-3's id of a parameter (``ds_id``), as its buckets name them."""
-    value: int = _DS_ID(param)
-    return value
-
-
-def check_each_partition_bucket(engine: Any, check: BucketCheck) -> Callable[[], None]:
-    """Wrap the ZeRO-3 optimizer's ``__reduce_and_partition_ipg_grads`` (an instance
-    attribute; DeepSpeed's method runs unchanged) so that ``check`` sees every bucket it is
-    about to reduce: its parameters' gradients and ``ds_id`` (read in C, no Python per
-    parameter), on the optimizer's reduction stream, the one DeepSpeed wrote the bucket's
-    buffer on and reduces it on (no sync). ``check`` must not raise.
-
-    Returns:
-        A function that removes the wrap (idempotent).
-
-    Raises:
-        ValueError: the reduction stream is not one :func:`reduces_per_partition_bucket`
-            recognises.
-    """
-    optimizer = engine.optimizer
-    on_stream = _stream_context(optimizer.reduce_and_partition_stream)
-    if on_stream is None:
-        raise ValueError("ZeRO-3's reduction stream is not recognised")
-    own_attribute = optimizer.__dict__.get(_ZERO3_REDUCE)
-    own = getattr(optimizer, _ZERO3_REDUCE)
-
-    def reduce_and_partition_ipg_grads(*args: Any, **kwargs: Any) -> Any:
-        dtype = kwargs.get("communication_data_type", args[0] if args else None)
-        bucket = optimizer.ipg_buckets.get(dtype)
-        params = None if bucket is None else bucket.params
-        if params:
-            with on_stream():
-                check(list(map(_GRAD, params)), tuple(map(_DS_ID, params)))
-        return own(*args, **kwargs)
-
-    setattr(optimizer, _ZERO3_REDUCE, reduce_and_partition_ipg_grads)
-
-    def unwrap() -> None:
-        if optimizer.__dict__.get(_ZERO3_REDUCE) is not reduce_and_partition_ipg_grads:
-            return  # already removed, or wrapped again by someone else: leave theirs
-        if own_attribute is None:
-            delattr(optimizer, _ZERO3_REDUCE)
-        else:
-            setattr(optimizer, _ZERO3_REDUCE, own_attribute)
-
-    return unwrap
 
 
 # -- PipelineEngine ------------------------------------------------------------------------

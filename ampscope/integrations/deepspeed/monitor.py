@@ -101,6 +101,7 @@ from torch import nn
 
 from ampscope.integrations._swap import check_options, is_distributed
 from ampscope.integrations.deepspeed import engine as ds
+from ampscope.integrations.deepspeed import reduction
 from ampscope.integrations.deepspeed.origin import (
     BoundaryGradientFlags,
     BucketGradientFlags,
@@ -303,7 +304,7 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
         where DeepSpeed reduces only there (ZeRO-0/1), one per bucket at ZeRO-2 and ZeRO-3,
         elsewhere (offload, ZenFlow, engines not recognised) one tensor hook per parameter."""
         named = module.named_parameters()
-        if ds.reduces_at_boundary_only(engine):
+        if reduction.reduces_at_boundary_only(engine):
             boundary = BoundaryGradientFlags(named)
             after = None
             if not ds.gives_global_verdict(engine):
@@ -311,15 +312,15 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
                 # gradients gives every rank the global flag (found_inf_global).
                 self._reduced = BoundaryGradientFlags(module.named_parameters())
                 after = self._reduced.check
-            self._unwrap_reduction = ds.check_before_reduction(engine, boundary.check, after)
+            self._unwrap_reduction = reduction.check_before_reduction(engine, boundary.check, after)
             return boundary
-        if ds.reduces_per_bucket(engine):
-            buckets = BucketGradientFlags(named, ds.param_id(engine))
-            self._unwrap_reduction = ds.check_each_bucket(engine, buckets.check)
+        if reduction.reduces_per_bucket(engine):
+            buckets = BucketGradientFlags(named, reduction.param_id(engine))
+            self._unwrap_reduction = reduction.check_each_bucket(engine, buckets.check)
             return buckets
-        if ds.reduces_per_partition_bucket(engine, module.parameters()):
-            partitions = BucketGradientFlags(named, ds.partition_param_id)
-            self._unwrap_reduction = ds.check_each_partition_bucket(engine, partitions.check)
+        if reduction.reduces_per_partition_bucket(engine, module.parameters()):
+            partitions = BucketGradientFlags(named, reduction.partition_param_id)
+            self._unwrap_reduction = reduction.check_each_partition_bucket(engine, partitions.check)
             return partitions
         return OwnGradientFlags(named)
 

@@ -5,7 +5,7 @@ slots only going from 0 to 1 until :meth:`~_FlagVectors.take_on_device` copies t
 once per optimizer step, on the device, and :meth:`~_FlagVectors.name` names the flagged
 parameters from the copy's host values, on the telemetry thread), each checking the
 gradients right before DeepSpeed reduces them;
-:mod:`~ampscope.integrations.deepspeed.engine` says where that is for an engine:
+:mod:`~ampscope.integrations.deepspeed.reduction` says where that is for an engine:
 
 * :class:`BoundaryGradientFlags` (ZeRO-0, ZeRO-1): DeepSpeed leaves the gradients in
   ``.grad`` until one reduction at the accumulation boundary; one check of all of them
@@ -239,8 +239,8 @@ _Layout = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 class BucketGradientFlags(_FlagVectors):
     """The same flags from one check per gradient bucket, right before DeepSpeed reduces
-    it (ZeRO-2: :func:`~ampscope.integrations.deepspeed.engine.check_each_bucket`; ZeRO-3:
-    :func:`~ampscope.integrations.deepspeed.engine.check_each_partition_bucket`), on the
+    it (ZeRO-2: :func:`~ampscope.integrations.deepspeed.reduction.check_each_bucket`; ZeRO-3:
+    :func:`~ampscope.integrations.deepspeed.reduction.check_each_partition_bucket`), on the
     bucket's own gradients of this micro-batch: nothing runs per parameter.
 
     :meth:`check` reads the bucket's gradients once (:func:`_non_finite_each`, exact, as
