@@ -172,4 +172,64 @@ def pipelines(rank: int, world_size: int) -> dict[str, Any]:
         "bf16z0": train(rank, stages=2, zero=0),
         "fp16z0": train(rank, stages=2, zero=0, precision="fp16"),
         "fp16z1": train(rank, stages=2, zero=1, precision="fp16"),
+        "tied": tied(rank),
     }
+
+
+TIED_WEIGHT = "tied_modules.t.weight"
+
+
+def tied(rank: int) -> dict[str, Any]:
+    """2 stages sharing one weight (``TiedLayerSpec``: the first and last layer), bf16 at
+    ZeRO-1: at :data:`NAN_STEP` only the first stage's own gradient of the tied weight is
+    made NaN (a hook on that stage), before ``train_batch()`` all-reduces the tied
+    gradients across the stages. Each stage's records."""
+    import deepspeed
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+
+    from ampscope.integrations.deepspeed import instrument
+    from ampscope.reporter.sinks import CallbackSink
+
+    torch.manual_seed(0)
+    layers = [
+        TiedLayerSpec("t", nn.Linear, 8, 8),
+        LayerSpec(nn.Linear, 8, 8),
+        LayerSpec(nn.Linear, 8, 8),
+        TiedLayerSpec("t", nn.Linear, 8, 8),
+    ]
+    model = PipelineModule(layers=layers, num_stages=2, loss_fn=_tied_loss)
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": GAS,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+        "zero_optimization": {"stage": 1},
+        "bf16": {"enabled": True},
+        "steps_per_print": 10**9,
+    }
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=list(model.parameters()), config=config
+    )
+    step = 0
+    if engine.stage_id == 0:
+        weight = dict(engine.module.named_parameters())[TIED_WEIGHT]
+        weight.register_hook(lambda grad: grad * math.nan if step == NAN_STEP else grad)
+    records: list[Any] = []
+    monitor = instrument(engine, sinks=[CallbackSink(records.append)], track_origin=True)
+
+    def data() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        generator = torch.Generator().manual_seed(rank)
+        while True:
+            x = torch.randn(4, 8, generator=generator)
+            yield x.to(torch.bfloat16), torch.randn(4, 8, generator=generator)
+
+    batches = data()
+    for step in range(1, STEPS + 1):  # noqa: B007 (the hook reads it)
+        engine.train_batch(batches)
+    monitor.close()
+    out = {"stage": engine.stage_id, "records": [r.model_dump(mode="json") for r in records]}
+    engine.destroy()
+    return out
+
+
+def _tied_loss(output: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+    return (output.float() - label).pow(2).mean()

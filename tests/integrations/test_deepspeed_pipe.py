@@ -9,7 +9,15 @@ import logging
 from typing import Any
 
 import pytest
-from deepspeed_pipe_workers import ALL_PARAMS, NAN_RANK, NAN_STEP, STAGE_PARAMS, STEPS, pipelines
+from deepspeed_pipe_workers import (
+    ALL_PARAMS,
+    NAN_RANK,
+    NAN_STEP,
+    STAGE_PARAMS,
+    STEPS,
+    TIED_WEIGHT,
+    pipelines,
+)
 from support import get_json, need_module, run_distributed
 from torch import nn
 
@@ -152,6 +160,24 @@ def test_two_stages_at_zero_0_and_in_fp16(
         if fp16:
             assert [r["scale_before"] for r in records][1:] == after[:-1]
             assert any(r["event"] == "backoff" for r in records)
+
+
+@pytest.mark.distributed
+def test_tied_weights_name_only_the_stage_whose_own_gradient_held_the_nan(
+    results: list[dict[str, Any]],
+) -> None:
+    """A weight tied across the 2 stages, NaN in the first stage's own gradient of it only:
+    ``train_batch()`` all-reduces tied gradients across the stages before its data-parallel
+    reduction, so only the first stage's record names it; both stages skip."""
+    by_stage = {result["tied"]["stage"]: result["tied"]["records"] for result in results}
+    for stage, records in by_stage.items():
+        assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+        assert [r["skipped"] for r in records] == [s == NAN_STEP for s in range(1, STEPS + 1)]
+        for record in records:
+            own = stage == 0 and record["step"] == NAN_STEP
+            assert record["found_inf_origin"] == {"cpu": own}, (stage, record["step"])
+            names = [p["name"] for p in record["nonfinite_params"]]
+            assert names == ([TIED_WEIGHT] if own else []), (stage, record["step"])
 
 
 class PipelineEngine(nn.Module):

@@ -273,3 +273,11 @@ def pipeline_losses(engine: Any) -> list[torch.Tensor]:
     if not engine.is_last_stage():
         return []
     return [loss for loss in getattr(engine, "fwd_outputs", ()) if isinstance(loss, torch.Tensor)]
+
+
+def tied_across_stages(engine: Any) -> bool:
+    """Whether a pipeline engine's module ties weights across stages (``TiedLayerSpec``:
+    ``train_batch()`` all-reduces their gradients between the stages that hold them,
+    ``ReduceTiedGrads``, before its data-parallel reduction). Unknown: ``True``."""
+    tied = getattr(getattr(engine, "module", None), "tied_comms", None)
+    return not isinstance(tied, dict) or bool(tied)

@@ -23,7 +23,8 @@ sinks, ``monitor.telemetry``):
   whether this rank's own gradients held inf/NaN before the reduction
   (``found_inf_origin``) and which parameters (``nonfinite_params``), over all the
   micro-batches of the step; at fp32 ZeRO-0, where DeepSpeed has no overflow flag and no
-  norm, whether the reduced gradients held inf/NaN (the same on every rank); the rank's
+  norm, whether the reduced gradients held inf/NaN (the same on every rank of a
+  data-parallel group; a pipeline stage checks its own parameters only); the rank's
   own loss (``engine.backward``'s argument, unscaled; the mean over micro-batches); the
   batch ids noted with ``note_batch``.
 * from ampscope's replica check (:mod:`ampscope.rank.replicas`), on one boundary in
@@ -38,7 +39,7 @@ sinks, ``monitor.telemetry``):
 DeepSpeed's ``PipelineEngine`` (``deepspeed.initialize`` with a ``PipelineModule``; ZeRO 0-1)
 trains a whole batch in ``train_batch()``, whose ``backward()`` and ``step()`` are disabled:
 ``instrument`` wraps the optimizer step that ``train_batch()`` takes instead, on every rank,
-and the records are the same. Each rank hooks and names its own stage's parameters (the
+and the records are the same. Each rank checks and names its own stage's parameters (the
 origin names the stage's parameters that held inf/NaN); the loss is the last stage's (its
 micro-batches' mean; the other stages compute none); the norm and the skip are DeepSpeed's,
 the same on every stage; the replica check compares a stage's parameters within its own
@@ -212,9 +213,10 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
     def bind(self, engine: Any) -> None:
         """Start observing ``engine``: wrap its ``backward`` and ``step`` (a
         ``PipelineEngine``'s: the optimizer step its ``train_batch()`` takes), set up the
-        origin check (before the boundary's reduction at ZeRO-0/1, before each bucket's at
-        ZeRO-2/3, a hook per parameter on engines not recognised and pipeline engines), name the
-        parameters. Once, before its first backward.
+        origin check (before the boundary's reduction at ZeRO-0/1, pipeline engines
+        included, before each bucket's at ZeRO-2/3, a hook per parameter on engines not
+        recognised and pipelines with tied weights), name the parameters. Once, before its
+        first backward.
 
         Raises:
             RuntimeError: an engine is already observed.

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from ampscope.integrations.deepspeed.engine import is_pipeline
+from ampscope.integrations.deepspeed.engine import is_pipeline, tied_across_stages
 
 BucketCheck = Callable[[list[torch.Tensor], tuple[int, ...]], None]
 """Called with a bucket's gradients and DeepSpeed's ids of their parameters, in order."""
@@ -79,8 +79,12 @@ def reduces_at_boundary_only(engine: Any) -> bool:
             return False
         if is_pipeline(engine):
             # train_batch() reduces in its ReduceGrads instruction, through
-            # allreduce_gradients() with the boundary forced (BF16_Optimizer aside: below).
+            # allreduce_gradients() with the boundary forced (BF16_Optimizer aside: below);
+            # tied weights are all-reduced across stages before it (ReduceTiedGrads), so
+            # a check there would see another stage's gradients in them: the hooks.
             if engine.pipeline_enable_backward_allreduce is not True:
+                return False
+            if tied_across_stages(engine):
                 return False
         elif engine.enable_backward_allreduce is not True:
             return False
