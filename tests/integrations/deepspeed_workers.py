@@ -351,7 +351,49 @@ def bf16_stages(rank: int, world_size: int) -> dict[str, Any]:
     for stage in (0, 2):
         out[f"failed{stage}"] = failed_record(rank, stage)
         out[f"unmanaged{stage}"] = train(rank, stage=stage, dtype="bf16", unmanaged=True)
+    out["coalesced"] = coalesced(rank)
     return out
+
+
+def coalesced(rank: int) -> dict[str, Any]:
+    """bf16 ZeRO-1 under ``engine.coalesce_grad_reduction()``: one block of two backwards
+    per optimizer step (``gradient_accumulation_steps`` 1, as DeepSpeed asks), ``step()``
+    after the block, whose exit reduces every gradient (the backwards do not call
+    ``allreduce_gradients()``). The NaN in rank ``NAN_RANK``'s first backward of
+    :data:`NAN_STEP`."""
+    import deepspeed
+
+    from ampscope.integrations.deepspeed import instrument
+    from ampscope.reporter.sinks import CallbackSink
+
+    model = Net()
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=config(1, "bf16", 1)
+    )
+    records: list[Any] = []
+    monitor = instrument(engine, sinks=[CallbackSink(records.append)], replica_check_every=0)
+    seen = []
+    for step in range(1, STEPS + 1):
+        with engine.coalesce_grad_reduction():
+            for micro in range(2):
+                x = batch(rank, step, micro, torch.bfloat16, NAN_STEP)
+                engine.backward(engine(x).float().pow(2).mean())
+        engine.step()
+        seen.append(
+            {
+                "applied": engine.was_step_applied(),
+                "skipped_steps": engine.skipped_steps,
+                "overflow": bool(getattr(engine.optimizer, "overflow", False)),
+            }
+        )
+    monitor.close()
+    unwrapped = not {"allreduce_gradients", "coalesce_grad_reduction"} & set(vars(engine))
+    engine.destroy()
+    return {
+        "records": [r.model_dump(mode="json") for r in records],
+        "seen": seen,
+        "unwrapped": unwrapped,
+    }
 
 
 def failed_record(rank: int, stage: int) -> dict[str, Any]:

@@ -427,6 +427,19 @@ def test_unmanaged_accumulation_records_every_step(bf16_results: list[dict[str, 
         _check_origin(bf16_results, key, NAN_STEP, STEPS)
 
 
+def test_coalesced_reduction_checks_before_the_blocks_reduction(
+    bf16_results: list[dict[str, Any]],
+) -> None:
+    """ZeRO-1 under ``engine.coalesce_grad_reduction()``: the backwards skip
+    ``allreduce_gradients()`` and the block's exit reduces; the origin is still checked
+    before that reduction (at the block's end): rank 1's own gradients at the NaN step
+    only, every parameter named; the wraps come off at ``close()``."""
+    for result in bf16_results:
+        _check_as_deepspeed(result["coalesced"])
+        assert result["coalesced"]["unwrapped"]
+    _check_origin(bf16_results, "coalesced", NAN_STEP, STEPS)
+
+
 def test_fifty_clean_steps_are_healthy(bf16_results: list[dict[str, Any]], report_to: str) -> None:
     for result in bf16_results:
         records = result["clean"]["records"]

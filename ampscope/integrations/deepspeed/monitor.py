@@ -23,8 +23,9 @@ sinks, ``monitor.telemetry``):
   whether this rank's own gradients held inf/NaN before the reduction
   (``found_inf_origin``) and which parameters (``nonfinite_params``), over all the
   micro-batches of the step; at fp32 ZeRO-0, where DeepSpeed has no overflow flag and no
-  norm, whether the reduced gradients held inf/NaN (the same on every rank of a
-  data-parallel group; a pipeline stage checks its own parameters only); the rank's
+  norm and where the boundary check runs, whether the reduced gradients held inf/NaN (the
+  same on every rank of a data-parallel group; a pipeline stage checks its own parameters
+  only); the rank's
   own loss (``engine.backward``'s argument, unscaled; the mean over micro-batches); the
   batch ids noted with ``note_batch``.
 * from ampscope's replica check (:mod:`ampscope.rank.replicas`), on one boundary in
@@ -56,7 +57,7 @@ policy is what DeepSpeed does with an inf/NaN step: ``skip``, or ``observe`` whe
 config sets ``"bf16": {"check_grad_overflow": false}`` or DeepSpeed is seen applying one.
 Each record says what its step did (``PendingStep.applied``): a step applied on inf/NaN
 gradients, fp16 or not, counts in ``nonfinite_applied`` (the critical
-``nonfinite_update_applied`` verdict), judged from the global norm and the hooks rather
+``nonfinite_update_applied`` verdict), judged from the global norm and ampscope's own checks rather
 than from DeepSpeed's ``overflow``, which says ``False`` there; a step the
 ``torch_autocast`` ``GradScaler`` skipped (its scale fell) is a skip, although the engine
 says it applied it at ZeRO-0.
@@ -67,7 +68,7 @@ accumulation boundary, one multi-tensor check of every ``.grad`` there and nothi
 micro-batch (at fp32 ZeRO-0, where DeepSpeed has no overflow flag and no norm, the same
 check again right after the reduction, on the reduced ``.grad``: the global flag on every
 rank); at ZeRO-2 and ZeRO-3, one multi-tensor check per gradient bucket, before DeepSpeed
-reduces it; on engines not recognised (offload, ZenFlow, ``BF16_Optimizer``, ...), one fused
+reduces it; on paths not recognised (ZeRO-2/3 offload, ZenFlow, ``BF16_Optimizer``, ...), one fused
 non-finite kernel per parameter and micro-batch in a tensor hook.
 
 What is read where, per optimizer step (:mod:`~ampscope.integrations.deepspeed.step_reads`): on
@@ -304,7 +305,8 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
     def _origin_flags(self, engine: Any, module: nn.Module) -> Flags:
         """The origin check right before DeepSpeed's reduction: one check at the boundary
         where DeepSpeed reduces only there (ZeRO-0/1), one per bucket at ZeRO-2 and ZeRO-3,
-        elsewhere (offload, ZenFlow, engines not recognised) one tensor hook per parameter."""
+        elsewhere (ZeRO-2/3 offload, ZenFlow, paths not recognised) one tensor hook per
+        parameter."""
         named = module.named_parameters()
         if reduction.reduces_at_boundary_only(engine):
             boundary = BoundaryGradientFlags(named)
@@ -519,7 +521,8 @@ def instrument(
     Args:
         engine: The engine ``deepspeed.initialize`` returned.
         track_origin: ``None`` (default): on when the process group has more than one
-            rank; ``False``: no hooks (records carry no origin and name no parameters).
+            rank; ``False``: no origin checks, no hooks and no wraps (records carry no
+            origin and name no parameters).
         **scaler_options: Telemetry options of :class:`ampscope.GradScaler` (``run_id``,
             ``reporter``, ``sinks``, ``top_k``, ``stats``, ``replica_check_every``...).
             The loss scaling stays

@@ -15,16 +15,16 @@ gradients right before DeepSpeed reduces them;
 * :class:`BucketGradientFlags` (ZeRO-2 and ZeRO-3): DeepSpeed reduces bucket by bucket
   during every backward, each bucket holding this micro-batch's own gradients; one check
   per bucket right before its reduction. Nothing per parameter.
-* :class:`OwnGradientFlags` (every engine the first two do not fit: offload, ZenFlow, ...): a tensor
-  hook (``param.register_hook``) per parameter, which runs before DeepSpeed's own reduce
-  hooks on the gradient this rank's backward just computed, whatever the stage. Each hook
-  runs torch's fused non-finite kernel (the one a scaler's unscale runs, with an inverse
-  scale of 1: every value is written back as it was, but a NaN of an fp16/bf16 gradient
-  may come back as a NaN of another bit pattern) on that one gradient, into the
-  parameter's slot (where a build lacks that kernel for a dtype, CUDA bfloat16 in torch
-  2.11, the shared check's read-only norm fallback, ``compat.non_finite_check_``; a
-  read-only ``aminmax`` for a non-contiguous gradient): one kernel and one Python call per
-  parameter and micro-batch, no allocation, no sync.
+* :class:`OwnGradientFlags` (every path the first two do not fit: ZeRO-2/3 offload,
+  ZenFlow, ...): a tensor hook (``param.register_hook``) per parameter, which runs before
+  DeepSpeed's own reduce hooks on the gradient this rank's backward just computed,
+  whatever the stage. Each hook runs torch's fused non-finite kernel (the one a scaler's
+  unscale runs, with an inverse scale of 1: every value is written back as it was, but a
+  NaN of an fp16/bf16 gradient may come back as a NaN of another bit pattern) on that one
+  gradient, into the parameter's slot (where a build lacks that kernel for a dtype, CUDA
+  bfloat16 in torch 2.11, the shared check's read-only norm fallback,
+  ``compat.non_finite_check_``; a read-only ``aminmax`` for a non-contiguous gradient):
+  one kernel and one Python call per parameter and micro-batch, no allocation, no sync.
 
 The first two read the gradients with ``compat.non_finite_each`` (torch's multi-tensor L1
 norm per gradient, accumulated in float64: exact, a gradient is flagged when and only when

@@ -2,7 +2,8 @@
 place, so that ampscope checks this rank's own gradients right before they are reduced:
 
 * ZeRO-0 (``FP16_Optimizer``, fp32) and ZeRO-1 (without ``overlap_comm`` or an fp32
-  accumulation attribute), a ``PipelineEngine``'s included, keep them in the parameters'
+  accumulation attribute), a ``PipelineEngine``'s without weights tied across stages
+  included, keep them in the parameters'
   ``.grad``, accumulated over the micro-batches, until one reduction inside
   ``engine.allreduce_gradients()`` at the accumulation boundary
   (:func:`reduces_at_boundary_only`, :func:`check_before_reduction`);
@@ -24,9 +25,12 @@ place, so that ampscope checks this rank's own gradients right before they are r
   only (:func:`reduces_per_partition_bucket`, :func:`check_each_partition_bucket`; the
   check runs on the optimizer's ``reduce_and_partition_stream``, where DeepSpeed copies
   the gradients into the buffer under ``overlap_comm``);
-* the other paths (``BF16_Optimizer``, ZeRO-2/3 with offload, ZenFlow) move or reduce
-  gradients elsewhere: ampscope keeps one tensor hook per parameter there rather than
-  patch them.
+* the other paths move or reduce gradients elsewhere (``BF16_Optimizer``, ZeRO-1 with
+  ``overlap_comm`` or an fp32 accumulation attribute, ZeRO-2/3 with offload, ZenFlow,
+  DeepCompile, AutoEP's folded tensor parallelism, a ZeRO-3 reduction stream that is not
+  CUDA's, ``enable_backward_allreduce`` off), or mix other ranks' values in before the
+  data-parallel reduction (a ``PipelineEngine`` whose weights are tied across stages):
+  ampscope keeps one tensor hook per parameter there rather than patch them.
 
 Every wrap is an instance attribute whose removal restores DeepSpeed's method, and every
 read is guarded: a release that moves these makes :func:`reduces_at_boundary_only`,
@@ -40,7 +44,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import operator
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -114,10 +118,13 @@ def check_before_reduction(
     it at the boundary under unmanaged accumulation. ``after``, if given, runs right after
     it there, on the reduced ``.grad``s (before the optimizer step). Neither may raise.
 
+    Inside ``engine.coalesce_grad_reduction()`` (ZeRO-1) the backward skips that call and
+    the block's exit reduces every gradient instead: ``coalesce_grad_reduction`` is wrapped
+    too, so that ``check`` runs at the end of the block, before DeepSpeed's exit reduces.
+
     Returns:
-        A function that removes the wrap (idempotent).
+        A function that removes the wraps (idempotent).
     """
-    own_attribute = engine.__dict__.get("allreduce_gradients")
     own = engine.allreduce_gradients
     boundary = engine.is_gradient_accumulation_boundary
 
@@ -130,15 +137,40 @@ def check_before_reduction(
             after()
         return result
 
-    engine.allreduce_gradients = allreduce_gradients
+    unwraps = [_install(engine, "allreduce_gradients", allreduce_gradients)]
+    coalesce = getattr(engine, "coalesce_grad_reduction", None)
+    if callable(coalesce):
+
+        @contextlib.contextmanager
+        def coalesce_grad_reduction(*args: Any, **kwargs: Any) -> Iterator[Any]:
+            with coalesce(*args, **kwargs) as block:
+                yield block
+                check()  # the block's backwards are done; DeepSpeed reduces on its exit
+
+        unwraps.append(_install(engine, "coalesce_grad_reduction", coalesce_grad_reduction))
 
     def unwrap() -> None:
-        if engine.__dict__.get("allreduce_gradients") is not allreduce_gradients:
+        for one in unwraps:
+            one()
+
+    return unwrap
+
+
+def _install(owner: Any, name: str, wrapper: Any) -> Callable[[], None]:
+    """Set ``wrapper`` as ``owner``'s instance attribute ``name`` (over DeepSpeed's method);
+    returns the idempotent removal, which restores what the instance held before (or the
+    class's method) and leaves alone a wrap someone else installed over ours."""
+    had = name in owner.__dict__
+    before = owner.__dict__.get(name)
+    setattr(owner, name, wrapper)
+
+    def unwrap() -> None:
+        if owner.__dict__.get(name) is not wrapper:
             return  # already removed, or wrapped again by someone else: leave theirs
-        if own_attribute is None:
-            del engine.allreduce_gradients
+        if had:
+            setattr(owner, name, before)
         else:
-            engine.allreduce_gradients = own_attribute
+            delattr(owner, name)
 
     return unwrap
 
@@ -183,7 +215,6 @@ def check_each_bucket(engine: Any, check: BucketCheck) -> Callable[[], None]:
         A function that removes the wrap (idempotent).
     """
     optimizer = engine.optimizer
-    own_attribute = optimizer.__dict__.get("reduce_ipg_grads")
     own = optimizer.reduce_ipg_grads
     buckets = optimizer.ipg_buckets
 
@@ -195,17 +226,7 @@ def check_each_bucket(engine: Any, check: BucketCheck) -> Callable[[], None]:
                 check(bucket.grads, tuple(map(_PARAM_ID, bucket.params)))
         return own(*args, **kwargs)
 
-    optimizer.reduce_ipg_grads = reduce_ipg_grads
-
-    def unwrap() -> None:
-        if optimizer.__dict__.get("reduce_ipg_grads") is not reduce_ipg_grads:
-            return  # already removed, or wrapped again by someone else: leave theirs
-        if own_attribute is None:
-            del optimizer.reduce_ipg_grads
-        else:
-            optimizer.reduce_ipg_grads = own_attribute
-
-    return unwrap
+    return _install(optimizer, "reduce_ipg_grads", reduce_ipg_grads)
 
 
 _ZERO3_REDUCE = "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads"
@@ -289,7 +310,6 @@ def check_each_partition_bucket(engine: Any, check: BucketCheck) -> Callable[[],
     on_stream = _stream_context(optimizer.reduce_and_partition_stream)
     if on_stream is None:
         raise ValueError("ZeRO-3's reduction stream is not recognised")
-    own_attribute = optimizer.__dict__.get(_ZERO3_REDUCE)
     own = getattr(optimizer, _ZERO3_REDUCE)
 
     def reduce_and_partition_ipg_grads(*args: Any, **kwargs: Any) -> Any:
@@ -301,14 +321,4 @@ def check_each_partition_bucket(engine: Any, check: BucketCheck) -> Callable[[],
                 check(list(map(_GRAD, params)), tuple(map(_DS_ID, params)))
         return own(*args, **kwargs)
 
-    setattr(optimizer, _ZERO3_REDUCE, reduce_and_partition_ipg_grads)
-
-    def unwrap() -> None:
-        if optimizer.__dict__.get(_ZERO3_REDUCE) is not reduce_and_partition_ipg_grads:
-            return  # already removed, or wrapped again by someone else: leave theirs
-        if own_attribute is None:
-            delattr(optimizer, _ZERO3_REDUCE)
-        else:
-            setattr(optimizer, _ZERO3_REDUCE, own_attribute)
-
-    return unwrap
+    return _install(optimizer, _ZERO3_REDUCE, reduce_and_partition_ipg_grads)
