@@ -9,6 +9,7 @@ collectives carry everything (:func:`setup`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -360,7 +361,7 @@ def coalesced(rank: int) -> dict[str, Any]:
     per optimizer step (``gradient_accumulation_steps`` 1, as DeepSpeed asks), ``step()``
     after the block, whose exit reduces every gradient (the backwards do not call
     ``allreduce_gradients()``). The NaN in rank ``NAN_RANK``'s first backward of
-    :data:`NAN_STEP`."""
+    :data:`NAN_STEP`, in whose block ``step()`` is first called (and refused)."""
     import deepspeed
 
     from ampscope.integrations.deepspeed import instrument
@@ -375,6 +376,9 @@ def coalesced(rank: int) -> dict[str, Any]:
     seen = []
     for step in range(1, STEPS + 1):
         with engine.coalesce_grad_reduction():
+            if step == NAN_STEP:  # a step() inside the block: DeepSpeed refuses it
+                with contextlib.suppress(AssertionError):
+                    engine.step()
             for micro in range(2):
                 x = batch(rank, step, micro, torch.bfloat16, NAN_STEP)
                 engine.backward(engine(x).float().pow(2).mean())
@@ -436,6 +440,7 @@ def fp16_stages(rank: int, world_size: int) -> dict[str, Any]:
         common = {"stage": stage, "dtype": "fp16", "steps": FP16_STEPS, "nan_step": FP16_NAN_STEP}
         out[f"plain{stage}"] = train(rank, instrumented=False, **common, **FP16_PRECISION)
         out[f"ours{stage}"] = train(rank, run_id=f"ds-fp16-z{stage}", **common, **FP16_PRECISION)
+    out["subset"] = not_given(rank)
     # torch_autocast last: DeepSpeed keeps it process-wide, and a ZeRO engine built after
     # one gets a GradScaler too, whatever its config says.
     for stage in (0, 2):
@@ -444,6 +449,50 @@ def fp16_stages(rank: int, world_size: int) -> dict[str, Any]:
         out[f"autocast{stage}"] = train(rank, run_id=f"ds-autocast-z{stage}", **common)
     out["autocast_groups"] = autocast_groups(rank)
     out["autocast_fp8"] = autocast_fp8(rank)
+    return out
+
+
+NOT_GIVEN_STEPS = 10
+
+
+def not_given(rank: int) -> dict[str, Any]:
+    """fp16 ZeRO-1 whose optimizer was given only ``head``'s parameters: ``body`` requires a
+    gradient that DeepSpeed neither steps nor zeroes, so its ``.grad`` sums over the steps
+    (inputs 4 times larger) until it overflows in fp16; the steps DeepSpeed takes are
+    clean. Records, DeepSpeed's view, whether ``body``'s gradient ended non-finite."""
+    import deepspeed
+
+    from ampscope.integrations.deepspeed import instrument
+    from ampscope.reporter.sinks import CallbackSink
+
+    model = Net()
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        model_parameters=model.head.parameters(),
+        config=config(1, "fp16", 1, initial_scale_power=14),
+    )
+    records: list[Any] = []
+    monitor = instrument(engine, sinks=[CallbackSink(records.append)], replica_check_every=0)
+    seen = []
+    for step in range(1, NOT_GIVEN_STEPS + 1):
+        x = batch(rank, step, 0, torch.float32, None) * 4
+        engine.backward(engine(x.half()).float().pow(2).mean())
+        engine.step()
+        seen.append(
+            {
+                "applied": engine.was_step_applied(),
+                "skipped_steps": engine.skipped_steps,
+                "overflow": bool(getattr(engine.optimizer, "overflow", False)),
+            }
+        )
+    monitor.close()
+    grad = engine.module.body.weight.grad
+    out = {
+        "records": [r.model_dump(mode="json") for r in records],
+        "seen": seen,
+        "body_overflowed": grad is not None and not bool(grad.isfinite().all()),
+    }
+    engine.destroy()
     return out
 
 

@@ -304,6 +304,24 @@ def test_fp16_backoffs_and_origin(fp16_results: list[dict[str, Any]], report_to:
     assert health["nonfinite_update_applied"]["status"] == "ok"
 
 
+def test_a_parameter_deepspeed_does_not_step_raises_no_alarm(
+    fp16_results: list[dict[str, Any]],
+) -> None:
+    """fp16 ZeRO-1 given only ``head``'s parameters: ``body``'s gradient is never zeroed and
+    its sum overflows (a real inf, in a gradient no step uses). The records say what
+    DeepSpeed's steps did (its own fp16 backoffs included), no step counts as applied on
+    inf/NaN, and ``body`` is never named."""
+    for result in fp16_results:
+        ours = result["subset"]
+        assert ours["body_overflowed"]
+        _check_as_deepspeed(ours)
+        assert any(s["applied"] for s in ours["seen"])
+        for record in ours["records"]:
+            assert record["totals"]["nonfinite_applied"] == 0, record
+            names = {p["name"] for p in record["nonfinite_params"]}
+            assert not {"body.weight", "body.bias"} & names, record
+
+
 def test_fp16_autocast_growths_read_as_growths(fp16_results: list[dict[str, Any]]) -> None:
     """torch_autocast fp16 at ZeRO-2 with three parameter groups: DeepSpeed updates its
     GradScaler once per group in a step, so torch's tracker counts updates, not steps. A

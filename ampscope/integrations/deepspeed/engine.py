@@ -281,3 +281,30 @@ def tied_across_stages(engine: Any) -> bool:
     ``ReduceTiedGrads``, before its data-parallel reduction). Unknown: ``True``."""
     tied = getattr(getattr(engine, "module", None), "tied_comms", None)
     return not isinstance(tied, dict) or bool(tied)
+
+
+def stepped_parameters(engine: Any) -> set[int] | None:
+    """The ids of the parameters DeepSpeed's optimizer steps, whose gradients it zeroes after
+    each step: ZeRO-1/2's ``bit16_groups``, ``FP16_Optimizer``'s ``fp16_groups``, else the
+    optimizer's ``param_groups`` (a torch optimizer at ZeRO-0); ``None`` when none of them
+    reads as lists of tensors. A parameter that requires a gradient but was not given to
+    ``deepspeed.initialize`` keeps summing its ``.grad`` over every step (nothing zeroes
+    it), and says nothing about the step DeepSpeed takes."""
+    optimizer = getattr(engine, "optimizer", None)
+    for name in ("bit16_groups", "fp16_groups"):
+        groups = getattr(optimizer, name, None)
+        if isinstance(groups, list) and groups and all(isinstance(g, list) for g in groups):
+            return {id(p) for group in groups for p in group if isinstance(p, torch.Tensor)}
+    groups = getattr(optimizer, "param_groups", None)
+    if isinstance(groups, list) and groups:
+        try:
+            return {id(p) for group in groups for p in group["params"]}
+        except (KeyError, TypeError):
+            return None
+    return None
+
+
+def inside_no_sync(engine: Any) -> bool:
+    """Whether the engine is inside ``no_sync()`` or ``coalesce_grad_reduction()`` (where
+    ``step()`` raises and the backwards do not reduce)."""
+    return getattr(engine, "inside_no_sync_ctxt", False) is True

@@ -309,12 +309,17 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
         parameter."""
         named = module.named_parameters()
         if reduction.reduces_at_boundary_only(engine):
-            boundary = BoundaryGradientFlags(named)
+            # Only the gradients DeepSpeed steps on: one it does not step (a parameter not
+            # given to deepspeed.initialize) is never zeroed, and its sum over steps can
+            # overflow in fp16 without anything wrong with the step taken.
+            stepped = ds.stepped_parameters(engine)
+            checked = [(n, p) for n, p in named if stepped is None or id(p) in stepped]
+            boundary = BoundaryGradientFlags(checked)
             after = None
             if not ds.gives_global_verdict(engine):
                 # ZeRO-0 fp32: no overflow flag, no norm. The same check of the reduced
                 # gradients gives every rank the global flag (found_inf_global).
-                self._reduced = BoundaryGradientFlags(module.named_parameters())
+                self._reduced = BoundaryGradientFlags(checked)
                 after = self._reduced.check
             self._unwrap_reduction = reduction.check_before_reduction(engine, boundary.check, after)
             return boundary
@@ -352,8 +357,10 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
                 self._ampscope_check_replicas()
             return result
         before = self._ampscope_guard(ds.scale_now, engine) if boundary else None
-        if boundary and self._flags is not None:
-            self._flags.check_now()  # never raises; nothing when the reduction checked
+        if boundary and self._flags is not None and not ds.inside_no_sync(engine):
+            # Never raises; nothing when the reduction checked. Not where step() is about to
+            # raise (inside no_sync/coalesce_grad_reduction): the block's own check comes later.
+            self._flags.check_now()
         result = self._own_step(*args, **kwargs)
         if boundary:
             # After DeepSpeed's step (its all-gather included), applied or skipped, on
