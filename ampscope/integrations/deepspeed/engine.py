@@ -285,13 +285,14 @@ def tied_across_stages(engine: Any) -> bool:
 
 def stepped_parameters(engine: Any) -> set[int] | None:
     """The ids of the parameters DeepSpeed's optimizer steps, whose gradients it zeroes after
-    each step: ZeRO-1/2's ``bit16_groups``, ``FP16_Optimizer``'s ``fp16_groups``, else the
+    each step: ZeRO-1/2's ``bit16_groups``, ZeRO-3's and ``FP16_Optimizer``'s
+    ``fp16_groups``, ``BF16_Optimizer``'s ``bf16_groups``, else the
     optimizer's ``param_groups`` (a torch optimizer at ZeRO-0); ``None`` when none of them
     reads as lists of tensors. A parameter that requires a gradient but was not given to
     ``deepspeed.initialize`` keeps summing its ``.grad`` over every step (nothing zeroes
     it), and says nothing about the step DeepSpeed takes."""
     optimizer = getattr(engine, "optimizer", None)
-    for name in ("bit16_groups", "fp16_groups"):
+    for name in ("bit16_groups", "fp16_groups", "bf16_groups"):
         groups = getattr(optimizer, name, None)
         if isinstance(groups, list) and groups and all(isinstance(g, list) for g in groups):
             return {id(p) for group in groups for p in group if isinstance(p, torch.Tensor)}

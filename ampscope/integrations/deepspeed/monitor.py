@@ -307,13 +307,15 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
         where DeepSpeed reduces only there (ZeRO-0/1), one per bucket at ZeRO-2 and ZeRO-3,
         elsewhere (ZeRO-2/3 offload, ZenFlow, paths not recognised) one tensor hook per
         parameter."""
-        named = module.named_parameters()
+        # Only the gradients DeepSpeed steps on: one it does not step (a parameter not given
+        # to deepspeed.initialize) says nothing of the step, and is never zeroed: its sum
+        # over the steps can overflow in fp16 without anything wrong with a step.
+        named = list(module.named_parameters())
+        stepped = ds.stepped_parameters(engine)
+        checked = [(n, p) for n, p in named if stepped is None or id(p) in stepped]
+        if not checked:  # the optimizer holds copies, not the module's parameters: all
+            checked = named
         if reduction.reduces_at_boundary_only(engine):
-            # Only the gradients DeepSpeed steps on: one it does not step (a parameter not
-            # given to deepspeed.initialize) is never zeroed, and its sum over steps can
-            # overflow in fp16 without anything wrong with the step taken.
-            stepped = ds.stepped_parameters(engine)
-            checked = [(n, p) for n, p in named if stepped is None or id(p) in stepped]
             boundary = BoundaryGradientFlags(checked)
             after = None
             if not ds.gives_global_verdict(engine):
@@ -324,14 +326,14 @@ class DeepSpeedMonitor(TelemetryFrontEnd):
             self._unwrap_reduction = reduction.check_before_reduction(engine, boundary.check, after)
             return boundary
         if reduction.reduces_per_bucket(engine):
-            buckets = BucketGradientFlags(named, reduction.param_id(engine))
+            buckets = BucketGradientFlags(checked, reduction.param_id(engine))
             self._unwrap_reduction = reduction.check_each_bucket(engine, buckets.check)
             return buckets
         if reduction.reduces_per_partition_bucket(engine, module.parameters()):
-            partitions = BucketGradientFlags(named, reduction.partition_param_id)
+            partitions = BucketGradientFlags(checked, reduction.partition_param_id)
             self._unwrap_reduction = reduction.check_each_partition_bucket(engine, partitions.check)
             return partitions
-        return OwnGradientFlags(named)
+        return OwnGradientFlags(checked)
 
     def get_scale(self) -> float:
         """DeepSpeed's loss scale now (fp16); 1.0 under bf16/fp32 or before an engine."""
