@@ -182,21 +182,27 @@ def reduces_per_bucket(engine: Any) -> bool:
     offload, ZenFlow, an fp32 accumulation attribute, a coalesced reduction, DeepCompile,
     and anything this module does not recognise."""
     try:
-        optimizer = engine.optimizer
-        if type(optimizer).__name__ != "DeepSpeedZeroOptimizer":
-            return False
-        if int(engine.zero_optimization_stage()) != 2 or engine.is_deepcompile_active():
-            return False
-        if getattr(engine, "zenflow", False) or getattr(optimizer, "zenflow", False):
-            return False
-        flags = ("cpu_offload", "use_grad_accum_attribute", "_coalesce_grad_reduction")
-        if any(getattr(optimizer, name) is not False for name in flags):
-            return False
-        if optimizer.partition_gradients is not True:
+        flags = ("zenflow", "cpu_offload", "use_grad_accum_attribute", "_coalesce_grad_reduction")
+        optimizer = _plain_zero_optimizer(engine, "DeepSpeedZeroOptimizer", 2, flags)
+        if optimizer is None or optimizer.partition_gradients is not True:
             return False
         return callable(optimizer.reduce_ipg_grads) and isinstance(optimizer.ipg_buckets, dict)
     except Exception:  # a release that moved these: keep the per-parameter hooks
         return False
+
+
+def _plain_zero_optimizer(engine: Any, kind: str, stage: int, off: tuple[str, ...]) -> Any:
+    """The engine's ZeRO optimizer when it is exactly ``kind`` (no subclass) at ``stage``,
+    without DeepCompile or ZenFlow, and each attribute in ``off`` is ``False``; else
+    ``None``. Raises where a release moved these (the callers keep the hooks then)."""
+    optimizer = engine.optimizer
+    if type(optimizer).__name__ != kind or int(engine.zero_optimization_stage()) != stage:
+        return None
+    if engine.is_deepcompile_active() or getattr(engine, "zenflow", False):
+        return None
+    if any(getattr(optimizer, name) is not False for name in off):
+        return None
+    return optimizer
 
 
 def param_id(engine: Any) -> Callable[[torch.Tensor], int]:
@@ -263,17 +269,9 @@ def reduces_per_partition_bucket(engine: Any, params: Iterable[torch.Tensor]) ->
     group before it reaches a bucket), a reduction stream other than CUDA's, and anything
     this module does not recognise."""
     try:
-        optimizer = engine.optimizer
-        if type(optimizer).__name__ != "DeepSpeedZeroOptimizer_Stage3":
-            return False
-        if int(engine.zero_optimization_stage()) != 3 or engine.is_deepcompile_active():
-            return False
-        if getattr(engine, "zenflow", False) or optimizer.zenflow is not False:
-            return False
-        flags = ("offload_optimizer", "offload_param", "_coalesce_grad_reduction")
-        if any(getattr(optimizer, name) is not False for name in flags):
-            return False
-        if optimizer.autoep_folding_tp_group is not None:
+        flags = ("zenflow", "offload_optimizer", "offload_param", "_coalesce_grad_reduction")
+        optimizer = _plain_zero_optimizer(engine, "DeepSpeedZeroOptimizer_Stage3", 3, flags)
+        if optimizer is None or optimizer.autoep_folding_tp_group is not None:
             return False
         if _stream_context(optimizer.reduce_and_partition_stream) is None:
             return False
