@@ -1,13 +1,5 @@
-"""The DeepSpeed monitor: ``instrument(engine)`` once after ``deepspeed.initialize``.
-
-::
-
-    engine, optimizer, _, _ = deepspeed.initialize(model=model, config=config, ...)
-    monitor = ampscope.integrations.deepspeed.instrument(engine, run_id="exp-42")
-    for batch in loader:
-        loss = engine(batch)
-        engine.backward(loss)
-        engine.step()
+"""The DeepSpeed monitor that :func:`instrument` builds (the recipe:
+:mod:`ampscope.integrations.deepspeed`).
 
 DeepSpeed's engine scales the loss, reduces the gradients, checks them and decides the
 skip inside ``engine.step()``; ampscope observes and never changes a number (training is
