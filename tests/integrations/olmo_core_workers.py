@@ -26,8 +26,6 @@ SEQUENCE = 16
 INSTANCES = 2
 """Instances per rank and step (one micro-batch)."""
 VOCAB = 64
-LATE_GUARD_S = 60.0
-"""Deadlock guard of :func:`check_metrics_late`'s wait: only a hang gets there."""
 
 
 def reset_world_mesh() -> None:
@@ -236,13 +234,10 @@ def check_metrics_late(trainer: Any) -> None:
         if threading.current_thread() is not threading.main_thread() and not all(
             math.isfinite(loss) for loss in losses
         ):
-            # Waits on the training thread's own progress, not on time: the guard only
-            # ends a hang, and then fails the run rather than going on unheld.
+            # Waits on the training thread's own progress, never on time: should that step
+            # never begin, run_distributed's deadlock guard ends the run and says so.
             until = trainer.global_step + 1
-            deadline = time.monotonic() + LATE_GUARD_S
             while trainer.global_step < until:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"step {until} never began: a hang, not a late check")
                 time.sleep(0.01)
         check(metrics)
 
