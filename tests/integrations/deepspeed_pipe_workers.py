@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from deepspeed_workers import _scale
+from deepspeed_workers import loss_scale_of, said
 from torch import nn
 
 STEPS = 5
@@ -114,11 +114,9 @@ def train(
         norm = engine.get_global_grad_norm()
         seen.append(
             {
-                "applied": engine.was_step_applied(),
-                "skipped_steps": engine.skipped_steps,
-                "overflow": bool(getattr(engine.optimizer, "overflow", False)),
+                **said(engine),
                 "norm": None if norm is None else float(norm),
-                "scale": _scale(engine),
+                "scale": loss_scale_of(engine),
                 "loss": float(loss),
             }
         )

@@ -33,6 +33,15 @@ FLIP_STEP = 3
 """The replica fault: after this optimizer step's update, rank ``NAN_RANK``'s copy of
 ``FLIP_PARAM`` has one bit flipped (as a corrupted all-gather or memory would leave it)."""
 FLIP_PARAM = "head.weight"
+AGREE = {
+    "agree": True,
+    "replicas": 2,
+    "ranks": [],
+    "majority": True,
+    "parameters": [],
+    "parameters_differing": 0,
+}
+"""A record's replica check where both ranks' parameters agree."""
 CLOSE_AFTER = 2
 """Rank 0 closes its monitor after this step; rank 1's replica checks go on with it."""
 
@@ -195,10 +204,8 @@ def train(
         seen.append(
             {
                 "reads": reads,
-                "applied": engine.was_step_applied(),
-                "skipped_steps": engine.skipped_steps,
-                "overflow": bool(getattr(engine.optimizer, "overflow", False)),
-                "scale": _scale(engine),
+                **said(engine),
+                "scale": loss_scale_of(engine),
                 "norm": _norm(engine),
                 "weights": _weights(engine, stage),
             }
@@ -282,7 +289,17 @@ def cuda_run(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
-def _scale(engine: Any) -> float | None:
+def said(engine: Any) -> dict[str, Any]:
+    """What DeepSpeed says of the optimizer step just taken: applied, its skipped-step
+    count, its optimizer's overflow flag."""
+    return {
+        "applied": engine.was_step_applied(),
+        "skipped_steps": engine.skipped_steps,
+        "overflow": bool(getattr(engine.optimizer, "overflow", False)),
+    }
+
+
+def loss_scale_of(engine: Any) -> float | None:
     """The loss scale DeepSpeed holds: its fp16 scaler's, or torch_autocast's GradScaler's
     (the engine's at ZeRO-0, the optimizer's at ZeRO 1-3); ``None`` without one."""
     if engine.fp16_enabled():
@@ -383,13 +400,7 @@ def coalesced(rank: int) -> dict[str, Any]:
                 x = batch(rank, step, micro, torch.bfloat16, NAN_STEP)
                 engine.backward(engine(x).float().pow(2).mean())
         engine.step()
-        seen.append(
-            {
-                "applied": engine.was_step_applied(),
-                "skipped_steps": engine.skipped_steps,
-                "overflow": bool(getattr(engine.optimizer, "overflow", False)),
-            }
-        )
+        seen.append(said(engine))
     monitor.close()
     unwrapped = not {"allreduce_gradients", "coalesce_grad_reduction"} & set(vars(engine))
     engine.destroy()
@@ -478,13 +489,7 @@ def not_given(rank: int) -> dict[str, Any]:
         x = batch(rank, step, 0, torch.float32, None) * 4
         engine.backward(engine(x.half()).float().pow(2).mean())
         engine.step()
-        seen.append(
-            {
-                "applied": engine.was_step_applied(),
-                "skipped_steps": engine.skipped_steps,
-                "overflow": bool(getattr(engine.optimizer, "overflow", False)),
-            }
-        )
+        seen.append(said(engine))
     monitor.close()
     grad = engine.module.body.weight.grad
     out = {

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from checks import exporter_ranks
 from deepspeed_workers import (
+    AGREE,
     AUTOCAST_BURST_STEP,
     CLOSE_AFTER,
     FLIP_PARAM,
@@ -172,16 +173,6 @@ def test_bf16_zero_stages(bf16_results: list[dict[str, Any]], report_to: str) ->
     assert verdict["evidence"]["origin_ranks"] == [NAN_RANK]
 
 
-_AGREE = {
-    "agree": True,
-    "replicas": 2,
-    "ranks": [],
-    "majority": True,
-    "parameters": [],
-    "parameters_differing": 0,
-}
-
-
 def test_replica_check_at_zero_0_1_2_and_not_at_zero_3(
     bf16_results: list[dict[str, Any]], report_to: str
 ) -> None:
@@ -190,7 +181,7 @@ def test_replica_check_at_zero_0_1_2_and_not_at_zero_3(
     for result in bf16_results:
         for stage in (0, 1, 2):
             records = result[f"ours{stage}"]["records"]
-            assert [r["replicas"] for r in records] == [_AGREE] * STEPS, stage
+            assert [r["replicas"] for r in records] == [AGREE] * STEPS, stage
             assert result[f"ours{stage}"]["replica_logs"] == [], stage
         assert [r["replicas"] for r in result["ours3"]["records"]] == [None] * STEPS
         logs = result["ours3"]["replica_logs"]
@@ -213,7 +204,7 @@ def test_replica_check_at_zero_0_1_2_and_not_at_zero_3(
     for result in bf16_results:
         for stage in (0, 1, 2):
             checks = [r["replicas"] for r in result[f"flip{stage}"]["records"]]
-            expected = [flipped if s == FLIP_STEP else _AGREE for s in range(1, FLIP_STEPS + 1)]
+            expected = [flipped if s == FLIP_STEP else AGREE for s in range(1, FLIP_STEPS + 1)]
             assert checks == expected, (stage, checks)
     verdict = _health(report_to, "ds-flip", FLIP_STEPS)["replica_divergence"]
     assert verdict["status"] == "critical", verdict
@@ -233,7 +224,7 @@ def test_a_closed_monitor_keeps_its_part_in_the_replica_check(
     check's all-gather (else rank 1 would wait in it for ever), and records nothing more."""
     closing, going_on = (result["closed"]["records"] for result in bf16_results)
     assert [r["step"] for r in closing] == list(range(1, CLOSE_AFTER + 1))
-    assert [r["replicas"] for r in going_on] == [_AGREE] * FLIP_STEPS
+    assert [r["replicas"] for r in going_on] == [AGREE] * FLIP_STEPS
 
 
 @pytest.fixture(scope="module")
@@ -526,7 +517,7 @@ def test_accelerate_and_trainer_observe_the_engine(tmp_path: Any) -> None:
         own = [r["step"] for r in records if r["found_inf_origin"]["cpu"]]
         assert own == ([NAN_STEP] if rank == NAN_RANK else [])
         # replica_check_every=1 among instrument()'s options: a check at every step.
-        assert [r["replicas"] for r in records] == [_AGREE] * STEPS
+        assert [r["replicas"] for r in records] == [AGREE] * STEPS
         # The Trainer: its engine is built in train(); ids from the dataset's column.
         trainer = result["trainer"]
         assert trainer["monitor"] == "DeepSpeedMonitor"
@@ -536,7 +527,7 @@ def test_accelerate_and_trainer_observe_the_engine(tmp_path: Any) -> None:
         assert [r["skipped"] for r in records] == [r["step"] == nan_step for r in records]
         own = [r["step"] for r in records if r["found_inf_origin"]["cpu"]]
         assert own == ([nan_step] if rank == NAN_RANK else [])
-        assert [r["replicas"] for r in records] == [_AGREE] * len(records)  # fp32 ZeRO-2
+        assert [r["replicas"] for r in records] == [AGREE] * len(records)  # fp32 ZeRO-2
         if rank == NAN_RANK:
             names = {p["name"] for p in records[nan_step - 1]["nonfinite_params"]}
             assert names == set(PARAMS)

@@ -18,20 +18,13 @@ from deepspeed_pipe_workers import (
     TIED_WEIGHT,
     pipelines,
 )
+from deepspeed_workers import AGREE
 from support import get_json, need_module, run_distributed
 from torch import nn
 
 from ampscope.integrations.deepspeed import instrument, make_monitor
 
 _SETUP = {"mode": "watch", "policy": "skip", "grad_dtype": "bfloat16"}
-_AGREE = {
-    "agree": True,
-    "replicas": 2,
-    "ranks": [],
-    "majority": True,
-    "parameters": [],
-    "parameters_differing": 0,
-}
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +101,7 @@ def test_data_parallel_stage_compares_its_replicas(results: list[dict[str, Any]]
         assert data["group"] == data["grid_group"] == [0, 1]
         _as_deepspeed(data)
         records = data["records"]
-        assert [r["replicas"] for r in records] == [_AGREE] * STEPS
+        assert [r["replicas"] for r in records] == [AGREE] * STEPS
         own = [r["step"] for r in records if r["found_inf_origin"]["cpu"]]
         assert own == ([NAN_STEP] if rank == NAN_RANK else [])
         losses.append([r["stats"]["loss"] for r in records])
