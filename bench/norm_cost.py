@@ -8,7 +8,12 @@ in one process (:mod:`bench.ab`):
   the defaults (its own norm pass after the unscale);
 * ``stock_clip`` / ``ampscope_clip``: the same loops clipping after ``unscale_``, stock
   with ``torch.nn.utils.clip_grad_norm_``, ampscope with its ``clip_grad_norm_`` (the
-  clip's pass gives the norms: no pass of its own).
+  clip's pass gives the norms: no pass of its own);
+* ``stock_pass``: the stock loop with one norm pass of its own after the unscale, timed
+  apart within the step (the pass ampscope's defaults add: torch's multi-tensor norm,
+  which is also what ampscope runs for gradients this large). Its share of the rest of
+  the same step is a paired figure that the host's noise moves far less than the ratio of
+  two loops' steps.
 
 Reports each ampscope loop's step time over its stock loop's, as the median over block
 groups of the ratio of block medians (training thread CPU time, which other processes on
@@ -37,7 +42,7 @@ BATCH = 64
 class Loop:
     """One contender: a model copy, AdamW, a scaler; clipping or not."""
 
-    def __init__(self, ampscope_on: bool, clip: bool) -> None:
+    def __init__(self, ampscope_on: bool, clip: bool, timed_pass: bool = False) -> None:
         from ampscope import GradScaler
         from ampscope.reporter.sinks import CallbackSink
 
@@ -49,6 +54,8 @@ class Loop:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-5)
         self.x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(1))
         self.clip = clip
+        self.timed_pass = timed_pass
+        self.last_pass = 0.0
         self.scaler: Any = (
             GradScaler("cpu", reporter=CallbackSink(lambda record: None), run_id="norm-cost")
             if ampscope_on
@@ -62,6 +69,12 @@ class Loop:
             loss = self.model(self.x).float().square().mean()
         scaler = self.scaler
         scaler.scale(loss).backward()
+        if self.timed_pass:
+            scaler.unscale_(self.optimizer)
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            begin = time.thread_time()
+            torch._foreach_norm(grads)
+            self.last_pass = time.thread_time() - begin
         if self.clip:
             scaler.unscale_(self.optimizer)
             clip = getattr(scaler, "clip_grad_norm_", torch.nn.utils.clip_grad_norm_)
@@ -83,7 +96,10 @@ def run(groups: int, steps: int) -> dict[str, Any]:
         "ampscope": Loop(True, False),
         "stock_clip": Loop(False, True),
         "ampscope_clip": Loop(True, True),
+        "stock_pass": Loop(False, False, timed_pass=True),
     }
+    shares: list[float] = []
+    passes: list[float] = []
     try:
         for loop in loops.values():
             for _ in range(2):
@@ -93,7 +109,14 @@ def run(groups: int, steps: int) -> dict[str, Any]:
         for group in range(groups):
             per: dict[str, float] = {}
             for name in interleaved_order(group, list(loops)):
-                per[name] = statistics.median(loops[name].step() for _ in range(steps))
+                times = []
+                for _ in range(steps):
+                    times.append(loops[name].step())
+                    if name == "stock_pass":
+                        spent = loops[name].last_pass
+                        passes.append(spent)
+                        shares.append(spent / (times[-1] - spent))
+                per[name] = statistics.median(times)
                 medians[name].append(per[name])
             ratios["ampscope"].append(per["ampscope"] / per["stock"])
             ratios["ampscope_clip"].append(per["ampscope_clip"] / per["stock_clip"])
@@ -108,10 +131,21 @@ def run(groups: int, steps: int) -> dict[str, Any]:
         "step_ms": {name: statistics.median(v) * 1e3 for name, v in medians.items()},
     }
     for name, values in ratios.items():
-        q = statistics.quantiles(values, n=4) if len(values) >= 4 else [float("nan")] * 3
         out[f"{name}_ratio"] = statistics.median(values)
-        out[f"{name}_ratio_iqr"] = q[2] - q[0]
+        out[f"{name}_ratio_iqr"] = _iqr(values)
+    millions = out["parameters"] / 1e6
+    out["norm_pass_ms"] = statistics.median(passes) * 1e3
+    out["norm_pass_ms_per_million"] = out["norm_pass_ms"] / millions
+    out["norm_pass_share"] = statistics.median(shares)
+    out["norm_pass_share_iqr"] = _iqr(shares)
     return out
+
+
+def _iqr(values: list[float]) -> float:
+    if len(values) < 4:
+        return float("nan")
+    q = statistics.quantiles(values, n=4)
+    return q[2] - q[0]
 
 
 def main(argv: list[str] | None = None) -> None:
