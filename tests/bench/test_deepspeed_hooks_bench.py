@@ -16,9 +16,26 @@ def test_each_variant_checks_the_backward_it_times(variant: str) -> None:
     flags = run.hooks or run.boundary or run.bucket
     assert flags is not None
     assert [flags is run.hooks, flags is run.boundary, flags is run.bucket].count(True) == 1
+    taken: list[tuple[dict[str, bool], dict[str, int]]] = []
+    take = flags.take
+
+    def recorded() -> tuple[dict[str, bool], dict[str, int]]:
+        taken.append(take())
+        return taken[-1]
+
+    flags.take = recorded  # type: ignore[method-assign]
     run.block(2)
     assert flags.errors == 0, "every check ran"
-    assert flags.take() == ({"cpu": False}, {}), "a clean model flags nothing"
+    assert taken == [({"cpu": False}, {})] * 2, "a clean model flags nothing"
+    # The check the block times is the one that sees a fault: a NaN weight makes the
+    # backward's gradients NaN, and the next block's check names them.
+    name, param = next(iter(run.model.named_parameters()))
+    with torch.no_grad():
+        param.view(-1)[0] = float("nan")
+    run.block(1)
+    found, names = taken[-1]
+    assert found == {"cpu": True}
+    assert name in names
 
 
 def test_the_report_names_every_checked_variant(capsys: pytest.CaptureFixture[str]) -> None:
