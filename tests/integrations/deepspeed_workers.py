@@ -212,6 +212,11 @@ def train(
         )
         if monitor is not None and rank == 0 and step == close_after:
             monitor.close()
+            from ampscope.integrations.deepspeed import instrument
+
+            logging.getLogger("ampscope").addHandler(logged)
+            assert instrument(engine) is monitor  # one monitor per engine, closed or not
+            logging.getLogger("ampscope").removeHandler(logged)
     # Which origin check the monitor chose (the stage's reduction point), and that close()
     # took its wrap of allreduce_gradients off the engine.
     origin_check = None if monitor is None else type(monitor._flags).__name__
@@ -229,6 +234,7 @@ def train(
         "weights": weights,
         "optimizer": type(engine.optimizer).__name__,
         "replica_logs": [m for m in logged.messages if "replica" in m],
+        "closed_logs": [m for m in logged.messages if "closed" in m],
         "origin_check": origin_check,
         "reduced_check": reduced_check,
         "unwrapped": unwrapped,

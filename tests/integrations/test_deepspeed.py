@@ -221,10 +221,15 @@ def test_a_closed_monitor_keeps_its_part_in_the_replica_check(
     bf16_results: list[dict[str, Any]],
 ) -> None:
     """Rank 0 closes its monitor after step 2 and trains on: it still meets rank 1 in the
-    check's all-gather (else rank 1 would wait in it for ever), and records nothing more."""
+    check's all-gather (else rank 1 would wait in it for ever), and records nothing more.
+    instrument() again on its engine returns that closed monitor and says so."""
     closing, going_on = (result["closed"]["records"] for result in bf16_results)
     assert [r["step"] for r in closing] == list(range(1, CLOSE_AFTER + 1))
     assert [r["replicas"] for r in going_on] == [AGREE] * FLIP_STEPS
+    warned = [result["closed"]["closed_logs"] for result in bf16_results]
+    assert len(warned[0]) == 1
+    assert "records nothing more" in warned[0][0]
+    assert warned[1] == []
 
 
 @pytest.fixture(scope="module")

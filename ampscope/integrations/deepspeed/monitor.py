@@ -502,7 +502,9 @@ def instrument(
     """Observe ``engine`` (a ``deepspeed.DeepSpeedEngine``, or a ``PipelineEngine``): one
     record per rank at every gradient-accumulation boundary. Call once on every rank, after
     ``deepspeed.initialize`` and before the first ``engine.backward`` (``train_batch``);
-    calling it again returns the same monitor.
+    calling it again returns the same monitor, also once closed (then it records nothing,
+    and a warning says so: a second monitor would add its own part to the replica check's
+    collective on this rank only).
 
     With ``replica_check_every=N`` among the options (default 100; 0: off), every rank
     compares the engine's module parameters bit for bit with the rest of DeepSpeed's
@@ -541,6 +543,12 @@ def instrument(
     """
     existing = monitor_of(engine)
     if existing is not None:
+        if existing._ampscope_closed:
+            logger.warning(
+                "ampscope: instrument() found this engine's monitor closed; it records "
+                "nothing more for this engine (one monitor per engine, for the life of the "
+                "engine)"
+            )
         return existing
     if not is_engine(engine):
         raise TypeError(f"instrument() needs a DeepSpeed engine, not {type(engine).__name__}")
