@@ -89,7 +89,9 @@ def clean_head(
     scale_before: float, optimizers: Sequence[OptimizerSlot], local_devices: Sequence[str]
 ) -> list[float]:
     """The head of an iteration known clean on the host: every flag 0, none copied."""
-    return [scale_before, *([0.0] * flag_count(optimizers, local_devices))]
+    head = [0.0] * (flag_count(optimizers, local_devices) + 1)
+    head[0] = scale_before
+    return head
 
 
 SCALE_AFTER = 0
@@ -99,15 +101,22 @@ _TRACKER = 1
 _ORIGIN = 2
 
 
-def _found(values: Sequence[float], optimizers: Sequence[OptimizerSlot]) -> tuple[list[bool], int]:
-    """Per optimizer slot whether any of its flags is set, and where the local flags start."""
+def _found(
+    values: Sequence[float], optimizers: Sequence[OptimizerSlot]
+) -> tuple[list[bool], bool, int]:
+    """Per optimizer slot whether any of its flags is set; whether a stepped slot's is; and
+    where the local flags start. Per optimizer, never per parameter."""
     found = []
+    stepped = False
     offset = 1
     for slot in optimizers:
         end = offset + slot.num_flags
-        found.append(any(v > 0 for v in values[offset:end]))
+        hit = values[offset] > 0 if end == offset + 1 else any([v > 0 for v in values[offset:end]])
+        found.append(hit)
+        if hit and slot.stepped:
+            stepped = True
         offset = end
-    return found, offset
+    return found, stepped, offset
 
 
 class StepValues(NamedTuple):
@@ -159,13 +168,12 @@ def decode(
     origin_devices: Sequence[str],
 ) -> StepValues:
     """Name a step's values (telemetry thread). A flag is set when its value is above 0."""
-    found, offset = _found(values, optimizers)
-    stepped = any(slot.stepped and hit for slot, hit in zip(optimizers, found, strict=True))
+    found, stepped, offset = _found(values, optimizers)
     end = offset + len(local_devices)
-    local = tuple(v > 0 for v in values[offset:end])
+    local = tuple([v > 0 for v in values[offset:end]])
     scale_after = values[end + SCALE_AFTER]
     tracker = int(values[end + _TRACKER])
     offset = end + _ORIGIN
     end = offset + len(origin_devices)
-    origin = tuple(v > 0 for v in values[offset:end])
+    origin = tuple([v > 0 for v in values[offset:end]])
     return StepValues(values[0], found, stepped, local, scale_after, tracker, origin, end)
