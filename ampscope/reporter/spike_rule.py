@@ -89,9 +89,14 @@ class SpikeWindow:
         """
         if value is None or not math.isfinite(value):
             return None
-        spike = self._judge(value)
-        self._values.append(value)
-        minima = self._minima
+        values, minima = self._values, self._minima
+        # The ratio guard against the window's minimum settles most values of a steady
+        # series here, without the calls of the full test (_judge, which repeats it).
+        if len(values) < self.rule.min_window or value < self.rule.ratio * minima[0][1]:
+            spike = None
+        else:
+            spike = self._judge(value)
+        values.append(value)
         while minima and minima[-1][1] >= value:
             minima.pop()
         minima.append((self._count, value))

@@ -127,16 +127,17 @@ def _own(origin: dict[str, bool], local: dict[str, bool], world_size: int) -> bo
     return any(local.values()) if world_size == 1 else None
 
 
-def _is_scale(value: float) -> bool:
-    return 0.0 <= value < math.inf  # False for NaN too
-
-
+_set = object.__setattr__
+"""Sets a frozen model's instance state as pydantic stores it (bypassing its __setattr__)."""
 _FIELD_NAMES: dict[type[BaseModel], set[str]] = {}
 """Per schema model: the set of its field names, shared as ``model_fields_set`` by every
 instance :func:`_build` gives all fields (every call here does)."""
 
 
-def _build(cls: type[_Model], validate: bool, **fields: Any) -> _Model:
+def _build(cls: type[_Model], validate: bool, fields: dict[str, Any]) -> _Model:
+    """A ``cls`` of ``fields`` (every field, by name; the dict becomes the model's own):
+    strictly validated when ``validate``, else as checked by :class:`RecordBuilder`. A
+    dict display at the call, not keywords: one dict, built in one step."""
     if validate:
         return cls(**fields)
     # Values were checked by RecordBuilder; what strict validation would do on top is
@@ -146,13 +147,15 @@ def _build(cls: type[_Model], validate: bool, **fields: Any) -> _Model:
         names = _FIELD_NAMES[cls] = set(cls.model_fields)
     # One set per model class instead of one per instance (a container less per model
     # for the garbage collector to track): frozen models never change theirs, and
-    # pydantic copies it before any change (model_copy).
-    fields_set = names if fields.keys() == names else set(fields)
+    # pydantic copies it before any change (model_copy). Every call here passes every
+    # field by its name (the strict-validation tests compare each record's fields), so
+    # the count tells a full set.
+    fields_set = names if len(fields) == len(names) else set(fields)
     model = cls.__new__(cls)
-    object.__setattr__(model, "__dict__", fields)
-    object.__setattr__(model, "__pydantic_fields_set__", fields_set)
-    object.__setattr__(model, "__pydantic_extra__", None)
-    object.__setattr__(model, "__pydantic_private__", None)
+    _set(model, "__dict__", fields)
+    _set(model, "__pydantic_fields_set__", fields_set)
+    _set(model, "__pydantic_extra__", None)
+    _set(model, "__pydantic_private__", None)
     return model
 
 
@@ -284,7 +287,7 @@ class RecordBuilder:
                 scale=1.0 if watch else scale_before,
                 host_norms=pending.host_norms,
             )
-            stats = _build(StepStats, validate or named, **fields)
+            stats = _build(StepStats, validate or named, fields)
         call = self._call(
             pending,
             scalars,
@@ -311,24 +314,23 @@ class RecordBuilder:
 
             fp8 = fp8_entries(pending.fp8, pending.read_extra(), 1.0 if watch else scale_before)
         if new_aligned:
-            aligned = _build(AlignedScale, validate, step=pending.step, scale=scale_after)
+            aligned = _build(AlignedScale, validate, {"step": pending.step, "scale": scale_after})
         first_applied = totals.first_nonfinite_applied
         if applied and first_applied is None:
             first_applied = _build(
                 NonfiniteApplied,
                 validate,
-                step=pending.step,
-                origin=any(origin.values()) if origin else None,
+                {"step": pending.step, "origin": any(origin.values()) if origin else None},
             )
         top = self._top if nonfinite is totals.nonfinite and not validate else None
         if top is None:
             top = [
-                _build(NonfiniteParam, validate, name=n, count=c)
+                _build(NonfiniteParam, validate, {"name": n, "count": c})
                 for n, c in top_k(nonfinite, self._k)
             ]
         step_params = (
             [
-                _build(NonfiniteParam, validate, name=n, count=c)
+                _build(NonfiniteParam, validate, {"name": n, "count": c})
                 for n, c in top_k(dict(pending.nonfinite), self._k)
             ]
             if pending.nonfinite
@@ -346,54 +348,60 @@ class RecordBuilder:
         record = _build(
             StepRecord,
             validate,
-            identity=pending.identity,
-            step=pending.step,
-            time=pending.time,
-            found_inf_local=local,
-            found_inf_origin=origin,
-            found_inf_global=found_global,
-            skipped=skipped,
-            scale_before=scale_before,
-            scale_after=scale_after,
-            growth_tracker=tracker,
-            event=event,
-            optimizers=details,
-            nonfinite_params=step_params,
-            stats=stats,
-            totals=_build(
-                RankTotals,
-                validate,
-                steps=steps,
-                skipped_steps=skipped_steps,
-                backoffs=backoffs,
-                growths=growths,
-                found_inf_local=local_counts,
-                found_inf_origin=origin_counts,
-                nonfinite_params=top,
-                min_scale=min_scale,
-                max_scale=max_scale,
-                aligned_scale=aligned,
-                nonfinite_applied=nonfinite_applied,
-                first_nonfinite_applied=first_applied,
-                faults=faults,
-                clean_scale=None if watch else self.faults.clean_scale,
-            ),
-            setup=setup,
-            device=device,
-            batch=None if pending.batch is None else batch_ids(pending.batch),
-            fp8=fp8,
-            rerun=None if pending.rerun is None else pending.rerun.to_record(),
-            replicas=None if pending.replicas is None else pending.replicas.to_record(),
-            nonfinite=None
-            if call is None
-            else _build(
-                NonfiniteCall,
-                validate,
-                kind=call.cls,
-                reason=call.kind,
-                own=call.own,
-                clean_scale=call.clean_scale,
-            ),
+            {
+                "identity": pending.identity,
+                "step": pending.step,
+                "time": pending.time,
+                "found_inf_local": local,
+                "found_inf_origin": origin,
+                "found_inf_global": found_global,
+                "skipped": skipped,
+                "scale_before": scale_before,
+                "scale_after": scale_after,
+                "growth_tracker": tracker,
+                "event": event,
+                "optimizers": details,
+                "nonfinite_params": step_params,
+                "stats": stats,
+                "totals": _build(
+                    RankTotals,
+                    validate,
+                    {
+                        "steps": steps,
+                        "skipped_steps": skipped_steps,
+                        "backoffs": backoffs,
+                        "growths": growths,
+                        "found_inf_local": local_counts,
+                        "found_inf_origin": origin_counts,
+                        "nonfinite_params": top,
+                        "min_scale": min_scale,
+                        "max_scale": max_scale,
+                        "aligned_scale": aligned,
+                        "nonfinite_applied": nonfinite_applied,
+                        "first_nonfinite_applied": first_applied,
+                        "faults": faults,
+                        "clean_scale": None if watch else self.faults.clean_scale,
+                    },
+                ),
+                "setup": setup,
+                "device": device,
+                "batch": None if pending.batch is None else batch_ids(pending.batch),
+                "fp8": fp8,
+                "rerun": None if pending.rerun is None else pending.rerun.to_record(),
+                "replicas": None if pending.replicas is None else pending.replicas.to_record(),
+                "nonfinite": None
+                if call is None
+                else _build(
+                    NonfiniteCall,
+                    validate,
+                    {
+                        "kind": call.cls,
+                        "reason": call.kind,
+                        "own": call.own,
+                        "clean_scale": call.clean_scale,
+                    },
+                ),
+            },
         )
         # The record exists: only now do the totals move.
         if device is not None:
@@ -419,7 +427,8 @@ class RecordBuilder:
         on: no device access. A rerun's record keeps its second pass: the rule judges that
         pass, and the rerun's own finding corrects it (``after_rerun``).
         """
-        if pending.stats is not None and self.stats.loss_nonfinite(pending.stats, scalars):
+        taken = pending.stats
+        if taken is not None and taken.loss is not None and not math.isfinite(scalars[0]):
             iteration = replace(iteration, loss_nonfinite=True)
         call = self.faults.observe(iteration)
         rerun = pending.rerun
@@ -442,10 +451,14 @@ class RecordBuilder:
         return (
             pending.step >= 1
             and 0.0 <= pending.time < math.inf
-            and _is_scale(scale_before)
-            and _is_scale(scale_after)
+            and 0.0 <= scale_before < math.inf  # a scale: False for NaN too
+            and 0.0 <= scale_after < math.inf
             and tracker >= 0
-            and self._shape_checked(pending)
+            and (
+                (pending.optimizers, pending.local_devices, pending.origin_devices)
+                == self._vouched_shape
+                or self._shape_checked(pending)
+            )
             and (
                 not pending.nonfinite
                 or all(
@@ -456,12 +469,10 @@ class RecordBuilder:
         )
 
     def _shape_checked(self, pending: PendingStep) -> bool:
-        """Whether the step's optimizers and device names pass the schema's checks: checked
-        once per distinct shape (the previous step's is kept), compared per step as tuples
-        of the same objects, whatever the number of parameters."""
+        """Whether the step's optimizers and device names pass the schema's checks; a shape
+        that passed is kept, and :meth:`_checked` compares each step's with it (tuples of
+        the same objects, whatever the number of parameters) before calling this."""
         shape = (pending.optimizers, pending.local_devices, pending.origin_devices)
-        if shape == self._vouched_shape:
-            return True
         passed = (
             len(pending.local_devices) <= MAX_DEVICES
             and len(pending.origin_devices) <= MAX_DEVICES
@@ -484,10 +495,7 @@ class RecordBuilder:
             detail = _build(
                 OptimizerDetail,
                 validate,
-                index=slot.index,
-                name=slot.name,
-                found_inf=found,
-                fused=slot.fused,
+                {"index": slot.index, "name": slot.name, "found_inf": found, "fused": slot.fused},
             )
             if not validate:
                 self._details[key] = detail

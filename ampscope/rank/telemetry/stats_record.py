@@ -81,12 +81,12 @@ class StatsBuilder:
     def host_scalars(
         taken: TakenStats, values: Sequence[float], stats_at: int, *, on_host: bool
     ) -> Sequence[float]:
-        """The stats' scalars (:meth:`TakenStats.scalars`) on the host, read once per record
-        for :meth:`build` and :meth:`loss_nonfinite`: on the device transport they follow
-        the step's values from ``values[stats_at]``; on the host transport (``on_host``)
-        they are CPU tensors, read here (host memory, no sync)."""
+        """The stats' scalars (:meth:`TakenStats.scalars`, the loss sum first) on the host,
+        read once per record for :meth:`build` and the fault rule: on the device transport
+        they follow the step's values from ``values[stats_at]``; on the host transport
+        (``on_host``) they are CPU tensors, read here (host memory, no sync)."""
         if on_host:
-            return [t.item() for t in taken.scalars()]
+            return list(map(torch.Tensor.item, taken.scalars()))
         return values[stats_at:]
 
     def build(
@@ -116,7 +116,11 @@ class StatsBuilder:
         # A scale that underflowed to 0 leaves scaled norms unknown (None), not infinite.
         inverse = 1.0 / scale if scale > 0 else math.nan
         loss_sum, squares, origin_squares = taken.named(scalars)
-        loss = None if loss_sum is None else _finite(loss_sum / taken.loss_count)
+        loss = None
+        if loss_sum is not None:
+            loss = loss_sum / taken.loss_count
+            if not math.isfinite(loss):
+                loss = None
         grad_square = 0.0
         start = 0
         for optimizer, summed in zip(taken.optimizers, squares, strict=True):
@@ -153,14 +157,6 @@ class StatsBuilder:
             "top_params": top,
         }
         return fields, bool(top)
-
-    @staticmethod
-    def loss_nonfinite(taken: TakenStats, scalars: Sequence[float]) -> bool:
-        """Whether the step's loss sum (what ``scale()`` saw) is inf/NaN, for the fault rule;
-        ``False`` without a loss. ``scalars``: :meth:`host_scalars`."""
-        if taken.loss is None:
-            return False
-        return not math.isfinite(scalars[0])
 
     def _top_params(
         self, taken: TakenStats, inverse: float, host_norms: torch.Tensor | None
@@ -230,7 +226,15 @@ def _square_sum(
     if count > SMALL:
         # float64 as fsum below (no float32 rounding in the sum); the same dot product
         # of the same float64 values as ever, bit for bit.
-        wide = scratch.widened(_norms(optimizer, host_norms, start, cast=False), count)
+        if host_norms is not None:
+            # shape[0], not len(): a tensor's __len__ is Python, several times dearer.
+            whole = start == 0 and count == host_norms.shape[0]
+            norms = host_norms if whole else host_norms[start : start + count]
+        elif optimizer.packed is not None:
+            norms = optimizer.packed
+        else:
+            norms = torch.stack(optimizer.norms)
+        wide = scratch.widened(norms, count)
         return torch.dot(wide, wide).item()
     if host_norms is not None:
         values = host_norms[start : start + count].tolist()
@@ -243,22 +247,13 @@ def _square_sum(
     return math.fsum(map(operator.mul, values, values))
 
 
-def _norms(
-    optimizer: OptimizerNorms,
-    host_norms: torch.Tensor | None,
-    start: int,
-    *,
-    cast: bool = True,
-) -> torch.Tensor:
+def _norms(optimizer: OptimizerNorms, host_norms: torch.Tensor | None, start: int) -> torch.Tensor:
     """One optimizer's per-parameter norms as a CPU vector: its slice of the host copy, or
-    its own CPU tensors stacked; in float32 unless ``cast`` is off (the caller widens)."""
+    its own CPU tensors stacked."""
     if host_norms is not None:
-        # shape[0], not len(): a tensor's __len__ is Python, several times dearer.
-        if start == 0 and optimizer.count == host_norms.shape[0]:
-            return host_norms  # the whole tail: no view to make
         return host_norms[start : start + optimizer.count]
     if optimizer.packed is not None:
-        return optimizer.packed.float() if cast else optimizer.packed
+        return optimizer.packed.float()
     if not optimizer.norms:
         return torch.zeros(0)
     return torch.stack(optimizer.norms)
