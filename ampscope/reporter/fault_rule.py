@@ -133,10 +133,15 @@ class FaultRule:
             )
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class Iteration:
     """What the rule reads of one iteration: the scaler's own state and the flags the
-    rank already holds on the host when its record is built."""
+    rank already holds on the host when its record is built.
+
+    Read-only by convention (``dataclasses.replace`` makes a changed copy); not frozen,
+    because a frozen dataclass's ``__init__`` sets each field through
+    ``object.__setattr__``, which made building one cost more than deciding it, once per
+    record on the telemetry thread."""
 
     scaler: bool
     """An fp16 loss scaler (else a watch: no scale)."""

@@ -8,9 +8,10 @@ the mean of the preceding 100 iterations once at least 20 are known; on top of i
 guard, at least 3 times the window's median, so that a window with almost no variance (a plateau)
 does not turn every ripple into a spike.
 
-Only the standard library is imported. ``SpikeWindow.observe`` is O(window) when called (tens of
-microseconds over 100 values) and O(window log window) on the rare values that pass the sigma test;
-it keeps no clock.
+Only the standard library is imported. ``SpikeWindow.observe`` is O(1) (amortised) on a value
+below ratio times the window's minimum, which it keeps as values come and go: most values of a
+steady series; O(window) on the others (the mean and spread, tens of microseconds over 100
+values) and O(window log window) on the rare values that pass the sigma test; it keeps no clock.
 """
 
 from __future__ import annotations
@@ -68,6 +69,12 @@ class SpikeWindow:
     def __init__(self, rule: SpikeRule | None = None) -> None:
         self.rule = rule or SpikeRule()
         self._values: deque[float] = deque(maxlen=self.rule.window)
+        self._minima: deque[tuple[int, float]] = deque()
+        """(index, value) of the window's ascending minima, oldest first: its first is the
+        window's minimum. Each value enters and leaves once, so the minimum costs O(1) per
+        value instead of a pass over the window."""
+        self._count = 0
+        """Values kept so far (the index of the next one)."""
 
     def __len__(self) -> int:
         return len(self._values)
@@ -82,8 +89,20 @@ class SpikeWindow:
         """
         if value is None or not math.isfinite(value):
             return None
-        spike = self._judge(value)
-        self._values.append(value)
+        values, minima = self._values, self._minima
+        # The ratio guard against the window's minimum settles most values of a steady
+        # series here, without the calls of the full test (_judge, which repeats it).
+        if len(values) < self.rule.min_window or value < self.rule.ratio * minima[0][1]:
+            spike = None
+        else:
+            spike = self._judge(value)
+        values.append(value)
+        while minima and minima[-1][1] >= value:
+            minima.pop()
+        minima.append((self._count, value))
+        self._count += 1
+        if minima[0][0] <= self._count - 1 - self.rule.window:
+            minima.popleft()  # left the window
         return spike
 
     def threshold(self) -> float:
@@ -114,8 +133,8 @@ class SpikeWindow:
             return None
         values = self._values
         # The window's minimum is at most its median: below ratio x minimum, the value
-        # fails the ratio guard. One C loop settles most values of a steady series.
-        if value < self._ratio_bound(min(values)):
+        # fails the ratio guard, which settles most values of a steady series.
+        if value < self._ratio_bound(self._minima[0][1]):
             return None
         mean, stdev = _spread(values)
         if value <= self._sigma_bound(mean, stdev):

@@ -129,3 +129,28 @@ def test_the_threshold_is_the_least_value_observe_calls_a_spike() -> None:
                 continue
             assert window._judge(limit) is not None, (level, limit)
             assert window._judge(math.nextafter(limit, -math.inf)) is None, (level, limit)
+
+
+@pytest.mark.parametrize(
+    "series",
+    [
+        [float(i) for i in range(300)],  # rising: the minimum leaves the window every value
+        [float(300 - i) for i in range(300)],  # falling: the newest is always the minimum
+        [1.0] * 150 + [0.5] * 10 + [1.0] * 140,  # ties, a dip that leaves the window
+        [0.0, -0.0] * 100 + [-1.0, 1.0] * 50,  # signed zeros
+        [math.sin(i / 7.0) * 3 + (i % 13) for i in range(400)],
+    ],
+    ids=["rising", "falling", "ties", "signed-zeros", "wave"],
+)
+def test_the_running_minimum_is_the_windows_minimum(series: list[float]) -> None:
+    """The window keeps its minimum as values come and go (no pass over the window per
+    value); it must equal min() of the window after every value, skipped ones included."""
+    rule = SpikeRule(window=25, min_window=5)
+    window = SpikeWindow(rule)
+    rng = random.Random(5)
+    for value in series:
+        if rng.random() < 0.1:
+            window.observe(rng.choice([None, math.nan, math.inf]))  # neither judged nor kept
+        window.observe(value)
+        assert window._minima[0][1] == min(window._values)
+        assert len(window._minima) <= len(window._values) <= rule.window

@@ -37,6 +37,8 @@ values, each a separate tail that is not decoded here but handed on whole::
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, TypeVar
@@ -82,14 +84,19 @@ def tail(scale_after: V, growth_tracker: V, origin: Iterable[V]) -> list[V]:
 
 def flag_count(optimizers: Sequence[OptimizerSlot], local_devices: Sequence[str]) -> int:
     """How many flags the head holds after its scale."""
-    return sum(slot.num_flags for slot in optimizers) + len(local_devices)
+    return sum(map(_NUM_FLAGS, optimizers)) + len(local_devices)
+
+
+_NUM_FLAGS = operator.attrgetter("num_flags")
 
 
 def clean_head(
     scale_before: float, optimizers: Sequence[OptimizerSlot], local_devices: Sequence[str]
 ) -> list[float]:
     """The head of an iteration known clean on the host: every flag 0, none copied."""
-    return [scale_before, *([0.0] * flag_count(optimizers, local_devices))]
+    head = [0.0] * (flag_count(optimizers, local_devices) + 1)
+    head[0] = scale_before
+    return head
 
 
 SCALE_AFTER = 0
@@ -99,15 +106,9 @@ _TRACKER = 1
 _ORIGIN = 2
 
 
-def _found(values: Sequence[float], optimizers: Sequence[OptimizerSlot]) -> tuple[list[bool], int]:
-    """Per optimizer slot whether any of its flags is set, and where the local flags start."""
-    found = []
-    offset = 1
-    for slot in optimizers:
-        end = offset + slot.num_flags
-        found.append(any(v > 0 for v in values[offset:end]))
-        offset = end
-    return found, offset
+_SET = functools.partial(operator.lt, 0.0)
+"""Whether a flag's value is set: ``_SET(v)`` is ``0.0 < v`` (NaN is not set), a C call
+that ``map`` runs without a Python frame per value."""
 
 
 class StepValues(NamedTuple):
@@ -152,20 +153,45 @@ def copy_parts(length: int, norm_count: int, extra_count: int) -> CopyParts:
     )
 
 
+def _flags(values: Sequence[float], start: int, end: int) -> tuple[bool, ...]:
+    """The flags ``values[start:end]``, each set when above 0; none or one (a rank with one
+    device) without building a map."""
+    if end == start:
+        return ()
+    if end == start + 1:
+        return (values[start] > 0,)
+    return tuple(map(_SET, values[start:end]))
+
+
 def decode(
     values: Sequence[float],
     optimizers: Sequence[OptimizerSlot],
     local_devices: Sequence[str],
     origin_devices: Sequence[str],
 ) -> StepValues:
-    """Name a step's values (telemetry thread). A flag is set when its value is above 0."""
-    found, offset = _found(values, optimizers)
-    stepped = any(slot.stepped and hit for slot, hit in zip(optimizers, found, strict=True))
+    """Name a step's values (telemetry thread). A flag is set when its value is above 0.
+
+    Work per optimizer and device, never per parameter; no Python call per value (it
+    runs once per record, where each Python call costs more than the comparisons)."""
+    found = []
+    stepped = False
+    offset = 1
+    for slot in optimizers:
+        end = offset + slot.num_flags
+        # One flag (one device): read it; several: one C pass over them.
+        hit = values[offset] > 0 if slot.num_flags == 1 else any(map(_SET, values[offset:end]))
+        found.append(hit)
+        if hit and slot.stepped:
+            stepped = True
+        offset = end
     end = offset + len(local_devices)
-    local = tuple(v > 0 for v in values[offset:end])
+    local = _flags(values, offset, end)
     scale_after = values[end + SCALE_AFTER]
     tracker = int(values[end + _TRACKER])
     offset = end + _ORIGIN
     end = offset + len(origin_devices)
-    origin = tuple(v > 0 for v in values[offset:end])
-    return StepValues(values[0], found, stepped, local, scale_after, tracker, origin, end)
+    origin = _flags(values, offset, end)
+    # tuple.__new__: the NamedTuple's own __new__ is a Python function.
+    return tuple.__new__(
+        StepValues, (values[0], found, stepped, local, scale_after, tracker, origin, end)
+    )

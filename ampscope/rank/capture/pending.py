@@ -159,10 +159,11 @@ class PendingStep:
             host = self.host
             norms, extra = self.host_norms, self.host_extra
             if norms is not None or extra is not None:
+                # shape[0], not len(): a tensor's __len__ is Python, several times dearer.
                 parts = layout.copy_parts(
-                    len(host),
-                    0 if norms is None else len(norms),
-                    0 if extra is None else len(extra),
+                    host.shape[0],
+                    0 if norms is None else norms.shape[0],
+                    0 if extra is None else extra.shape[0],
                 )
                 host = host[parts.values]
             own = host.tolist()

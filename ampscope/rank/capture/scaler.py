@@ -312,6 +312,6 @@ def _local_founds(steps: list[Step], local: Mapping[int, FoundInf]) -> list[Foun
 def _local_devices(steps: list[Step], local: Mapping[int, FoundInf]) -> dict[torch.device, None]:
     """The local flags' devices, in the order of the values."""
     devices: dict[torch.device, None] = {}
-    for found in _local_founds(steps, local):
-        devices.update(dict.fromkeys(found))
+    for key, _, found_inf in steps:  # _local_founds, without its list
+        devices.update(dict.fromkeys(local.get(key, found_inf)))
     return devices

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -103,7 +104,10 @@ class RunningTotals:
 
 def _count(counter: dict[str, int], flags: dict[str, bool]) -> dict[str, int]:
     """``counter`` plus one per true flag: the same dict when nothing changes, else a new one."""
-    if all(flag is False and device in counter for device, flag in flags.items()):
+    for device, flag in flags.items():
+        if flag is not False or device not in counter:
+            break
+    else:
         return counter
     out = dict(counter)
     for device, found in flags.items():
@@ -123,20 +127,35 @@ def _own(origin: dict[str, bool], local: dict[str, bool], world_size: int) -> bo
     return any(local.values()) if world_size == 1 else None
 
 
-def _is_scale(value: float) -> bool:
-    return 0.0 <= value < math.inf  # False for NaN too
+_set = object.__setattr__
+"""Sets a frozen model's instance state as pydantic stores it (bypassing its __setattr__)."""
+_FIELD_NAMES: dict[type[BaseModel], set[str]] = {}
+"""Per schema model: the set of its field names, shared as ``model_fields_set`` by every
+instance :func:`_build` gives all fields (every call here does)."""
 
 
-def _build(cls: type[_Model], validate: bool, **fields: Any) -> _Model:
+def _build(cls: type[_Model], validate: bool, fields: dict[str, Any]) -> _Model:
+    """A ``cls`` of ``fields`` (every field, by name; the dict becomes the model's own):
+    strictly validated when ``validate``, else as checked by :class:`RecordBuilder`. A
+    dict display at the call, not keywords: one dict, built in one step."""
     if validate:
         return cls(**fields)
     # Values were checked by RecordBuilder; what strict validation would do on top is
     # only to copy them. Frozen models: set the instance state as pydantic stores it.
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = set(cls.model_fields)
+    # One set per model class instead of one per instance (a container less per model
+    # for the garbage collector to track): frozen models never change theirs, and
+    # pydantic copies it before any change (model_copy). Every call here passes every
+    # field by its name (the strict-validation tests compare each record's fields), so
+    # the count tells a full set.
+    fields_set = names if len(fields) == len(names) else set(fields)
     model = cls.__new__(cls)
-    object.__setattr__(model, "__dict__", fields)
-    object.__setattr__(model, "__pydantic_fields_set__", set(fields))
-    object.__setattr__(model, "__pydantic_extra__", None)
-    object.__setattr__(model, "__pydantic_private__", None)
+    _set(model, "__dict__", fields)
+    _set(model, "__pydantic_fields_set__", fields_set)
+    _set(model, "__pydantic_extra__", None)
+    _set(model, "__pydantic_private__", None)
     return model
 
 
@@ -160,9 +179,12 @@ class RecordBuilder:
         self._label = _Vouched(LABEL_PATTERN, MAX_LABEL_LENGTH)
         self._param_name = _Vouched(_PARAM_NAME, MAX_PARAM_NAME_LENGTH)
         self._details: dict[tuple[OptimizerSlot, bool], OptimizerDetail] = {}
+        self._detail_lists: dict[tuple[Any, ...], list[OptimizerDetail]] = {}
         self._flags: dict[tuple[tuple[str, ...], tuple[bool, ...]], dict[str, bool]] = {}
         self._top: list[NonfiniteParam] = []
         self._no_params: list[NonfiniteParam] = []
+        self._vouched_shape: tuple[Any, ...] | None = None
+        """The newest (optimizers, local devices, origin devices) that passed the checks."""
         self.device: DeviceIdentity | None = None
         """The rank's device, resolved for its first record, which alone carries it."""
 
@@ -194,7 +216,7 @@ class RecordBuilder:
         else:  # the front-end saw what the library did (DeepSpeed), scaler or watch
             applied = pending.applied and stepped
         skipped = stepped and not applied
-        found_global = any(decoded.optimizer_found)
+        found_global = True in decoded.optimizer_found
         local = self._flag_dict(pending.local_devices, decoded.local)
         origin = self._flag_dict(pending.origin_devices, decoded.origin)
         scale_before, scale_after = decoded.scale_before, decoded.scale_after
@@ -235,9 +257,12 @@ class RecordBuilder:
         aligned = totals.aligned_scale
         new_aligned = False
         if not watch:  # a watch has no scale to keep
+            # min() and max() of the pairs, spelled out: min(a, b) is b only if b < a.
             for scale in (scale_before, scale_after):
-                min_scale = scale if min_scale is None else min(min_scale, scale)
-                max_scale = scale if max_scale is None else max(max_scale, scale)
+                if min_scale is None or scale < min_scale:
+                    min_scale = scale
+                if max_scale is None or scale > max_scale:
+                    max_scale = scale
             new_aligned = pending.step % SCALE_ALIGN_STEPS == 0
 
         validate = not (
@@ -245,28 +270,30 @@ class RecordBuilder:
             and len(local_counts) <= MAX_DEVICES
             and len(origin_counts) <= MAX_DEVICES
         )
+        # Any inf/NaN, here or on another rank: for the fault rule, and for the stats an
+        # overflow, whose values say nothing of the training's trend (out of the windows).
+        nonfinite_any = found_global or True in local.values() or True in origin.values()
         stats = None
-        if pending.stats is not None:
-            # Any inf/NaN, here or on another rank, makes the iteration an overflow: its
-            # values say nothing of the training's trend and stay out of the windows.
-            overflow = found_global or any(local.values()) or any(origin.values())
+        scalars: Sequence[float] = ()
+        taken = pending.stats
+        if taken is not None:
+            scalars = self.stats.host_scalars(
+                taken, values, decoded.stats_at, on_host=pending.values is not None
+            )
             fields, named = self.stats.build(
-                pending.stats,
-                values,
-                decoded.stats_at,
-                overflow=overflow,
+                taken,
+                scalars,
+                overflow=nonfinite_any,
                 scale=1.0 if watch else scale_before,
                 host_norms=pending.host_norms,
-                on_host=pending.values is not None,
             )
-            stats = _build(StepStats, validate or named, **fields)
+            stats = _build(StepStats, validate or named, fields)
         call = self._call(
             pending,
-            values,
-            decoded.stats_at,
+            scalars,
             Iteration(
                 scaler=not watch,
-                nonfinite=found_global or any(local.values()) or any(origin.values()),
+                nonfinite=nonfinite_any,
                 own=_own(origin, local, pending.identity.world_size),
                 scale_before=scale_before,
                 scale_after=scale_after,
@@ -280,34 +307,30 @@ class RecordBuilder:
         faults = totals.faults
         if call is not None and call.cls == "fault" and call.own:
             faults = {**faults, call.kind: faults.get(call.kind, 0) + 1}
-        details = [
-            self._detail(slot, found, validate)
-            for slot, found in zip(pending.optimizers, decoded.optimizer_found, strict=True)
-        ]
+        details = self._details_of(pending.optimizers, decoded.optimizer_found, validate)
         fp8 = None
         if pending.fp8 is not None:
             from ampscope.rank.fp8.record import fp8_entries
 
             fp8 = fp8_entries(pending.fp8, pending.read_extra(), 1.0 if watch else scale_before)
         if new_aligned:
-            aligned = _build(AlignedScale, validate, step=pending.step, scale=scale_after)
+            aligned = _build(AlignedScale, validate, {"step": pending.step, "scale": scale_after})
         first_applied = totals.first_nonfinite_applied
         if applied and first_applied is None:
             first_applied = _build(
                 NonfiniteApplied,
                 validate,
-                step=pending.step,
-                origin=any(origin.values()) if origin else None,
+                {"step": pending.step, "origin": any(origin.values()) if origin else None},
             )
         top = self._top if nonfinite is totals.nonfinite and not validate else None
         if top is None:
             top = [
-                _build(NonfiniteParam, validate, name=n, count=c)
+                _build(NonfiniteParam, validate, {"name": n, "count": c})
                 for n, c in top_k(nonfinite, self._k)
             ]
         step_params = (
             [
-                _build(NonfiniteParam, validate, name=n, count=c)
+                _build(NonfiniteParam, validate, {"name": n, "count": c})
                 for n, c in top_k(dict(pending.nonfinite), self._k)
             ]
             if pending.nonfinite
@@ -325,54 +348,60 @@ class RecordBuilder:
         record = _build(
             StepRecord,
             validate,
-            identity=pending.identity,
-            step=pending.step,
-            time=pending.time,
-            found_inf_local=local,
-            found_inf_origin=origin,
-            found_inf_global=found_global,
-            skipped=skipped,
-            scale_before=scale_before,
-            scale_after=scale_after,
-            growth_tracker=tracker,
-            event=event,
-            optimizers=details,
-            nonfinite_params=step_params,
-            stats=stats,
-            totals=_build(
-                RankTotals,
-                validate,
-                steps=steps,
-                skipped_steps=skipped_steps,
-                backoffs=backoffs,
-                growths=growths,
-                found_inf_local=local_counts,
-                found_inf_origin=origin_counts,
-                nonfinite_params=top,
-                min_scale=min_scale,
-                max_scale=max_scale,
-                aligned_scale=aligned,
-                nonfinite_applied=nonfinite_applied,
-                first_nonfinite_applied=first_applied,
-                faults=faults,
-                clean_scale=None if watch else self.faults.clean_scale,
-            ),
-            setup=setup,
-            device=device,
-            batch=None if pending.batch is None else batch_ids(pending.batch),
-            fp8=fp8,
-            rerun=None if pending.rerun is None else pending.rerun.to_record(),
-            replicas=None if pending.replicas is None else pending.replicas.to_record(),
-            nonfinite=None
-            if call is None
-            else _build(
-                NonfiniteCall,
-                validate,
-                kind=call.cls,
-                reason=call.kind,
-                own=call.own,
-                clean_scale=call.clean_scale,
-            ),
+            {
+                "identity": pending.identity,
+                "step": pending.step,
+                "time": pending.time,
+                "found_inf_local": local,
+                "found_inf_origin": origin,
+                "found_inf_global": found_global,
+                "skipped": skipped,
+                "scale_before": scale_before,
+                "scale_after": scale_after,
+                "growth_tracker": tracker,
+                "event": event,
+                "optimizers": details,
+                "nonfinite_params": step_params,
+                "stats": stats,
+                "totals": _build(
+                    RankTotals,
+                    validate,
+                    {
+                        "steps": steps,
+                        "skipped_steps": skipped_steps,
+                        "backoffs": backoffs,
+                        "growths": growths,
+                        "found_inf_local": local_counts,
+                        "found_inf_origin": origin_counts,
+                        "nonfinite_params": top,
+                        "min_scale": min_scale,
+                        "max_scale": max_scale,
+                        "aligned_scale": aligned,
+                        "nonfinite_applied": nonfinite_applied,
+                        "first_nonfinite_applied": first_applied,
+                        "faults": faults,
+                        "clean_scale": None if watch else self.faults.clean_scale,
+                    },
+                ),
+                "setup": setup,
+                "device": device,
+                "batch": None if pending.batch is None else batch_ids(pending.batch),
+                "fp8": fp8,
+                "rerun": None if pending.rerun is None else pending.rerun.to_record(),
+                "replicas": None if pending.replicas is None else pending.replicas.to_record(),
+                "nonfinite": None
+                if call is None
+                else _build(
+                    NonfiniteCall,
+                    validate,
+                    {
+                        "kind": call.cls,
+                        "reason": call.kind,
+                        "own": call.own,
+                        "clean_scale": call.clean_scale,
+                    },
+                ),
+            },
         )
         # The record exists: only now do the totals move.
         if device is not None:
@@ -390,7 +419,7 @@ class RecordBuilder:
         return record
 
     def _call(
-        self, pending: PendingStep, values: list[float], stats_at: int, iteration: Iteration
+        self, pending: PendingStep, scalars: Sequence[float], iteration: Iteration
     ) -> Call | None:
         """The fault rule's decision about the step (``None``: clean); moves its state.
 
@@ -398,9 +427,8 @@ class RecordBuilder:
         on: no device access. A rerun's record keeps its second pass: the rule judges that
         pass, and the rerun's own finding corrects it (``after_rerun``).
         """
-        if pending.stats is not None and self.stats.loss_nonfinite(
-            pending.stats, values, stats_at, on_host=pending.values is not None
-        ):
+        taken = pending.stats
+        if taken is not None and taken.loss is not None and not math.isfinite(scalars[0]):
             iteration = replace(iteration, loss_nonfinite=True)
         call = self.faults.observe(iteration)
         rerun = pending.rerun
@@ -423,21 +451,40 @@ class RecordBuilder:
         return (
             pending.step >= 1
             and 0.0 <= pending.time < math.inf
-            and _is_scale(scale_before)
-            and _is_scale(scale_after)
+            and 0.0 <= scale_before < math.inf  # a scale: False for NaN too
+            and 0.0 <= scale_after < math.inf
             and tracker >= 0
-            and len(pending.local_devices) <= MAX_DEVICES
+            and (
+                (pending.optimizers, pending.local_devices, pending.origin_devices)
+                == self._vouched_shape
+                or self._shape_checked(pending)
+            )
+            and (
+                not pending.nonfinite
+                or all(
+                    self._param_name(name) and type(count) is int and count >= 0
+                    for name, count in pending.nonfinite.items()
+                )
+            )
+        )
+
+    def _shape_checked(self, pending: PendingStep) -> bool:
+        """Whether the step's optimizers and device names pass the schema's checks; a shape
+        that passed is kept, and :meth:`_checked` compares each step's with it (tuples of
+        the same objects, whatever the number of parameters) before calling this."""
+        shape = (pending.optimizers, pending.local_devices, pending.origin_devices)
+        passed = (
+            len(pending.local_devices) <= MAX_DEVICES
             and len(pending.origin_devices) <= MAX_DEVICES
             and len(pending.optimizers) <= MAX_OPTIMIZERS
             and self._k <= MAX_NONFINITE_PARAMS
             and all(self._label(d) for d in pending.local_devices)
             and all(self._label(d) for d in pending.origin_devices)
             and all(self._label(slot.name) for slot in pending.optimizers)
-            and all(
-                self._param_name(name) and type(count) is int and count >= 0
-                for name, count in pending.nonfinite.items()
-            )
         )
+        if passed:
+            self._vouched_shape = shape
+        return passed
 
     # -- shared immutable parts ----------------------------------------------------------
 
@@ -448,14 +495,26 @@ class RecordBuilder:
             detail = _build(
                 OptimizerDetail,
                 validate,
-                index=slot.index,
-                name=slot.name,
-                found_inf=found,
-                fused=slot.fused,
+                {"index": slot.index, "name": slot.name, "found_inf": found, "fused": slot.fused},
             )
             if not validate:
                 self._details[key] = detail
         return detail
+
+    def _details_of(
+        self, slots: tuple[OptimizerSlot, ...], found: list[bool], validate: bool
+    ) -> list[OptimizerDetail]:
+        """The record's ``optimizers``: one shared list per distinct (slots, flags), as
+        records never change theirs; built afresh (and validated) when ``validate``."""
+        key = (slots, tuple(found))
+        details = None if validate else self._detail_lists.get(key)
+        if details is None:
+            details = [
+                self._detail(slot, hit, validate) for slot, hit in zip(slots, found, strict=True)
+            ]
+            if not validate and len(self._detail_lists) < 1024:  # bounded, as _flags
+                self._detail_lists[key] = details
+        return details
 
     def _flag_dict(self, devices: tuple[str, ...], flags: tuple[bool, ...]) -> dict[str, bool]:
         """``{device: flag}``; one shared dict per distinct combination (records never

@@ -13,6 +13,7 @@ thresholds (:class:`SpikeThresholds`), for the training thread to compare on the
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -71,17 +72,31 @@ class StatsBuilder:
         self.loss_window = SpikeWindow(rule)
         self.grad_norm_window = SpikeWindow(rule)
         self.thresholds = SpikeThresholds()
+        self._scratch = _Float64Scratch()
+        self._none: list[Any] = []
+        """The empty ``spikes`` and ``top_params`` of every record without a spike, one
+        list shared (records never change theirs)."""
+
+    @staticmethod
+    def host_scalars(
+        taken: TakenStats, values: Sequence[float], stats_at: int, *, on_host: bool
+    ) -> Sequence[float]:
+        """The stats' scalars (:meth:`TakenStats.scalars`, the loss sum first) on the host,
+        read once per record for :meth:`build` and the fault rule: on the device transport
+        they follow the step's values from ``values[stats_at]``; on the host transport
+        (``on_host``) they are CPU tensors, read here (host memory, no sync)."""
+        if on_host:
+            return list(map(torch.Tensor.item, taken.scalars()))
+        return values[stats_at:]
 
     def build(
         self,
         taken: TakenStats,
-        values: Sequence[float],
-        stats_at: int,
+        scalars: Sequence[float],
         *,
         overflow: bool,
         scale: float,
         host_norms: torch.Tensor | None,
-        on_host: bool,
     ) -> tuple[dict[str, Any], bool]:
         """The fields of one step's :class:`StepStats`; and whether they need validation (a
         spike names parameters: names the schema has not seen). Every number is finite or
@@ -89,26 +104,31 @@ class StatsBuilder:
 
         Args:
             taken: The step's stats as the training thread took them.
-            values: The step's host values; on the device transport the stats' scalars
-                (:meth:`TakenStats.scalars`) start at ``values[stats_at]``.
+            scalars: Their host values (:meth:`host_scalars`).
             overflow: The iteration's gradients held inf/NaN: every value is ``None`` and
                 the windows see nothing.
             scale: The loss scale the gradients were scaled by in backward (1 for a watch).
             host_norms: Device transport: the host copy of every optimizer's
                 per-parameter norms, concatenated (``None`` when there are none).
-            on_host: The host transport: the stats' tensors are on the CPU, and read here.
         """
         if overflow:
             return {**_OVERFLOW, "spikes": [], "top_params": []}, False
         # A scale that underflowed to 0 leaves scaled norms unknown (None), not infinite.
         inverse = 1.0 / scale if scale > 0 else math.nan
-        scalars = [t.item() for t in taken.scalars()] if on_host else values[stats_at:]
         loss_sum, squares, origin_squares = taken.named(scalars)
-        loss = None if loss_sum is None else _finite(loss_sum / taken.loss_count)
+        loss = None
+        if loss_sum is not None:
+            loss = loss_sum / taken.loss_count
+            if not math.isfinite(loss):
+                loss = None
         grad_square = 0.0
         start = 0
         for optimizer, summed in zip(taken.optimizers, squares, strict=True):
-            square = _square_sum(optimizer, host_norms, start) if summed is None else summed
+            square = (
+                _square_sum(optimizer, host_norms, start, self._scratch)
+                if summed is None
+                else summed
+            )
             start += optimizer.count
             factor = inverse if optimizer.scaled else 1.0
             grad_square += square * factor * factor
@@ -117,16 +137,16 @@ class StatsBuilder:
         if taken.origin:
             own = sum(origin_squares)
             origin = _finite(math.sqrt(own) * inverse) if own >= 0 else None
-        spikes: list[SpikeKind] = []
+        spikes: list[SpikeKind] = self._none
         if self.loss_window.observe(loss) is not None:
-            spikes.append("loss")
+            spikes = ["loss"]
         if self.grad_norm_window.observe(grad_norm) is not None:
-            spikes.append("grad_norm")
+            spikes = [*spikes, "grad_norm"]
         thresholds = self.thresholds
         if thresholds.armed:
             thresholds.loss = self.loss_window.threshold()
             thresholds.grad_norm = self.grad_norm_window.threshold()
-        top: list[ParamNorm] = []
+        top: list[ParamNorm] = self._none
         if spikes:
             top = self._top_params(taken, inverse, host_norms)
         fields = {
@@ -137,18 +157,6 @@ class StatsBuilder:
             "top_params": top,
         }
         return fields, bool(top)
-
-    @staticmethod
-    def loss_nonfinite(
-        taken: TakenStats, values: Sequence[float], stats_at: int, *, on_host: bool
-    ) -> bool:
-        """Whether the step's loss sum (what ``scale()`` saw) is inf/NaN, for the fault rule;
-        ``False`` without a loss. One host value (on the host transport, one read of a CPU
-        tensor)."""
-        if taken.loss is None:
-            return False
-        loss_sum = taken.loss.item() if on_host else values[stats_at]
-        return not math.isfinite(loss_sum)
 
     def _top_params(
         self, taken: TakenStats, inverse: float, host_norms: torch.Tensor | None
@@ -178,23 +186,65 @@ class StatsBuilder:
 SMALL = 64
 """Up to this many norms, Python sums their squares faster than two more tensor ops."""
 
+_WIDENED_EXACTLY = (torch.float32, torch.float16, torch.bfloat16)
+"""Norm dtypes whose float32 cast changes nothing: copied straight into float64."""
 
-def _square_sum(optimizer: OptimizerNorms, host_norms: torch.Tensor | None, start: int) -> float:
+
+class _Float64Scratch:
+    """One float64 vector per norm count, reused for every record's squared sum: a copy
+    into it is one op where a cast is two (``float()``, ``double()``) and an allocation.
+    Telemetry thread only (the builder runs under the pipeline's resolve lock)."""
+
+    __slots__ = ("_vectors",)
+
+    def __init__(self) -> None:
+        self._vectors: dict[int, torch.Tensor] = {}
+
+    def widened(self, norms: torch.Tensor, count: int) -> torch.Tensor:
+        """``norms`` (a CPU vector of ``count`` values) in float64, as
+        ``norms.float().double()`` gives it."""
+        if norms.dtype not in _WIDENED_EXACTLY:
+            norms = norms.float()  # float64 norms: rounded to float32 first, as before
+        vector = self._vectors.get(count)
+        if vector is None:
+            if len(self._vectors) >= 16:  # bounded: counts change only with the plans
+                self._vectors.clear()
+            vector = self._vectors[count] = torch.empty(count, dtype=torch.float64)
+        return vector.copy_(norms)
+
+
+def _square_sum(
+    optimizer: OptimizerNorms,
+    host_norms: torch.Tensor | None,
+    start: int,
+    scratch: _Float64Scratch,
+) -> float:
     """The sum of one optimizer's squared per-parameter norms."""
     count = optimizer.count
     if not count:
         return 0.0
     if count > SMALL:
-        norms = _norms(optimizer, host_norms, start)
-        norms = norms.double()  # as fsum below: no float32 rounding in the sum
-        return float(torch.dot(norms, norms).item())
+        # float64 as fsum below (no float32 rounding in the sum); the same dot product
+        # of the same float64 values as ever, bit for bit.
+        if host_norms is not None:
+            # shape[0], not len(): a tensor's __len__ is Python, several times dearer.
+            whole = start == 0 and count == host_norms.shape[0]
+            norms = host_norms if whole else host_norms[start : start + count]
+        elif optimizer.packed is not None:
+            norms = optimizer.packed
+        else:
+            norms = torch.stack(optimizer.norms)
+        wide = scratch.widened(norms, count)
+        return torch.dot(wide, wide).item()
     if host_norms is not None:
         values = host_norms[start : start + count].tolist()
     elif optimizer.packed is not None:
         values = optimizer.packed.tolist()
     else:
-        values = [norm.item() for norm in optimizer.norms]
-    return math.fsum(v * v for v in values)
+        values = torch.stack(optimizer.norms).tolist()  # one read, not one per norm
+    # The same products and the same exact sum as ``fsum(v * v for v in values)``, with no
+    # Python bytecode per norm.
+    return math.fsum(map(operator.mul, values, values))
 
 
 def _norms(optimizer: OptimizerNorms, host_norms: torch.Tensor | None, start: int) -> torch.Tensor:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ampscope.rank.capture import layout
@@ -61,3 +63,47 @@ def test_a_host_copy_is_cut_into_values_norms_and_extra() -> None:
     assert layout.copy_parts(6, 0, 2) == layout.CopyParts(slice(0, 4), None, slice(4, 6))
     assert layout.copy_parts(6, 2, 0) == layout.CopyParts(slice(0, 4), slice(4, 6), None)
     assert layout.copy_parts(6, 0, 0) == layout.CopyParts(slice(0, 6), None, None)
+
+
+def _plain_decode(
+    values: list[float], slots: tuple[OptimizerSlot, ...], local: int, origin: int
+) -> tuple:
+    """The layout read the long way: one value at a time."""
+    at, found = 1, []
+    for slot in slots:
+        found.append(any(v > 0 for v in values[at : at + slot.num_flags]))
+        at += slot.num_flags
+    stepped = any(hit and slot.stepped for slot, hit in zip(slots, found, strict=True))
+    local_flags = tuple(v > 0 for v in values[at : at + local])
+    at += local
+    after, tracker = values[at], int(values[at + 1])
+    origin_flags = tuple(v > 0 for v in values[at + 2 : at + 2 + origin])
+    return (values[0], found, stepped, local_flags, after, tracker, origin_flags, at + 2 + origin)
+
+
+def test_decode_matches_the_layout_read_value_by_value() -> None:
+    """Slots of one, several and no flags, stepped or not; NaN flags are not set (as ever)."""
+    import random
+
+    rng = random.Random(9)
+    shapes = [
+        (OptimizerSlot(index=0, name="a", fused=False, stepped=True, num_flags=1),),
+        (
+            OptimizerSlot(index=0, name="a", fused=True, stepped=True, num_flags=3),
+            OptimizerSlot(index=1, name="b", fused=False, stepped=False, num_flags=1),
+            OptimizerSlot(index=2, name="c", fused=False, stepped=True, num_flags=0),
+        ),
+        (),
+    ]
+    for slots in shapes:
+        for _ in range(200):
+            local, origin = rng.randrange(3), rng.randrange(3)
+            flags = [
+                rng.choice([0.0, 1.0, 2.0, math.nan, -1.0])
+                for _ in range(layout.flag_count(slots, ["d"] * local))
+            ]
+            values = layout.head(8.0, flags) + layout.tail(
+                4.0, 3.0, [rng.choice([0.0, 1.0, math.nan]) for _ in range(origin)]
+            )
+            decoded = layout.decode(values, slots, ["d"] * local, ["o"] * origin)
+            assert tuple(decoded) == _plain_decode(values, slots, local, origin)
