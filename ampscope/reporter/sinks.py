@@ -24,6 +24,8 @@ class Sink(Protocol):
     ampscope calls ``emit`` from its own background thread, never from the training
     thread, one record at a time in step order. A sink may raise: the caller counts
     the error, logs it once, and keeps going, so a broken sink never breaks training.
+    Records are frozen and their lists may be shared with later records (an empty
+    ``spikes`` list, say): read them, copy what you change (``record.model_copy``).
     """
 
     def emit(self, record: StepRecord) -> None:

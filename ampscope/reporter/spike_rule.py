@@ -92,7 +92,7 @@ class SpikeWindow:
         values, minima = self._values, self._minima
         # The ratio guard against the window's minimum settles most values of a steady
         # series here, without the calls of the full test (_judge, which repeats it).
-        if len(values) < self.rule.min_window or value < self.rule.ratio * minima[0][1]:
+        if len(values) < self.rule.min_window or value < self._ratio_bound(minima[0][1]):
             spike = None
         else:
             spike = self._judge(value)

@@ -113,6 +113,18 @@ def test_the_minimum_shortcut_judges_as_the_full_rule() -> None:
         assert fired >= 1, f"the planted spikes of level {level} must fire"
 
 
+def test_a_value_at_exactly_ratio_times_a_flat_windows_level_is_a_spike() -> None:
+    """On a flat window (minimum = median) the ratio guard is met at equality: the
+    minimum's shortcut must not turn ``>=`` into ``>``."""
+    rule = SpikeRule(window=30, min_window=5)
+    window = SpikeWindow(rule)
+    for _ in range(20):
+        assert window.observe(2.0) is None
+    spike = window.observe(rule.ratio * 2.0)
+    assert spike is not None
+    assert spike.value == rule.ratio * 2.0
+
+
 def test_the_threshold_is_the_least_value_observe_calls_a_spike() -> None:
     """What a rank compares on the device must be the rule itself: at the threshold a value
     is a spike, one float below it is not, on positive, mixed and negative series."""

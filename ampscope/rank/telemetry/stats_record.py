@@ -186,9 +186,6 @@ class StatsBuilder:
 SMALL = 64
 """Up to this many norms, Python sums their squares faster than two more tensor ops."""
 
-_WIDENED_EXACTLY = (torch.float32, torch.float16, torch.bfloat16)
-"""Norm dtypes whose float32 cast changes nothing: copied straight into float64."""
-
 
 class _Float64Scratch:
     """One float64 vector per norm count, reused for every record's squared sum: a copy
@@ -201,10 +198,8 @@ class _Float64Scratch:
         self._vectors: dict[int, torch.Tensor] = {}
 
     def widened(self, norms: torch.Tensor, count: int) -> torch.Tensor:
-        """``norms`` (a CPU vector of ``count`` values) in float64, as
-        ``norms.float().double()`` gives it."""
-        if norms.dtype not in _WIDENED_EXACTLY:
-            norms = norms.float()  # float64 norms: rounded to float32 first, as before
+        """``norms`` (a CPU vector of ``count`` values) in float64, as ``norms.double()``
+        gives it (exact from every floating dtype)."""
         vector = self._vectors.get(count)
         if vector is None:
             if len(self._vectors) >= 16:  # bounded: counts change only with the plans
@@ -231,9 +226,9 @@ def _square_sum(
             whole = start == 0 and count == host_norms.shape[0]
             norms = host_norms if whole else host_norms[start : start + count]
         elif optimizer.packed is not None:
-            norms = optimizer.packed
+            norms = optimizer.packed.float()  # read in float32, as ever (a no-op for float32)
         else:
-            norms = torch.stack(optimizer.norms)
+            norms = torch.stack(optimizer.norms)  # float64 norms stay float64
         wide = scratch.widened(norms, count)
         return torch.dot(wide, wide).item()
     if host_norms is not None:

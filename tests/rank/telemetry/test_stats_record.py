@@ -49,6 +49,21 @@ def test_slices_of_one_host_copy_read_each_optimizers_own_norms() -> None:
     assert _square_sum(_optimizer(second), whole, 0, scratch) == _reference(whole)
 
 
+def test_separate_float64_norms_are_summed_in_float64_unrounded() -> None:
+    """Norms kept one tensor each (a parameter without a gradient, DTensor or sparse
+    gradients) in float64, as a float64 model's are: summed without a float32 rounding on
+    the way, as the telemetry thread always did; only the packed vector is read in float32."""
+    generator = torch.Generator().manual_seed(5)
+    scratch = _Float64Scratch()
+    for count in (SMALL + 1, 149, 700):
+        values = torch.rand(count, generator=generator, dtype=torch.float64) / 3
+        norms = tuple(values.unbind())
+        optimizer = OptimizerNorms(tuple(f"p{i}" for i in range(count)), norms, False, None)
+        expected = float(torch.dot(values, values).item())
+        assert expected != _reference(values), "the float32 rounding would show"
+        assert _square_sum(optimizer, None, 0, scratch) == expected
+
+
 def test_the_scratch_vector_holds_no_stale_values() -> None:
     scratch = _Float64Scratch()
     ones, twos = torch.ones(150), torch.full((150,), 2.0)
