@@ -29,6 +29,7 @@ stages (the watch attaches to each stage; origin tracking of such a rank is unte
 
 from __future__ import annotations
 
+import inspect
 import logging
 import weakref
 from dataclasses import dataclass, field
@@ -44,11 +45,17 @@ except ImportError as exc:  # pragma: no cover - exercised only without torchtit
     ) from exc
 
 from ampscope import GradWatch
+from ampscope.integrations import _clip_repeat
 from ampscope.integrations._step import StepThroughWatch
 from ampscope.integrations._swap import Attacher, check_options, check_policy, make_watch
 from ampscope.reporter.schema import Policy
 
 logger = logging.getLogger("ampscope")
+
+KNOWN_CLIP = "ffd3da6eab3894f0a6a1e60114d1147311b39886571d19c23476ae0c9403d426"
+"""The fingerprint (:func:`~ampscope.integrations._clip_repeat.fingerprint`) of torchtitan
+0.3.0's ``clip_grad_norm_``, which :func:`~ampscope.integrations._clip_repeat.clip`
+repeats."""
 
 _LIVE: weakref.WeakSet[WatchedLRSchedulers] = weakref.WeakSet()
 """The containers whose watch checks before the next clip (one per trainer)."""
@@ -102,12 +109,19 @@ class WatchedLRSchedulers(LRSchedulersContainer):
         _install_clip_hook()
         _LIVE.add(self)
 
-    def check(self) -> None:
+    def checks_next(self) -> bool:
+        """Whether the next :meth:`check` checks (once per iteration, while open)."""
+        return not self._checked and not self.watch.telemetry.closed
+
+    def check(self, expect_clip: bool = False) -> None:
         """Check every optimizer's gradients now (before torchtitan clips them); once per
-        iteration."""
-        if self._checked or self.watch.telemetry.closed:
+        iteration. ``expect_clip``: the clip that follows keeps its norms
+        (:meth:`~ampscope.GradWatch.clip_with_norms_`), and the check leaves them to it."""
+        if not self.checks_next():
             return
         self._checked = True
+        if expect_clip:
+            self.watch.expect_clip()
         for optimizer in self._optimizers:
             self.watch.unscale_(optimizer)
 
@@ -172,16 +186,62 @@ def gradwatch(
 
 def _install_clip_hook() -> None:
     """Wrap ``torchtitan.distributed.utils.clip_grad_norm_`` once per process: each live
-    watch checks the gradients before the clip changes them."""
+    watch checks the gradients before the clip changes them. With one live watch, where
+    :mod:`~ampscope.integrations._torchtitan_clip` repeats torchtitan's clip (the 2-norm, no
+    expert parallelism...), the clip is that one, whose pass gives the watch its norms: the
+    watch's check makes none of its own (nor the all-reduce of their sharded squares)."""
     clip = dist_utils.clip_grad_norm_
     if getattr(clip, "ampscope_checks", False):
         return
+    known = _clip_repeat.recognised(
+        clip, KNOWN_CLIP, "torchtitan.distributed.utils.clip_grad_norm_"
+    )
+    signature = inspect.signature(clip) if known else None
 
     def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
-        for schedulers in list(_LIVE):
-            schedulers.check()
-        return clip(*args, **kwargs)
+        live = list(_LIVE)
+        call = None
+        if signature is not None and len(live) == 1 and live[0].checks_next():
+            call = _keeping_call(signature, args, kwargs)
+        for schedulers in live:
+            schedulers.check(expect_clip=call is not None)
+        if call is None:
+            return clip(*args, **kwargs)
+        kept = call
+
+        def run(keep: bool) -> tuple[Any, Any, Any]:
+            if not keep:  # ampscope could not take the norms: torchtitan's own clip
+                total = clip(*args, **kwargs)
+                return total, None, total
+            return _clip_repeat.clip(kept)
+
+        return live[0].watch.clip_with_norms_(call.params, run, keep=True)
 
     clip_grad_norm_.ampscope_checks = True  # type: ignore[attr-defined]
     clip_grad_norm_.__wrapped__ = clip  # type: ignore[attr-defined]
     dist_utils.clip_grad_norm_ = clip_grad_norm_
+
+
+def _keeping_call(
+    signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> _clip_repeat.KeepingCall | None:
+    """``clip_grad_norm_(*args, **kwargs)``, when ampscope's repeat keeps its norms: not
+    under expert parallelism (torchtitan norms its expert and dense gradients apart), the
+    parameters a list (a generator is left whole to torchtitan)."""
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    arguments = bound.arguments
+    params = arguments["parameters"]
+    if arguments["ep_enabled"] or not isinstance(params, list):
+        return None
+    return _clip_repeat.keeping_call(
+        params,
+        arguments["max_norm"],
+        arguments["norm_type"],
+        arguments["error_if_nonfinite"],
+        arguments["foreach"],
+        arguments["pp_mesh"],
+    )

@@ -20,6 +20,10 @@ TIMEOUT_S = 900.0
 """Deadlock guard for the distributed test (four torchtitan runs per rank on two cores)."""
 
 
+NAN_PARAMS = ["tok_embeddings.weight"]
+"""The NaN enters the embedding's output gradient: its weight's is the one it reaches."""
+
+
 def _at_inject() -> list[bool]:
     return [step == INJECT_STEP for step in range(1, STEPS + 1)]
 
@@ -65,6 +69,14 @@ def test_torchtitan_two_ranks(report_to: str, tmp_path: Path) -> None:
         assert f"at step {INJECT_STEP}" in stop["error"]
         assert f"Origin rank(s): {INJECT_RANK}." in stop["error"]
         assert stop["optimizer_steps"] == [INJECT_STEP - 1]
+        # torchtitan's clip gives the norms, in the model's order: the local (shard)
+        # norms of the gradients it clips, NaN included; the watch makes no pass of its
+        # own, not even in the first iteration, and still names what held the NaN.
+        for run in (observe, skip):
+            assert run["norm_names"] == run["param_names"]
+            assert run["norms_as_seen"]
+        assert skip["nonfinite"] == [NAN_PARAMS if at else [] for at in _at_inject()]
+        assert observe["own_norm_passes"] == skip["own_norm_passes"] == 0
     assert results[0]["raise"]["error"] == results[1]["raise"]["error"]
     # The records reached the exporter, which names the skipped step's origin rank.
     for view in exporter_ranks(report_to, "titan-observe", 2, steps=STEPS):

@@ -10,7 +10,10 @@
   (one more read of gradient memory). Sharded gradients (FSDP1 flat shards,
   FSDP2/tensor-parallel DTensor shards) add a stack, a dot product and one all-reduce
   (sum) of that one-element squared norm per mesh layout, issued by every rank at the
-  same place every iteration, clean or not, so no rank waits alone.
+  same place every iteration, clean or not, so no rank waits alone. Where the loop's clip
+  keeps its norms (the front-end's ``clip_grad_norm_``; an integration's repeat of its
+  library's clip, announced by ``expect_clip()``), the norms are left to that clip's pass
+  and its total stands for the all-reduce.
 * update(): :meth:`GradStats.take` hands the tensors to the pending step, which moves them
   like the scale: on the CPU the telemetry thread reads them (host memory; nothing
   writes them any more), on accelerators they join the step's one non-blocking copy.
@@ -194,6 +197,12 @@ class GradStats:
         self._clips = False
         """The last iteration clipped through the front-end (:meth:`clipped`): the next
         ones defer their norms to the clip, until one ends without it."""
+        self.clip_ahead = False
+        """Settable (:meth:`~ampscope.rank.frontends.base.TelemetryFrontEnd.expect_clip`):
+        a clip that keeps its norms comes right after this check, so :meth:`add_grads`
+        leaves the norms of every one-norm-per-parameter plan to it, sharded (DTensor)
+        gradients included, from this iteration on; :meth:`before_clip` ends it. Every
+        rank must set it alike: a sharded plan's all-reduce moves to the clip."""
         self._clipped = False
         self._deferred: list[tuple[OptimizerInfo, NormPlan]] = []
         self._clip_names: dict[tuple[Any, ...], tuple[str, ...] | None] = {}
@@ -256,7 +265,7 @@ class GradStats:
         loss, self._loss, self._loss_count = self._loss, None, 0
         self._optimizers = []
         self._deferred = []
-        self._clipped = False
+        self._clipped = self.clip_ahead = False
         return loss
 
     def add_grads(
@@ -290,6 +299,10 @@ class GradStats:
         except Exception:
             self._sum_nothing(optimizer)
             raise
+        if self.clip_ahead and not scaled and plan.simple and self.reduce is None:
+            # The clip about to run norms these gradients (and sums sharded ones).
+            self._deferred.append((info, plan))
+            return None
         if not plan.reductions and self.reduce is None:
             if self._clips and self.defer and not scaled and plan.simple and info.place:
                 # The loop clips through the front-end: its pass norms these gradients.
@@ -331,6 +344,12 @@ class GradStats:
                 OptimizerNorms(plan.names, self._local_norms(plan, info), scaled, None)
             )
             return None
+        self._add_summed(plan, info, scaled)
+        return None
+
+    def _add_summed(self, plan: NormPlan, info: OptimizerInfo, scaled: bool) -> None:
+        """Sharded gradients' local norms and their squared norm summed over the ranks;
+        the all-reduces run whatever fails (this rank then adds NaN, then raises)."""
         failure: Exception | None = None
         local: tuple[torch.Tensor, ...] | None
         try:
@@ -341,7 +360,6 @@ class GradStats:
         if failure is not None or local is None:
             raise failure or RuntimeError("no local gradient norms")
         self._optimizers.append(OptimizerNorms(plan.names, local, scaled, square))
-        return None
 
     def _local_norms(self, plan: NormPlan, info: OptimizerInfo) -> tuple[torch.Tensor, ...]:
         """The plan's per-parameter (segment) norms of this rank's local gradients."""
@@ -393,6 +411,8 @@ class GradStats:
         iteration's ``grad_norm`` is ``null`` on the open ranks, as for a rank whose norms
         fail), so no rank waits alone. Whether there are any is decided once per optimizer
         and parameter count (none for whole gradients: DDP, one rank)."""
+        if self.clip_ahead:
+            return  # the open ranks leave the sum to the clip (expect_clip)
         # O(parameter groups) per call; the parameters are walked once per key.
         key = (id(optimizer), sum(len(group["params"]) for group in optimizer.param_groups))
         sums = self._closed_sums.get(key)
@@ -434,6 +454,7 @@ class GradStats:
         tuple of the parameters' ids, a dict lookup.
         """
         self._clips = self._clipped = True
+        self.clip_ahead = False
         deferred = self._deferred
         if not deferred:
             return None
@@ -470,11 +491,16 @@ class GradStats:
 
     def resolve(self) -> None:
         """Norm the gradients deferred to a clip that did not come (``step()``, before the
-        optimizer runs): as :meth:`add_grads` would have, and stop deferring."""
+        optimizer runs) or did not keep its norms: as :meth:`add_grads` would have (sharded
+        gradients with their all-reduces, every rank alike), and stop deferring."""
         deferred, self._deferred = self._deferred, []
+        self.clip_ahead = False
         if not self._clipped:
             self._clips = False
         for info, plan in deferred:
+            if plan.reductions:
+                self._add_summed(plan, info, False)
+                continue
             norms = self._local_norms(plan, info)
             self._optimizers.append(OptimizerNorms(plan.names, norms, False, None))
 
@@ -484,7 +510,7 @@ class GradStats:
             self.resolve()
         if not self._clipped:
             self._clips = False
-        self._clipped = False
+        self._clipped = self.clip_ahead = False
         self.defer = True
         taken = TakenStats(self._loss, self._loss_count, tuple(self._optimizers), origin)
         self._loss, self._loss_count, self._optimizers = None, 0, []
@@ -494,6 +520,7 @@ class GradStats:
         """Forget the open iteration (its record could not be made)."""
         self._loss, self._loss_count, self._optimizers = None, 0, []
         self._deferred, self._clipped, self.defer = [], False, True
+        self.clip_ahead = False
 
     # -- internals -----------------------------------------------------------------------
 

@@ -9,7 +9,8 @@ it). No collective mismatch and no hang: under ``skip`` every rank skips that st
 weights stay alike on every rank; under ``raise`` every rank raises at it, the closed one
 included; the scaler's ranks go on to the end. Two more run FSDP2 (sharded gradients, the
 norm's all-reduce) with the loop's own ``unscale_()`` and a clip before ``step()``, a
-``GradWatch`` under ``skip`` and a ``GradScaler``: every rank skips the NaN step together.
+``GradWatch`` under ``skip`` (clipping as the loop does, and keeping the clip's norms) and a
+``GradScaler``: every rank skips the NaN step together.
 """
 
 from __future__ import annotations
@@ -100,12 +101,16 @@ def _scaler_scenario(rank: int, world_size: int) -> dict[str, Any]:
 
 def _sharded_scenario(rank: int, world_size: int, kind: str) -> dict[str, Any]:
     """FSDP2 with the norms on (their all-reduce of sharded gradients), the loop's own
-    ``unscale_()`` and a clip (another all-reduce) before ``step()``."""
+    ``unscale_()`` and a clip (another all-reduce) before ``step()``. ``watch-clip``: the
+    clip keeps its norms (``expect_clip()``, ``clip_with_norms_()``, as the torchtitan and
+    OLMo-core integrations clip), so the open ranks' checks make no norm all-reduce."""
     import torch
     from torch import nn
     from torch.distributed.fsdp import fully_shard
 
     import ampscope
+    from ampscope.rank import compat
+    from ampscope.rank.gradients.clip import total_norm_with_norms
 
     torch.manual_seed(3)
     model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
@@ -129,8 +134,23 @@ def _sharded_scenario(rank: int, world_size: int, kind: str) -> dict[str, Any]:
         if rank == 0 and step == BAD_STEP:
             x[0, 0] = float("nan")
         front.scale(model(x).square().mean()).backward()
+        if kind == "watch-clip":
+            front.expect_clip()
         front.unscale_(opt)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        params = list(model.parameters())
+        if kind == "watch-clip":
+
+            def clip(keep: bool, params: list[Any] = params) -> Any:
+                # torch's clip of DTensor gradients (its per-tensor path), keeping norms.
+                grads = [p.grad for p in params]
+                total, norms = total_norm_with_norms(grads, 2.0, False, foreach=False)
+                total = total.full_tensor()
+                torch.nn.utils.clip_grads_with_norm_(params, 1.0, total)
+                return total, compat.local_tensor(norms) if keep else None, total
+
+            front.clip_with_norms_(params, clip, keep=True)
+        else:
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
         before = [p.detach().to_local().clone() for p in model.parameters()]
         front.step(opt)
         front.update()
@@ -151,7 +171,7 @@ def _rank(rank: int, world_size: int) -> dict[Any, dict[str, Any]]:
         for rerun in (False, True)
     }
     results["scaler"] = _scaler_scenario(rank, world_size)
-    for kind in ("watch", "scaler"):
+    for kind in ("watch", "watch-clip", "scaler"):
         results[("sharded", kind)] = _sharded_scenario(rank, world_size, kind)
     return results
 
@@ -175,6 +195,6 @@ def test_a_closed_front_end_keeps_the_collectives_paired(world_size: int) -> Non
     assert len({s["checksum"] for s in scaler}) == 1
     # Sharded gradients with the norms on, the loop unscaling and clipping itself: every
     # rank skips the NaN step together (the scaler backs off), the closed one included.
-    for kind in ("watch", "scaler"):
+    for kind in ("watch", "watch-clip", "scaler"):
         sharded = [out[("sharded", kind)] for out in results]
         assert [s["skipped"] for s in sharded] == [[BAD_STEP]] * world_size, kind

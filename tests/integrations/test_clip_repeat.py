@@ -1,0 +1,47 @@
+"""ampscope's repeat of torchtitan's and OLMo-core's gradient clips against the real ones,
+on two gloo ranks: the same total and clipped gradients, bit for bit, and the norms the
+watch's own pass computed before (each shard's, this stage's total)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from clip_repeat_workers import clip_worker
+from support import need_module, run_distributed
+
+need_module("torchtitan")
+need_module("triton")  # torchtitan imports it on every device
+need_module("olmo_core")
+
+SAME = {"total": True, "grads": True, "local": True, "stage": True, "nan": False}
+
+
+@pytest.mark.distributed
+def test_the_repeats_are_the_libraries_clips_bit_for_bit() -> None:
+    for result in run_distributed(clip_worker, 2):
+        assert result["recognised"] == [True, True]
+        for case in ("torchtitan", "torchtitan_pp", "torchtitan_plain"):
+            assert result[case] == SAME, case
+        for case in ("olmo_core", "olmo_core_plain"):
+            assert result[case] == SAME, case
+        # A NaN gradient: the same NaN total and gradients; the shard's norm shows it.
+        assert result["torchtitan_nan"] == result["olmo_core_nan"] == {**SAME, "nan": True}
+        # Everything the repeat does not cover is the library's own function's.
+        assert result["left"] == result["left_names"]
+
+
+def test_another_release_is_not_repeated(caplog: pytest.LogCaptureFixture) -> None:
+    from ampscope.integrations import _clip_repeat
+
+    def clip_grad_norm_(parameters: object, max_norm: float) -> None:
+        """Another release's function."""
+
+    with caplog.at_level(logging.INFO, logger="ampscope"):
+        known = _clip_repeat.fingerprint(clip_grad_norm_)
+        assert _clip_repeat.recognised(clip_grad_norm_, known, "the clip")
+        assert not caplog.text
+        assert not _clip_repeat.recognised(clip_grad_norm_, "0" * 64, "the clip")
+        assert not _clip_repeat.recognised(len, known, "a builtin")  # no source to read
+    assert "the clip is not the code ampscope repeats" in caplog.text
+    assert "could not read a builtin" in caplog.text
