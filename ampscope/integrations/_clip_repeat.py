@@ -22,6 +22,7 @@ the release it repeats, and hands anything else to the library's function unchan
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import inspect
 import logging
@@ -84,13 +85,15 @@ def recognised(fn: Callable[..., Any], known: str, what: str) -> bool:
     return same
 
 
-_LAYOUTS: dict[tuple[int, ...], bool | None] = {}
+Layouts = dict[tuple[int, ...], bool | None]
 """Per clipped parameter list (ids) and ``foreach``: the gradients' foreach path, or
-``None`` where they make no keepable group."""
+``None`` where they make no keepable group. One per watch: ids are only reused once the
+parameters are gone."""
 _LAYOUT_KEYS = 8
 
 
 def keeping_call(
+    layouts: Layouts,
     params: list[torch.Tensor],
     max_norm: float,
     norm_type: float,
@@ -99,20 +102,49 @@ def keeping_call(
     pp_mesh: Any = None,
 ) -> KeepingCall | None:
     """The clip of ``params``' gradients with these arguments, when :func:`clip` keeps its
-    norms; else ``None`` (the library's own function runs). Decided from the arguments and
-    the gradients' layout, alike on every rank. Cost on a repeated parameter list: the
+    norms; else ``None`` (the library's own function runs, as does any error of ampscope's
+    here: logged once). Decided from the arguments and the gradients' layout (remembered
+    in ``layouts``), alike on every rank. Cost on a repeated parameter list: the
     gradients' list, a tuple of ids and a lookup."""
+    try:
+        return _keeping_call(
+            layouts, params, max_norm, norm_type, error_if_nonfinite, foreach, pp_mesh
+        )
+    except Exception:
+        _warn_once()
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def _warn_once() -> None:
+    """Say once (in ``except``) that :func:`keeping_call` failed."""
+    logger.warning(
+        "ampscope: could not tell whether the clip keeps its norms; the library clips, "
+        "the watch norms in its own pass (logged once)",
+        exc_info=True,
+    )
+
+
+def _keeping_call(
+    layouts: Layouts,
+    params: list[torch.Tensor],
+    max_norm: float,
+    norm_type: float,
+    error_if_nonfinite: bool,
+    foreach: bool | None,
+    pp_mesh: Any,
+) -> KeepingCall | None:
     if not params or foreach is False or float(norm_type) != 2.0:
         return None
     grads = [p.grad for p in params]
     if any(g is None for g in grads):
         return None
     key = (*map(id, params), foreach is None)
-    path = _LAYOUTS.get(key, False)
+    path = layouts.get(key, False)
     if path is False:
-        if len(_LAYOUTS) >= _LAYOUT_KEYS:
-            _LAYOUTS.clear()
-        path = _LAYOUTS[key] = _foreach_path(grads, foreach)  # type: ignore[arg-type]
+        if len(layouts) >= _LAYOUT_KEYS:
+            layouts.clear()
+        path = layouts[key] = _foreach_path(grads, foreach)  # type: ignore[arg-type]
     if path is None:
         return None
     return KeepingCall(

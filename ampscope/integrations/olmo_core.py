@@ -301,11 +301,25 @@ class _KeptClip:
 
     def __init__(self, module: Any, watch: GradWatch, clip: Any) -> None:
         self._module = module
+        self._layouts: _clip_repeat.Layouts = {}
+        self._call: _clip_repeat.KeepingCall | None = None
+        """:meth:`keeps_norms`'s answer, which the clip that follows keeps to."""
 
         def _clip_grad_norm(
             max_grad_norm: float, norm_type: float = 2.0, foreach: bool | None = None
         ) -> torch.Tensor:
-            call = _keeping_call(module.model, max_grad_norm, norm_type, foreach)
+            call, self._call = self._call, None
+            if call is not None and (max_grad_norm, norm_type, foreach) != (
+                call.max_norm,
+                call.norm_type,
+                call.foreach,
+            ):
+                call = None  # another call than optim_step()'s: OLMo-core's own clip
+            if call is not None:
+                # As OLMo-core reads them, should a callback have replaced some since.
+                grads = [p.grad for p in call.params]
+                whole = all(g is not None for g in grads)
+                call = call._replace(grads=grads) if whole else None  # type: ignore[arg-type]
 
             def run(keep: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
                 if call is None or not keep:  # OLMo-core's own clip
@@ -313,6 +327,7 @@ class _KeptClip:
                     return total, None, total
                 return _clip_repeat.clip(call)
 
+            # keep=False: the norms left to this clip are taken first, in their own pass.
             params = call.params if call is not None else []
             return watch.clip_with_norms_(params, run, keep=call is not None)
 
@@ -330,9 +345,14 @@ class _KeptClip:
 
     def keeps_norms(self) -> bool:
         """Whether the clip ``optim_step()`` is about to make keeps its norms (decided
-        alike on every rank, from the train module's settings and the gradients' layout)."""
+        alike on every rank, from the train module's settings and the gradients' layout);
+        the clip keeps to the answer."""
         max_norm = self._module.max_grad_norm
-        return max_norm is not None and _keeping_call(self._module.model, max_norm) is not None
+        call = None
+        if max_norm is not None:
+            call = _keeping_call(self._layouts, self._module.model, max_norm)
+        self._call = call
+        return call is not None
 
     def remove(self) -> None:
         """The train module's own ``_clip_grad_norm`` again."""
@@ -353,7 +373,11 @@ def _recognised(method: Any) -> bool:
 
 
 def _keeping_call(
-    model: Any, max_grad_norm: float, norm_type: float = 2.0, foreach: bool | None = None
+    layouts: _clip_repeat.Layouts,
+    model: Any,
+    max_grad_norm: float,
+    norm_type: float = 2.0,
+    foreach: bool | None = None,
 ) -> _clip_repeat.KeepingCall | None:
     """OLMo-core's clip of ``model``'s gradients, when ampscope's repeat keeps its norms:
     not under FSDP1 (OLMo-core calls its ``clip_grad_norm_``)."""
@@ -362,7 +386,7 @@ def _keeping_call(
     if isinstance(model, FullyShardedDataParallel):
         return None
     params = list(model.parameters())
-    return _clip_repeat.keeping_call(params, max_grad_norm, norm_type, False, foreach)
+    return _clip_repeat.keeping_call(layouts, params, max_grad_norm, norm_type, False, foreach)
 
 
 def _forget_step(optim: Any, loss: Any, grad_norm_before: Any) -> None:

@@ -13,9 +13,13 @@ its optimizers. In each ``Trainer.train_step``:
 
 * ``dist_utils.clip_grad_norm_``, which torchtitan calls once the gradients are reduced:
   the watch checks every optimizer's gradients first (``unscale_``: the non-finite check,
-  the norms, under ``skip``/``raise`` the all-reduce every rank agrees on). ampscope wraps
-  that function of ``torchtitan.distributed.utils`` for the life of the process; with no
-  live watch the wrapper only calls it;
+  the norms, under ``skip``/``raise`` the all-reduce every rank agrees on). Then the clip
+  is ampscope's repeat of torchtitan's (:mod:`~ampscope.integrations._clip_repeat`: the
+  2-norm, no expert parallelism, gradients of one layout, torchtitan 0.3.0's code), bit
+  for bit, whose pass gives the watch its norms, so the check makes no norm pass of its
+  own; torchtitan's own function otherwise. ampscope wraps that function of
+  ``torchtitan.distributed.utils`` for the life of the process; with no live watch the
+  wrapper only calls it;
 * ``optimizers.step()``: each optimizer's ``step()`` goes through ``watch.step()``
   (``skip`` does not step, ``raise`` raises on every rank);
 * ``lr_schedulers.step()``: the schedulers step unless the watch skipped the iteration
@@ -103,6 +107,8 @@ class WatchedLRSchedulers(LRSchedulersContainer):
         self._optimizers = list(optimizers)
         self._steppers = [StepThroughWatch(watch, opt) for opt in self._optimizers]
         self._checked = False
+        self.clip_layouts: _clip_repeat.Layouts = {}
+        """What ampscope's repeat of torchtitan's clip learnt of the gradients' layout."""
         attacher = Attacher(track_origin)
         for part in optimizers.model_parts:
             attacher.attach(watch, part)
@@ -187,7 +193,7 @@ def gradwatch(
 def _install_clip_hook() -> None:
     """Wrap ``torchtitan.distributed.utils.clip_grad_norm_`` once per process: each live
     watch checks the gradients before the clip changes them. With one live watch, where
-    :mod:`~ampscope.integrations._torchtitan_clip` repeats torchtitan's clip (the 2-norm, no
+    :mod:`~ampscope.integrations._clip_repeat` repeats torchtitan's clip (the 2-norm, no
     expert parallelism...), the clip is that one, whose pass gives the watch its norms: the
     watch's check makes none of its own (nor the all-reduce of their sharded squares)."""
     clip = dist_utils.clip_grad_norm_
@@ -202,7 +208,7 @@ def _install_clip_hook() -> None:
         live = list(_LIVE)
         call = None
         if signature is not None and len(live) == 1 and live[0].checks_next():
-            call = _keeping_call(signature, args, kwargs)
+            call = _keeping_call(live[0].clip_layouts, signature, args, kwargs)
         for schedulers in live:
             schedulers.check(expect_clip=call is not None)
         if call is None:
@@ -223,7 +229,10 @@ def _install_clip_hook() -> None:
 
 
 def _keeping_call(
-    signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]
+    layouts: _clip_repeat.Layouts,
+    signature: inspect.Signature,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
 ) -> _clip_repeat.KeepingCall | None:
     """``clip_grad_norm_(*args, **kwargs)``, when ampscope's repeat keeps its norms: not
     under expert parallelism (torchtitan norms its expert and dense gradients apart), the
@@ -238,6 +247,7 @@ def _keeping_call(
     if arguments["ep_enabled"] or not isinstance(params, list):
         return None
     return _clip_repeat.keeping_call(
+        layouts,
         params,
         arguments["max_norm"],
         arguments["norm_type"],

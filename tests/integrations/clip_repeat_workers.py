@@ -66,12 +66,12 @@ def clip_worker(rank: int, world_size: int) -> dict[str, Any]:
             expected_stage = expected_stage.full_tensor()
         if library == "torchtitan":
             theirs = titan(stock, MAX_NORM, **kwargs)
-            call = torchtitan._keeping_call(signature, (ours, MAX_NORM), kwargs)
+            call = torchtitan._keeping_call({}, signature, (ours, MAX_NORM), kwargs)
         else:
             theirs = olmo(
                 SimpleNamespace(model=SimpleNamespace(parameters=lambda: stock)), MAX_NORM
             )
-            call = olmo_core._keeping_call(SimpleNamespace(parameters=lambda: ours), MAX_NORM)
+            call = olmo_core._keeping_call({}, SimpleNamespace(parameters=lambda: ours), MAX_NORM)
         assert call is not None
         total, local, stage = _clip_repeat.clip(call)
         return {
@@ -112,7 +112,7 @@ def clip_worker(rank: int, world_size: int) -> dict[str, Any]:
         "left": sorted(
             name
             for name, args in left.items()
-            if torchtitan._keeping_call(signature, args, {}) is None
+            if torchtitan._keeping_call({}, signature, args, {}) is None
         ),
         "left_names": sorted(left),
     }

@@ -45,3 +45,34 @@ def test_another_release_is_not_repeated(caplog: pytest.LogCaptureFixture) -> No
         assert not _clip_repeat.recognised(len, known, "a builtin")  # no source to read
     assert "the clip is not the code ampscope repeats" in caplog.text
     assert "could not read a builtin" in caplog.text
+
+
+def test_another_olmo_core_clip_stays_its_own(caplog: pytest.LogCaptureFixture) -> None:
+    """A train module whose ``_clip_grad_norm`` is not OLMo-core 3.0's keeps its method; the
+    watch norms in its own pass, as before."""
+    from ampscope.integrations.olmo_core import _KeptClip
+
+    class TrainModule:
+        max_grad_norm = 1.0
+
+        def _clip_grad_norm(self, max_grad_norm: float) -> str:
+            return "its own"
+
+    module = TrainModule()
+    with caplog.at_level(logging.INFO, logger="ampscope"):
+        assert _KeptClip.install(module, watch=None) is None  # type: ignore[arg-type]
+    assert "_clip_grad_norm" not in vars(module)
+    assert "TrainModule._clip_grad_norm is not the code ampscope repeats" in caplog.text
+
+
+def test_an_error_of_ampscopes_leaves_the_clip_to_the_library(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from ampscope.integrations import _clip_repeat
+
+    _clip_repeat._warn_once.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="ampscope"):
+        # Not a parameter: reading its gradient fails inside ampscope, never in training.
+        assert _clip_repeat.keeping_call({}, [object()], 1.0, 2.0, False, True) is None  # type: ignore[list-item]
+        assert _clip_repeat.keeping_call({}, [object()], 1.0, 2.0, False, True) is None  # type: ignore[list-item]
+    assert caplog.text.count("could not tell whether the clip keeps its norms") == 1
