@@ -211,17 +211,19 @@ def _install_clip_hook() -> None:
             call = _keeping_call(live[0].clip_layouts, signature, args, kwargs)
         for schedulers in live:
             schedulers.check(expect_clip=call is not None)
-        if call is None:
-            return clip(*args, **kwargs)
+        if len(live) != 1 or signature is None:
+            return clip(*args, **kwargs)  # as before ampscope repeated the clip
         kept = call
 
         def run(keep: bool) -> tuple[Any, Any, Any]:
-            if not keep:  # ampscope could not take the norms: torchtitan's own clip
+            if kept is None or not keep:  # torchtitan's own clip
                 total = clip(*args, **kwargs)
                 return total, None, total
             return _clip_repeat.clip(kept)
 
-        return live[0].watch.clip_with_norms_(call.params, run, keep=True)
+        # Without a call (keep=False): norms still left to a clip are taken before it.
+        params = call.params if call is not None else []
+        return live[0].watch.clip_with_norms_(params, run, keep=call is not None)
 
     clip_grad_norm_.ampscope_checks = True  # type: ignore[attr-defined]
     clip_grad_norm_.__wrapped__ = clip  # type: ignore[attr-defined]
