@@ -102,10 +102,12 @@ def keeping_call(
     pp_mesh: Any = None,
 ) -> KeepingCall | None:
     """The clip of ``params``' gradients with these arguments, when :func:`clip` keeps its
-    norms; else ``None`` (the library's own function runs, as does any error of ampscope's
-    here: logged once). Decided from the arguments and the gradients' layout (remembered
-    in ``layouts``), alike on every rank. Cost on a repeated parameter list: the
-    gradients' list, a tuple of ids and a lookup."""
+    norms; else ``None`` (the library's own function runs, as it does where torch's clip
+    is not the pass the repeat copies, :func:`~ampscope.rank.compat.clip_unchanged`, and on
+    any error of ampscope's here: logged once). Decided from the arguments and the
+    gradients' layout (remembered in ``layouts``), alike on every rank of a program that
+    gives every rank the same layout. Cost on a repeated parameter list: the gradients'
+    list, a tuple of ids and a lookup."""
     try:
         return _keeping_call(
             layouts, params, max_norm, norm_type, error_if_nonfinite, foreach, pp_mesh
@@ -136,6 +138,8 @@ def _keeping_call(
 ) -> KeepingCall | None:
     if not params or foreach is False or float(norm_type) != 2.0:
         return None
+    if not compat.clip_unchanged():
+        return None  # torch's get_total_norm is not the pass the repeat copies
     grads = [p.grad for p in params]
     if any(g is None for g in grads):
         return None

@@ -301,6 +301,7 @@ class _KeptClip:
 
     def __init__(self, module: Any, watch: GradWatch, clip: Any) -> None:
         self._module = module
+        self._own = vars(module).get(_CLIP)  # an instance attribute set before ours
         self._layouts: _clip_repeat.Layouts = {}
         self._call: _clip_repeat.KeepingCall | None = None
         """:meth:`keeps_norms`'s answer, which the clip that follows keeps to."""
@@ -309,6 +310,8 @@ class _KeptClip:
             max_grad_norm: float, norm_type: float = 2.0, foreach: bool | None = None
         ) -> torch.Tensor:
             call, self._call = self._call, None
+            # The parameters keeps_norms() announced (expect_clip), whatever clips them.
+            params = call.params if call is not None else []
             if call is not None and (max_grad_norm, norm_type, foreach) != (
                 call.max_norm,
                 call.norm_type,
@@ -322,15 +325,17 @@ class _KeptClip:
                 call = call._replace(grads=grads) if whole else None  # type: ignore[arg-type]
 
             def run(keep: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-                if call is None or not keep:  # OLMo-core's own clip
+                if call is None:  # OLMo-core's own clip
                     total = clip(max_grad_norm, norm_type, foreach)
                     return total, None, total
-                return _clip_repeat.clip(call)
+                total, local, stage = _clip_repeat.clip(call)  # OLMo-core's, bit for bit
+                return total, local if keep else None, stage
 
-            # keep=False: the norms left to this clip are taken first, in their own pass.
-            params = call.params if call is not None else []
+            # keep=False: the norms left to this clip are taken first (their sum over the
+            # ranks from its total, every rank's collectives alike).
             return watch.clip_with_norms_(params, run, keep=call is not None)
 
+        self._clip = _clip_grad_norm
         setattr(module, _CLIP, _clip_grad_norm)
 
     @classmethod
@@ -355,9 +360,14 @@ class _KeptClip:
         return call is not None
 
     def remove(self) -> None:
-        """The train module's own ``_clip_grad_norm`` again."""
-        if _CLIP in vars(self._module):
+        """The train module's own ``_clip_grad_norm`` again (when still ours; an instance
+        attribute set before ours is put back). Idempotent."""
+        if vars(self._module).get(_CLIP) is not self._clip:  # replaced since: leave it
+            return
+        if self._own is None:
             delattr(self._module, _CLIP)
+        else:
+            setattr(self._module, _CLIP, self._own)
 
 
 _RECOGNISED: dict[Any, bool] = {}

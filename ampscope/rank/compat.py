@@ -619,6 +619,16 @@ def _check_clip() -> list[str]:
 
 
 @functools.lru_cache(maxsize=1)
+def clip_unchanged() -> bool:
+    """Whether torch's clip is still the pass ampscope repeats (:func:`check_torch`'s
+    clip check finds nothing). Reads torch's source once per process."""
+    try:
+        return not _check_clip()
+    except Exception:
+        return False
+
+
+@functools.lru_cache(maxsize=1)
 def check_torch() -> tuple[str, ...]:
     """Every assumption above that this torch breaks, each naming what changed. Cheap;
     cached per process."""

@@ -11,12 +11,60 @@ import torch
 
 MAX_NORM = 0.5
 """Low enough that every case clips."""
+LOOP_STEPS = 4
+CLOSE_AFTER = 1
+"""Rank 0's watch closes after this many iterations of :func:`_titan_loop`."""
 
 
 def _bits(tensor: torch.Tensor) -> list[int]:
     from ampscope.rank import compat
 
     return compat.local_tensor(tensor).detach().float().view(torch.int32).flatten().tolist()
+
+
+def _titan_loop(rank: int, policy: str, subset: bool) -> dict[str, Any]:
+    """FSDP2 training through torchtitan's wrapped clip and ``WatchedLRSchedulers``, rank
+    0's watch closed after ``CLOSE_AFTER`` iterations; after each iteration an all-reduce
+    of a sentinel shows whether every rank made the same collectives. ``subset``: the
+    optimizer steps the first layer only (the clip's parameters are not the optimizer's)."""
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+    from torchtitan.distributed import utils as dist_utils
+
+    import ampscope
+    from ampscope.integrations.torchtitan import WatchedLRSchedulers
+
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    fully_shard(model)
+    optimizer = torch.optim.SGD((model[0] if subset else model).parameters(), lr=0.1)
+    optimizers = type("Optimizers", (list,), {})([optimizer])
+    optimizers.model_parts = [model]
+    schedulers = SimpleNamespace(
+        schedulers=[torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)]
+    )
+    watch = ampscope.GradWatch(policy, reporter=None)
+    container = WatchedLRSchedulers(schedulers, optimizers, watch, False)  # type: ignore[arg-type]
+    data = torch.Generator().manual_seed(rank)
+    sentinels, totals = [], []
+    for step in range(LOOP_STEPS):
+        model(torch.randn(3, 4, generator=data)).square().mean().backward()
+        totals.append(float(dist_utils.clip_grad_norm_(list(model.parameters()), 0.01)))
+        optimizer.step()
+        container.step()
+        optimizer.zero_grad()
+        sentinel = torch.tensor([float(step)])
+        torch.distributed.all_reduce(sentinel)
+        sentinels.append(float(sentinel))
+        if rank == 0 and step == CLOSE_AFTER - 1:
+            watch.close()
+    records = watch.telemetry.history()
+    container.close()
+    return {
+        "sentinels": sentinels,
+        "totals": totals,
+        "grad_norms": [r.stats.grad_norm for r in records],
+    }
 
 
 def clip_worker(rank: int, world_size: int) -> dict[str, Any]:
@@ -115,4 +163,9 @@ def clip_worker(rank: int, world_size: int) -> dict[str, Any]:
             if torchtitan._keeping_call({}, signature, args, {}) is None
         ),
         "left_names": sorted(left),
+        "loops": {
+            f"{policy}{'-subset' if subset else ''}": _titan_loop(rank, policy, subset)
+            for policy in ("observe", "skip")
+            for subset in (False, True)
+        },
     }

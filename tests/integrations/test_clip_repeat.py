@@ -5,9 +5,10 @@ watch's own pass computed before (each shard's, this stage's total)."""
 from __future__ import annotations
 
 import logging
+import math
 
 import pytest
-from clip_repeat_workers import clip_worker
+from clip_repeat_workers import CLOSE_AFTER, LOOP_STEPS, clip_worker
 from support import need_module, run_distributed
 
 need_module("torchtitan")
@@ -19,7 +20,8 @@ SAME = {"total": True, "grads": True, "local": True, "stage": True, "nan": False
 
 @pytest.mark.distributed
 def test_the_repeats_are_the_libraries_clips_bit_for_bit() -> None:
-    for result in run_distributed(clip_worker, 2):
+    results = run_distributed(clip_worker, 2)
+    for result in results:
         assert result["recognised"] == [True, True]
         for case in ("torchtitan", "torchtitan_pp", "torchtitan_plain"):
             assert result[case] == SAME, case
@@ -29,6 +31,26 @@ def test_the_repeats_are_the_libraries_clips_bit_for_bit() -> None:
         assert result["torchtitan_nan"] == result["olmo_core_nan"] == {**SAME, "nan": True}
         # Everything the repeat does not cover is the library's own function's.
         assert result["left"] == result["left_names"]
+    # torchtitan's loop with rank 0's watch closed: every rank made the same collectives
+    # (each sentinel all-reduce met its peer), and the open rank's records hold the norm
+    # torchtitan's clip returned (kept from it, or the optimizer's own where it steps a
+    # subset, until a rank closes), never the clipped gradients'.
+    for name in ("observe", "skip", "observe-subset", "skip-subset"):
+        loops = [result["loops"][name] for result in results]
+        for loop in loops:
+            assert loop["sentinels"] == [2.0 * step for step in range(LOOP_STEPS)], name
+        open_rank = loops[1]
+        assert len(open_rank["grad_norms"]) == LOOP_STEPS
+        pairs = zip(open_rank["totals"], open_rank["grad_norms"], strict=True)
+        for step, (total, grad_norm) in enumerate(pairs):
+            assert total > 0.1
+            if not name.endswith("subset"):
+                assert math.isclose(grad_norm, total, rel_tol=1e-5), name
+            elif step < CLOSE_AFTER:
+                assert 0.01 < grad_norm < total, name
+            else:  # the closed rank pairs the norm's all-reduce with NaN
+                assert grad_norm is None, name
+        assert len(loops[0]["grad_norms"]) == CLOSE_AFTER
 
 
 def test_another_release_is_not_repeated(caplog: pytest.LogCaptureFixture) -> None:

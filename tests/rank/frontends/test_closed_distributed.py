@@ -9,12 +9,14 @@ it). No collective mismatch and no hang: under ``skip`` every rank skips that st
 weights stay alike on every rank; under ``raise`` every rank raises at it, the closed one
 included; the scaler's ranks go on to the end. Two more run FSDP2 (sharded gradients, the
 norm's all-reduce) with the loop's own ``unscale_()`` and a clip before ``step()``, a
-``GradWatch`` under ``skip`` (clipping as the loop does, and keeping the clip's norms) and a
-``GradScaler``: every rank skips the NaN step together.
+``GradWatch`` under ``skip`` (clipping as the loop does, and keeping the clip's norms, or
+announcing a clip that then does not keep them) and a ``GradScaler``: every rank skips the
+NaN step together.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -103,7 +105,9 @@ def _sharded_scenario(rank: int, world_size: int, kind: str) -> dict[str, Any]:
     """FSDP2 with the norms on (their all-reduce of sharded gradients), the loop's own
     ``unscale_()`` and a clip (another all-reduce) before ``step()``. ``watch-clip``: the
     clip keeps its norms (``expect_clip()``, ``clip_with_norms_()``, as the torchtitan and
-    OLMo-core integrations clip), so the open ranks' checks make no norm all-reduce."""
+    OLMo-core integrations clip), so the open ranks' checks make no norm all-reduce;
+    ``watch-unkept``: the announced clip does not keep them (as OLMo-core's own clip where a
+    callback changed ``max_grad_norm``), and its total still stands for the all-reduce."""
     import torch
     from torch import nn
     from torch.distributed.fsdp import fully_shard
@@ -126,6 +130,7 @@ def _sharded_scenario(rank: int, world_size: int, kind: str) -> dict[str, Any]:
     front.attach(model)
     data = torch.Generator().manual_seed(rank)
     skipped: list[int] = []
+    totals: list[float] = []
     for step in range(1, STEPS + 1):
         if step == CLOSE_AFTER + 1 and rank == world_size - 1:
             front.close()
@@ -134,11 +139,11 @@ def _sharded_scenario(rank: int, world_size: int, kind: str) -> dict[str, Any]:
         if rank == 0 and step == BAD_STEP:
             x[0, 0] = float("nan")
         front.scale(model(x).square().mean()).backward()
-        if kind == "watch-clip":
+        if kind in ("watch-clip", "watch-unkept"):
             front.expect_clip()
         front.unscale_(opt)
         params = list(model.parameters())
-        if kind == "watch-clip":
+        if kind in ("watch-clip", "watch-unkept"):
 
             def clip(keep: bool, params: list[Any] = params) -> Any:
                 # torch's clip of DTensor gradients (its per-tensor path), keeping norms.
@@ -148,7 +153,7 @@ def _sharded_scenario(rank: int, world_size: int, kind: str) -> dict[str, Any]:
                 torch.nn.utils.clip_grads_with_norm_(params, 1.0, total)
                 return total, compat.local_tensor(norms) if keep else None, total
 
-            front.clip_with_norms_(params, clip, keep=True)
+            totals.append(float(front.clip_with_norms_(params, clip, kind == "watch-clip")))
         else:
             torch.nn.utils.clip_grad_norm_(params, 1.0)
         before = [p.detach().to_local().clone() for p in model.parameters()]
@@ -157,8 +162,10 @@ def _sharded_scenario(rank: int, world_size: int, kind: str) -> dict[str, Any]:
         after = [p.detach().to_local() for p in model.parameters()]
         if all(torch.equal(a, b) for a, b in zip(before, after, strict=True)):
             skipped.append(step)
+    records = front.telemetry.history() if rank == 0 else []
     front.close()
-    return {"skipped": skipped}
+    grad_norms = [r.stats.grad_norm for r in records]
+    return {"skipped": skipped, "totals": totals, "grad_norms": grad_norms}
 
 
 def _rank(rank: int, world_size: int) -> dict[Any, dict[str, Any]]:
@@ -171,7 +178,7 @@ def _rank(rank: int, world_size: int) -> dict[Any, dict[str, Any]]:
         for rerun in (False, True)
     }
     results["scaler"] = _scaler_scenario(rank, world_size)
-    for kind in ("watch", "watch-clip", "scaler"):
+    for kind in ("watch", "watch-clip", "watch-unkept", "scaler"):
         results[("sharded", kind)] = _sharded_scenario(rank, world_size, kind)
     return results
 
@@ -195,6 +202,19 @@ def test_a_closed_front_end_keeps_the_collectives_paired(world_size: int) -> Non
     assert len({s["checksum"] for s in scaler}) == 1
     # Sharded gradients with the norms on, the loop unscaling and clipping itself: every
     # rank skips the NaN step together (the scaler backs off), the closed one included.
-    for kind in ("watch", "watch-clip", "scaler"):
+    for kind in ("watch", "watch-clip", "watch-unkept", "scaler"):
         sharded = [out[("sharded", kind)] for out in results]
         assert [s["skipped"] for s in sharded] == [[BAD_STEP]] * world_size, kind
+    # The clip's total is the record's norm (the whole model's, over the ranks), kept or
+    # not; the NaN step's is NaN.
+    for kind in ("watch-clip", "watch-unkept"):
+        first = results[0][("sharded", kind)]
+        assert len(first["grad_norms"]) == STEPS
+        for step, (total, grad_norm) in enumerate(
+            zip(first["totals"], first["grad_norms"], strict=True), start=1
+        ):
+            if step == BAD_STEP:
+                assert math.isnan(total), kind
+                assert grad_norm is None, kind
+            else:
+                assert math.isclose(grad_norm, total, rel_tol=1e-5), kind
