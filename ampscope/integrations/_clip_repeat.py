@@ -85,7 +85,7 @@ def recognised(fn: Callable[..., Any], known: str, what: str) -> bool:
     return same
 
 
-Layouts = dict[tuple[int, ...], bool | None]
+Layouts = dict[tuple[tuple[int, ...], bool], bool | None]
 """Per clipped parameter list (ids) and ``foreach``: the gradients' foreach path, or
 ``None`` where they make no keepable group. One per watch: ids are only reused once the
 parameters are gone."""
@@ -100,6 +100,8 @@ def keeping_call(
     error_if_nonfinite: bool,
     foreach: bool | None,
     pp_mesh: Any = None,
+    *,
+    ids: tuple[int, ...] | None = None,
 ) -> KeepingCall | None:
     """The clip of ``params``' gradients with these arguments, when :func:`clip` keeps its
     norms; else ``None`` (the library's own function runs, as it does where torch's clip
@@ -107,10 +109,10 @@ def keeping_call(
     any error of ampscope's here: logged once). Decided from the arguments and the
     gradients' layout (remembered in ``layouts``), alike on every rank of a program that
     gives every rank the same layout. Cost on a repeated parameter list: the gradients'
-    list, a tuple of ids and a lookup."""
+    list, a tuple of ids (none where the caller gives ``params``' ``ids``) and a lookup."""
     try:
         return _keeping_call(
-            layouts, params, max_norm, norm_type, error_if_nonfinite, foreach, pp_mesh
+            layouts, params, max_norm, norm_type, error_if_nonfinite, foreach, pp_mesh, ids
         )
     except Exception:
         _warn_once()
@@ -135,6 +137,7 @@ def _keeping_call(
     error_if_nonfinite: bool,
     foreach: bool | None,
     pp_mesh: Any,
+    ids: tuple[int, ...] | None,
 ) -> KeepingCall | None:
     if not params or foreach is False or float(norm_type) != 2.0:
         return None
@@ -143,7 +146,7 @@ def _keeping_call(
     grads = [p.grad for p in params]
     if any(g is None for g in grads):
         return None
-    key = (*map(id, params), foreach is None)
+    key = (ids if ids is not None else tuple(map(id, params)), foreach is None)
     path = layouts.get(key, False)
     if path is False:
         if len(layouts) >= _LAYOUT_KEYS:
@@ -179,7 +182,7 @@ def _foreach_path(grads: list[torch.Tensor], foreach: bool | None) -> bool | Non
     if len(layouts) != 1:
         return None
     if foreach is None:
-        # torch's own choice: the foreach path for plain tensors only.
+        # torch's own choice (its foreach types: plain tensors and DTensors alike).
         return compat.foreach_supported(grads, device)
     # foreach=True where the device has no foreach kernels: torch raises; the library's.
     return True if compat.device_foreach_supported(device) else None

@@ -303,6 +303,8 @@ class _KeptClip:
         self._module = module
         self._own = vars(module).get(_CLIP)  # an instance attribute set before ours
         self._layouts: _clip_repeat.Layouts = {}
+        self._params: tuple[Any, list[torch.Tensor], tuple[int, ...]] | None = None
+        """The model, its parameters and their ids, as :meth:`keeps_norms` last read them."""
         self._call: _clip_repeat.KeepingCall | None = None
         """:meth:`keeps_norms`'s answer, which the clip that follows keeps to."""
 
@@ -355,7 +357,14 @@ class _KeptClip:
         max_norm = self._module.max_grad_norm
         call = None
         if max_norm is not None:
-            call = _keeping_call(self._layouts, self._module.model, max_norm)
+            model = self._module.model
+            params = self._params
+            if params is None or params[0] is not model:
+                # Once per fit: OLMo-core builds, shards and loads the model's parameters
+                # (in place) before fit, and keeps them.
+                listed = list(model.parameters())
+                params = self._params = (model, listed, tuple(map(id, listed)))
+            call = _keeping_call(self._layouts, model, max_norm, params=params[1:])
         self._call = call
         return call is not None
 
@@ -388,15 +397,21 @@ def _keeping_call(
     max_grad_norm: float,
     norm_type: float = 2.0,
     foreach: bool | None = None,
+    params: tuple[list[torch.Tensor], tuple[int, ...]] | None = None,
 ) -> _clip_repeat.KeepingCall | None:
     """OLMo-core's clip of ``model``'s gradients, when ampscope's repeat keeps its norms:
-    not under FSDP1 (OLMo-core calls its ``clip_grad_norm_``)."""
+    not under FSDP1 (OLMo-core calls its ``clip_grad_norm_``). ``params``: the model's
+    parameters and their ids, already listed."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     if isinstance(model, FullyShardedDataParallel):
         return None
-    params = list(model.parameters())
-    return _clip_repeat.keeping_call(layouts, params, max_grad_norm, norm_type, False, foreach)
+    if params is None:
+        listed = list(model.parameters())
+        params = listed, tuple(map(id, listed))
+    return _clip_repeat.keeping_call(
+        layouts, params[0], max_grad_norm, norm_type, False, foreach, ids=params[1]
+    )
 
 
 def _forget_step(optim: Any, loss: Any, grad_norm_before: Any) -> None:

@@ -262,7 +262,7 @@ def _keeper(
     keeper = max(owners, key=lambda schedulers: schedulers.order)
     if not keeper.checks_next():
         return None, None
-    call = _keeping_call(keeper.clip_layouts, signature, args, kwargs)
+    call = _keeping_call(keeper.clip_layouts, signature, args, kwargs, ids)
     return (keeper, call) if call is not None else (None, None)
 
 
@@ -271,6 +271,7 @@ def _keeping_call(
     signature: inspect.Signature,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    ids: tuple[int, ...] | None = None,
 ) -> _clip_repeat.KeepingCall | None:
     """``clip_grad_norm_(*args, **kwargs)``, when ampscope's repeat keeps its norms: not
     under expert parallelism (torchtitan norms its expert and dense gradients apart), the
@@ -292,4 +293,5 @@ def _keeping_call(
         arguments["error_if_nonfinite"],
         arguments["foreach"],
         arguments["pp_mesh"],
+        ids=ids,
     )

@@ -69,8 +69,8 @@ def _titan_loop(rank: int, policy: str, subset: bool) -> dict[str, Any]:
 
 def clip_worker(rank: int, world_size: int) -> dict[str, Any]:
     """Each library's clip and ampscope's repeat of it: FSDP2's layout (DTensors sharded on
-    dim 0 of a mesh of every rank; OLMo-core's ``foreach=None`` takes torch's per-tensor
-    path for them), with a pipeline mesh (torchtitan; the same ranks stand in for the
+    dim 0 of a mesh of every rank; OLMo-core's ``foreach=None`` takes torch's multi-tensor
+    path for them too), with a pipeline mesh (torchtitan; the same ranks stand in for the
     stages: the sum is what is compared), plain tensors, a NaN gradient; then the calls
     ampscope leaves to the library."""
     from olmo_core.train.train_module.transformer.train_module import TransformerTrainModule

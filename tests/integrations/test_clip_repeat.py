@@ -98,3 +98,59 @@ def test_an_error_of_ampscopes_leaves_the_clip_to_the_library(
         assert _clip_repeat.keeping_call({}, [object()], 1.0, 2.0, False, True) is None  # type: ignore[list-item]
         assert _clip_repeat.keeping_call({}, [object()], 1.0, 2.0, False, True) is None  # type: ignore[list-item]
     assert caplog.text.count("could not tell whether the clip keeps its norms") == 1
+
+
+def test_a_changed_torch_clip_leaves_the_clip_to_the_library(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The repeat copies torch's ``get_total_norm``: where compat's check of torch's clip
+    finds it changed, nothing is repeated."""
+    import torch
+
+    from ampscope.integrations import _clip_repeat
+    from ampscope.rank import compat
+
+    param = torch.nn.Parameter(torch.ones(3))
+    param.grad = torch.ones(3)
+    assert _clip_repeat.keeping_call({}, [param], 1.0, 2.0, False, True) is not None
+    monkeypatch.setattr(compat, "_check_clip", lambda: ["changed"])
+    compat.clip_unchanged.cache_clear()
+    try:
+        assert _clip_repeat.keeping_call({}, [param], 1.0, 2.0, False, True) is None
+    finally:
+        monkeypatch.undo()
+        compat.clip_unchanged.cache_clear()
+
+
+def test_the_olmo_core_clip_goes_back_as_it_was() -> None:
+    """``remove()`` puts back an instance ``_clip_grad_norm`` set before ampscope's, and
+    leaves one set after it alone."""
+    from olmo_core.train.train_module.transformer.train_module import TransformerTrainModule
+
+    from ampscope.integrations.olmo_core import _KeptClip
+
+    class TrainModule:
+        _clip_grad_norm = TransformerTrainModule._clip_grad_norm
+        max_grad_norm = 1.0
+
+    def before(*args: object) -> None: ...
+
+    def after(*args: object) -> None: ...
+
+    module = TrainModule()
+    module._clip_grad_norm = before  # type: ignore[method-assign]
+    kept = _KeptClip.install(module, watch=None)  # type: ignore[arg-type]
+    assert kept is not None
+    assert vars(module)["_clip_grad_norm"] is not before
+    kept.remove()
+    assert vars(module)["_clip_grad_norm"] is before
+    kept = _KeptClip.install(module, watch=None)  # type: ignore[arg-type]
+    assert kept is not None
+    module._clip_grad_norm = after  # type: ignore[method-assign]
+    kept.remove()
+    assert vars(module)["_clip_grad_norm"] is after
+    del module._clip_grad_norm
+    kept = _KeptClip.install(module, watch=None)  # type: ignore[arg-type]
+    assert kept is not None
+    kept.remove()
+    assert "_clip_grad_norm" not in vars(module)

@@ -100,6 +100,8 @@ def test_olmo_core_two_ranks(report_to: str, tmp_path: Path) -> None:
         assert f"Origin rank(s): {INJECT_RANK}." in stop["error"]
         assert stop["optimizer_steps"] == [INJECT_STEP - 1]
         assert stop["closed"]
+        assert stop["clip_restored"]  # its fit ended in the exception
+        assert skip["clip_restored"]
     assert results[0]["raise"]["error"] == results[1]["raise"]["error"]
 
     # The exporter names the origin rank of the skipped step.

@@ -71,8 +71,9 @@ def total_norm_with_norms(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, ...)`` where
     the gradients make one (device, dtype) group (the caller checks), keeping the stacked
-    per-tensor norms: ``foreach`` where torch takes its multi-tensor path, else its
-    per-tensor one (which it takes for DTensors unless told ``foreach=True``). DTensor
+    per-tensor norms: ``foreach`` where torch takes its multi-tensor path (with
+    ``foreach=None``, for plain tensors and DTensors alike, torch counting DTensor among
+    its foreach types), else its per-tensor one. DTensor
     gradients give DTensors, as torch's: the norms partial over the ranks holding the
     shards (their local part is each local shard's norm), the total summed over them by
     DTensor (one all-reduce).
