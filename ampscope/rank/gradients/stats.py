@@ -13,7 +13,8 @@
   same place every iteration, clean or not, so no rank waits alone. Where the loop's clip
   keeps its norms (the front-end's ``clip_grad_norm_``; an integration's repeat of its
   library's clip, announced by ``expect_clip()``), the norms are left to that clip's pass
-  and its total stands for the all-reduce.
+  and its total stands for the all-reduce (an announced clip that does not keep them: the
+  local norms are taken before it, its total still stands for the sum).
 * update(): :meth:`GradStats.take` hands the tensors to the pending step, which moves them
   like the scale: on the CPU the telemetry thread reads them (host memory; nothing
   writes them any more), on accelerators they join the step's one non-blocking copy.
@@ -205,7 +206,7 @@ class GradStats:
         rank must set it alike: a sharded plan's all-reduce moves to the clip."""
         self._clipped = False
         self._from_clip = False
-        """The deferred norms wait for a clip :meth:`clip_ahead` announced: their sum over
+        """The deferred norms wait for a clip ``clip_ahead`` announced: their sum over
         the ranks is the clip's total, never an all-reduce of ampscope's own (a closed rank
         pairs none), whether or not the clip keeps them."""
         self._owed: tuple[tuple[str, ...], tuple[torch.Tensor, ...], bool] | None = None
