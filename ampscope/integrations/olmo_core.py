@@ -16,6 +16,11 @@ optimizer. Where it hooks into one step of ``Trainer._fit_epoch``:
   takes this rank's own CE loss (the sum above; ``get_metric`` where no micro-batch went
   through ``model_forward``) and checks the gradients (``unscale_``: the non-finite
   check, the norms, under ``skip``/``raise`` the all-reduce every rank agrees on);
+* ``train_module._clip_grad_norm`` (an instance attribute for the length of ``fit``),
+  which ``optim_step()`` calls with ``max_grad_norm``: where ampscope repeats OLMo-core's
+  clip (:mod:`~ampscope.integrations._clip_repeat`: the 2-norm over FSDP2 or DDP
+  gradients of one layout, OLMo-core 3.0's code), that repeat clips, bit for bit, and its
+  pass gives the watch its norms, so the check above makes no norm pass of its own;
 * ``optim.step()``, called by ``train_module.optim_step()`` after clipping and the LR
   update, goes through ``watch.step(optim)`` (an instance attribute for the length of
   ``fit``): ``skip`` does not step, ``raise`` raises on every rank;
@@ -48,6 +53,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without OLMo-cor
     ) from exc
 
 from ampscope import GradWatch
+from ampscope.integrations import _clip_repeat
 from ampscope.integrations._step import StepThroughWatch
 from ampscope.integrations._swap import Attacher, check_options, check_policy, make_watch
 from ampscope.reporter.schema import Policy
@@ -56,6 +62,12 @@ logger = logging.getLogger("ampscope")
 
 _SET_LR = "set_lr"
 _MODEL_FORWARD = "model_forward"
+_CLIP = "_clip_grad_norm"
+
+KNOWN_CLIP = "d249ebae284fe514f0329328b5df803cb7864a3e6f5947573a9253a1e2ec2b65"
+"""The fingerprint (:func:`~ampscope.integrations._clip_repeat.fingerprint`) of OLMo-core
+3.0's ``TransformerTrainModule._clip_grad_norm``, which
+:func:`~ampscope.integrations._clip_repeat.clip` repeats."""
 
 
 class AmpscopeCallback(Callback):
@@ -101,6 +113,7 @@ class AmpscopeCallback(Callback):
         self._stepper: StepThroughWatch | None = None
         self._scheduler: Any = None
         self._rank_loss: _RankLoss | None = None
+        self._clip: _KeptClip | None = None
         self._spike_window: tuple[Any, Any] = (None, None)
         self._watch_state: dict[str, Any] | None = None  # from a checkpoint
 
@@ -140,6 +153,7 @@ class AmpscopeCallback(Callback):
         self._stepper = StepThroughWatch(watch, optim)
         self._tokens_before = self.trainer.global_train_tokens_seen
         self._rank_loss = _RankLoss.install(module)
+        self._clip = _KeptClip.install(module, watch)
         if watch.policy == "skip":
             self._hold_scheduler(getattr(module, "scheduler", None))
 
@@ -167,6 +181,8 @@ class AmpscopeCallback(Callback):
             loss = self.trainer.get_metric(TRAIN_CE_LOSS_METRIC)
         if loss is not None:
             watch.scale(loss)
+        if self._clip is not None and self._clip.keeps_norms():
+            watch.expect_clip()  # the clip's pass gives the norms
         # Before train_module.optim_step() clips: the gradients as backward left them.
         watch.unscale_(stepper.optimizer)
 
@@ -205,6 +221,9 @@ class AmpscopeCallback(Callback):
         if self._rank_loss is not None:
             self._rank_loss.remove()
             self._rank_loss = None
+        if self._clip is not None:
+            self._clip.remove()
+            self._clip = None
         scheduler, self._scheduler = self._scheduler, None
         if scheduler is not None and _SET_LR in vars(scheduler):
             delattr(scheduler, _SET_LR)  # the class's method again
@@ -273,6 +292,126 @@ class _RankLoss:
         """The train module's own ``model_forward`` again."""
         if _MODEL_FORWARD in vars(self._module):
             delattr(self._module, _MODEL_FORWARD)
+
+
+class _KeptClip:
+    """``train_module._clip_grad_norm`` through the watch's ``clip_with_norms_``: ampscope's
+    repeat of OLMo-core's clip where it keeps the norms (:func:`_keeping_call`), OLMo-core's
+    own method otherwise. An instance attribute shadows the method until :meth:`remove`."""
+
+    def __init__(self, module: Any, watch: GradWatch, clip: Any) -> None:
+        self._module = module
+        self._own = vars(module).get(_CLIP)  # an instance attribute set before ours
+        self._layouts: _clip_repeat.Layouts = {}
+        self._params: tuple[Any, list[torch.Tensor], tuple[int, ...]] | None = None
+        """The model, its parameters and their ids, as :meth:`keeps_norms` last read them."""
+        self._call: _clip_repeat.KeepingCall | None = None
+        """:meth:`keeps_norms`'s answer, which the clip that follows keeps to."""
+
+        def _clip_grad_norm(
+            max_grad_norm: float, norm_type: float = 2.0, foreach: bool | None = None
+        ) -> torch.Tensor:
+            call, self._call = self._call, None
+            # The parameters keeps_norms() announced (expect_clip), whatever clips them.
+            params = call.params if call is not None else []
+            if call is not None and (max_grad_norm, norm_type, foreach) != (
+                call.max_norm,
+                call.norm_type,
+                call.foreach,
+            ):
+                call = None  # another call than optim_step()'s: OLMo-core's own clip
+            if call is not None:
+                # As OLMo-core reads them, should a callback have replaced some since.
+                grads = [p.grad for p in call.params]
+                whole = all(g is not None for g in grads)
+                call = call._replace(grads=grads) if whole else None  # type: ignore[arg-type]
+
+            def run(keep: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+                if call is None:  # OLMo-core's own clip
+                    total = clip(max_grad_norm, norm_type, foreach)
+                    return total, None, total
+                total, local, stage = _clip_repeat.clip(call)  # OLMo-core's, bit for bit
+                return total, local if keep else None, stage
+
+            # keep=False: the norms left to this clip are taken first (their sum over the
+            # ranks from its total, every rank's collectives alike).
+            return watch.clip_with_norms_(params, run, keep=call is not None)
+
+        self._clip = _clip_grad_norm
+        setattr(module, _CLIP, _clip_grad_norm)
+
+    @classmethod
+    def install(cls, module: Any, watch: GradWatch) -> _KeptClip | None:
+        """Shadow ``module._clip_grad_norm`` when it is the code ampscope repeats; ``None``
+        otherwise (another release, another train module: logged once by
+        :func:`~ampscope.integrations._clip_repeat.recognised`)."""
+        method = getattr(type(module), _CLIP, None)
+        if method is None or not _recognised(method):
+            return None
+        return cls(module, watch, getattr(module, _CLIP))
+
+    def keeps_norms(self) -> bool:
+        """Whether the clip ``optim_step()`` is about to make keeps its norms (decided
+        alike on every rank, from the train module's settings and the gradients' layout);
+        the clip keeps to the answer."""
+        max_norm = self._module.max_grad_norm
+        call = None
+        if max_norm is not None:
+            model = self._module.model
+            params = self._params
+            if params is None or params[0] is not model:
+                # Once per fit: OLMo-core builds, shards and loads the model's parameters
+                # (in place) before fit, and keeps them.
+                listed = list(model.parameters())
+                params = self._params = (model, listed, tuple(map(id, listed)))
+            call = _keeping_call(self._layouts, model, max_norm, params=params[1:])
+        self._call = call
+        return call is not None
+
+    def remove(self) -> None:
+        """The train module's own ``_clip_grad_norm`` again (when still ours; an instance
+        attribute set before ours is put back). Idempotent."""
+        if vars(self._module).get(_CLIP) is not self._clip:  # replaced since: leave it
+            return
+        if self._own is None:
+            delattr(self._module, _CLIP)
+        else:
+            setattr(self._module, _CLIP, self._own)
+
+
+_RECOGNISED: dict[Any, bool] = {}
+
+
+def _recognised(method: Any) -> bool:
+    """:func:`~ampscope.integrations._clip_repeat.recognised`, once per method."""
+    known = _RECOGNISED.get(method)
+    if known is None:
+        what = f"OLMo-core's {method.__qualname__}"
+        known = _RECOGNISED[method] = _clip_repeat.recognised(method, KNOWN_CLIP, what)
+    return known
+
+
+def _keeping_call(
+    layouts: _clip_repeat.Layouts,
+    model: Any,
+    max_grad_norm: float,
+    norm_type: float = 2.0,
+    foreach: bool | None = None,
+    params: tuple[list[torch.Tensor], tuple[int, ...]] | None = None,
+) -> _clip_repeat.KeepingCall | None:
+    """OLMo-core's clip of ``model``'s gradients, when ampscope's repeat keeps its norms:
+    not under FSDP1 (OLMo-core calls its ``clip_grad_norm_``). ``params``: the model's
+    parameters and their ids, already listed."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if isinstance(model, FullyShardedDataParallel):
+        return None
+    if params is None:
+        listed = list(model.parameters())
+        params = listed, tuple(map(id, listed))
+    return _clip_repeat.keeping_call(
+        layouts, params[0], max_grad_norm, norm_type, False, foreach, ids=params[1]
+    )
 
 
 def _forget_step(optim: Any, loss: Any, grad_norm_before: Any) -> None:

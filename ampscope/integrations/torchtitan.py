@@ -13,9 +13,15 @@ its optimizers. In each ``Trainer.train_step``:
 
 * ``dist_utils.clip_grad_norm_``, which torchtitan calls once the gradients are reduced:
   the watch checks every optimizer's gradients first (``unscale_``: the non-finite check,
-  the norms, under ``skip``/``raise`` the all-reduce every rank agrees on). ampscope wraps
-  that function of ``torchtitan.distributed.utils`` for the life of the process; with no
-  live watch the wrapper only calls it;
+  the norms, under ``skip``/``raise`` the all-reduce every rank agrees on; a closed
+  watch's check too, which keeps the ranks' collectives paired). Then, for a clip of
+  exactly the watched model's parameters, the clip is ampscope's repeat of torchtitan's
+  (:mod:`~ampscope.integrations._clip_repeat`: the 2-norm, no expert parallelism,
+  gradients of one layout, torchtitan 0.3.0's code), bit for bit, whose pass gives the
+  watch its norms, so the check makes no norm pass of its own; torchtitan's own function
+  otherwise. ampscope wraps that function of
+  ``torchtitan.distributed.utils`` for the life of the process; with no live watch the
+  wrapper only calls it;
 * ``optimizers.step()``: each optimizer's ``step()`` goes through ``watch.step()``
   (``skip`` does not step, ``raise`` raises on every rank);
 * ``lr_schedulers.step()``: the schedulers step unless the watch skipped the iteration
@@ -29,6 +35,8 @@ stages (the watch attaches to each stage; origin tracking of such a rank is unte
 
 from __future__ import annotations
 
+import inspect
+import itertools
 import logging
 import weakref
 from dataclasses import dataclass, field
@@ -44,14 +52,22 @@ except ImportError as exc:  # pragma: no cover - exercised only without torchtit
     ) from exc
 
 from ampscope import GradWatch
+from ampscope.integrations import _clip_repeat
 from ampscope.integrations._step import StepThroughWatch
 from ampscope.integrations._swap import Attacher, check_options, check_policy, make_watch
 from ampscope.reporter.schema import Policy
 
 logger = logging.getLogger("ampscope")
 
+KNOWN_CLIP = "ffd3da6eab3894f0a6a1e60114d1147311b39886571d19c23476ae0c9403d426"
+"""The fingerprint (:func:`~ampscope.integrations._clip_repeat.fingerprint`) of torchtitan
+0.3.0's ``clip_grad_norm_``, which :func:`~ampscope.integrations._clip_repeat.clip`
+repeats."""
+
 _LIVE: weakref.WeakSet[WatchedLRSchedulers] = weakref.WeakSet()
 """The containers whose watch checks before the next clip (one per trainer)."""
+_ORDER = itertools.count()
+"""Containers in the order they were built (alike on every rank)."""
 
 
 class WatchedLRSchedulers(LRSchedulersContainer):
@@ -96,18 +112,36 @@ class WatchedLRSchedulers(LRSchedulersContainer):
         self._optimizers = list(optimizers)
         self._steppers = [StepThroughWatch(watch, opt) for opt in self._optimizers]
         self._checked = False
+        self.clip_layouts: _clip_repeat.Layouts = {}
+        """What ampscope's repeat of torchtitan's clip learnt of the gradients' layout."""
+        clip_ids = tuple(id(p) for part in optimizers.model_parts for p in part.parameters())
+        stepped = {id(p) for opt in self._optimizers for g in opt.param_groups for p in g["params"]}
+        self.clip_ids = clip_ids if set(clip_ids) == stepped else ()
+        """The parameters torchtitan's ``train_step`` clips (its model parts', in order):
+        a clip of exactly these is this container's (the optimizers hold them alive).
+        Empty where the optimizers step others (the watch's norms are theirs, which the
+        clip's total is not: the check norms them in its own pass)."""
+        self.order = next(_ORDER)
         attacher = Attacher(track_origin)
         for part in optimizers.model_parts:
             attacher.attach(watch, part)
         _install_clip_hook()
         _LIVE.add(self)
 
-    def check(self) -> None:
+    def checks_next(self) -> bool:
+        """Whether the next :meth:`check` checks (once per iteration; a closed watch's too:
+        its ``unscale_()`` still makes the open ranks' collectives at their place)."""
+        return not self._checked
+
+    def check(self, expect_clip: bool = False) -> None:
         """Check every optimizer's gradients now (before torchtitan clips them); once per
-        iteration."""
-        if self._checked or self.watch.telemetry.closed:
+        iteration. ``expect_clip``: the clip that follows keeps its norms
+        (:meth:`~ampscope.GradWatch.clip_with_norms_`), and the check leaves them to it."""
+        if not self.checks_next():
             return
         self._checked = True
+        if expect_clip:
+            self.watch.expect_clip()
         for optimizer in self._optimizers:
             self.watch.unscale_(optimizer)
 
@@ -172,16 +206,92 @@ def gradwatch(
 
 def _install_clip_hook() -> None:
     """Wrap ``torchtitan.distributed.utils.clip_grad_norm_`` once per process: each live
-    watch checks the gradients before the clip changes them."""
+    watch checks the gradients before the clip changes them. Where the clip is of exactly
+    a live container's model parameters (the newest such container's) and
+    :mod:`~ampscope.integrations._clip_repeat` repeats torchtitan's clip (the 2-norm, no
+    expert parallelism...), the clip is that repeat, whose pass gives that watch its
+    norms: its check makes none of its own (nor the all-reduce of their sharded squares).
+    Decided from the clip's arguments and the containers built, alike on every rank
+    (never from how many old containers are still uncollected)."""
     clip = dist_utils.clip_grad_norm_
     if getattr(clip, "ampscope_checks", False):
         return
+    known = _clip_repeat.recognised(
+        clip, KNOWN_CLIP, "torchtitan.distributed.utils.clip_grad_norm_"
+    )
+    signature = inspect.signature(clip) if known else None
 
     def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
-        for schedulers in list(_LIVE):
-            schedulers.check()
-        return clip(*args, **kwargs)
+        live = list(_LIVE)
+        keeper, call = None, None
+        if signature is not None and live:
+            keeper, call = _keeper(live, signature, args, kwargs)
+        for schedulers in live:
+            schedulers.check(expect_clip=schedulers is keeper)
+        if keeper is None or call is None:
+            return clip(*args, **kwargs)  # as before ampscope repeated the clip
+        kept = call
+
+        def run(keep: bool) -> tuple[Any, Any, Any]:
+            total, local, stage = _clip_repeat.clip(kept)  # torchtitan's, bit for bit
+            return total, local if keep else None, stage
+
+        return keeper.watch.clip_with_norms_(kept.params, run, keep=True)
 
     clip_grad_norm_.ampscope_checks = True  # type: ignore[attr-defined]
     clip_grad_norm_.__wrapped__ = clip  # type: ignore[attr-defined]
     dist_utils.clip_grad_norm_ = clip_grad_norm_
+
+
+def _keeper(
+    live: list[WatchedLRSchedulers],
+    signature: inspect.Signature,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> tuple[WatchedLRSchedulers | None, _clip_repeat.KeepingCall | None]:
+    """The container whose watch takes this clip's norms (the newest whose model
+    parameters are exactly the clip's, about to check) and the repeat's call; ``None``
+    where there is none. O(live containers) and a tuple of the parameters' ids."""
+    params = args[0] if args else kwargs.get("parameters")
+    if not isinstance(params, list):
+        return None, None
+    ids = tuple(map(id, params))
+    owners = [schedulers for schedulers in live if schedulers.clip_ids == ids]
+    if not owners:
+        return None, None
+    keeper = max(owners, key=lambda schedulers: schedulers.order)
+    if not keeper.checks_next():
+        return None, None
+    call = _keeping_call(keeper.clip_layouts, signature, args, kwargs, ids)
+    return (keeper, call) if call is not None else (None, None)
+
+
+def _keeping_call(
+    layouts: _clip_repeat.Layouts,
+    signature: inspect.Signature,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    ids: tuple[int, ...] | None = None,
+) -> _clip_repeat.KeepingCall | None:
+    """``clip_grad_norm_(*args, **kwargs)``, when ampscope's repeat keeps its norms: not
+    under expert parallelism (torchtitan norms its expert and dense gradients apart), the
+    parameters a list (a generator is left whole to torchtitan)."""
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    arguments = bound.arguments
+    params = arguments["parameters"]
+    if arguments["ep_enabled"] or not isinstance(params, list):
+        return None
+    return _clip_repeat.keeping_call(
+        layouts,
+        params,
+        arguments["max_norm"],
+        arguments["norm_type"],
+        arguments["error_if_nonfinite"],
+        arguments["foreach"],
+        arguments["pp_mesh"],
+        ids=ids,
+    )

@@ -222,6 +222,15 @@ def foreach_supported(tensors: list[torch.Tensor], device: torch.device) -> bool
     return bool(_has_foreach_support(tensors, device))
 
 
+def device_foreach_supported(device: torch.device) -> bool:
+    """Whether torch's clipping takes its foreach path on ``device`` with ``foreach=True``
+    (it raises where not): the device has foreach kernels, whatever the tensors' type
+    (DTensors included)."""
+    from torch.utils._foreach_utils import _device_has_foreach_support
+
+    return bool(_device_has_foreach_support(device))
+
+
 def tensor_version(tensor: torch.Tensor) -> int:
     """The tensor's version counter: autograd's count of in-place changes to its data."""
     version: int = tensor._version
@@ -607,6 +616,16 @@ def _check_clip() -> list[str]:
             "norms; ampscope's clip_grad_norm_ must be revisited"
         ]
     return []
+
+
+@functools.lru_cache(maxsize=1)
+def clip_unchanged() -> bool:
+    """Whether torch's clip is still the pass ampscope repeats (:func:`check_torch`'s
+    clip check finds nothing). Reads torch's source once per process."""
+    try:
+        return not _check_clip()
+    except Exception:
+        return False
 
 
 @functools.lru_cache(maxsize=1)

@@ -9,6 +9,7 @@ of the ampscope watch.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import threading
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from norm_spies import NormSpies
 
 STEPS = 8
 INJECT_STEP = 4
@@ -26,6 +28,8 @@ SEQUENCE = 16
 INSTANCES = 2
 """Instances per rank and step (one micro-batch)."""
 VOCAB = 64
+_CLIP = "_clip_grad_norm"
+"""The train module's method that ampscope shadows for the length of ``fit``."""
 
 
 def reset_world_mesh() -> None:
@@ -173,8 +177,10 @@ def olmo_run(
     probe = trainer.callbacks["probe"]
     callback = trainer.callbacks.get("ampscope")
     error = None
+    spies = NormSpies() if policy is not None else None
     try:
-        trainer.fit()
+        with spies or contextlib.nullcontext():
+            trainer.fit()
     except Exception as exc:  # policy "raise": the test compares the ranks' messages
         error = f"{type(exc).__name__}: {exc}"
     optimizer = train_module.optim
@@ -204,6 +210,14 @@ def olmo_run(
             setup=records[-1].setup.model_dump(),
             closed=watch.telemetry.closed,
             skipped_steps=callback.skipped_steps,
+            nonfinite=[sorted(p.name for p in r.nonfinite_params) for r in records],
+            own_norm_passes=spies.own_passes if spies else None,
+            # Per iteration: the norms the records got are each local gradient's norm,
+            # in the model's order, as OLMo-core's clip saw them.
+            norms_as_seen=spies.taken == spies.seen if spies else None,
+            norm_names=list(spies.names) if spies else None,
+            param_names=[name for name, _ in train_module.model.named_parameters()],
+            clip_restored=_CLIP not in vars(train_module),
         )
     return result
 

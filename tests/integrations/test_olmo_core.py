@@ -18,6 +18,9 @@ TIMEOUT_S = 600.0
 """Deadlock guard for one distributed test (four OLMo-core runs per rank on two cores)."""
 
 
+NAN_PARAMS = ["embeddings.weight"]
+
+
 def _at_inject() -> list[bool]:
     return [step == INJECT_STEP for step in range(1, STEPS + 1)]
 
@@ -41,6 +44,17 @@ def _check_observe(stock: dict[str, Any], observe: dict[str, Any]) -> None:
     assert all(norm > 0 for norm in logged)
     assert observe["closed"]
     assert observe["step_is_class_method"]
+    assert observe["clip_restored"]
+    _check_norms(observe)
+
+
+def _check_norms(run: dict[str, Any]) -> None:
+    """OLMo-core's clip gives the norms, in the model's order: the local (shard) norms of
+    the gradients it clips, NaN included; the watch makes no pass of its own, not even in
+    the first iteration."""
+    assert run["norm_names"] == run["param_names"]
+    assert run["norms_as_seen"]
+    assert run["own_norm_passes"] == 0
 
 
 @pytest.mark.distributed
@@ -75,6 +89,10 @@ def test_olmo_core_two_ranks(report_to: str, tmp_path: Path) -> None:
         assert skip["scheduler_restored"]
         assert skip["step_is_class_method"]
         assert skip["closed"]
+        # The NaN step still names what held it (the NaN enters the embedding's output
+        # gradient: its weight's is the one it reaches).
+        assert skip["nonfinite"] == [NAN_PARAMS if at else [] for at in _at_inject()]
+        _check_norms(skip)
         # raise: both ranks stop at the poisoned step with the same words.
         assert stop["error"] is not None
         assert stop["error"].startswith("NonFiniteGradientsError: ")
@@ -82,6 +100,8 @@ def test_olmo_core_two_ranks(report_to: str, tmp_path: Path) -> None:
         assert f"Origin rank(s): {INJECT_RANK}." in stop["error"]
         assert stop["optimizer_steps"] == [INJECT_STEP - 1]
         assert stop["closed"]
+        assert stop["clip_restored"]  # its fit ended in the exception
+        assert skip["clip_restored"]
     assert results[0]["raise"]["error"] == results[1]["raise"]["error"]
 
     # The exporter names the origin rank of the skipped step.

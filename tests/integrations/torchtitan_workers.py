@@ -9,10 +9,12 @@ records of the watch.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import Any
 
 import torch
+from norm_spies import NormSpies
 
 STEPS = 5
 INJECT_STEP = 3
@@ -79,8 +81,10 @@ def titan_run(
     model = trainer.model_parts[0]
     model.tok_embeddings.register_forward_hook(poison)
     error = None
+    spies = NormSpies() if policy is not None else None
     try:
-        trainer.train()
+        with spies or contextlib.nullcontext():
+            trainer.train()
     except Exception as exc:  # policy "raise": the test compares the ranks' messages
         error = f"{type(exc).__name__}: {exc}"
     schedulers = trainer.lr_schedulers
@@ -106,6 +110,17 @@ def titan_run(
             setup=records[-1].setup.model_dump(),
             skipped_steps=schedulers.skipped_steps,
             policy=watch.policy,
+            nonfinite=[sorted(p.name for p in r.nonfinite_params) for r in records],
+            own_norm_passes=spies.own_passes if spies else None,
+            # Per iteration: the norms the records got are each local gradient's norm,
+            # in the model's order, as torchtitan's clip saw them.
+            norms_as_seen=spies.taken == spies.seen if spies else None,
+            norm_names=list(spies.names) if spies else None,
+            # ampscope names parameters without activation checkpointing's wrapper.
+            param_names=[
+                name.replace("_checkpoint_wrapped_module.", "")
+                for name, _ in model.named_parameters()
+            ],
         )
         schedulers.close()
         # Each optimizer's step is torchtitan's again (the LR scheduler's counting wrapper).

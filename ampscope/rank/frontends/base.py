@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import warnings
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -260,18 +260,82 @@ class TelemetryFrontEnd(failure.ClosedByWith):
         Returns:
             The total norm of the gradients before clipping, as torch's.
         """
-        stats = self._ampscope_stats
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        keep = self._ampscope_stats is not None and bool(
+            self._ampscope_guard(clippable, params, norm_type, foreach)
+        )
+
+        def clip(keep_norms: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+            total, norms = clip_grad_norm_with_norms(
+                params, max_norm, norm_type, error_if_nonfinite, foreach, keep=keep_norms
+            )
+            return total, norms, total
+
+        return self._ampscope_clip(params, clip, keep, sticky=True)
+
+    def expect_clip(self) -> None:
+        """The loop's clip comes right after the next checks (``unscale_()``), through
+        :meth:`clip_with_norms_`: the checks leave every norm to it, those of sharded
+        (DTensor) gradients included, whose all-reduce the clip's total replaces whether
+        or not the clip keeps its norms (where it does not, their local norms are taken
+        before it, and ``grad_norm`` is its total where its parameters are exactly the
+        optimizers', else ``null``; where no clip comes, ``null`` too). For integrations
+        that call the clip themselves; every rank must call it alike (it moves a
+        collective), a closed front-end's too (it then pairs no norm all-reduce in
+        ``unscale_()``). Free."""
+        stats = self._ampscope_stats
+        if stats is None:
+            stats = self._ampscope_closed_stats
+        if stats is not None:
+            stats.clip_ahead = True
+
+    def clip_with_norms_(
+        self,
+        params: list[torch.Tensor],
+        clip: Callable[[bool], tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]],
+        keep: bool,
+    ) -> torch.Tensor:
+        """Run a loop's clip over ``params`` whose pass keeps the per-parameter norms, and
+        take them as this iteration's norms instead of a pass of ampscope's own, where
+        :meth:`expect_clip` announced it (else the checks normed the gradients already).
+        Unlike :meth:`clip_grad_norm_`, later iterations do not defer their norms to it.
+
+        Args:
+            params: The clipped parameters, in the clip's order.
+            clip: ``clip(keep_norms)`` clips and returns the total norm it returns, the
+                per-parameter norms of the local gradients stacked in the order of
+                ``params`` (``None`` unless ``keep_norms``), and the total norm the record
+                counts (over the ranks that :meth:`expect_clip`'s sharded gradients span).
+            keep: Whether ``clip`` can keep the norms (decided alike on every rank).
+
+        Returns:
+            What ``clip`` returns first. Its exceptions are the loop's; ampscope's are
+            counted and logged, never raised.
+        """
+        return self._ampscope_clip(params, clip, keep, sticky=False)
+
+    def _ampscope_clip(
+        self,
+        params: list[torch.Tensor],
+        clip: Callable[[bool], tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]],
+        keep: bool,
+        sticky: bool,
+    ) -> torch.Tensor:
+        """:meth:`clip_with_norms_`; ``sticky``: later iterations defer their norms to the
+        clip (:meth:`GradStats.before_clip`)."""
+        stats = self._ampscope_stats
         names = None
         if stats is not None:
-            keep = bool(self._ampscope_guard(clippable, params, norm_type, foreach))
             # Norms left to this clip are taken before it changes the gradients.
-            names = self._ampscope_guard(stats.before_clip, params, keep)
-        total, norms = clip_grad_norm_with_norms(
-            params, max_norm, norm_type, error_if_nonfinite, foreach, keep=names is not None
-        )
-        if stats is not None and names is not None and norms is not None:
-            self._ampscope_guard(stats.after_clip, names, norms, total)
+            names = self._ampscope_guard(stats.before_clip, params, keep, sticky=sticky)
+        elif self._ampscope_closed_stats is not None:
+            self._ampscope_closed_stats.clip_ahead = False  # expect_clip() is over
+        total, norms, counted = clip(names is not None)
+        if stats is not None:
+            if names is not None and norms is not None:
+                self._ampscope_guard(stats.after_clip, names, norms, counted)
+            else:
+                self._ampscope_guard(stats.after_unkept_clip, counted)
         return total
 
     def close(self, timeout: float = 1.0) -> None:

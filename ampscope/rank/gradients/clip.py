@@ -60,10 +60,34 @@ def clip_grad_norm_with_norms(
             params, max_norm, norm_type, error_if_nonfinite, foreach
         )
         return total, None
-    norm_type = float(norm_type)
     grads: list[torch.Tensor] = [p.grad for p in params]  # type: ignore[misc]
-    # torch's _get_total_norm for one group: the foreach norms, stacked, their norm.
-    norms = torch.stack(compat.foreach_norm_typed(grads, norm_type))
+    total, norms = total_norm_with_norms(grads, norm_type, error_if_nonfinite)
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
+    return total, norms
+
+
+def total_norm_with_norms(
+    grads: list[torch.Tensor], norm_type: float, error_if_nonfinite: bool, *, foreach: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, ...)`` where
+    the gradients make one (device, dtype) group (the caller checks), keeping the stacked
+    per-tensor norms: ``foreach`` where torch takes its multi-tensor path (with
+    ``foreach=None``, for plain tensors and DTensors alike, torch counting DTensor among
+    its foreach types), else its per-tensor one. DTensor
+    gradients give DTensors, as torch's: the norms partial over the ranks holding the
+    shards (their local part is each local shard's norm), the total summed over them by
+    DTensor (one all-reduce).
+
+    Returns:
+        The total norm, bit for bit torch's, and the per-tensor norms, stacked in order.
+    """
+    norm_type = float(norm_type)
+    # torch's _get_total_norm for one group: the norms, stacked, their norm.
+    if foreach:
+        each = compat.foreach_norm_typed(grads, norm_type)
+    else:
+        each = [torch.linalg.vector_norm(g, norm_type) for g in grads]
+    norms = torch.stack(each)
     total = torch.linalg.vector_norm(norms, norm_type)
     if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
         raise RuntimeError(
@@ -71,5 +95,4 @@ def clip_grad_norm_with_norms(
             "non-finite, so it cannot be clipped. To disable this error and scale the "
             "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`"
         )
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
     return total, norms

@@ -10,7 +10,11 @@
   (one more read of gradient memory). Sharded gradients (FSDP1 flat shards,
   FSDP2/tensor-parallel DTensor shards) add a stack, a dot product and one all-reduce
   (sum) of that one-element squared norm per mesh layout, issued by every rank at the
-  same place every iteration, clean or not, so no rank waits alone.
+  same place every iteration, clean or not, so no rank waits alone. Where the loop's clip
+  keeps its norms (the front-end's ``clip_grad_norm_``; an integration's repeat of its
+  library's clip, announced by ``expect_clip()``), the norms are left to that clip's pass
+  and its total stands for the all-reduce (an announced clip that does not keep them: the
+  local norms are taken before it, its total still stands for the sum).
 * update(): :meth:`GradStats.take` hands the tensors to the pending step, which moves them
   like the scale: on the CPU the telemetry thread reads them (host memory; nothing
   writes them any more), on accelerators they join the step's one non-blocking copy.
@@ -194,7 +198,21 @@ class GradStats:
         self._clips = False
         """The last iteration clipped through the front-end (:meth:`clipped`): the next
         ones defer their norms to the clip, until one ends without it."""
+        self.clip_ahead = False
+        """Settable (:meth:`~ampscope.rank.frontends.base.TelemetryFrontEnd.expect_clip`):
+        a clip that keeps its norms comes right after this check, so :meth:`add_grads`
+        leaves the norms of every one-norm-per-parameter plan to it, sharded (DTensor)
+        gradients included, from this iteration on; :meth:`before_clip` ends it. Every
+        rank must set it alike: a sharded plan's all-reduce moves to the clip."""
         self._clipped = False
+        self._from_clip = False
+        """The deferred norms wait for a clip ``clip_ahead`` announced: their sum over
+        the ranks is the clip's total, never an all-reduce of ampscope's own (a closed rank
+        pairs none), whether or not the clip keeps them."""
+        self._owed: tuple[tuple[str, ...], tuple[torch.Tensor, ...], bool] | None = None
+        """Local norms taken before a clip that did not keep them (:meth:`before_clip`),
+        whose squared sum over the ranks :meth:`after_unkept_clip` takes from the clip's
+        total: their names, the norms, whether the clip's parameters are exactly theirs."""
         self._deferred: list[tuple[OptimizerInfo, NormPlan]] = []
         self._clip_names: dict[tuple[Any, ...], tuple[str, ...] | None] = {}
         """Per (parameter ids, plan ids): the clip's names in its order, or ``None``."""
@@ -256,7 +274,8 @@ class GradStats:
         loss, self._loss, self._loss_count = self._loss, None, 0
         self._optimizers = []
         self._deferred = []
-        self._clipped = False
+        self._clipped = self.clip_ahead = self._from_clip = False
+        self._owed = None
         return loss
 
     def add_grads(
@@ -290,6 +309,11 @@ class GradStats:
         except Exception:
             self._sum_nothing(optimizer)
             raise
+        if self.clip_ahead and not scaled and plan.simple and self.reduce is None:
+            # The clip about to run norms these gradients (and sums sharded ones).
+            self._deferred.append((info, plan))
+            self._from_clip = True
+            return None
         if not plan.reductions and self.reduce is None:
             if self._clips and self.defer and not scaled and plan.simple and info.place:
                 # The loop clips through the front-end: its pass norms these gradients.
@@ -331,6 +355,12 @@ class GradStats:
                 OptimizerNorms(plan.names, self._local_norms(plan, info), scaled, None)
             )
             return None
+        self._add_summed(plan, info, scaled)
+        return None
+
+    def _add_summed(self, plan: NormPlan, info: OptimizerInfo, scaled: bool) -> None:
+        """Sharded gradients' local norms and their squared norm summed over the ranks;
+        the all-reduces run whatever fails (this rank then adds NaN, then raises)."""
         failure: Exception | None = None
         local: tuple[torch.Tensor, ...] | None
         try:
@@ -341,7 +371,6 @@ class GradStats:
         if failure is not None or local is None:
             raise failure or RuntimeError("no local gradient norms")
         self._optimizers.append(OptimizerNorms(plan.names, local, scaled, square))
-        return None
 
     def _local_norms(self, plan: NormPlan, info: OptimizerInfo) -> tuple[torch.Tensor, ...]:
         """The plan's per-parameter (segment) norms of this rank's local gradients."""
@@ -393,6 +422,8 @@ class GradStats:
         iteration's ``grad_norm`` is ``null`` on the open ranks, as for a rank whose norms
         fail), so no rank waits alone. Whether there are any is decided once per optimizer
         and parameter count (none for whole gradients: DDP, one rank)."""
+        if self.clip_ahead:
+            return  # the open ranks leave the sum to the clip (expect_clip)
         # O(parameter groups) per call; the parameters are walked once per key.
         key = (id(optimizer), sum(len(group["params"]) for group in optimizer.param_groups))
         sums = self._closed_sums.get(key)
@@ -422,22 +453,31 @@ class GradStats:
         elif self.reduce is not None:
             self.reduce(_local_square(None, (), _first_device(params)))
 
-    def before_clip(self, params: list[torch.Tensor], keep: bool) -> tuple[str, ...] | None:
-        """A clip through the front-end is about to run over ``params``' gradients (each
-        dense, none missing; :func:`~ampscope.rank.gradients.clip.clippable`): from the
-        next iteration on, :meth:`add_grads` leaves its norms to the clip.
+    def before_clip(
+        self, params: list[torch.Tensor], keep: bool, *, sticky: bool = True
+    ) -> tuple[str, ...] | None:
+        """A clip is about to run over ``params``' gradients (each dense, none missing;
+        :func:`~ampscope.rank.gradients.clip.clippable`). ``sticky`` (the front-end's own
+        ``clip_grad_norm_``): from the next iteration on, :meth:`add_grads` leaves its
+        norms to the clip; an integration's clip (``sticky=False``) is announced each
+        iteration by ``expect_clip()`` instead.
 
         Returns the names of ``params``, in order, when the clip keeps its norms
         (``keep``) and they are exactly the parameters whose norms this iteration deferred
         (then :meth:`after_clip` takes the clip's); else ``None``, after norming the
-        deferred gradients now, before the clip changes them. Cost on a repeated call: a
-        tuple of the parameters' ids, a dict lookup.
+        deferred gradients now, before the clip changes them: where ``expect_clip()``
+        deferred sharded ones, their local norms only, whose sum over the ranks
+        :meth:`after_unkept_clip` takes from the clip's total (no all-reduce of
+        ampscope's own: a closed rank pairs none). Cost on a repeated call: a tuple of the
+        parameters' ids, a dict lookup.
         """
-        self._clips = self._clipped = True
+        if sticky:
+            self._clips = self._clipped = True
+        self.clip_ahead = False
         deferred = self._deferred
         if not deferred:
             return None
-        if not keep:
+        if not keep and not self._from_clip:
             self.resolve()
             return None
         ids = tuple(map(id, params))
@@ -449,15 +489,49 @@ class GradStats:
             if len(self._clip_names) >= _CLIP_KEYS:
                 self._clip_names.clear()
             names = self._clip_names[key] = _names_in_order(ids, deferred)
-        if names is None:
+        if keep and names is not None:
+            return names
+        if self._from_clip and any(plan.reductions for _, plan in deferred):
+            self._take_local(names is not None)
+        else:
             self.resolve()
-        return names
+        return None
+
+    def _take_local(self, match: bool) -> None:
+        """The deferred gradients' local norms, their sum over the ranks owed by the clip
+        (:meth:`after_unkept_clip`); ``match``: the clip's parameters are exactly theirs."""
+        deferred, self._deferred = self._deferred, []
+        self._from_clip = False
+        names: list[str] = []
+        norms: list[torch.Tensor] = []
+        for info, plan in deferred:
+            names.extend(plan.names)
+            norms.extend(self._local_norms(plan, info))
+        self._owed = (tuple(names), tuple(norms), match)
+
+    def after_unkept_clip(self, total: torch.Tensor | None) -> None:
+        """The clip that did not keep its norms has run: the local norms
+        :meth:`before_clip` took are this iteration's, with the square of its ``total``
+        (summed over the ranks by the clip) as their squared sum where the clip's
+        parameters were exactly theirs; else (or without a total) NaN: ``grad_norm`` is
+        ``null``, as for a rank whose norms fail. One multiply; no sync."""
+        owed, self._owed = self._owed, None
+        if owed is None:
+            return
+        names, norms, match = owed
+        if match and total is not None:
+            square = total.detach().float()
+            square = square * square
+        else:
+            square = torch.full((), math.nan, device=norms[0].device if norms else "cpu")
+        self._optimizers.append(OptimizerNorms(names, norms, False, square))
 
     def after_clip(self, names: tuple[str, ...], norms: torch.Tensor, total: torch.Tensor) -> None:
         """Take the clip's per-parameter ``norms`` (stacked, in the order of ``names``)
         and ``total`` norm as the norms of the optimizers :meth:`before_clip` matched.
         One multiply on the device (the squared total); no sync."""
         self._deferred = []
+        self._from_clip = False
         square = total.detach().float()
         self._optimizers.append(
             OptimizerNorms(names, (), False, square * square, packed=norms.detach())
@@ -470,11 +544,22 @@ class GradStats:
 
     def resolve(self) -> None:
         """Norm the gradients deferred to a clip that did not come (``step()``, before the
-        optimizer runs): as :meth:`add_grads` would have, and stop deferring."""
+        optimizer runs) or did not keep its norms: as :meth:`add_grads` would have (sharded
+        gradients with their all-reduces, every rank alike; those ``expect_clip()``
+        deferred without: their ``grad_norm`` is ``null``), and stop deferring."""
+        if self._from_clip and any(plan.reductions for _, plan in self._deferred):
+            # The announced clip never came: no total, and no all-reduce either (a
+            # closed rank pairs none after expect_clip()).
+            self._take_local(False)
+            self.after_unkept_clip(None)
         deferred, self._deferred = self._deferred, []
+        self.clip_ahead = self._from_clip = False
         if not self._clipped:
             self._clips = False
         for info, plan in deferred:
+            if plan.reductions:
+                self._add_summed(plan, info, False)
+                continue
             norms = self._local_norms(plan, info)
             self._optimizers.append(OptimizerNorms(plan.names, norms, False, None))
 
@@ -484,7 +569,8 @@ class GradStats:
             self.resolve()
         if not self._clipped:
             self._clips = False
-        self._clipped = False
+        self._clipped = self.clip_ahead = False
+        self.after_unkept_clip(None)  # a clip that raised: nothing owed is left behind
         self.defer = True
         taken = TakenStats(self._loss, self._loss_count, tuple(self._optimizers), origin)
         self._loss, self._loss_count, self._optimizers = None, 0, []
@@ -494,6 +580,8 @@ class GradStats:
         """Forget the open iteration (its record could not be made)."""
         self._loss, self._loss_count, self._optimizers = None, 0, []
         self._deferred, self._clipped, self.defer = [], False, True
+        self.clip_ahead = self._from_clip = False
+        self._owed = None
 
     # -- internals -----------------------------------------------------------------------
 

@@ -9,11 +9,14 @@ it). No collective mismatch and no hang: under ``skip`` every rank skips that st
 weights stay alike on every rank; under ``raise`` every rank raises at it, the closed one
 included; the scaler's ranks go on to the end. Two more run FSDP2 (sharded gradients, the
 norm's all-reduce) with the loop's own ``unscale_()`` and a clip before ``step()``, a
-``GradWatch`` under ``skip`` and a ``GradScaler``: every rank skips the NaN step together.
+``GradWatch`` under ``skip`` (clipping as the loop does, and keeping the clip's norms, or
+announcing a clip that then does not keep them or clips other parameters) and a
+``GradScaler``: every rank skips the NaN step together.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -22,6 +25,8 @@ from support import DEADLOCK_GUARD_S, run_distributed
 pytestmark = pytest.mark.distributed
 
 STEPS = 6
+CLIPS = ("watch-clip", "watch-unkept", "watch-subset")
+"""The sharded scenarios whose clip is announced (``expect_clip()``)."""
 CLOSE_AFTER = 2
 BAD_STEP = 4
 
@@ -100,12 +105,19 @@ def _scaler_scenario(rank: int, world_size: int) -> dict[str, Any]:
 
 def _sharded_scenario(rank: int, world_size: int, kind: str) -> dict[str, Any]:
     """FSDP2 with the norms on (their all-reduce of sharded gradients), the loop's own
-    ``unscale_()`` and a clip (another all-reduce) before ``step()``."""
+    ``unscale_()`` and a clip (another all-reduce) before ``step()``. ``watch-clip``: the
+    clip keeps its norms (``expect_clip()``, ``clip_with_norms_()``, as the torchtitan and
+    OLMo-core integrations clip), so the open ranks' checks make no norm all-reduce;
+    ``watch-unkept``: the announced clip does not keep them (as OLMo-core's own clip where a
+    callback changed ``max_grad_norm``), and its total still stands for the all-reduce;
+    ``watch-subset``: the announced clip is of other parameters than the optimizer's."""
     import torch
     from torch import nn
     from torch.distributed.fsdp import fully_shard
 
     import ampscope
+    from ampscope.rank import compat
+    from ampscope.rank.gradients.clip import total_norm_with_norms
 
     torch.manual_seed(3)
     model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
@@ -121,6 +133,7 @@ def _sharded_scenario(rank: int, world_size: int, kind: str) -> dict[str, Any]:
     front.attach(model)
     data = torch.Generator().manual_seed(rank)
     skipped: list[int] = []
+    totals: list[float] = []
     for step in range(1, STEPS + 1):
         if step == CLOSE_AFTER + 1 and rank == world_size - 1:
             front.close()
@@ -129,16 +142,36 @@ def _sharded_scenario(rank: int, world_size: int, kind: str) -> dict[str, Any]:
         if rank == 0 and step == BAD_STEP:
             x[0, 0] = float("nan")
         front.scale(model(x).square().mean()).backward()
+        if kind in CLIPS:
+            front.expect_clip()
         front.unscale_(opt)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        params = list(model.parameters())
+        if kind == "watch-subset":
+            params = params[1:]  # not the optimizer's parameters: nothing to keep
+        if kind in CLIPS:
+
+            def clip(keep: bool, params: list[Any] = params) -> Any:
+                # torch's clip of DTensor gradients (its per-tensor path), keeping norms.
+                grads = [p.grad for p in params]
+                total, norms = total_norm_with_norms(grads, 2.0, False, foreach=False)
+                total = total.full_tensor()
+                torch.nn.utils.clip_grads_with_norm_(params, 1.0, total)
+                return total, compat.local_tensor(norms) if keep else None, total
+
+            keep = kind != "watch-unkept"
+            totals.append(float(front.clip_with_norms_(params, clip, keep)))
+        else:
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
         before = [p.detach().to_local().clone() for p in model.parameters()]
         front.step(opt)
         front.update()
         after = [p.detach().to_local() for p in model.parameters()]
         if all(torch.equal(a, b) for a, b in zip(before, after, strict=True)):
             skipped.append(step)
+    records = front.telemetry.history() if rank == 0 else []
     front.close()
-    return {"skipped": skipped}
+    grad_norms = [r.stats.grad_norm for r in records]
+    return {"skipped": skipped, "totals": totals, "grad_norms": grad_norms}
 
 
 def _rank(rank: int, world_size: int) -> dict[Any, dict[str, Any]]:
@@ -151,7 +184,7 @@ def _rank(rank: int, world_size: int) -> dict[Any, dict[str, Any]]:
         for rerun in (False, True)
     }
     results["scaler"] = _scaler_scenario(rank, world_size)
-    for kind in ("watch", "scaler"):
+    for kind in ("watch", *CLIPS, "scaler"):
         results[("sharded", kind)] = _sharded_scenario(rank, world_size, kind)
     return results
 
@@ -175,6 +208,20 @@ def test_a_closed_front_end_keeps_the_collectives_paired(world_size: int) -> Non
     assert len({s["checksum"] for s in scaler}) == 1
     # Sharded gradients with the norms on, the loop unscaling and clipping itself: every
     # rank skips the NaN step together (the scaler backs off), the closed one included.
-    for kind in ("watch", "scaler"):
+    for kind in ("watch", *CLIPS, "scaler"):
         sharded = [out[("sharded", kind)] for out in results]
         assert [s["skipped"] for s in sharded] == [[BAD_STEP]] * world_size, kind
+    # The clip's total is the record's norm (the whole model's, over the ranks), kept or
+    # not; the NaN step's is NaN. A clip of other parameters gives none: null.
+    assert results[0][("sharded", "watch-subset")]["grad_norms"] == [None] * STEPS
+    for kind in ("watch-clip", "watch-unkept"):
+        first = results[0][("sharded", kind)]
+        assert len(first["grad_norms"]) == STEPS
+        for step, (total, grad_norm) in enumerate(
+            zip(first["totals"], first["grad_norms"], strict=True), start=1
+        ):
+            if step == BAD_STEP:
+                assert math.isnan(total), kind
+                assert grad_norm is None, kind
+            else:
+                assert math.isclose(grad_norm, total, rel_tol=1e-5), kind
