@@ -78,6 +78,14 @@ class StepCapture:
         self._scale_at: tuple[torch.Tensor, int] | None = None
         """Device transport: where that capture's scale after update() sits on the host."""
 
+    def flags_on_host(self, found_per_device: FoundInf) -> bool:
+        """Whether this iteration's found-inf flags are host memory, read without a sync:
+        the host transport (a CPU scaler), or, before the first update() decides it, every
+        flag on the CPU."""
+        if self._read_on_host is not None:
+            return self._read_on_host
+        return all(flag.device.type == "cpu" for flag in found_per_device.values())
+
     def close(self) -> None:
         """Remove the step pre-hooks from every optimizer still alive."""
         self._registry.close()

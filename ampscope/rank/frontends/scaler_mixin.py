@@ -49,6 +49,9 @@ class TelemetryMixin(TelemetryFrontEnd):
             reduce = sum_over(getattr(self, "process_group", None))
         self._ampscope_start(config, enabled, reduce)
         self._ampscope_capture = StepCapture() if enabled else None
+        self._ampscope_named: dict[int, Mapping[str, int]] = {}
+        """This iteration's non-finite counts taken at unscale, by optimizer id (host
+        transport only): see :meth:`_ampscope_name_now`."""
 
     # -- public API ----------------------------------------------------------------------
 
@@ -164,6 +167,10 @@ class TelemetryMixin(TelemetryFrontEnd):
             if self._ampscope_reduces_found_inf_in_place:
                 self._ampscope_guard(capture.record_local, optimizer, result, fresh=False)
             # Otherwise torch's found-inf is the local one: nothing to keep.
+        if self._ampscope_config.attribution:
+            self._ampscope_named.pop(id(optimizer), None)  # a rerun unscales afresh
+            if capture.flags_on_host(result):
+                self._ampscope_guard(self._ampscope_name_now, optimizer, result)
         stats = self._ampscope_stats
         if stats is not None:
             # After torch's kernel: the norms are of the unscaled gradients. Sharded
@@ -200,6 +207,7 @@ class TelemetryMixin(TelemetryFrontEnd):
         except Exception:
             self._ampscope_failed()
             pending = None
+        self._ampscope_named.clear()  # this iteration's, taken or not
         parent.update(new_scale)
         config = self._ampscope_config
         if new_scale is None and (config.min_scale is not None or config.max_scale is not None):
@@ -231,10 +239,24 @@ class TelemetryMixin(TelemetryFrontEnd):
     # -- internals -----------------------------------------------------------------------
 
     def _ampscope_attribute(self, optimizer: torch.optim.Optimizer) -> Mapping[str, int]:
-        """Non-finite element counts of a skipped step's gradients, by parameter name;
-        empty when counting fails (counted and logged once, never raised)."""
+        """Non-finite element counts of a skipped step's gradients, by parameter name:
+        those taken at unscale where the flags were host memory, else counted now; empty
+        when counting fails (counted and logged once, never raised)."""
+        named = self._ampscope_named.pop(id(optimizer), None)
+        if named is not None:
+            return named
         counts = self._ampscope_guard(count_nonfinite, optimizer, self._ampscope_names)
         return counts if counts is not None else {}
+
+    def _ampscope_name_now(
+        self, optimizer: torch.optim.Optimizer, found_per_device: Mapping[Any, torch.Tensor]
+    ) -> None:
+        """Count the non-finite elements right after the unscale, where reading the flags
+        costs no sync (host memory): a clip between ``unscale_()`` and ``step()`` multiplies
+        every gradient by its coefficient, NaN when one gradient held a NaN, and a count at
+        ``update()`` would then name every parameter. Clean iterations read one flag."""
+        if any(flag.item() for flag in found_per_device.values()):
+            self._ampscope_named[id(optimizer)] = count_nonfinite(optimizer, self._ampscope_names)
 
     def __getstate__(self) -> dict[str, Any]:
         parent: Any = super()

@@ -161,6 +161,33 @@ def test_last_step_skipped_and_attribution_off() -> None:
     scaler.close()
 
 
+@pytest.mark.parametrize("clip", ["torch", "front-end"])
+def test_a_clip_before_step_does_not_spread_the_naming(clip: str) -> None:
+    """A loop that clips between ``unscale_()`` and ``step()`` (the Trainer, Accelerate,
+    Lightning): one NaN makes the clip's total NaN, and the clip multiplies every gradient
+    by a NaN coefficient. The record must still name the one parameter that held it."""
+    scaler = ampscope.GradScaler("cpu", reporter=None)
+    model = Net()
+    scaler.attach(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    clip_grad_norm_ = torch.nn.utils.clip_grad_norm_ if clip == "torch" else scaler.clip_grad_norm_
+    for step in range(4):
+        scaler.scale(model(batch(step))).backward()
+        if step == 2:
+            poison(model.body.bias, float("nan"))
+        scaler.unscale_(opt)
+        clip_grad_norm_(model.parameters(), 1.0)
+        if step == 2:
+            assert all(p.grad is not None and p.grad.isnan().all() for p in model.parameters())
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    history = scaler.telemetry.history()
+    assert [record.skipped for record in history] == [False, False, True, False]
+    assert [(p.name, p.count) for p in history[2].nonfinite_params] == [("body.bias", 1)]
+    scaler.close()
+
+
 def _misuse(scaler: torch.amp.GradScaler) -> list[str]:
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
