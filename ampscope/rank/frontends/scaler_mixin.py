@@ -169,8 +169,12 @@ class TelemetryMixin(TelemetryFrontEnd):
             # Otherwise torch's found-inf is the local one: nothing to keep.
         if self._ampscope_config.attribution:
             self._ampscope_named.pop(id(optimizer), None)  # a rerun unscales afresh
-            if capture.flags_on_host(result):
-                self._ampscope_guard(self._ampscope_name_now, optimizer, result)
+            # Inline guard, as above: one flag read per optimizer on a clean CPU iteration.
+            try:
+                if capture.flags_on_host(result):
+                    self._ampscope_name_now(optimizer, result)
+            except Exception:
+                self._ampscope_failed()
         stats = self._ampscope_stats
         if stats is not None:
             # After torch's kernel: the norms are of the unscaled gradients. Sharded
@@ -191,6 +195,7 @@ class TelemetryMixin(TelemetryFrontEnd):
         parent: Any = super()
         capture = self._ampscope_capture
         if capture is None:
+            self._ampscope_named.clear()  # closed within the iteration
             parent.update(new_scale)
             self._ampscope_check_replicas()  # a closed rank keeps its part in the collective
             return
@@ -254,9 +259,14 @@ class TelemetryMixin(TelemetryFrontEnd):
         """Count the non-finite elements right after the unscale, where reading the flags
         costs no sync (host memory): a clip between ``unscale_()`` and ``step()`` multiplies
         every gradient by its coefficient, NaN when one gradient held a NaN, and a count at
-        ``update()`` would then name every parameter. Clean iterations read one flag."""
-        if any(flag.item() for flag in found_per_device.values()):
-            self._ampscope_named[id(optimizer)] = count_nonfinite(optimizer, self._ampscope_names)
+        ``update()`` would then name every parameter. Clean iterations read one flag.
+        A flag of 0 is kept too (nothing to name): under FSDP1 another rank's inf/NaN
+        reaches this rank's flag only in the all-reduce after this unscale, and this rank's
+        gradients were finite here."""
+        found = any(flag.item() for flag in found_per_device.values())
+        self._ampscope_named[id(optimizer)] = (
+            count_nonfinite(optimizer, self._ampscope_names) if found else {}
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         parent: Any = super()

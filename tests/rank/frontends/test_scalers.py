@@ -5,6 +5,8 @@ from __future__ import annotations
 import pickle
 import threading
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -186,6 +188,52 @@ def test_a_clip_before_step_does_not_spread_the_naming(clip: str) -> None:
     assert [record.skipped for record in history] == [False, False, True, False]
     assert [(p.name, p.count) for p in history[2].nonfinite_params] == [("body.bias", 1)]
     scaler.close()
+
+
+def test_a_sharded_rank_whose_gradients_were_finite_names_nothing_after_the_clip(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """FSDP1: another rank's NaN reaches this rank's found-inf only in the all-reduce after
+    its unscale, and FSDP's clip then multiplies this rank's gradients by the NaN total
+    too. This rank's gradients were finite at its unscale: it names none of them. (One
+    gloo rank; the all-reduce of the flag plays the other rank's NaN.)"""
+    import torch.distributed as dist
+    import torch.distributed.fsdp.sharded_grad_scaler as sharded
+
+    real = dist.all_reduce
+    other_rank_found = {"now": False}
+
+    def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if other_rank_found["now"] and tensor.numel() == 1:
+            tensor.fill_(1.0)
+        return real(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(sharded.dist, "all_reduce", all_reduce)
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        scaler = ampscope.ShardedGradScaler("cpu", reporter=None)
+        model = Net()
+        scaler.attach(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            scaler.scale(model(batch(step))).backward()
+            other_rank_found["now"] = step == 1
+            scaler.unscale_(opt)
+            other_rank_found["now"] = False
+            if step == 1:  # FSDP's clip: the NaN total reaches every rank's gradients
+                for param in model.parameters():
+                    assert param.grad is not None
+                    param.grad.mul_(float("nan"))
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        history = scaler.telemetry.history()
+        assert [record.skipped for record in history] == [False, True, False]
+        assert history[1].nonfinite_params == []
+        scaler.close()
+    finally:
+        dist.destroy_process_group()
 
 
 def _misuse(scaler: torch.amp.GradScaler) -> list[str]:
