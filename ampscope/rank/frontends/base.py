@@ -552,6 +552,22 @@ class TelemetryFrontEnd(failure.ClosedByWith):
             if stats.waiting:
                 self._ampscope_guard(stats.resolve)
 
+    def _ampscope_named_before_clip(self, counts: dict[str, int]) -> dict[str, int]:
+        """Non-finite ``counts`` taken after any clip the loop made (an accelerator names a
+        skipped step's parameters there, not at the unscale, which would need a sync per
+        iteration): a NaN total multiplies every gradient into NaN. Kept to the parameters
+        whose norm, taken before the clip, was inf/NaN, and those no norm covers; their
+        counts stay the clipped gradients'. Unchanged without norms (``stats=False``) or
+        when no norm was inf/NaN."""
+        stats = self._ampscope_stats
+        if not counts or stats is None:
+            return counts
+        seen = self._ampscope_guard(stats.nonfinite_norm_names)
+        if not seen or not seen[0]:
+            return counts
+        bad, normed = seen
+        return {name: n for name, n in counts.items() if name in bad or name not in normed}
+
     def _ampscope_guard(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Run telemetry work; an exception is counted and logged once, never raised."""
         try:

@@ -245,13 +245,14 @@ class TelemetryMixin(TelemetryFrontEnd):
 
     def _ampscope_attribute(self, optimizer: torch.optim.Optimizer) -> Mapping[str, int]:
         """Non-finite element counts of a skipped step's gradients, by parameter name:
-        those taken at unscale where the flags were host memory, else counted now; empty
-        when counting fails (counted and logged once, never raised)."""
+        those taken at unscale where the flags were host memory, else counted now (on an
+        accelerator: kept to the parameters whose norm was inf/NaN before any clip);
+        empty when counting fails (counted and logged once, never raised)."""
         named = self._ampscope_named.pop(id(optimizer), None)
         if named is not None:
             return named
         counts = self._ampscope_guard(count_nonfinite, optimizer, self._ampscope_names)
-        return counts if counts is not None else {}
+        return {} if counts is None else self._ampscope_named_before_clip(counts)
 
     def _ampscope_name_now(
         self, optimizer: torch.optim.Optimizer, found_per_device: Mapping[Any, torch.Tensor]

@@ -502,7 +502,7 @@ class GradWatch(TelemetryFrontEnd):
     def _count_nonfinite(self, entry: Checked, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         if not any(flag.item() for flag in entry.found.values()):
             return {}
-        return count_nonfinite(optimizer, self._ampscope_names)
+        return self._ampscope_named_before_clip(count_nonfinite(optimizer, self._ampscope_names))
 
     @staticmethod
     def _counts(capture: WatchCapture) -> Mapping[str, int]:

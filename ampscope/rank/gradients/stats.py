@@ -563,6 +563,27 @@ class GradStats:
             norms = self._local_norms(plan, info)
             self._optimizers.append(OptimizerNorms(plan.names, norms, False, None))
 
+    def nonfinite_norm_names(self) -> tuple[set[str], set[str]] | None:
+        """This iteration's per-parameter norms so far, read on the host: the names whose
+        norm is inf/NaN, and every name normed (``None``: no norms yet). A device read
+        (a sync on accelerators): call only where the host waits anyway, to name a
+        skipped step's parameters. The norms are the gradients' right after the unscale,
+        or the kept norms of a clip's pass, taken before it multiplied anything."""
+        bad: set[str] = set()
+        normed: set[str] = set()
+        for optimizer in self._optimizers:
+            if not optimizer.count:
+                continue
+            norms = optimizer.packed
+            if norms is None:
+                norms = torch.stack(optimizer.norms)
+            values = norms.tolist()
+            normed.update(optimizer.names)
+            bad.update(
+                n for n, v in zip(optimizer.names, values, strict=True) if not math.isfinite(v)
+            )
+        return (bad, normed) if normed else None
+
     def take(self, origin: Mapping[str, torch.Tensor]) -> TakenStats:
         """The iteration's values, then start the next iteration afresh (update())."""
         if self._deferred:

@@ -163,12 +163,17 @@ def test_last_step_skipped_and_attribution_off() -> None:
     scaler.close()
 
 
+@pytest.mark.parametrize("transport", ["host", "device"])
 @pytest.mark.parametrize("clip", ["torch", "front-end"])
-def test_a_clip_before_step_does_not_spread_the_naming(clip: str) -> None:
+def test_a_clip_before_step_does_not_spread_the_naming(clip: str, transport: str) -> None:
     """A loop that clips between ``unscale_()`` and ``step()`` (the Trainer, Accelerate,
     Lightning): one NaN makes the clip's total NaN, and the clip multiplies every gradient
-    by a NaN coefficient. The record must still name the one parameter that held it."""
+    by a NaN coefficient. The record must still name the one parameter that held it: on
+    the host transport counted at the unscale, on the device transport (the accelerators')
+    by the norms taken before the clip."""
     scaler = ampscope.GradScaler("cpu", reporter=None)
+    if transport == "device":
+        use_device_transport(scaler)
     model = Net()
     scaler.attach(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -186,7 +191,10 @@ def test_a_clip_before_step_does_not_spread_the_naming(clip: str) -> None:
         opt.zero_grad()
     history = scaler.telemetry.history()
     assert [record.skipped for record in history] == [False, False, True, False]
-    assert [(p.name, p.count) for p in history[2].nonfinite_params] == [("body.bias", 1)]
+    named = [p.name for p in history[2].nonfinite_params]
+    assert named == ["body.bias"]
+    if transport == "host":  # the device transport's count is the clipped gradient's
+        assert [p.count for p in history[2].nonfinite_params] == [1]
     scaler.close()
 
 
