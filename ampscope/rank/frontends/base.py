@@ -557,14 +557,15 @@ class TelemetryFrontEnd(failure.ClosedByWith):
         skipped step's parameters there, not at the unscale, which would need a sync per
         iteration): a NaN total multiplies every gradient into NaN. Kept to the parameters
         whose norm, taken before the clip, was inf/NaN, and those no norm covers; their
-        counts stay the clipped gradients'. Unchanged without norms (``stats=False``) or
-        when no norm was inf/NaN."""
+        counts stay the clipped gradients'. Unchanged without norms (``stats=False``)."""
         stats = self._ampscope_stats
         if not counts or stats is None:
             return counts
         seen = self._ampscope_guard(stats.nonfinite_norm_names)
-        if not seen or not seen[0]:
+        if not seen:
             return counts
+        # All of a rank's norms finite drops every name they cover: under FSDP1 another
+        # rank's NaN set this rank's flag and the clip's summed total spread it here.
         bad, normed = seen
         return {name: n for name, n in counts.items() if name in bad or name not in normed}
 

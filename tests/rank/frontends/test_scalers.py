@@ -173,7 +173,7 @@ def test_a_clip_before_step_does_not_spread_the_naming(clip: str, transport: str
     by the norms taken before the clip."""
     scaler = ampscope.GradScaler("cpu", reporter=None)
     if transport == "device":
-        use_device_transport(scaler)
+        _accelerator_path(scaler)
     model = Net()
     scaler.attach(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -198,8 +198,16 @@ def test_a_clip_before_step_does_not_spread_the_naming(clip: str, transport: str
     scaler.close()
 
 
+def _accelerator_path(scaler: torch.amp.GradScaler) -> None:
+    """The device transport, and the norms stacked on the training thread as on an
+    accelerator."""
+    use_device_transport(scaler)
+    scaler._ampscope_stats.pack_on_cpu = True  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("transport", ["host", "device"])
 def test_a_sharded_rank_whose_gradients_were_finite_names_nothing_after_the_clip(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, transport: str
 ) -> None:
     """FSDP1: another rank's NaN reaches this rank's found-inf only in the all-reduce after
     its unscale, and FSDP's clip then multiplies this rank's gradients by the NaN total
@@ -221,6 +229,8 @@ def test_a_sharded_rank_whose_gradients_were_finite_names_nothing_after_the_clip
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         scaler = ampscope.ShardedGradScaler("cpu", reporter=None)
+        if transport == "device":  # named at update(), after the clip, by the norms
+            _accelerator_path(scaler)
         model = Net()
         scaler.attach(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
