@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             client.close()
             print(f"loaded {loaded['samples']:,} samples in {loaded['seconds']:.0f} s")
         # The newest scrape: every query is sent at it, however long ago it was loaded.
-        probe = "max(tlast_over_time(ampscope_last_step[1h]))"
+        probe = "max(tlast_over_time(ampscope_last_step[30d]))"
         params = urllib.parse.urlencode({"query": probe, "time": f"{time.time():.3f}"})
         with urllib.request.urlopen(f"{url}/api/v1/query?{params}", timeout=600) as response:
             at = float(json.load(response)["data"]["result"][0]["value"][1])
