@@ -44,6 +44,8 @@ class KeepingCall(NamedTuple):
 
     params: list[torch.Tensor]
     grads: list[torch.Tensor]
+    """``params``' gradients, as the clip reads them (empty where the caller reads them
+    when it clips: :func:`keeping_call`'s ``read_grads``, :func:`with_grads`)."""
     max_norm: float
     norm_type: float
     error_if_nonfinite: bool
@@ -102,6 +104,7 @@ def keeping_call(
     pp_mesh: Any = None,
     *,
     ids: tuple[int, ...] | None = None,
+    read_grads: bool = True,
 ) -> KeepingCall | None:
     """The clip of ``params``' gradients with these arguments, when :func:`clip` keeps its
     norms; else ``None`` (the library's own function runs, as it does where torch's clip
@@ -109,10 +112,24 @@ def keeping_call(
     any error of ampscope's here: logged once). Decided from the arguments and the
     gradients' layout (remembered in ``layouts``), alike on every rank of a program that
     gives every rank the same layout. Cost on a repeated parameter list: the gradients'
-    list, a tuple of ids (none where the caller gives ``params``' ``ids``) and a lookup."""
+    list, a tuple of ids (none where the caller gives ``params``' ``ids``) and a lookup.
+
+    ``read_grads=False``: the caller decides ahead of the clip and reads the gradients
+    when it clips (:func:`with_grads`, which hands a missing one to the library). On a
+    parameter list whose layout is known, nothing is then read per parameter here (the
+    call's ``grads`` is empty), and the answer depends on the arguments and that layout
+    only; on first sight the gradients are read to learn it."""
     try:
         return _keeping_call(
-            layouts, params, max_norm, norm_type, error_if_nonfinite, foreach, pp_mesh, ids
+            layouts,
+            params,
+            max_norm,
+            norm_type,
+            error_if_nonfinite,
+            foreach,
+            pp_mesh,
+            ids,
+            read_grads,
         )
     except Exception:
         _warn_once()
@@ -138,16 +155,19 @@ def _keeping_call(
     foreach: bool | None,
     pp_mesh: Any,
     ids: tuple[int, ...] | None,
+    read_grads: bool,
 ) -> KeepingCall | None:
     if not params or foreach is False or float(norm_type) != 2.0:
         return None
     if not compat.clip_unchanged():
         return None  # torch's get_total_norm is not the pass the repeat copies
-    grads = [p.grad for p in params]
-    if any(g is None for g in grads):
-        return None
     key = (ids if ids is not None else tuple(map(id, params)), foreach is None)
     path = layouts.get(key, False)
+    grads: list[torch.Tensor] | None = []
+    if path is False or read_grads:
+        grads = present_grads(params)
+        if grads is None:
+            return None
     if path is False:
         if len(layouts) >= _LAYOUT_KEYS:
             layouts.clear()
@@ -164,6 +184,24 @@ def _keeping_call(
         foreach_path=path,
         pp_mesh=pp_mesh,
     )
+
+
+def present_grads(params: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """``params``' gradients, read now; ``None`` when one is missing (the repeat clips
+    whole lists only). One read of ``.grad`` per parameter."""
+    grads = [p.grad for p in params]
+    for grad in grads:
+        if grad is None:
+            return None
+    return grads  # type: ignore[return-value]
+
+
+def with_grads(call: KeepingCall) -> KeepingCall | None:
+    """``call`` with its parameters' gradients as they are now, right before the clip
+    (callbacks may have replaced some since the decision); ``None`` when one is missing:
+    the library's own clip runs then."""
+    grads = present_grads(call.params)
+    return None if grads is None else call._replace(grads=grads)
 
 
 def _foreach_path(grads: list[torch.Tensor], foreach: bool | None) -> bool | None:

@@ -321,10 +321,9 @@ class _KeptClip:
             ):
                 call = None  # another call than optim_step()'s: OLMo-core's own clip
             if call is not None:
-                # As OLMo-core reads them, should a callback have replaced some since.
-                grads = [p.grad for p in call.params]
-                whole = all(g is not None for g in grads)
-                call = call._replace(grads=grads) if whole else None  # type: ignore[arg-type]
+                # Read here only (keeps_norms() decided without them): as OLMo-core reads
+                # them, should a callback have replaced some since; one missing: its clip.
+                call = _clip_repeat.with_grads(call)
 
             def run(keep: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
                 if call is None:  # OLMo-core's own clip
@@ -352,8 +351,9 @@ class _KeptClip:
 
     def keeps_norms(self) -> bool:
         """Whether the clip ``optim_step()`` is about to make keeps its norms (decided
-        alike on every rank, from the train module's settings and the gradients' layout);
-        the clip keeps to the answer."""
+        alike on every rank, from the train module's settings and the gradients' layout,
+        learnt on first sight: no gradient is read here after that); the clip keeps to
+        the answer, reading the gradients itself (one missing: OLMo-core's own clip)."""
         max_norm = self._module.max_grad_norm
         call = None
         if max_norm is not None:
@@ -364,7 +364,9 @@ class _KeptClip:
                 # (in place) before fit, and keeps them.
                 listed = list(model.parameters())
                 params = self._params = (model, listed, tuple(map(id, listed)))
-            call = _keeping_call(self._layouts, model, max_norm, params=params[1:])
+            call = _keeping_call(
+                self._layouts, model, max_norm, params=params[1:], read_grads=False
+            )
         self._call = call
         return call is not None
 
@@ -398,10 +400,12 @@ def _keeping_call(
     norm_type: float = 2.0,
     foreach: bool | None = None,
     params: tuple[list[torch.Tensor], tuple[int, ...]] | None = None,
+    read_grads: bool = True,
 ) -> _clip_repeat.KeepingCall | None:
     """OLMo-core's clip of ``model``'s gradients, when ampscope's repeat keeps its norms:
     not under FSDP1 (OLMo-core calls its ``clip_grad_norm_``). ``params``: the model's
-    parameters and their ids, already listed."""
+    parameters and their ids, already listed; ``read_grads``: as
+    :func:`~ampscope.integrations._clip_repeat.keeping_call`'s."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     if isinstance(model, FullyShardedDataParallel):
@@ -410,7 +414,14 @@ def _keeping_call(
         listed = list(model.parameters())
         params = listed, tuple(map(id, listed))
     return _clip_repeat.keeping_call(
-        layouts, params[0], max_grad_norm, norm_type, False, foreach, ids=params[1]
+        layouts,
+        params[0],
+        max_grad_norm,
+        norm_type,
+        False,
+        foreach,
+        ids=params[1],
+        read_grads=read_grads,
     )
 
 

@@ -8,6 +8,7 @@ import logging
 import math
 
 import pytest
+import torch
 from clip_repeat_workers import CLOSE_AFTER, LOOP_STEPS, clip_worker
 from support import need_module, run_distributed
 
@@ -154,3 +155,113 @@ def test_the_olmo_core_clip_goes_back_as_it_was() -> None:
     assert kept is not None
     kept.remove()
     assert "_clip_grad_norm" not in vars(module)
+
+
+class _CountedParameter(torch.nn.Parameter):
+    """A parameter that counts the reads of its ``.grad`` (by Python code; torch's
+    kernels read the gradient in C++)."""
+
+    reads = 0
+
+    @property  # type: ignore[override]
+    def grad(self) -> torch.Tensor | None:
+        _CountedParameter.reads += 1
+        return torch.Tensor.grad.__get__(self)  # type: ignore[attr-defined,no-any-return]
+
+    @grad.setter
+    def grad(self, value: torch.Tensor | None) -> None:
+        torch.Tensor.grad.__set__(self, value)  # type: ignore[attr-defined]
+
+
+def test_a_decision_ahead_of_the_clip_reads_no_gradient_once_the_layout_is_known() -> None:
+    """OLMo-core decides before its check whether the clip keeps its norms, and reads the
+    gradients again when it clips: with ``read_grads=False`` the decision on a known
+    parameter list reads none (the layout learnt on first sight and the arguments decide
+    alone); :func:`with_grads` reads them at the clip and hands a missing one to the
+    library. A caller that decides at the clip (torchtitan) still reads them then."""
+    from ampscope.integrations import _clip_repeat
+
+    params = [_CountedParameter(torch.ones(3)) for _ in range(4)]
+    for param in params:
+        param.grad = torch.ones(3)
+    layouts: _clip_repeat.Layouts = {}
+    ids = tuple(map(id, params))
+    _CountedParameter.reads = 0
+    first = _clip_repeat.keeping_call(
+        layouts, params, 1.0, 2.0, False, None, ids=ids, read_grads=False
+    )
+    assert first is not None
+    assert len(first.grads) == 4
+    assert _CountedParameter.reads == 4  # first sight: the layout needs the gradients
+    _CountedParameter.reads = 0
+    call = _clip_repeat.keeping_call(
+        layouts, params, 1.0, 2.0, False, None, ids=ids, read_grads=False
+    )
+    assert call is not None
+    assert call.grads == []
+    assert _CountedParameter.reads == 0
+    ready = _clip_repeat.with_grads(call)
+    assert ready is not None
+    assert all(g is p.grad for g, p in zip(ready.grads, params, strict=True))
+    assert _CountedParameter.reads == 4 + 4
+    params[2].grad = None  # e.g. a callback's, between the decision and the clip
+    assert _clip_repeat.with_grads(call) is None
+    # Reading at the decision (torchtitan's caller) still sees the missing gradient.
+    assert _clip_repeat.keeping_call(layouts, params, 1.0, 2.0, False, None, ids=ids) is None
+
+
+def test_olmo_core_clip_with_a_gradient_missing_keeps_the_records_and_the_weights() -> None:
+    """A parameter without a gradient on one step (unused, or dropped by a callback): the
+    decision ahead of the clip, made from the known layout, said keep; the clip finds the
+    gradient missing and runs OLMo-core's own clip. The weights are OLMo-core's, bit for
+    bit, and every record's ``grad_norm`` is the total OLMo-core's clip returned."""
+    from olmo_core.train.train_module.transformer.train_module import TransformerTrainModule
+
+    import ampscope
+    from ampscope.integrations.olmo_core import _KeptClip
+
+    class TrainModule:
+        _clip_grad_norm = TransformerTrainModule._clip_grad_norm
+        max_grad_norm = 0.5
+
+        def __init__(self, model: torch.nn.Module) -> None:
+            self.model = model
+
+    def make() -> torch.nn.Module:
+        torch.manual_seed(5)
+        return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+    missing_at = 2
+    ours, stock = make(), make()
+    module = TrainModule(ours)
+    watch = ampscope.GradWatch(reporter=None)
+    watch.attach(ours)
+    kept = _KeptClip.install(module, watch)
+    assert kept is not None
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, stock)]
+    totals = []
+    for step in range(5):
+        x = torch.randn(6, 4, generator=torch.Generator().manual_seed(step))
+        for model in (ours, stock):
+            loss = model(x).square().mean()
+            if model is ours:
+                watch.scale(loss)
+            loss.backward()
+            if step == missing_at:
+                model[2].bias.grad = None
+        totals.append(TransformerTrainModule._clip_grad_norm(TrainModule(stock), 0.5).item())
+        if kept.keeps_norms():
+            watch.expect_clip()
+        watch.unscale_(opts[0])
+        module._clip_grad_norm(0.5)  # type: ignore[call-arg]
+        watch.step(opts[0])
+        watch.update()
+        opts[1].step()
+        for opt in opts:
+            opt.zero_grad()
+    kept.remove()
+    norms = [r.stats.grad_norm if r.stats else None for r in watch.telemetry.history()]
+    watch.close()
+    assert norms == pytest.approx(totals, rel=1e-6)
+    for a, b in zip(ours.parameters(), stock.parameters(), strict=True):
+        assert torch.equal(a, b)

@@ -156,6 +156,17 @@ class WatchCapture:
             return None
         return {device: self.zero(device)}
 
+    def flags_on_host(self, found: FoundInf, place: torch.device | None) -> bool:
+        """Whether this check's local flags are host memory, read without a sync: the
+        gradients' one ``place`` is the CPU (none: every flag is on the CPU), unless the
+        capture was told its transport (``read_on_host``: tests force the device transport
+        on the CPU with ``False``, and the watch then names as on an accelerator)."""
+        if self._read_on_host is not None:
+            return self._read_on_host
+        if place is not None:
+            return place.type == "cpu"
+        return all(device.type == "cpu" for device in found)
+
     def zero(self, device: torch.device) -> torch.Tensor:
         """This capture's shared one-element zero flag on ``device``: known to be 0, so
         never read (:attr:`zero_ids`), and never written (nothing writes a flag in place)."""

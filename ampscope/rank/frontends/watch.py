@@ -462,8 +462,8 @@ class GradWatch(TelemetryFrontEnd):
         if not clean and self._ampscope_config.attribution:
             try:
                 place = info.place if info is not None else None
-                on_cpu = place[0].type == "cpu" if place is not None else _all_cpu(found)
-                if on_cpu and any(flag.item() for flag in found.values()):
+                on_host = capture.flags_on_host(found, None if place is None else place[0])
+                if on_host and any(flag.item() for flag in found.values()):
                     self._attribute(entry, optimizer)
             except Exception:
                 self._ampscope_failed()
@@ -595,10 +595,6 @@ class _WatchChecks:
 
     def forget(self) -> None:
         self._capture.iteration.pop(id(self._optimizer), None)
-
-
-def _all_cpu(found: Mapping[torch.device, torch.Tensor]) -> bool:
-    return all(device.type == "cpu" for device in found)
 
 
 def _fused_step(

@@ -39,13 +39,14 @@ def test_a_scaler_reads_on_the_host_only_what_torch_reads() -> None:
 
 def test_a_watch_reads_only_what_its_policy_needs() -> None:
     """Under ``observe`` none; under ``skip`` one per step, the skip decision itself (as
-    torch's scaler's ``step()`` reads its found-inf). The CPU's attribution adds one per
-    step on the CPU only: its local flag is host memory (``GradWatch._check`` reads it
-    there, ``on_cpu``); an accelerator's flags are named later, without it."""
+    torch's scaler's ``step()`` reads its found-inf). Attribution adds none on clean
+    steps: on the device transport the local flags are named at a skipped ``step()``,
+    never read at the check (the CPU's host transport reads them there, host memory)."""
     expected = {
         ("observe", False): 0,
-        ("observe", True): 3,  # the CPU's attribution read, one per step
+        ("observe", True): 0,
         ("skip", False): 3,
+        ("skip", True): 3,
     }
     for (policy, attribution), reads in expected.items():
         watch = ampscope.GradWatch(

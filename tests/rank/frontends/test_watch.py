@@ -410,6 +410,93 @@ def test_device_transport_gives_the_same_records() -> None:
     assert [r["skipped"] for r in records[1]] == [s == OVERFLOW for s in range(STEPS)]
 
 
+def _accelerator_path(watch: ampscope.GradWatch) -> None:
+    """The device transport (the flags named at ``step()``, after any clip, not at the
+    check), and the norms stacked on the training thread, as on an accelerator."""
+    watch._ampscope_capture = WatchCapture(watch.policy, read_on_host=False)
+    assert watch._ampscope_stats is not None
+    watch._ampscope_stats.pack_on_cpu = True
+
+
+@pytest.mark.parametrize("transport", ["host", "device"])
+@pytest.mark.parametrize("clip", ["torch", "front-end"])
+def test_a_clip_before_step_does_not_spread_the_naming(clip: str, transport: str) -> None:
+    """The documented loop: ``unscale_()`` (the check), the clip, ``step()``. One NaN makes
+    the clip's total NaN, and the clip multiplies every gradient by it. The record names
+    the one parameter that held it: on the host transport counted at the check, on the
+    device transport at ``step()`` (under ``skip``, once the agreed flag is read), kept to
+    the parameters whose norm, taken before the clip, was not finite."""
+    watch = ampscope.GradWatch("skip", reporter=None)
+    if transport == "device":
+        _accelerator_path(watch)
+    model = Net()
+    watch.attach(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    clip_grad_norm_ = torch.nn.utils.clip_grad_norm_ if clip == "torch" else watch.clip_grad_norm_
+    for step in range(4):
+        watch.scale(model(index_batch(step))).backward()
+        if step == 2:
+            poison(model.body.bias, float("nan"))
+        watch.unscale_(opt)
+        clip_grad_norm_(model.parameters(), 1.0)
+        if step == 2:
+            assert all(p.grad is not None and p.grad.isnan().all() for p in model.parameters())
+        watch.step(opt)
+        watch.update()
+        opt.zero_grad()
+    history = watch.telemetry.history()
+    assert [record.skipped for record in history] == [False, False, True, False]
+    assert [p.name for p in history[2].nonfinite_params] == ["body.bias"]
+    if transport == "host":  # the device transport's count is the clipped gradient's
+        assert [p.count for p in history[2].nonfinite_params] == [1]
+    else:
+        assert [p.count for p in history[2].nonfinite_params] == [6]
+    watch.close()
+
+
+@pytest.mark.parametrize("transport", ["host", "device"])
+def test_a_rank_whose_gradients_were_finite_names_nothing_after_the_clip(
+    monkeypatch: pytest.MonkeyPatch, transport: str
+) -> None:
+    """Another rank's NaN: the agreement says skip, and the clip's total, summed over the
+    ranks (FSDP1, FSDP2), multiplies this rank's gradients into NaN too. This rank's
+    gradients were finite at its check: it names none of them. (The agreement's result is
+    faked to play the other rank.)"""
+    import ampscope.rank.frontends.watch as watch_module
+
+    real = watch_module.agree
+    other_rank_found = {"now": False}
+
+    def agree(*args: Any, **kwargs: Any) -> torch.Tensor:
+        flag = real(*args, **kwargs)
+        return torch.ones_like(flag) if other_rank_found["now"] else flag
+
+    monkeypatch.setattr(watch_module, "agree", agree)
+    watch = ampscope.GradWatch("skip", reporter=None)
+    if transport == "device":
+        _accelerator_path(watch)
+    model = Net()
+    watch.attach(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        watch.scale(model(index_batch(step))).backward()
+        other_rank_found["now"] = step == 1
+        watch.unscale_(opt)
+        other_rank_found["now"] = False
+        if step == 1:  # the clip's NaN total reaches every rank's gradients
+            for param in model.parameters():
+                assert param.grad is not None
+                param.grad.mul_(float("nan"))
+        watch.step(opt)
+        watch.update()
+        opt.zero_grad()
+    history = watch.telemetry.history()
+    assert [record.skipped for record in history] == [False, True, False]
+    assert not history[1].found_inf_local["cpu"]
+    assert history[1].nonfinite_params == []
+    watch.close()
+
+
 def test_scaler_records_say_scaler() -> None:
     sink = ListSink()
     scaler = ampscope.GradScaler("cpu", reporter=None, sinks=[sink])
