@@ -146,6 +146,66 @@ def forget_unscale(scaler: _TorchGradScaler, optimizer: object) -> None:
     scaler._per_optimizer_states[id(optimizer)] = _refresh_per_optimizer_state()
 
 
+def unscale_one_group_(
+    grads: list[torch.Tensor], inv_scale: torch.Tensor, found_inf: torch.Tensor
+) -> dict[torch.device, torch.Tensor]:
+    """``GradScaler._unscale_grads_`` where every gradient is present, dense and of one
+    device and dtype (the caller checks, and torch's ``allow_fp16``): the same kernel on
+    the same gradients, with ``found_inf`` and ``inv_scale`` copied to their device as
+    torch's ``_MultiDeviceReplicator`` copies them, so the gradients, the flag and the
+    returned dict are torch's, bit for bit. Without torch's walk over the parameters in
+    Python (some 500 ns a parameter), which the caller's own list of gradients replaces.
+    Only where :func:`unscale_unchanged`."""
+    device = grads[0].device
+    found = found_inf.to(device=device, non_blocking=True, copy=True)
+    inv = inv_scale.to(device=device, non_blocking=True, copy=True)
+    with torch.no_grad():
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
+    return {device: found}
+
+
+def _check_unscale() -> list[str]:
+    """``GradScaler._unscale_grads_`` still groups the present gradients by device and
+    dtype, unscales each group with the one kernel, and returns the found-inf copies its
+    replicator made: the work :func:`unscale_one_group_` does for one group."""
+    from torch.amp.grad_scaler import _MultiDeviceReplicator
+
+    unscale = inspect.getsource(_TorchGradScaler._unscale_grads_)
+    replicate = inspect.getsource(_MultiDeviceReplicator.get)
+    expected = (
+        "if param.grad is None:",
+        "continue",
+        "if (not allow_fp16) and param.grad.dtype == torch.float16:",
+        "if param.grad.is_sparse:",
+        "to_unscale = param.grad",
+        "per_device_and_dtype_grads[to_unscale.device][",
+        "torch._amp_foreach_non_finite_check_and_unscale_(",
+        "per_device_found_inf.get(device),",
+        "per_device_inv_scale.get(device),",
+        "return per_device_found_inf._per_device_tensors",
+    )
+    if (
+        any(text not in unscale for text in expected)
+        or unscale.count("torch._amp_foreach_non_finite_check_and_unscale_(") != 1
+        or "self.master.to(device=device, non_blocking=True, copy=True)" not in replicate
+    ):
+        return [
+            "GradScaler._unscale_grads_ no longer unscales each (device, dtype) group of "
+            "gradients with one kernel call; ampscope's unscale calls torch's instead"
+        ]
+    return []
+
+
+@functools.lru_cache(maxsize=1)
+def unscale_unchanged() -> bool:
+    """Whether torch's ``GradScaler._unscale_grads_`` is still the work
+    :func:`unscale_one_group_` does for one group. Reads torch's source once per process."""
+    try:
+        return not _check_unscale()
+    except Exception:
+        return False
+
+
 _KERNEL_LACKS: set[tuple[str, torch.dtype]] = set()
 """(device type, dtype) groups torch's found-inf kernel refused: its CUDA kernel has no
 bfloat16 (torch 2.11 on an H200), while its CPU kernel has."""

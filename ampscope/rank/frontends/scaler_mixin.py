@@ -1,13 +1,17 @@
 """The one mixin that turns torch's scalers into instrumented ones.
 
-It overrides torch's hook points and calls torch for all the work: ``_unscale_grads_``
+It overrides torch's hook points and calls torch for the work: ``_unscale_grads_``
 (notes the optimizer, keeps this rank's pre-reduction found-inf where torch's differs, and
 takes the gradient norms right after torch's kernel), ``update`` (captures the step's
 scalars; see :mod:`ampscope.rank.capture.scaler`), ``scale`` (keeps the loss for the record's
 stats) and ``_check_inf_per_device`` (marks a fused optimizer's check, which unscales
 nothing). Whether each optimizer's step ran is counted by a public step pre-hook.
 Numerics are torch's: nothing here writes to gradients, parameters or found-inf, except
-the optional scale clamp.
+the optional scale clamp, and the one unscale torch's own ``GradScaler`` would make as one
+group (every gradient present, dense, on one device and dtype): there the mixin runs
+torch's kernel on the gradients itself (:func:`~ampscope.rank.compat.unscale_one_group_`,
+bit for bit torch's), without torch's walk over the parameters in Python, and hands the
+same list of gradients to the norms.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any
 import torch
 
 from ampscope.rank import compat
+from ampscope.rank.capture.registry import OptimizerInfo
 from ampscope.rank.capture.scaler import StepCapture
 from ampscope.rank.config import TelemetryConfig
 from ampscope.rank.frontends.base import OWN_ATTRIBUTES, TelemetryFrontEnd, warn_if_torch_changed
@@ -25,6 +30,13 @@ from ampscope.rank.frontends.rerun import Closure
 from ampscope.rank.gradients.attribution import count_nonfinite
 from ampscope.rank.gradients.local_unscale import unscale_local_shards
 from ampscope.rank.gradients.stats import sum_over
+
+_TorchGradScaler = torch.amp.GradScaler
+
+
+def _torch_unscale(scaler: TelemetryMixin) -> object:
+    """The ``_unscale_grads_`` this mixin's overrides hand over to (the next class's)."""
+    return getattr(super(TelemetryMixin, scaler)._unscale_grads_, "__func__", None)  # type: ignore[misc]
 
 
 class TelemetryMixin(TelemetryFrontEnd):
@@ -49,6 +61,13 @@ class TelemetryMixin(TelemetryFrontEnd):
             reduce = sum_over(getattr(self, "process_group", None))
         self._ampscope_start(config, enabled, reduce)
         self._ampscope_capture = StepCapture() if enabled else None
+        self._ampscope_lean_unscale = (
+            type(self)._unscale_grads_ is TelemetryMixin._unscale_grads_
+            and _torch_unscale(self) is _TorchGradScaler._unscale_grads_
+            and compat.unscale_unchanged()
+        )
+        """Whether the parent's ``_unscale_grads_`` is torch's own, which
+        :meth:`_ampscope_one_group` may do without its walk over the parameters."""
         self._ampscope_named: dict[int, Mapping[str, int]] = {}
         """This iteration's non-finite counts taken at unscale, by optimizer id (host
         transport only): see :meth:`_ampscope_name_now`."""
@@ -157,13 +176,18 @@ class TelemetryMixin(TelemetryFrontEnd):
         except Exception:
             self._ampscope_failed()
             info = None
+        grads = None
         if info is not None and info.dtensor:
             result, local = unscale_local_shards(
                 parent._unscale_grads_, optimizer, inv_scale, found_inf, allow_fp16
             )
             self._ampscope_guard(capture.record_local, optimizer, local, fresh=True)
         else:
-            result = parent._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+            grads = self._ampscope_one_group(optimizer, info, allow_fp16)
+            if grads is not None:  # torch's work, without its walk over the parameters
+                result = compat.unscale_one_group_(grads, inv_scale, found_inf)
+            else:
+                result = parent._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
             if self._ampscope_reduces_found_inf_in_place:
                 self._ampscope_guard(capture.record_local, optimizer, result, fresh=False)
             # Otherwise torch's found-inf is the local one: nothing to keep.
@@ -181,10 +205,28 @@ class TelemetryMixin(TelemetryFrontEnd):
             # gradients all-reduce here, on every rank, clean step or not, and even when
             # the capture failed above (info None: this rank sums NaN).
             try:
-                stats.add_grads(optimizer, info, self._ampscope_unscales_nothing)
+                stats.add_grads(optimizer, info, self._ampscope_unscales_nothing, grads)
             except Exception:
                 self._ampscope_failed()
         return result
+
+    def _ampscope_one_group(
+        self, optimizer: torch.optim.Optimizer, info: OptimizerInfo | None, allow_fp16: bool
+    ) -> list[torch.Tensor] | None:
+        """The optimizer's gradients when torch's ``_unscale_grads_`` would unscale them as
+        one (device, dtype) group with nothing to refuse: this scaler's unscale is torch's
+        own (not FSDP1's), still the work :func:`~ampscope.rank.compat.unscale_one_group_`
+        does, the parameters share one device and dtype (``info.place``, as the norms read
+        it) and every gradient is present and dense; else ``None`` (torch's unscale runs,
+        raising what it raises: fp16 gradients under ``unscale_()``)."""
+        place = info.place if info is not None and self._ampscope_lean_unscale else None
+        if place is None or (place[1] is torch.float16 and not allow_fp16):
+            return None
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"]]
+        for grad in grads:
+            if grad is None or grad.is_sparse:
+                return None
+        return grads or None
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """As torch's ``update()``, then records the step. On the CPU it reads the scale and

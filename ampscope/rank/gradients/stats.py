@@ -279,7 +279,11 @@ class GradStats:
         return loss
 
     def add_grads(
-        self, optimizer: torch.optim.Optimizer, info: OptimizerInfo | None, scaled: bool
+        self,
+        optimizer: torch.optim.Optimizer,
+        info: OptimizerInfo | None,
+        scaled: bool,
+        grads: list[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, ...] | torch.Tensor | None:
         """Norm ``optimizer``'s local gradients (after their unscale, or ``scaled`` when
         the check unscaled nothing): one multi-tensor norm per device (on the CPU, a few
@@ -289,6 +293,10 @@ class GradStats:
         (the local norms, the plan, or the capture, which then passes ``info=None``): this
         rank then contributes NaN, and the error is raised afterwards, so that no rank
         waits alone.
+
+        ``grads``: the optimizer's gradients in the order of its parameters, all present
+        and dense, where the caller has just read them (the scalers' unscale); else read
+        here.
 
         Returns:
             In the common case (every parameter has a dense, whole, non-DTensor gradient,
@@ -321,11 +329,9 @@ class GradStats:
                 return None
             if plan.simple and not info.dtensor:
                 # The common case, inlined: one dense gradient per parameter, named whole.
-                grads = [p.grad for p in plan.params]
-                for grad in grads:
-                    if grad is None or grad.is_sparse:
-                        break
-                else:
+                if grads is None or len(grads) != len(plan.params):
+                    grads = _dense([p.grad for p in plan.params])
+                if grads is not None:
                     place = info.place
                     if (
                         place is not None
@@ -333,12 +339,12 @@ class GradStats:
                         and not self.pack_on_cpu
                         and plan.batches is not None
                     ):
-                        packed = plan.batches.norms(grads, plan.low_precision)  # type: ignore[arg-type]
+                        packed = plan.batches.norms(grads, plan.low_precision)
                         self._optimizers.append(
                             OptimizerNorms(plan.batches.names, (), scaled, None, packed=packed)
                         )
                         return packed
-                    each = compat.foreach_norm(grads, plan.low_precision)  # type: ignore[arg-type]
+                    each = compat.foreach_norm(grads, plan.low_precision)
                     if place is None:
                         each = _on_one_device(each)
                     else:
@@ -708,6 +714,14 @@ def _norms(
         return ()
     norms = compat.foreach_norm(tensors, plan.low_precision)
     return norms if info.place is not None else _on_one_device(norms)
+
+
+def _dense(grads: list[torch.Tensor | None]) -> list[torch.Tensor] | None:
+    """``grads`` when every one is present and dense; else ``None``."""
+    for grad in grads:
+        if grad is None or grad.is_sparse:
+            return None
+    return grads  # type: ignore[return-value]
 
 
 def _on_one_device(norms: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:

@@ -14,6 +14,7 @@ from helpers import ListSink, Net, batch, count_host_reads, poison, run, use_dev
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as TorchSharded
 
 import ampscope
+from ampscope.rank import compat
 
 INJECT = {3, 7, 8}
 Factory = Callable[[Net], list[torch.optim.Optimizer]]
@@ -130,6 +131,73 @@ def test_parity_and_records(
             ("SGD", False),
             ("AdamW", True),
         ]
+
+
+def _inject_body(model: Net, step: int) -> None:
+    if step in INJECT:
+        poison(model.body.bias)
+
+
+def _frozen_embedding(model: Net) -> list[torch.optim.Optimizer]:
+    model.emb.weight.requires_grad_(False)  # its gradient stays None
+    return [torch.optim.SGD(model.parameters(), lr=0.1)]
+
+
+def _float64_head(model: Net) -> list[torch.optim.Optimizer]:
+    torch.manual_seed(11)  # two dtypes: torch unscales two groups
+    model.head = torch.nn.Sequential(_Float64(), torch.nn.Linear(6, 2, dtype=torch.float64))
+    return [torch.optim.SGD(model.parameters(), lr=0.1)]
+
+
+class _Float64(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.double()
+
+
+@pytest.mark.parametrize(
+    ("factory", "sparse", "one_group"),
+    [
+        pytest.param(_sgd, False, True, id="one-group"),
+        pytest.param(_two, False, True, id="two-optimizers"),
+        pytest.param(_sgd, True, False, id="sparse"),
+        pytest.param(_frozen_embedding, False, False, id="a-gradient-missing"),
+        pytest.param(_float64_head, False, False, id="two-dtypes"),
+    ],
+)
+@pytest.mark.parametrize("how", ["step", "unscale_"])
+def test_the_unscale_walks_no_parameter_where_torch_makes_one_group(
+    monkeypatch: pytest.MonkeyPatch, factory: Factory, sparse: bool, one_group: bool, how: str
+) -> None:
+    """Where every gradient is present and dense on one device and dtype, the scaler runs
+    torch's unscale kernel on the gradients itself, without torch's walk over the
+    parameters in Python (some 500 ns a parameter); anywhere else torch's own walk runs.
+    Either way the weights, the scales and what update() read are torch's, bit for bit."""
+    if sparse and how == "unscale_":
+        pytest.skip("torch's clip_grad_norm_ takes no sparse gradient")
+    lean = {"n": 0}
+    original = compat.unscale_one_group_
+
+    def unscaled(*args: Any) -> Any:
+        lean["n"] += 1
+        return original(*args)
+
+    monkeypatch.setattr(compat, "unscale_one_group_", unscaled)
+    ours = ampscope.GradScaler("cpu", init_scale=256.0, growth_interval=2, reporter=None)
+    stock = torch.amp.GradScaler("cpu", init_scale=256.0, growth_interval=2)
+    ours_model, stock_model = Net(sparse=sparse), Net(sparse=sparse)
+    ours.attach(ours_model)
+    ours_opts, stock_opts = factory(ours_model), factory(stock_model)
+    clip = how == "unscale_"
+    ours_scales = run(ours, ours_model, ours_opts, 8, inject=_inject_body, clip=clip)
+    stock_scales = run(stock, stock_model, stock_opts, 8, inject=_inject_body, clip=clip)
+    assert ours_scales == stock_scales
+    assert [r.skipped for r in ours.telemetry.history()] == [
+        after < before for before, after in zip([256.0, *stock_scales], stock_scales, strict=False)
+    ]
+    for a, b in zip(ours_model.parameters(), stock_model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert lean["n"] == (8 * len(ours_opts) if one_group else 0)
+    ours.close()
 
 
 def test_fp16_grads_rejected_like_torch() -> None:
