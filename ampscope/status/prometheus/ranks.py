@@ -133,14 +133,30 @@ def without_packed(samples: Iterable[dict[str, Any]]) -> set[tuple[str, int]]:
     return {(run, int(rank)) for run, _, rank, _ in info - packed}
 
 
-def counted_within(counter: str, window_s: float) -> str:
-    """How much ``counter`` (a selector of a counter exposed once non-zero) counted within
-    the last ``window_s``: its increase, or its value where the series appeared within the
-    window (``increase()`` cannot count a series' first sample). The alerts' form
-    (``AmpscopeTransientFault``, ``AmpscopeFp8NonfiniteAmax``), so both count alike."""
+def counted_within(family: str, selector: str, window_s: float) -> str:
+    """How much each series of ``family`` (a counter exposed once non-zero) within
+    ``selector`` counted within the last ``window_s``, in the alerts' form
+    (``AmpscopeTransientFault``, ``AmpscopeFp8NonfiniteAmax``), so both count alike.
+
+    Its increase; or its growth since its last sample before the window (a count that grew
+    while scrapes failed across the window's start); or, where the series is new, its value
+    (``increase()`` cannot count a series' first sample): new means no sample within
+    ``LOOKBACK_S`` before the window, or none at the window's start while its rank's
+    ``ampscope_rank_info`` had one (an exporter that counts from zero again after its or the
+    rank's restart). A failed scrape leaves a staleness marker on every series of its
+    exporter, the rank's info too, so a series whose scrape failed at the window's start is
+    not new: an old fault is not counted again 10 minutes after the gap. The ranges skip
+    staleness markers, and read the few ranks that counted (the counter is exposed once
+    non-zero)."""
+    counter = f"{family}{{{selector}}}"
+    before = f"offset {window_s:g}s"
+    last = f"last_over_time({counter}[{LOOKBACK_S}s] {before})"
     return (
         f"increase({counter}[{window_s:g}s]) > 0"
-        f" or ({counter} * 1 unless {counter} offset {window_s:g}s)"
+        f" or ({counter} - {last}) > 0"
+        f" or ({counter} * 1 unless {last})"
+        f" or (({counter} * 1 unless {counter} {before})"
+        f" and on (run, node, rank, local_rank) ampscope_rank_info{{{selector}}} {before})"
     )
 
 
