@@ -163,20 +163,21 @@ def test_alert_thresholds_are_the_shared_defaults() -> None:
 
 
 def _windowed_count(counter: str, window: str) -> str:
-    """A counter exposed once non-zero, counted within ``window`` (``10m``): its increase; its
-    growth since its last sample before the window (within ``LOOKBACK_S``); its value where
-    the series is new (increase() cannot count a series' first sample): no sample within that
-    hour, or none at the window's start while its rank's info had one. Never an old counter
+    """A counter exposed once non-zero, counted within ``window`` (``10m``) by what it had at
+    the window's start: there, its increase; absent, its value where it had no sample within
+    ``LOOKBACK_S`` before the window or its rank's info had one at the start (a restart's
+    zero), else its growth since its last sample before the window. Never an old counter
     whose scrape failed at the window's start (its rank's info is stale there too)."""
-    hour = f"{LOOKBACK_S / 3600:g}h"
-    last = f"last_over_time({counter}[{hour}] offset {window})"
-    grew = f"({counter} - {last}) > 0"
+    start = f"offset {window}"
+    last = f"last_over_time({counter}[{LOOKBACK_S / 3600:g}h] {start})"
+    present = f"(increase({counter}[{window}]) > 0 and {counter} {start})"
     first = f"({counter} * 1 unless {last})"
     back = (
-        f"( ({counter} * 1 unless {counter} offset {window}) and on (run, node, rank, "
-        f"local_rank) ampscope_rank_info offset {window} )"
+        f"( ({counter} * 1 unless {counter} {start}) and on (run, node, rank, local_rank) "
+        f"ampscope_rank_info {start} )"
     )
-    return f"( increase({counter}[{window}]) > 0 or {grew} or {first} or {back} )"
+    grew = f"({counter} - {last}) > 0"
+    return f"( {present} or {first} or {back} or {grew} )"
 
 
 def test_rerun_alerts_read_the_counter_by_result_with_the_verdicts_window() -> None:
