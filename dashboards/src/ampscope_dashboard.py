@@ -29,7 +29,6 @@ from grafana_foundation_sdk.models import dashboard as dashboard_models
 from panels import (
     LINEAR,
     RANK_LEGEND,
-    RANK_SELECTOR,
     Query,
     bars,
     label_table,
@@ -71,22 +70,19 @@ def _increase(selector: str) -> str:
     return f"increase({selector}[$__rate_interval])"
 
 
-def _counted(selector: str, ranks: str = RANK_SELECTOR) -> str:
+def _counted(selector: str) -> str:
     """What a counter exposed once non-zero counted per interval, its first sample included,
     as the alerts count their 10 minutes (deploy/prometheus/rules, the ampscope-reruns group):
     by what the series had at the interval's start. There: its increase. Absent there: its
     value where it had no sample within the hour before (``increase()`` cannot count a
-    series' first sample), or where its rank's info (of ``ranks``) had one (a restart's
-    zero); else its growth since its last sample. A failed scrape at the interval's start
-    (a staleness marker on the rank's info too) then draws no old count again."""
+    series' first sample), or where its exporter's scrape succeeded (a restart's zero); else
+    its growth since its last sample. A failed scrape at the interval's start then draws no
+    old count again."""
     start = "offset $__rate_interval"
     last = f"last_over_time({selector}[1h] {start})"
     present = f"(({_increase(selector)}) > 0 and {selector} {start})"
     first = f"({selector} * 1 unless {last})"
-    back = (
-        f"(({selector} * 1 unless {selector} {start}) and on (run, node, rank, local_rank) "
-        f"ampscope_rank_info{{{ranks}}} {start})"
-    )
+    back = f"(({selector} * 1 unless {selector} {start}) and on (job, instance) (up {start} == 1))"
     return f"({present} or {first} or {back} or ({selector} - {last}) > 0)"
 
 
@@ -663,10 +659,7 @@ def fp8_layers() -> list[Panel]:
             "the rank did not skip for overflow (ampscope_fp8_nonfinite_amax_total, counted by "
             "the exporter for every layer; alert AmpscopeFp8NonfiniteAmax). Empty while none "
             'was: the counter appears once non-zero. For the rank chosen in "FP8 rank".',
-            Query(
-                _counted(f"ampscope_fp8_nonfinite_amax_total{{{FP8_SELECTOR}}}", FP8_SELECTOR),
-                FP8_LEGEND,
-            ),
+            Query(_counted(f"ampscope_fp8_nonfinite_amax_total{{{FP8_SELECTOR}}}"), FP8_LEGEND),
             width=24,
         ),
     ]

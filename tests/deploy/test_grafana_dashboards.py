@@ -175,9 +175,11 @@ def test_expressions_use_catalogued_metrics_and_cover_the_catalogue(
         names = metric_names(expr)
         assert names, (title, expr)
         # Raw families, or the shipped recording rules where the raw query is slow at
-        # scale (docs/performance.md, "Whole job at scale").
-        assert names <= set(BY_NAME) | set(recording_rules()), (title, names - set(BY_NAME))
-        used |= selected_families(expr)
+        # scale (docs/performance.md, "Whole job at scale"), or ``up``, which Prometheus
+        # writes for every scrape (the counts of counters exposed once non-zero read it).
+        known = set(BY_NAME) | set(recording_rules()) | {"up"}
+        assert names <= known, (title, names - known)
+        used |= selected_families(expr) - {"up"}
     # Every family, per-rank, per-device and exporter self-metrics alike, is on some panel.
     assert used == set(BY_NAME)
 
@@ -390,11 +392,12 @@ def test_reruns_panel_draws_no_old_rerun_again_after_a_failed_scrape(
     rules = tmp_path / "panel.yml"
     recorded = [{"record": "panel:transient", "expr": targets["A"]}]
     rules.write_text(yaml.safe_dump({"groups": [{"name": "panel", "rules": recorded}]}))
-    labels = {rank: f'run="r",node="n0",rank="{rank}",local_rank="{rank}"' for rank in (0, 1)}
-    # Both ranks' transient reruns at 45s; the scrape at 10m fails; rank 1 reruns again then.
+    target = 'job="ampscope",instance="n0:9478"'
+    labels = {r: f'run="r",node="n0",rank="{r}",local_rank="{r}",{target}' for r in (0, 1)}
+    # Both ranks' transient reruns at 45s; the scrape at 10m fails (up 0, staleness markers);
+    # rank 1 reruns again then.
     series = [
-        {"series": f"ampscope_rank_info{{{labels[0]}}}", "values": "1x39 stale 1x20"},
-        {"series": f"ampscope_rank_info{{{labels[1]}}}", "values": "1x39 stale 1x20"},
+        {"series": f"up{{{target}}}", "values": "1x39 0 1x20"},
         {"series": f'ampscope_reruns_total{{{labels[0]},result="transient"}}',
          "values": "_x3 1x36 stale 1x20"},
         {"series": f'ampscope_reruns_total{{{labels[1]},result="transient"}}',

@@ -140,16 +140,16 @@ def counted_within(family: str, selector: str, window_s: float) -> str:
 
     By what the series had at the window's start. There: its increase. Absent there: its
     value where it had no sample within ``LOOKBACK_S`` before the window (new; ``increase()``
-    cannot count a series' first sample), or where its rank's ``ampscope_rank_info`` had one
-    at the start (its exporter was scraped and counted zero, after its or the rank's
-    restart); else its growth since its last sample before the window (a count that grew
-    while scrapes failed across the start). A failed scrape leaves a staleness marker on
-    every series of its exporter, the rank's info too, so an old fault whose scrape failed at
-    the window's start is not counted again 10 minutes after the gap. ``increase()`` counts
-    only series there at the start: VictoriaMetrics' counts a series' first sample where
-    none lies within its lookback before the window, as after a long gap. The ranges skip
-    staleness markers, and read only the few ranks that counted (the counter is exposed once
-    non-zero)."""
+    cannot count a series' first sample), or where its exporter's scrape at the start
+    succeeded (``up == 1``: the exporter counted zero, after its or the rank's restart);
+    else its growth since its last sample before the window (a count that grew while scrapes
+    failed across the start). A failed scrape writes ``up`` 0 and a staleness marker on every
+    series of its exporter, so an old fault whose scrape failed at the window's start is not
+    counted again 10 minutes after the gap. ``increase()`` counts only series there at the
+    start: VictoriaMetrics' counts a series' first sample where none lies within its
+    lookback before the window, as after a long gap. The ranges skip staleness markers and
+    read only the few ranks that counted (the counter is exposed once non-zero); ``up`` is
+    one series per scrape target, not per rank."""
     counter = f"{family}{{{selector}}}"
     before = f"offset {window_s:g}s"
     last = f"last_over_time({counter}[{LOOKBACK_S}s] {before})"
@@ -157,7 +157,7 @@ def counted_within(family: str, selector: str, window_s: float) -> str:
         f"(increase({counter}[{window_s:g}s]) > 0 and {counter} {before})"
         f" or ({counter} * 1 unless {last})"
         f" or (({counter} * 1 unless {counter} {before})"
-        f" and on (run, node, rank, local_rank) ampscope_rank_info{{{selector}}} {before})"
+        f" and on (job, instance) (up {before} == 1))"
         f" or ({counter} - {last}) > 0"
     )
 

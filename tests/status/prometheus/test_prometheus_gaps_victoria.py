@@ -41,9 +41,10 @@ def _gap(first: int, last: int) -> set[int]:
     return set(range(first, last + 1))
 
 
-# Per rank (scrape index: 15 s each): the scrapes that failed (no sample of any series), the
-# scrapes after which its exporter counted from zero again (the counter absent while the
-# rank's info is scraped), and the counter's value from each index on.
+# Per rank, each on its own exporter (scrape index: 15 s each): the scrapes that failed (up 0,
+# no sample of the exporter's series), the scrapes at which its exporter counted zero after
+# its restart (the counter absent while scrapes succeed), and the counter's value from each
+# index on.
 RANKS: dict[int, dict[str, Any]] = {
     # A fault at 45s; a minute of failed scrapes from 29m45s; nothing since.
     0: {"failed": _gap(119, 122), "zero": set(), "counts": {3: 1}},
@@ -73,11 +74,14 @@ def _value(counts: dict[int, int], index: int) -> int:
 def _exposition(start: float) -> str:
     lines = []
     for rank, shape in RANKS.items():
-        labels = f'run="{RUN}",node="n{rank}",rank="{rank}",local_rank="0"'
+        target = f'instance="n{rank}:9478"'
+        labels = f'run="{RUN}",node="n{rank}",rank="{rank}",local_rank="0",{target}'
         for index in range(SCRAPES):
-            if index in shape["failed"]:
-                continue
             ms = int((start + index * SCRAPE_S) * 1000)
+            if index in shape["failed"]:
+                lines.append(f"up{{{target}}} 0 {ms}")
+                continue
+            lines.append(f"up{{{target}}} 1 {ms}")
             lines.append(f'ampscope_rank_info{{{labels},mode="scaler"}} 1 {ms}')
             value = 0 if index in shape["zero"] else _value(shape["counts"], index)
             if value:  # exposed once non-zero
