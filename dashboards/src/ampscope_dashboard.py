@@ -71,11 +71,19 @@ def _increase(selector: str) -> str:
 
 
 def _counted(selector: str) -> str:
-    """What a counter exposed once non-zero counted per interval, its first sample included:
-    ``increase()`` cannot count a series' first sample, so a series new within the interval
-    shows its value (what it counted from zero)."""
-    new = f"{selector} * 1 unless {selector} offset $__rate_interval"
-    return f"(({_increase(selector)}) > 0 or ({new}))"
+    """What a counter exposed once non-zero counted per interval, its first sample included,
+    as the alerts count their 10 minutes (deploy/prometheus/rules, the ampscope-reruns group):
+    by what the series had at the interval's start. There: its increase. Absent there: its
+    value where it had no sample within the hour before (``increase()`` cannot count a
+    series' first sample), or where its exporter's scrape succeeded (a restart's zero); else
+    its growth since its last sample. A failed scrape at the interval's start then draws no
+    old count again."""
+    start = "offset $__rate_interval"
+    last = f"last_over_time({selector}[1h] {start})"
+    present = f"(({_increase(selector)}) > 0 and {selector} {start})"
+    first = f"({selector} * 1 unless {last})"
+    back = f"(({selector} * 1 unless {selector} {start}) and on (job, instance) (up {start} == 1))"
+    return f"({present} or {first} or {back} or ({selector} - {last}) > 0)"
 
 
 def _rate(selector: str) -> str:

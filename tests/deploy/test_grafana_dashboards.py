@@ -175,9 +175,11 @@ def test_expressions_use_catalogued_metrics_and_cover_the_catalogue(
         names = metric_names(expr)
         assert names, (title, expr)
         # Raw families, or the shipped recording rules where the raw query is slow at
-        # scale (docs/performance.md, "Whole job at scale").
-        assert names <= set(BY_NAME) | set(recording_rules()), (title, names - set(BY_NAME))
-        used |= selected_families(expr)
+        # scale (docs/performance.md, "Whole job at scale"), or ``up``, which Prometheus
+        # writes for every scrape (the counts of counters exposed once non-zero read it).
+        known = set(BY_NAME) | set(recording_rules()) | {"up"}
+        assert names <= known, (title, names - known)
+        used |= selected_families(expr) - {"up"}
     # Every family, per-rank, per-device and exporter self-metrics alike, is on some panel.
     assert used == set(BY_NAME)
 
@@ -358,6 +360,52 @@ def test_reruns_panel_counts_a_series_first_rerun(
         at("5m30s", "panel:transient", 1),  # the second: increase() counts it
         at("8m", "panel:reproducible", None),
     ]
+    tests = tmp_path / "panel-test.yml"
+    tests.write_text(
+        yaml.safe_dump(
+            {
+                "rule_files": [rules.name],
+                "evaluation_interval": "15s",
+                "tests": [{"interval": "15s", "input_series": series, "promql_expr_test": checks}],
+            }
+        )
+    )
+    result = subprocess.run(
+        [need_tool("promtool"), "test", "rules", tests.name],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.prometheus
+def test_reruns_panel_draws_no_old_rerun_again_after_a_failed_scrape(
+    dashboard: dict[str, Any], tmp_path: Path
+) -> None:
+    """A failed scrape writes a staleness marker on each of the exporter's series: one
+    interval later, an old rerun's counter is not drawn as new (as the alerts count it,
+    deploy/prometheus/tests/ampscope-gaps-test.yml); a rerun during the gap is."""
+    targets = {t["refId"]: substitute(t["expr"]) for t in _reruns_panel(dashboard)["targets"]}
+    rules = tmp_path / "panel.yml"
+    recorded = [{"record": "panel:transient", "expr": targets["A"]}]
+    rules.write_text(yaml.safe_dump({"groups": [{"name": "panel", "rules": recorded}]}))
+    target = 'job="ampscope",instance="n0:9478"'
+    labels = {r: f'run="r",node="n0",rank="{r}",local_rank="{r}",{target}' for r in (0, 1)}
+    # Both ranks' transient reruns at 45s; the scrape at 10m fails (up 0, staleness markers);
+    # rank 1 reruns again then.
+    series = [
+        {"series": f"up{{{target}}}", "values": "1x39 0 1x20"},
+        {"series": f'ampscope_reruns_total{{{labels[0]},result="transient"}}',
+         "values": "_x3 1x36 stale 1x20"},
+        {"series": f'ampscope_reruns_total{{{labels[1]},result="transient"}}',
+         "values": "_x3 1x36 stale 2x20"},
+    ]  # fmt: skip
+    named = f'panel:transient{{{labels[1]},result="transient"}}'
+    checks = [{"expr": "panel:transient", "eval_time": "11m",
+               "exp_samples": [{"labels": named, "value": 1}]}]  # fmt: skip
     tests = tmp_path / "panel-test.yml"
     tests.write_text(
         yaml.safe_dump(

@@ -163,11 +163,18 @@ def test_alert_thresholds_are_the_shared_defaults() -> None:
 
 
 def _windowed_count(counter: str, window: str) -> str:
-    """A counter exposed once non-zero, counted within ``window`` (``10m``): its increase, or
-    its value where the series appeared within the window (increase() cannot count a
-    series' first sample)."""
-    appeared = f"{counter} * 1 unless {counter} offset {window}"
-    return f"( increase({counter}[{window}]) > 0 or ( {appeared} ) )"
+    """A counter exposed once non-zero, counted within ``window`` (``10m``) by what it had at
+    the window's start: there, its increase; absent, its value where it had no sample within
+    ``LOOKBACK_S`` before the window or its exporter's scrape then succeeded (a restart's
+    zero), else its growth since its last sample before the window. Never an old counter
+    whose scrape failed at the window's start (``up`` is 0 there)."""
+    start = f"offset {window}"
+    last = f"last_over_time({counter}[{LOOKBACK_S / 3600:g}h] {start})"
+    present = f"(increase({counter}[{window}]) > 0 and {counter} {start})"
+    first = f"({counter} * 1 unless {last})"
+    back = f"( ({counter} * 1 unless {counter} {start}) and on (job, instance) (up {start} == 1) )"
+    grew = f"({counter} - {last}) > 0"
+    return f"( {present} or {first} or {back} or {grew} )"
 
 
 def test_rerun_alerts_read_the_counter_by_result_with_the_verdicts_window() -> None:

@@ -55,9 +55,7 @@ def queries(selector: str, rule: fp8_rules.Fp8Rule) -> dict[str, str]:
     ratio = f"ampscope_fp8_underflow_ratio{{{selector}}}"
     return {
         "fp8_now": ratio,
-        "fp8_nonfinite": counted_within(
-            f"ampscope_fp8_nonfinite_amax_total{{{selector}}}", WINDOW_S
-        ),
+        "fp8_nonfinite": counted_within("ampscope_fp8_nonfinite_amax_total", selector, WINDOW_S),
         "fp8_underflow": f"min_over_time({ratio}[{WINDOW_S}s])"
         f" and count_over_time({ratio}[{WINDOW_S}s]) >= {rule.underflow_observations}",
     }

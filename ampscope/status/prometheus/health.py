@@ -202,7 +202,7 @@ def queries(run: str | None, t: Thresholds) -> dict[str, str]:
         "spikes": f"increase(ampscope_spikes_total{{{sel}}}[{t.spike_verdict_window_s:g}s]) > 0",
         "skipped_nonfinite": f"increase(ampscope_skipped_steps_total{{{sel}}}"
         f"[{t.nonfinite_skipped_window_s:g}s]) > 0",
-        "reruns": counted_within(f"ampscope_reruns_total{{{sel}}}", t.spike_verdict_window_s),
+        "reruns": counted_within("ampscope_reruns_total", sel, t.spike_verdict_window_s),
         "replica_checks": f'ampscope_replica_checks_total{{result="diverged"{joined}}} > 0',
         "gone": gone_query(sel),
         "up": up_query(sel),

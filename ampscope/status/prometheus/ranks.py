@@ -133,14 +133,32 @@ def without_packed(samples: Iterable[dict[str, Any]]) -> set[tuple[str, int]]:
     return {(run, int(rank)) for run, _, rank, _ in info - packed}
 
 
-def counted_within(counter: str, window_s: float) -> str:
-    """How much ``counter`` (a selector of a counter exposed once non-zero) counted within
-    the last ``window_s``: its increase, or its value where the series appeared within the
-    window (``increase()`` cannot count a series' first sample). The alerts' form
-    (``AmpscopeTransientFault``, ``AmpscopeFp8NonfiniteAmax``), so both count alike."""
+def counted_within(family: str, selector: str, window_s: float) -> str:
+    """How much each series of ``family`` (a counter exposed once non-zero) within
+    ``selector`` counted within the last ``window_s``, in the alerts' form
+    (``AmpscopeTransientFault``, ``AmpscopeFp8NonfiniteAmax``), so both count alike.
+
+    By what the series had at the window's start. There: its increase. Absent there: its
+    value where it had no sample within ``LOOKBACK_S`` before the window (new; ``increase()``
+    cannot count a series' first sample), or where its exporter's scrape at the start
+    succeeded (``up == 1``: the exporter counted zero, after its or the rank's restart);
+    else its growth since its last sample before the window (a count that grew while scrapes
+    failed across the start). A failed scrape writes ``up`` 0 and a staleness marker on every
+    series of its exporter, so an old fault whose scrape failed at the window's start is not
+    counted again 10 minutes after the gap. ``increase()`` counts only series there at the
+    start: VictoriaMetrics' counts a series' first sample where none lies within its
+    lookback before the window, as after a long gap. The ranges skip staleness markers and
+    read only the few ranks that counted (the counter is exposed once non-zero); ``up`` is
+    one series per scrape target, not per rank."""
+    counter = f"{family}{{{selector}}}"
+    before = f"offset {window_s:g}s"
+    last = f"last_over_time({counter}[{LOOKBACK_S}s] {before})"
     return (
-        f"increase({counter}[{window_s:g}s]) > 0"
-        f" or ({counter} * 1 unless {counter} offset {window_s:g}s)"
+        f"(increase({counter}[{window_s:g}s]) > 0 and {counter} {before})"
+        f" or ({counter} * 1 unless {last})"
+        f" or (({counter} * 1 unless {counter} {before})"
+        f" and on (job, instance) (up {before} == 1))"
+        f" or ({counter} - {last}) > 0"
     )
 
 

@@ -56,6 +56,50 @@ def test_reruns_are_counted_within_the_verdicts_window_on_promtool(tmp_path: Pat
     promtool_test_queries(tmp_path / "reruns-status-test.yml", series, exprs)
 
 
+def test_a_gap_in_the_scrapes_counts_no_old_fault_again_on_promtool(tmp_path: Path) -> None:
+    """The rerun and FP8 counts as sent, on Prometheus' own engine, 10 minutes after gaps: a
+    failed scrape's staleness marker at the window's start does not make an old counter new
+    (the alerts count alike: deploy/prometheus/tests/ampscope-gaps-test.yml); a fault during
+    a gap, one after an exporter restart and a first one count once each."""
+    t = Thresholds()
+    queries = prometheus.queries(RUN, t)
+    families = {
+        "reruns": ("ampscope_reruns_total", {"result": "transient"}),
+        "fp8_nonfinite": (
+            "ampscope_fp8_nonfinite_amax_total",
+            {"layer": "layers.0", "tensor": "input"},
+        ),
+    }
+    # Values every 15 s to 41m, each rank on its own exporter (a failed scrape writes up 0
+    # and a staleness marker on each of its series). Rank 0: a fault at 45s, one failed
+    # scrape at 29m45s. Rank 1: scrapes fail from 25m to 33m, and a fault happened meanwhile
+    # (back at 2). Rank 2: its exporter restarts at 25m and counts from zero (the counter is
+    # gone while scrapes succeed) until a new fault at 33m. Rank 3: its first fault at 35m.
+    shapes = {
+        0: ("_x3 1x115 stale 1x45", "1x118 0 1x45"),
+        1: ("_x3 1x96 stale _x31 2x32", "1x99 0x31 1x32"),
+        2: ("_x3 1x96 stale _x31 1x32", "1x99 0x3 1x60"),
+        3: ("_x140 1x24", "1x164"),
+    }
+    series: list[dict[str, Any]] = []
+    exprs: list[dict[str, Any]] = []
+    for rank, (counter, up) in shapes.items():
+        target = {"job": "ampscope", "instance": f"n{rank}:9478"}
+        series.append({"series": f'up{{job="ampscope",instance="n{rank}:9478"}}', "values": up})
+        for family, more in families.values():
+            labels = _labels(rank, **target, **more)
+            series.append({"series": f"{family}{{{labels}}}", "values": counter})
+    for name, (_, more) in families.items():
+        counted = [
+            {"labels": f"{{{_labels(r, job='ampscope', instance=f'n{r}:9478', **more)}}}",
+             "value": 1}
+            for r in (1, 2, 3)
+        ]  # fmt: skip
+        exprs.append({"expr": f"round({queries[name]})", "eval_time": "39m45s",
+                      "exp_samples": counted})  # fmt: skip
+    promtool_test_queries(tmp_path / "gaps-status-test.yml", series, exprs)
+
+
 def _sample(name: str, rank: int, value: float, **labels: str) -> dict[str, Any]:
     metric = {"__name__": name, "run": RUN, "node": "n0", "rank": str(rank),
               "local_rank": str(rank), **labels}  # fmt: skip
