@@ -21,12 +21,8 @@ the release it repeats, and hands anything else to the library's function unchan
 
 from __future__ import annotations
 
-import ast
 import functools
-import hashlib
-import inspect
 import logging
-import textwrap
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -56,17 +52,9 @@ class KeepingCall(NamedTuple):
     """torchtitan's pipeline mesh (``None`` without pipeline parallelism)."""
 
 
-def fingerprint(fn: Callable[..., Any]) -> str:
-    """The SHA-256 of ``fn``'s code as ``ast.unparse`` writes it without its docstring:
-    comments and layout do not count, any change of code does."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
-    node = tree.body[0]
-    if not isinstance(node, ast.FunctionDef):
-        raise TypeError(f"{fn!r} is not a function")
-    first = node.body[0]
-    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
-        node.body = node.body[1:]
-    return hashlib.sha256(ast.unparse(node).encode()).hexdigest()
+fingerprint = compat.source_fingerprint
+"""The SHA-256 of a function's code as ``ast.unparse`` writes it without its docstring:
+comments and layout do not count, any change of code does."""
 
 
 def recognised(fn: Callable[..., Any], known: str, what: str) -> bool:

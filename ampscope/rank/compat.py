@@ -17,10 +17,13 @@ warning once per process when running on a torch that breaks one.
 
 from __future__ import annotations
 
+import ast
 import functools
+import hashlib
 import inspect
 import logging
 import sys
+import textwrap
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -155,7 +158,7 @@ def unscale_one_group_(
     torch's ``_MultiDeviceReplicator`` copies them, so the gradients, the flag and the
     returned dict are torch's, bit for bit. Without torch's walk over the parameters in
     Python (some 500 ns a parameter), which the caller's own list of gradients replaces.
-    Only where :func:`unscale_unchanged`."""
+    Only where :func:`unscale_unchanged` and :func:`torch_unscale_unpatched`."""
     device = grads[0].device
     found = found_inf.to(device=device, non_blocking=True, copy=True)
     inv = inv_scale.to(device=device, non_blocking=True, copy=True)
@@ -164,46 +167,54 @@ def unscale_one_group_(
     return {device: found}
 
 
-def _check_unscale() -> list[str]:
-    """``GradScaler._unscale_grads_`` still groups the present gradients by device and
-    dtype, unscales each group with the one kernel, and returns the found-inf copies its
-    replicator made: the work :func:`unscale_one_group_` does for one group."""
-    from torch.amp.grad_scaler import _MultiDeviceReplicator
+def source_fingerprint(fn: Callable[..., Any]) -> str:
+    """The SHA-256 of ``fn``'s code as ``ast.unparse`` writes it without its docstring:
+    comments and layout do not count, any change of code does."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    node = tree.body[0]
+    if not isinstance(node, ast.FunctionDef):
+        raise TypeError(f"{fn!r} is not a function")
+    first = node.body[0]
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+        node.body = node.body[1:]
+    return hashlib.sha256(ast.unparse(node).encode()).hexdigest()
 
-    unscale = inspect.getsource(_TorchGradScaler._unscale_grads_)
-    replicate = inspect.getsource(_MultiDeviceReplicator.get)
-    expected = (
-        "if param.grad is None:",
-        "continue",
-        "if (not allow_fp16) and param.grad.dtype == torch.float16:",
-        "if param.grad.is_sparse:",
-        "to_unscale = param.grad",
-        "per_device_and_dtype_grads[to_unscale.device][",
-        "torch._amp_foreach_non_finite_check_and_unscale_(",
-        "per_device_found_inf.get(device),",
-        "per_device_inv_scale.get(device),",
-        "return per_device_found_inf._per_device_tensors",
-    )
-    if (
-        any(text not in unscale for text in expected)
-        or unscale.count("torch._amp_foreach_non_finite_check_and_unscale_(") != 1
-        or "self.master.to(device=device, non_blocking=True, copy=True)" not in replicate
-    ):
-        return [
-            "GradScaler._unscale_grads_ no longer unscales each (device, dtype) group of "
-            "gradients with one kernel call; ampscope's unscale calls torch's instead"
-        ]
-    return []
+
+TORCH_UNSCALE: Callable[..., Any] = _TorchGradScaler.__dict__["_unscale_grads_"]
+"""torch's ``GradScaler._unscale_grads_`` as it was when ampscope was imported: a patch of it
+made later (:func:`unscale_one_group_` would bypass it) turns the shortcut off."""
+
+_KNOWN_UNSCALE = {
+    # torch 2.13: GradScaler._unscale_grads_, _MultiDeviceReplicator.get
+    (
+        "ee9df4ba45ad86d90c50bc701ada2722b95fa4846f2a73249936d5f14d8f7eca",
+        "025a20fd07d327c5801fec35bab2c56a4950dff473f71f84ca97d4e34385fa20",
+    ),
+}
+"""The :func:`source_fingerprint` pairs of the torch code :func:`unscale_one_group_` does for
+one group. Another release's code runs as torch's own until its pair is added here."""
 
 
 @functools.lru_cache(maxsize=1)
 def unscale_unchanged() -> bool:
-    """Whether torch's ``GradScaler._unscale_grads_`` is still the work
-    :func:`unscale_one_group_` does for one group. Reads torch's source once per process."""
+    """Whether torch's ``GradScaler._unscale_grads_`` (as imported: :data:`TORCH_UNSCALE`)
+    and its replicator are code :func:`unscale_one_group_` is known to do for one group.
+    Reads torch's source once per process."""
+    from torch.amp.grad_scaler import _MultiDeviceReplicator
+
     try:
-        return not _check_unscale()
+        pair = (
+            source_fingerprint(TORCH_UNSCALE),
+            source_fingerprint(_MultiDeviceReplicator.__dict__["get"]),
+        )
     except Exception:
         return False
+    return pair in _KNOWN_UNSCALE
+
+
+def torch_unscale_unpatched() -> bool:
+    """Whether ``GradScaler._unscale_grads_`` is still :data:`TORCH_UNSCALE` (one lookup)."""
+    return _TorchGradScaler.__dict__.get("_unscale_grads_") is TORCH_UNSCALE
 
 
 _KERNEL_LACKS: set[tuple[str, torch.dtype]] = set()

@@ -81,3 +81,33 @@ def test_a_changed_clip_grad_norm_is_named(monkeypatch: pytest.MonkeyPatch) -> N
     assert compat._check_clip() == []
     monkeypatch.setattr(clip_grad, "_get_total_norm", other_total)
     assert any("clip_grad_norm_" in p for p in compat._check_clip())
+
+
+def test_the_pinned_torchs_unscale_is_the_one_the_scalers_shortcut_does() -> None:
+    """The scalers' unscale without torch's walk (``unscale_one_group_``) is taken only for
+    torch code whose fingerprint is known: the pinned torch's must be (a new pin fails
+    here until its fingerprint is read and added), and no other code is."""
+    assert compat.unscale_unchanged()
+    assert compat.torch_unscale_unpatched()
+
+
+def test_another_unscale_is_not_the_shortcuts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch code that differs in one line (a cast of bfloat16 gradients, say) is not
+    recognised, where a check for a few lines of it would pass it."""
+    from torch.amp.grad_scaler import GradScaler
+
+    def unscale(self, optimizer, inv_scale, found_inf, allow_fp16):  # type: ignore[no-untyped-def]
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                to_unscale = param.grad
+                if to_unscale.dtype == torch.bfloat16:
+                    to_unscale = to_unscale.float()
+        return GradScaler._unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16)
+
+    monkeypatch.setattr(compat, "TORCH_UNSCALE", unscale)
+    assert not compat.unscale_unchanged.__wrapped__()
+    monkeypatch.undo()
+    monkeypatch.setattr(torch.amp.GradScaler, "_unscale_grads_", unscale)
+    assert not compat.torch_unscale_unpatched()

@@ -17,6 +17,8 @@ same list of gradients to the norms.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from itertools import chain
+from operator import is_
 from typing import Any
 
 import torch
@@ -31,12 +33,17 @@ from ampscope.rank.gradients.attribution import count_nonfinite
 from ampscope.rank.gradients.local_unscale import unscale_local_shards
 from ampscope.rank.gradients.stats import sum_over
 
-_TorchGradScaler = torch.amp.GradScaler
-
 
 def _torch_unscale(scaler: TelemetryMixin) -> object:
     """The ``_unscale_grads_`` this mixin's overrides hand over to (the next class's)."""
     return getattr(super(TelemetryMixin, scaler)._unscale_grads_, "__func__", None)  # type: ignore[misc]
+
+
+def _same_params(groups: list[dict[str, Any]], params: tuple[torch.Tensor, ...]) -> bool:
+    """Whether the parameter groups hold exactly ``params``, in order (a check in C of each
+    one's identity: no tensor comparison)."""
+    listed = groups[0]["params"] if len(groups) == 1 else [*chain(*(g["params"] for g in groups))]
+    return len(listed) == len(params) and all(map(is_, listed, params))
 
 
 class TelemetryMixin(TelemetryFrontEnd):
@@ -63,7 +70,7 @@ class TelemetryMixin(TelemetryFrontEnd):
         self._ampscope_capture = StepCapture() if enabled else None
         self._ampscope_lean_unscale = (
             type(self)._unscale_grads_ is TelemetryMixin._unscale_grads_
-            and _torch_unscale(self) is _TorchGradScaler._unscale_grads_
+            and _torch_unscale(self) is compat.TORCH_UNSCALE
             and compat.unscale_unchanged()
         )
         """Whether the parent's ``_unscale_grads_`` is torch's own, which
@@ -183,9 +190,10 @@ class TelemetryMixin(TelemetryFrontEnd):
             )
             self._ampscope_guard(capture.record_local, optimizer, local, fresh=True)
         else:
-            grads = self._ampscope_one_group(optimizer, info, allow_fp16)
-            if grads is not None:  # torch's work, without its walk over the parameters
-                result = compat.unscale_one_group_(grads, inv_scale, found_inf)
+            one_group = self._ampscope_one_group(optimizer, info, allow_fp16)
+            if one_group is not None:  # torch's work, without its walk over the parameters
+                result = compat.unscale_one_group_(one_group[0], inv_scale, found_inf)
+                grads = one_group[0] if one_group[1] else None
             else:
                 result = parent._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
             if self._ampscope_reduces_found_inf_in_place:
@@ -212,21 +220,38 @@ class TelemetryMixin(TelemetryFrontEnd):
 
     def _ampscope_one_group(
         self, optimizer: torch.optim.Optimizer, info: OptimizerInfo | None, allow_fp16: bool
-    ) -> list[torch.Tensor] | None:
+    ) -> tuple[list[torch.Tensor], bool] | None:
         """The optimizer's gradients when torch's ``_unscale_grads_`` would unscale them as
         one (device, dtype) group with nothing to refuse: this scaler's unscale is torch's
-        own (not FSDP1's), still the work :func:`~ampscope.rank.compat.unscale_one_group_`
-        does, the parameters share one device and dtype (``info.place``, as the norms read
-        it) and every gradient is present and dense; else ``None`` (torch's unscale runs,
-        raising what it raises: fp16 gradients under ``unscale_()``)."""
-        place = info.place if info is not None and self._ampscope_lean_unscale else None
-        if place is None or (place[1] is torch.float16 and not allow_fp16):
+        own (not FSDP1's), unpatched and known code (:func:`~ampscope.rank.compat.
+        unscale_unchanged`), the parameters share one device and dtype (``info.place``)
+        and every gradient is present, dense and of that dtype, the first and the last on
+        that device; else ``None``: torch's unscale runs, raising what it raises (fp16
+        gradients under ``unscale_()``). A gradient of another dtype (the model converted
+        since) refreshes ``info``. Also whether the list is in the order of the norms'
+        plan (its parameters are the optimizer's, one by one): then the norms take it."""
+        if not self._ampscope_lean_unscale or info is None or not compat.torch_unscale_unpatched():
             return None
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"]]
+        place = info.place
+        if place is None:
+            return None
+        device, dtype = place
+        if dtype is torch.float16 and not allow_fp16:
+            return None
+        plan = info.norm_plan
+        planned = plan is not None and _same_params(optimizer.param_groups, plan.params)
+        if planned:
+            grads = [p.grad for p in plan.params]
+        else:
+            grads = [p.grad for group in optimizer.param_groups for p in group["params"]]
         for grad in grads:
-            if grad is None or grad.is_sparse:
+            if grad is None or grad.is_sparse or grad.dtype is not dtype:
+                if grad is not None and grad.dtype is not dtype:
+                    info.refresh(optimizer)
                 return None
-        return grads or None
+        if not grads or grads[0].device != device or grads[-1].device != device:
+            return None
+        return grads, planned
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """As torch's ``update()``, then records the step. On the CPU it reads the scale and

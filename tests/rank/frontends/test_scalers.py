@@ -200,6 +200,106 @@ def test_the_unscale_walks_no_parameter_where_torch_makes_one_group(
     ours.close()
 
 
+def test_a_model_converted_to_fp16_after_its_first_steps_is_refused_like_torch() -> None:
+    """The shortcut's one device and dtype are learnt at the optimizer's first unscale; a
+    model converted since (``half()``) changes its gradients' dtype, and the scaler must
+    then refuse them as torch's does, not unscale them."""
+    for scaler in (torch.amp.GradScaler("cpu"), ampscope.GradScaler("cpu", reporter=None)):
+        model = Net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(2):
+            scaler.scale(model(batch(step))).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        model.half()
+        scaler.scale(model(batch(2))).backward()
+        with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):
+            scaler.unscale_(opt)
+
+
+def test_a_patch_of_torchs_unscale_is_called_as_by_torchs_scaler(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A patch of ``torch.amp.GradScaler._unscale_grads_``, made before or after the scaler
+    was built, runs as it runs under torch's own scaler: the shortcut steps aside."""
+    calls: list[str] = []
+    original = torch.amp.GradScaler._unscale_grads_
+
+    def patched(self: Any, *args: Any) -> Any:
+        calls.append(type(self).__name__)
+        return original(self, *args)
+
+    before = ampscope.GradScaler("cpu", reporter=None)
+    monkeypatch.setattr(torch.amp.GradScaler, "_unscale_grads_", patched)
+    after = ampscope.GradScaler("cpu", reporter=None)
+    for scaler in (before, after, torch.amp.GradScaler("cpu")):
+        model = Net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(2):
+            scaler.scale(model(batch(step))).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    assert calls == ["GradScaler"] * 6
+    before.close()
+    after.close()
+
+
+def test_parameters_reordered_in_place_keep_their_norms_names() -> None:
+    """The norms take the unscale's list of gradients only while the optimizer holds the
+    plan's parameters in the plan's order. Reordered in place, each norm keeps its name:
+    on an accelerator the parameters a skipped step names are those whose norm before the
+    clip was inf/NaN (the device transport, forced here on the CPU)."""
+    scaler = ampscope.GradScaler("cpu", reporter=None)
+    _accelerator_path(scaler)
+    model = Net()
+    scaler.attach(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(4):
+        if step == 2:
+            opt.param_groups[0]["params"].reverse()
+        scaler.scale(model(batch(step))).backward()
+        if step == 2:
+            poison(model.body.bias, float("nan"))
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    history = scaler.telemetry.history()
+    assert [record.skipped for record in history] == [False, False, True, False]
+    assert [p.name for p in history[2].nonfinite_params] == ["body.bias"]
+    scaler.close()
+
+
+def test_a_parameter_replaced_in_the_optimizer_is_unscaled_like_torch() -> None:
+    """An optimizer whose parameter list had one entry replaced in place (same length, a
+    new tensor) is unscaled over the parameters it holds now, as torch's scaler unscales
+    them, not over those it held when the norms were planned (whose gradients, kept as
+    zeros by ``zero_grad(set_to_none=False)``, are still there)."""
+    weights = []
+    for scaler in (torch.amp.GradScaler("cpu"), ampscope.GradScaler("cpu", reporter=None)):
+        model = Net()
+        if isinstance(scaler, ampscope.GradScaler):
+            scaler.attach(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(4):
+            if step == 2:
+                index = next(
+                    i for i, p in enumerate(opt.param_groups[0]["params"]) if p is model.head.weight
+                )
+                model.head.weight = torch.nn.Parameter(model.head.weight.detach().clone())
+                opt.param_groups[0]["params"][index] = model.head.weight
+            scaler.scale(model(batch(step))).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=False)
+        weights.append([p.detach().clone() for p in model.parameters()])
+    for ours, stock in zip(weights[1], weights[0], strict=True):
+        assert torch.equal(ours, stock)
+
+
 def test_fp16_grads_rejected_like_torch() -> None:
     """torch.amp.GradScaler refuses to unscale fp16 gradients for ordinary optimizers."""
     for scaler in (torch.amp.GradScaler("cpu"), ampscope.GradScaler("cpu", reporter=None)):
