@@ -1,6 +1,7 @@
-"""What an iteration did, from its decoded values: applied or skipped, and the scale's event.
+"""What an iteration did, from its decoded values: whose inf/NaN, applied or skipped, and
+the scale's event.
 
-Pure functions of host values, called once per record by the record builder.
+A pure function of host values, called once per record by the record builder.
 """
 
 from __future__ import annotations
@@ -10,12 +11,19 @@ from ampscope.reporter.schema import Policy, ScaleEvent
 
 
 def outcome(
-    decoded: StepValues, watch: bool, policy: Policy, told: bool | None, manual: bool
-) -> tuple[bool, bool, bool, ScaleEvent]:
-    """What the iteration did: ``(found_global, applied, skipped, event)``.
+    decoded: StepValues,
+    watch: bool,
+    policy: Policy,
+    told: bool | None,
+    manual: bool,
+    world_size: int,
+) -> tuple[bool, bool | None, bool, bool, ScaleEvent]:
+    """What the iteration did: ``(found_global, own, applied, skipped, event)``.
 
     * ``found_global``: an optimizer's found-inf was set (after the reduction: inf/NaN
       here or on another rank);
+    * ``own``: this rank's own gradients held inf/NaN: its origin flags, or alone in its
+      world its local ones; ``None`` when it cannot be told (no origin tracking);
     * ``applied``: a stepped optimizer found inf/NaN and the step ran anyway, as a watch
       under ``observe`` does. Where the front-end says what the library did (``told``:
       ``PendingStep.applied``, DeepSpeed), that decides instead of the policy, for a
@@ -25,10 +33,14 @@ def outcome(
       step with inf/NaN backs off unless it was applied, when the scale alone says what
       happened.
     """
+    found_global = True in decoded.optimizer_found
+    if decoded.origin:
+        own: bool | None = True in decoded.origin
+    else:
+        own = True in decoded.local if world_size == 1 else None
     stepped = decoded.stepped_on_nonfinite
     applied = (watch and policy == "observe" and stepped) if told is None else (told and stepped)
     skipped = stepped and not applied
-    found_global = True in decoded.optimizer_found
     event: ScaleEvent
     if watch:
         event = "none"
@@ -47,12 +59,4 @@ def outcome(
         event = "growth"
     else:
         event = "none"
-    return found_global, applied, skipped, event
-
-
-def own_nonfinite(origin: dict[str, bool], local: dict[str, bool], world_size: int) -> bool | None:
-    """Whether this rank's own gradients held inf/NaN: its origin flags, or alone in its
-    world its local ones; ``None`` when it cannot be told (no origin tracking)."""
-    if origin:
-        return any(origin.values())
-    return any(local.values()) if world_size == 1 else None
+    return found_global, own, applied, skipped, event

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 from ampscope.rank.capture import layout
@@ -29,7 +28,7 @@ from ampscope.rank.capture.layout import StepValues
 from ampscope.rank.capture.pending import PendingStep
 from ampscope.rank.telemetry.batches import batch_ids
 from ampscope.rank.telemetry.identity import resolve_device
-from ampscope.rank.telemetry.outcome import outcome, own_nonfinite
+from ampscope.rank.telemetry.outcome import outcome
 from ampscope.rank.telemetry.shared_parts import SharedParts
 from ampscope.rank.telemetry.stats_record import StatsBuilder
 from ampscope.rank.telemetry.totals import RunningTotals, add_counts, add_flags
@@ -53,6 +52,8 @@ __all__ = ["RecordBuilder", "RunningTotals"]
 
 _SCALER = Setup()
 """An fp16 scaler whose gradient dtype is not known."""
+_NO_FLAGS: dict[str, bool] = {}
+"""The origin flags of every step without origin tracking (records never change theirs)."""
 
 
 class RecordBuilder:
@@ -100,46 +101,36 @@ class RecordBuilder:
         decoded = layout.decode(
             values, pending.optimizers, pending.local_devices, pending.origin_devices
         )
-        found_global, applied, skipped, event = outcome(
-            decoded, watch, setup.policy, pending.applied, pending.manual
+        found_global, own, applied, skipped, event = outcome(
+            decoded,
+            watch,
+            setup.policy,
+            pending.applied,
+            pending.manual,
+            pending.identity.world_size,
         )
         local = self._parts.flags(pending.local_devices, decoded.local)
-        origin = self._parts.flags(pending.origin_devices, decoded.origin)
+        # Without origin tracking (the default) there are no origin flags to name or count.
+        origin = (
+            self._parts.flags(pending.origin_devices, decoded.origin)
+            if pending.origin_devices
+            else _NO_FLAGS
+        )
 
         # 2. The per-device counts with this step, and whether the checks vouch for it all.
         totals = self.totals
         local_counts = add_flags(totals.found_inf_local, local)
-        origin_counts = add_flags(totals.found_inf_origin, origin)
-        validate = not self._checks.vouch(
-            pending,
-            decoded.scale_before,
-            decoded.scale_after,
-            decoded.growth_tracker,
-            local_counts,
-            origin_counts,
+        origin_counts = (
+            add_flags(totals.found_inf_origin, origin) if origin else totals.found_inf_origin
         )
+        validate = not self._checks.vouch(pending, decoded, local_counts, origin_counts)
 
         # 3. Judgements: the gradient statistics, then the fault rule's call. Any inf/NaN,
         # here or on another rank, counts for the rule, and for the stats it is an
         # overflow, whose values say nothing of the training's trend (out of the windows).
-        nonfinite_any = found_global or True in local.values() or True in origin.values()
+        nonfinite_any = found_global or True in decoded.local or True in decoded.origin
         stats, scalars = self._stats(pending, values, decoded, watch, nonfinite_any, validate)
-        call = self._call(
-            pending,
-            scalars,
-            Iteration(
-                scaler=not watch,
-                nonfinite=nonfinite_any,
-                own=own_nonfinite(origin, local, pending.identity.world_size),
-                scale_before=decoded.scale_before,
-                scale_after=decoded.scale_after,
-                growth_tracker=decoded.growth_tracker,
-                grew=event == "growth",
-                manual=pending.manual,
-                after_applied=totals.first_nonfinite_applied is not None,
-                applied=applied,
-            ),
-        )
+        call = self._call(pending, scalars, decoded, watch, nonfinite_any, own, event, applied)
 
         # 4. The models: the record's parts, its totals, then the record itself.
         optimizers = self._parts.optimizers(pending.optimizers, decoded.optimizer_found, validate)
@@ -237,18 +228,39 @@ class RecordBuilder:
         return build_model(StepStats, validate or named, fields), scalars
 
     def _call(
-        self, pending: PendingStep, scalars: Sequence[float], iteration: Iteration
+        self,
+        pending: PendingStep,
+        scalars: Sequence[float],
+        decoded: StepValues,
+        watch: bool,
+        nonfinite: bool,
+        own: bool | None,
+        event: ScaleEvent,
+        applied: bool,
     ) -> Call | None:
         """The fault rule's decision about the step (``None``: clean); moves its state.
 
         Reads only host values the record already holds, plus the loss sum when stats are
-        on: no device access. A rerun's record keeps its second pass: the rule judges that
-        pass, and the rerun's own finding corrects it (``after_rerun``).
+        on (``scalars[0]``): no device access. A rerun's record keeps its second pass: the
+        rule judges that pass, and the rerun's own finding corrects it (``after_rerun``).
         """
         taken = pending.stats
-        if taken is not None and taken.loss is not None and not math.isfinite(scalars[0]):
-            iteration = replace(iteration, loss_nonfinite=True)
-        call = self.faults.observe(iteration)
+        loss = taken is not None and taken.loss is not None and not math.isfinite(scalars[0])
+        call = self.faults.observe(
+            Iteration(
+                scaler=not watch,
+                nonfinite=nonfinite,
+                loss_nonfinite=loss,
+                own=own,
+                scale_before=decoded.scale_before,
+                scale_after=decoded.scale_after,
+                growth_tracker=decoded.growth_tracker,
+                grew=event == "growth",
+                manual=pending.manual,
+                after_applied=self.totals.first_nonfinite_applied is not None,
+                applied=applied,
+            )
+        )
         rerun = pending.rerun
         if rerun is not None:
             call = after_rerun(

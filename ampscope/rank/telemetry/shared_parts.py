@@ -10,8 +10,6 @@ built afresh and not kept: only what the checks vouched for is shared.
 
 from __future__ import annotations
 
-from typing import Any
-
 from ampscope.rank.capture.layout import OptimizerSlot
 from ampscope.rank.gradients.attribution import top_k
 from ampscope.rank.telemetry.vouching import build_model
@@ -32,7 +30,12 @@ class SharedParts:
     def __init__(self, k: int) -> None:
         self._k = k
         self._details: dict[tuple[OptimizerSlot, bool], OptimizerDetail] = {}
-        self._detail_lists: dict[tuple[Any, ...], list[OptimizerDetail]] = {}
+        self._detail_lists: dict[
+            tuple[int | bool, ...],
+            tuple[tuple[OptimizerSlot, ...], list[OptimizerDetail]],
+        ] = {}
+        """Per (the slots' ids, then their flags): the slots, kept alive so that their ids
+        stay theirs, and the list."""
         self._flags: dict[tuple[tuple[str, ...], tuple[bool, ...]], dict[str, bool]] = {}
         self.no_params: list[NonfiniteParam] = []
         """The named parameters of a step that named none."""
@@ -51,14 +54,17 @@ class SharedParts:
         self, slots: tuple[OptimizerSlot, ...], found: list[bool], validate: bool
     ) -> list[OptimizerDetail]:
         """The record's ``optimizers``: one shared list per distinct (slots, flags)."""
-        key = (slots, tuple(found))
-        details = None if validate else self._detail_lists.get(key)
-        if details is None:
-            details = [
-                self._detail(slot, hit, validate) for slot, hit in zip(slots, found, strict=True)
-            ]
-            if not validate and len(self._detail_lists) < _KEPT:
-                self._detail_lists[key] = details
+        # Keyed by the slots' ids: hashing the slots themselves calls a dataclass's
+        # __hash__ (Python) per slot. A capture hands the same slot objects every step.
+        key = (*map(id, slots), *found)
+        kept = None if validate else self._detail_lists.get(key)
+        if kept is not None:
+            return kept[1]
+        details = [
+            self._detail(slot, hit, validate) for slot, hit in zip(slots, found, strict=True)
+        ]
+        if not validate and len(self._detail_lists) < _KEPT:
+            self._detail_lists[key] = (slots, details)
         return details
 
     def _detail(self, slot: OptimizerSlot, found: bool, validate: bool) -> OptimizerDetail:

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
+from ampscope.rank.capture.layout import StepValues
 from ampscope.rank.capture.pending import PendingStep
 from ampscope.rank.config import LABEL_PATTERN
 from ampscope.reporter.schema import (
@@ -72,9 +73,7 @@ class RecordChecks:
     def vouch(
         self,
         pending: PendingStep,
-        scale_before: float,
-        scale_after: float,
-        tracker: int,
+        decoded: StepValues,
         local_counts: dict[str, int],
         origin_counts: dict[str, int],
     ) -> bool:
@@ -83,9 +82,9 @@ class RecordChecks:
         return (
             pending.step >= 1
             and 0.0 <= pending.time < math.inf
-            and 0.0 <= scale_before < math.inf  # a scale: False for NaN too
-            and 0.0 <= scale_after < math.inf
-            and tracker >= 0
+            and 0.0 <= decoded.scale_before < math.inf  # a scale: False for NaN too
+            and 0.0 <= decoded.scale_after < math.inf
+            and decoded.growth_tracker >= 0
             and (
                 (pending.optimizers, pending.local_devices, pending.origin_devices)
                 == self._vouched_shape
