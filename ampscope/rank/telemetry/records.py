@@ -101,6 +101,9 @@ class RecordBuilder:
         decoded = layout.decode(
             values, pending.optimizers, pending.local_devices, pending.origin_devices
         )
+        # Read once: each read of a StepValues field is a descriptor call.
+        scale_before, scale_after = decoded.scale_before, decoded.scale_after
+        tracker = decoded.growth_tracker
         found_global, own, applied, skipped, event = outcome(
             decoded,
             watch,
@@ -123,18 +126,24 @@ class RecordBuilder:
         origin_counts = (
             add_flags(totals.found_inf_origin, origin) if origin else totals.found_inf_origin
         )
-        validate = not self._checks.vouch(pending, decoded, local_counts, origin_counts)
+        validate = not self._checks.vouch(
+            pending, scale_before, scale_after, tracker, local_counts, origin_counts
+        )
 
         # 3. Judgements: the gradient statistics, then the fault rule's call. Any inf/NaN,
         # here or on another rank, counts for the rule, and for the stats it is an
         # overflow, whose values say nothing of the training's trend (out of the windows).
         nonfinite_any = found_global or True in decoded.local or True in decoded.origin
-        stats, scalars = self._stats(pending, values, decoded, watch, nonfinite_any, validate)
+        # What the gradients were multiplied by in backward: the values are unscaled by it.
+        scaled_by = 1.0 if watch else scale_before
+        stats, scalars = self._stats(
+            pending, values, decoded.stats_at, scaled_by, nonfinite_any, validate
+        )
         call = self._call(pending, scalars, decoded, watch, nonfinite_any, own, event, applied)
 
         # 4. The models: the record's parts, its totals, then the record itself.
         optimizers = self._parts.optimizers(pending.optimizers, decoded.optimizer_found, validate)
-        fp8 = None if pending.fp8 is None else self._fp8(pending, watch, decoded.scale_before)
+        fp8 = None if pending.fp8 is None else _fp8(pending, scaled_by)
         # A step that names no parameter keeps the counts' dict, and with it the totals'
         # list of the most counted (shared with the previous record).
         nonfinite = (
@@ -142,7 +151,7 @@ class RecordBuilder:
             if pending.nonfinite
             else totals.nonfinite
         )
-        carried = self._carried_totals(
+        carried, moved = self._carried_totals(
             pending,
             decoded,
             watch,
@@ -176,9 +185,9 @@ class RecordBuilder:
                 "found_inf_origin": origin,
                 "found_inf_global": found_global,
                 "skipped": skipped,
-                "scale_before": decoded.scale_before,
-                "scale_after": decoded.scale_after,
-                "growth_tracker": decoded.growth_tracker,
+                "scale_before": scale_before,
+                "scale_after": scale_after,
+                "growth_tracker": tracker,
                 "event": event,
                 "optimizers": optimizers,
                 "nonfinite_params": step_params,
@@ -197,15 +206,15 @@ class RecordBuilder:
         # 5. The record exists: only now do the totals move.
         if device is not None:
             self.device = device
-        totals.take(carried, nonfinite, decoded.growth_tracker)
+        totals.take(moved)
         return record
 
     def _stats(
         self,
         pending: PendingStep,
         values: list[float],
-        decoded: StepValues,
-        watch: bool,
+        stats_at: int,
+        scaled_by: float,
         overflow: bool,
         validate: bool,
     ) -> tuple[StepStats | None, Sequence[float]]:
@@ -215,13 +224,13 @@ class RecordBuilder:
         if taken is None:
             return None, ()
         scalars = self.stats.host_scalars(
-            taken, values, decoded.stats_at, on_host=pending.values is not None
+            taken, values, stats_at, on_host=pending.values is not None
         )
         fields, named = self.stats.build(
             taken,
             scalars,
             overflow=overflow,
-            scale=1.0 if watch else decoded.scale_before,
+            scale=scaled_by,
             host_norms=pending.host_norms,
         )
         # A step that names parameters (a spike) holds norms no check vouched for.
@@ -286,8 +295,9 @@ class RecordBuilder:
         origin_counts: dict[str, int],
         nonfinite: dict[str, int],
         validate: bool,
-    ) -> dict[str, Any]:
-        """The fields of the record's ``totals``: the running totals with this step.
+    ) -> tuple[dict[str, Any], tuple[Any, ...]]:
+        """The running totals with this step: the fields of the record's ``totals``, and
+        every field of :class:`RunningTotals` in its order (:meth:`RunningTotals.take`).
 
         Args:
             origin: The step's origin flags (the first applied step's ``origin``).
@@ -321,32 +331,60 @@ class RecordBuilder:
         faults = totals.faults
         if call is not None and call.cls == "fault" and call.own:
             faults = {**faults, call.kind: faults.get(call.kind, 0) + 1}
-        return {
-            "steps": totals.steps + 1,
-            "skipped_steps": totals.skipped_steps + int(skipped),
-            "backoffs": totals.backoffs + int(event == "backoff"),
-            "growths": totals.growths + int(event == "growth"),
+        steps = totals.steps + 1
+        skipped_steps = totals.skipped_steps + int(skipped)
+        backoffs = totals.backoffs + int(event == "backoff")
+        growths = totals.growths + int(event == "growth")
+        applied_steps = totals.nonfinite_applied + int(applied)
+        top = (
+            totals.top
+            if nonfinite is totals.nonfinite and not validate
+            else self._parts.named(nonfinite, validate)
+        )
+        carried = {
+            "steps": steps,
+            "skipped_steps": skipped_steps,
+            "backoffs": backoffs,
+            "growths": growths,
             "found_inf_local": local_counts,
             "found_inf_origin": origin_counts,
-            "nonfinite_params": totals.top
-            if nonfinite is totals.nonfinite and not validate
-            else self._parts.named(nonfinite, validate),
+            "nonfinite_params": top,
             "min_scale": min_scale,
             "max_scale": max_scale,
             "aligned_scale": aligned,
-            "nonfinite_applied": totals.nonfinite_applied + int(applied),
+            "nonfinite_applied": applied_steps,
             "first_nonfinite_applied": first_applied,
             "faults": faults,
             "clean_scale": None if watch else self.faults.clean_scale,
         }
+        # The same values again, as a tuple: taking them from the dict would cost a
+        # lookup each.
+        moved = (
+            steps,
+            skipped_steps,
+            backoffs,
+            growths,
+            local_counts,
+            origin_counts,
+            nonfinite,
+            min_scale,
+            max_scale,
+            decoded.growth_tracker,
+            aligned,
+            applied_steps,
+            first_applied,
+            faults,
+            top,
+        )
+        return carried, moved
 
-    @staticmethod
-    def _fp8(pending: PendingStep, watch: bool, scale_before: float) -> Any:
-        """The record's ``fp8``, from the FP8 observations that came with the step."""
-        assert pending.fp8 is not None
-        from ampscope.rank.fp8.record import fp8_entries
 
-        return fp8_entries(pending.fp8, pending.read_extra(), 1.0 if watch else scale_before)
+def _fp8(pending: PendingStep, scaled_by: float) -> Any:
+    """The record's ``fp8``, from the FP8 observations that came with the step."""
+    assert pending.fp8 is not None
+    from ampscope.rank.fp8.record import fp8_entries
+
+    return fp8_entries(pending.fp8, pending.read_extra(), scaled_by)
 
 
 def _nonfinite_call(call: Call, validate: bool) -> NonfiniteCall:

@@ -42,24 +42,26 @@ class RunningTotals:
     """The ``k`` most counted of ``nonfinite``, as the newest record names them: the next
     record shares the list while no count moved."""
 
-    def take(self, carried: dict[str, Any], nonfinite: dict[str, int], tracker: int) -> None:
-        """Become the totals a record carries (its ``totals`` model's fields, which name
-        the top parameters only), with every parameter's count and the step's tracker."""
-        self.steps = carried["steps"]
-        self.skipped_steps = carried["skipped_steps"]
-        self.backoffs = carried["backoffs"]
-        self.growths = carried["growths"]
-        self.found_inf_local = carried["found_inf_local"]
-        self.found_inf_origin = carried["found_inf_origin"]
-        self.nonfinite = nonfinite
-        self.min_scale = carried["min_scale"]
-        self.max_scale = carried["max_scale"]
-        self.last_growth_tracker = tracker
-        self.aligned_scale = carried["aligned_scale"]
-        self.nonfinite_applied = carried["nonfinite_applied"]
-        self.first_nonfinite_applied = carried["first_nonfinite_applied"]
-        self.faults = carried["faults"]
-        self.top = carried["nonfinite_params"]
+    def take(self, moved: tuple[Any, ...]) -> None:
+        """Become the totals of a record that exists: ``moved`` holds every field's new
+        value, in the fields' order (as :func:`dataclasses.astuple` would give them)."""
+        (
+            self.steps,
+            self.skipped_steps,
+            self.backoffs,
+            self.growths,
+            self.found_inf_local,
+            self.found_inf_origin,
+            self.nonfinite,
+            self.min_scale,
+            self.max_scale,
+            self.last_growth_tracker,
+            self.aligned_scale,
+            self.nonfinite_applied,
+            self.first_nonfinite_applied,
+            self.faults,
+            self.top,
+        ) = moved
 
 
 def add_flags(counter: dict[str, int], flags: dict[str, bool]) -> dict[str, int]:

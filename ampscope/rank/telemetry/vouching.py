@@ -19,7 +19,6 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
-from ampscope.rank.capture.layout import StepValues
 from ampscope.rank.capture.pending import PendingStep
 from ampscope.rank.config import LABEL_PATTERN
 from ampscope.reporter.schema import (
@@ -73,18 +72,21 @@ class RecordChecks:
     def vouch(
         self,
         pending: PendingStep,
-        decoded: StepValues,
+        scale_before: float,
+        scale_after: float,
+        tracker: int,
         local_counts: dict[str, int],
         origin_counts: dict[str, int],
     ) -> bool:
         """Whether every value that strict validation would look at is known to pass: the
-        step's own, and the sizes of the totals' per-device counts that include it."""
+        step's own (its decoded scales and growth tracker among them), and the sizes of
+        the totals' per-device counts that include it."""
         return (
             pending.step >= 1
             and 0.0 <= pending.time < math.inf
-            and 0.0 <= decoded.scale_before < math.inf  # a scale: False for NaN too
-            and 0.0 <= decoded.scale_after < math.inf
-            and decoded.growth_tracker >= 0
+            and 0.0 <= scale_before < math.inf  # a scale: False for NaN too
+            and 0.0 <= scale_after < math.inf
+            and tracker >= 0
             and (
                 (pending.optimizers, pending.local_devices, pending.origin_devices)
                 == self._vouched_shape
