@@ -1,10 +1,10 @@
 """A rank's running totals: :class:`RunningTotals`, and how one step moves them.
 
 The record builder works out a step's totals from the previous ones without touching them
-(:func:`add_flags`, :func:`add_counts`), puts them in the step's
-record, and only once the record exists makes them the running totals
-(:meth:`RunningTotals.take`): a step whose record strict validation rejects leaves the
-totals as they were.
+(the counts per device and per parameter with :func:`add_flags` and :func:`add_counts`),
+puts them in the step's record, and only once the record exists makes them the running
+totals (:meth:`RunningTotals.take`): a step whose record strict validation rejects leaves
+the totals as they were.
 """
 
 from __future__ import annotations
