@@ -91,8 +91,10 @@ class SpikeWindow:
             return None
         values, minima = self._values, self._minima
         # The ratio guard against the window's minimum settles most values of a steady
-        # series here, without the calls of the full test (_judge, which repeats it).
-        if len(values) < self.rule.min_window or value < self._ratio_bound(minima[0][1]):
+        # series here, without the calls of the full test (_judge, which repeats it) or
+        # of _ratio_bound (its product, spelled out).
+        rule = self.rule
+        if len(values) < rule.min_window or value < rule.ratio * minima[0][1]:
             spike = None
         else:
             spike = self._judge(value)
@@ -101,7 +103,7 @@ class SpikeWindow:
             minima.pop()
         minima.append((self._count, value))
         self._count += 1
-        if minima[0][0] <= self._count - 1 - self.rule.window:
+        if minima[0][0] <= self._count - 1 - rule.window:
             minima.popleft()  # left the window
         return spike
 

@@ -132,7 +132,11 @@ class StatsBuilder:
             start += optimizer.count
             factor = inverse if optimizer.scaled else 1.0
             grad_square += square * factor * factor
-        grad_norm = _finite(math.sqrt(grad_square)) if taken.optimizers else None
+        grad_norm = None
+        if taken.optimizers:
+            grad_norm = math.sqrt(grad_square)
+            if not math.isfinite(grad_norm):  # _finite's test, without a call per record
+                grad_norm = None
         origin = None
         if taken.origin:
             own = sum(origin_squares)
