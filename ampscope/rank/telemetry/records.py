@@ -49,6 +49,7 @@ from ampscope.reporter.schema import (
     Setup,
     StepRecord,
     StepStats,
+    WeatherTotals,
 )
 from ampscope.reporter.spike_rule import SpikeRule
 
@@ -78,6 +79,10 @@ class _Vouched:
         return False
 
 
+_NO_WEATHER = WeatherTotals(skipped_steps=0, found_inf_local={}, found_inf_origin={})
+"""A rank's weather before its first weather iteration."""
+
+
 @dataclass
 class RunningTotals:
     """Cumulative counters of one rank, as the records' ``totals`` carry them.
@@ -100,6 +105,9 @@ class RunningTotals:
     first_nonfinite_applied: NonfiniteApplied | None = None
     faults: dict[str, int] = field(default_factory=dict)
     """The rank's own faults by kind (the fault rule's ``faults``)."""
+    weather: WeatherTotals = field(default_factory=lambda: _NO_WEATHER)
+    """What of the counters the fault rule called the scaler's weather; replaced, never
+    changed, on a weather iteration only (rare after the warm-up)."""
 
 
 def _count(counter: dict[str, int], flags: dict[str, bool]) -> dict[str, int]:
@@ -307,6 +315,17 @@ class RecordBuilder:
         faults = totals.faults
         if call is not None and call.cls == "fault" and call.own:
             faults = {**faults, call.kind: faults.get(call.kind, 0) + 1}
+        weather = totals.weather
+        if call is not None and call.cls == "weather":
+            weather = _build(
+                WeatherTotals,
+                validate,
+                {
+                    "skipped_steps": weather.skipped_steps + int(skipped),
+                    "found_inf_local": _count(weather.found_inf_local, local),
+                    "found_inf_origin": _count(weather.found_inf_origin, origin),
+                },
+            )
         details = self._details_of(pending.optimizers, decoded.optimizer_found, validate)
         fp8 = None
         if pending.fp8 is not None:
@@ -381,6 +400,7 @@ class RecordBuilder:
                         "first_nonfinite_applied": first_applied,
                         "faults": faults,
                         "clean_scale": None if watch else self.faults.clean_scale,
+                        "weather": weather,
                     },
                 ),
                 "setup": setup,
@@ -414,7 +434,7 @@ class RecordBuilder:
         totals.last_growth_tracker = tracker
         totals.aligned_scale = aligned
         totals.nonfinite_applied, totals.first_nonfinite_applied = nonfinite_applied, first_applied
-        totals.faults = faults
+        totals.faults, totals.weather = faults, weather
         self._top = top
         return record
 
