@@ -25,6 +25,8 @@ class Scenario:
     outlier_rank: int | None = None
     """Rank whose data holds outlier samples every ``outlier_every`` steps (``-1``: the last)."""
     outlier_every: int = 0
+    outlier_batches: int | None = None
+    """How many outlier batches (the first ones); ``None``: every ``outlier_every`` steps."""
     outlier_factor: float = 1.0
     """Outlier samples are this many times larger than the rest."""
     corrupt_from: float | None = None
@@ -84,7 +86,9 @@ class Scenario:
         if self.outlier_rank is None:
             return False
         target = self.outlier_rank % world_size
-        return rank == target and step % self.outlier_every == 0
+        nth, rest = divmod(step, self.outlier_every)
+        within = self.outlier_batches is None or nth <= self.outlier_batches
+        return rank == target and rest == 0 and within
 
     def corrupt_at(self, step: int, steps: int) -> bool:
         """Whether every rank's inputs of ``step`` (of ``steps``) are corrupt."""
@@ -132,14 +136,18 @@ SCENARIOS: dict[str, Scenario] = {
         ),
         Scenario(
             name="hotspot",
-            story="the last rank's data holds outlier samples every 5th step: only that rank's "
-            "gradients overflow, and the all-reduce makes every rank skip",
+            story="the last rank's data holds outlier samples every 5th step up to step 30: "
+            "only that rank's gradients overflow, at a scale that trained cleanly (a fault, "
+            "not the scaler's weather), and the all-reduce makes every rank skip",
             expect=("inf_hotspot",),
             init_scale=2.0**15,
-            growth_interval=4,
             outlier_rank=-1,
             outlier_every=5,
-            outlier_factor=20.0,
+            # Six, not more: each halves the scale (no growth in between: an overflow right
+            # after a growth would be the scaler probing, weather), and a 60-step run
+            # falling 2^8 would be a scale collapse too.
+            outlier_batches=6,
+            outlier_factor=1000.0,
         ),
         Scenario(
             name="collapse",

@@ -23,9 +23,10 @@ STOP_TIMEOUT_S = 3.0
 """SIGTERM to the exporter, then SIGKILL after this long: with the ranks' second
 (``runner.ABANDON_GRACE_S``), the demo and its children end within 5 s of a stop signal."""
 MIN_STEPS = 30
-"""The hotspot run's outliers come every 5th step and inf_hotspot needs 5 of them, with room
-for the collapse run's second half to pass skip_storm's minimum of 10 steps, and for the spike
-run's bad batch (at 3/4) to follow the spike rule's minimum window of 20 clean iterations."""
+"""The hotspot run's outliers come every 5th step (6 of them, up to step 30) and inf_hotspot
+needs 5 of them, with room for the collapse run's second half to pass skip_storm's minimum of
+10 steps, and for the spike run's bad batch (at 3/4) to follow the spike rule's minimum window
+of 20 clean iterations."""
 
 
 @dataclass(frozen=True, kw_only=True)

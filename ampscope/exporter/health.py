@@ -75,14 +75,57 @@ def _delta(now: Mapping[str, int], base: Mapping[str, int]) -> dict[str, int]:
     return {key: count - base.get(key, 0) for key, count in now.items()}
 
 
-def _increase(snap: RankSnapshot, start: float) -> WindowCounts:
+@dataclass(frozen=True)
+class _Increase:
+    """How much a rank's counters rose over a window; the ``weather_*`` counts are the part
+    the fault rule called the loss scaler's weather (0 and empty from a reporter that
+    predates the count, so its consumers count everything, as before it)."""
+
+    steps: int
+    skipped_steps: int
+    found_inf_local: Mapping[str, int]
+    found_inf_origin: Mapping[str, int]
+    weather_skipped_steps: int
+    weather_found_inf_local: Mapping[str, int]
+    weather_found_inf_origin: Mapping[str, int]
+
+
+_NO_COUNTS: dict[str, int] = {}
+
+
+def _increase(snap: RankSnapshot, start: float) -> _Increase:
     """How much the rank's counters rose since exporter time ``start``, as Prometheus'
     ``increase()`` would: O(samples)."""
     now = WindowCounts.of(snap.newest.totals)
     base = _window(snap, start).baseline
+    weather = now.weather
+    if weather is None:
+        return _Increase(
+            *_rose(now, base),
+            weather_skipped_steps=0,
+            weather_found_inf_local=_NO_COUNTS,
+            weather_found_inf_origin=_NO_COUNTS,
+        )
+    # A baseline without the field (none in one process) counts from zero.
+    was = None if base is None else base.weather
+    return _Increase(
+        *_rose(now, base),
+        weather_skipped_steps=weather.skipped_steps - (0 if was is None else was.skipped_steps),
+        weather_found_inf_local=_delta(
+            weather.found_inf_local, _NO_COUNTS if was is None else was.found_inf_local
+        ),
+        weather_found_inf_origin=_delta(
+            weather.found_inf_origin, _NO_COUNTS if was is None else was.found_inf_origin
+        ),
+    )
+
+
+def _rose(
+    now: WindowCounts, base: WindowCounts | None
+) -> tuple[int, int, Mapping[str, int], Mapping[str, int]]:
     if base is None:
-        return now
-    return WindowCounts(
+        return now.steps, now.skipped_steps, now.found_inf_local, now.found_inf_origin
+    return (
         now.steps - base.steps,
         now.skipped_steps - base.skipped_steps,
         _delta(now.found_inf_local, base.found_inf_local),
@@ -112,7 +155,12 @@ def skip_storm(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verd
     """``nonfinite.skip_storm`` over the store's snapshots: O(ranks x samples)."""
     rose = [(snap, _increase(snap, now - t.skip_storm_window_s)) for snap in ranks]
     facts = [
-        nonfinite.StepFacts(**_who(snap), steps=counts.steps, skipped=counts.skipped_steps)
+        nonfinite.StepFacts(
+            **_who(snap),
+            steps=counts.steps,
+            skipped=counts.skipped_steps,
+            weather=counts.weather_skipped_steps,
+        )
         for snap, counts in rose
     ]
     return nonfinite.skip_storm(facts, t)
@@ -201,7 +249,13 @@ def inf_hotspot(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Ver
     """``nonfinite.inf_hotspot`` over the store's snapshots: O(ranks x samples)."""
     rose = [(snap, _increase(snap, now - t.hotspot_window_s)) for snap in ranks]
     facts = [
-        nonfinite.InfFacts(**_who(snap), local=c.found_inf_local, origin=c.found_inf_origin)
+        nonfinite.InfFacts(
+            **_who(snap),
+            local=c.found_inf_local,
+            origin=c.found_inf_origin,
+            weather_local=c.weather_found_inf_local,
+            weather_origin=c.weather_found_inf_origin,
+        )
         for snap, c in rose
     ]
     return nonfinite.inf_hotspot(facts, t)

@@ -254,6 +254,23 @@ class AlignedScale(_Model):
     scale: Scale
 
 
+class WeatherTotals(_Model):
+    """The part of a rank's counters that the fault rule (``ampscope.reporter.fault_rule``)
+    called the loss scaler's weather: its warm-up, its growth probes and its edge, where
+    skipping the step and backing off is the scaler doing its job. Subsets of the
+    :class:`RankTotals` counters of the same names; what is left of them is what
+    ``skip_storm`` and ``inf_hotspot`` count. All zero for a watch: without a scale nothing
+    is weather."""
+
+    skipped_steps: Count
+    """Skipped iterations the rule called weather."""
+    found_inf_local: dict[Label, Count] = Field(max_length=MAX_DEVICES)
+    """Per device: ``found_inf_local`` detections on iterations the rule called weather; a
+    device without an entry had none."""
+    found_inf_origin: dict[Label, Count] = Field(max_length=MAX_DEVICES)
+    """Per device: ``found_inf_origin`` detections on iterations the rule called weather."""
+
+
 class RankTotals(_Model):
     """Cumulative counters of one rank since its scaler was created.
 
@@ -292,6 +309,9 @@ class RankTotals(_Model):
     """The fault rule's clean scale: the newest scale at which the scaler trained cleanly
     (``scale_collapse`` measures the fall from it); ``None`` before one, for a watch, and
     from reporters that predate the rule."""
+    weather: WeatherTotals | None = None
+    """What of the counters above the fault rule called the scaler's weather; ``None`` from
+    reporters that predate this field (their consumers count every skip and detection)."""
 
 
 BatchId = (

@@ -3,14 +3,19 @@
 optimizer step ran on them) and ``nonfinite_skipped`` (a watch under policy ``skip`` skipped
 steps for them), over what changed within each rule's window.
 
+``skip_storm`` and ``inf_hotspot`` leave out what the fault rule called the loss scaler's
+weather (``RankTotals.weather``): a warm-up from a high ``init_scale``, the growth probes and
+the overflows at the scaler's edge skip steps by design, and they land on whichever device
+holds the largest gradients, so counting them would page healthy fp16 runs.
+
 Pure functions: O(ranks), no clock, no I/O.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from ampscope.verdicts.ranks import RankRef, is_scaler
 from ampscope.verdicts.thresholds import Thresholds
@@ -23,6 +28,10 @@ class StepFacts(RankRef):
 
     steps: int
     skipped: int
+    weather: int = 0
+    """Of ``skipped``, the steps the fault rule called the loss scaler's weather, which the
+    rule does not count; 0 where the source left them out already (Prometheus' queries) or
+    cannot tell them (a reporter that predates the count: every skip counts)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,17 +41,34 @@ class InfFacts(RankRef):
 
     local: Mapping[str, int]
     origin: Mapping[str, int]
+    weather_local: Mapping[str, int] = field(default_factory=dict)
+    """Per device, the part of ``local`` on iterations the fault rule called the scaler's
+    weather: not counted (empty where the source left it out already or cannot tell)."""
+    weather_origin: Mapping[str, int] = field(default_factory=dict)
+    """The same for ``origin``."""
+
+    def counted(self, source: Literal["local", "origin"]) -> dict[str, int]:
+        """Per device, the ``source`` (``local`` or ``origin``) detections the rule counts."""
+        found, weather = (
+            (self.local, self.weather_local)
+            if source == "local"
+            else (self.origin, self.weather_origin)
+        )
+        return {device: max(0, n - weather.get(device, 0)) for device, n in found.items()}
 
 
 def skip_storm(ranks: Sequence[StepFacts], t: Thresholds) -> Verdict:
-    """Warning when a rank skipped more than ``skip_storm_ratio`` of its window's steps."""
+    """Warning when a rank skipped more than ``skip_storm_ratio`` of its window's steps for
+    inf/NaN that the fault rule did not call the loss scaler's weather (a watch has none:
+    every skip counts)."""
     say = rule_verdicts("skip_storm", t)
     hits: list[dict[str, Any]] = []
     worst_ratio = 0.0
     for facts in ranks:
-        steps, skipped = facts.steps, facts.skipped
+        steps = facts.steps
         if steps < t.skip_storm_min_steps:
             continue
+        skipped = max(0, facts.skipped - facts.weather)
         ratio = skipped / steps
         worst_ratio = max(worst_ratio, ratio)
         if ratio > t.skip_storm_ratio:
@@ -54,7 +80,8 @@ def skip_storm(ranks: Sequence[StepFacts], t: Thresholds) -> Verdict:
     return say(
         "warning",
         f"{worst['skipped']} of rank {worst['rank']}'s last {worst['steps']} steps "
-        f"were skipped ({worst['ratio']:.0%}) on {len(hits)} rank(s)",
+        f"were skipped ({worst['ratio']:.0%}) on {len(hits)} rank(s), not counting the "
+        "loss scaler's weather",
         affected(hits),
     )
 
@@ -63,12 +90,14 @@ def inf_hotspot(ranks: Sequence[InfFacts], t: Thresholds) -> Verdict:
     """Warning when one rank/device holds ``hotspot_share`` of the window's detections.
 
     Counts origin detections (pre-reduction gradients) when any rank tracks origin in
-    the window, else local found-inf. Needs at least two rank/device series: a single
-    device is trivially 100% of its own detections.
+    the window, else local found-inf; either without those on iterations the fault rule
+    called the loss scaler's weather (a warm-up's or a growth probe's overflow lands on the
+    device with the largest gradients, a healthy one). Needs at least two rank/device
+    series: a single device is trivially 100% of its own detections.
     """
     say = rule_verdicts("inf_hotspot", t)
-    origin = [(facts, device, n) for facts in ranks for device, n in facts.origin.items()]
-    local = [(facts, device, n) for facts in ranks for device, n in facts.local.items()]
+    origin = [(f, device, n) for f in ranks for device, n in f.counted("origin").items()]
+    local = [(f, device, n) for f in ranks for device, n in f.counted("local").items()]
     source, series = ("origin", origin) if sum(n for *_, n in origin) > 0 else ("local", local)
     total = sum(n for *_, n in series)
     evidence: dict[str, Any] = {"source": source, "detections": total, "series": len(series)}

@@ -86,6 +86,10 @@ def _counted(selector: str) -> str:
     return f"({present} or {first} or {back} or ({selector} - {last}) > 0)"
 
 
+RANK_ON = "run, node, rank, local_rank"
+"""The rank labels, for ``on (...)`` matching."""
+
+
 def _rate(selector: str) -> str:
     return f"rate({selector}[$__rate_interval])"
 
@@ -318,16 +322,23 @@ def loss_scale() -> list[Panel]:
 
 
 def skipped_steps() -> list[Panel]:
-    """Skipped and all steps per second; the skipped ratio against the skip storm line."""
+    """Skipped and all steps per second, the loss scaler's weather among them; the skipped
+    ratio without the weather against the skip storm line."""
     skipped = _rate(per_rank("ampscope_skipped_steps_total"))
+    weather_family = per_rank("ampscope_weather_skipped_steps_total")
+    weather = _rate(weather_family)
     steps = _rate(per_rank("ampscope_steps_total"))
+    # As the alert counts: without the weather; every skip of a reporter without the count.
+    counted = f"({skipped} - {weather} or ({skipped} unless on ({RANK_ON}) {weather_family}))"
     return [
         series(
             7,
             "Skipped steps per second",
-            "Iterations whose optimizer step was skipped for inf/NaN gradients, and all "
-            "iterations.",
+            "Iterations whose optimizer step was skipped for inf/NaN gradients, those the "
+            "fault rule called the loss scaler's weather (warm-up, growth probes, its edge), "
+            "and all iterations.",
             Query(skipped, f"skipped {RANK_LEGEND}"),
+            Query(weather, f"weather {RANK_LEGEND}"),
             Query(steps, f"all {RANK_LEGEND}"),
             unit="ops",
             min_value=0,
@@ -335,9 +346,10 @@ def skipped_steps() -> list[Panel]:
         series(
             8,
             "Skipped step ratio",
-            "Fraction of iterations skipped. Above 25% over 5 minutes is a skip storm (alert "
+            "Fraction of iterations skipped for inf/NaN the fault rule did not call the loss "
+            "scaler's weather. Above 25% over 5 minutes is a skip storm (alert "
             "AmpscopeSkipStorm).",
-            Query(f"{skipped} / {steps}", RANK_LEGEND),
+            Query(f"{counted} / {steps}", RANK_LEGEND),
             unit="percentunit",
             min_value=0,
             red_at=0.25,
@@ -383,13 +395,25 @@ def overflow_origins() -> list[Panel]:
             13,
             "Found-inf totals by rank and device",
             "Cumulative found-inf iterations per rank and device: origin (own gradients, "
-            "before the reduction) and local (shards, after it).",
+            "before the reduction) and local (shards, after it), and of each the part on "
+            "iterations the fault rule called the loss scaler's weather (AmpscopeInfHotspot "
+            "leaves it out).",
             Query(
                 per_rank("ampscope_found_inf_origin_total"),
                 f"origin {device_legend}",
                 instant=True,
             ),
             Query(per_rank("ampscope_found_inf_total"), f"local {device_legend}", instant=True),
+            Query(
+                per_rank("ampscope_weather_found_inf_origin_total"),
+                f"weather origin {device_legend}",
+                instant=True,
+            ),
+            Query(
+                per_rank("ampscope_weather_found_inf_total"),
+                f"weather local {device_legend}",
+                instant=True,
+            ),
         ),
     ]
 

@@ -32,10 +32,11 @@ def test_outliers_only_on_the_chosen_rank_and_period() -> None:
     hits = [
         (rank, step)
         for rank in range(4)
-        for step in range(1, 21)
+        for step in range(1, 61)
         if hotspot.outliers_at(step, rank, 4)
     ]
-    assert hits == [(3, 5), (3, 10), (3, 15), (3, 20)]  # -1: the last rank
+    # -1: the last rank; its six outlier batches, then none.
+    assert hits == [(3, 5), (3, 10), (3, 15), (3, 20), (3, 25), (3, 30)]
     assert not SCENARIOS["overflow"].outliers_at(5, 1, 2)
 
 

@@ -18,6 +18,7 @@ from ampscope.reporter.schema import (
     Setup,
     StepRecord,
     StepStats,
+    WeatherTotals,
 )
 
 T0 = 1_700_000_000.0
@@ -49,6 +50,7 @@ def totals(
     aligned: tuple[int, float] | None = None,
     applied: int = 0,
     first_applied: tuple[int, bool | None] | None = None,
+    weather: WeatherTotals | None = None,
 ) -> RankTotals:
     return RankTotals(
         steps=steps,
@@ -65,6 +67,7 @@ def totals(
         first_nonfinite_applied=None
         if first_applied is None
         else NonfiniteApplied(step=first_applied[0], origin=first_applied[1]),
+        weather=weather,
     )
 
 

@@ -6,7 +6,8 @@ One launch runs the scenarios in sequence, each its own run on the same two devi
   tracking and a rerun closure that does not restore the RNG, from ``init_scale`` 2**40
   with a short growth interval: real fp16 overflows of the warm-up, the scaler probing
   upward and at its edge. No fault, no rerun, no suspect batch, no device offence, no
-  verdict (``scale_collapse`` included: 2**40 settling far lower is no collapse);
+  verdict (``scale_collapse`` included: 2**40 settling far lower is no collapse; nor
+  ``skip_storm`` or ``inf_hotspot``: every skip and detection was weather);
 - ``corrupt``: an fp32 model that never overflows by itself, with a rerun closure; rank 1's
   own gradients turn inf once, at a scale that trained cleanly (``overflow_at_clean_scale``):
   rerun, not reproduced, a ``transient`` fault of rank 1, its device's offence alone;
@@ -220,6 +221,12 @@ def _samples(url: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
     }
 
 
+def _of_run(
+    samples: dict[tuple[tuple[str, str], ...], float], run: str
+) -> dict[tuple[tuple[str, str], ...], float]:
+    return {labels: value for labels, value in samples.items() if ("run", run) in labels}
+
+
 def _offences(url: str, run: str) -> dict[tuple[str, str], float]:
     return {
         (dict(labels)["device"], dict(labels)["kind"]): value
@@ -259,8 +266,16 @@ def test_a_healthy_fp16_run_with_backoffs_is_weather(
     assert _offences(url, run) == {}
     assert _faults(url, run) == {}
     assert get_json(f"{url}/api/v1/runs/{run}/suspect-batches") == []
+    # Every skip of the run was weather, and the exporter says so: the skip and hotspot rules
+    # count none of them (a warm-up from 2**40 skips 25 of its first steps).
+    skipped = _of_run(_samples(url, "ampscope_skipped_steps_total"), run)
+    weather = _of_run(_samples(url, "ampscope_weather_skipped_steps_total"), run)
+    assert len(weather) == RANKS
+    assert weather == skipped
     verdicts = _verdicts(url, run)
     assert verdicts["scale_collapse"] == "ok"
+    assert verdicts["skip_storm"] == "ok"
+    assert verdicts["inf_hotspot"] == "ok"
     assert verdicts["transient_fault"] == "ok"
     assert verdicts["reproducible_fault"] == "ok"
 

@@ -29,9 +29,58 @@ def test_skip_storm_needs_enough_steps_and_a_ratio_above_the_threshold() -> None
         "ranks_affected": 1,
         "ranks": [{"rank": 6, "node": "n2", "steps": 40, "skipped": 12, "ratio": 0.3}],
     }
-    assert verdict.summary == "12 of rank 6's last 40 steps were skipped (30%) on 1 rank(s)"
+    assert verdict.summary == (
+        "12 of rank 6's last 40 steps were skipped (30%) on 1 rank(s), not counting the loss "
+        "scaler's weather"
+    )
     calm = skip_storm(ranks[:2], t)
     assert (calm.status, calm.evidence) == ("ok", {"worst_ratio": 0.25})
+
+
+def test_skip_storm_leaves_out_the_scalers_weather_and_counts_the_rest() -> None:
+    t = Thresholds()
+    # An fp16 warm-up from 2**16 with slow steps: 3 of the window's 10 steps were backoffs,
+    # all weather. Silent, however many: a short growth_interval's probes are weather too.
+    warmup = StepFacts(rank=0, node="n0", steps=10, skipped=3, weather=3)
+    probes = StepFacts(rank=1, node="n0", steps=40, skipped=20, weather=20)
+    calm = skip_storm([warmup, probes], t)
+    assert (calm.status, calm.evidence) == ("ok", {"worst_ratio": 0.0})
+    # Beyond its weather, 3 of 10 steps skipped for inf/NaN the rule calls faults: a storm.
+    storm = StepFacts(rank=2, node="n1", steps=10, skipped=6, weather=3)
+    verdict = skip_storm([warmup, probes, storm], t)
+    assert verdict.status == "warning"
+    assert verdict.evidence["ranks"] == [
+        {"rank": 2, "node": "n1", "steps": 10, "skipped": 3, "ratio": 0.3}
+    ]
+    # A watch has no weather (no scale): every skip counts; so do the skips of a reporter
+    # that predates the weather count (weather 0), as before it.
+    watch = StepFacts(rank=3, node="n1", steps=10, skipped=3)
+    assert skip_storm([watch], t).evidence["ranks"][0]["skipped"] == 3
+
+
+def test_inf_hotspot_leaves_out_the_scalers_weather_and_counts_the_rest() -> None:
+    t = Thresholds()
+    # One rank whose model spans two GPUs: every warm-up backoff overflowed on cuda:1 (the
+    # head's large gradients), the first on cuda:0 too. All weather: no hotspot.
+    devices = {"cuda:0": 1, "cuda:1": 6}
+    split = InfFacts(rank=0, node="n0", local=devices, origin={}, weather_local=devices)
+    calm = inf_hotspot([split], t)
+    assert (calm.status, calm.evidence["detections"]) == ("ok", 0)
+    # The same with origin tracking: the origin counts leave the weather out as well.
+    tracked = InfFacts(
+        rank=0, node="n0", local=devices, origin=devices, weather_local=devices,
+        weather_origin=devices,
+    )  # fmt: skip
+    assert inf_hotspot([tracked], t).status == "ok"
+    # After the warm-up cuda:1 made 6 more the rule calls faults: those count.
+    faults = {"cuda:0": 1, "cuda:1": 12}
+    hot = InfFacts(rank=0, node="n0", local=faults, origin={}, weather_local=devices)
+    verdict = inf_hotspot([hot], t)
+    assert verdict.status == "warning"
+    assert verdict.summary == "rank 0 device cuda:1 holds 100% of 6 local found-inf detections"
+    # A reporter that predates the weather count (no weather facts) counts every detection.
+    old = inf_hotspot([InfFacts(rank=0, node="n0", local=devices, origin={})], t)
+    assert old.summary == "rank 0 device cuda:1 holds 86% of 7 local found-inf detections"
 
 
 def test_inf_hotspot_over_window_facts_names_the_rank_and_its_node() -> None:

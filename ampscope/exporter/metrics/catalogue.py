@@ -187,6 +187,30 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "device",
     ),
     _rank(
+        "ampscope_weather_skipped_steps_total",
+        "counter",
+        "The part of ampscope_skipped_steps_total that the fault rule called the loss "
+        "scaler's weather (warm-up, growth probes, its edge: skipping and backing off is the "
+        "scaler's job); the skip-storm rules count the rest. 0 for a watch. Absent for ranks "
+        "whose reporter predates it (docs/scalers.md).",
+    ),
+    _rank(
+        "ampscope_weather_found_inf_total",
+        "counter",
+        "The part of ampscope_found_inf_total on iterations the fault rule called the loss "
+        "scaler's weather; the hotspot rules count the rest. One series per device of "
+        "ampscope_found_inf_total; absent for ranks whose reporter predates it.",
+        "device",
+    ),
+    _rank(
+        "ampscope_weather_found_inf_origin_total",
+        "counter",
+        "The part of ampscope_found_inf_origin_total on iterations the fault rule called the "
+        "loss scaler's weather. One series per device of ampscope_found_inf_origin_total; "
+        "absent for ranks whose reporter predates it.",
+        "device",
+    ),
+    _rank(
         "ampscope_nonfinite_grads_total",
         "counter",
         "Non-finite gradient elements seen in a parameter's local shard (top K per rank).",

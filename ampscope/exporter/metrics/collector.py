@@ -252,6 +252,20 @@ class StoreCollector(Collector):
             rows.append(("ampscope_found_inf_total", [*labels, device], float(count)))
         for device, count in totals.found_inf_origin.items():
             rows.append(("ampscope_found_inf_origin_total", [*labels, device], float(count)))
+        if (weather := totals.weather) is not None:
+            # Every device of the full counters, 0 or not: PromQL subtracts one from the
+            # other label set for label set.
+            rows.append(
+                ("ampscope_weather_skipped_steps_total", labels, float(weather.skipped_steps))
+            )
+            for device in totals.found_inf_local:
+                count = weather.found_inf_local.get(device, 0)
+                rows.append(("ampscope_weather_found_inf_total", [*labels, device], float(count)))
+            for device in totals.found_inf_origin:
+                count = weather.found_inf_origin.get(device, 0)
+                rows.append(
+                    ("ampscope_weather_found_inf_origin_total", [*labels, device], float(count))
+                )
         for param in totals.nonfinite_params:
             rows.append(
                 ("ampscope_nonfinite_grads_total", [*labels, param.name], float(param.count))

@@ -65,6 +65,7 @@ from ampscope.reporter.schema import (
     RankFailure,
     RankTotals,
     StepRecord,
+    WeatherTotals,
 )
 from ampscope.reporter.spike_rule import SpikeRule
 from ampscope.verdicts.fp8 import Fp8Rule
@@ -77,6 +78,9 @@ report time, up, steps, skipped, non-finite updates applied, reporter drops, and
 ``RankState.series``)."""
 SCALER_SERIES = 4
 """A scaler rank's scale, growth tracker, backoffs and growths (a watch has no scale)."""
+WEATHER_SERIES = 1
+"""``ampscope_weather_skipped_steps_total`` of a rank whose reporter counts weather (its
+per-device weather series add one per found-inf device)."""
 ALIGNED_SERIES = 3
 """A scaler's aligned scale, its step and both packed, once it has reached its first
 aligned step."""
@@ -171,11 +175,18 @@ class WindowCounts(NamedTuple):
     found_inf_local: Mapping[str, int]
     found_inf_origin: Mapping[str, int]
     """Shared with the record's totals, not copied: nothing mutates them."""
+    weather: WeatherTotals | None = None
+    """What of them the fault rule called the scaler's weather (``RankTotals.weather``);
+    ``None`` from a reporter that predates it."""
 
     @classmethod
     def of(cls, totals: RankTotals) -> WindowCounts:
         return cls(
-            totals.steps, totals.skipped_steps, totals.found_inf_local, totals.found_inf_origin
+            totals.steps,
+            totals.skipped_steps,
+            totals.found_inf_local,
+            totals.found_inf_origin,
+            totals.weather,
         )
 
 
@@ -296,6 +307,11 @@ def series_of(record: StepRecord) -> int:
         + len(totals.found_inf_origin)
         + len(totals.nonfinite_params)
         + (0 if totals.faults is None else len(FAULT_KINDS))
+        + (
+            0
+            if totals.weather is None
+            else WEATHER_SERIES + len(totals.found_inf_local) + len(totals.found_inf_origin)
+        )
         + (1 if scaler and totals.clean_scale is not None else 0)
         + (
             0
@@ -312,6 +328,18 @@ def _map_fell(new: Mapping[str, int], old: Mapping[str, int]) -> bool:
     return new != old and any(new.get(key, 0) < count for key, count in old.items())
 
 
+def _weather_fell(new: WeatherTotals | None, old: WeatherTotals | None) -> bool:
+    # A reporter that stops sending the field (a downgrade) lost the counters too.
+    if old is None or new is old:
+        return False
+    return (
+        new is None
+        or new.skipped_steps < old.skipped_steps
+        or _map_fell(new.found_inf_local, old.found_inf_local)
+        or _map_fell(new.found_inf_origin, old.found_inf_origin)
+    )
+
+
 def counters_fell(new: RankTotals, old: RankTotals) -> bool:
     """Whether any counter the exporter exposes is lower in ``new`` than in ``old``.
 
@@ -326,6 +354,7 @@ def counters_fell(new: RankTotals, old: RankTotals) -> bool:
         or new.nonfinite_applied < old.nonfinite_applied
         or _map_fell(new.found_inf_local, old.found_inf_local)
         or _map_fell(new.found_inf_origin, old.found_inf_origin)
+        or _weather_fell(new.weather, old.weather)
     ):
         return True
     old_params = {p.name: p.count for p in old.nonfinite_params}

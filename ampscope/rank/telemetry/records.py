@@ -45,6 +45,7 @@ from ampscope.reporter.schema import (
     Setup,
     StepRecord,
     StepStats,
+    WeatherTotals,
 )
 from ampscope.reporter.spike_rule import SpikeRule
 
@@ -158,6 +159,7 @@ class RecordBuilder:
             event,
             skipped,
             applied,
+            local,
             origin,
             call,
             local_counts,
@@ -289,6 +291,7 @@ class RecordBuilder:
         event: ScaleEvent,
         skipped: bool,
         applied: bool,
+        local: dict[str, bool],
         origin: dict[str, bool],
         call: Call | None,
         local_counts: dict[str, int],
@@ -300,8 +303,11 @@ class RecordBuilder:
         every field of :class:`RunningTotals` in its order (:meth:`RunningTotals.take`).
 
         Args:
-            origin: The step's origin flags (the first applied step's ``origin``).
-            call: The fault rule's call on the step (a fault of its own counts).
+            local: The step's local found-inf flags (a weather step's count as weather).
+            origin: The step's origin flags (the first applied step's ``origin``; a
+                weather step's count as weather).
+            call: The fault rule's call on the step (a fault of its own counts; weather
+                counts apart).
             local_counts: The found-inf counts per local device, with this step.
             origin_counts: The counts per origin device, with this step.
             nonfinite: The counts per parameter, with this step; the totals name the
@@ -331,6 +337,17 @@ class RecordBuilder:
         faults = totals.faults
         if call is not None and call.cls == "fault" and call.own:
             faults = {**faults, call.kind: faults.get(call.kind, 0) + 1}
+        weather = totals.weather
+        if call is not None and call.cls == "weather":
+            weather = build_model(
+                WeatherTotals,
+                validate,
+                {
+                    "skipped_steps": weather.skipped_steps + int(skipped),
+                    "found_inf_local": add_flags(weather.found_inf_local, local),
+                    "found_inf_origin": add_flags(weather.found_inf_origin, origin),
+                },
+            )
         steps = totals.steps + 1
         skipped_steps = totals.skipped_steps + int(skipped)
         backoffs = totals.backoffs + int(event == "backoff")
@@ -356,6 +373,7 @@ class RecordBuilder:
             "first_nonfinite_applied": first_applied,
             "faults": faults,
             "clean_scale": None if watch else self.faults.clean_scale,
+            "weather": weather,
         }
         # The same values again, as a tuple: taking them from the dict would cost a
         # lookup each.
@@ -374,6 +392,7 @@ class RecordBuilder:
             applied_steps,
             first_applied,
             faults,
+            weather,
             top,
         )
         return carried, moved

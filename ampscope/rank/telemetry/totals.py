@@ -13,7 +13,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ampscope.reporter.schema import AlignedScale, NonfiniteApplied, NonfiniteParam
+from ampscope.reporter.schema import (
+    AlignedScale,
+    NonfiniteApplied,
+    NonfiniteParam,
+    WeatherTotals,
+)
+
+NO_WEATHER = WeatherTotals(skipped_steps=0, found_inf_local={}, found_inf_origin={})
+"""A rank's weather before its first weather iteration."""
 
 
 @dataclass
@@ -38,6 +46,9 @@ class RunningTotals:
     first_nonfinite_applied: NonfiniteApplied | None = None
     faults: dict[str, int] = field(default_factory=dict)
     """The rank's own faults by kind (the fault rule's ``faults``)."""
+    weather: WeatherTotals = field(default_factory=lambda: NO_WEATHER)
+    """What of the counters the fault rule called the scaler's weather; replaced, never
+    changed, on a weather iteration only (rare after the warm-up)."""
     top: list[NonfiniteParam] = field(default_factory=list, repr=False)
     """The ``k`` most counted of ``nonfinite``, as the newest record names them: the next
     record shares the list while no count moved."""
@@ -60,6 +71,7 @@ class RunningTotals:
             self.nonfinite_applied,
             self.first_nonfinite_applied,
             self.faults,
+            self.weather,
             self.top,
         ) = moved
 

@@ -5,7 +5,9 @@ Builds the same answer as one exporter's ``--json`` (``ranks`` and ``health`` of
 every run's), with ``null`` where Prometheus does not hold a value (a rank's step time,
 last event, restarts, FP8 series: its gauges hold only ``fp8_max_layers`` layers a rank),
 and computes the verdicts by the exporter's own rule implementations (``ampscope.verdicts``)
-from instant vectors and ``max_over_time`` / ``increase`` over each rule's window;
+from instant vectors and ``max_over_time`` / ``increase`` over each rule's window
+(``skip_storm`` and ``inf_hotspot`` without the skips and detections the fault rule called the
+loss scaler's weather, as the recording rules count them: ``counted_query``);
 ``scale_desync`` compares the ranks' aligned scales at the same aligned step, both read
 from one sample (``ampscope_loss_scale_aligned_packed``; the two separate series from
 exporters that predate it), as the alert rule does; ``rank_failed`` names the failed ranks from
@@ -173,6 +175,23 @@ def peak_query(sel: str, window_s: float) -> str:
     )
 
 
+WEATHER_MARK = "ampscope_weather_skipped_steps_total"
+"""The family whose presence says a rank's reporter counts the loss scaler's weather."""
+
+
+def counted_query(family: str, weather: str, sel: str, window_s: float) -> str:
+    """``increase`` of ``family`` within the window without its part on iterations the fault
+    rule called the loss scaler's weather (``weather``, the family of that part), as the
+    recording rules count ``skip_storm`` and ``inf_hotspot``; a rank whose reporter predates
+    the weather count (no ``WEATHER_MARK``) counts all of it, as before."""
+    w = f"[{window_s:g}s]"
+    ranks = "run, node, rank, local_rank"
+    return (
+        f"(increase({family}{{{sel}}}{w}) - increase({weather}{{{sel}}}{w}) or "
+        f"(increase({family}{{{sel}}}{w}) unless on ({ranks}) {WEATHER_MARK}{{{sel}}}))"
+    )
+
+
 def steps_query(sel: str, window_s: float) -> str:
     """The steps ``skip_storm`` divides by, sent in the second round for the ranks the first
     found skipping within its window only (``sel`` narrowed to them): a rank that skipped
@@ -190,15 +209,26 @@ def queries(run: str | None, t: Thresholds) -> dict[str, str]:
     sel = _selector(run)
     names = "|".join(GAUGES)
     joined = f",{sel}" if sel else ""
-    skipped = f"increase(ampscope_skipped_steps_total{{{sel}}}[{t.skip_storm_window_s:g}s])"
+    skipped = counted_query(
+        "ampscope_skipped_steps_total", WEATHER_MARK, sel, t.skip_storm_window_s
+    )
     return {
         "now": f'{{__name__=~"{names}"{joined}}}',
         "state": state_query(sel),
         "peak": peak_query(sel, t.collapse_window_s),
         "skipped": f"{skipped} > 0",
-        "inf_local": f"increase(ampscope_found_inf_total{{{sel}}}[{t.hotspot_window_s:g}s])",
-        "inf_origin": f"increase(ampscope_found_inf_origin_total{{{sel}}}"
-        f"[{t.hotspot_window_s:g}s])",
+        "inf_local": counted_query(
+            "ampscope_found_inf_total",
+            "ampscope_weather_found_inf_total",
+            sel,
+            t.hotspot_window_s,
+        ),
+        "inf_origin": counted_query(
+            "ampscope_found_inf_origin_total",
+            "ampscope_weather_found_inf_origin_total",
+            sel,
+            t.hotspot_window_s,
+        ),
         "spikes": f"increase(ampscope_spikes_total{{{sel}}}[{t.spike_verdict_window_s:g}s]) > 0",
         "skipped_nonfinite": f"increase(ampscope_skipped_steps_total{{{sel}}}"
         f"[{t.nonfinite_skipped_window_s:g}s]) > 0",

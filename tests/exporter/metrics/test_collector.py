@@ -15,7 +15,7 @@ from ampscope.exporter.metrics.catalogue import (
     RANK_LABELS,
     SCALER_ONLY,
 )
-from ampscope.reporter.schema import ReplicaCheckResult, Rerun, RerunPass
+from ampscope.reporter.schema import ReplicaCheckResult, Rerun, RerunPass, WeatherTotals
 from ampscope.verdicts.aligned import unpack
 from ampscope.verdicts.thresholds import Thresholds
 from exporter.conftest import MakeClient
@@ -63,7 +63,12 @@ def _rich_totals(steps: int, aligned: tuple[int, float] | None = None) -> object
         origin={"cuda:0": 1},
         params={"layers.0.attn.wo.weight": 4096, "blocks.0.ff[1].w{a=b,c}": 7},
         aligned=aligned,
+        weather=WEATHER,
     )
+
+
+WEATHER = WeatherTotals(skipped_steps=2, found_inf_local={"cuda:0": 2}, found_inf_origin={})
+"""Two of ``_rich_totals``' three skips were the scaler's warm-up, both on cuda:0."""
 
 
 def test_values_match_the_newest_record(make_client: MakeClient) -> None:
@@ -98,7 +103,9 @@ def test_values_match_the_newest_record(make_client: MakeClient) -> None:
     assert got[("ampscope_nonfinite_updates_applied_total", me)] == 0
     assert got[("ampscope_exporter_tracked_runs", frozenset())] == 1
     assert got[("ampscope_exporter_tracked_ranks", frozenset())] == 1
-    assert got[("ampscope_exporter_tracked_series", frozenset())] == 17 + 3 + 2 + 1 + 2
+    # ... and the weather part: its skips, and one per device of each found-inf counter.
+    weather = 1 + 2 + 1
+    assert got[("ampscope_exporter_tracked_series", frozenset())] == 17 + 3 + 2 + 1 + 2 + weather
     assert got[("ampscope_exporter_ingest_records_total", frozenset())] == 3
 
 
@@ -215,6 +222,26 @@ def test_loss_norms_and_spike_counts(make_client: MakeClient) -> None:
     assert got[("ampscope_spikes_total", _labels(0, kind="grad_norm"))] == 1
     per_rank = [labels for name, labels in got if {n for n, _ in labels} >= set(RANK_LABELS)]
     assert got[("ampscope_exporter_tracked_series", frozenset())] == len(per_rank)
+
+
+def test_the_weather_part_is_exposed_for_every_device_of_its_counter(
+    make_client: MakeClient,
+) -> None:
+    """The weather families repeat their full counters' label sets, 0 where no weather, so
+    PromQL subtracts one from the other series by series; a reporter that predates the
+    weather count exposes none (the rules then count everything)."""
+    client, _ = make_client()
+    _post(client, record(12, total=_rich_totals(12)))
+    _post(client, record(12, rank=1, total=totals(12, skipped=3, origin={"cuda:0": 1})))
+    got = _samples(client)
+    assert got[("ampscope_weather_skipped_steps_total", _labels())] == 2
+    local = "ampscope_weather_found_inf_total"
+    assert got[(local, _labels(device="cuda:0"))] == 2
+    assert got[(local, _labels(device="cuda:1"))] == 0
+    assert got[("ampscope_weather_found_inf_origin_total", _labels(device="cuda:0"))] == 0
+    old = {name for name, labels in got if labels >= _labels(1)}
+    assert "ampscope_skipped_steps_total" in old
+    assert not {name for name in old if name.startswith("ampscope_weather_")}
 
 
 def test_every_catalogue_family_is_exposed_as_specified(client: TestClient) -> None:

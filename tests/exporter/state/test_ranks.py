@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ampscope.exporter.state.ranks import RankState, SkipEvent, series_of
-from ampscope.reporter.schema import StepRecord
+from ampscope.reporter.schema import StepRecord, WeatherTotals
 from exporter.factory import T0, record, steps, totals, watch
 
 
@@ -84,6 +84,23 @@ def test_higher_step_with_fallen_counters_is_a_restart() -> None:
     assert state.restarts == 1
     assert [r.step for r in state.history] == [20]
     assert state.first_step == 20
+
+
+def test_a_fallen_weather_count_is_a_restart() -> None:
+    # The full counters held (the warm-up of a new process repeated the old one's skips),
+    # but the weather part fell: a process that counted afresh.
+    def warm(weather: int) -> WeatherTotals:
+        return WeatherTotals(
+            skipped_steps=weather, found_inf_local={"cuda:0": weather}, found_inf_origin={}
+        )
+
+    state = _state()
+    state.apply_batch([record(10, total=totals(10, skipped=6, weather=warm(6)))], 0, 10.0)
+    state.apply_batch([record(11, total=totals(11, skipped=6, weather=warm(6)))], 0, 11.0)
+    assert state.restarts == 0
+    later = record(20, time=T0 + 100, total=totals(20, skipped=6, weather=warm(3)))
+    state.apply_batch([later], 0, now=12.0)
+    assert state.restarts == 1
 
 
 def test_history_is_bounded_and_stays_sorted() -> None:

@@ -131,6 +131,7 @@ def test_clean_backoff_and_named_nan_steps_are_the_records_written_out_by_hand()
             "first_nonfinite_applied": None,
             "faults": {},
             "clean_scale": None,
+            "weather": {"skipped_steps": 0, "found_inf_local": {}, "found_inf_origin": {}},
         },
         setup={"mode": "scaler", "policy": "skip", "grad_dtype": "float16"},
         nonfinite=None,
@@ -186,6 +187,8 @@ def test_clean_backoff_and_named_nan_steps_are_the_records_written_out_by_hand()
             "first_nonfinite_applied": None,
             "faults": {},
             "clean_scale": None,
+            # The warm-up backoff is weather: its skip and detection are counted apart.
+            "weather": {"skipped_steps": 1, "found_inf_local": {"cpu": 1}, "found_inf_origin": {}},
         },
         setup={"mode": "scaler", "policy": "skip", "grad_dtype": "float16"},
         # No clean scale yet: the scaler is still warming up, its overflow is weather.
@@ -244,6 +247,8 @@ def test_a_watch_step_applied_on_named_nan_gradients_is_a_fault_written_out_by_h
             "first_nonfinite_applied": {"step": 2, "origin": None},
             "faults": {"nonfinite_gradients": 1},
             "clean_scale": None,
+            # A watch has no weather: its fault counts.
+            "weather": {"skipped_steps": 0, "found_inf_local": {}, "found_inf_origin": {}},
         },
         setup={"mode": "watch", "policy": "observe", "grad_dtype": "bfloat16"},
         nonfinite={

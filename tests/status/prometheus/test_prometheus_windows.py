@@ -233,6 +233,62 @@ def test_the_windowed_counts_answer_with_the_ranks_that_counted_on_promtool(
     promtool_test_queries(tmp_path / "standouts-status-test.yml", series, exprs)
 
 
+def test_storm_and_hotspot_counts_leave_out_the_scalers_weather_on_promtool(
+    tmp_path: Path,
+) -> None:
+    """On Prometheus' own engine, ``skip_storm``'s and ``inf_hotspot``'s windowed counts leave
+    out what the fault rule called the loss scaler's weather: rank 0's warm-up backoffs (all
+    weather) count nothing; rank 1's skips after its warm-up count, its warm-up's do not;
+    rank 2, whose reporter predates the weather count, counts every skip, as before."""
+    t = Thresholds()
+    asked = prometheus.queries(RUN, t)
+    series: list[dict[str, Any]] = []
+    warmup = "0 1 2 3 4 5x56"
+    counts = {
+        # rank: (skips and local detections, their weather part; None: an old reporter)
+        0: (warmup, warmup),
+        1: ("0 1 2 3 4 5x28 6+1x27", warmup),
+        2: (warmup, None),
+    }
+    for rank, (skipped, weather) in counts.items():
+        cpu = _labels(rank, device="cpu")
+        series += [
+            {"series": f"ampscope_steps_total{{{_labels(rank)}}}", "values": "0+1x60"},
+            {"series": f"ampscope_skipped_steps_total{{{_labels(rank)}}}", "values": skipped},
+            {"series": f"ampscope_found_inf_total{{{cpu}}}", "values": skipped},
+        ]
+        if weather is not None:
+            series += [
+                {
+                    "series": f"ampscope_weather_skipped_steps_total{{{_labels(rank)}}}",
+                    "values": weather,
+                },
+                {"series": f"ampscope_weather_found_inf_total{{{cpu}}}", "values": weather},
+            ]
+
+    def at(name: str, when: str, samples: list[tuple[str, float]]) -> dict[str, Any]:
+        expected = [{"labels": f"{{{labels}}}", "value": v} for labels, v in samples]
+        return {"expr": f"round({asked[name]})", "eval_time": when, "exp_samples": expected}
+
+    exprs = [
+        # Within the warm-up's window: only the old reporter's rank 2 counts its backoffs.
+        at("skipped", "2m", [(_labels(2), 5)]),
+        at(
+            "inf_local",
+            "2m",
+            [(_labels(r, device="cpu"), n) for r, n in ((0, 0), (1, 0), (2, 5))],
+        ),
+        # Rank 1's faults of the windows count (20 of 300 s, 27 of 600 s); the warm-ups left them.
+        at("skipped", "15m", [(_labels(1), 20)]),
+        at(
+            "inf_local",
+            "15m",
+            [(_labels(r, device="cpu"), n) for r, n in ((0, 0), (1, 27), (2, 0))],
+        ),
+    ]
+    promtool_test_queries(tmp_path / "weather-status-test.yml", series, exprs)
+
+
 class _Answers:
     """A ``PrometheusClient`` that answers each query by its name in ``queries`` (the first
     round's) or by a second-round builder's PromQL, and records what it was asked."""
