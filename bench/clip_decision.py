@@ -33,7 +33,7 @@ from ampscope.integrations.olmo_core import _keeping_call
 
 
 def _params(count: int) -> list[torch.Tensor]:
-    params = []
+    params: list[torch.Tensor] = []
     for _ in range(count):
         param = torch.nn.Parameter(torch.zeros(4))
         param.grad = torch.ones(4)
