@@ -21,8 +21,6 @@ default 291: OLMo-2 7B's parameter tensors), a rough figure on a shared host.
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import time
 from typing import Any
 
@@ -47,14 +45,6 @@ def _step(model: Any, layouts: _clip_repeat.Layouts, listed: Any, read_grads: bo
     assert _clip_repeat.with_grads(call) is not None
 
 
-def _instrument(on: bool) -> None:
-    subprocess.run(
-        ["callgrind_control", "-i", "on" if on else "off", str(os.getpid())],
-        check=True,
-        capture_output=True,
-    )
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("mode", nargs="?", choices=("read-twice", "read-once"))
@@ -71,10 +61,12 @@ def main() -> None:
         for _ in range(20):  # warm-up: first sight learns the layout
             _step(model, layouts, listed, read_grads)
         if args.mode:
-            _instrument(True)
+            from bench.step_instructions import instrument
+
+            instrument(True)
             for _ in range(args.steps):
                 _step(model, layouts, listed, read_grads)
-            _instrument(False)
+            instrument(False)
             continue
         best = float("inf")
         for _ in range(7):
