@@ -270,9 +270,13 @@ class SimulatedRank:
             "ampscope_fp8_underflow_ratio": [],
             "ampscope_fp8_scale": [],
             "ampscope_fp8_nonfinite_amax_total": [],
-            # A simulated rank's reporter predates the fault rule and the replica check.
+            # A simulated rank's reporter predates the fault rule (and its weather count)
+            # and the replica check.
             "ampscope_loss_scale_clean": [],
             "ampscope_faults_total": [],
+            "ampscope_weather_skipped_steps_total": [],
+            "ampscope_weather_found_inf_total": [],
+            "ampscope_weather_found_inf_origin_total": [],
             "ampscope_replica_checks_total": [],
         }
         lines: list[str] = []
