@@ -207,15 +207,13 @@ def test_a_model_converted_to_fp16_after_its_first_steps_is_refused_like_torch()
     for scaler in (torch.amp.GradScaler("cpu"), ampscope.GradScaler("cpu", reporter=None)):
         model = Net()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        for step in range(2):
-            scaler.scale(model(batch(step))).backward()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad()
+        run(scaler, model, [opt], 2)
         model.half()
         scaler.scale(model(batch(2))).backward()
         with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):
             scaler.unscale_(opt)
+        if isinstance(scaler, ampscope.GradScaler):
+            scaler.close()
 
 
 def test_a_patch_of_torchs_unscale_is_called_as_by_torchs_scaler(
@@ -223,25 +221,21 @@ def test_a_patch_of_torchs_unscale_is_called_as_by_torchs_scaler(
 ) -> None:
     """A patch of ``torch.amp.GradScaler._unscale_grads_``, made before or after the scaler
     was built, runs as it runs under torch's own scaler: the shortcut steps aside."""
-    calls: list[str] = []
+    calls: list[int] = []
     original = torch.amp.GradScaler._unscale_grads_
 
     def patched(self: Any, *args: Any) -> Any:
-        calls.append(type(self).__name__)
+        calls.append(id(self))
         return original(self, *args)
 
     before = ampscope.GradScaler("cpu", reporter=None)
     monkeypatch.setattr(torch.amp.GradScaler, "_unscale_grads_", patched)
     after = ampscope.GradScaler("cpu", reporter=None)
-    for scaler in (before, after, torch.amp.GradScaler("cpu")):
+    stock = torch.amp.GradScaler("cpu")
+    for scaler in (before, after, stock):
         model = Net()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        for step in range(2):
-            scaler.scale(model(batch(step))).backward()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad()
-    assert calls == ["GradScaler"] * 6
+        run(scaler, model, [torch.optim.SGD(model.parameters(), lr=0.1)], 2)
+    assert calls == [id(before)] * 2 + [id(after)] * 2 + [id(stock)] * 2
     before.close()
     after.close()
 
