@@ -14,6 +14,9 @@ millisecond timestamp on every sample, for VictoriaMetrics' ``/api/v1/import/pro
 The job runs in step: every rank skips the same steps (an overflow every
 ``overflow_every`` steps halves the scale, which grows back half-way to the next), some
 ranks report a step or two behind (laggards), and every rank tracks found-inf origins.
+Every second overflow is the loss scaler's weather (a growth probe backing off: the
+``weather`` totals), so the rules' subtraction of the weather is timed too; the other half
+still makes the planted hotspot.
 Every rank reports a noisy loss around 2, the job's gradient norm (one per step, the same
 on every rank: it is all-reduced) and its own unreduced gradient norm (per rank, about twice
 the job's); overflow iterations report none. Five faults are planted (:class:`Faults`): a
@@ -49,6 +52,7 @@ from ampscope.reporter.schema import (
     Setup,
     StepRecord,
     StepStats,
+    WeatherTotals,
 )
 
 BASE_SCALE = 65536.0
@@ -186,6 +190,13 @@ class SimulatedJob:
             return overflows - overflows // 20
         return sum(1 for k in range(20, overflows + 1, 20) if (k * 7919) % self.world_size == rank)
 
+    def _weather_origins(self, rank: int, overflows: int) -> int:
+        """Of :meth:`_origins`, those of even-numbered overflows (the weather): on the
+        hotspot every even one but each 20th, elsewhere all (each 20th is even)."""
+        if rank == self.faults.hotspot:
+            return overflows // 2 - overflows // 20
+        return self._origins(rank, overflows)
+
     def stats(self, rank: int, step: int, *, bad_batch: bool = False) -> StepStats:
         """Rank ``rank``'s loss and gradient norms at ``step`` (none on an overflow step).
         ``bad_batch``: the planted loss spike and origin outlier, flagged by the rank's own
@@ -255,6 +266,11 @@ class SimulatedJob:
                 max_scale=factor * BASE_SCALE,
                 aligned_scale=AlignedScale(
                     step=aligned, scale=factor * _scale_after(aligned, every)
+                ),
+                weather=WeatherTotals(
+                    skipped_steps=overflows // 2,
+                    found_inf_local={device: overflows // 2},
+                    found_inf_origin={device: self._weather_origins(rank, overflows)},
                 ),
             ),
             setup=Setup(mode="scaler", policy="skip", grad_dtype="float16"),

@@ -22,7 +22,12 @@ thread has built every record of the block, so its work lands in the block that 
 Per iteration it reports the CPU time of the training thread (``time.thread_time``) and of
 every other thread of the process together (``time.process_time`` minus the training
 thread's), one intra-op thread, ampscope minus stock as the median over block groups of
-the paired block medians (training thread) or block totals (other threads).
+the paired block medians (training thread) or block totals (other threads). Also the
+training thread's CPU time *after backward* (from the end of ``backward()`` to the end of
+``update()``: unscale, clip, step, update), paired the same way: where the scalers' and the
+watch's own work lies, without the noise of the forward and backward, which the two loops
+run alike (origin tracking's hooks and FP8's casts run inside them, so for those setups
+only the whole iteration counts).
 
 ``--instructions SETUP SIZE NAME`` instead runs one contender's loop for ``--steps``
 iterations with callgrind's counting on around them (see :mod:`bench.step_instructions`)::
@@ -111,6 +116,10 @@ class Contender:
         self.autocast = setup == "fp8"
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         self.steps = 0
+        self.section = 0.0
+        """The last iteration's training-thread CPU seconds from the end of backward to the
+        end of the iteration (unscale, clip, step, update): where the scalers' and the
+        watch's per-iteration work lies, without the forward and backward's noise."""
 
     def iteration(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -119,15 +128,18 @@ class Contender:
         front = self.front
         if front is None:
             loss.backward()
+            begin = time.thread_time()
             self.optimizer.step()
         else:
             front.scale(loss).backward()
+            begin = time.thread_time()
             if self.clip:
                 front.unscale_(self.optimizer)
                 clip = getattr(front, "clip_grad_norm_", torch.nn.utils.clip_grad_norm_)
                 clip(self.model.parameters(), 1.0)
             front.step(self.optimizer)
             front.update()
+        self.section = time.thread_time() - begin
         self.steps += 1
 
     def drain(self) -> None:
@@ -138,18 +150,21 @@ class Contender:
         while self.records.count < self.steps and time.monotonic() < deadline:
             time.sleep(0.0005)
 
-    def block(self, steps: int) -> tuple[list[float], float]:
-        """``steps`` iterations: the training thread's CPU seconds of each, and every other
-        thread's CPU seconds over the block (the telemetry thread drained)."""
+    def block(self, steps: int) -> tuple[list[float], float, list[float]]:
+        """``steps`` iterations: the training thread's CPU seconds of each, every other
+        thread's CPU seconds over the block (the telemetry thread drained), and each
+        iteration's :attr:`section`."""
         own: list[float] = []
+        sections: list[float] = []
         start_all, start_own = time.process_time(), time.thread_time()
         for _ in range(steps):
             begin = time.thread_time()
             self.iteration()
             own.append(time.thread_time() - begin)
+            sections.append(self.section)
         self.drain()
         others = (time.process_time() - start_all) - (time.thread_time() - start_own)
-        return own, others
+        return own, others, sections
 
     def close(self) -> None:
         close = getattr(self.front, "close", None)
@@ -165,16 +180,19 @@ def compare(setup: str, size: int, *, groups: int, steps: int) -> dict[str, Any]
             contender.block(steps)
         training: list[float] = []
         others: list[float] = []
-        base = {"training": [], "others": []}  # type: dict[str, list[float]]
+        section: list[float] = []
+        base = {"training": [], "others": [], "section": []}  # type: dict[str, list[float]]
         for group in range(groups):
-            per: dict[str, tuple[float, float]] = {}
+            per: dict[str, tuple[float, float, float]] = {}
             for name in interleaved_order(group, list(contenders)):
-                own, rest = contenders[name].block(steps)
-                per[name] = (statistics.median(own), rest / steps)
+                own, rest, sections = contenders[name].block(steps)
+                per[name] = (statistics.median(own), rest / steps, statistics.median(sections))
             training.append(per["ampscope"][0] - per["stock"][0])
             others.append(per["ampscope"][1] - per["stock"][1])
+            section.append(per["ampscope"][2] - per["stock"][2])
             base["training"].append(per["stock"][0])
             base["others"].append(per["stock"][1])
+            base["section"].append(per["stock"][2])
         tensors = sum(1 for _ in contenders["stock"].model.parameters())
         return {
             "setup": setup,
@@ -186,6 +204,9 @@ def compare(setup: str, size: int, *, groups: int, steps: int) -> dict[str, Any]
             "training_iqr_us": _iqr(training) * 1e6,
             "others_us": statistics.median(others) * 1e6,
             "others_iqr_us": _iqr(others) * 1e6,
+            "stock_section_us": statistics.median(base["section"]) * 1e6,
+            "section_us": statistics.median(section) * 1e6,
+            "section_iqr_us": _iqr(section) * 1e6,
             "groups": groups,
             "steps_per_block": steps,
         }
@@ -238,8 +259,9 @@ def run(setups: tuple[str, ...], sizes: tuple[int, ...], groups: int, steps: int
                 print(
                     f"{setup:7s} {row['tensors']:4d} tensors: training {row['training_us']:+8.1f}"
                     f" µs (IQR {row['training_iqr_us']:.1f}), others {row['others_us']:+8.1f} µs"
-                    f" (IQR {row['others_iqr_us']:.1f});"
-                    f" stock {row['stock_training_us']:.0f} µs",
+                    f" (IQR {row['others_iqr_us']:.1f}); after backward {row['section_us']:+8.1f}"
+                    f" µs (IQR {row['section_iqr_us']:.1f}); stock {row['stock_training_us']:.0f}"
+                    f" µs, after backward {row['stock_section_us']:.0f} µs",
                     flush=True,
                 )
     return rows
