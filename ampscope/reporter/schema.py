@@ -258,7 +258,8 @@ class WeatherTotals(_Model):
     """The part of a rank's counters that the fault rule (``ampscope.reporter.fault_rule``)
     called the loss scaler's weather: its warm-up, its growth probes and its edge, where
     skipping the step and backing off is the scaler doing its job. Subsets of the
-    :class:`RankTotals` counters of the same names; what is left of them is what
+    :class:`RankTotals` counters of the same names, which that model enforces: each count at
+    most its total's, each device one of its total's; what is left of them is what
     ``skip_storm`` and ``inf_hotspot`` count. All zero for a watch: without a scale nothing
     is weather."""
 
@@ -311,7 +312,41 @@ class RankTotals(_Model):
     from reporters that predate the rule."""
     weather: WeatherTotals | None = None
     """What of the counters above the fault rule called the scaler's weather; ``None`` from
-    reporters that predate this field (their consumers count every skip and detection)."""
+    reporters that predate this field (their consumers count every skip and detection).
+    Never more than the counter it is part of: see ``_weather_within_totals``."""
+
+    @model_validator(mode="after")
+    def _weather_within_totals(self) -> RankTotals:
+        # Weather is a part of its totals, and PromQL subtracts one from the other label set
+        # for label set: a part above its whole would make a negative count there, and a
+        # device only the weather names would be a series without its total. A rank counts
+        # both from the same flags of the same step, so its records always pass. O(devices
+        # in the weather): nothing for the records of a rank that saw no weather.
+        weather = self.weather
+        if weather is None:
+            return self
+        if weather.skipped_steps > self.skipped_steps:
+            raise ValueError(
+                f"weather.skipped_steps ({weather.skipped_steps}) exceeds skipped_steps "
+                f"({self.skipped_steps}), the total it is part of"
+            )
+        _within("found_inf_local", weather.found_inf_local, self.found_inf_local)
+        _within("found_inf_origin", weather.found_inf_origin, self.found_inf_origin)
+        return self
+
+
+def _within(name: str, part: dict[str, int], whole: dict[str, int]) -> None:
+    """Raise ``ValueError`` unless every device of ``part`` (the weather's ``name``) is one of
+    ``whole`` (the totals' ``name``) with at least the same count."""
+    for device, count in part.items():
+        total = whole.get(device)
+        if total is None:
+            raise ValueError(f"weather.{name} names device {device!r}, which {name} does not hold")
+        if count > total:
+            raise ValueError(
+                f"weather.{name}[{device!r}] ({count}) exceeds {name}[{device!r}] ({total}), "
+                "the total it is part of"
+            )
 
 
 BatchId = (

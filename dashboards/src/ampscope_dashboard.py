@@ -328,8 +328,12 @@ def skipped_steps() -> list[Panel]:
     weather_family = per_rank("ampscope_weather_skipped_steps_total")
     weather = _rate(weather_family)
     steps = _rate(per_rank("ampscope_steps_total"))
-    # As the alert counts: without the weather; every skip of a reporter without the count.
-    counted = f"({skipped} - {weather} or ({skipped} unless on ({RANK_ON}) {weather_family}))"
+    # As the alert counts: without the weather, never below 0 (a reporter whose weather rose
+    # more than its skips); every skip of a reporter without the count.
+    counted = (
+        f"(clamp_min({skipped} - {weather}, 0) or "
+        f"({skipped} unless on ({RANK_ON}) {weather_family}))"
+    )
     return [
         series(
             7,

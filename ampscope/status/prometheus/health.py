@@ -182,12 +182,14 @@ WEATHER_MARK = "ampscope_weather_skipped_steps_total"
 def counted_query(family: str, weather: str, sel: str, window_s: float) -> str:
     """``increase`` of ``family`` within the window without its part on iterations the fault
     rule called the loss scaler's weather (``weather``, the family of that part), as the
-    recording rules count ``skip_storm`` and ``inf_hotspot``; a rank whose reporter predates
-    the weather count (no ``WEATHER_MARK``) counts all of it, as before."""
+    recording rules count ``skip_storm`` and ``inf_hotspot``, never below 0 (a record's
+    weather is at most its total, but one whose weather rose more than its total since the
+    last is accepted); a rank whose reporter predates the weather count (no
+    ``WEATHER_MARK``) counts all of it, as before."""
     w = f"[{window_s:g}s]"
     ranks = "run, node, rank, local_rank"
     return (
-        f"(increase({family}{{{sel}}}{w}) - increase({weather}{{{sel}}}{w}) or "
+        f"(clamp_min(increase({family}{{{sel}}}{w}) - increase({weather}{{{sel}}}{w}), 0) or "
         f"(increase({family}{{{sel}}}{w}) unless on ({ranks}) {WEATHER_MARK}{{{sel}}}))"
     )
 

@@ -13,7 +13,7 @@ from ampscope.rank.capture import layout
 from ampscope.rank.capture.layout import OptimizerSlot
 from ampscope.rank.capture.pending import PendingStep
 from ampscope.rank.telemetry.records import RecordBuilder
-from ampscope.reporter.schema import Identity, StepRecord
+from ampscope.reporter.schema import Identity, StepRecord, WeatherTotals
 
 IDENTITY = Identity(run="run-1", node="n0", rank=0, local_rank=0, world_size=1)
 SLOTS = (
@@ -164,7 +164,9 @@ def test_a_step_the_front_end_says_was_applied_on_inf_nan() -> None:
     scaler_observe = Setup(mode="scaler", policy="observe", grad_dtype="float16")
     found = (1, 0, 0, 1, 0)  # the first optimizer's flag and a local one
 
-    def build(builder: RecordBuilder, step: int, values: list[float], applied: bool | None):
+    def build(
+        builder: RecordBuilder, step: int, values: list[float], applied: bool | None
+    ) -> StepRecord:
         pending = _pending(step, values)
         pending.setup = scaler_observe
         pending.applied = applied
@@ -197,3 +199,94 @@ def test_a_step_the_front_end_says_was_applied_on_inf_nan() -> None:
         "backoff",
         0,
     )
+
+
+# A scaler's run: its warm-up from a high init_scale, growth probes, overflows at the edge
+# (the fault rule's weather) and inf/NaN below it (faults), over devices that change.
+PHASES: tuple[tuple[int, tuple[str, ...], tuple[str, ...]], ...] = (
+    # (first step, local devices, origin devices): two GPUs with origin tracking on one;
+    # then other GPUs, both tracked; then one GPU, origin tracking off; then the first again.
+    (1, ("cuda:0", "cuda:1"), ("cuda:0",)),
+    (181, ("cuda:1", "cuda:2"), ("cuda:1", "cuda:2")),
+    (361, ("cuda:0",), ()),
+    (451, ("cuda:0", "cuda:1"), ("cuda:0",)),
+)
+GROWTH_INTERVAL = 30
+FITS = 2.0**15
+"""The largest scale the gradients fit at: the scaler overflows above it."""
+
+
+def _devices(step: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    local, origin = PHASES[0][1:]
+    for first, phase_local, phase_origin in PHASES:
+        if step >= first:
+            local, origin = phase_local, phase_origin
+    return local, origin
+
+
+def _within(part: dict[str, int], whole: dict[str, int]) -> bool:
+    return all(device in whole and n <= whole[device] for device, n in part.items())
+
+
+def test_a_scalers_weather_stays_within_its_totals_over_a_long_run() -> None:
+    """Every record of a 600-step fp16 run validates strictly (the schema holds the weather
+    to its totals), and the weather, checked here by hand, is within the totals in every
+    record and never falls: skipped steps, and local and origin detections device by device,
+    also for devices that came and went."""
+    rng = random.Random(7)
+    builder = RecordBuilder(k=3)
+    scale, tracker = 2.0**24, 0  # the warm-up backs off to FITS: weather
+    last: WeatherTotals | None = None
+    for step in range(1, 601):
+        local, origin = _devices(step)
+        # Above FITS the gradients overflow on the device holding the largest (the last);
+        # at any scale, now and then, inf/NaN comes from one device of its own (a fault
+        # unless the scale is near the edge).
+        by_scale = scale > FITS
+        fault = rng.random() < 0.04
+        culprit = rng.randrange(len(local))
+        local_flags = [
+            float((by_scale and i == len(local) - 1) or (fault and i == culprit))
+            for i in range(len(local))
+        ]
+        origin_flags = [
+            float((by_scale and rng.random() < 0.8) or (fault and device == local[culprit]))
+            for device in origin
+        ]
+        overflow = by_scale or fault
+        opt_flags = [float(overflow)] * 3
+        before = scale
+        if overflow:
+            scale, tracker = scale / 2, 0
+        elif tracker + 1 == GROWTH_INTERVAL:
+            scale, tracker = scale * 2, 0
+        else:
+            tracker += 1
+        values = _values(
+            before, scale, float(tracker), (*opt_flags, *local_flags), tuple(origin_flags)
+        )
+        nonfinite = {"layers.0.weight": 3} if overflow else {}
+        record = builder.build(
+            _pending(step, values, local=local, origin=origin, nonfinite=nonfinite), values
+        )
+        assert record == _strict(record)
+        totals, weather = record.totals, record.totals.weather
+        assert weather is not None
+        assert weather.skipped_steps <= totals.skipped_steps
+        assert _within(weather.found_inf_local, totals.found_inf_local), step
+        assert _within(weather.found_inf_origin, totals.found_inf_origin), step
+        if last is not None:  # cumulative: never falls
+            assert weather.skipped_steps >= last.skipped_steps
+            assert _within(last.found_inf_local, weather.found_inf_local), step
+            assert _within(last.found_inf_origin, weather.found_inf_origin), step
+        last = weather
+
+    # The run held all of it: weather and faults apart, on every device that came.
+    assert weather is not None
+    assert totals.faults
+    assert 0 < weather.skipped_steps < totals.skipped_steps
+    assert set(totals.found_inf_local) == {"cuda:0", "cuda:1", "cuda:2"}
+    assert set(totals.found_inf_origin) == {"cuda:0", "cuda:1", "cuda:2"}
+    assert len([n for n in weather.found_inf_local.values() if n]) >= 2
+    assert len([n for n in weather.found_inf_origin.values() if n]) >= 2
+    assert any(weather.found_inf_local.get(d, 0) < n for d, n in totals.found_inf_local.items())

@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from ampscope.exporter.state.store import Store
-from ampscope.reporter.schema import MAX_COUNT, IngestBatch, RankTotals, StepRecord
+from ampscope.reporter.schema import MAX_COUNT, IngestBatch, RankTotals, StepRecord, WeatherTotals
 from exporter.conftest import MakeClient
 from exporter.factory import T0, batch, body, record, steps, totals
 
@@ -81,7 +81,9 @@ def test_a_rank_that_cannot_be_rendered_is_left_out_alone(
     bad_totals = RankTotals.model_construct(**{**dict(good.totals), "skipped_steps": 10**310})
     bad = StepRecord.model_construct(**{**dict(good), "totals": bad_totals})
     store: Store = client.app.state.store  # type: ignore[attr-defined]
-    store.ingest(IngestBatch.model_construct(records=[bad], dropped_records=0), T0)
+    store.ingest(
+        IngestBatch.model_construct(schema_version=1, records=[bad], dropped_records=0), T0
+    )
     with caplog.at_level(logging.ERROR, logger="ampscope.exporter.metrics.collector"):
         assert _value(client, "ampscope_exporter_unrenderable_ranks") == 1
         assert _value(client, "ampscope_steps_total", rank="1") == 1
@@ -215,3 +217,66 @@ def test_batches_of_a_new_rank_are_checked_for_identity_changes_too(
     response = client.post(URL, content=forged.model_dump_json())
     assert response.status_code == 409
     assert client.get("/api/v1/runs").json() == []
+
+
+# Weather (the loss scaler's part of the skip and found-inf counters) above its totals made
+# PromQL's total - weather negative, and a device only the weather named had no total.
+
+
+def _weathered(step: int, skipped: int, weather: int, **changes: Any) -> str:
+    """A batch of one record: ``skipped`` skips on cuda:0 (origin tracked there), ``weather``
+    of them the scaler's weather, with ``changes`` (dotted paths under ``weather``) on top."""
+    part = WeatherTotals(
+        skipped_steps=weather,
+        found_inf_local={"cuda:0": weather},
+        found_inf_origin={"cuda:0": weather},
+    )
+    total = totals(step, skipped=skipped, origin={"cuda:0": skipped}, weather=part)
+    doc = json.loads(body(record(step, total=total)))
+    for path, value in changes.items():
+        *keys, last = path.split(".")
+        held = doc["records"][0]["totals"]["weather"]
+        for key in keys:
+            held = held[key]
+        held[last] = value
+    return json.dumps(doc)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"skipped_steps": 4}, "weather.skipped_steps (4) exceeds skipped_steps (3)"),
+        (
+            {"found_inf_local.cuda:0": 4},
+            "weather.found_inf_local['cuda:0'] (4) exceeds found_inf_local['cuda:0'] (3)",
+        ),
+        (
+            {"found_inf_origin.cuda:0": 4},
+            "weather.found_inf_origin['cuda:0'] (4) exceeds found_inf_origin['cuda:0'] (3)",
+        ),
+        (
+            {"found_inf_local.cuda:1": 0},
+            "weather.found_inf_local names device 'cuda:1', which found_inf_local does not hold",
+        ),
+    ],
+)
+def test_weather_beyond_its_totals_is_refused_and_changes_nothing(
+    client: TestClient, changes: dict[str, int], message: str
+) -> None:
+    assert client.post(URL, content=_weathered(10, 3, 2)).status_code == 200
+    response = client.post(URL, content=_weathered(11, 3, 3, **changes))
+    assert response.status_code == 422
+    answer = response.json()
+    assert answer["error"] == "invalid"
+    assert answer["errors"][0]["loc"] == ["records", 0, "totals"]
+    assert message in answer["detail"]
+    assert _rejected(client, "invalid") == 1
+    # The rank keeps its last accepted record: step, totals and weather as they were.
+    assert _value(client, "ampscope_last_step") == 10
+    assert _value(client, "ampscope_weather_skipped_steps_total") == 2
+    assert _value(client, "ampscope_weather_found_inf_total", device="cuda:0") == 2
+    assert _value(client, "ampscope_weather_found_inf_origin_total", device="cuda:0") == 2
+    assert not [k for k in _samples(client) if dict(k[1]).get("device") == "cuda:1"]
+    # The same record within its totals is taken.
+    assert client.post(URL, content=_weathered(11, 3, 3)).status_code == 200
+    assert _value(client, "ampscope_weather_found_inf_origin_total", device="cuda:0") == 3
