@@ -19,8 +19,10 @@ went on, e.g. after a loop caught the error and restored a checkpoint. An uncaug
 the process, so it always counts, even for a reporter closed before it (``try: ...
 finally: watch.close()``): the reporter then sends its final heartbeat once more, with the
 failure, within its ``exit_timeout``. A thread's exception does that only for a reporter
-that this thread closed. ``SystemExit`` (``sys.exit(1)``) is no exception the reporter can
-see: a rank that exits so ends ``finished`` unless a watch stopped it.
+that this thread closed. ``SystemExit`` (``sys.exit(1)``) is no exception the hooks
+see: a rank that exits so ends ``finished`` unless a watch stopped it or it leaves a
+``with`` block on a status other than 0 (``sys.exit()`` and ``sys.exit(0)`` end it
+``finished`` there too: :func:`ends_normally`).
 
 The hooks are installed once per process, by the first ``HttpReporter``; each calls the
 hook that was installed before it (by default Python's, which prints the traceback) first,
@@ -284,10 +286,20 @@ def _at_exit() -> None:
 _Closing = TypeVar("_Closing", bound="ClosedByWith")
 
 
+def ends_normally(exc: BaseException) -> bool:
+    """Whether leaving a ``with`` block on ``exc`` is a normal end: ``sys.exit()`` or
+    ``sys.exit(0)`` (a requeue or preemption handler saves its checkpoint and leaves so),
+    or a generator closed. ``sys.exit`` with another status is the process saying it
+    failed."""
+    if isinstance(exc, GeneratorExit):
+        return True
+    return isinstance(exc, SystemExit) and exc.code in (None, 0)
+
+
 class ClosedByWith:
     """``with`` for what a rank closes (a front-end, a reporter): the block's end closes it,
-    and a block left by an exception ends the rank ``failed`` with it on the exporter. The
-    exception goes on propagating."""
+    and a block left by an exception ends the rank ``failed`` with it on the exporter, unless
+    it is a normal end (:func:`ends_normally`). The exception goes on propagating."""
 
     def close(self, timeout: float = 1.0) -> None:
         raise NotImplementedError
@@ -301,6 +313,6 @@ class ClosedByWith:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if exc is not None:
+        if exc is not None and not ends_normally(exc):
             note(exc, "with")
         self.close()

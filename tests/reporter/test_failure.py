@@ -132,6 +132,43 @@ def test_a_with_block_left_by_an_exception_ends_the_rank_failed_and_re_raises() 
         assert exporter.heartbeats[-1].final
 
 
+@pytest.mark.parametrize(
+    ("status", "failed"),
+    [
+        ((), None),
+        ((0,), None),
+        ((3,), ("SystemExit", "3")),
+        (("requeue failed",), ("SystemExit", "requeue failed")),
+    ],
+    ids=["exit", "exit-0", "exit-3", "exit-message"],
+)
+def test_sys_exit_in_a_with_block_fails_the_rank_only_on_a_failing_status(
+    status: tuple[object, ...], failed: tuple[str, str] | None
+) -> None:
+    # A requeue or preemption handler saves its checkpoint and calls sys.exit(0) inside the
+    # recommended `with` block: a normal end, which must not page AmpscopeRankFailed.
+    with LoopbackExporter() as exporter:
+        failure.forget()
+
+        def one_step_then_leave() -> None:
+            with HttpReporter(exporter.url, **FAST) as rep:
+                rep.emit(make_record(1))
+                assert rep.flush(timeout=DEADLOCK_GUARD_S)
+                sys.exit(*status)
+
+        with pytest.raises(SystemExit):
+            one_step_then_leave()
+        final = exporter.heartbeats[-1]
+        assert final.final
+        if failed is None:
+            assert final.failure is None
+        else:
+            assert final.failure is not None
+            assert (final.failure.exception, final.failure.message) == failed
+            assert final.failure.seen_by == "with"
+        failure.forget()
+
+
 def _run(exporter: LoopbackExporter, mode: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AMPSCOPE_")}
     return subprocess.run(
