@@ -3,9 +3,9 @@
 
 One implementation serves every caller, as for every rule of ``ampscope.verdicts``: the exporter's
 health (``ampscope.exporter.health``, from the spikes its store found, with their step, value
-and baseline) and ``ampscope status --prometheus`` (from ``increase(ampscope_spikes_total)``,
-counts only). Only pydantic and the standard library are imported. All functions are pure:
-O(ranks), no clock, no I/O.
+and baseline) and ``ampscope status --prometheus`` (from the growth of
+``ampscope_spikes_total`` within the window, counts only). Only pydantic and the standard
+library are imported. All functions are pure: O(ranks), no clock, no I/O.
 """
 
 from __future__ import annotations

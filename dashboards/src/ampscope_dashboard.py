@@ -70,6 +70,18 @@ def _increase(selector: str) -> str:
     return f"increase({selector}[$__rate_interval])"
 
 
+def _grown(selector: str) -> str:
+    """What a counter exposed from its rank's start (skips, found-inf detections, spikes)
+    counted per interval, as the alerts count their windows (deploy/prometheus/rules, the
+    file's top comment): its value minus its smallest sample in the interval, not
+    ``increase()``. VictoriaMetrics' ``increase()`` counts a first sample under 10 from zero
+    where none lies within 5 minutes before the interval: after a longer gap in the scrapes
+    a rank's few old detections were drawn again. Consecutive intervals
+    (``$__rate_interval`` is at least a step and a scrape) overlap, so no growth falls
+    between two."""
+    return f"({selector} - min_over_time({selector}[$__rate_interval]))"
+
+
 def _counted(selector: str) -> str:
     """What a counter exposed once non-zero counted per interval, its first sample included,
     as the alerts count their 10 minutes (deploy/prometheus/rules, the ampscope-reruns group):
@@ -196,10 +208,10 @@ def loss_and_gradient_norm() -> list[Panel]:
             "outliers per rank; the gradient norm once per run (every rank sees the same norm, "
             "so the most any rank counted).",
             Query(
-                _increase(per_rank("ampscope_spikes_total", 'kind=~"loss|origin_outlier"')),
+                _grown(per_rank("ampscope_spikes_total", 'kind=~"loss|origin_outlier"')),
                 f"{{{{kind}}}}: {RANK_LEGEND}",
             ),
-            Query(f"max by (run) ({_increase(grad_norm_spikes)})", "grad_norm: {{run}}"),
+            Query(f"max by (run) ({_grown(grad_norm_spikes)})", "grad_norm: {{run}}"),
         ),
         bars(
             43,
@@ -303,8 +315,8 @@ def loss_scale() -> list[Panel]:
             "Scale backoffs and growths",
             "Loss scale changes per rate interval: backoffs (overflow seen) and growths "
             "(growth_interval clean steps).",
-            Query(_increase(per_rank("ampscope_scale_backoffs_total")), f"backoff {RANK_LEGEND}"),
-            Query(_increase(per_rank("ampscope_scale_growths_total")), f"growth {RANK_LEGEND}"),
+            Query(_grown(per_rank("ampscope_scale_backoffs_total")), f"backoff {RANK_LEGEND}"),
+            Query(_grown(per_rank("ampscope_scale_growths_total")), f"growth {RANK_LEGEND}"),
         ),
         series(
             46,
@@ -329,11 +341,14 @@ def skipped_steps() -> list[Panel]:
     weather = _rate(weather_family)
     steps = _rate(per_rank("ampscope_steps_total"))
     # As the alert counts: without the weather, never below 0 (a reporter whose weather rose
-    # more than its skips); every skip of a reporter without the count.
+    # more than its skips); every skip of a reporter without the count; each count by what
+    # the series had at the interval's start (a gap draws no old skip).
+    grown_skipped = _grown(per_rank("ampscope_skipped_steps_total"))
     counted = (
-        f"(clamp_min({skipped} - {weather}, 0) or "
-        f"({skipped} unless on ({RANK_ON}) {weather_family}))"
+        f"(clamp_min({grown_skipped} - {_grown(weather_family)}, 0)"
+        f" or ({grown_skipped} unless on ({RANK_ON}) {weather_family}))"
     )
+    grown_steps = _grown(per_rank("ampscope_steps_total"))
     return [
         series(
             7,
@@ -353,7 +368,7 @@ def skipped_steps() -> list[Panel]:
             "Fraction of iterations skipped for inf/NaN the fault rule did not call the loss "
             "scaler's weather. Above 25% over 5 minutes is a skip storm (alert "
             "AmpscopeSkipStorm).",
-            Query(f"{counted} / {steps}", RANK_LEGEND),
+            Query(f"{counted} / {grown_steps}", RANK_LEGEND),
             unit="percentunit",
             min_value=0,
             red_at=0.25,
@@ -371,7 +386,7 @@ def overflow_origins() -> list[Panel]:
             "Iterations with inf/NaN in a rank's local gradient shards, after the gradient "
             "reduce-scatter. Under FSDP one rank's inf reaches every rank's shard, so this "
             "shows who saw it, not who caused it.",
-            Query(_increase(per_rank("ampscope_found_inf_total")), device_legend),
+            Query(_grown(per_rank("ampscope_found_inf_total")), device_legend),
         ),
         bars(
             11,
@@ -379,7 +394,7 @@ def overflow_origins() -> list[Panel]:
             "Iterations with inf/NaN in a rank's own gradients before the cross-rank "
             "reduction (scaler.attach(model, track_origin=True)). The rank that stands out "
             "caused the overflow (alert AmpscopeInfHotspot).",
-            Query(_increase(per_rank("ampscope_found_inf_origin_total")), device_legend),
+            Query(_grown(per_rank("ampscope_found_inf_origin_total")), device_legend),
         ),
         top_bars(
             12,
@@ -491,7 +506,7 @@ def ranks() -> list[Panel]:
             "Reporter dropped records",
             "Records a rank's reporter dropped (queue full or exporter unreachable). Counters "
             "stay exact regardless: every record carries cumulative totals.",
-            Query(_increase(per_rank("ampscope_reporter_dropped_records_total")), RANK_LEGEND),
+            Query(_grown(per_rank("ampscope_reporter_dropped_records_total")), RANK_LEGEND),
             width=12,
             height=6,
         ),

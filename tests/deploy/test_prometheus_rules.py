@@ -19,7 +19,7 @@ from support import need_tool
 
 from ampscope.devices.query import DCGM_FIELDS
 from ampscope.exporter.metrics.catalogue import BY_NAME, OFFENCE_KINDS, SCALER_ONLY
-from ampscope.status.prometheus.ranks import LOOKBACK_S
+from ampscope.status.prometheus.ranks import LOOKBACK_S, grown_within
 from ampscope.verdicts import aligned
 from ampscope.verdicts.fp8 import Fp8Rule
 from ampscope.verdicts.ranks import FINAL_STATES
@@ -48,6 +48,8 @@ ALERTS = {
 DEVICE_ALERTS = {"AmpscopeRepeatOffenderDevice"}
 """Alerts about a device across runs: they name the device, not a run."""
 UNIT_TESTS = sorted((PROMETHEUS_DIR / "tests").glob("*.yml"))
+ONCE_NON_ZERO = {"ampscope_reruns_total", "ampscope_fp8_nonfinite_amax_total"}
+"""Counters the exporter exposes once non-zero (catalogue), counted with ``counted_within``."""
 
 
 def _promtool(*args: str) -> subprocess.CompletedProcess[str]:
@@ -155,7 +157,8 @@ def test_alert_thresholds_are_the_shared_defaults() -> None:
         ("AmpscopeOriginOutlier", "origin_outlier"),
     ):
         expr = alerts[name]["expr"]
-        assert f'increase(ampscope_spikes_total{{kind="{kind}"}}{window})' in expr, name
+        counter = f'ampscope_spikes_total{{kind="{kind}"}}'
+        assert f"{counter} - min_over_time({counter}{window})" in expr, name
         assert ") > 0\n" in expr, name
         assert alerts[name]["labels"]["severity"] == "warning", name
     # The grad norm is the same on every rank: one alert per run, not one per rank.
@@ -194,6 +197,31 @@ def test_rerun_alerts_read_the_counter_by_result_with_the_verdicts_window() -> N
         assert "10 minutes" in rule["annotations"]["description"], name
     # The on-call finds the batch ids in the exporter, not in Prometheus.
     assert "--suspect-batches" in alerts["AmpscopeReproducibleFault"]["annotations"]["description"]
+
+
+def test_increase_reads_only_counters_exposed_once_non_zero() -> None:
+    """VictoriaMetrics' ``increase()`` counts a first sample under 10 from zero where no
+    sample lies within 5 minutes before the window, so after a longer gap in the scrapes a
+    healthy rank's few old skips, detections or spikes paged. Counters exposed from a rank's
+    start are counted as their growth over the window's samples (``grown_within``, the form
+    ``status --prometheus`` sends); ``increase()`` is read only in ``counted_within``'s form,
+    for the counters exposed once non-zero, and only for series there at the window's
+    start."""
+
+    def spaced(text: str) -> str:
+        return " ".join(text.replace("(", "( ").replace(")", " )").split())
+
+    grown = 0
+    for name, rule in [*alert_rules().items(), *recording_rules().items()]:
+        expr = spaced(rule["expr"])
+        for series, window in re.findall(r"increase\( (\S+?)\[(\w+)\] \)", expr):
+            assert series.split("{")[0] in ONCE_NON_ZERO, (name, series)
+            assert spaced(_windowed_count(series, window)) in expr, (name, series)
+        for series, window in re.findall(r"min_over_time\( (ampscope_\S+?)\[(\w+)\] \)", expr):
+            seconds = int(window[:-1]) * 60
+            assert spaced(grown_within(series, seconds).replace(f"{seconds}s", window)) in expr
+            grown += 1
+    assert grown >= 14  # the skip ratio's and hotspot's counts, the storm's steps, the spikes
 
 
 def test_the_node_lost_alert_reads_what_status_calls_lost_over_the_same_window() -> None:

@@ -5,9 +5,11 @@ Builds the same answer as one exporter's ``--json`` (``ranks`` and ``health`` of
 every run's), with ``null`` where Prometheus does not hold a value (a rank's step time,
 last event, restarts, FP8 series: its gauges hold only ``fp8_max_layers`` layers a rank),
 and computes the verdicts by the exporter's own rule implementations (``ampscope.verdicts``)
-from instant vectors and ``max_over_time`` / ``increase`` over each rule's window
-(``skip_storm`` and ``inf_hotspot`` without the skips and detections the fault rule called the
-loss scaler's weather, as the recording rules count them: ``counted_query``);
+from instant vectors, ``max_over_time`` and counters' growth over each rule's window (the
+counter less its smallest sample in the window, as the alerts count, so that a gap in the
+scrapes counts no old count: ``ranks.grown_within``; ``skip_storm`` and ``inf_hotspot``
+without the skips and detections the fault rule called the loss scaler's weather, as the
+recording rules count them: ``counted_query``);
 ``scale_desync`` compares the ranks' aligned scales at the same aligned step, both read
 from one sample (``ampscope_loss_scale_aligned_packed``; the two separate series from
 exporters that predate it), as the alert rule does; ``rank_failed`` names the failed ranks from
@@ -15,10 +17,10 @@ exporters that predate it), as the alert rule does; ``rank_failed`` names the fa
 the rank's last, the message only the exporters hold). Verdicts
 that need the exporter's per-step history (``stalled_rank``'s progress times,
 ``nonfinite_update_applied``'s first step and origin) say so instead. The spike verdicts
-(``loss_spike``, ``grad_norm_spike``, ``origin_outlier``) count ``increase`` of
+(``loss_spike``, ``grad_norm_spike``, ``origin_outlier``) count the growth of
 ``ampscope_spikes_total`` over their window: which rank and how many, not the step, value or
 baseline, which only the exporters hold (``SPIKE_DETAIL``); ``nonfinite_skipped`` counts
-``increase`` of ``ampscope_skipped_steps_total``, without the last step and its origin
+the growth of ``ampscope_skipped_steps_total``, without the last step and its origin
 (``SKIP_DETAIL``). ``transient_fault`` and ``reproducible_fault`` read
 ``ampscope_reruns_total`` counted within the verdicts' window (``spike_verdict_window_s``,
 as the exporter and the alerts count; ``ranks.counted_within``): which rank and how many, not
@@ -64,6 +66,7 @@ from ampscope.status.prometheus.ranks import (
     exporters_down,
     gone_query,
     gone_ranks,
+    grown_within,
     narrowed,
     not_running,
     other_state_query,
@@ -115,13 +118,13 @@ INSTANT = ("state", "other_state", "aligned_separate")
 """The queries that complete ``now``'s per-rank gauges (read with them, not per window)."""
 
 SPIKE_DETAIL = (
-    "counted from Prometheus (increase of ampscope_spikes_total): the step, the value and the "
+    "counted from Prometheus (the growth of ampscope_spikes_total): the step, the value and the "
     "baseline are in each exporter's GET /api/v1/runs/{run}/health"
 )
 """What a spike verdict computed from Prometheus says it lacks."""
 
 SKIP_DETAIL = (
-    "counted from Prometheus (increase of ampscope_skipped_steps_total): the last skipped step "
+    "counted from Prometheus (the growth of ampscope_skipped_steps_total): the last skipped step "
     "and its origin ranks are in each exporter's GET /api/v1/runs/{run}/health"
 )
 """What ``nonfinite_skipped`` computed from Prometheus says it lacks."""
@@ -180,17 +183,18 @@ WEATHER_MARK = "ampscope_weather_skipped_steps_total"
 
 
 def counted_query(family: str, weather: str, sel: str, window_s: float) -> str:
-    """``increase`` of ``family`` within the window without its part on iterations the fault
-    rule called the loss scaler's weather (``weather``, the family of that part), as the
-    recording rules count ``skip_storm`` and ``inf_hotspot``, never below 0 (a record's
-    weather is at most its total, but one whose weather rose more than its total since the
-    last is accepted); a rank whose reporter predates the weather count (no
-    ``WEATHER_MARK``) counts all of it, as before."""
-    w = f"[{window_s:g}s]"
+    """The growth of ``family`` within the window (``grown_within``: no old count after a gap
+    in the scrapes) without its part on iterations the fault rule called the loss scaler's
+    weather (``weather``, the family of that part), as the recording rules count
+    ``skip_storm`` and ``inf_hotspot``, never below 0 (a record's weather is at most its
+    total, but one whose weather rose more than its total since the last is accepted); a
+    rank whose reporter predates the weather count (no ``WEATHER_MARK``) counts all of it,
+    as before."""
+    counted = grown_within(f"{family}{{{sel}}}", window_s)
     ranks = "run, node, rank, local_rank"
     return (
-        f"(clamp_min(increase({family}{{{sel}}}{w}) - increase({weather}{{{sel}}}{w}), 0) or "
-        f"(increase({family}{{{sel}}}{w}) unless on ({ranks}) {WEATHER_MARK}{{{sel}}}))"
+        f"(clamp_min({counted} - {grown_within(f'{weather}{{{sel}}}', window_s)}, 0) or "
+        f"({counted} unless on ({ranks}) {WEATHER_MARK}{{{sel}}}))"
     )
 
 
@@ -199,7 +203,7 @@ def steps_query(sel: str, window_s: float) -> str:
     found skipping within its window only (``sel`` narrowed to them): a rank that skipped
     none has ratio 0, which changes neither the rule's worst ratio (0 at least) nor its
     hits, so a job that skipped nothing sends no steps query at all."""
-    return f"increase(ampscope_steps_total{{{sel}}}[{window_s:g}s])"
+    return grown_within(f"ampscope_steps_total{{{sel}}}", window_s)
 
 
 def queries(run: str | None, t: Thresholds) -> dict[str, str]:
@@ -231,9 +235,12 @@ def queries(run: str | None, t: Thresholds) -> dict[str, str]:
             sel,
             t.hotspot_window_s,
         ),
-        "spikes": f"increase(ampscope_spikes_total{{{sel}}}[{t.spike_verdict_window_s:g}s]) > 0",
-        "skipped_nonfinite": f"increase(ampscope_skipped_steps_total{{{sel}}}"
-        f"[{t.nonfinite_skipped_window_s:g}s]) > 0",
+        "spikes": grown_within(f"ampscope_spikes_total{{{sel}}}", t.spike_verdict_window_s)
+        + " > 0",
+        "skipped_nonfinite": grown_within(
+            f"ampscope_skipped_steps_total{{{sel}}}", t.nonfinite_skipped_window_s
+        )
+        + " > 0",
         "reruns": counted_within("ampscope_reruns_total", sel, t.spike_verdict_window_s),
         "replica_checks": f'ampscope_replica_checks_total{{result="diverged"{joined}}} > 0',
         "gone": gone_query(sel),
@@ -287,9 +294,9 @@ def health_of(
         )
         for v in views
     ]
-    # increase() extrapolates to the window's edges; a window that holds the whole run
-    # would count more than the counter ever held, so it is capped at the counter (a
-    # restart inside the window then undercounts, as the exporter's restart rule does).
+    # A window's count never exceeds the counter (grown_within does not extrapolate); the
+    # cap keeps it so for any form (a restart inside the window then undercounts, as the
+    # exporter's restart rule does).
     steps = [
         nonfinite.StepFacts(
             rank=v["rank"],
@@ -325,7 +332,7 @@ def health_of(
         }
 
     def spikes(kind: str) -> list[spike_rules.SpikeFacts]:
-        # increase() of a counter that rose by n reads n or a little more (extrapolation).
+        # A counter that rose by n within the window's samples reads n (no extrapolation).
         counted = [(v, round(window("spikes", v, kind))) for v in views]
         return [
             spike_rules.SpikeFacts(rank=v["rank"], node=v["node"], spikes=n)

@@ -162,6 +162,22 @@ def counted_within(family: str, selector: str, window_s: float) -> str:
     )
 
 
+def grown_within(series: str, window_s: float) -> str:
+    """How much each series of ``series`` (a counter selector, exposed from its rank's start:
+    steps, skips, found-inf detections, spikes) grew within the last ``window_s``, as the
+    alert and recording rules count it (deploy/prometheus/rules, the file's top comment):
+    its value now minus its smallest sample in the window, not ``increase()``.
+
+    VictoriaMetrics' ``increase()`` counts a series' first sample from zero where no sample
+    lies within 5 minutes before the window and the value is under 10: after a longer gap in
+    the scrapes a healthy rank's few old detections, skips or spikes read as new. This form
+    counts what the window's samples show on either engine, exactly (no extrapolation): not a
+    count that grew while the scrapes failed, nor the growth from the last sample before the
+    window to the first in it. After a reset (the rank's restart) it counts from the
+    smallest sample. Costs what ``increase()`` does: one pass over the window's samples."""
+    return f"({series} - min_over_time({series}[{window_s:g}s]))"
+
+
 def gone_query(selector: str) -> str:
     """The ranks of the selection held within ``LOOKBACK_S`` whose info series is gone now,
     matched by (run, rank) (a rank that restarted onto another node is there), each its last
