@@ -145,6 +145,8 @@ def test_alert_thresholds_are_the_shared_defaults() -> None:
     assert "> 1" in alerts["AmpscopeScaleDesync"]["expr"]
     assert alerts["AmpscopeRankLost"]["for"] == "1m"
     assert alerts["AmpscopeRankStalled"]["for"] == "1m"
+    # An exporter's rolling update takes its ranks' series away for minutes, not a node.
+    assert alerts["AmpscopeNodeLost"]["for"] == "5m"
     hotspot = alerts["AmpscopeInfHotspot"]["expr"]
     assert ">= 0.8" in hotspot
     assert ">= 5" in hotspot
