@@ -196,7 +196,7 @@ def test_finished_runs_are_finished_ok_and_fire_nothing(stack: Stack) -> None:
         )
     report = stack.health("lc-clean")
     assert (report["status"], report["state"]) == ("ok", "finished")
-    assert report["states"] == {"running": 0, "stalled": 0, "lost": 0, "finished": 1, "failed": 0}
+    assert report["states"] == {"running": 0, "stalled": 0, "lost": 0, "finished": 1, "failed": 0, "stopped": 0}
     # The collapsed run says how it ended, but pages nobody.
     report = stack.health("lc-collapse")
     assert report["state"] == "finished"
@@ -403,7 +403,7 @@ def test_a_bf16_run_a_watch_stopped_is_failed_everywhere(stack: Stack) -> None:
     # The exporter's health: critical, the run failed, the step, the exception, the origin.
     report = stack.health("lc-stopped")
     assert (report["status"], report["state"]) == ("critical", "failed")
-    assert report["states"] == {"running": 0, "stalled": 0, "lost": 0, "finished": 0, "failed": 2}
+    assert report["states"] == {"running": 0, "stalled": 0, "lost": 0, "finished": 0, "failed": 2, "stopped": 0}
     verdict = {v["rule"]: v for v in report["verdicts"]}["rank_failed"]
     assert verdict["status"] == "critical"
     evidence = verdict["evidence"]

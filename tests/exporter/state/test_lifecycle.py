@@ -138,7 +138,7 @@ def test_finished_run_is_judged_as_it_ended() -> None:
     # Hours later: no rank lost or stalled, every rule ok.
     report = evaluate("run-a", clean, T0 + 7200, T)
     assert (report.status, report.state) == ("ok", "finished")
-    assert report.states == {"running": 0, "stalled": 0, "lost": 0, "finished": 2, "failed": 0}
+    assert report.states == {"running": 0, "stalled": 0, "lost": 0, "finished": 2, "failed": 0, "stopped": 0}
     assert {v.status for v in report.verdicts} == {"ok"}
     # A run that ended with a collapsed scale says so, as of its end, for as long as it is held.
     collapsed = _state(
@@ -201,6 +201,7 @@ def test_a_run_whose_ranks_failed_is_critical_and_failed_for_as_long_as_it_is_he
             "lost": 0,
             "finished": 0,
             "failed": 2,
+            "stopped": 0,
         }
         verdicts = {v.rule: v for v in report.verdicts}
         failed = verdicts["rank_failed"]

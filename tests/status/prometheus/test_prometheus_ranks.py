@@ -120,7 +120,7 @@ def test_the_lookback_queries_restore_each_familys_name() -> None:
         '"__name__", "ampscope_rank_info", "", ""), "family", "ampscope_rank_info", "", "") '
         "or "
     )
-    assert 'ampscope_rank_state{state=~"finished|failed",run="r"}[3600s]' in query
+    assert 'ampscope_rank_state{state=~"finished|failed|stopped",run="r"}[3600s]' in query
     assert '"ampscope_rank_failure_info", "", "")' in query
     assert up_query("") == "up == 0"
 

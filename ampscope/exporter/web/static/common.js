@@ -79,6 +79,14 @@ const ampscope = {
     return `${failure.exception} ${when} step ${failure.step}`;
   },
 
+  /** Which signal stopped a stopped rank, in words: "stopped by SIGTERM (signal 15)"; ""
+   *  otherwise. */
+  stopText(rank) {
+    if (ampscope.rankState(rank) !== "stopped" || !rank.stop_signal) return "";
+    const name = rank.stop_signal === 15 ? "SIGTERM" : `signal ${rank.stop_signal}`;
+    return rank.stop_signal === 15 ? `stopped by ${name} (signal 15)` : `stopped by ${name}`;
+  },
+
   /** "2 running, 1 lost" from a run's ranks. */
   statesText(ranks) {
     const counts = new Map();

@@ -81,7 +81,7 @@ def test_heartbeats_move_a_rank_through_every_state(make_client: MakeClient) -> 
     assert client.post("/api/v1/ingest", content=body(record(1))).status_code == 200
     assert _state(client) == "running"
     assert _states(client) == {
-        "0": {"running": 1, "stalled": 0, "lost": 0, "finished": 0, "failed": 0}
+        "0": {"running": 1, "stalled": 0, "lost": 0, "finished": 0, "failed": 0, "stopped": 0}
     }
     # Idle but beating every 50 s: never lost, stalled once no step for 120 s.
     for _ in range(3):
@@ -95,6 +95,7 @@ def test_heartbeats_move_a_rank_through_every_state(make_client: MakeClient) -> 
         "lost": 0,
         "finished": 0,
         "failed": 0,
+        "stopped": 0,
     }
     clock.advance(61)
     assert _state(client) == "lost"
@@ -111,6 +112,7 @@ def test_heartbeats_move_a_rank_through_every_state(make_client: MakeClient) -> 
         "lost": 0,
         "finished": 1,
         "failed": 0,
+        "stopped": 0,
     }
     report = client.get("/api/v1/runs/run-a/health").json()
     assert (report["status"], report["state"]) == ("ok", "finished")
@@ -241,6 +243,7 @@ def test_a_final_heartbeat_with_a_failure_shows_the_rank_failed_everywhere(
         "lost": 0,
         "finished": 0,
         "failed": 1,
+        "stopped": 0,
     }
     assert _failure_info(client) == [
         {
@@ -261,7 +264,7 @@ def test_a_final_heartbeat_with_a_failure_shows_the_rank_failed_everywhere(
     assert verdicts["rank_failed"]["status"] == "critical"
     assert verdicts["rank_failed"]["evidence"]["origin_ranks"] == [0]
     summary = client.get("/api/v1/runs").json()[0]
-    assert summary["states"] == {"running": 0, "stalled": 0, "lost": 1, "finished": 0, "failed": 1}
+    assert summary["states"] == {"running": 0, "stalled": 0, "lost": 1, "finished": 0, "failed": 1, "stopped": 0}
     # Rank 1 failed too, after its last step, on another exception; origin unknown.
     boom = _failure(kind="exception", exception="RuntimeError", message="boom", origin_ranks=None)
     assert client.post(URL, content=_beat(rank=1, step=2, final=True, failure=boom)).json()[
