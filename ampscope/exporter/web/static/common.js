@@ -83,8 +83,9 @@ const ampscope = {
    *  otherwise. */
   stopText(rank) {
     if (ampscope.rankState(rank) !== "stopped" || !rank.stop_signal) return "";
-    const name = rank.stop_signal === 15 ? "SIGTERM" : `signal ${rank.stop_signal}`;
-    return rank.stop_signal === 15 ? `stopped by ${name} (signal 15)` : `stopped by ${name}`;
+    // SIGTERM is the one launchers send (torchrun, Slurm, Kubernetes); others by number.
+    if (rank.stop_signal === 15) return "stopped by SIGTERM (signal 15)";
+    return `stopped by signal ${rank.stop_signal}`;
   },
 
   /** "2 running, 1 lost" from a run's ranks. */
