@@ -35,6 +35,7 @@ import os
 import signal
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
@@ -48,11 +49,26 @@ HANDLER_ENV = "AMPSCOPE_SIGTERM_HANDLER"
 
 _OFF_VALUES = frozenset({"off", "none", "false", "0", "disabled"})
 
+
+@dataclass
+class _Installed:
+    """The process's one handler's state."""
+
+    previous: Any = None
+    """The disposition found when ours was installed (``SIG_DFL``, or a Python handler)."""
+    on_stop: Callable[[int], None] | None = None
+    """What the handler does first: the reporters' goodbye (``ampscope.reporter.http``)."""
+    saying_goodbye: bool = False
+    """Set while ``on_stop`` runs: a second SIGTERM meanwhile goes straight to the previous
+    disposition (a launcher that insists is not kept waiting a second time)."""
+    pid: int | None = None
+    """The process that installed it. Once per process: a library that replaced ours later
+    (and may call ours as its previous handler) is never wrapped by ours again, which
+    would make each call the other for ever."""
+
+
 _lock = threading.Lock()
-_previous: Any = None
-"""The disposition found when ours was installed (``SIG_DFL``, or a Python handler)."""
-_on_stop: Callable[[int], None] | None = None
-"""What the handler does first: the reporters' goodbye (``ampscope.reporter.http``)."""
+_installed = _Installed()
 
 
 def handler_from_env() -> bool:
@@ -71,7 +87,9 @@ def install(on_stop: Callable[[int], None]) -> bool:
     Call from the thread that builds a reporter; anywhere but the main thread this does
     nothing (``signal.signal`` raises there), so a reporter built on the main thread later
     installs it. Idempotent: a second call, or one in a forked child (which inherits the
-    handler), keeps the handler and the ``on_stop`` already there. Costs two system calls.
+    handler), keeps the handler and the ``on_stop`` already there; and once installed, never
+    again in this process, even where another handler replaced ours since (it may chain
+    ours). Costs two system calls.
 
     Args:
         on_stop: Sends every live reporter's final heartbeat with the signal; must return
@@ -80,35 +98,39 @@ def install(on_stop: Callable[[int], None]) -> bool:
     Returns:
         Whether the handler is in place after the call.
     """
-    global _previous, _on_stop
     if threading.current_thread() is not threading.main_thread():
         return installed()
     with _lock:
         current = signal.getsignal(signal.SIGTERM)
-        if current is _handle:
-            return True
+        if current is _handle or _installed.pid == os.getpid():
+            return current is _handle
         # SIG_IGN: someone wants the process to outlive SIGTERM; a handler installed
         # outside Python (None) cannot be chained. Either way, not ours to change.
         if current is None or current == signal.SIG_IGN:
             return False
+        # Known before ours is in place: a SIGTERM right after must find what to chain.
+        _installed.previous, _installed.on_stop = current, on_stop
         try:
             signal.signal(signal.SIGTERM, _handle)
         except (ValueError, OSError):  # not the main interpreter, or no SIGTERM here
             return False
-        _previous, _on_stop = current, on_stop
+        _installed.pid = os.getpid()
         return True
 
 
 def _handle(signum: int, frame: FrameType | None) -> None:
     # Ours first: a chained handler may end the process (sys.exit, os._exit) or raise to
     # unwind the training loop, and the goodbye must have gone by then.
-    on_stop = _on_stop
-    if on_stop is not None:
+    on_stop = _installed.on_stop
+    if on_stop is not None and not _installed.saying_goodbye:
+        _installed.saying_goodbye = True  # handlers run on the main thread only: no race
         try:
             on_stop(signum)
         except Exception:  # the launcher's signal must still take effect
             logger.exception("ampscope reporter: the SIGTERM handler failed to say goodbye")
-    previous = _previous
+        finally:
+            _installed.saying_goodbye = False
+    previous = _installed.previous
     if callable(previous):
         previous(signum, frame)
     elif previous == signal.SIG_DFL:

@@ -12,7 +12,10 @@ the interpreter) until a signal ends it. By ``MODE``, before the reporters start
 * ``two``: nothing, but two reporters (ranks 0 and 1 of the run: two scalers of one
   process, as a test harness may hold) share the one handler;
 * ``closed``: the reporter is closed before ``ready`` (the rank finished), then waits;
-* ``thread``: the reporter is built on another thread, which cannot install a handler.
+* ``thread``: the reporter is built on another thread, which cannot install a handler;
+* ``library_after``: after the first reporter, a library installs its own SIGTERM handler,
+  which prints ``library handler ran`` and calls the one it replaced (as Lightning's does);
+  then a second reporter (rank 1) starts.
 
 Prints ``handler ours`` or ``handler <name>`` (the SIGTERM disposition once the reporters
 started) before ``ready``.
@@ -24,6 +27,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from types import FrameType
 
 from failing_rank import record
@@ -51,6 +55,15 @@ def _previous(signum: int, frame: FrameType | None) -> None:
     sys.exit(3)
 
 
+def _library_handler(previous: object) -> Callable[[int, FrameType | None], None]:
+    def handle(signum: int, frame: FrameType | None) -> None:
+        print("library handler ran", flush=True)
+        if callable(previous):
+            previous(signum, frame)
+
+    return handle
+
+
 def _start(rank: int, url: str) -> None:
     reporter = HttpReporter(url, flush_interval=0.05, exit_timeout=10.0)
     REPORTERS.append(reporter)
@@ -68,13 +81,17 @@ def main(url: str, mode: str) -> None:
         starter = threading.Thread(target=_start, args=(0, url))
         starter.start()
         starter.join()
+    elif mode == "library_after":
+        _start(0, url)
+        signal.signal(signal.SIGTERM, _library_handler(signal.getsignal(signal.SIGTERM)))
+        _start(1, url)
     else:
         for rank in (0, 1) if mode == "two" else (0,):
             _start(rank, url)
     if mode == "closed":
         REPORTERS[0].close(timeout=10.0)
     disposition = signal.getsignal(signal.SIGTERM)
-    name = "ours" if installed() else getattr(disposition, "name", repr(disposition))
+    name = "ours" if installed() else getattr(disposition, "name", "a Python function")
     print(f"handler {name}", flush=True)
     print("ready", flush=True)
     while True:

@@ -100,6 +100,17 @@ def test_a_python_handler_installed_before_runs_after_the_goodbye() -> None:
         assert _finals(exporter) == [(0, signal.SIGTERM)]
 
 
+def test_a_library_handler_installed_after_ours_is_kept_and_chains_ours() -> None:
+    with LoopbackExporter() as exporter, _rank(exporter, "library_after") as (process, lines):
+        # The second reporter did not wrap the library's handler in ours again.
+        assert "handler a Python function" in lines
+        process.send_signal(signal.SIGTERM)
+        code, output = _ends(process)
+        assert "library handler ran" in output
+        assert code == -signal.SIGTERM, output
+        assert sorted(_finals(exporter)) == [(0, signal.SIGTERM), (1, signal.SIGTERM)]
+
+
 def test_an_ignored_sigterm_stays_ignored() -> None:
     with LoopbackExporter() as exporter, _rank(exporter, "ignored") as (process, lines):
         assert "handler SIG_IGN" in lines
