@@ -479,6 +479,7 @@ def test_a_bf16_run_a_watch_stopped_is_failed_everywhere(stack: Stack) -> None:
             ("lost",): 0.0,
             ("finished",): 0.0,
             ("failed",): 1.0,
+            ("stopped",): 0.0,
         }
         assert _sample_line(text, "ampscope_rank_failure_info", rank, "lc-stopped") == (
             {
