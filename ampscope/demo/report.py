@@ -152,7 +152,7 @@ def where_to_look(
         f"  history       {base_url}/api/v1/runs/{example}/ranks/0/history?limit=20",
         "  PromQL, with Prometheus scraping the exporter (deploy/prometheus/prometheus.yml):",
         f'    ampscope_loss_scale{{run="{example}"}}',
-        f'    ampscope_rank_state{{run="{example}"}} == 1   # running|stalled|lost|finished|failed',
+        f'    ampscope_rank_state{{run="{example}"}} == 1   # running, stalled, lost, ..., stopped',
         "    ampscope_run:loss_scale:max_over_min   # ranks compared at the same step",
         "    increase(ampscope_found_inf_origin_total[5m])",
         "    topk(5, ampscope_nonfinite_grads_total)",

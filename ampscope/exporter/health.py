@@ -513,7 +513,7 @@ def evaluate(
     ``batch_ids`` looks up the ids each (step, rank) the verdicts name had (the store's
     ``batch_ids``); they join those verdicts' evidence (``ampscope.verdicts.batches``).
 
-    A run whose ranks all ended (finished or failed) is judged as it ended: the instability
+    A run whose ranks all ended (finished, failed or stopped) is judged as it ended: the instability
     rules are evaluated at the time of its last final record, so its report stays the same
     however long it is kept, and liveness rules have nothing to say (every rank said
     goodbye). A failed rank makes ``rank_failed`` critical: a run that failed is never OK.

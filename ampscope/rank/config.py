@@ -67,6 +67,13 @@ class TelemetryConfig:
     reporter: Sink | Literal["auto"] | None = "auto"
     """``"auto"``: an ``HttpReporter`` to ``AMPSCOPE_URL`` (default the local exporter);
     ``AMPSCOPE_URL=off`` disables it. ``None``: no reporter. Or any :class:`Sink`."""
+    sigterm_handler: bool = True
+    """With ``reporter="auto"``: install the process's SIGTERM handler (from the main thread,
+    once per process), so that a rank its launcher stops (torchrun's elastic restart, a
+    Slurm preemption, a Kubernetes eviction) sends its final heartbeat and reads
+    ``stopped``, not ``lost``; a handler installed before it still runs after it, and the
+    process still ends by the signal. ``False``, or ``AMPSCOPE_SIGTERM_HANDLER=off``: no
+    handler (docs/exporter.md#stopped-ranks)."""
     sinks: Sequence[Sink] = field(default=())
     """Further destinations for every record, called after the reporter, in step order."""
     run_id: str | None = None
@@ -110,6 +117,8 @@ class TelemetryConfig:
             self.reporter is None or self.reporter == "auto" or isinstance(self.reporter, Sink)
         ):
             raise TypeError(f"reporter must be 'auto', None or a Sink, not {self.reporter!r}")
+        if not isinstance(self.sigterm_handler, bool):
+            raise TypeError(f"sigterm_handler must be a bool, not {self.sigterm_handler!r}")
         if isinstance(self.sinks, (str, bytes)) or not isinstance(self.sinks, Sequence):
             raise TypeError("sinks must be a sequence of Sink objects")
         for sink in self.sinks:
@@ -160,6 +169,7 @@ class WatchOptions(TypedDict, total=False):
     config holds the defaults, the checks and the documentation)."""
 
     reporter: Sink | Literal["auto"] | None
+    sigterm_handler: bool
     sinks: Sequence[Sink]
     run_id: str | None
     attribution: bool

@@ -27,7 +27,10 @@ idle rank is never taken for lost; ``close`` ends with a final heartbeat, after 
 record, that marks the rank finished, or failed with the exception its training ended on
 (:mod:`ampscope.reporter.failure`). Heartbeats start with the first delivered record. A
 heartbeat the exporter did not apply (it holds no record of the rank: it restarted) makes the
-reporter send its newest record again, once, and a final one then goes again too.
+reporter send its newest record again, once, and a final one then goes again too. A SIGTERM
+(torchrun's elastic restart, a preemption, an eviction) closes every reporter of the process
+with a final heartbeat that marks the rank stopped, then lets the signal end the process
+(:mod:`ampscope.reporter.stop_signal`).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import os
 import time
 import weakref
 
-from ampscope.reporter import failure
+from ampscope.reporter import failure, stop_signal
 from ampscope.reporter.pipeline import HttpReporterConfig, Pipeline
 from ampscope.reporter.schema import HEARTBEAT_INTERVAL_S, StepRecord
 from ampscope.reporter.tls import ClientTls, token_from_env
@@ -71,6 +74,11 @@ class HttpReporter(failure.ClosedByWith):
         heartbeat_interval: Most seconds between posts while no record is sent, so that an
             idle rank (evaluation, checkpointing, a hang) is never taken for lost; the
             exporter's answers may shorten it to a quarter of its ``--stale-after``.
+        sigterm_handler: Install the process's SIGTERM handler (once per process, from the
+            main thread only; a later reporter built there installs it otherwise), so that a
+            rank its launcher stops ends ``stopped``, not ``lost``; it chains a Python handler
+            installed before it and leaves an ignored SIGTERM alone. ``None`` reads
+            ``AMPSCOPE_SIGTERM_HANDLER`` (``off``: no handler; unset: install it).
 
     As a context manager (``with HttpReporter(...) as reporter:``), it closes at the block's
     end; a block left by an exception ends the rank ``failed`` with that exception (which
@@ -94,6 +102,7 @@ class HttpReporter(failure.ClosedByWith):
         exit_timeout: float = 2.0,
         heartbeat_interval: float = HEARTBEAT_INTERVAL_S,
         tls: ClientTls | None = None,
+        sigterm_handler: bool | None = None,
     ) -> None:
         if url is None:
             url = url_from_env()
@@ -116,6 +125,9 @@ class HttpReporter(failure.ClosedByWith):
             retry_max=retry_max,
             exit_timeout=exit_timeout,
             heartbeat_interval=heartbeat_interval,
+            sigterm_handler=(
+                stop_signal.handler_from_env() if sigterm_handler is None else sigterm_handler
+            ),
         )
         self._pipeline = Pipeline(self.config)
         self._pid = os.getpid()
@@ -128,6 +140,8 @@ class HttpReporter(failure.ClosedByWith):
         self._finalizer.atexit = False  # interpreter exit is _close_all_at_exit's job
         _LIVE.add(self)
         failure.install_hooks()
+        if self.config.sigterm_handler:
+            stop_signal.install(_stop_all)
 
     @property
     def url(self) -> str:
@@ -244,3 +258,31 @@ def _close_all_at_exit() -> None:
 
 
 atexit.register(_close_all_at_exit)
+
+
+def _stop_all(signum: int) -> None:
+    # The SIGTERM handler's goodbye (ampscope.reporter.stop_signal), on the main thread:
+    # every reporter of the process says the signal stopped its rank, under one shared
+    # deadline, as at exit. A reporter whose close() the signal interrupted (its final
+    # heartbeat not sent yet) says so too.
+    pid = os.getpid()
+    live = [r for r in list(_LIVE) if r._pid == pid and not r._closed]
+    closing = [r for r in list(_ENDED) if r._pid == pid and r._pipeline.thread.is_alive()]
+    if not live and not closing:
+        return
+    deadline = time.monotonic() + max(r.config.exit_timeout for r in live + closing)
+    for reporter in live:
+        reporter._closed = True
+        reporter._finalizer.detach()
+        _LIVE.discard(reporter)
+        _ENDED.add(reporter)
+    for reporter in live + closing:
+        reporter._pipeline.note_stop(signum)
+        reporter._pipeline.begin_close(deadline)
+    for reporter in live + closing:
+        if reporter._pipeline.cond._is_owned():  # type: ignore[attr-defined]
+            # The signal interrupted this thread inside the reporter's lock (a put() of a
+            # record emitted on the main thread): its sender thread cannot take the lock
+            # until the handler returns, so waiting would only spend the deadline.
+            continue
+        reporter._pipeline.join(deadline)

@@ -66,6 +66,10 @@ class HttpReporterConfig:
     heartbeat_interval: float = HEARTBEAT_INTERVAL_S
     """Most seconds between posts while no record is sent; the exporter may ask for less
     (a quarter of its ``--stale-after``), which then wins."""
+    sigterm_handler: bool = True
+    """Install the process's SIGTERM handler (``ampscope.reporter.stop_signal``; from the
+    main thread, once per process): a rank its launcher stops with SIGTERM sends its final
+    heartbeat, saying so, and ends ``stopped`` instead of ``lost``."""
 
     def __post_init__(self) -> None:
         positive = {
@@ -168,6 +172,8 @@ class Pipeline:
         self.failure: failure.Noted | None = None
         self.closed_by: int | None = None
         """``threading.get_ident()`` of the thread that began the close."""
+        self.stop_signal: int | None = None
+        """The signal that stopped the process (``note_stop``): the final heartbeat says so."""
         self.thread = threading.Thread(target=self._run, name="ampscope-reporter", daemon=True)
 
     # ---- called by HttpReporter (any thread) ----
@@ -228,12 +234,23 @@ class Pipeline:
                 self.closed_by = threading.get_ident()
             self.cond.notify_all()
 
+    def note_stop(self, signum: int) -> None:
+        """The process was stopped by ``signum`` (the SIGTERM handler): the final heartbeat,
+        unless it went already, says so, and the rank ends ``stopped``. Any thread."""
+        with self.cond:
+            if not self.finished_sent:
+                self.stop_signal = signum
+
     def correct(self, found: failure.Noted, deadline: float) -> bool:
         """Send the final heartbeat once more, now with ``found``, after the rank already
         said it finished: an exception reached the main thread's hook after the close (a
         ``finally: close()``), or killed the thread that closed. Runs on the hook's thread,
         only once the sender thread has ended. Returns whether the exporter applied it."""
         if self.thread.is_alive() or not self.finished_sent or self.failure is not None:
+            return False
+        if self.stop_signal is not None:
+            # Stopped by its launcher: an exception after that is the stop unwinding the
+            # training loop (a chained handler raising to leave it), not the rank's fault.
             return False
         if found.seen_by == "thread" and found.thread != self.closed_by:
             return False  # another thread's exception: training ended before it, normally
@@ -338,6 +355,8 @@ class Pipeline:
     def _post_beat(self, newest: _Encoded, *, final: bool) -> PostResult | None:
         """POST a heartbeat speaking for ``newest``'s rank; ``None`` when out of time."""
         told = self.failure if final else None
+        with self.cond:
+            stop_signal = self.stop_signal if final else None
         beat = Heartbeat(
             schema_version=1,
             identity=newest.identity,
@@ -346,14 +365,24 @@ class Pipeline:
             final=final,
             dropped_records=self.dropped,
             failure=None if told is None else told.failure(newest.step),
+            stop_signal=stop_signal,
         )
-        remaining = self._remaining()
-        if remaining is not None and remaining <= 0:
+        result = self._post_heartbeat(beat)
+        if result is None:
             return None
-        result = self.transport.post(
-            beat.model_dump_json().encode(), timeout=remaining, path=HEARTBEAT_PATH
-        )
-        self._note_contact(result)
+        if stop_signal is not None and result.status == 422:
+            # An exporter older than ``stop_signal`` refuses a field it does not know: tell it
+            # the rank ended, which it reads as finished, rather than nothing (lost).
+            self.log_once(
+                "stop-signal-422",
+                logging.INFO,
+                "ampscope reporter: %s does not know stop_signal (an older exporter?); "
+                "the final heartbeat goes without it, so the rank reads finished there",
+                self.config.url,
+            )
+            result = self._post_heartbeat(beat.model_copy(update={"stop_signal": None}))
+            if result is None:
+                return None
         if result.outcome is Outcome.REJECTED and result.refused:
             self.log_once(
                 f"heartbeat-{result.status}",
@@ -373,6 +402,18 @@ class Pipeline:
                 result.status,
                 result.detail,
             )
+        return result
+
+    def _post_heartbeat(self, beat: Heartbeat) -> PostResult | None:
+        """POST ``beat`` as JSON; ``None`` when out of time. A ``stop_signal`` of ``None`` is
+        left out of the JSON rather than sent as ``null``: an exporter that predates the
+        field (it refuses unknown fields) then takes every heartbeat it took before."""
+        remaining = self._remaining()
+        if remaining is not None and remaining <= 0:
+            return None
+        body = beat.model_dump_json(exclude={"stop_signal"} if beat.stop_signal is None else None)
+        result = self.transport.post(body.encode(), timeout=remaining, path=HEARTBEAT_PATH)
+        self._note_contact(result)
         return result
 
     def _resend(self, newest: _Encoded) -> bool:
@@ -402,11 +443,13 @@ class Pipeline:
             return self.deadline - time.monotonic() if self.closing else None
 
     def _send_final(self) -> None:
-        """Tell the exporter this rank ended (finished, or failed), once, after its last
-        records."""
-        if not self.finished_sent:
-            self.finished_sent = True
-            self._beat(final=True)
+        """Tell the exporter this rank ended (finished, failed, or stopped by a signal),
+        once, after its last records."""
+        with self.cond:
+            if self.finished_sent:
+                return
+            self.finished_sent = True  # under the lock: note_stop then comes too late
+        self._beat(final=True)
 
     def _note_contact(self, result: PostResult) -> None:
         # Any post attempt restarts the heartbeat clock; the exporter may shorten it.

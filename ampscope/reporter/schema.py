@@ -575,6 +575,9 @@ MAX_FAILURE_MESSAGE = 1000
 MAX_FAILURE_ORIGIN_RANKS = 64
 """Origin ranks a failure names at most."""
 
+MAX_SIGNAL = 64
+"""The largest signal number (Linux' SIGRTMAX)."""
+
 FailureKind = Literal["nonfinite_gradients", "exception"]
 """``nonfinite_gradients``: a ``GradWatch`` stopped training (``NonFiniteGradientsError``);
 ``exception``: any other exception."""
@@ -640,9 +643,18 @@ class Heartbeat(_Model):
     failure: RankFailure | None = None
     """On a final heartbeat: the exception the rank's training ended on (the rank ended
     ``failed``); ``None``: it ended normally (``finished``). Never on a non-final one."""
+    stop_signal: Annotated[int, Field(ge=1, le=MAX_SIGNAL)] | None = None
+    """On a final heartbeat: the signal that stopped the rank (15: SIGTERM, which torchrun's
+    elastic agent, Slurm and Kubernetes send): it ended ``stopped``, said goodbye, and is
+    never ``lost``. ``None``: it ended by itself. Never on a non-final one. Added after
+    ``failure``: a reporter sends it only when set, and sends the heartbeat again without it
+    to an exporter that predates it (which refuses unknown fields), so that exporter reads
+    the rank ``finished`` instead of losing it; an older reporter never sends it."""
 
     @model_validator(mode="after")
     def _failure_is_final(self) -> Heartbeat:
         if self.failure is not None and not self.final:
             raise ValueError("only a final heartbeat carries a failure")
+        if self.stop_signal is not None and not self.final:
+            raise ValueError("only a final heartbeat carries a stop_signal")
         return self

@@ -288,8 +288,9 @@ def job_table(
 ) -> list[str]:
     """One run over every node's exporter (or from ``source``, e.g. Prometheus): a line per
     node (ranks, states, steps, worst verdict naming it), then the outlier ranks (named by
-    a flagged verdict, or neither running nor finished), then every verdict and the targets
-    without a usable answer."""
+    a flagged verdict, or neither running nor ended by saying goodbye normally: finished,
+    or stopped by its launcher), then every verdict and the targets without a usable
+    answer."""
     flagged = [v for v in health["verdicts"] if v["status"] != "ok"]
     nodes: dict[str, list[Mapping[str, Any]]] = {}
     for view in views:
@@ -326,7 +327,7 @@ def job_table(
     outliers = [
         view
         for view in views
-        if view["rank"] in rules_of or rank_state(view) not in ("running", "finished")
+        if view["rank"] in rules_of or rank_state(view) not in ("running", "finished", "stopped")
     ]
     if outliers:
         header = ["RANK", "NODE", "STATE", "STEP", "SCALE", "SKIPPED", "INF L/O", "FLAGGED"]

@@ -109,7 +109,13 @@ def missing_rank(ranks: Sequence[RankFacts], *, judged: bool) -> Verdict:
 
 def lost_rank(ranks: Sequence[RankFacts], t: Thresholds) -> Verdict:
     """Warning when a rank went silent for ``stale_after_s`` without its final record;
-    critical when more than ``lost_critical_share`` of the run's ranks did."""
+    critical when more than ``lost_critical_share`` of the run's ranks did.
+
+    A ``stopped`` rank said goodbye (its launcher stopped it with a signal) and is never
+    lost; nor does it count in the share: after an elastic restart that shrank or
+    renumbered the world, the old generation's ranks linger ``stopped`` until retention
+    drops them, and must not dilute the share of the ranks that make up the job now.
+    """
     say = rule_verdicts("lost_rank", t)
     lost = [
         {
@@ -122,10 +128,11 @@ def lost_rank(ranks: Sequence[RankFacts], t: Thresholds) -> Verdict:
     ]
     if not lost:
         return say("ok", f"no rank of {len(ranks)} lost", {"lost": 0})
-    share = len(lost) / len(ranks)
+    counted = sum(1 for facts in ranks if facts.state != "stopped")
+    share = len(lost) / counted
     return say(
         "critical" if share > t.lost_critical_share else "warning",
-        f"{len(lost)} of {len(ranks)} rank(s) went silent without finishing (process "
+        f"{len(lost)} of {counted} rank(s) went silent without finishing (process "
         f"died or network broken): rank {lost[0]['rank']} last heard "
         f"{lost[0]['seconds_since_report']:.0f} s ago at step {lost[0]['last_step']}",
         {"lost": len(lost), "share": share, "ranks": lost[:MAX_EVIDENCE_RANKS]},

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-RankStateName = Literal["running", "stalled", "lost", "finished", "failed"]
+RankStateName = Literal["running", "stalled", "lost", "finished", "failed", "stopped"]
 """A rank's lifecycle state (``ampscope.exporter.state.lifecycle`` decides which)."""
 
 STATES: tuple[RankStateName, ...] = get_args(RankStateName)
@@ -20,12 +20,14 @@ state is one entry in ``RankStateName``."""
 LIVE_STATES: tuple[RankStateName, ...] = ("running", "stalled")
 """States of a rank still heard from and still expected to step."""
 
-ENDED_STATES: tuple[RankStateName, ...] = ("finished", "failed", "lost")
+ENDED_STATES: tuple[RankStateName, ...] = ("finished", "failed", "stopped", "lost")
 """States of a rank that no longer steps, as ``stalled_rank``'s summary counts them."""
 
-FINAL_STATES: tuple[RankStateName, ...] = ("finished", "failed")
-"""States of a rank that sent its final record (said goodbye): normally, or on an
-exception. A run whose ranks are all in them ended."""
+FINAL_STATES: tuple[RankStateName, ...] = ("finished", "failed", "stopped")
+"""States of a rank that sent its final record (said goodbye): normally, on an exception,
+or because its launcher stopped it with a signal (SIGTERM: torchrun's elastic restart, a
+Slurm preemption, a Kubernetes eviction). A run whose ranks are all in them ended; a rank
+in them is never lost."""
 
 
 def state_counts(states: Iterable[str]) -> dict[str, int]:

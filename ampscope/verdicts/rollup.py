@@ -2,7 +2,8 @@
 
 The exporter's ``HealthReport``, ``ampscope status``'s merge of several exporters and its
 Prometheus view build their reports here: ``status`` (the worst verdict), ``state``
-(``finished`` once every rank finished, ``failed`` once every rank ended and one failed)
+(``finished`` once every rank finished, ``failed`` once every rank ended and one failed,
+``stopped`` once every rank ended, none failed and one was stopped by its launcher)
 and ``states`` (ranks per state).
 """
 
@@ -14,23 +15,33 @@ from typing import Any, Literal
 from ampscope.verdicts.ranks import FINAL_STATES, state_counts
 from ampscope.verdicts.verdict import Verdict, worst
 
-RunState = Literal["active", "finished", "failed"]
+RunState = Literal["active", "finished", "failed", "stopped"]
 """A run's state: ``active`` while any rank has not sent its final record; then
-``failed`` when one of them ended on an exception, else ``finished`` (as a Kubernetes pod
+``failed`` when one of them ended on an exception, else ``stopped`` when one of them was
+stopped by a signal (its launcher stopped it: a preemption, an eviction, an elastic
+restart whose next generation has not reported yet), else ``finished`` (as a Kubernetes pod
 ends Succeeded or Failed, never both)."""
 
 
 def run_ended(states: Sequence[str]) -> bool:
-    """Whether the run ended: it has ranks, and every one sent its final record (finished
-    or failed)."""
+    """Whether the run ended: it has ranks, and every one sent its final record (finished,
+    failed or stopped)."""
     return bool(states) and all(state in FINAL_STATES for state in states)
 
 
 def run_state(states: Sequence[str]) -> RunState:
-    """The run's state from its ranks' states (one per rank). O(ranks)."""
+    """The run's state from its ranks' states (one per rank). O(ranks).
+
+    A run stopped by its launcher did not finish: its training did not complete, so it
+    never reads ``finished``; nor did it fail, so it never reads ``failed`` (no rank's
+    training raised). A rank of the next elastic generation reporting again makes the run
+    ``active`` once more.
+    """
     if not run_ended(states):
         return "active"
-    return "failed" if "failed" in states else "finished"
+    if "failed" in states:
+        return "failed"
+    return "stopped" if "stopped" in states else "finished"
 
 
 def health_report(

@@ -439,8 +439,8 @@ def overflow_origins() -> list[Panel]:
 
 def ranks() -> list[Panel]:
     """Rank state over time, up, time since the last report, last step, dropped records."""
-    # running 0, stalled 1, lost 2, finished 3, failed 4: each state's series is 1 while it
-    # holds.
+    # running 0, stalled 1, lost 2, finished 3, failed 4, stopped 5: each state's series is 1
+    # while it holds (a new state takes the next number, so the old ones keep theirs).
     state = " + ignoring (state) ".join(
         factor + per_rank("ampscope_rank_state", f'state="{name}"')
         for factor, name in (
@@ -448,6 +448,7 @@ def ranks() -> list[Panel]:
             ("2 * ", "lost"),
             ("3 * ", "finished"),
             ("4 * ", "failed"),
+            ("5 * ", "stopped"),
         )
     )
     return [
@@ -460,7 +461,9 @@ def ranks() -> list[Panel]:
             "--stale-after, 60 s by default, and no final record: the process died; alert "
             "AmpscopeRankLost), finished (the scaler closed and said so; no alert fires for "
             "it), failed (training ended on an exception, named by ampscope_rank_failure_info; "
-            "alert AmpscopeRankFailed).",
+            "alert AmpscopeRankFailed), stopped (its launcher stopped it with SIGTERM: "
+            "torchrun's elastic restart, a preemption, an eviction; it said so, never lost, "
+            "no alert).",
             Query(state, RANK_LEGEND),
             names=[
                 ("running", "green"),
@@ -468,14 +471,15 @@ def ranks() -> list[Panel]:
                 ("lost", "red"),
                 ("finished", "blue"),
                 ("failed", "dark-red"),
+                ("stopped", "purple"),
             ],
         ),
         series(
             15,
             "Rank up",
             "1 while the exporter hears from the rank (records or heartbeats) within its "
-            "stale TTL (60 s by default), else 0: a lost, finished or failed rank (see Rank "
-            "state).",
+            "stale TTL (60 s by default), else 0: a lost, finished, failed or stopped rank "
+            "(see Rank state).",
             Query(per_rank("ampscope_rank_up"), RANK_LEGEND),
             width=8,
             min_value=0,

@@ -196,7 +196,14 @@ def test_finished_runs_are_finished_ok_and_fire_nothing(stack: Stack) -> None:
         )
     report = stack.health("lc-clean")
     assert (report["status"], report["state"]) == ("ok", "finished")
-    assert report["states"] == {"running": 0, "stalled": 0, "lost": 0, "finished": 1, "failed": 0}
+    assert report["states"] == {
+        "running": 0,
+        "stalled": 0,
+        "lost": 0,
+        "finished": 1,
+        "failed": 0,
+        "stopped": 0,
+    }
     # The collapsed run says how it ended, but pages nobody.
     report = stack.health("lc-collapse")
     assert report["state"] == "finished"
@@ -265,6 +272,38 @@ def test_a_sigkilled_rank_is_lost_and_the_alert_fires(stack: Stack) -> None:
     )
     assert firing
     assert not [a for a in stack.alerts("lc-killed") if a[0] != "AmpscopeRankLost"]
+
+
+def test_a_sigtermed_rank_is_stopped_and_no_alert_fires(stack: Stack) -> None:
+    """What torchrun's elastic restart, a Slurm preemption or a Kubernetes eviction does to a
+    rank: SIGTERM. The rank says so and ends by the signal; nobody is paged."""
+    process = stack.rank("lc-stopped-by-launcher", "hang")
+    try:
+        _ready(process)
+        _until(lambda: stack.state("lc-stopped-by-launcher") == "running", "not running")
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(DEADLOCK_GUARD_S) == -signal.SIGTERM
+    finally:
+        _stop(process)
+    _until(lambda: stack.state("lc-stopped-by-launcher") == "stopped", "not stopped")
+    (scraped,) = _until(
+        lambda: stack.query(
+            'timestamp(ampscope_rank_state{run="lc-stopped-by-launcher", state="stopped"} == 1)'
+        ),
+        "prometheus did not scrape the stopped state",
+    )
+    _until(
+        lambda: rules_evaluated_after(stack.prometheus, float(scraped["value"][1])),
+        "the rules were not evaluated after the stopped scrape",
+    )
+    # Through several stale-after periods and rule evaluations: no alert, not even pending.
+    end = time.monotonic() + 3 * STALE_AFTER + 2
+    while time.monotonic() < end:
+        assert stack.alerts("lc-stopped-by-launcher") == []
+        time.sleep(0.3)
+    assert stack.state("lc-stopped-by-launcher") == "stopped"
+    verdicts = {v["rule"]: v for v in stack.health("lc-stopped-by-launcher")["verdicts"]}
+    assert verdicts["lost_rank"]["status"] == "ok"
 
 
 def test_a_hang_before_a_collective_stalls_both_ranks_and_names_the_culprit(
@@ -403,7 +442,14 @@ def test_a_bf16_run_a_watch_stopped_is_failed_everywhere(stack: Stack) -> None:
     # The exporter's health: critical, the run failed, the step, the exception, the origin.
     report = stack.health("lc-stopped")
     assert (report["status"], report["state"]) == ("critical", "failed")
-    assert report["states"] == {"running": 0, "stalled": 0, "lost": 0, "finished": 0, "failed": 2}
+    assert report["states"] == {
+        "running": 0,
+        "stalled": 0,
+        "lost": 0,
+        "finished": 0,
+        "failed": 2,
+        "stopped": 0,
+    }
     verdict = {v["rule"]: v for v in report["verdicts"]}["rank_failed"]
     assert verdict["status"] == "critical"
     evidence = verdict["evidence"]
@@ -433,6 +479,7 @@ def test_a_bf16_run_a_watch_stopped_is_failed_everywhere(stack: Stack) -> None:
             ("lost",): 0.0,
             ("finished",): 0.0,
             ("failed",): 1.0,
+            ("stopped",): 0.0,
         }
         assert _sample_line(text, "ampscope_rank_failure_info", rank, "lc-stopped") == (
             {

@@ -39,6 +39,8 @@ def test_invalid_types_and_keyword_only() -> None:
         TelemetryConfig(sinks=[object()])  # type: ignore[list-item]
     with pytest.raises(TypeError):
         TelemetryConfig(None)  # type: ignore[misc]
+    with pytest.raises(TypeError, match="sigterm_handler"):
+        TelemetryConfig(sigterm_handler="off")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="top_k"):
         ampscope.GradScaler("cpu", reporter=None, top_k=100)
 

@@ -97,6 +97,11 @@ class LoopbackExporter:
         self._thread: threading.Thread | None = None
         self.heartbeats: list[Heartbeat] = []
         """Valid heartbeats, in arrival order (kept apart from ``received``)."""
+        self.heartbeat_bodies: list[bytes] = []
+        """Every heartbeat's body as it arrived, valid or not, in arrival order."""
+        self.unknown_heartbeat_fields: set[str] = set()
+        """Heartbeat fields to answer 422 to, as an exporter that predates them does (the
+        schema refuses unknown fields)."""
         self.events: list[str] = []
         """``records`` or ``beat``/``final`` per answered 200, in arrival order; a heartbeat
         that was not applied (no record of its rank held) as ``beat?``/``final?``."""
@@ -225,6 +230,15 @@ class LoopbackExporter:
         return status, payload, extra
 
     def _heartbeat(self, body: bytes) -> tuple[int, bytes, dict[str, str]]:
+        with self._lock:
+            self.heartbeat_bodies.append(body)
+            try:
+                unknown = self.unknown_heartbeat_fields & set(json.loads(body))
+            except ValueError:
+                unknown = set()
+        if unknown:
+            detail = f"extra inputs are not permitted: {sorted(unknown)}"
+            return 422, json.dumps({"detail": detail}).encode(), {}
         try:
             beat = Heartbeat.model_validate_json(body)
         except ValueError as exc:

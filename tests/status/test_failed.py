@@ -163,6 +163,7 @@ def test_fan_out_and_prometheus_tell_the_same_failures(job: tuple[str, dict[str,
             "lost": 0,
             "finished": 2,
             "failed": 2,
+            "stopped": 0,
         }
         failed = _verdicts(answer)["rank_failed"]
         assert failed["status"] == "critical"

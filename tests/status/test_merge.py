@@ -78,7 +78,14 @@ def test_whole_job_rules_are_computed_again_over_every_node() -> None:
     ]
     assert verdicts["stalled_rank"]["summary"] == "all 12 live ranks are making progress (3 lost)"
     assert (health["status"], health["ranks"], health["up"]) == ("warning", 15, 12)
-    assert health["states"] == {"running": 12, "stalled": 0, "lost": 3, "finished": 0, "failed": 0}
+    assert health["states"] == {
+        "running": 12,
+        "stalled": 0,
+        "lost": 3,
+        "finished": 0,
+        "failed": 0,
+        "stopped": 0,
+    }
     assert verdicts["rank_failed"]["status"] == "ok"  # recomputed: no exporter said it
 
 

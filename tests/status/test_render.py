@@ -7,19 +7,23 @@ from fastapi.testclient import TestClient
 
 from ampscope.exporter.app import create_app
 from ampscope.exporter.settings import Settings
+from ampscope.reporter.schema import Heartbeat
 from ampscope.status import render
 from ampscope.status.main import exit_status
 
 
-def _answers(*records) -> tuple[list, dict, dict]:
+def _answers(*records, beats: tuple[Heartbeat, ...] = ()) -> tuple[list, dict, dict]:
     """(GET /api/v1/runs, each run's /ranks, each run's /health) after posting ``records``
-    one batch per rank."""
+    one batch per rank, then ``beats``."""
     with TestClient(create_app(Settings(), clock=FakeClock())) as client:
         by_rank: dict[tuple[str, int], list] = {}
         for rec in records:
             by_rank.setdefault((rec.identity.run, rec.identity.rank), []).append(rec)
         for batch in by_rank.values():
             assert client.post("/api/v1/ingest", content=body(*batch)).status_code == 200
+        for beat in beats:
+            answer = client.post("/api/v1/heartbeat", content=beat.model_dump_json())
+            assert answer.json()["applied"] is True
         runs = client.get("/api/v1/runs").json()
         ranks = {r["run"]: client.get(f"/api/v1/runs/{r['run']}/ranks").json() for r in runs}
         health = {r["run"]: client.get(f"/api/v1/runs/{r['run']}/health").json() for r in runs}
@@ -76,3 +80,24 @@ def test_a_scaler_run_reads_as_before() -> None:
     cells = lines[3].split()
     assert cells[4:8] == ["scaler", "2^16", "0/3", "0"]
     assert cells[-3] == "0"
+
+
+def test_a_rank_its_launcher_stopped_reads_stopped_and_is_no_outlier() -> None:
+    last = record(3, rank=1)
+    goodbye = Heartbeat(
+        schema_version=1,
+        identity=last.identity,
+        time=last.time + 1,
+        step=3,
+        final=True,
+        dropped_records=0,
+        stop_signal=15,
+    )
+    records = [record(s, rank=r) for r in (0, 1) for s in range(1, 4)]
+    _, ranks, health = _answers(*records, beats=(goodbye,))
+    assert health["run-a"]["status"] == "ok"
+    lines = render.run_table("run-a", ranks["run-a"], health["run-a"])
+    assert "(1 running, 1 stopped)" in lines[0]
+    assert [line.split()[2] for line in lines[3:5]] == ["running", "stopped"]
+    job = render.job_table("run-a", ranks["run-a"], health["run-a"], [], [])
+    assert not any(line.startswith("RANK") for line in job)  # no outlier: said goodbye

@@ -108,6 +108,41 @@ def test_lost_rank_share_is_of_the_whole_view() -> None:
     assert lost_rank(job[4:], t).status == "ok"
 
 
+def test_stopped_ranks_are_never_lost_nor_counted_in_the_lost_share() -> None:
+    t = Thresholds()
+    # Every rank stopped by its launcher (torchrun's restart, a preemption): nothing lost.
+    stopped = [_facts(r, state="stopped", heard=10.0) for r in range(4)]
+    verdict = lost_rank(stopped, t)
+    assert (verdict.status, verdict.evidence) == ("ok", {"lost": 0})
+    # An elastic restart shrank 8 ranks to 4: ranks 4..7 of the old generation linger
+    # stopped. Two of the 4 ranks of the job now go silent: half of the job, critical,
+    # not 2 of 8 (a quarter: a warning) as if the stopped ranks were still in it.
+    shrunk = [
+        _facts(r, state="lost" if r in (2, 3) else "running", world_size=4) for r in range(4)
+    ] + [_facts(r, state="stopped", heard=10.0) for r in range(4, 8)]
+    verdict = lost_rank(shrunk, t)
+    assert (verdict.status, verdict.evidence["lost"], verdict.evidence["share"]) == (
+        "critical",
+        2,
+        0.5,
+    )
+    assert verdict.summary.startswith("2 of 4 rank(s) went silent without finishing")
+    # One rank SIGKILLed (the OOM killer), the others stopped by the agent: that one is lost.
+    killed = [_facts(0, state="lost"), *stopped[1:]]
+    assert lost_rank(killed, t).evidence["lost"] == 1
+
+
+def test_a_stopped_rank_is_neither_live_nor_missing() -> None:
+    t = Thresholds()
+    ranks = [_facts(0), _facts(1, state="stopped")]
+    verdict = stalled_rank(ranks, t)
+    assert (verdict.status, verdict.evidence["live"]) == ("ok", 1)
+    assert verdict.summary == "the live rank is making progress (1 stopped)"
+    everyone = [_facts(r, state="stopped", world_size=2, local_world_size=2) for r in (0, 1)]
+    assert stalled_rank(everyone, t).summary == "no live ranks: 2 stopped"
+    assert missing_rank(everyone, judged=True).status == "ok"  # they reported: not missing
+
+
 def test_stalled_rank_names_the_culprit_only_when_every_live_rank_stalled() -> None:
     t = Thresholds()
     # Ranks 0..3 on two nodes stalled at steps 10..13: the lowest step stopped first; at

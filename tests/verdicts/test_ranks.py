@@ -6,13 +6,14 @@ from ampscope.verdicts.ranks import STATES, is_scaler, mode_of, reported_state, 
 
 
 def test_states_are_listed_in_one_order_with_every_state_counted() -> None:
-    assert STATES == ("running", "stalled", "lost", "finished", "failed")
+    assert STATES == ("running", "stalled", "lost", "finished", "failed", "stopped")
     assert state_counts(["lost", "running", "lost"]) == {
         "running": 1,
         "stalled": 0,
         "lost": 2,
         "finished": 0,
         "failed": 0,
+        "stopped": 0,
     }
 
 

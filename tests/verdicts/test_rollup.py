@@ -22,7 +22,7 @@ def test_the_report_head_from_verdicts_and_states() -> None:
         "evaluated_at": 5.0,
         "ranks": 2,
         "up": 1,
-        "states": {"running": 1, "stalled": 0, "lost": 1, "finished": 0, "failed": 0},
+        "states": {"running": 1, "stalled": 0, "lost": 1, "finished": 0, "failed": 0, "stopped": 0},
         "verdicts": verdicts,
     }
     # The JSON of verdicts (a merge of exporters' answers) rolls up the same way.
@@ -47,4 +47,25 @@ def test_a_run_whose_ranks_all_ended_with_one_failed_is_failed() -> None:
     verdicts = [_verdict("rank_failed", "critical")]
     report = health_report("r", verdicts, ["failed", "finished"], evaluated_at=5.0, up=0)
     assert (report["status"], report["state"]) == ("critical", "failed")
-    assert report["states"] == {"running": 0, "stalled": 0, "lost": 0, "finished": 1, "failed": 1}
+    assert report["states"] == {
+        "running": 0,
+        "stalled": 0,
+        "lost": 0,
+        "finished": 1,
+        "failed": 1,
+        "stopped": 0,
+    }
+
+
+def test_a_run_its_launcher_stopped_is_stopped_never_finished_nor_failed() -> None:
+    assert run_ended(["stopped", "stopped"])
+    assert run_state(["stopped", "stopped"]) == "stopped"
+    # Some ranks finished before the others were stopped: the training did not complete.
+    assert run_state(["finished", "stopped"]) == "stopped"
+    # A failure is the fault, whatever else happened (torchrun stops the survivors of it).
+    assert run_state(["failed", "stopped", "stopped"]) == "failed"
+    # The next elastic generation reports: active again.
+    assert run_state(["running", "stopped"]) == "active"
+    report = health_report("r", [], ["stopped", "finished"], evaluated_at=5.0, up=0)
+    assert (report["status"], report["state"]) == ("ok", "stopped")
+    assert report["states"]["stopped"] == 1

@@ -59,7 +59,7 @@ class RunSummary(BaseModel):
     ranks: int = Field(description="Ranks held (stale ones included until retention).")
     up: int = Field(description="Ranks that reported within the stale TTL.")
     stale: int = Field(
-        description="Ranks not heard from within the stale TTL (lost, finished or failed)."
+        description="Ranks not heard from within the stale TTL (lost, finished, failed or stopped)."
     )
     states: dict[str, int] = Field(description=_PER_STATE)
     world_size: int = Field(description="world_size the newest-reporting rank declared.")
@@ -140,13 +140,20 @@ class RankView(BaseModel):
         "stall_after_s; stalled: heard from, no new step for stall_after_s; lost: nothing "
         "heard for stale_after_s and no final record; finished: sent its final record, "
         "training ended normally; failed: sent its final record, training ended on an "
-        "exception (see failure)."
+        "exception (see failure); stopped: sent its final record, its launcher stopped it "
+        "with a signal (SIGTERM: an elastic restart, a preemption, an eviction; see "
+        "stop_signal). lost_rank never counts a stopped rank."
     )
     failure: RankFailure | None = Field(
         default=None,
         description="For a failed rank: the exception its training ended on (class, "
         "message, step; for a non-finite stop the origin ranks) and where the reporter "
         "saw it; null otherwise.",
+    )
+    stop_signal: int | None = Field(
+        default=None,
+        description="For a stopped rank: the number of the signal that stopped it (15: "
+        "SIGTERM); null otherwise.",
     )
     last_report_time: float = Field(description="Unix time the exporter last heard from it.")
     seconds_since_report: float
@@ -197,10 +204,12 @@ class HealthReport(BaseModel):
     run: str
     status: Status = Field(description="The worst verdict.")
     state: RunState = Field(
-        description="finished: every rank sent its final record and none failed; failed: "
-        "every rank sent its final record and at least one failed (rank_failed is "
-        "critical); either way the instability rules are then evaluated as of the last "
-        "one. No alert fires for a finished run."
+        description="active: a rank has not sent its final record; finished: every rank "
+        "sent its final record and none failed or was stopped; failed: every rank sent its "
+        "final record and at least one failed (rank_failed is critical); stopped: every rank "
+        "sent its final record, none failed and at least one was stopped by a signal (its "
+        "launcher stopped it). Once ended, the instability rules are evaluated as of the "
+        "last final record. No alert fires for a finished or stopped run."
     )
     evaluated_at: float
     ranks: int

@@ -147,7 +147,8 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "1 for the rank's current state, 0 for the others: running (steps advancing), stalled "
         "(heard from, no new step for the stall TTL), lost (silent for the stale TTL, no final "
         "record), finished (sent its final record: training ended normally), failed (sent its "
-        "final record: training ended on an exception, see ampscope_rank_failure_info).",
+        "final record: training ended on an exception, see ampscope_rank_failure_info), stopped "
+        "(sent its final record: its launcher stopped it with a signal, SIGTERM; never lost).",
         "state",
     ),
     _rank(

@@ -1,5 +1,5 @@
-"""Rank states: running, stalled, lost, finished or failed, from what and when the exporter
-heard.
+"""Rank states: running, stalled, lost, finished, failed or stopped, from what and when the
+exporter heard.
 
 One decision, read by the collector (``ampscope_rank_state``), the JSON API
 (``RankView.state``) and the health rules, so they always agree; the states themselves are
@@ -35,11 +35,14 @@ class Lifecycle:
         """The rank's state at exporter time ``now``.
 
         A final record wins over everything: a rank that said goodbye is finished however
-        long ago, or failed when it said what its training ended on. Then silence (lost),
-        then a step that stopped advancing (stalled).
+        long ago, failed when it said what its training ended on, or stopped when it said
+        a signal stopped it (a failure wins: it is the fault). Then silence (lost), then a
+        step that stopped advancing (stalled).
         """
         if snap.finished_at is not None:
-            return "failed" if snap.failure is not None else "finished"
+            if snap.failure is not None:
+                return "failed"
+            return "stopped" if snap.stop_signal is not None else "finished"
         if not snap.reported_within(now, self.stale_after_s):
             return "lost"
         if now - snap.last_progress > self.stall_after_s:

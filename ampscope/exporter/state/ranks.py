@@ -71,9 +71,9 @@ from ampscope.reporter.spike_rule import SpikeRule
 from ampscope.verdicts.fp8 import Fp8Rule
 from ampscope.verdicts.ranks import is_scaler
 
-PER_RANK_SERIES = 13
+PER_RANK_SERIES = 14
 """Per-rank label sets of every rank besides devices and parameters: info, last step, last
-report time, up, steps, skipped, non-finite updates applied, reporter drops, and the five
+report time, up, steps, skipped, non-finite updates applied, reporter drops, and the six
 ``ampscope_rank_state`` states (a failed rank adds ``ampscope_rank_failure_info``:
 ``RankState.series``)."""
 SCALER_SERIES = 4
@@ -241,6 +241,10 @@ class RankSnapshot:
     failure: RankFailure | None = None
     """What its final heartbeat said training ended on: the rank ended ``failed``;
     ``None`` while running, and for a rank that finished normally."""
+    stop_signal: int | None = None
+    """The signal its final heartbeat said stopped it (15: SIGTERM): the rank ended
+    ``stopped`` (unless it also failed); ``None`` while running, and for a rank that
+    ended by itself."""
     spike_counts: SpikeCounts = NO_SPIKES
     """Spike iterations per kind the exporter found (``ampscope_spikes_total``)."""
     spikes: tuple[SpikeEvent, ...] = ()
@@ -463,6 +467,7 @@ class RankState:
         """Record time of the newest offence seen (see ``note_offence``)."""
         self.last_skip: SkipEvent | None = None
         self.failure: RankFailure | None = None
+        self.stop_signal: int | None = None
         # Records produced before this wall-clock time belong to a dead process.
         self._process_start = float("-inf")
 
@@ -523,8 +528,10 @@ class RankState:
         else:
             self.dropped_records = max(self.dropped_records, dropped_records)
         if advanced:
-            # A new step from a rank that had said goodbye is a new process: running again.
-            self.last_progress, self.finished_at, self.failure = now, None, None
+            # A new step from a rank that had said goodbye is a new process: running again
+            # (the next elastic generation of a rank its launcher stopped, too).
+            self.last_progress, self.finished_at = now, None
+            self.failure = self.stop_signal = None
         if advanced and self.newest is not None:
             self._sample(now, peak)
         return accepted, ignored
@@ -534,9 +541,10 @@ class RankState:
 
         Contract: the rank holds a record. A heartbeat produced before the newest record of
         a process that has since restarted is ignored; any other moves ``last_report``, and
-        a final one marks the rank finished, or failed when it carries a ``failure`` (its
-        next new step makes it running again). A failure wins over an earlier plain final
-        heartbeat: an exception that reached the process's hook after the rank closed.
+        a final one marks the rank finished, failed when it carries a ``failure``, or
+        stopped when it carries a ``stop_signal`` (its next new step makes it running
+        again). A failure wins over an earlier plain final heartbeat: an exception that
+        reached the process's hook after the rank closed.
 
         Returns:
             Whether the heartbeat was applied.
@@ -563,6 +571,8 @@ class RankState:
             self.finished_at = now
         if beat.failure is not None:
             self.failure = beat.failure
+        if beat.stop_signal is not None:
+            self.stop_signal = beat.stop_signal
         return True
 
     def note_device(self, device: DeviceIdentity | None) -> None:
@@ -694,6 +704,7 @@ class RankState:
             last_progress=self.last_progress,
             finished_at=self.finished_at,
             failure=self.failure,
+            stop_signal=self.stop_signal,
             spike_counts=self.spikes.counts,
             spikes=tuple(self.spikes.recent),
             device=self.device,

@@ -264,6 +264,7 @@ def _view(info: Mapping[str, str]) -> dict[str, Any]:
         "up": False,
         "state": "lost",
         "failure": None,
+        "stop_signal": None,  # no series holds it: a stopped rank's state says enough
         "last_report_time": 0.0,
         "seconds_since_report": 0.0,
         "restarts": None,

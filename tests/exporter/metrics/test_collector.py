@@ -105,7 +105,7 @@ def test_values_match_the_newest_record(make_client: MakeClient) -> None:
     assert got[("ampscope_exporter_tracked_ranks", frozenset())] == 1
     # ... and the weather part: its skips, and one per device of each found-inf counter.
     weather = 1 + 2 + 1
-    assert got[("ampscope_exporter_tracked_series", frozenset())] == 17 + 3 + 2 + 1 + 2 + weather
+    assert got[("ampscope_exporter_tracked_series", frozenset())] == 18 + 3 + 2 + 1 + 2 + weather
     assert got[("ampscope_exporter_ingest_records_total", frozenset())] == 3
 
 
@@ -114,13 +114,13 @@ def test_aligned_scale_appears_from_the_first_aligned_step(make_client: MakeClie
     _post(client, record(9))
     got = _samples(client)
     assert ("ampscope_loss_scale_aligned", _labels()) not in got
-    assert got[("ampscope_exporter_tracked_series", frozenset())] == 17 + 1
+    assert got[("ampscope_exporter_tracked_series", frozenset())] == 18 + 1
     _post(client, record(10, scale=512.0, total=totals(10, aligned=(10, 512.0))))
     got = _samples(client)
     assert got[("ampscope_loss_scale_aligned", _labels())] == 512.0
     assert got[("ampscope_loss_scale_aligned_step", _labels())] == 10
     assert unpack(got[("ampscope_loss_scale_aligned_packed", _labels())]) == (10, 512.0)
-    assert got[("ampscope_exporter_tracked_series", frozenset())] == 17 + 3 + 1
+    assert got[("ampscope_exporter_tracked_series", frozenset())] == 18 + 3 + 1
 
 
 def _watch_totals(steps: int) -> object:

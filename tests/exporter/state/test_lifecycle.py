@@ -21,6 +21,7 @@ def beat(
     time: float,
     final: bool = False,
     failure: RankFailure | None = None,
+    stop_signal: int | None = None,
 ) -> Heartbeat:
     return Heartbeat(
         schema_version=1,
@@ -30,6 +31,7 @@ def beat(
         final=final,
         dropped_records=0,
         failure=failure,
+        stop_signal=stop_signal,
     )
 
 
@@ -138,7 +140,14 @@ def test_finished_run_is_judged_as_it_ended() -> None:
     # Hours later: no rank lost or stalled, every rule ok.
     report = evaluate("run-a", clean, T0 + 7200, T)
     assert (report.status, report.state) == ("ok", "finished")
-    assert report.states == {"running": 0, "stalled": 0, "lost": 0, "finished": 2, "failed": 0}
+    assert report.states == {
+        "running": 0,
+        "stalled": 0,
+        "lost": 0,
+        "finished": 2,
+        "failed": 0,
+        "stopped": 0,
+    }
     assert {v.status for v in report.verdicts} == {"ok"}
     # A run that ended with a collapsed scale says so, as of its end, for as long as it is held.
     collapsed = _state(
@@ -201,6 +210,7 @@ def test_a_run_whose_ranks_failed_is_critical_and_failed_for_as_long_as_it_is_he
             "lost": 0,
             "finished": 0,
             "failed": 2,
+            "stopped": 0,
         }
         verdicts = {v.rule: v for v in report.verdicts}
         failed = verdicts["rank_failed"]
@@ -223,3 +233,60 @@ def test_a_run_whose_ranks_failed_is_critical_and_failed_for_as_long_as_it_is_he
     report = evaluate("run-a", [ranks[0], finished], T0 + 2, T)
     assert (report.status, report.state) == ("critical", "failed")
     assert report.states["finished"] == report.states["failed"] == 1
+
+
+SIGTERM = 15
+
+
+def test_a_final_heartbeat_with_a_stop_signal_ends_the_rank_stopped() -> None:
+    state = _state([(T0, [record(1), record(2)])])
+    state.heartbeat(beat(step=2, time=T0 + 1, final=True, stop_signal=SIGTERM), T0 + 1)
+    snap = state.snapshot()
+    assert (snap.finished_at, snap.stop_signal, snap.failure) == (T0 + 1, SIGTERM, None)
+    assert LIFE.state(snap, T0 + 1) == "stopped"
+    assert LIFE.state(snap, T0 + 10_000) == "stopped"  # said goodbye: never lost
+    # The next elastic generation of the same rank id, a new process: running again.
+    state.apply_batch([record(1, time=T0 + 30)], 0, T0 + 30)
+    snap = state.snapshot()
+    assert (LIFE.state(snap, T0 + 30), snap.stop_signal, snap.finished_at) == (
+        "running",
+        None,
+        None,
+    )
+    assert snap.restarts == 1
+    # Then it finishes by itself: finished, not stopped.
+    state.heartbeat(beat(step=1, time=T0 + 31, final=True), T0 + 31)
+    assert LIFE.state(state.snapshot(), T0 + 31) == "finished"
+
+
+def test_a_failure_wins_over_a_stop_signal() -> None:
+    state = _state([(T0, [record(1), record(2)])])
+    told = stopped(2, None)
+    state.heartbeat(
+        beat(step=2, time=T0 + 1, final=True, failure=told, stop_signal=SIGTERM), T0 + 1
+    )
+    assert LIFE.state(state.snapshot(), T0 + 1) == "failed"
+
+
+def test_a_run_its_launcher_stopped_pages_nobody_and_reads_stopped() -> None:
+    ranks = [
+        _state(
+            [
+                (T0, [record(1, rank=r), record(2, rank=r)]),
+                (T0 + 1, beat(r, step=2, time=T0 + 1, final=True, stop_signal=SIGTERM)),
+            ]
+        ).snapshot()
+        for r in (0, 1)
+    ]
+    # Hours after the stop, past every stale TTL: nothing lost, every rule ok.
+    report = evaluate("run-a", ranks, T0 + 7200, T)
+    assert (report.status, report.state) == ("ok", "stopped")
+    assert report.states["stopped"] == 2
+    verdicts = {v.rule: v for v in report.verdicts}
+    assert verdicts["lost_rank"].status == "ok"
+    assert verdicts["stalled_rank"].summary == "no live ranks: 2 stopped"
+    # The same ranks without the goodbye (SIGKILL, a dead node): lost, critical.
+    silent = [_state([(T0, [record(1, rank=r), record(2, rank=r)])]).snapshot() for r in (0, 1)]
+    report = evaluate("run-a", silent, T0 + 7200, T)
+    lost = {v.rule: v for v in report.verdicts}["lost_rank"]
+    assert (report.state, lost.status, lost.evidence["lost"]) == ("active", "critical", 2)

@@ -127,13 +127,13 @@ def test_series_of_counts_every_label_set() -> None:
     rec = record(
         1, total=totals(1, local={"cuda:0": 0, "cuda:1": 1}, origin={"cuda:0": 1}, params={"w": 3})
     )
-    assert series_of(rec) == 17 + 2 + 1 + 1
+    assert series_of(rec) == 18 + 2 + 1 + 1
 
 
 def test_series_of_a_watch_rank_counts_no_scale() -> None:
     rec = watch(1, total=totals(1, local={"cuda:0": 0}, params={"w": 3}, aligned=(10, 1.0)))
-    # No scale, growth tracker, backoffs, growths, nor aligned scale: 17 - 4.
-    assert series_of(rec) == 13 + 1 + 1
+    # No scale, growth tracker, backoffs, growths, nor aligned scale: 18 - 4.
+    assert series_of(rec) == 14 + 1 + 1
 
 
 def test_non_finite_updates_applied_falling_is_a_restart() -> None:

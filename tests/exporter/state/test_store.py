@@ -29,20 +29,20 @@ def test_limits_reject_whole_batches_and_name_the_limit() -> None:
         store.ingest(batch(record(1, run="a", rank=2)), now=1.0)
     assert exc.value.limit == "max_ranks_per_run"
     assert store.runs() == ["a", "b"]
-    assert store.counts() == (2, 3, 3 * 18)
+    assert store.counts() == (2, 3, 3 * 19)
     # Known ranks keep reporting at the limit.
     store.ingest(batch(record(3, run="a")), now=2.0)
     assert store.counts()[1] == 3
 
 
 def test_series_limit_counts_devices_and_params() -> None:
-    store = _store(max_series=39)
-    store.ingest(batch(record(1, run="a")), now=1.0)  # 18 series
+    store = _store(max_series=41)
+    store.ingest(batch(record(1, run="a")), now=1.0)  # 19 series
     wide = totals(2, local={f"cuda:{i}": 0 for i in range(4)}, params={"w": 1})
-    store.ingest(batch(record(2, run="a", total=wide)), now=1.0)  # grows to 22
-    assert store.counts()[2] == 22
+    store.ingest(batch(record(2, run="a", total=wide)), now=1.0)  # grows to 23
+    assert store.counts()[2] == 23
     with pytest.raises(LimitExceeded) as exc:
-        store.ingest(batch(record(1, run="b")), now=1.0)  # would be 40
+        store.ingest(batch(record(1, run="b")), now=1.0)  # would be 42
     assert exc.value.limit == "max_series"
     assert store.runs() == ["a"]
 
@@ -56,7 +56,7 @@ def test_prune_drops_silent_ranks_then_empty_runs() -> None:
     assert store.prune(now=3601.0, retention_s=3600.0) == 2
     assert store.runs() == ["a"]
     assert [snap.identity.rank for snap in store.ranks("a") or []] == [1]
-    assert store.counts() == (1, 1, 18)
+    assert store.counts() == (1, 1, 19)
     # A dropped run frees its slot for a new one.
     store.ingest(batch(record(1, run="c")), now=3601.0)
     assert store.runs() == ["a", "c"]

@@ -153,3 +153,29 @@ def test_a_run_that_ends_normally_shows_no_failure(exporter: str, tmp_path) -> N
         state = driver.execute_script("return document.querySelector('#ranks tbody .state').title")
         assert state == ""
         assert console_errors(driver) == []
+
+
+def test_a_rank_its_launcher_stopped_shows_stopped_and_its_signal(exporter: str, tmp_path) -> None:
+    # What the SIGTERM handler does (tests/reporter/test_stop_signal.py sends the signal).
+    reporter = HttpReporter(exporter, flush_interval=0.05, sigterm_handler=False)
+    reporter.emit(watch(1, run="bf16-preempted", time=time.time() - 1))
+    assert reporter.flush(timeout=DEADLOCK_GUARD_S)
+    reporter._pipeline.note_stop(15)
+    reporter.close(timeout=DEADLOCK_GUARD_S)
+    with chromium(tmp_path) as driver:
+        driver.get(f"{exporter}/run?id=bf16-preempted")
+        _wait(driver, "document.querySelectorAll('#ranks tbody tr').length === 1")
+        assert driver.execute_script("return document.getElementById('failure').hidden")
+        cell = driver.execute_script(
+            "const s = document.querySelector('#ranks tbody .state');"
+            "return [s.textContent, s.title, getComputedStyle(s).backgroundColor]"
+        )
+        assert cell == ["stopped", "stopped by SIGTERM (signal 15)", "rgb(225, 190, 231)"]
+        assert driver.find_element("id", "run-status").text.lower() == "ok"
+        assert console_errors(driver) == []
+        driver.get(exporter + "/")
+        row = "document.querySelector('#runs tr[data-run=\"bf16-preempted\"]')"
+        _wait(driver, row)
+        assert driver.execute_script(f"return {row}.querySelector('.states').textContent") == (
+            "1 stopped"
+        )

@@ -139,6 +139,7 @@ def test_the_dead_nodes_rank_is_lost_and_named_critical(dead_node: tuple[str, st
         "lost": 1,
         "finished": 0,
         "failed": 0,
+        "stopped": 0,
     }
 
 

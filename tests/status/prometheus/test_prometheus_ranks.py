@@ -80,6 +80,16 @@ def test_a_rank_gone_after_it_failed_stays_failed_with_its_failure() -> None:
     }
 
 
+def test_a_rank_gone_after_its_launcher_stopped_it_stays_stopped() -> None:
+    # An elastic restart shrank the world: rank 3's last state was stopped (SIGTERM), and its
+    # series went with its exporter's retention or its node. Not lost: it said goodbye.
+    stopped = _sample("ampscope_rank_state", 3, 1.0, state="stopped")
+    seen = [*_seen(0, NOW - 1, 50), *_seen(3, NOW - 600, 40), stopped]
+    gone = gone_ranks(seen, build_views(_seen(0, NOW - 1, 50), NOW), NOW)
+    assert sorted(gone) == [("r", 3)]
+    assert (gone[("r", 3)]["state"], gone[("r", 3)]["up"]) == ("stopped", False)
+
+
 def test_the_exporters_whose_scrape_fails_are_named_per_run() -> None:
     up = [
         {"metric": {"__name__": "up", "instance": "h0:9478", "job": "a"}, "value": [NOW, "1"]},
@@ -120,7 +130,7 @@ def test_the_lookback_queries_restore_each_familys_name() -> None:
         '"__name__", "ampscope_rank_info", "", ""), "family", "ampscope_rank_info", "", "") '
         "or "
     )
-    assert 'ampscope_rank_state{state=~"finished|failed",run="r"}[3600s]' in query
+    assert 'ampscope_rank_state{state=~"finished|failed|stopped",run="r"}[3600s]' in query
     assert '"ampscope_rank_failure_info", "", "")' in query
     assert up_query("") == "up == 0"
 

@@ -68,6 +68,7 @@ def _view(snap: RankSnapshot, now: float, settings: Settings) -> RankView:
         up=snap.reported_within(now, settings.stale_after_s),
         state=settings.lifecycle().state(snap, now),
         failure=snap.failure if snap.finished_at is not None else None,
+        stop_signal=snap.stop_signal if snap.finished_at is not None else None,
         last_report_time=snap.last_report,
         seconds_since_report=age,
         restarts=snap.restarts,

@@ -79,6 +79,15 @@ const ampscope = {
     return `${failure.exception} ${when} step ${failure.step}`;
   },
 
+  /** Which signal stopped a stopped rank, in words: "stopped by SIGTERM (signal 15)"; ""
+   *  otherwise. */
+  stopText(rank) {
+    if (ampscope.rankState(rank) !== "stopped" || !rank.stop_signal) return "";
+    // SIGTERM is the one launchers send (torchrun, Slurm, Kubernetes); others by number.
+    if (rank.stop_signal === 15) return "stopped by SIGTERM (signal 15)";
+    return `stopped by signal ${rank.stop_signal}`;
+  },
+
   /** "2 running, 1 lost" from a run's ranks. */
   statesText(ranks) {
     const counts = new Map();

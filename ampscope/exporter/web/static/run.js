@@ -292,7 +292,8 @@
       a.cell(tr, rank.node);
       const state = a.rankState(rank);
       tr.appendChild(a.el("td", { cls: "state-cell" })).appendChild(
-        a.el("span", { cls: `state ${state}`, text: state, title: a.failureText(rank) }));
+        a.el("span", { cls: `state ${state}`, text: state,
+                        title: a.failureText(rank) || a.stopText(rank) }));
       a.cell(tr, rank.step, "num");
       a.cell(tr, a.modeText(rank), "mode").title = a.setupText([rank]);
       // A watch's records say scale 1 and no backoffs or growths: that is no loss scale.

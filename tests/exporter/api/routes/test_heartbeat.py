@@ -34,6 +34,7 @@ def _beat(
     local_rank: int | None = None,
     world_size: int = 2,
     failure: RankFailure | None = None,
+    stop_signal: int | None = None,
 ) -> bytes:
     local = rank if local_rank is None else local_rank
     return (
@@ -47,6 +48,7 @@ def _beat(
             final=final,
             dropped_records=0,
             failure=failure,
+            stop_signal=stop_signal,
         )
         .model_dump_json()
         .encode()
@@ -81,7 +83,7 @@ def test_heartbeats_move_a_rank_through_every_state(make_client: MakeClient) -> 
     assert client.post("/api/v1/ingest", content=body(record(1))).status_code == 200
     assert _state(client) == "running"
     assert _states(client) == {
-        "0": {"running": 1, "stalled": 0, "lost": 0, "finished": 0, "failed": 0}
+        "0": {"running": 1, "stalled": 0, "lost": 0, "finished": 0, "failed": 0, "stopped": 0}
     }
     # Idle but beating every 50 s: never lost, stalled once no step for 120 s.
     for _ in range(3):
@@ -95,6 +97,7 @@ def test_heartbeats_move_a_rank_through_every_state(make_client: MakeClient) -> 
         "lost": 0,
         "finished": 0,
         "failed": 0,
+        "stopped": 0,
     }
     clock.advance(61)
     assert _state(client) == "lost"
@@ -111,6 +114,7 @@ def test_heartbeats_move_a_rank_through_every_state(make_client: MakeClient) -> 
         "lost": 0,
         "finished": 1,
         "failed": 0,
+        "stopped": 0,
     }
     report = client.get("/api/v1/runs/run-a/health").json()
     assert (report["status"], report["state"]) == ("ok", "finished")
@@ -241,6 +245,7 @@ def test_a_final_heartbeat_with_a_failure_shows_the_rank_failed_everywhere(
         "lost": 0,
         "finished": 0,
         "failed": 1,
+        "stopped": 0,
     }
     assert _failure_info(client) == [
         {
@@ -261,7 +266,14 @@ def test_a_final_heartbeat_with_a_failure_shows_the_rank_failed_everywhere(
     assert verdicts["rank_failed"]["status"] == "critical"
     assert verdicts["rank_failed"]["evidence"]["origin_ranks"] == [0]
     summary = client.get("/api/v1/runs").json()[0]
-    assert summary["states"] == {"running": 0, "stalled": 0, "lost": 1, "finished": 0, "failed": 1}
+    assert summary["states"] == {
+        "running": 0,
+        "stalled": 0,
+        "lost": 1,
+        "finished": 0,
+        "failed": 1,
+        "stopped": 0,
+    }
     # Rank 1 failed too, after its last step, on another exception; origin unknown.
     boom = _failure(kind="exception", exception="RuntimeError", message="boom", origin_ranks=None)
     assert client.post(URL, content=_beat(rank=1, step=2, final=True, failure=boom)).json()[
@@ -276,6 +288,48 @@ def test_a_final_heartbeat_with_a_failure_shows_the_rank_failed_everywhere(
     assert client.get("/api/v1/runs/run-a/ranks/0").json()["failure"] is None
     assert [i["rank"] for i in _failure_info(client)] == ["1"]
     assert _tracked_series(client) == series + 1
+
+
+def test_a_rank_stopped_by_sigterm_reads_stopped_everywhere_and_comes_back_running(
+    make_client: MakeClient,
+) -> None:
+    client, clock = make_client(stale_after_s=60)
+    for rank in (0, 1):
+        batch = body(record(1, rank=rank), record(2, rank=rank))
+        assert client.post("/api/v1/ingest", content=batch).status_code == 200
+    for rank in (0, 1):  # torchrun stopped both workers (SIGTERM) to restart them
+        beat = _beat(rank=rank, step=2, final=True, stop_signal=15)
+        assert client.post(URL, content=beat).json()["applied"] is True
+    clock.advance(3600)  # far past the stale TTL: said goodbye, never lost
+    view = client.get("/api/v1/runs/run-a/ranks/0").json()
+    assert (view["state"], view["stop_signal"], view["up"]) == ("stopped", 15, False)
+    assert _states(client)["0"] == {
+        "running": 0,
+        "stalled": 0,
+        "lost": 0,
+        "finished": 0,
+        "failed": 0,
+        "stopped": 1,
+    }
+    report = client.get("/api/v1/runs/run-a/health").json()
+    verdicts = {v["rule"]: v for v in report["verdicts"]}
+    assert (report["status"], report["state"]) == ("ok", "stopped")
+    assert verdicts["lost_rank"]["status"] == "ok"
+    # The next generation: rank 0 again, a new process from step 1: running, signal gone.
+    restarted = body(record(1, time=T0 + 3700))
+    assert client.post("/api/v1/ingest", content=restarted).status_code == 200
+    view = client.get("/api/v1/runs/run-a/ranks/0").json()
+    assert (view["state"], view["stop_signal"], view["restarts"]) == ("running", None, 1)
+    assert client.get("/api/v1/runs/run-a/health").json()["state"] == "active"
+
+
+def test_only_a_final_heartbeat_may_carry_a_stop_signal(client: TestClient) -> None:
+    assert client.post("/api/v1/ingest", content=body(record(1))).status_code == 200
+    bad = _beat(step=1, final=True, stop_signal=15).replace(b'"final":true', b'"final":false')
+    answer = client.post(URL, content=bad)
+    assert answer.status_code == 422
+    assert "only a final heartbeat carries a stop_signal" in answer.json()["detail"]
+    assert client.get("/api/v1/runs/run-a/ranks/0").json()["state"] == "running"
 
 
 def test_only_a_final_heartbeat_may_carry_a_failure(client: TestClient) -> None:

@@ -100,15 +100,15 @@ def test_a_rank_that_cannot_be_rendered_is_left_out_alone(
 
 def test_series_are_counted_on_the_record_that_ends_up_newest(make_client: MakeClient) -> None:
     client, clock = make_client(max_series=27)
-    assert _post(client, record(50)) == 200  # 17 per-rank series + 1 device
+    assert _post(client, record(50)) == 200  # 18 per-rank series + 1 device
     many = totals(2, local={f"cuda:{i}": 0 for i in range(16)}, params={"w": 1})
     clock.advance(100)
-    # The lower step, produced later, is a restart and would end up newest with 34 series.
+    # The lower step, produced later, is a restart and would end up newest with 35 series.
     restart = [record(60), record(2, time=T0 + 100, total=many)]
     response = client.post(URL, content=body(*restart))
     assert response.status_code == 429
     assert response.json()["limit"] == "max_series"
-    assert _value(client, "ampscope_exporter_tracked_series") == 18
+    assert _value(client, "ampscope_exporter_tracked_series") == 19
     assert _value(client, "ampscope_last_step") == 50  # nothing of the batch applied
 
 
