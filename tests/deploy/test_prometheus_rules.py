@@ -134,6 +134,9 @@ def test_alert_thresholds_are_the_shared_defaults() -> None:
     alerts = alert_rules()
     recorded = recording_rules()
     collapse = alerts["AmpscopeScaleCollapse"]["expr"]
+    # The window's peak only within the rank's current process (a restart with the same
+    # labels is no fall): the step counter restarts from zero with the process.
+    assert "resets(ampscope_steps_total[10m]) > 0" in collapse
     assert "ampscope_loss_scale < 1" in collapse
     assert "[10m]" in collapse
     assert ">= 256" in collapse
@@ -282,6 +285,9 @@ def test_scale_alerts_select_only_what_watch_ranks_do_not_export() -> None:
     # for scaler ranks only (once they trained cleanly, so not in SCALER_ONLY, which a
     # scaler always exports).
     liveness |= {"ampscope_faults_total", "ampscope_loss_scale_clean"}
+    # Also after `unless` only: a reset of the step counter within the window says the
+    # rank's process changed, which removes the window's peak, never selects a rank.
+    liveness |= {"ampscope_steps_total"}
     for name in ("AmpscopeScaleCollapse", "AmpscopeScaleDesync"):
         families = selected_families(alert_rules()[name]["expr"])
         assert families & SCALER_ONLY, name

@@ -68,6 +68,26 @@ def test_scale_fall_older_than_window_is_ok() -> None:
     assert v["evidence"]["lowest_scale"] == 256.0
 
 
+def test_scale_collapse_window_starts_again_at_a_new_process() -> None:
+    # What AmpscopeScaleCollapse and status --prometheus take as the window too (a reset of
+    # ampscope_steps_total within it): a restart with the same run id that resumes at a
+    # lower scale is no fall; a collapse within the new process is.
+    old = [record(s, time=T0 + s - 4000, scale=2.0**24, total=totals(s)) for s in (4000, 4001)]
+    grown = (T0 + 1, old)
+    resumed = _rank(grown, (T0 + 60, [record(1, time=T0 + 60, scale=2.0**14, total=totals(1))]))
+    assert resumed.restarts == 1
+    assert _verdict([resumed], "scale_collapse", now=T0 + 60)["status"] == "ok"
+    after = [
+        record(1, time=T0 + 60, scale=65536.0, total=totals(1)),
+        record(2, time=T0 + 61, scale=128.0, total=totals(2)),
+    ]
+    collapsed = _rank(grown, (T0 + 61, after))
+    v = _verdict([collapsed], "scale_collapse", now=T0 + 61)
+    assert v["status"] == "critical"
+    (hit,) = v["evidence"]["ranks"]
+    assert (hit["window_peak_scale"], hit["fall_factor"]) == (65536.0, 512.0)
+
+
 def test_skip_storm_fires_on_ratio_within_window() -> None:
     storm = _run(0, [65536.0] * 20, now=T0, skipped=6)  # 6 of 20 = 30%
     v = _verdict([storm], "skip_storm")

@@ -167,14 +167,26 @@ def peak_query(sel: str, window_s: float) -> str:
     ``init_scale`` is no height to fall from); for a rank whose reporter predates the rule
     (no ``ampscope_faults_total``), its highest scale in the window. Whether a rank has the
     rule is read from one kind's series: the exporter exports every kind, 0 or not, for a
-    rank whose reporter has the rule (the alert reads them all, to the same effect)."""
+    rank whose reporter has the rule (the alert reads them all, to the same effect).
+
+    Within the rank's current process only, as the exporter's window starts again at a new
+    process: a rank restarted with the same run id keeps its labels, and a window holding
+    the dead process's scale would read a resume at a lower scale as a fall. A reset of
+    ``ampscope_steps_total`` (from zero in each process; no exporter restart resets it)
+    within the window says the process changed; such a rank's reference is its current clean
+    scale, the new process's own (a collapse right after the restart still shows its height),
+    and an older reporter's rank has none (only the floor judges it until the restart has
+    left the window)."""
     w = f"{window_s:g}s"
     ranks = "run, node, rank, local_rank"
     joined = f",{sel}" if sel else ""
+    restarted = f"on ({ranks}) resets(ampscope_steps_total{{{sel}}}[{w}]) > 0"
     return (
-        f"max_over_time(ampscope_loss_scale_clean{{{sel}}}[{w}]) or "
+        f"(max_over_time(ampscope_loss_scale_clean{{{sel}}}[{w}]) unless {restarted}) or "
+        f"ampscope_loss_scale_clean{{{sel}}} * 1 or "
         f"(max_over_time(ampscope_loss_scale{{{sel}}}[{w}]) "
-        f'unless on ({ranks}) ampscope_faults_total{{kind="{FAULT_KINDS[0]}"{joined}}})'
+        f'unless on ({ranks}) ampscope_faults_total{{kind="{FAULT_KINDS[0]}"{joined}}} '
+        f"unless {restarted})"
     )
 
 

@@ -350,3 +350,67 @@ def test_the_second_round_asks_only_what_the_first_found(monkeypatch: pytest.Mon
     calm = _Answers({"now": now, "state": state}, t)
     health.fetch(calm, RUN, t)  # type: ignore[arg-type]
     assert len(calm.asked) == first
+
+
+def test_the_collapse_reference_stays_within_the_ranks_process_on_promtool(
+    tmp_path: Path,
+) -> None:
+    """A rank restarted with the same run id keeps its labels; the reference is taken within
+    its current process, as the exporter's window starts again at a new process and as
+    ``AmpscopeScaleCollapse`` takes it: after a reset of ``ampscope_steps_total`` within the
+    window, the current clean scale (the new process's), none for an older reporter's rank;
+    a rank that did not restart keeps the window's peak."""
+    t = Thresholds()
+    query = prometheus.queries(RUN, t)["peak"]
+    resumed, old, collapsed, steady = _labels(0), _labels(1), _labels(2), _labels(3)
+    restart = "4000+4x20 1+4x40"  # the process restarts at 5m15s
+    series = [
+        # rank 0: grew to 2**24, resumes at 5m15s from an older checkpoint at 2**14.
+        {"series": f"ampscope_loss_scale{{{resumed}}}", "values": "16777216x20 16384x40"},
+        {"series": f"ampscope_loss_scale_clean{{{resumed}}}", "values": "16777216x20 _x2 16384x37"},
+        {"series": f"ampscope_steps_total{{{resumed}}}", "values": restart},
+        # rank 1 predates the fault rule; its unsaved scaler starts again at 2**16.
+        {"series": f"ampscope_loss_scale{{{old}}}", "values": "16777216x20 65536x40"},
+        {"series": f"ampscope_steps_total{{{old}}}", "values": restart},
+        # rank 2: the new process trains cleanly at 2**16, then overflows down to 128.
+        {"series": f"ampscope_loss_scale{{{collapsed}}}", "values": "16777216x20 65536x12 128x28"},
+        {
+            "series": f"ampscope_loss_scale_clean{{{collapsed}}}",
+            "values": "16777216x20 _x2 65536x38",
+        },
+        {"series": f"ampscope_steps_total{{{collapsed}}}", "values": restart},
+        # rank 3: one process; its clean scale fell from 2**24 to 2**16 in clean steps.
+        {"series": f"ampscope_loss_scale{{{steady}}}", "values": "16777216x20 65536x40"},
+        {"series": f"ampscope_loss_scale_clean{{{steady}}}", "values": "16777216x20 65536x40"},
+        {"series": f"ampscope_steps_total{{{steady}}}", "values": "0+4x60"},
+        *(
+            {
+                "series": f"ampscope_faults_total{{{_labels(r, kind='nonfinite_loss')}}}",
+                "values": "0x60",
+            }
+            for r in (0, 2, 3)
+        ),
+    ]
+    exprs = [
+        {
+            "expr": query,
+            "eval_time": "10m",
+            "exp_samples": [
+                {"labels": f"{{{resumed}}}", "value": 16384},
+                {"labels": f"{{{collapsed}}}", "value": 65536},
+                {"labels": f"{{{steady}}}", "value": 16777216},
+            ],
+        },
+        {
+            # The restart has left the window: every rank's peak again.
+            "expr": query,
+            "eval_time": "16m",
+            "exp_samples": [
+                {"labels": f"{{{resumed}}}", "value": 16384},
+                {"labels": f"{{{old}}}", "value": 65536},
+                {"labels": f"{{{collapsed}}}", "value": 65536},
+                {"labels": f"{{{steady}}}", "value": 65536},
+            ],
+        },
+    ]
+    promtool_test_queries(tmp_path / "collapse-restart-status-test.yml", series, exprs)
