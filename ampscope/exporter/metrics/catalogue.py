@@ -23,8 +23,9 @@ data did it: not counted), or a rerun did not reproduce its flagged result (inf/
 spike: ``transient_fault``); or a majority of its replicas outvoted its parameters
 (``replica_divergence``). An origin outlier alone is none: a rank's own gradient norm
 stands out as well when its batch does (an uneven last batch, a loss normalised by the
-rank's own token count), so ``origin_outlier`` is a spike (``ampscope_spikes_total``), and
-the outlier a rerun did not reproduce is a ``transient_fault``."""
+rank's own token count), so ``origin_outlier`` is a spike (``ampscope_spikes_total``); an
+outlier that spikes the loss or the norm is rerun, and one the rerun did not reproduce is a
+``transient_fault``."""
 
 RETIRED_OFFENCE_KINDS = ("origin_outlier",)
 """Kinds older exporters counted as offences, no longer any (Prometheus may hold their
