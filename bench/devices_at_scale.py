@@ -69,7 +69,7 @@ def offence_bodies(args: argparse.Namespace, now: float) -> Iterator[tuple[bytes
         lines = []
         for device in offenders(run, args.devices, args.runs, args.repeaters):
             labels = f'run="run-{run:04d}",device="{uuid(device)}",node="{node(device)}"'
-            kinds = ["nonfinite_origin"] + (["origin_outlier"] if device % 5 == 0 else [])
+            kinds = ["nonfinite_origin"] + (["transient_fault"] if device % 5 == 0 else [])
             for i in range(samples_per_series):
                 t = start_ms + i * step_ms
                 count = 1 + i * 3 // samples_per_series  # 1 to 3 offences over the run

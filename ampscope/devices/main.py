@@ -1,6 +1,6 @@
 """``ampscope devices --prometheus URL``: devices ranked by the number of runs in which they
-offended (the origin of inf/NaN gradients, an origin outlier, a transient fault, replicas
-that outvoted it), with
+offended (the origin of inf/NaN gradients, a transient fault, replicas that outvoted it;
+not an origin outlier alone, which older exporters counted: ``ranking.RETIRED_KINDS``), with
 DCGM-exporter's errors for each GPU where Prometheus holds them.
 
 Exit status: 0 no device offended in ``--min-runs`` runs (default 2) or more, 1 one did, 3

@@ -8,10 +8,16 @@ from typing import Any
 
 from ampscope.devices.query import Sample
 
-KINDS = ("nonfinite_origin", "origin_outlier", "transient_fault", "replica_divergence")
+KINDS = ("nonfinite_origin", "transient_fault", "replica_divergence")
 """Offence kinds always listed (0 when none): the exporter's ``OFFENCE_KINDS`` (not imported:
 this command loads neither the server stack nor pydantic); another kind a newer exporter
 sends is kept."""
+
+RETIRED_KINDS = ("origin_outlier",)
+"""Kinds older exporters counted, no longer offences (the exporter's
+``RETIRED_OFFENCE_KINDS``): an origin outlier alone cannot tell the device from its batch
+(an uneven last batch makes a healthy rank one). Their series, which Prometheus may hold
+for its retention, are left out, as the repeat-offender rule leaves them out."""
 
 
 @dataclass
@@ -66,13 +72,14 @@ def rank(offences: Iterable[Sample], last: Iterable[Sample], min_runs: int) -> l
     ``AMPSCOPE_NODE``) or node label changed are counted together; a device without a UUID
     is named ``<node>:<local_rank>``, which holds its node already.
 
-    ``min_runs``: a device that offended in at least this many runs is ``flagged``.
+    ``min_runs``: a device that offended in at least this many runs is ``flagged``. Samples
+    of ``RETIRED_KINDS`` count for nothing: neither a run nor an offence.
     """
     devices: dict[str, Device] = {}
     nodes_of_run: dict[str, dict[str, str]] = {}
     for sample in offences:
         labels, count = sample.labels, round(sample.value)
-        if count <= 0:
+        if count <= 0 or labels["kind"] in RETIRED_KINDS:
             continue
         name = labels["device"]
         device = devices.setdefault(name, Device(name, labels["node"]))

@@ -123,12 +123,16 @@ def _worst_of(rule: str, reports: Sequence[tuple[str, Mapping[str, Any]]]) -> di
         for verdict in report["verdicts"]
         if verdict["rule"] == rule
     ]
-    _, worst = max(found, key=lambda item: SEVERITY[item[1]["status"]])
+    # Among equals a finished run's history (``rollup.as_history``) before a plain ok.
+    _, worst = max(
+        found,
+        key=lambda item: (SEVERITY[item[1]["status"]], bool(item[1]["evidence"].get("history"))),
+    )
     merged = dict(worst)
     flagged = [
         {"url": url, "status": verdict["status"], "summary": verdict["summary"]}
         for url, verdict in found
-        if verdict["status"] != "ok"
+        if verdict["status"] != "ok" or verdict["evidence"].get("history")
     ]
     if flagged:
         merged["evidence"] = {**worst["evidence"], "exporters": flagged}

@@ -5,6 +5,13 @@ Prometheus view build their reports here: ``status`` (the worst verdict), ``stat
 (``finished`` once every rank finished, ``failed`` once every rank ended and one failed,
 ``stopped`` once every rank ended, none failed and one was stopped by its launcher)
 and ``states`` (ranks per state).
+
+A run that finished normally reads its spikes as history (``HISTORY_RULES``): a spike warns
+of an instability while the run may still go wrong; once every rank finished without a
+failure, it did not, and the run's ``ok`` is what a job's epilogue gates on (``ampscope
+status`` exits 0). The faults stay: an applied non-finite update, diverged replicas, a
+device's transient fault, skipped steps and a collapsed scale describe what the run's
+training did, whenever it ended.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from ampscope.verdicts.ranks import FINAL_STATES, state_counts
-from ampscope.verdicts.verdict import Verdict, worst
+from ampscope.verdicts.verdict import RuleName, Verdict, worst
 
 RunState = Literal["active", "finished", "failed", "stopped"]
 """A run's state: ``active`` while any rank has not sent its final record; then
@@ -44,16 +51,58 @@ def run_state(states: Sequence[str]) -> RunState:
     return "stopped" if "stopped" in states else "finished"
 
 
+HISTORY_RULES: tuple[RuleName, ...] = (
+    "loss_spike",
+    "grad_norm_spike",
+    "origin_outlier",
+    "fp8_amax_spike",
+)
+"""Rules that are history once the run finished normally: statistical outliers the run went
+on from (a healthy run has some: a heavy-tailed loss, a rank given a short last batch), so
+their warning says "look while it may still go wrong". A finished run's are ``ok``, their
+summary and evidence kept (``as_history``). A failed run keeps them: they may be what
+killed it."""
+
+HISTORY_NOTE = "history, the run finished normally since: "
+"""What a history verdict's summary begins with."""
+
+
+def as_history(verdict: Verdict | Mapping[str, Any]) -> Verdict | Mapping[str, Any]:
+    """``verdict`` as the history of a run that finished normally: a ``HISTORY_RULES``
+    warning becomes ``ok``, its summary prefixed with ``HISTORY_NOTE`` and its evidence kept
+    with ``"history": True``; any other verdict (another rule, an ``ok``) as it is. A model
+    stays a model, a JSON verdict (from an exporter) a dict. O(1)."""
+
+    def field(name: str) -> Any:
+        return getattr(verdict, name) if isinstance(verdict, Verdict) else verdict.get(name)
+
+    if field("rule") not in HISTORY_RULES or field("status") == "ok":
+        return verdict
+    summary, evidence = field("summary") or "", field("evidence") or {}
+    update = {
+        "status": "ok",
+        "summary": HISTORY_NOTE + summary,
+        "evidence": {**evidence, "history": True},
+    }
+    if isinstance(verdict, Verdict):
+        return verdict.model_copy(update=update)
+    return {**verdict, **update}
+
+
 def health_report(
     run: str,
-    verdicts: Sequence[Verdict] | Sequence[Mapping[str, Any]],
+    verdicts: Sequence[Verdict | Mapping[str, Any]],
     states: Sequence[str],
     *,
     evaluated_at: float,
     up: int,
 ) -> dict[str, Any]:
     """The fields of the run's ``HealthReport``, in the JSON API's order, from its verdicts
-    (models or their JSON) and its ranks' states (one per rank). O(verdicts + ranks)."""
+    (models or their JSON) and its ranks' states (one per rank); a run that finished
+    normally reads the ``HISTORY_RULES``' verdicts as history (``as_history``), whoever
+    judged them (an exporter, the merge of several, Prometheus). O(verdicts + ranks)."""
+    if run_state(states) == "finished":
+        verdicts = [as_history(v) for v in verdicts]
     statuses = [v.status if isinstance(v, Verdict) else v["status"] for v in verdicts]
     return {
         "run": run,

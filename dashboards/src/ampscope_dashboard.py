@@ -582,8 +582,8 @@ def suspect_devices() -> list[Panel]:
             33,
             "Devices by runs with offences (30 days)",
             "Per device (on CUDA the GPU UUID, as DCGM-exporter labels it), the distinct runs in "
-            "which a rank on it was the origin of inf/NaN gradients, an origin outlier or a "
-            "transient fault, over 30 days (recording rule "
+            "which a rank on it was the origin of inf/NaN gradients, a transient fault or a "
+            "replica minority, over 30 days (recording rule "
             "ampscope_device:offending_runs:count_30d). Two runs or more fires "
             "AmpscopeRepeatOffenderDevice: drain the node and run the vendor's "
             "diagnostics. All runs, whatever the run variable.",
@@ -597,12 +597,16 @@ def suspect_devices() -> list[Panel]:
             34,
             "Offences by device and kind, selected runs",
             "ampscope_device_offences_total: the steps at which a rank on the device was the "
-            "origin of inf/NaN gradients (nonfinite_origin), stood out from the other ranks "
-            "(origin_outlier) or computed a flagged result its rerun did not reproduce "
-            "(transient_fault), in the selected runs and nodes.",
+            "origin of inf/NaN gradients (nonfinite_origin), computed a flagged result its "
+            "rerun did not reproduce (transient_fault) or was outvoted by its replicas "
+            "(replica_divergence), in the selected runs and nodes. An origin outlier alone "
+            "is none (its batch may be the cause); older exporters' origin_outlier series "
+            "are left out.",
             Query(
                 "sum by (device, node, kind) "
-                '(ampscope_device_offences_total{run=~"$run", node=~"$node"})',
+                "(ampscope_device_offences_total"
+                '{run=~"$run", node=~"$node", kind=~"nonfinite_origin|transient_fault|'
+                'replica_divergence"})',
                 "{{device}} on {{node}} {{kind}}",
                 instant=True,
             ),

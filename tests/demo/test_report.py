@@ -88,6 +88,14 @@ HEALTH = {
         {"rule": "skip_storm", "status": "ok", "summary": ""},
         {"rule": "scale_desync", "status": "ok", "summary": ""},
         {"rule": "inf_hotspot", "status": "warning", "summary": "rank 1 holds 100%"},
+        # The finished run's spike: history (rollup.as_history), ok.
+        {
+            "rule": "loss_spike",
+            "status": "ok",
+            "summary": "history, the run finished normally since: loss spiked",
+            "evidence": {"history": True},
+        },
+        {"rule": "grad_norm_spike", "status": "ok", "summary": "", "evidence": {}},
     ],
 }
 
@@ -106,9 +114,11 @@ def test_health_lines_and_missing_verdicts() -> None:
         "(expected)",
     ]
     assert lines[2].split() == ["WARN", "inf_hotspot", "rank", "1", "holds", "100%"]
-    assert lines[3].split() == ["ok", "skip_storm,", "scale_desync"]
+    assert lines[3].split()[:3] == ["hist", "loss_spike", "history,"]
+    assert lines[4].split() == ["ok", "skip_storm,", "scale_desync,", "grad_norm_spike"]
     assert missing_verdicts(HEALTH, ("scale_collapse", "skip_storm")) == ["skip_storm"]
-    assert missing_verdicts(HEALTH, ("inf_hotspot",)) == []
+    assert missing_verdicts(HEALTH, ("inf_hotspot", "loss_spike")) == []
+    assert missing_verdicts(HEALTH, ("grad_norm_spike",)) == ["grad_norm_spike"]
 
 
 def test_the_promql_to_try_names_catalogued_metrics_only() -> None:

@@ -18,7 +18,12 @@ from deploy_files import (
 from support import need_tool
 
 from ampscope.devices.query import DCGM_FIELDS
-from ampscope.exporter.metrics.catalogue import BY_NAME, OFFENCE_KINDS, SCALER_ONLY
+from ampscope.exporter.metrics.catalogue import (
+    BY_NAME,
+    OFFENCE_KINDS,
+    RETIRED_OFFENCE_KINDS,
+    SCALER_ONLY,
+)
 from ampscope.status.prometheus.ranks import LOOKBACK_S, grown_within
 from ampscope.verdicts import aligned
 from ampscope.verdicts.fp8 import Fp8Rule
@@ -346,6 +351,12 @@ def test_device_rules_count_runs_over_30_days_and_join_dcgm_on_the_uuid() -> Non
     # Fault offences only, whatever kinds the exporter adds (OFFENCE_KINDS are the faults).
     kinds = "|".join(OFFENCE_KINDS)
     assert f'max_over_time(ampscope_device_offences_total{{kind=~"{kinds}"}}[30d])' in runs
+    # Nor the kinds older exporters counted (Prometheus keeps their series 30 days), in the
+    # rule or in the alert's description.
+    description = alert_rules()["AmpscopeRepeatOffenderDevice"]["annotations"]["description"]
+    for retired in RETIRED_OFFENCE_KINDS:
+        assert retired not in runs
+        assert retired not in description
     # By device alone: a GPU keeps its UUID when its pod (the node label on Kubernetes
     # without AMPSCOPE_NODE) or node label changes between runs.
     assert runs.startswith("count by (device) ( max by (device, run) (")

@@ -16,9 +16,12 @@ def _last(run: str, device: str, node: str, when: float) -> Sample:
 
 OFFENCES = [
     _offence("r1", "GPU-a", "n1", "nonfinite_origin", 2),
+    # Older exporters' origin_outlier series (Prometheus keeps them 30 days): no offence, so
+    # r2, where GPU-a only stood out, is no run of its offences.
     _offence("r2", "GPU-a", "n1", "origin_outlier", 1),
     _offence("r3", "GPU-a", "n1", "nonfinite_origin", 1),
     _offence("r3", "GPU-a", "n1", "origin_outlier", 4),
+    _offence("r5", "GPU-a", "n1", "replica_divergence", 1),
     _offence("r2", "n2:0", "n2", "nonfinite_origin", 7),
     _offence("r1", "GPU-b", "n1", "nonfinite_origin", 1),
     _offence("r4", "GPU-b", "n1", "transient_fault", 1),
@@ -42,12 +45,11 @@ def test_devices_are_ranked_by_runs_then_offences() -> None:
             "nodes": ["n1"],
             "hostname": None,
             "runs": 3,
-            "run_ids": ["r1", "r2", "r3"],
+            "run_ids": ["r1", "r3", "r5"],
             "offences": {
                 "nonfinite_origin": 3,
-                "origin_outlier": 5,
                 "transient_fault": 0,
-                "replica_divergence": 0,
+                "replica_divergence": 1,
             },
             "last_run": "r3",
             "last_offence_time": 300.0,
@@ -63,7 +65,6 @@ def test_devices_are_ranked_by_runs_then_offences() -> None:
             "run_ids": ["r1", "r4"],
             "offences": {
                 "nonfinite_origin": 1,
-                "origin_outlier": 0,
                 "transient_fault": 1,
                 "replica_divergence": 0,
                 "future_kind": 2,
@@ -83,7 +84,6 @@ def test_devices_are_ranked_by_runs_then_offences() -> None:
             "run_ids": ["r2"],
             "offences": {
                 "nonfinite_origin": 7,
-                "origin_outlier": 0,
                 "transient_fault": 0,
                 "replica_divergence": 0,
             },
@@ -177,7 +177,25 @@ def test_queries_read_the_raw_series() -> None:
 
 
 def test_the_kinds_always_listed_are_the_exporters() -> None:
-    from ampscope.devices.ranking import KINDS
-    from ampscope.exporter.metrics.catalogue import OFFENCE_KINDS
+    from ampscope.devices.ranking import KINDS, RETIRED_KINDS
+    from ampscope.exporter.metrics.catalogue import OFFENCE_KINDS, RETIRED_OFFENCE_KINDS
 
     assert KINDS == OFFENCE_KINDS
+    assert RETIRED_KINDS == RETIRED_OFFENCE_KINDS
+    assert not set(KINDS) & set(RETIRED_KINDS)
+
+
+def test_origin_outliers_alone_make_no_offender() -> None:
+    # Two healthy runs whose last rank got the epoch's 1-sample remainder: an old exporter
+    # exported an origin_outlier offence for each. Its device offended in no run.
+    healthy = [
+        _offence("origin-uneven-0", "vm:2", "vm", "origin_outlier", 1),
+        _offence("origin-uneven-1", "vm:2", "vm", "origin_outlier", 1),
+    ]
+    assert rank(healthy, [_last("origin-uneven-1", "vm:2", "vm", 5.0)], min_runs=2) == []
+    # A fault in one of the runs is that one run.
+    (device,) = rank([*healthy, _offence("origin-uneven-1", "vm:2", "vm", "transient_fault", 1)],
+                     [], min_runs=2)  # fmt: skip
+    assert (device.runs, device.flagged) == (["origin-uneven-1"], False)
+    assert device.offences == {"nonfinite_origin": 0, "transient_fault": 1,
+                               "replica_divergence": 0}  # fmt: skip

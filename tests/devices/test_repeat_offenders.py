@@ -180,8 +180,8 @@ def test_ampscope_devices_names_the_repeat_offender_first(
         ("n2:0", "n2", 1, False),
     ]
     assert [d["offences"] for d in listed] == [
-        {"nonfinite_origin": 3, "origin_outlier": 0, "transient_fault": 0, "replica_divergence": 0},
-        {"nonfinite_origin": 1, "origin_outlier": 0, "transient_fault": 0, "replica_divergence": 0},
+        {"nonfinite_origin": 3, "transient_fault": 0, "replica_divergence": 0},
+        {"nonfinite_origin": 1, "transient_fault": 0, "replica_divergence": 0},
     ]
     assert listed[0]["run_ids"] == ["dev-a", "dev-b", "dev-c"]
     assert [d["last_run"] for d in listed] == ["dev-c", "dev-d"]

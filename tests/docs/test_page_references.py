@@ -99,6 +99,11 @@ def test_every_devices_flag_and_exit_status_is_explained() -> None:
     assert not missing, f"devices flags docs/hardware-triage.md does not mention: {missing}"
     prose = " ".join(shown.split())
     assert "0 no device offended in `--min-runs` runs or more, 1 one did, 3 Prometheus" in prose
-    for name in ("nonfinite_origin", "origin_outlier", "transient_fault"):
-        assert f"`{name}`" in prose, name
+    from ampscope.devices.ranking import KINDS
+
+    for name in KINDS:
+        assert f"| `{name}` |" in shown, name
+    # An origin outlier is explained as no offence, not listed as one.
+    assert "| `origin_outlier` |" not in shown
+    assert "An **origin outlier** (`origin_outlier`" in shown
     assert "not emitted yet" not in prose  # transient_fault is counted since #29

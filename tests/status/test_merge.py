@@ -234,3 +234,41 @@ def test_replica_divergence_takes_the_exporter_that_names_the_minoritys_device()
         assert verdict["summary"] == "rank 2 (device GPU-2) disagree(s)"
         assert verdict["evidence"]["ranks"] == [{"rank": 2, "node": "n1", "device": "GPU-2"}]
         assert [e["url"] for e in verdict["evidence"]["exporters"]] == [u for u, _ in order]
+
+
+def test_a_finished_run_reads_its_spikes_as_history_on_every_exporter() -> None:
+    """Node n1's exporter saw the origin outlier and read it as history (the run finished
+    normally); node n0's saw none; an older exporter on n2 still says warning. The job is
+    ok, and its verdict is n1's history, naming the exporter that has the details."""
+    views = [_view(r, f"n{r // 4}", "finished") for r in range(16)]
+    history = _verdict(
+        "origin_outlier",
+        summary="history, the run finished normally since: rank 5's own gradients were x33",
+        history=True,
+        ranks=[{"rank": 5, "step": 150}],
+    )
+    calm = _verdict("origin_outlier", summary="no rank's own gradients stood out")
+    old = _verdict("origin_outlier", "warning", "rank 9's own gradients were x12", ranks=[])
+
+    def spiked(verdict: dict) -> dict[str, Any]:
+        report = _report()
+        return {**report, "verdicts": [*report["verdicts"], verdict]}
+
+    reports = [("http://n0", spiked(calm)), ("http://n1", spiked(history))]
+    health = merge_health("r", reports, views)
+    (outlier,) = [v for v in health["verdicts"] if v["rule"] == "origin_outlier"]
+    assert (health["status"], health["state"]) == ("ok", "finished")
+    assert outlier["status"] == "ok"
+    assert outlier["summary"] == history["summary"]
+    assert outlier["evidence"]["exporters"] == [
+        {"url": "http://n1", "status": "ok", "summary": history["summary"]}
+    ]
+    # The older exporter's warning is read as history by the merge's roll-up.
+    health = merge_health("r", [*reports, ("http://n2", spiked(old))], views)
+    (outlier,) = [v for v in health["verdicts"] if v["rule"] == "origin_outlier"]
+    assert health["status"] == "ok"
+    assert outlier["status"] == "ok"
+    assert outlier["summary"].startswith("history, the run finished normally since: rank 9's")
+    # A run still running keeps the old exporter's warning.
+    live = [_view(r, f"n{r // 4}") for r in range(16)]
+    assert merge_health("r", [("http://n2", spiked(old))], live)["status"] == "warning"

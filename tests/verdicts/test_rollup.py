@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ampscope.verdicts.rollup import health_report, run_ended, run_state
+from ampscope.verdicts.rollup import HISTORY_RULES, health_report, run_ended, run_state
 from ampscope.verdicts.verdict import Verdict
 
 
@@ -69,3 +69,54 @@ def test_a_run_its_launcher_stopped_is_stopped_never_finished_nor_failed() -> No
     report = health_report("r", [], ["stopped", "finished"], evaluated_at=5.0, up=0)
     assert (report["status"], report["state"]) == ("ok", "stopped")
     assert report["states"]["stopped"] == 1
+
+
+def _spike(rule: str) -> Verdict:
+    return Verdict.model_validate(
+        {
+            "rule": rule,
+            "status": "warning",
+            "summary": f"{rule} at step 150",
+            "evidence": {"ranks_affected": 1, "ranks": [{"rank": 2, "step": 150}]},
+            "thresholds": {"window_s": 600.0},
+        }
+    )
+
+
+def test_a_run_that_finished_normally_reads_its_spikes_as_history() -> None:
+    # The audit's healthy run: 3 DDP ranks, the last one given the epoch's 1-sample
+    # remainder, finished normally with grad_norm_spike and origin_outlier in the window.
+    spikes = [_spike(rule) for rule in HISTORY_RULES]
+    verdicts = [_verdict("lost_rank", "ok"), *spikes]
+    report = health_report("r", verdicts, ["finished"] * 3, evaluated_at=5.0, up=0)
+    assert (report["status"], report["state"]) == ("ok", "finished")
+    for before, after in zip(spikes, report["verdicts"][1:], strict=True):
+        assert after.status == "ok"
+        assert after.summary == f"history, the run finished normally since: {before.summary}"
+        assert after.evidence == {**before.evidence, "history": True}
+        assert after.thresholds == before.thresholds
+    # An exporter's JSON (the merge of several, or an older exporter's warning) alike, and
+    # a verdict already read as history stays as it is.
+    dumped = [v.model_dump() for v in report["verdicts"]] + [spikes[0].model_dump()]
+    again = health_report("r", dumped, ["finished"] * 3, evaluated_at=5.0, up=0)
+    assert again["status"] == "ok"
+    assert again["verdicts"][:-1] == dumped[:-1]
+    assert again["verdicts"][-1]["summary"] == report["verdicts"][1].summary
+
+
+def test_lasting_faults_and_unfinished_runs_keep_their_warnings() -> None:
+    spikes = [_spike(rule) for rule in HISTORY_RULES]
+    # A fault that outlives the run (the weights took an inf/NaN update, replicas diverged,
+    # a device's transient fault, steps skipped) says how it ended: it stays.
+    for rule in ("nonfinite_update_applied", "replica_divergence", "transient_fault",
+                 "skip_storm", "scale_collapse"):  # fmt: skip
+        report = health_report(
+            "r", [*spikes, _verdict(rule, "warning")], ["finished"], evaluated_at=5.0, up=0
+        )
+        assert report["status"] == "warning", rule
+        assert [v.status for v in report["verdicts"]] == ["ok"] * len(spikes) + ["warning"]
+    # A failed run's spike may be what killed it; a live run's may still grow into a fault.
+    for states in (["finished", "failed"], ["running", "finished"]):
+        report = health_report("r", spikes, states, evaluated_at=5.0, up=1)
+        assert report["verdicts"] == spikes, states
+        assert report["status"] == "warning", states

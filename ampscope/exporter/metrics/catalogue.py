@@ -16,11 +16,21 @@ RANK_LABELS = ("run", "node", "rank", "local_rank")
 DEVICE_LABELS = ("run", "device", "node")
 """Labels of the per-device families: ``device`` as ``ampscope_rank_info`` names it."""
 
-OFFENCE_KINDS = ("nonfinite_origin", "origin_outlier", "transient_fault", "replica_divergence")
-"""Offences ``ampscope_device_offences_total`` counts (its ``kind``): the rank's own
-gradients held inf/NaN (a rerun that reproduced them says the data did it: not counted), its
-own gradient norm stood out, or a rerun did not reproduce its flagged result; or a majority
-of its replicas outvoted its parameters (``replica_divergence``)."""
+OFFENCE_KINDS = ("nonfinite_origin", "transient_fault", "replica_divergence")
+"""Offences ``ampscope_device_offences_total`` counts (its ``kind``): the kinds that point at
+the device. The rank's own gradients held inf/NaN (a rerun that reproduced them says the
+data did it: not counted), or a rerun did not reproduce its flagged result (inf/NaN or a
+spike: ``transient_fault``); or a majority of its replicas outvoted its parameters
+(``replica_divergence``). An origin outlier alone is none: a rank's own gradient norm
+stands out as well when its batch does (an uneven last batch, a loss normalised by the
+rank's own token count), so ``origin_outlier`` is a spike (``ampscope_spikes_total``); an
+outlier that spikes the loss or the norm is rerun, and one the rerun did not reproduce is a
+``transient_fault``."""
+
+RETIRED_OFFENCE_KINDS = ("origin_outlier",)
+"""Kinds older exporters counted as offences, no longer any (Prometheus may hold their
+series for its retention): the repeat-offender rule and ``ampscope devices`` leave them
+out."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -319,12 +329,12 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         help="Iterations at which a rank on this device was an offender, by kind: "
         "nonfinite_origin (its own gradients held inf/NaN before the cross-rank reduction, "
         "origin tracking; not where a rerun reproduced them, which points at the data), "
-        "origin_outlier (its own gradient norm stood out, as ampscope_spikes_total counts "
-        "it), transient_fault (a rerun from the same batch did not reproduce its flagged "
-        'result, as ampscope_reruns_total{result="transient"} counts it). Exposed once '
-        "non-zero; the ranks of a run that share a device are summed. Also "
+        "transient_fault (a rerun from the same batch did not reproduce its flagged "
+        'result, as ampscope_reruns_total{result="transient"} counts it), '
         "replica_divergence (a majority of the rank's replicas held other parameter values "
-        "at a replica check).",
+        "at a replica check). Exposed once non-zero; the ranks of a run that share a device "
+        "are summed. An origin outlier alone is no offence (its batch may be the cause): "
+        'ampscope_spikes_total{kind="origin_outlier"} counts it.',
         labels=(*DEVICE_LABELS, "kind"),
     ),
     MetricSpec(

@@ -72,8 +72,8 @@ def device_families(snaps: Iterable[RankSnapshot]) -> list[Metric]:
     """``ampscope_device_offences_total`` and ``ampscope_device_last_offence_timestamp_seconds``
     of the ranks ``snaps``: only devices that offended, the ranks of a run that share a
     device summed (their newest offence for the time). Kinds as ``OFFENCE_KINDS``; origin
-    detections of steps whose rerun reproduced the result are the data's, not counted.
-    O(ranks)."""
+    detections of steps whose rerun reproduced the result are the data's, not counted, and
+    an origin outlier is none (``ampscope_spikes_total`` counts it). O(ranks)."""
     counts: dict[tuple[str, str, str, str], int] = {}
     newest: dict[tuple[str, str, str], float] = {}
     for snap in snaps:
@@ -87,7 +87,6 @@ def device_families(snaps: Iterable[RankSnapshot]) -> list[Metric]:
             origins = sum(n for kind, n in faults.items() if kind in DEVICE_FAULT_KINDS)
         offences: tuple[tuple[str, int], ...] = (
             ("nonfinite_origin", max(0, origins)),
-            ("origin_outlier", snap.spike_counts.origin_outlier),
             ("transient_fault", snap.rerun_counts.transient),
             ("replica_divergence", snap.replica_offences),
         )

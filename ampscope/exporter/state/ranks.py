@@ -255,8 +255,9 @@ class RankSnapshot:
     last_offence: float | None = None
     """Record time of the newest step at which the rank was an offender: its own gradients
     held inf/NaN (origin tracking) and no rerun reproduced it, its flagged result was not
-    reproduced by a rerun (``transient_fault``), or it stood out as an origin outlier;
-    ``None`` while none was seen."""
+    reproduced by a rerun (``transient_fault``), or a majority of its replicas outvoted it
+    (``replica_divergence``); ``None`` while none was seen. An origin outlier is none: its
+    batch may be the cause (``catalogue.OFFENCE_KINDS``)."""
     last_skip: SkipEvent | None = None
     """The current process's newest skipped step the exporter received."""
     fp8: tuple[Fp8Series, ...] = ()
@@ -585,7 +586,8 @@ class RankState:
             self.device = device
 
     def note_offence(self, when: float) -> None:
-        """The rank offended at record time ``when`` (an origin outlier found later). O(1)."""
+        """The rank offended at record time ``when``: a record its device offended at (a
+        fault of its own no rerun reproduced, a replica minority). O(1)."""
         if self.last_offence is None or when > self.last_offence:
             self.last_offence = when
 

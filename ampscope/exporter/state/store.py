@@ -295,7 +295,6 @@ class Store:
                 self._ledgers[run_id].flag(outlier.rank, outlier.step, "origin_outlier")
                 held = ranks[outlier.rank]
                 own = record if outlier.rank == rank else held.record_at(outlier.step)
-                held.note_offence((own or record).time)
                 held.spikes.add(
                     SpikeEvent(
                         kind="origin_outlier",

@@ -378,12 +378,45 @@ def test_device_offences_count_origins_and_outliers(make_client: MakeClient) -> 
     }
 
 
-def test_device_offences_count_origin_outliers_and_sum_ranks_sharing_a_device(
+def _uneven_run(client: TestClient, run: str) -> None:
+    """Three ranks on their own devices; at step 11 rank 2's own gradients stand out (its
+    origin norm 33x the others', as an epoch's 1-sample remainder batch makes it)."""
+    for rank in range(3):
+        records = [
+            record(s, run=run, rank=rank, world_size=3, stats=stats(1.0, 1.0, 1.0),
+                   device=gpu(rank) if s == 1 else None)
+            for s in range(1, 11)
+        ]  # fmt: skip
+        records.append(
+            record(11, run=run, rank=rank, world_size=3,
+                   stats=stats(1.0, 1.0, 33.0 if rank == 2 else 1.0))
+        )  # fmt: skip
+        _post(client, *records)
+
+
+def test_an_origin_outlier_is_a_spike_and_no_offence_of_its_device(
     make_client: MakeClient,
 ) -> None:
+    # Uneven per-rank batches make a healthy rank's own norm stand out: an outlier norm
+    # alone cannot tell its device from its data, so two such runs must not accuse the GPU.
+    client, _ = make_client()
+    for run in ("uneven-0", "uneven-1"):
+        _uneven_run(client, run)
+    spikes = {
+        (dict(labels)["run"], dict(labels)["rank"]): value
+        for (name, labels), value in _samples(client).items()
+        if name == "ampscope_spikes_total" and dict(labels)["kind"] == "origin_outlier"
+    }
+    assert spikes == {(run, str(rank)): float(rank == 2)
+                      for run in ("uneven-0", "uneven-1") for rank in range(3)}  # fmt: skip
+    assert _device_samples(client) == {}
+
+
+def test_device_offences_sum_ranks_sharing_a_device(make_client: MakeClient) -> None:
     client, _ = make_client()
     # Ranks 1 and 2 of run-b share one GPU; at step 11 rank 2's own gradients stand out
-    # (its origin norm 100x the others'), and at step 12 rank 1's gradients hold inf.
+    # (its origin norm 100x the others': no offence), at step 11 rank 2's and at step 12
+    # rank 1's gradients hold inf.
     for rank in range(3):
         shared = gpu(7) if rank else gpu(0)
         records = [
@@ -392,8 +425,9 @@ def test_device_offences_count_origin_outliers_and_sum_ranks_sharing_a_device(
             for s in range(1, 11)
         ]  # fmt: skip
         records.append(
-            record(11, run="run-b", rank=rank, world_size=3,
-                   stats=stats(1.0, 1.0, 100.0 if rank == 2 else 1.0))
+            record(11, run="run-b", rank=rank, world_size=3, origin=rank == 2,
+                   stats=stats(1.0, 1.0, 100.0 if rank == 2 else 1.0),
+                   total=totals(11, origin={"cuda:0": int(rank == 2)}))
         )  # fmt: skip
         _post(client, *records)
     _post(
@@ -404,8 +438,7 @@ def test_device_offences_count_origin_outliers_and_sum_ranks_sharing_a_device(
     got = _device_samples(client)
     shared = "GPU-00000007-0000-0000-0000-00000000abcd"
     assert got == {
-        ("ampscope_device_offences_total", "run-b", shared, "node0", "nonfinite_origin"): 1,
-        ("ampscope_device_offences_total", "run-b", shared, "node0", "origin_outlier"): 1,
+        ("ampscope_device_offences_total", "run-b", shared, "node0", "nonfinite_origin"): 2,
         # The newest of the two ranks' offences: rank 1's inf at T0 + 50.
         ("ampscope_device_last_offence_timestamp_seconds", "run-b", shared, "node0"): T0 + 50,
     }

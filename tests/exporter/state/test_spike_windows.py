@@ -10,7 +10,7 @@ from ampscope.exporter.health import evaluate
 from ampscope.exporter.state.ranks import RankSnapshot, RankState
 from ampscope.exporter.state.spike_windows import OriginBoard, SpikeCounts
 from ampscope.exporter.state.store import Store, StoreLimits
-from ampscope.reporter.schema import StepRecord
+from ampscope.reporter.schema import RankFailure, StepRecord
 from ampscope.verdicts.thresholds import Thresholds
 from exporter.factory import T0, batch, record, stats, totals
 
@@ -77,7 +77,7 @@ def test_a_loss_spike_is_found_with_its_baseline() -> None:
     assert v["thresholds"]["window_s"] == 600.0
 
 
-def test_the_verdict_fires_within_its_window_only_and_a_finished_run_keeps_it() -> None:
+def test_the_verdict_fires_within_its_window_only_and_a_finished_run_reads_it_as_history() -> None:
     state = _state(_records([*_noisy(30), 50.0]))
     # Later clean steps, received 500 s and 700 s after the spike.
     state.apply_batch(_records([*_noisy(30), 50.0, *_noisy(5, seed=1)])[31:33], 0, T0 + 500)
@@ -87,8 +87,24 @@ def test_the_verdict_fires_within_its_window_only_and_a_finished_run_keeps_it() 
     finished = _state(_records([*_noisy(30), 50.0]))
     finished.finished_at = T0 + 10
     snap = finished.snapshot()
-    # Evaluated as of its end, however long it is then held.
-    assert _verdict([snap], "loss_spike", T0 + 3000)["status"] == "warning"
+    # Evaluated as of its end, however long it is then held; the run went on from the spike
+    # and finished normally: history, the run ok (an epilogue's `ampscope status` exits 0).
+    v = _verdict([snap], "loss_spike", T0 + 3000)
+    assert v["status"] == "ok"
+    assert v["summary"].startswith(
+        "history, the run finished normally since: loss spiked on rank 0 (node node0) at step 31"
+    )
+    assert v["evidence"]["history"] is True
+    assert v["evidence"]["ranks"][0]["step"] == 31
+    assert evaluate("run-a", [snap], T0 + 3000, T).status == "ok"
+
+    # A run that failed keeps it: the spike may be what killed it.
+    failed = _state(_records([*_noisy(30), 50.0]))
+    failed.finished_at = T0 + 10
+    failed.failure = RankFailure(
+        kind="exception", exception="RuntimeError", message="boom", step=31, seen_by="uncaught"
+    )
+    assert _verdict([failed.snapshot()], "loss_spike", T0 + 3000)["status"] == "warning"
 
 
 def test_a_restart_starts_the_windows_and_counts_afresh() -> None:
