@@ -262,9 +262,10 @@ atexit.register(_close_all_at_exit)
 
 def _stop_all(signum: int) -> None:
     # The SIGTERM handler's goodbye (ampscope.reporter.stop_signal), on the main thread:
-    # every reporter of the process says the signal stopped its rank, under one shared
-    # deadline, as at exit. A reporter whose close() the signal interrupted (its final
-    # heartbeat not sent yet) says so too.
+    # every live reporter of the process says the signal stopped its rank, under one shared
+    # deadline, as at exit. A reporter whose close() had begun (training ended: its final
+    # heartbeat says finished, or failed) is given the same deadline to send it, and not
+    # made stopped: a SIGTERM during the last flush (a time limit) stops no training.
     pid = os.getpid()
     live = [r for r in list(_LIVE) if r._pid == pid and not r._closed]
     closing = [r for r in list(_ENDED) if r._pid == pid and r._pipeline.thread.is_alive()]
@@ -276,8 +277,9 @@ def _stop_all(signum: int) -> None:
         reporter._finalizer.detach()
         _LIVE.discard(reporter)
         _ENDED.add(reporter)
-    for reporter in live + closing:
+    for reporter in live:
         reporter._pipeline.note_stop(signum)
+    for reporter in live + closing:
         reporter._pipeline.begin_close(deadline)
     for reporter in live + closing:
         if reporter._pipeline.cond._is_owned():  # type: ignore[attr-defined]

@@ -19,7 +19,8 @@ disposition found decides what follows ours:
 
 * ``SIG_DFL``: restored, and SIGTERM sent again to the process, which then ends as the
   launcher expects (killed by signal 15, exit status -15 as ``subprocess`` reports it,
-  143 in a shell);
+  143 in a shell); unless a handler installed after ours called ours (Lightning's chains
+  the handler it replaced): that handler decides, and ours returns after the goodbye;
 * a Python handler (a library's, the user's): called after ours, with the same arguments;
 * ``SIG_IGN``, or a handler installed outside Python: left alone, no handler installed.
 
@@ -119,6 +120,12 @@ def install(on_stop: Callable[[int], None]) -> bool:
 
 
 def _handle(signum: int, frame: FrameType | None) -> None:
+    # Called by a handler installed after ours (Lightning's chains the one it replaced):
+    # that handler owns SIGTERM now and decides what follows (Lightning notes it and
+    # stops at the batch's end, after its on_exception checkpoint and teardown). Ending
+    # the process here by SIG_DFL would take that away; a wrapper that wanted SIG_DFL's
+    # end would not have been installed.
+    wrapped = signal.getsignal(signal.SIGTERM) is not _handle
     # Ours first: a chained handler may end the process (sys.exit, os._exit) or raise to
     # unwind the training loop, and the goodbye must have gone by then.
     on_stop = _installed.on_stop
@@ -133,7 +140,7 @@ def _handle(signum: int, frame: FrameType | None) -> None:
     previous = _installed.previous
     if callable(previous):
         previous(signum, frame)
-    elif previous == signal.SIG_DFL:
+    elif previous == signal.SIG_DFL and not wrapped:
         # The default ends the process by the signal: restore it and send the signal again,
         # so the launcher sees what it would have seen without us (killed by SIGTERM).
         signal.signal(signum, signal.SIG_DFL)

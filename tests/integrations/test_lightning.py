@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
 from typing import Any
 
 import pytest
 from checks import check_exporter, check_origin, check_same_training, check_watch
-from support import need_module, run_distributed
+from support import DEADLOCK_GUARD_S, need_module, run_distributed
 from watch_workers import lightning_worker as lightning_watch_worker
 from workers import INJECT_STEPS, STEPS, Net, batch, lightning_plugin, lightning_worker, poison
 
@@ -376,3 +384,43 @@ def test_lightning_clips_through_the_front_end(
     assert callback.scaler is not None
     records = callback.scaler.telemetry.history()
     assert [r.stats.grad_norm for r in records] == pytest.approx(clip_norms, rel=1e-5)
+
+
+def test_sigterm_keeps_lightnings_graceful_stop_and_the_rank_reads_stopped(
+    report_to: str, tmp_path: Path
+) -> None:
+    # Lightning chains the SIGTERM handler it replaces (ampscope's, installed when the
+    # callback built its reporter): it notes the signal and stops at the batch's end, which
+    # its OnExceptionCheckpoint saves on. ampscope's handler says goodbye and leaves the end
+    # to Lightning, instead of ending the process by SIGTERM's default.
+    env = {**os.environ, "AMPSCOPE_RUN_ID": "pl-sigterm", "PYTHONPATH": _pythonpath()}
+    worker = Path(__file__).parent / "lightning_sigterm_worker.py"
+    process = subprocess.Popen(
+        [sys.executable, str(worker), str(tmp_path)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + DEADLOCK_GUARD_S
+        while not (tmp_path / "started").exists():
+            assert process.poll() is None, process.communicate()[0]
+            assert time.monotonic() < deadline, "the worker never started training"
+            time.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=DEADLOCK_GUARD_S)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, output
+    assert (tmp_path / "on_exception.ckpt").exists(), output
+    with urllib.request.urlopen(f"{report_to}/api/v1/runs/pl-sigterm/ranks", timeout=5) as r:
+        ranks = json.loads(r.read())
+    assert [(view["rank"], view["state"]) for view in ranks] == [(0, "stopped")]
+
+
+def _pythonpath() -> str:
+    root = str(Path(__file__).resolve().parents[2])
+    inherited = os.environ.get("PYTHONPATH")
+    return root if not inherited else f"{root}{os.pathsep}{inherited}"

@@ -14,8 +14,9 @@ the interpreter) until a signal ends it. By ``MODE``, before the reporters start
 * ``closed``: the reporter is closed before ``ready`` (the rank finished), then waits;
 * ``thread``: the reporter is built on another thread, which cannot install a handler;
 * ``library_after``: after the first reporter, a library installs its own SIGTERM handler,
-  which prints ``library handler ran`` and calls the one it replaced (as Lightning's does);
-  then a second reporter (rank 1) starts.
+  which prints ``library handler ran``, calls the one it replaced and lets the loop end on
+  its own (as Lightning's does: its checkpoint on the exception, its teardown), exit
+  status 4; then a second reporter (rank 1) starts.
 
 Prints ``handler ours`` or ``handler <name>`` (the SIGTERM disposition once the reporters
 started) before ``ready``.
@@ -55,11 +56,17 @@ def _previous(signum: int, frame: FrameType | None) -> None:
     sys.exit(3)
 
 
+SIGTERM_SEEN = threading.Event()
+"""Set by the library's handler: the loop ends gracefully at its next turn (Lightning's
+``received_sigterm``, then its ``SIGTERMException`` at the batch's end)."""
+
+
 def _library_handler(previous: object) -> Callable[[int, FrameType | None], None]:
     def handle(signum: int, frame: FrameType | None) -> None:
         print("library handler ran", flush=True)
         if callable(previous):
             previous(signum, frame)
+        SIGTERM_SEEN.set()
 
     return handle
 
@@ -94,8 +101,11 @@ def main(url: str, mode: str) -> None:
     name = "ours" if installed() else getattr(disposition, "name", "a Python function")
     print(f"handler {name}", flush=True)
     print("ready", flush=True)
-    while True:
+    while not SIGTERM_SEEN.is_set():
         time.sleep(0.01)
+    # Only a library's handler that did not end the process gets here.
+    print(f"graceful end after {_finals()} final", flush=True)
+    sys.exit(4)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,6 +23,7 @@ import pytest
 from loopback_server import LoopbackExporter, make_record
 from support import DEADLOCK_GUARD_S
 
+from ampscope.reporter import http
 from ampscope.reporter.http import HttpReporter
 from ampscope.reporter.schema import Heartbeat
 
@@ -107,7 +109,10 @@ def test_a_library_handler_installed_after_ours_is_kept_and_chains_ours() -> Non
         process.send_signal(signal.SIGTERM)
         code, output = _ends(process)
         assert "library handler ran" in output
-        assert code == -signal.SIGTERM, output
+        # The library owns SIGTERM now: ours said goodbye and left the end to it (Lightning
+        # checkpoints on the exception it raises at the batch's end, then tears down).
+        assert "graceful end after 2 final" in output
+        assert code == 4, output
         assert sorted(_finals(exporter)) == [(0, signal.SIGTERM), (1, signal.SIGTERM)]
 
 
@@ -185,3 +190,26 @@ def test_an_older_exporter_is_told_the_rank_ended_without_the_signal() -> None:
         (beat,) = exporter.heartbeats
         assert beat == Heartbeat.model_validate(taken)
         assert beat.final
+
+
+def test_sigterm_during_a_normal_close_leaves_the_rank_finished() -> None:
+    # Training ended and the reporter is closing (its records still going: the exporter
+    # refuses them for now) when SIGTERM comes (a time limit during the last flush): the
+    # goodbye waits for that close, and the rank ends finished, not stopped.
+    with LoopbackExporter() as exporter:
+        reporter = HttpReporter(exporter.url, sigterm_handler=False, **FAST)
+        reporter.emit(make_record(1))
+        assert reporter.flush(timeout=DEADLOCK_GUARD_S)
+        exporter.fail_next(503, times=1_000_000)
+        reporter.emit(make_record(2))
+        closing = threading.Thread(target=reporter.close, kwargs={"timeout": DEADLOCK_GUARD_S})
+        closing.start()
+        assert exporter.wait_until(lambda: reporter._closed and reporter.pending > 0)
+        # The handler's goodbye, as the signal would run it: done before anything else
+        # moves (it returns by the reporter's exit_timeout, the records still refused).
+        http._stop_all(signal.SIGTERM)
+        with exporter._lock:
+            exporter._failures.clear()
+        closing.join(DEADLOCK_GUARD_S)
+        assert not closing.is_alive()
+        assert _finals(exporter) == [(0, None)]
