@@ -7,11 +7,14 @@ Prometheus view build their reports here: ``status`` (the worst verdict), ``stat
 and ``states`` (ranks per state).
 
 A run that finished normally reads its spikes as history (``HISTORY_RULES``): a spike warns
-of an instability while the run may still go wrong; once every rank finished without a
-failure, it did not, and the run's ``ok`` is what a job's epilogue gates on (``ampscope
-status`` exits 0). The faults stay: an applied non-finite update, diverged replicas, a
-device's transient fault, skipped steps and a collapsed scale describe what the run's
-training did, whenever it ended.
+of an instability while the run may still go wrong; once every rank ended without a
+failure and its training completed (``finished_normally``), it did not, and the run's
+``ok`` is what a job's epilogue gates on (``ampscope status`` exits 0). The faults stay:
+an applied non-finite update, diverged replicas, a device's transient fault, skipped steps
+and a collapsed scale describe what the run's training did, whenever it ended. Whoever
+judged a verdict (an exporter that saw only its own ranks, say), the roll-up of the whole
+run decides: a history verdict of a run that is not (or no longer) finished normally warns
+again (``from_history``).
 """
 
 from __future__ import annotations
@@ -51,6 +54,15 @@ def run_state(states: Sequence[str]) -> RunState:
     return "stopped" if "stopped" in states else "finished"
 
 
+def finished_normally(states: Sequence[str]) -> bool:
+    """Whether the run's training completed: every rank ended, none failed, and one
+    finished. Ranks its launcher stopped may be among them: an elastic run that shrank
+    leaves its old generation's extra rank ids ``stopped`` (until their retention) while
+    the new generation finishes. A run whose every rank was stopped (a preemption) did not
+    complete."""
+    return run_ended(states) and "failed" not in states and "finished" in states
+
+
 HISTORY_RULES: tuple[RuleName, ...] = (
     "loss_spike",
     "grad_norm_spike",
@@ -82,7 +94,31 @@ def as_history(verdict: Verdict | Mapping[str, Any]) -> Verdict | Mapping[str, A
     update = {
         "status": "ok",
         "summary": HISTORY_NOTE + summary,
-        "evidence": {**evidence, "history": True},
+        "evidence": {**evidence, "history": True, "was": field("status")},
+    }
+    if isinstance(verdict, Verdict):
+        return verdict.model_copy(update=update)
+    return {**verdict, **update}
+
+
+def from_history(verdict: Verdict | Mapping[str, Any]) -> Verdict | Mapping[str, Any]:
+    """``verdict`` as it was before ``as_history``: its status (``evidence.was``), summary
+    and evidence back; any other verdict as it is. For a run that is not finished normally
+    as a whole though an exporter judged its own ranks finished (another node's rank failed
+    or still runs). O(1)."""
+
+    def field(name: str) -> Any:
+        return getattr(verdict, name) if isinstance(verdict, Verdict) else verdict.get(name)
+
+    evidence = field("evidence") or {}
+    if not evidence.get("history") or field("rule") not in HISTORY_RULES:
+        return verdict
+    summary = field("summary") or ""
+    update = {
+        # An exporter of this release says what it was; an older one's history warned.
+        "status": evidence.get("was") or "warning",
+        "summary": summary.removeprefix(HISTORY_NOTE),
+        "evidence": {k: v for k, v in evidence.items() if k not in ("history", "was")},
     }
     if isinstance(verdict, Verdict):
         return verdict.model_copy(update=update)
@@ -99,10 +135,11 @@ def health_report(
 ) -> dict[str, Any]:
     """The fields of the run's ``HealthReport``, in the JSON API's order, from its verdicts
     (models or their JSON) and its ranks' states (one per rank); a run that finished
-    normally reads the ``HISTORY_RULES``' verdicts as history (``as_history``), whoever
-    judged them (an exporter, the merge of several, Prometheus). O(verdicts + ranks)."""
-    if run_state(states) == "finished":
-        verdicts = [as_history(v) for v in verdicts]
+    normally (``finished_normally``) reads the ``HISTORY_RULES``' verdicts as history
+    (``as_history``), any other reads them as they were (``from_history``), whoever judged
+    them (an exporter, the merge of several, Prometheus). O(verdicts + ranks)."""
+    settle = as_history if finished_normally(states) else from_history
+    verdicts = [settle(v) for v in verdicts]
     statuses = [v.status if isinstance(v, Verdict) else v["status"] for v in verdicts]
     return {
         "run": run,

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from ampscope.verdicts.rollup import HISTORY_RULES, health_report, run_ended, run_state
+from ampscope.verdicts.rollup import (
+    HISTORY_RULES,
+    as_history,
+    finished_normally,
+    health_report,
+    run_ended,
+    run_state,
+)
 from ampscope.verdicts.verdict import Verdict
 
 
@@ -93,7 +100,7 @@ def test_a_run_that_finished_normally_reads_its_spikes_as_history() -> None:
     for before, after in zip(spikes, report["verdicts"][1:], strict=True):
         assert after.status == "ok"
         assert after.summary == f"history, the run finished normally since: {before.summary}"
-        assert after.evidence == {**before.evidence, "history": True}
+        assert after.evidence == {**before.evidence, "history": True, "was": "warning"}
         assert after.thresholds == before.thresholds
     # An exporter's JSON (the merge of several, or an older exporter's warning) alike, and
     # a verdict already read as history stays as it is.
@@ -120,3 +127,35 @@ def test_lasting_faults_and_unfinished_runs_keep_their_warnings() -> None:
         report = health_report("r", spikes, states, evaluated_at=5.0, up=1)
         assert report["verdicts"] == spikes, states
         assert report["status"] == "warning", states
+
+
+def test_an_elastic_run_that_shrank_and_finished_reads_its_spikes_as_history() -> None:
+    # World 8 -> 7: the old generation's rank 7 stays stopped (until its retention) while
+    # the new generation of ranks 0-6 finished. The training completed.
+    spikes = [_spike(rule) for rule in HISTORY_RULES]
+    states = ["finished"] * 7 + ["stopped"]
+    assert finished_normally(states)
+    report = health_report("r", spikes, states, evaluated_at=5.0, up=0)
+    assert report["status"] == "ok"
+    assert all(v.evidence["history"] for v in report["verdicts"])
+    # A preemption stopped every rank: not completed, the spikes still warn.
+    assert not finished_normally(["stopped"] * 8)
+    stopped = health_report("r", spikes, ["stopped"] * 8, evaluated_at=5.0, up=0)
+    assert stopped["status"] == "warning"
+
+
+def test_history_judged_by_one_exporter_warns_again_for_a_run_that_did_not_finish() -> None:
+    # Node A's ranks finished and its exporter read its spike as history; node B's rank
+    # failed (or still runs): the whole run did not finish normally, and the merge's
+    # roll-up brings the warning back as it was.
+    spike = _spike("loss_spike")
+    judged_by_a = as_history(spike.model_dump())
+    for states in (["finished", "finished", "failed"], ["finished", "running"]):
+        report = health_report("r", [judged_by_a], states, evaluated_at=5.0, up=1)
+        assert report["status"] == "warning", states
+        assert report["verdicts"] == [spike.model_dump()], states
+    # An older exporter's history carries no "was": it was a warning.
+    older = {**judged_by_a, "evidence": {k: v for k, v in judged_by_a["evidence"].items()
+                                         if k != "was"}}  # fmt: skip
+    report = health_report("r", [older], ["running"], evaluated_at=5.0, up=1)
+    assert report["verdicts"][0]["status"] == "warning"
