@@ -1,8 +1,9 @@
 """The ranks of a run as Prometheus holds them, in the JSON API's ``RankView`` shape: those
 whose series are there now, and those whose series were there within the last hour
 (``LOOKBACK_S``) and are gone (their exporter's scrape fails, ``up == 0``, or their series went
-stale), which are ``lost`` unless their last state was final (``finished``, or ``failed``
-with its failure), as the exporter's own health would call a rank it no longer hears. Also
+stale), which are ``lost`` unless their last state was final (``finished``, ``failed`` with
+its failure, or ``stopped``), as the exporter's own health would call a rank it no longer
+hears. Also
 the thresholds the exporters publish (``ampscope_exporter_health_threshold``). Pure functions
 over query results.
 """
@@ -63,7 +64,7 @@ SEEN = (
 
 def seen_query(selector: str) -> str:
     """The last value within ``LOOKBACK_S`` of every ``SEEN`` series (and of the final states,
-    ``finished`` and ``failed``), named as its family. ``last_over_time`` drops the name, so
+    ``FINAL_STATES``), named as its family. ``last_over_time`` drops the name, so
     ``label_replace`` puts it back, and in a ``family`` label too, which keeps the families
     apart where ``or`` joins them: VictoriaMetrics' ``or`` matches series without their names
     (and ``or on (__name__)`` on no label at all), so it would keep only a rank's first
