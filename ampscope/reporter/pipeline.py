@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ampscope.reporter import failure
+from ampscope.reporter import failure, pause
 from ampscope.reporter.schema import (
     HEARTBEAT_INTERVAL_S,
     HEARTBEAT_PATH,
@@ -26,6 +26,7 @@ from ampscope.reporter.schema import (
     DeviceIdentity,
     Heartbeat,
     Identity,
+    RankPause,
     StepRecord,
 )
 from ampscope.reporter.tls import ClientTls, clear_text_warning, credentials_in_clear
@@ -166,6 +167,9 @@ class Pipeline:
         # begins, from the newest noted exception and the newest record's time.
         self.newest_time: float | None = None
         self.failure: failure.Noted | None = None
+        self.pause_refused = False
+        """The exporter refused a heartbeat that said a pause (it predates pauses): the
+        next ones go without."""
         self.closed_by: int | None = None
         """``threading.get_ident()`` of the thread that began the close."""
         self.thread = threading.Thread(target=self._run, name="ampscope-reporter", daemon=True)
@@ -336,8 +340,13 @@ class Pipeline:
         return result is not None and result.outcome is Outcome.DELIVERED and bool(result.applied)
 
     def _post_beat(self, newest: _Encoded, *, final: bool) -> PostResult | None:
-        """POST a heartbeat speaking for ``newest``'s rank; ``None`` when out of time."""
+        """POST a heartbeat speaking for ``newest``'s rank; ``None`` when out of time.
+
+        A non-final one says the rank's open pause (:mod:`ampscope.reporter.pause`). An
+        exporter that predates pauses refuses the field (422): the heartbeat goes once more
+        without it, and so do the later ones (logged once)."""
         told = self.failure if final else None
+        now = None if final or self.pause_refused else pause.current()
         beat = Heartbeat(
             schema_version=1,
             identity=newest.identity,
@@ -346,13 +355,34 @@ class Pipeline:
             final=final,
             dropped_records=self.dropped,
             failure=None if told is None else told.failure(newest.step),
+            pause=None if now is None else RankPause(reason=now.reason, seconds=now.seconds),
         )
+        result = self._post_beat_once(beat)
+        if (
+            beat.pause is not None
+            and result is not None
+            and result.outcome is Outcome.REJECTED
+            and result.status == 422
+        ):
+            self.pause_refused = True
+            self.log_once(
+                "pause-refused",
+                logging.WARNING,
+                "ampscope reporter: %s refused a heartbeat that says a pause (an older "
+                "exporter?); heartbeats go without it, and a long pause may show as a stall "
+                "(logged once)",
+                self.config.url,
+            )
+            result = self._post_beat_once(beat.model_copy(update={"pause": None}))
+        return result
+
+    def _post_beat_once(self, beat: Heartbeat) -> PostResult | None:
         remaining = self._remaining()
         if remaining is not None and remaining <= 0:
             return None
-        result = self.transport.post(
-            beat.model_dump_json().encode(), timeout=remaining, path=HEARTBEAT_PATH
-        )
+        # Without a pause the field is left out, as reporters that predate it sent them.
+        body = beat.model_dump_json(exclude={"pause"} if beat.pause is None else None)
+        result = self.transport.post(body.encode(), timeout=remaining, path=HEARTBEAT_PATH)
         self._note_contact(result)
         if result.outcome is Outcome.REJECTED and result.refused:
             self.log_once(
@@ -363,7 +393,7 @@ class Pipeline:
                 result.status,
                 result.detail,
             )
-        elif result.outcome is Outcome.REJECTED:
+        elif result.outcome is Outcome.REJECTED and beat.pause is None:
             self.log_once(
                 f"heartbeat-{result.status}",
                 logging.WARNING,

@@ -102,6 +102,9 @@ class LoopbackExporter:
         that was not applied (no record of its rank held) as ``beat?``/``final?``."""
         self.heartbeat_interval_s: float | None = None
         """Sent back as ``heartbeat_interval_s`` in every 200, as the exporter does."""
+        self.predates_pauses = False
+        """Refuse (422) a heartbeat holding a ``pause`` field, as an exporter whose strict
+        schema predates it does (unknown fields are refused)."""
         self.held: set[tuple[str, int]] = set()
         """(run, rank) of every accepted record: a heartbeat of any other is not applied."""
 
@@ -225,6 +228,10 @@ class LoopbackExporter:
         return status, payload, extra
 
     def _heartbeat(self, body: bytes) -> tuple[int, bytes, dict[str, str]]:
+        if self.predates_pauses and "pause" in json.loads(body):
+            with self._lock:
+                self.events.append("refused")
+            return 422, b'{"detail":"pause: Extra inputs are not permitted"}', {}
         try:
             beat = Heartbeat.model_validate_json(body)
         except ValueError as exc:

@@ -106,6 +106,13 @@ class ReplicaChecksView(BaseModel):
     parameters: list[str] = Field(default=[], description="The parameters that differed.")
 
 
+class PauseView(BaseModel):
+    """A live rank that says it stops stepping on purpose (``paused()`` on the rank side)."""
+
+    reason: str = Field(description="What it does meanwhile (checkpoint, eval...).")
+    seconds: float = Field(description="How long it has been paused.")
+
+
 class RankView(BaseModel):
     """A rank's current state, from its newest record."""
 
@@ -140,7 +147,14 @@ class RankView(BaseModel):
         "stall_after_s; stalled: heard from, no new step for stall_after_s; lost: nothing "
         "heard for stale_after_s and no final record; finished: sent its final record, "
         "training ended normally; failed: sent its final record, training ended on an "
-        "exception (see failure)."
+        "exception (see failure). A rank that says it paused on purpose (see pause) is "
+        "running until pause_limit_s without a step, then stalled."
+    )
+    pause: PauseView | None = Field(
+        default=None,
+        description="For a running or stalled rank whose heartbeats say it paused on "
+        "purpose (a checkpoint save, an evaluation): the reason and for how long; null "
+        "otherwise.",
     )
     failure: RankFailure | None = Field(
         default=None,
