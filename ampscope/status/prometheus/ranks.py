@@ -247,6 +247,7 @@ def _view(info: Mapping[str, str]) -> dict[str, Any]:
         "dropped_records": 0,
         "up": False,
         "state": "lost",
+        "pause": None,  # heartbeats say a pause; Prometheus sees the state only
         "failure": None,
         "last_report_time": 0.0,
         "seconds_since_report": 0.0,
