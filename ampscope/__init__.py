@@ -1,7 +1,8 @@
 """ampscope: make mixed-precision loss scaling visible.
 
 ``from ampscope import ShardedGradScaler`` (FSDP1) or ``from ampscope import GradScaler``
-(FSDP2, DDP, single device); ``from ampscope import GradWatch`` for bf16 and fp32 runs.
+(FSDP2, DDP, single device); ``from ampscope import GradWatch`` for bf16 and fp32 runs;
+``ampscope.paused("checkpoint")`` around work that takes no step on purpose.
 They are imported lazily so that ``ampscope serve`` never imports torch.
 """
 
@@ -16,10 +17,12 @@ __all__ = [
     "NonFiniteGradientsError",
     "ShardedGradScaler",
     "__version__",
+    "paused",
 ]
 
 if TYPE_CHECKING:
     from ampscope.rank import GradScaler, GradWatch, NonFiniteGradientsError, ShardedGradScaler
+    from ampscope.reporter.pause import paused
 
 _LAZY = ("GradScaler", "GradWatch", "NonFiniteGradientsError", "ShardedGradScaler")
 
@@ -29,4 +32,8 @@ def __getattr__(name: str) -> Any:
         from ampscope import rank
 
         return getattr(rank, name)
+    if name == "paused":
+        from ampscope.reporter.pause import paused
+
+        return paused
     raise AttributeError(f"module 'ampscope' has no attribute {name!r}")

@@ -31,7 +31,7 @@ from ampscope.verdicts import fp8 as fp8_rules
 from ampscope.verdicts import replicas as replica_rules
 from ampscope.verdicts import reruns as rerun_rules
 from ampscope.verdicts import spikes as spike_rules
-from ampscope.verdicts.ranks import RankFacts, is_scaler
+from ampscope.verdicts.ranks import LIVE_STATES, RankFacts, RankPaused, is_scaler
 from ampscope.verdicts.rollup import health_report, run_ended
 from ampscope.verdicts.thresholds import Thresholds
 from ampscope.verdicts.verdict import RULES, RuleName, Verdict
@@ -185,7 +185,7 @@ def scale_desync(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Ve
 
 
 def _states(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> list[str]:
-    life = Lifecycle(stale_after_s=t.stale_after_s, stall_after_s=t.stall_after_s)
+    life = Lifecycle.of(t)
     return [life.state(snap, now) for snap in ranks]
 
 
@@ -205,6 +205,9 @@ def facts_of(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> list[R
             seconds_since_report=now - snap.last_report,
             step_time=snap.newest.time,
             seconds_since_progress=now - snap.last_progress,
+            pause=None
+            if snap.pause is None or state not in LIVE_STATES
+            else RankPaused(reason=snap.pause.reason, seconds=snap.pause.seconds(now)),
         )
         for snap, state in zip(ranks, states, strict=True)
     ]

@@ -41,6 +41,12 @@ _OPTIONS: dict[str, tuple[str, type, str]] = {
         "seconds a rank still heard from may go without a new step before it is stalled "
         "(default 600)",
     ),
+    "--pause-limit": (
+        "pause_limit_s",
+        float,
+        "the same for a rank whose heartbeats say it paused on purpose (a checkpoint save, "
+        "an evaluation: paused()); the larger of the two applies (default 7200)",
+    ),
     "--finished-retention": (
         "finished_retention_s",
         float,

@@ -111,6 +111,10 @@ class Settings(BaseSettings):
     record, is lost: ``ampscope_rank_up`` 0. Reporters are told to beat 4x as often."""
     stall_after_s: Seconds = _DEFAULTS.stall_after_s
     """A rank still heard from but without a new step for this long is stalled."""
+    pause_limit_s: Seconds = _DEFAULTS.pause_limit_s
+    """The same for a rank whose heartbeats say it paused on purpose (a checkpoint save,
+    an evaluation: ``scaler.paused("checkpoint")``); the larger of it and
+    ``stall_after_s`` applies, so a pause never shortens the stall limit."""
     lost_critical_share: Annotated[float, Field(ge=0.0, le=1.0)] = _DEFAULTS.lost_critical_share
     """lost_rank turns critical when more than this share of a run's ranks are lost."""
     finished_retention_s: Seconds = 3600.0
@@ -219,7 +223,7 @@ class Settings(BaseSettings):
 
     def lifecycle(self) -> Lifecycle:
         """The rank-state clocks (the API, /metrics and health all read the same ones)."""
-        return Lifecycle(stale_after_s=self.stale_after_s, stall_after_s=self.stall_after_s)
+        return Lifecycle.of(self.thresholds())
 
     @property
     def window_s(self) -> float:

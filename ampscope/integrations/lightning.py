@@ -44,6 +44,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without lightnin
     ) from exc
 
 from ampscope.integrations._batch import BATCH_IDS_KEY, check_key, note_ids
+from ampscope.integrations._pause import OpenPauses
 from ampscope.integrations._swap import (
     NO_SCALER,
     WATCHING,
@@ -112,6 +113,7 @@ class AmpscopeCallback(pl.Callback):
         self._attacher = Attacher(track_origin)
         self._warned = False
         self._active = True
+        self._pauses = OpenPauses()
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -150,8 +152,22 @@ class AmpscopeCallback(pl.Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        self._pauses.end()
         if self._active:
             note_ids(self.scaler, batch, self._key)
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Ended at the next training batch, not at on_validation_end: ModelCheckpoint (which
+        # Lightning runs after every other callback) saves in its own on_validation_end.
+        # Only within fit (its sanity check too): a trainer.validate() of its own steps never.
+        if trainer.state.fn == "fit":
+            self._pauses.open("eval")
+
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        # Called as the checkpoint's state is gathered, before the strategy writes it.
+        self._pauses.open("checkpoint")
 
     def on_train_batch_end(
         self,
@@ -180,6 +196,7 @@ class AmpscopeCallback(pl.Callback):
         pl_module.log_dict(values, on_step=True, on_epoch=False)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._pauses.end()
         if stage == "fit" and self.scaler is not None and self._active:
             if _HOOK in vars(pl_module):
                 delattr(pl_module, _HOOK)  # the class's hook again

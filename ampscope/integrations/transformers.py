@@ -23,6 +23,13 @@ Trainer's ``training_step`` (an instance attribute over the class's method, as A
 The column survives ``remove_unused_columns`` (the key joins the Trainer's list of the
 model's input names) and the collator's tensor of ids becomes a list before Accelerate's
 data loader moves the batch to the device, so the ids are read on the host, without a sync.
+
+Pauses: the Trainer has no hook before an evaluation or a save, but after a step's
+``on_step_end`` (and an epoch's ``on_epoch_end``) its flow callback has decided whether one
+follows (``control.should_evaluate``, ``should_save``, ``should_training_stop``). A second
+callback, last in line, reads that decision and opens the rank's pause there; the next
+``on_step_begin`` (or ``on_train_end``) ends it. The exporter then holds the rank running
+through a long evaluation or checkpoint save up to its ``pause_limit_s``.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ from ampscope.integrations._batch import (
     note_ids,
     without_key,
 )
+from ampscope.integrations._pause import OpenPauses
 from ampscope.integrations._swap import check_options, check_policy
 from ampscope.integrations.accelerate import attacher_of, instrument_accelerator
 from ampscope.rank.frontends.base import TelemetryFrontEnd
@@ -123,6 +131,84 @@ class AmpscopeTrainerCallback(TrainerCallback):
         self.scaler.close()
 
 
+class AmpscopePauseCallback(TrainerCallback):
+    """Pauses the rank (``ampscope.paused``) while the Trainer evaluates, saves a
+    checkpoint, or finishes training after its last step, until the next step begins.
+
+    Added by :func:`instrument` last in line: ``on_step_end`` and ``on_epoch_end`` then see
+    what the Trainer's flow callback decided (``control.should_evaluate``,
+    ``should_save``, ``should_training_stop``), just before the Trainer acts on it.
+    """
+
+    def __init__(self) -> None:
+        self.pauses = OpenPauses()
+
+    def _pause_for(self, control: TrainerControl) -> None:
+        # Opened in the reverse of the order the Trainer works in (evaluate, save, stop),
+        # so the newest, the reason said, is the work under way; on_evaluate and on_save
+        # hand over to the next.
+        if control.should_training_stop:
+            self.pauses.open("end-of-training")
+        if control.should_save:
+            self.pauses.open("checkpoint")
+        if control.should_evaluate:
+            self.pauses.open("eval")
+
+    def on_step_end(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
+    ) -> None:
+        self._pause_for(control)
+
+    def on_epoch_end(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
+    ) -> None:
+        self._pause_for(control)
+
+    def on_evaluate(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
+    ) -> None:
+        self.pauses.done("eval")
+
+    def on_save(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
+    ) -> None:
+        self.pauses.done("checkpoint")
+
+    def on_step_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
+    ) -> None:
+        self.pauses.end()
+
+    def on_train_end(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
+    ) -> None:
+        self.pauses.end()
+
+
 def instrument(
     trainer: Trainer,
     *,
@@ -140,7 +226,10 @@ def instrument(
     the same scaling settings, and adds a callback that attaches it to the wrapped model
     when training starts (origin tracking when the run is distributed), adds
     ``loss_scale`` and ``skipped_steps`` to every training log (so they reach whatever
-    ``report_to`` sends to) and closes the scaler when training ends (a later
+    ``report_to`` sends to), pauses the rank (``ampscope.paused``: ``eval``,
+    ``checkpoint``, ``end-of-training``) from the end of a step after which the Trainer
+    evaluates, saves or stops, until the next step begins, and closes the scaler when
+    training ends (a later
     ``train()`` still trains with it, as torch's scaler, without telemetry). Calling it
     again returns the same scaler and changes nothing.
 
@@ -181,6 +270,8 @@ def instrument(
     if scaler is not None:
         # First in line, so that the report_to callbacks log what on_log adds.
         trainer.callback_handler.callbacks.insert(0, AmpscopeTrainerCallback(trainer, scaler))
+        # Last in line: it reads what the flow callback decided about this step.
+        trainer.callback_handler.callbacks.append(AmpscopePauseCallback())
         if key is not None:
             _note_ids_in_steps(trainer, scaler, key)
     return scaler

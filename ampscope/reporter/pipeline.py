@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ampscope.reporter import failure
+from ampscope.reporter import failure, pause
 from ampscope.reporter.schema import (
     HEARTBEAT_INTERVAL_S,
     HEARTBEAT_PATH,
@@ -26,6 +26,7 @@ from ampscope.reporter.schema import (
     DeviceIdentity,
     Heartbeat,
     Identity,
+    RankPause,
     StepRecord,
 )
 from ampscope.reporter.tls import ClientTls, clear_text_warning, credentials_in_clear
@@ -34,6 +35,11 @@ from ampscope.reporter.transport import URL_ENV, IngestTransport, Outcome, PostR
 logger = logging.getLogger("ampscope")
 
 __all__ = ["HttpReporterConfig", "Pipeline"]
+
+_NEWER_FIELDS = ("pause", "stop_signal")
+"""Heartbeat fields added after schema version 1, newest first: an exporter older than one
+refuses it (422, unknown field), and one that knows a field knows the older ones (so the
+reporter drops the newest first when a heartbeat carries more than one)."""
 
 MAX_DEVICE_KEYS = 64
 """(run, rank) pairs whose device a pipeline remembers (one, unless a reporter is shared)."""
@@ -170,6 +176,9 @@ class Pipeline:
         # begins, from the newest noted exception and the newest record's time.
         self.newest_time: float | None = None
         self.failure: failure.Noted | None = None
+        self.pause_refused = False
+        """The exporter refused a heartbeat that said a pause (it predates pauses): the
+        next ones go without."""
         self.closed_by: int | None = None
         """``threading.get_ident()`` of the thread that began the close."""
         self.stop_signal: int | None = None
@@ -353,10 +362,16 @@ class Pipeline:
         return result is not None and result.outcome is Outcome.DELIVERED and bool(result.applied)
 
     def _post_beat(self, newest: _Encoded, *, final: bool) -> PostResult | None:
-        """POST a heartbeat speaking for ``newest``'s rank; ``None`` when out of time."""
+        """POST a heartbeat speaking for ``newest``'s rank; ``None`` when out of time.
+
+        A non-final one says the rank's open pause (:mod:`ampscope.reporter.pause`); a final
+        one the signal that stopped the process, if one did. An exporter that predates such
+        a field refuses it (422): the heartbeat goes again without it (``_post_taken``); a
+        refused pause is left out of the later heartbeats too (logged once)."""
         told = self.failure if final else None
         with self.cond:
             stop_signal = self.stop_signal if final else None
+        now = None if final or self.pause_refused else pause.current()
         beat = Heartbeat(
             schema_version=1,
             identity=newest.identity,
@@ -366,23 +381,25 @@ class Pipeline:
             dropped_records=self.dropped,
             failure=None if told is None else told.failure(newest.step),
             stop_signal=stop_signal,
+            pause=None if now is None else RankPause(reason=now.reason, seconds=now.seconds),
         )
+        return self._post_taken(beat)
+
+    def _post_taken(self, beat: Heartbeat) -> PostResult | None:
+        """POST ``beat``, then, while the exporter answers 422, again without the newest of
+        ``_NEWER_FIELDS`` it still carries; ``None`` when out of time. Costs one POST per
+        such field at most besides the first. Logs what the exporter refused."""
         result = self._post_heartbeat(beat)
+        for name in _NEWER_FIELDS:
+            if result is None or result.status != 422:
+                break
+            if getattr(beat, name) is None:
+                continue
+            self._note_field_refused(name)
+            beat = beat.model_copy(update={name: None})
+            result = self._post_heartbeat(beat)
         if result is None:
             return None
-        if stop_signal is not None and result.status == 422:
-            # An exporter older than ``stop_signal`` refuses a field it does not know: tell it
-            # the rank ended, which it reads as finished, rather than nothing (lost).
-            self.log_once(
-                "stop-signal-422",
-                logging.INFO,
-                "ampscope reporter: %s does not know stop_signal (an older exporter?); "
-                "the final heartbeat goes without it, so the rank reads finished there",
-                self.config.url,
-            )
-            result = self._post_heartbeat(beat.model_copy(update={"stop_signal": None}))
-            if result is None:
-                return None
         if result.outcome is Outcome.REJECTED and result.refused:
             self.log_once(
                 f"heartbeat-{result.status}",
@@ -404,14 +421,39 @@ class Pipeline:
             )
         return result
 
+    def _note_field_refused(self, name: str) -> None:
+        """The exporter answered 422 to a heartbeat carrying field ``name`` (see
+        ``_NEWER_FIELDS``): say what the heartbeat goes without (once per field)."""
+        if name == "pause":
+            self.pause_refused = True
+            self.log_once(
+                "pause-refused",
+                logging.WARNING,
+                "ampscope reporter: %s refused a heartbeat that says a pause (an older "
+                "exporter?); heartbeats go without it, and a long pause may show as a stall "
+                "(logged once)",
+                self.config.url,
+            )
+        else:
+            # Tell it the rank ended, which it reads as finished, rather than nothing (lost).
+            self.log_once(
+                "stop-signal-422",
+                logging.INFO,
+                "ampscope reporter: %s does not know stop_signal (an older exporter?); "
+                "the final heartbeat goes without it, so the rank reads finished there",
+                self.config.url,
+            )
+
     def _post_heartbeat(self, beat: Heartbeat) -> PostResult | None:
-        """POST ``beat`` as JSON; ``None`` when out of time. A ``stop_signal`` of ``None`` is
-        left out of the JSON rather than sent as ``null``: an exporter that predates the
-        field (it refuses unknown fields) then takes every heartbeat it took before."""
+        """POST ``beat`` as JSON; ``None`` when out of time. A field of ``_NEWER_FIELDS``
+        that is ``None`` is left out of the JSON rather than sent as ``null``: an exporter
+        that predates the field (it refuses unknown fields) then takes every heartbeat it
+        took before."""
         remaining = self._remaining()
         if remaining is not None and remaining <= 0:
             return None
-        body = beat.model_dump_json(exclude={"stop_signal"} if beat.stop_signal is None else None)
+        unset = {name for name in _NEWER_FIELDS if getattr(beat, name) is None}
+        body = beat.model_dump_json(exclude=unset or None)
         result = self.transport.post(body.encode(), timeout=remaining, path=HEARTBEAT_PATH)
         self._note_contact(result)
         return result

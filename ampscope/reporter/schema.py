@@ -620,6 +620,25 @@ HEARTBEAT_INTERVAL_S = 10.0
 asks for less (it answers every post with a quarter of its ``stale_after_s``)."""
 
 
+MAX_PAUSE_REASON_LENGTH = 64
+"""Longest pause reason (``ampscope.reporter.pause.MAX_REASON_LENGTH`` cuts to it)."""
+
+
+class RankPause(_Model):
+    """A heartbeat's word that its rank stops stepping on purpose (a checkpoint save, an
+    evaluation): the exporter then calls it stalled only after ``pause_limit_s``."""
+
+    reason: Annotated[
+        str,
+        StringConstraints(
+            min_length=1, max_length=MAX_PAUSE_REASON_LENGTH, pattern=r"^[A-Za-z0-9_.:/@+=-]+$"
+        ),
+    ]
+    """What the rank does meanwhile (``checkpoint``, ``eval``...), the newest open pause's."""
+    seconds: Annotated[float, Field(ge=0.0, le=MAX_TIME, allow_inf_nan=False)]
+    """Since the oldest open pause began, on the rank's monotonic clock."""
+
+
 class Heartbeat(_Model):
     """What a reporter POSTs while its rank is alive but sends no records, and once when the
     rank's scaler closes (``final``).
@@ -650,6 +669,11 @@ class Heartbeat(_Model):
     ``failure``: a reporter sends it only when set, and sends the heartbeat again without it
     to an exporter that predates it (which refuses unknown fields), so that exporter reads
     the rank ``finished`` instead of losing it; an older reporter never sends it."""
+    pause: RankPause | None = None
+    """The rank stops stepping on purpose (``paused()``); ``None``: it does not say so.
+    Omitted from the JSON when ``None``: exporters that predate it refuse unknown fields,
+    and a reporter they refuse it from sends its heartbeats without it. Added after
+    ``stop_signal``."""
 
     @model_validator(mode="after")
     def _failure_is_final(self) -> Heartbeat:

@@ -24,7 +24,7 @@ from typing import Any
 
 from ampscope.verdicts import failures, liveness, scale
 from ampscope.verdicts import fp8 as fp8_rules
-from ampscope.verdicts.ranks import RankFacts, is_scaler, mode_of, reported_state
+from ampscope.verdicts.ranks import RankFacts, is_scaler, mode_of, paused_of, reported_state
 from ampscope.verdicts.rollup import health_report
 from ampscope.verdicts.thresholds import Thresholds
 from ampscope.verdicts.verdict import FP8_RULES, SEVERITY, Verdict, in_report_order
@@ -43,6 +43,7 @@ def facts_of(views: Sequence[Mapping[str, Any]]) -> list[RankFacts]:
             last_report_time=view["last_report_time"],
             seconds_since_report=view["seconds_since_report"],
             step_time=view.get("step_time"),
+            pause=paused_of(view),
         )
         for view in views
     ]

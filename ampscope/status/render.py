@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ampscope.verdicts.fp8 import MAX_EVIDENCE_SERIES
-from ampscope.verdicts.ranks import is_scaler, mode_of, reported_state
+from ampscope.verdicts.ranks import is_scaler, mode_of, paused_of, reported_state
 from ampscope.verdicts.verdict import FP8_RULES, SEVERITY
 
 FAILED_TARGETS = "exporters without a usable answer:"
@@ -54,6 +54,14 @@ def rank_state(rank: Mapping[str, Any]) -> str:
     """The rank's lifecycle state as the API gives it, as the rules read it (an older
     exporter's rank that says only up or not: ``running`` or ``lost``)."""
     return reported_state(rank.get("state"), rank.get("up"))
+
+
+def state_cell(rank: Mapping[str, Any]) -> str:
+    """The rank's state as a table shows it: ``running, paused (checkpoint) for 700 s``
+    for a rank that says it paused on purpose."""
+    pause = paused_of(rank)
+    state = rank_state(rank)
+    return state if pause is None else f"{state}, {pause.text()}"
 
 
 def states_text(ranks: Sequence[Mapping[str, Any]]) -> str:
@@ -221,7 +229,7 @@ def run_table(run: str, views: Sequence[Mapping[str, Any]], health: Mapping[str,
             [
                 str(view["rank"]),
                 view["node"],
-                rank_state(view),
+                state_cell(view),
                 str(view["step"]),
                 mode_text(view),
                 # A watch's records say scale 1 and no backoffs: not a loss scale at all.
@@ -335,7 +343,7 @@ def job_table(
             [
                 str(view["rank"]),
                 view["node"],
-                rank_state(view),
+                state_cell(view),
                 str(view["step"]),
                 "none" if is_watch(view) else scale_text(view["scale"]),
                 f"{view['totals']['skipped_steps']}/{view['totals']['steps']}",

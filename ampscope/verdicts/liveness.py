@@ -1,5 +1,6 @@
 """The liveness and coverage rules: ``lost_rank`` (silent without finishing),
-``missing_rank`` (never reported) and ``stalled_rank`` (heard from, no new step), over
+``missing_rank`` (never reported) and ``stalled_rank`` (heard from, no new step, or none
+for ``pause_limit_s`` when it paused on purpose), over
 ``RankFacts``.
 
 A view of one node's exporter and a view of the whole job (a merge of every node's
@@ -139,9 +140,24 @@ def lost_rank(ranks: Sequence[RankFacts], t: Thresholds) -> Verdict:
     )
 
 
+def paused_summary(live: int, paused: Sequence[RankFacts], t: Thresholds) -> str:
+    """What an ok ``stalled_rank`` says of live ranks that paused on purpose: "rank 0
+    (node a) paused (checkpoint) for 700 s, 1 of 1 live rank(s) paused within
+    pause_limit_s 7200 s", the longest pause first."""
+    first = max(paused, key=lambda facts: facts.pause.seconds if facts.pause else 0.0)
+    assert first.pause is not None
+    return (
+        f"{len(paused)} of {live} live rank(s) paused on purpose, within pause_limit_s "
+        f"{max(t.pause_limit_s, t.stall_after_s):g} s: rank {first.rank} (node {first.node}) "
+        f"{first.pause.text()}"
+    )
+
+
 def stalled_rank(ranks: Sequence[RankFacts], t: Thresholds) -> Verdict:
     """Warning when a rank is still heard from but took no new step for ``stall_after_s``
-    (its state is ``stalled``).
+    (its state is ``stalled``); for a rank that says it paused on purpose (``paused()``),
+    for ``pause_limit_s``. Ranks paused within their limit are running: the ok verdict
+    names them ("paused (checkpoint) for 700 s").
 
     When every live (running or stalled) rank stalled, the run hangs: the rank whose last
     step is lowest, or at equal steps whose last step is oldest on its own clock, is named
@@ -151,18 +167,25 @@ def stalled_rank(ranks: Sequence[RankFacts], t: Thresholds) -> Verdict:
     states = [facts.state for facts in ranks]
     stalled = [facts for facts in ranks if facts.state == "stalled"]
     live = sum(1 for state in states if state in LIVE_STATES)
+    paused = [facts for facts in ranks if facts.state == "running" and facts.pause is not None]
     if not stalled:
-        return say("ok", progress_summary(live, states), {"stalled": 0, "live": live})
+        evidence: dict[str, Any] = {"stalled": 0, "live": live}
+        if not paused:
+            return say("ok", progress_summary(live, states), evidence)
+        evidence["paused"] = len(paused)
+        evidence["paused_ranks"] = [_paused_ref(facts) for facts in paused[:MAX_EVIDENCE_RANKS]]
+        return say("ok", paused_summary(live, paused, t), evidence)
     listed = [
         {
             **facts.ref(),
             "last_step": facts.last_step,
             "step_time": facts.step_time,
             "seconds_since_progress": facts.seconds_since_progress,
+            **({} if facts.pause is None else {"pause": _pause_of(facts)}),
         }
         for facts in sorted(stalled, key=lambda facts: (facts.last_step, facts.step_time or 0.0))
     ]
-    evidence: dict[str, Any] = {
+    evidence = {
         "stalled": len(stalled),
         "live": live,
         "ranks": listed[:MAX_EVIDENCE_RANKS],
@@ -171,6 +194,15 @@ def stalled_rank(ranks: Sequence[RankFacts], t: Thresholds) -> Verdict:
         f"{len(stalled)} of {live} live rank(s) still report but took no step for over "
         f"{t.stall_after_s:g} s"
     )
+    over_pause = [facts for facts in stalled if facts.pause is not None]
+    if over_pause:
+        first = over_pause[0]
+        assert first.pause is not None
+        summary += (
+            f" ({len(over_pause)} of them paused past pause_limit_s "
+            f"{max(t.pause_limit_s, t.stall_after_s):g} s: rank {first.rank} "
+            f"{first.pause.text()})"
+        )
     if len(stalled) == live:
         culprit = listed[0]
         evidence["culprit"] = culprit
@@ -180,3 +212,12 @@ def stalled_rank(ranks: Sequence[RankFacts], t: Thresholds) -> Verdict:
             "culprit"
         )
     return say("warning", summary, evidence)
+
+
+def _pause_of(facts: RankFacts) -> dict[str, Any]:
+    assert facts.pause is not None
+    return {"reason": facts.pause.reason, "seconds": facts.pause.seconds}
+
+
+def _paused_ref(facts: RankFacts) -> dict[str, Any]:
+    return {**facts.ref(), "last_step": facts.last_step, "pause": _pause_of(facts)}

@@ -64,6 +64,33 @@ def mode_of(view: Mapping[str, Any]) -> str | None:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RankPaused:
+    """A live rank that says it stops stepping on purpose (``paused()`` on the rank side):
+    a fact beside its state, which stays ``running`` up to ``pause_limit_s``."""
+
+    reason: str
+    """What it does meanwhile (``checkpoint``, ``eval``...)."""
+    seconds: float
+    """How long it has been paused."""
+
+    def text(self) -> str:
+        """``paused (checkpoint) for 700 s``: how verdicts and tables say it."""
+        return f"paused ({self.reason}) for {self.seconds:.0f} s"
+
+
+def paused_of(view: Mapping[str, Any]) -> RankPaused | None:
+    """A rank's pause from the JSON API (``RankView.pause``); ``None`` when absent (none, or
+    an exporter that predates pauses) or malformed."""
+    pause = view.get("pause")
+    if not isinstance(pause, Mapping):
+        return None
+    reason, seconds = pause.get("reason"), pause.get("seconds")
+    if not isinstance(reason, str) or not isinstance(seconds, int | float):
+        return None
+    return RankPaused(reason=reason, seconds=float(seconds))
+
+
+@dataclass(frozen=True, kw_only=True)
 class RankRef:
     """Which rank a rule's facts are about: every rule's facts start with it."""
 
@@ -94,3 +121,6 @@ class RankFacts(RankRef):
     """The rank's own clock at its last step, where the source holds it (not Prometheus)."""
     seconds_since_progress: float | None = None
     """Since its step last advanced, where the source holds it (the exporter's store)."""
+    pause: RankPaused | None = None
+    """The pause a live rank says, where the source holds it (an exporter's store or JSON;
+    not Prometheus); ``None``: not paused."""

@@ -32,7 +32,7 @@ REPORTED: dict[str, dict[str, str]] = {
         "min_steps": "skip_storm_min_steps",
     },
     "lost_rank": {"stale_after_s": "stale_after_s", "critical_share": "lost_critical_share"},
-    "stalled_rank": {"stall_after_s": "stall_after_s"},
+    "stalled_rank": {"stall_after_s": "stall_after_s", "pause_limit_s": "pause_limit_s"},
     "inf_hotspot": {
         "share": "hotspot_share",
         "window_s": "hotspot_window_s",
@@ -67,6 +67,10 @@ class Thresholds:
     """Lost rank (warning): nothing heard for this long, and no final record."""
     stall_after_s: float = 600.0
     """Stalled rank (warning): heard from, but no new step for this long."""
+    pause_limit_s: float = 7200.0
+    """Stalled rank, for a rank whose heartbeats say it paused on purpose (a checkpoint
+    save, an evaluation: ``paused()``): no new step for this long. Never shorter than
+    ``stall_after_s`` (the larger of the two applies)."""
     lost_critical_share: float = 0.25
     """Lost rank turns critical when more than this share of the run's ranks are lost."""
     hotspot_share: float = 0.8
@@ -132,6 +136,7 @@ class Thresholds:
             "skip_storm_window_s",
             "stale_after_s",
             "stall_after_s",
+            "pause_limit_s",
             "nonfinite_skipped_window_s",
         ):
             if not getattr(self, name) > 0:

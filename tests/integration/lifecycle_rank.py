@@ -6,6 +6,8 @@ job would. Modes:
 * ``finish``: 12 steps, then a normal interpreter exit (no ``close()``);
 * ``collapse``: 20 steps whose gradients always overflow (the scale falls below 1), then exit;
 * ``pause SECONDS``: 6 steps, sleep inside the loop, 6 more steps, then exit;
+* ``checkpoint``: 6 steps, then, inside ``scaler.paused("checkpoint")``, waits until a line
+  (or EOF) arrives on stdin, then 6 more steps and a normal exit;
 * ``hang``: 6 steps, then sleep until killed;
 * ``idle``: 6 steps, prints ``totals `` and the rank's own cumulative totals as JSON, then
   waits idle until a line (or EOF) arrives on stdin, then exits normally;
@@ -66,6 +68,12 @@ def main(mode: str, *args: str) -> None:
         _train(scaler, range(6))
         print("ready", flush=True)
         time.sleep(float(args[0]))  # evaluation, a checkpoint, a slow data loader
+        _train(scaler, range(6))
+    elif mode == "checkpoint":
+        _train(scaler, range(6))
+        with scaler.paused("checkpoint"):
+            print("ready", flush=True)
+            sys.stdin.readline()  # a checkpoint save longer than --stall-after
         _train(scaler, range(6))
     elif mode == "idle":
         _train(scaler, range(6))

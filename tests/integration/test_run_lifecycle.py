@@ -252,6 +252,83 @@ def test_a_rank_pausing_for_several_stale_periods_is_never_lost(stack: Stack) ->
     assert seen[:2] == ["running", "stalled"], seen
 
 
+def _paused_for(stack: Stack, run: str, seconds: float) -> dict[str, Any] | None:
+    """The rank's view once the exporter says it paused more than ``seconds`` ago."""
+    view = stack.view(run)
+    pause = None if view is None else view.get("pause")
+    return view if pause and pause["seconds"] > seconds else None
+
+
+def test_a_rank_paused_on_purpose_past_the_stall_limit_runs_and_pages_nobody(
+    stack: Stack,
+) -> None:
+    # The same rank without its pause stalls past --stall-after (the test above), and its
+    # alert fires: only what the rank said tells a checkpoint save from a hang.
+    process = stack.rank("lc-ckpt", "checkpoint")
+    try:
+        _ready(process)
+        view = _until(
+            lambda: _paused_for(stack, "lc-ckpt", 2 * STALL_AFTER),
+            "the exporter did not hold the rank paused past the stall limit",
+        )
+        assert (view["state"], view["pause"]["reason"]) == ("running", "checkpoint")
+        verdicts = {v["rule"]: v for v in stack.health("lc-ckpt")["verdicts"]}
+        assert verdicts["stalled_rank"]["status"] == "ok"
+        assert "rank 0 (node " in verdicts["stalled_rank"]["summary"]
+        assert ") paused (checkpoint) for " in verdicts["stalled_rank"]["summary"]
+        # A scrape after that and the rules evaluated over it: nothing pending or firing.
+        seen_at = time.time()
+
+        def scraped_after() -> float | None:
+            query = 'timestamp(ampscope_rank_state{run="lc-ckpt", state="running"} == 1)'
+            times = [float(sample["value"][1]) for sample in stack.query(query)]
+            return next((t for t in times if t > seen_at), None)
+
+        scraped = _until(scraped_after, "prometheus did not scrape the paused rank running")
+        _until(
+            lambda: rules_evaluated_after(stack.prometheus, scraped),
+            "the rules were not evaluated after the scrape",
+        )
+        assert stack.alerts("lc-ckpt") == []
+        assert process.stdin is not None
+        process.stdin.write("\n")
+        process.stdin.close()
+        assert process.wait(DEADLOCK_GUARD_S) == 0
+    finally:
+        _stop(process)
+    _until(lambda: stack.state("lc-ckpt") == "finished", "not finished")
+    view = stack.view("lc-ckpt")
+    assert view is not None
+    assert view["pause"] is None
+
+
+def test_a_pause_past_pause_limit_s_stalls_the_rank() -> None:
+    """A pause left open (a hang inside a save) is only a longer limit."""
+    exporter = ExporterProcess(
+        free_port(),
+        stale_after=STALE_AFTER,
+        stall_after=STALL_AFTER,
+        env={"AMPSCOPE_PAUSE_LIMIT_S": str(2 * STALL_AFTER)},
+    )
+    exporter.start()
+    stack = Stack(exporter.url, prometheus="")
+    process = stack.rank("lc-ckpt-hang", "checkpoint")
+    try:
+        _ready(process)
+        view = _until(
+            lambda: (v := stack.view("lc-ckpt-hang")) is not None and v["state"] == "stalled" and v,
+            "the paused rank did not stall past pause_limit_s",
+        )
+        assert view["pause"]["reason"] == "checkpoint"
+        verdict = {v["rule"]: v for v in stack.health("lc-ckpt-hang")["verdicts"]}["stalled_rank"]
+        assert verdict["status"] == "warning"
+        assert "paused past pause_limit_s 6 s: rank 0 paused (checkpoint) for" in verdict["summary"]
+        assert verdict["thresholds"] == {"stall_after_s": STALL_AFTER, "pause_limit_s": 6.0}
+    finally:
+        _stop(process)
+        exporter.stop()
+
+
 def test_a_sigkilled_rank_is_lost_and_the_alert_fires(stack: Stack) -> None:
     process = stack.rank("lc-killed", "hang")
     try:

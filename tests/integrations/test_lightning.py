@@ -424,3 +424,62 @@ def _pythonpath() -> str:
     root = str(Path(__file__).resolve().parents[2])
     inherited = os.environ.get("PYTHONPATH")
     return root if not inherited else f"{root}{os.pathsep}{inherited}"
+
+
+def test_lightning_pauses_the_rank_around_validation_and_checkpoint_saves(tmp_path: Any) -> None:
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    from ampscope.integrations.lightning import AmpscopeCallback
+    from ampscope.reporter import pause
+
+    seen: list[tuple[str, str | None]] = []
+
+    def note(where: str) -> None:
+        now = pause.current()
+        seen.append((where, None if now is None else now.reason))
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = Net()
+
+        def training_step(self, x: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            note("train")
+            return self.net(x).square().mean()  # type: ignore[no-any-return]
+
+        def validation_step(self, x: torch.Tensor, batch_idx: int) -> None:
+            note("validate")
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    class SpyingIO(TorchCheckpointIO):  # type: ignore[misc]
+        def save_checkpoint(self, checkpoint: Any, path: Any, storage_options: Any = None) -> None:
+            note("write")  # the file itself, which can take many minutes for a large model
+            super().save_checkpoint(checkpoint, path, storage_options)
+
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        plugins=[lightning_plugin(), SpyingIO()],
+        max_steps=STEPS,
+        val_check_interval=4,
+        limit_val_batches=2,
+        num_sanity_val_steps=1,
+        logger=False,
+        callbacks=[
+            AmpscopeCallback(reporter=None),
+            ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=5, save_top_k=-1),
+        ],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    data = torch.stack([batch(0, step) for step in range(STEPS)])
+    loader = torch.utils.data.DataLoader(data, batch_size=None)
+    trainer.fit(Module(), loader, loader)
+    reasons = {where: {reason for w, reason in seen if w == where} for where, _ in seen}
+    assert reasons == {"train": {None}, "validate": {"eval"}, "write": {"checkpoint"}}
+    assert sum(where == "write" for where, _ in seen) >= 2
+    assert pause.current() is None  # fit ended every pause it opened

@@ -226,3 +226,56 @@ def test_trainer_says_when_it_cannot_keep_the_id_column(
     messages = [r.getMessage() for r in caplog.records]
     [message] = [m for m in messages if "remove_unused_columns" in m]
     assert "set remove_unused_columns=False" in message
+
+
+@pytest.mark.usefixtures("fresh_accelerate")
+def test_trainer_pauses_the_rank_while_it_evaluates_and_saves(tmp_path: Path) -> None:
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    from ampscope.integrations.transformers import instrument
+    from ampscope.reporter import pause
+
+    seen: list[tuple[str, str | None]] = []
+
+    def note(where: str) -> None:
+        now = pause.current()
+        seen.append((where, None if now is None else now.reason))
+
+    class SpiedNet(Net):
+        def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
+            note("train" if self.training else "eval")
+            return super().forward(x, labels)
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=True,
+        max_steps=6,
+        per_device_train_batch_size=2,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_strategy="steps",
+        save_steps=3,
+        optim="sgd",
+        report_to=[],
+        disable_tqdm=True,
+        seed=3,
+    )
+    trainer = Trainer(
+        model=SpiedNet(), args=args, train_dataset=Dataset(12), eval_dataset=Dataset(4)
+    )
+    assert instrument(trainer, reporter=None) is not None
+    save_model = trainer.save_model
+
+    def spied_save(*a: Any, **kw: Any) -> None:
+        note("write")  # the checkpoint's model file (then the optimizer's, the state's)
+        save_model(*a, **kw)
+
+    trainer.save_model = spied_save  # type: ignore[method-assign]
+    trainer.train()
+    reasons = {where: {reason for w, reason in seen if w == where} for where, _ in seen}
+    # Steps 2, 4 and 6 evaluate, 3 and 6 save (6 after evaluating): each said what it did.
+    assert reasons == {"train": {None}, "eval": {"eval"}, "write": {"checkpoint"}}
+    assert sum(where == "write" for where, _ in seen) == 2
+    assert pause.current() is None  # the end of training ended every pause

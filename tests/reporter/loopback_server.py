@@ -104,7 +104,8 @@ class LoopbackExporter:
         schema refuses unknown fields)."""
         self.events: list[str] = []
         """``records`` or ``beat``/``final`` per answered 200, in arrival order; a heartbeat
-        that was not applied (no record of its rank held) as ``beat?``/``final?``."""
+        that was not applied (no record of its rank held) as ``beat?``/``final?``, one
+        refused for ``unknown_heartbeat_fields`` as ``refused``."""
         self.heartbeat_interval_s: float | None = None
         """Sent back as ``heartbeat_interval_s`` in every 200, as the exporter does."""
         self.held: set[tuple[str, int]] = set()
@@ -236,6 +237,8 @@ class LoopbackExporter:
                 unknown = self.unknown_heartbeat_fields & set(json.loads(body))
             except ValueError:
                 unknown = set()
+            if unknown:
+                self.events.append("refused")
         if unknown:
             detail = f"extra inputs are not permitted: {sorted(unknown)}"
             return 422, json.dumps({"detail": detail}).encode(), {}

@@ -7,7 +7,7 @@ from fastapi.testclient import TestClient
 
 from ampscope.exporter.app import create_app
 from ampscope.exporter.settings import Settings
-from ampscope.reporter.schema import Heartbeat
+from ampscope.reporter.schema import Heartbeat, RankPause
 from ampscope.status import render
 from ampscope.status.main import exit_status
 
@@ -101,3 +101,39 @@ def test_a_rank_its_launcher_stopped_reads_stopped_and_is_no_outlier() -> None:
     assert [line.split()[2] for line in lines[3:5]] == ["running", "stopped"]
     job = render.job_table("run-a", ranks["run-a"], health["run-a"], [], [])
     assert not any(line.startswith("RANK") for line in job)  # no outlier: said goodbye
+
+
+def test_a_paused_rank_reads_running_and_paused_through_the_api_and_the_tables() -> None:
+    from ampscope.status.merge import facts_of
+    from ampscope.verdicts.liveness import stalled_rank
+    from ampscope.verdicts.thresholds import Thresholds
+
+    clock = FakeClock()
+    with TestClient(create_app(Settings(), clock=clock)) as client:
+        first = record(1)
+        assert client.post("/api/v1/ingest", content=body(first)).status_code == 200
+        clock.advance(690)  # a checkpoint save: past the stall limit, heard all along
+        beat = Heartbeat(
+            schema_version=1,
+            identity=first.identity,
+            time=first.time + 690,
+            step=1,
+            final=False,
+            dropped_records=0,
+            pause=RankPause(reason="checkpoint", seconds=689.0),
+        )
+        answer = client.post("/api/v1/heartbeat", content=beat.model_dump_json())
+        assert answer.json()["applied"] is True
+        clock.advance(10)
+        ranks = client.get("/api/v1/runs/run-a/ranks").json()
+        health = client.get("/api/v1/runs/run-a/health").json()
+    (view,) = ranks
+    assert (view["state"], view["pause"]) == ("running", {"reason": "checkpoint", "seconds": 699.0})
+    lines = render.run_table("run-a", ranks, health)
+    assert "running, paused (checkpoint) for 699 s" in lines[3]
+    (verdict,) = [v for v in health["verdicts"] if v["rule"] == "stalled_rank"]
+    assert verdict["status"] == "ok"
+    # `ampscope status --url A --url B` judges the merged ranks again: the same words.
+    again = stalled_rank(facts_of(ranks), Thresholds())
+    assert again.summary == verdict["summary"]
+    assert again.summary.endswith("rank 0 (node node0) paused (checkpoint) for 699 s")

@@ -14,7 +14,7 @@ from ampscope.verdicts.liveness import (
     stalled_rank,
     whole_job,
 )
-from ampscope.verdicts.ranks import RankFacts
+from ampscope.verdicts.ranks import RankFacts, RankPaused, paused_of
 from ampscope.verdicts.thresholds import Thresholds
 
 
@@ -27,6 +27,7 @@ def _facts(
     local_world_size: int | None = 4,
     heard: float = 100.0,
     step_time: float | None = None,
+    pause: RankPaused | None = None,
 ) -> RankFacts:
     return RankFacts(
         rank=rank,
@@ -38,6 +39,7 @@ def _facts(
         last_report_time=heard,
         seconds_since_report=200.0 - heard,
         step_time=step_time,
+        pause=pause,
     )
 
 
@@ -172,7 +174,7 @@ def test_stalled_rank_names_the_culprit_only_when_every_live_rank_stalled() -> N
     assert verdict.summary == "1 of 2 live rank(s) still report but took no step for over 600 s"
     quiet = stalled_rank(some[1:], t)
     assert (quiet.status, quiet.summary) == ("ok", "the live rank is making progress (1 finished)")
-    assert quiet.thresholds == {"stall_after_s": 600.0}
+    assert quiet.thresholds == {"stall_after_s": 600.0, "pause_limit_s": 7200.0}
 
 
 @pytest.mark.parametrize(
@@ -190,3 +192,36 @@ def test_stalled_rank_names_the_culprit_only_when_every_live_rank_stalled() -> N
 )  # fmt: skip
 def test_progress_summary_says_what_is_true(live: int, states: list, summary: str) -> None:
     assert progress_summary(live, states) == summary
+
+
+def test_paused_ranks_are_named_in_an_ok_verdict_and_past_their_limit_in_a_warning() -> None:
+    t = Thresholds()
+    saving = [_facts(r, pause=RankPaused(reason="checkpoint", seconds=700.0 + r)) for r in range(3)]
+    verdict = stalled_rank([*saving, _facts(3)], t)
+    assert verdict.status == "ok"
+    assert verdict.summary == (
+        "3 of 4 live rank(s) paused on purpose, within pause_limit_s 7200 s: rank 2 (node n0) "
+        "paused (checkpoint) for 702 s"
+    )
+    assert verdict.evidence["paused"] == 3
+    # Stalled while paused (the exporter's pause_limit_s passed): still a hang.
+    over = [
+        _facts(r, state="stalled", pause=RankPaused(reason="checkpoint", seconds=7300.0))
+        for r in range(2)
+    ]
+    verdict = stalled_rank(over, t)
+    assert verdict.status == "warning"
+    assert (
+        "(2 of them paused past pause_limit_s 7200 s: rank 0 paused (checkpoint) for 7300 s)"
+        in (verdict.summary)
+    )
+    assert "every live rank stalled (a hang?)" in verdict.summary
+
+
+def test_a_pause_read_from_an_exporters_json() -> None:
+    assert paused_of({"pause": {"reason": "eval", "seconds": 12}}) == RankPaused(
+        reason="eval", seconds=12.0
+    )
+    # None, an older exporter (no field) or a malformed one: no pause.
+    for view in ({"pause": None}, {}, {"pause": {"reason": 3, "seconds": 1.0}}):
+        assert paused_of(view) is None

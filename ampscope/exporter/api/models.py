@@ -106,6 +106,13 @@ class ReplicaChecksView(BaseModel):
     parameters: list[str] = Field(default=[], description="The parameters that differed.")
 
 
+class PauseView(BaseModel):
+    """A live rank that says it stops stepping on purpose (``paused()`` on the rank side)."""
+
+    reason: str = Field(description="What it does meanwhile (checkpoint, eval...).")
+    seconds: float = Field(description="How long it has been paused.")
+
+
 class RankView(BaseModel):
     """A rank's current state, from its newest record."""
 
@@ -142,7 +149,15 @@ class RankView(BaseModel):
         "training ended normally; failed: sent its final record, training ended on an "
         "exception (see failure); stopped: sent its final record, its launcher stopped it "
         "with a signal (SIGTERM: an elastic restart, a preemption, an eviction; see "
-        "stop_signal). lost_rank never counts a stopped rank."
+        "stop_signal). lost_rank never counts a stopped rank. A rank that says it paused "
+        "on purpose (see pause) is running until pause_limit_s without a step, then "
+        "stalled."
+    )
+    pause: PauseView | None = Field(
+        default=None,
+        description="For a running or stalled rank whose heartbeats say it paused on "
+        "purpose (a checkpoint save, an evaluation): the reason and for how long; null "
+        "otherwise.",
     )
     failure: RankFailure | None = Field(
         default=None,

@@ -130,9 +130,7 @@ class StoreCollector(Collector):
         self._stats = stats
         self._clock = clock
         self._stale_after_s = thresholds.stale_after_s
-        self._lifecycle = Lifecycle(
-            stale_after_s=thresholds.stale_after_s, stall_after_s=thresholds.stall_after_s
-        )
+        self._lifecycle = Lifecycle.of(thresholds)
         self._thresholds = [
             (f.name, float(getattr(thresholds, f.name))) for f in fields(thresholds)
         ]

@@ -1,5 +1,5 @@
 """Rank states: running, stalled, lost, finished, failed or stopped, from what and when the
-exporter heard.
+exporter heard (a paused rank is running until ``pause_limit_s``).
 
 One decision, read by the collector (``ampscope_rank_state``), the JSON API
 (``RankView.state``) and the health rules, so they always agree; the states themselves are
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from ampscope.exporter.state.ranks import RankSnapshot
 from ampscope.verdicts.ranks import RankStateName
+from ampscope.verdicts.thresholds import Thresholds
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -22,14 +23,26 @@ class Lifecycle:
     Args:
         stale_after_s: Nothing heard (records or heartbeats) for this long: lost.
         stall_after_s: Heard from, but no new step for this long: stalled.
+        pause_limit_s: The same for a rank whose heartbeats say it paused on purpose
+            (``paused("checkpoint")``); the larger of it and ``stall_after_s`` applies.
     """
 
     stale_after_s: float
     stall_after_s: float
+    pause_limit_s: float = Thresholds.pause_limit_s
 
     def __post_init__(self) -> None:
-        if not (self.stale_after_s > 0 and self.stall_after_s > 0):
-            raise ValueError("stale_after_s and stall_after_s must be positive")
+        if not (self.stale_after_s > 0 and self.stall_after_s > 0 and self.pause_limit_s > 0):
+            raise ValueError("stale_after_s, stall_after_s and pause_limit_s must be positive")
+
+    @classmethod
+    def of(cls, t: Thresholds) -> Lifecycle:
+        """The clocks of the health thresholds ``t``."""
+        return cls(
+            stale_after_s=t.stale_after_s,
+            stall_after_s=t.stall_after_s,
+            pause_limit_s=t.pause_limit_s,
+        )
 
     def state(self, snap: RankSnapshot, now: float) -> RankStateName:
         """The rank's state at exporter time ``now``.
@@ -37,7 +50,12 @@ class Lifecycle:
         A final record wins over everything: a rank that said goodbye is finished however
         long ago, failed when it said what its training ended on, or stopped when it said
         a signal stopped it (a failure wins: it is the fault). Then silence (lost), then a
-        step that stopped advancing (stalled).
+        step that stopped advancing (stalled): for longer than ``stall_after_s``,
+        or, while the rank says it paused, ``pause_limit_s``. A paused rank within its
+        limit is ``running``: it is live and will step again, so every reader of the
+        states (``ampscope_rank_state``, the alert rules, the run's state) counts it as
+        one; its pause is a fact beside the state (``RankView.pause``). A pause does not
+        hide a hang for good: past ``pause_limit_s`` the rank stalls as any other.
         """
         if snap.finished_at is not None:
             if snap.failure is not None:
@@ -45,6 +63,9 @@ class Lifecycle:
             return "stopped" if snap.stop_signal is not None else "finished"
         if not snap.reported_within(now, self.stale_after_s):
             return "lost"
-        if now - snap.last_progress > self.stall_after_s:
+        limit = self.stall_after_s
+        if snap.pause is not None:
+            limit = max(limit, self.pause_limit_s)
+        if now - snap.last_progress > limit:
             return "stalled"
         return "running"

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 from ampscope.exporter.state.fp8_series import Fp8Series, RankFp8
+from ampscope.exporter.state.pauses import HeldPause, pause_after
 from ampscope.exporter.state.replicas import (
     NO_REPLICA_CHECKS,
     Divergence,
@@ -238,6 +239,8 @@ class RankSnapshot:
     """Exporter clock of the batch that last advanced the newest step (the stall clock)."""
     finished_at: float | None = None
     """Exporter clock of the rank's final heartbeat; ``None`` while it has not ended."""
+    pause: HeldPause | None = None
+    """The pause its heartbeats say (it stops stepping on purpose); ``None``: none."""
     failure: RankFailure | None = None
     """What its final heartbeat said training ended on: the rank ended ``failed``;
     ``None`` while running, and for a rank that finished normally."""
@@ -462,6 +465,9 @@ class RankState:
         self._sample_interval_s = sample_interval_s
         self.last_progress = 0.0
         self.finished_at: float | None = None
+        self.pause: HeldPause | None = None
+        """The pause its newest heartbeat said (``paused()`` on the rank), until a
+        heartbeat without one or a new step."""
         self.device: DeviceIdentity | None = None
         """What the current process said it runs on (see ``note_device``)."""
         self.last_offence: float | None = None
@@ -533,6 +539,7 @@ class RankState:
             # (the next elastic generation of a rank its launcher stopped, too).
             self.last_progress, self.finished_at = now, None
             self.failure = self.stop_signal = None
+            self.pause = None  # a new step ends a pause; the next heartbeat may say another
         if advanced and self.newest is not None:
             self._sample(now, peak)
         return accepted, ignored
@@ -545,7 +552,8 @@ class RankState:
         a final one marks the rank finished, failed when it carries a ``failure``, or
         stopped when it carries a ``stop_signal`` (its next new step makes it running
         again). A failure wins over an earlier plain final heartbeat: an exception that
-        reached the process's hook after the rank closed.
+        reached the process's hook after the rank closed. A non-final one also sets, or
+        ends, the rank's pause: what it says.
 
         Returns:
             Whether the heartbeat was applied.
@@ -568,6 +576,7 @@ class RankState:
             )
         self.last_report = max(self.last_report, now)
         self.dropped_records = max(self.dropped_records, beat.dropped_records)
+        self.pause = None if beat.final else pause_after(beat.pause, now, self.pause)
         if beat.final and self.finished_at is None:
             self.finished_at = now
         if beat.failure is not None:
@@ -705,6 +714,7 @@ class RankState:
             samples=tuple(self.samples) if history else (),
             last_progress=self.last_progress,
             finished_at=self.finished_at,
+            pause=self.pause,
             failure=self.failure,
             stop_signal=self.stop_signal,
             spike_counts=self.spikes.counts,

@@ -28,7 +28,7 @@ from ampscope.rank.gradients.stats import GradStats, SquareSumReduce, TakenStats
 from ampscope.rank.telemetry.identity import resolve_identity
 from ampscope.rank.telemetry.outputs import build_sinks
 from ampscope.rank.telemetry.pipeline import Telemetry
-from ampscope.reporter import failure
+from ampscope.reporter import failure, pause
 from ampscope.reporter.schema import Identity
 
 if TYPE_CHECKING:
@@ -234,6 +234,33 @@ class TelemetryFrontEnd(failure.ClosedByWith):
             self._ampscope_telemetry.batches.add(ids)
         except Exception:
             self._ampscope_failed()
+
+    def paused(self, reason: str) -> pause.Pause:
+        """Say that this rank stops stepping on purpose: a checkpoint save, an evaluation
+        loop, the work after the last step.
+
+        ``with scaler.paused("checkpoint"): save(...)``: while the block runs, the
+        reporter's heartbeats say ``checkpoint``, and the exporter keeps the rank
+        ``running`` (its API, web view and ``ampscope status`` say "paused (checkpoint)
+        for N s") for up to its ``pause_limit_s`` (2 h by default) without a step, instead
+        of calling it ``stalled`` after ``stall_after_s`` (10 min) and firing
+        ``AmpscopeRankStalled``. Without a pause, a rank that takes no step is what that
+        alert exists for (a hang), so only the loop can tell the exporter otherwise.
+
+        Pauses belong to the rank's process, not to this front-end: the same as
+        ``ampscope.paused(reason)``. They nest (the newest reason is said, the age of the
+        oldest) and may be opened and ended on any thread. The returned pause also ends
+        on ``end()`` (idempotent), for a start and an end in two callbacks. Costs a lock
+        and a dict update, on this call and the end only; nothing per step; never raises.
+
+        Args:
+            reason: What the rank does meanwhile (``checkpoint``, ``eval``): letters,
+                digits and ``_.:/@+=-``, at most 64 characters (others become ``-``).
+
+        Returns:
+            The open :class:`ampscope.reporter.pause.Pause`, a context manager.
+        """
+        return pause.paused(reason)
 
     def clip_grad_norm_(
         self,

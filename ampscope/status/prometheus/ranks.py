@@ -264,6 +264,7 @@ def _view(info: Mapping[str, str]) -> dict[str, Any]:
         "dropped_records": 0,
         "up": False,
         "state": "lost",
+        "pause": None,  # heartbeats say a pause; Prometheus sees the state only
         "failure": None,
         "stop_signal": None,  # no series holds it: a stopped rank's state says enough
         "last_report_time": 0.0,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from ampscope.exporter.health import evaluate
 from ampscope.exporter.state.lifecycle import Lifecycle
 from ampscope.exporter.state.ranks import RankSnapshot, RankState
-from ampscope.reporter.schema import Heartbeat, Identity, RankFailure, StepRecord
+from ampscope.reporter.schema import Heartbeat, Identity, RankFailure, RankPause, StepRecord
 from ampscope.verdicts.thresholds import Thresholds
 from exporter.factory import T0, record, totals
 
@@ -22,6 +22,7 @@ def beat(
     final: bool = False,
     failure: RankFailure | None = None,
     stop_signal: int | None = None,
+    pause: RankPause | None = None,
 ) -> Heartbeat:
     return Heartbeat(
         schema_version=1,
@@ -32,6 +33,7 @@ def beat(
         dropped_records=0,
         failure=failure,
         stop_signal=stop_signal,
+        pause=pause,
     )
 
 
@@ -290,3 +292,109 @@ def test_a_run_its_launcher_stopped_pages_nobody_and_reads_stopped() -> None:
     report = evaluate("run-a", silent, T0 + 7200, T)
     lost = {v.rule: v for v in report.verdicts}["lost_rank"]
     assert (report.state, lost.status, lost.evidence["lost"]) == ("active", "critical", 2)
+
+
+def _checkpointing(rank: int = 0, *, paused: bool = True, until: int = 700) -> RankState:
+    """A rank whose step 12 arrived at T0, then heartbeating every 20 s until T0 + ``until``,
+    each heartbeat saying a checkpoint save began at T0 + 1 (or, not ``paused``, nothing)."""
+    events: list[tuple[float, list[StepRecord] | Heartbeat]] = [
+        (T0, [record(12, rank=rank, time=T0, total=totals(12))])
+    ]
+    for t in range(20, until + 1, 20):
+        said = RankPause(reason="checkpoint", seconds=t - 1.0) if paused else None
+        events.append((T0 + t, beat(rank, step=12, time=T0 + t, pause=said)))
+    return _state(events)
+
+
+def test_a_rank_paused_on_purpose_is_running_past_the_stall_limit_and_says_why() -> None:
+    snap = _checkpointing().snapshot()
+    assert snap.pause is not None
+    assert snap.pause.reason == "checkpoint"
+    assert snap.pause.seconds(T0 + 700) == 699.0
+    assert LIFE.state(snap, T0 + 700) == "running"
+    v = _verdict([snap], "stalled_rank", T0 + 700)
+    assert v["status"] == "ok"
+    assert v["summary"] == (
+        "1 of 1 live rank(s) paused on purpose, within pause_limit_s 7200 s: rank 0 "
+        "(node node0) paused (checkpoint) for 699 s"
+    )
+    assert v["evidence"]["paused_ranks"] == [
+        {
+            "rank": 0,
+            "node": "node0",
+            "last_step": 12,
+            "pause": {"reason": "checkpoint", "seconds": 699.0},
+        }
+    ]
+    assert v["thresholds"] == {"stall_after_s": 600.0, "pause_limit_s": 7200.0}
+
+
+def test_the_same_rank_not_paused_stalls_every_rank_as_a_hang_does() -> None:
+    # What AmpscopeRankStalled exists for: heartbeats flow, no step, nothing said.
+    ranks = [_checkpointing(r, paused=False).snapshot() for r in (0, 1)]
+    assert [LIFE.state(snap, T0 + 700) for snap in ranks] == ["stalled", "stalled"]
+    v = _verdict(ranks, "stalled_rank", T0 + 700)
+    assert v["status"] == "warning"
+    assert "every live rank stalled (a hang?)" in v["summary"]
+
+
+def test_a_pause_past_pause_limit_s_stalls_again() -> None:
+    life = Lifecycle(stale_after_s=60.0, stall_after_s=600.0, pause_limit_s=1800.0)
+    t = Thresholds(stale_after_s=60.0, stall_after_s=600.0, pause_limit_s=1800.0)
+    snap = _checkpointing(until=2000).snapshot()
+    assert life.state(snap, T0 + 1800) == "running"
+    assert life.state(snap, T0 + 1801) == "stalled"
+    (v,) = [v for v in evaluate("run-a", [snap], T0 + 2000, t).verdicts if v.rule == "stalled_rank"]
+    assert v.status == "warning"
+    assert (
+        "(1 of them paused past pause_limit_s 1800 s: rank 0 paused (checkpoint) for 1999 s)"
+        in (v.summary)
+    )
+    assert v.evidence["ranks"][0]["pause"] == {"reason": "checkpoint", "seconds": 1999.0}
+    # A pause never shortens the stall limit: a limit below stall_after_s means stall_after_s.
+    short = Lifecycle(stale_after_s=60.0, stall_after_s=600.0, pause_limit_s=60.0)
+    assert short.state(_checkpointing(until=500).snapshot(), T0 + 500) == "running"
+
+
+def test_a_pause_ends_with_a_heartbeat_without_one_or_a_new_step() -> None:
+    state = _checkpointing()
+    state.heartbeat(beat(step=12, time=T0 + 720), T0 + 720)  # the save returned
+    snap = state.snapshot()
+    assert snap.pause is None
+    assert LIFE.state(snap, T0 + 720) == "stalled"  # and no step since: a stall again
+    state = _checkpointing()
+    state.apply_batch([record(13, time=T0 + 710, total=totals(13))], 0, T0 + 710)
+    assert state.snapshot().pause is None
+    # A final heartbeat says no pause: the rank finished.
+    state = _checkpointing()
+    said = RankPause(reason="checkpoint", seconds=720.0)
+    state.heartbeat(beat(step=12, time=T0 + 721, final=True, pause=said), T0 + 721)
+    assert state.snapshot().pause is None
+
+
+def test_a_pause_keeps_its_start_while_its_reason_holds() -> None:
+    # Heartbeats arriving late do not move the start; a new reason starts a new pause.
+    state = _checkpointing(until=100)
+    late = RankPause(reason="checkpoint", seconds=100.0)
+    state.heartbeat(beat(step=12, time=T0 + 140, pause=late), T0 + 140)
+    snap = state.snapshot()
+    assert snap.pause is not None
+    assert snap.pause.since == T0 + 1
+    evaluation = RankPause(reason="eval", seconds=5.0)
+    state.heartbeat(beat(step=12, time=T0 + 160, pause=evaluation), T0 + 160)
+    snap = state.snapshot()
+    assert snap.pause is not None
+    assert (snap.pause.reason, snap.pause.since) == ("eval", T0 + 155)
+
+
+def test_a_final_record_and_silence_win_over_a_pause() -> None:
+    # Stopped during a checkpoint save (a preemption): the goodbye says stopped, however
+    # long the pause had run, and ends the pause.
+    state = _checkpointing()
+    state.heartbeat(beat(step=12, time=T0 + 710, final=True, stop_signal=SIGTERM), T0 + 710)
+    snap = state.snapshot()
+    assert (LIFE.state(snap, T0 + 710), snap.pause) == ("stopped", None)
+    # A paused rank that falls silent (a dead node mid-save) is lost, not running.
+    snap = _checkpointing().snapshot()
+    assert snap.pause is not None
+    assert LIFE.state(snap, T0 + 700 + 61) == "lost"

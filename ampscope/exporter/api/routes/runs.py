@@ -14,6 +14,7 @@ from ampscope.exporter.api.models import (
     Fp8SeriesView,
     HealthReport,
     History,
+    PauseView,
     RankView,
     ReplicaChecksView,
     RunSummary,
@@ -21,7 +22,7 @@ from ampscope.exporter.api.models import (
 )
 from ampscope.exporter.settings import Settings
 from ampscope.exporter.state.ranks import RankSnapshot
-from ampscope.verdicts.ranks import state_counts
+from ampscope.verdicts.ranks import LIVE_STATES, state_counts
 
 router = APIRouter(prefix="/api/v1/runs", tags=["runs"])
 
@@ -48,6 +49,8 @@ def _replica_checks(snap: RankSnapshot) -> ReplicaChecksView | None:
 def _view(snap: RankSnapshot, now: float, settings: Settings) -> RankView:
     record, who = snap.newest, snap.identity
     age = now - snap.last_report
+    state = settings.lifecycle().state(snap, now)
+    live = snap.pause is not None and state in LIVE_STATES
     return RankView(
         run=who.run,
         node=who.node,
@@ -66,7 +69,10 @@ def _view(snap: RankSnapshot, now: float, settings: Settings) -> RankView:
         totals=record.totals,
         dropped_records=snap.dropped_records,
         up=snap.reported_within(now, settings.stale_after_s),
-        state=settings.lifecycle().state(snap, now),
+        state=state,
+        pause=PauseView(reason=snap.pause.reason, seconds=snap.pause.seconds(now))
+        if live and snap.pause is not None
+        else None,
         failure=snap.failure if snap.finished_at is not None else None,
         stop_signal=snap.stop_signal if snap.finished_at is not None else None,
         last_report_time=snap.last_report,

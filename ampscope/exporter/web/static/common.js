@@ -70,6 +70,13 @@ const ampscope = {
     return rank.up ? "up" : "stale";
   },
 
+  /** A live rank that says it paused on purpose: "paused (checkpoint) for 700 s"; "" otherwise. */
+  pauseText(rank) {
+    const pause = rank.pause;
+    if (!pause || typeof pause.reason !== "string") return "";
+    return `paused (${pause.reason}) for ${Math.round(pause.seconds)} s`;
+  },
+
   /** What a failed rank's training ended on, in words: "NonFiniteGradientsError at step 5"
    *  (a GradWatch's stop), "RuntimeError after step 7" (any other exception); "" otherwise. */
   failureText(rank) {

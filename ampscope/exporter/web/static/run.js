@@ -291,9 +291,12 @@
       a.cell(tr, rank.rank, "num");
       a.cell(tr, rank.node);
       const state = a.rankState(rank);
-      tr.appendChild(a.el("td", { cls: "state-cell" })).appendChild(
+      const stateCell = tr.appendChild(a.el("td", { cls: "state-cell" }));
+      stateCell.appendChild(
         a.el("span", { cls: `state ${state}`, text: state,
                         title: a.failureText(rank) || a.stopText(rank) }));
+      const paused = a.pauseText(rank);
+      if (paused) stateCell.appendChild(a.el("span", { cls: "state paused", text: paused }));
       a.cell(tr, rank.step, "num");
       a.cell(tr, a.modeText(rank), "mode").title = a.setupText([rank]);
       // A watch's records say scale 1 and no backoffs or growths: that is no loss scale.
