@@ -230,6 +230,14 @@ def stalled_rank(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Ve
     return liveness.stalled_rank(facts_of(ranks, now, t), t)
 
 
+def stopped_rank(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
+    """``liveness.stopped_rank`` over the store's snapshots, judged only when the ranks say
+    their node holds the whole job (``liveness.whole_job``): a view of every node judges the
+    others."""
+    facts = facts_of(ranks, now, t)
+    return liveness.stopped_rank(facts, t, judged=liveness.whole_job(facts))
+
+
 def rank_failed(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> Verdict:
     """``failures.rank_failed`` over the store's snapshots: the failed ranks and what their
     final heartbeats said training ended on. O(ranks)."""
@@ -466,6 +474,7 @@ _SCOPES: dict[RuleName, _Scope] = {
     "lost_rank": _Scope(lost_rank, live=True),
     "missing_rank": _Scope(missing_rank, live=True),
     "stalled_rank": _Scope(stalled_rank, live=True),
+    "stopped_rank": _Scope(stopped_rank, live=True),
     "rank_failed": _Scope(rank_failed, live=True),
     "inf_hotspot": _Scope(inf_hotspot, lambda t: t.hotspot_window_s),
     "nonfinite_update_applied": _Scope(nonfinite_update_applied),

@@ -116,7 +116,11 @@ class Settings(BaseSettings):
     an evaluation: ``scaler.paused("checkpoint")``); the larger of it and
     ``stall_after_s`` applies, so a pause never shortens the stall limit."""
     lost_critical_share: Annotated[float, Field(ge=0.0, le=1.0)] = _DEFAULTS.lost_critical_share
-    """lost_rank turns critical when more than this share of a run's ranks are lost."""
+    """lost_rank turns critical when more than this share of a run's ranks are lost, and
+    stopped_rank when more than this share of a world stopped alone."""
+    stopped_grace_s: Seconds = _DEFAULTS.stopped_grace_s
+    """A rank stopped by its launcher (SIGTERM) while ranks of its world still run is
+    stopped_rank's after this long: long enough for an elastic restart to bring it back."""
     finished_retention_s: Seconds = 3600.0
     """A finished rank is dropped with its series this long after its final record."""
     retention_s: Seconds = 3600.0

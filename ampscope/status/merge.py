@@ -5,10 +5,12 @@ prints for one exporter, so a script written for one works for the other. Ranks 
 concatenated (a rank held by two exporters, after a restart onto another node, counts once:
 its most recently heard copy). The verdicts that need the whole job are computed again over
 the merged ranks by the rules the exporter runs (``ampscope.verdicts``): ``lost_rank`` (its
-critical share is of the whole job), ``missing_rank``, ``rank_failed`` (every node's failed
-ranks, their origins joined), ``scale_desync`` (every node's aligned scales: a desync
-between nodes shows only there) and ``stalled_rank``'s ok summary (the live ranks of every
-node; a stalled rank keeps its exporter's verdict, which holds its progress times). The FP8
+critical share is of the whole job), ``missing_rank``, ``stopped_rank`` (whether a stopped
+rank's id came back on another node, and whether its world goes on there), ``rank_failed``
+(every node's failed ranks, their origins joined), ``scale_desync`` (every node's aligned
+scales: a desync between nodes shows only there) and ``stalled_rank``'s ok summary (the live
+ranks of every node; a stalled rank keeps its exporter's verdict, which holds its progress
+times). The FP8
 rules (``fp8_amax_spike``, ``fp8_underflow``, ``fp8_nonfinite_amax``) list every
 exporter's flagged series (each exporter judged its own ranks' layers), counted together;
 present when any exporter has FP8 layers for the run. The other rules are per-rank facts
@@ -216,6 +218,7 @@ def merge_health(
     recomputed = {
         "lost_rank": liveness.lost_rank(facts, thresholds).model_dump(),
         "missing_rank": liveness.missing_rank(facts, judged=True).model_dump(),
+        "stopped_rank": liveness.stopped_rank(facts, thresholds, judged=True).model_dump(),
         "scale_desync": scale.scale_desync(aligned_of(views)).model_dump(),
         "rank_failed": failures.rank_failed(failed_of(views), len(views)).model_dump(),
     }

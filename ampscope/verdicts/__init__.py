@@ -10,7 +10,7 @@ torch nor the server stack, only pydantic and the standard library
 - ``thresholds``: every rule's thresholds, validated once.
 - ``scale``: ``scale_collapse``, ``scale_desync`` (why aligned steps: its docstring).
 - ``nonfinite``: ``skip_storm``, ``inf_hotspot``, ``nonfinite_update_applied``.
-- ``liveness``: ``lost_rank``, ``missing_rank``, ``stalled_rank``.
+- ``liveness``: ``lost_rank``, ``missing_rank``, ``stalled_rank``, ``stopped_rank``.
 - ``failures``: ``rank_failed`` (ranks whose training ended on an exception).
 - ``spikes``: ``loss_spike``, ``grad_norm_spike``, ``origin_outlier``.
 - ``replicas``: ``replica_divergence`` (replicas whose parameters stopped agreeing).

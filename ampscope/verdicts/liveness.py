@@ -1,7 +1,7 @@
 """The liveness and coverage rules: ``lost_rank`` (silent without finishing),
-``missing_rank`` (never reported) and ``stalled_rank`` (heard from, no new step, or none
-for ``pause_limit_s`` when it paused on purpose), over
-``RankFacts``.
+``missing_rank`` (never reported), ``stalled_rank`` (heard from, no new step, or none for
+``pause_limit_s`` when it paused on purpose) and ``stopped_rank`` (stopped by its launcher
+while its world goes on), over ``RankFacts``.
 
 A view of one node's exporter and a view of the whole job (a merge of every node's
 exporter, or Prometheus) call the same rules; the whole job's view is what makes a lost
@@ -150,6 +150,105 @@ def paused_summary(live: int, paused: Sequence[RankFacts], t: Thresholds) -> str
         f"{len(paused)} of {live} live rank(s) paused on purpose, within pause_limit_s "
         f"{max(t.pause_limit_s, t.stall_after_s):g} s: rank {first.rank} (node {first.node}) "
         f"{first.pause.text()}"
+    )
+
+
+def stopped_alone(ranks: Sequence[RankFacts], t: Thresholds) -> list[RankFacts]:
+    """The ``stopped`` ranks whose stop lasts while the rest of their world goes on, by rank.
+
+    A launcher's restart (torchrun's elastic agent) stops every rank and starts a new
+    generation that brings each id back within moments; a whole-job stop (a preemption, a
+    time limit) leaves no live rank. A rank counts when all of these hold:
+
+    - its goodbye (its last report) is over ``stopped_grace_s`` old;
+    - no live (running or stalled) rank holds its id (in a view of several exporters, the
+      id may have come back on another node);
+    - a live rank of the run declared the same world size: the rank belongs to the world
+      that still runs. After an elastic shrink (8 to 7) the old generation's ids from 7 up
+      stay stopped with the old size until retention drops them, and say nothing; within a
+      world its ids are below its size, so this is "its id is below the live world size"
+      where that can be told (PromQL cannot compare the ``rank`` label with ``world_size``
+      as numbers, but can match the labels).
+
+    O(ranks).
+    """
+    live = [facts for facts in ranks if facts.state in LIVE_STATES]
+    live_ids = {facts.rank for facts in live}
+    live_worlds = {facts.world_size for facts in live}
+    return sorted(
+        (
+            facts
+            for facts in ranks
+            if facts.state == "stopped"
+            and facts.seconds_since_report > t.stopped_grace_s
+            and facts.rank not in live_ids
+            and facts.world_size in live_worlds
+        ),
+        key=lambda facts: facts.rank,
+    )
+
+
+def stopped_rank(ranks: Sequence[RankFacts], t: Thresholds, *, judged: bool) -> Verdict:
+    """Warning when a rank its launcher stopped (SIGTERM) stays ``stopped`` while the rest of
+    its world goes on (``stopped_alone``): one pod of a non-elastic job evicted, one worker
+    stopped by a supervisor. Its peers hang in their next collective, which ``stalled_rank``
+    would say only after ``stall_after_s``. Critical when more than ``lost_critical_share``
+    of the world stopped so, as ``lost_rank`` does for lost ranks.
+
+    Args:
+        ranks: every rank held of the run.
+        judged: whether ``ranks`` is the whole job (a merged view of every node, or
+            :func:`whole_job`). One node's exporter cannot tell a stop that lasts from a
+            restart whose new generation numbered this node's ranks anew and brought the old
+            ids back on other nodes: when not judged and ranks stopped alone here, the
+            verdict is ok and says why.
+    """
+    say = rule_verdicts("stopped_rank", t)
+    stopped = sum(1 for facts in ranks if facts.state == "stopped")
+    alone = stopped_alone(ranks, t)
+    if not alone:
+        summary = (
+            f"{stopped} stopped rank(s), none stopped alone while its world goes on for over "
+            f"{t.stopped_grace_s:g} s"
+            if stopped
+            else "no rank stopped"
+        )
+        return say("ok", summary, {"stopped": stopped, "alone": 0})
+    if not judged:
+        return say(
+            "ok",
+            f"not judged: {len(alone)} rank(s) here stopped over {t.stopped_grace_s:g} s ago "
+            "while ranks of their world run, and this exporter sees one node (a restart may "
+            "have brought their ids back on others); `ampscope status --url` over every "
+            "node's exporter judges",
+            {"judged": False, "stopped": stopped, "alone": len(alone)},
+        )
+    world_size = max(facts.world_size for facts in alone)
+    share = len(alone) / world_size
+    listed = [
+        {
+            **facts.ref(),
+            "seconds_since_stop": facts.seconds_since_report,
+            "last_step": facts.last_step,
+        }
+        for facts in alone
+    ]
+    first = listed[0]
+    return say(
+        "critical" if share > t.lost_critical_share else "warning",
+        f"{len(alone)} of {world_size} rank(s) were stopped by their launcher (SIGTERM) and "
+        f"stay stopped while the rest of their world goes on (an eviction or preemption of "
+        f"part of the job; a restart would have brought them back): rank {first['rank']} "
+        f"(node {first['node']}) stopped {first['seconds_since_stop']:.0f} s ago at step "
+        f"{first['last_step']}",
+        {
+            "judged": True,
+            "stopped": stopped,
+            "alone": len(alone),
+            "share": share,
+            "world_size": world_size,
+            "ranks": listed[:MAX_EVIDENCE_RANKS],
+        },
     )
 
 

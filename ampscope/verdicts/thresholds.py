@@ -33,6 +33,7 @@ REPORTED: dict[str, dict[str, str]] = {
     },
     "lost_rank": {"stale_after_s": "stale_after_s", "critical_share": "lost_critical_share"},
     "stalled_rank": {"stall_after_s": "stall_after_s", "pause_limit_s": "pause_limit_s"},
+    "stopped_rank": {"grace_s": "stopped_grace_s", "critical_share": "lost_critical_share"},
     "inf_hotspot": {
         "share": "hotspot_share",
         "window_s": "hotspot_window_s",
@@ -72,7 +73,12 @@ class Thresholds:
     save, an evaluation: ``paused()``): no new step for this long. Never shorter than
     ``stall_after_s`` (the larger of the two applies)."""
     lost_critical_share: float = 0.25
-    """Lost rank turns critical when more than this share of the run's ranks are lost."""
+    """Lost rank turns critical when more than this share of the run's ranks are lost;
+    stopped rank when more than this share of its world stopped alone."""
+    stopped_grace_s: float = 300.0
+    """Stopped rank (warning): a rank its launcher stopped (SIGTERM) stays stopped this long
+    while ranks of its world still run. Long enough for an elastic restart (which stops every
+    rank) to bring the id back; the stop is the rank's final report."""
     hotspot_share: float = 0.8
     """Inf hotspot (warning): one rank/device holds at least this share of detections."""
     hotspot_window_s: float = 600.0
@@ -137,6 +143,7 @@ class Thresholds:
             "stale_after_s",
             "stall_after_s",
             "pause_limit_s",
+            "stopped_grace_s",
             "nonfinite_skipped_window_s",
         ):
             if not getattr(self, name) > 0:

@@ -27,6 +27,7 @@ RuleName = Literal[
     "lost_rank",
     "missing_rank",
     "stalled_rank",
+    "stopped_rank",
     "rank_failed",
     "inf_hotspot",
     "nonfinite_update_applied",

@@ -27,7 +27,7 @@ from ampscope.exporter.metrics.catalogue import (
 from ampscope.status.prometheus.ranks import LOOKBACK_S, grown_within
 from ampscope.verdicts import aligned
 from ampscope.verdicts.fp8 import Fp8Rule
-from ampscope.verdicts.ranks import FINAL_STATES
+from ampscope.verdicts.ranks import FINAL_STATES, LIVE_STATES
 from ampscope.verdicts.thresholds import Thresholds
 
 ALERTS = {
@@ -37,6 +37,7 @@ ALERTS = {
     "AmpscopeRankLost",
     "AmpscopeNodeLost",
     "AmpscopeRankStalled",
+    "AmpscopeRankStopped",
     "AmpscopeRankFailed",
     "AmpscopeInfHotspot",
     "AmpscopeNonfiniteUpdateApplied",
@@ -153,6 +154,10 @@ def test_alert_thresholds_are_the_shared_defaults() -> None:
     assert "> 1" in alerts["AmpscopeScaleDesync"]["expr"]
     assert alerts["AmpscopeRankLost"]["for"] == "1m"
     assert alerts["AmpscopeRankStalled"]["for"] == "1m"
+    stopped = " ".join(alerts["AmpscopeRankStopped"]["expr"].split())
+    grace = Thresholds().stopped_grace_s
+    assert f"time() - ampscope_last_report_timestamp_seconds > {grace:g}" in stopped
+    assert alerts["AmpscopeRankStopped"]["for"] == "1m"
     # An exporter's rolling update takes its ranks' series away for minutes, not a node.
     assert alerts["AmpscopeNodeLost"]["for"] == "5m"
     hotspot = alerts["AmpscopeInfHotspot"]["expr"]
@@ -272,7 +277,7 @@ def test_no_alert_fires_for_a_finished_rank() -> None:
         if name in DEVICE_ALERTS:
             continue  # about finished runs by design: a device's record across them
         if name in ("AmpscopeRankLost", "AmpscopeNodeLost", "AmpscopeRankStalled",
-                    "AmpscopeRankFailed"):  # fmt: skip
+                    "AmpscopeRankStopped", "AmpscopeRankFailed"):  # fmt: skip
             assert 'state="finished"' not in expr, name
             continue
         assert f"unless on (run, node, rank, local_rank) {finished}" in expr or (
@@ -371,3 +376,16 @@ def test_device_rules_count_runs_over_30_days_and_join_dcgm_on_the_uuid() -> Non
     # Both spellings of DCGM-exporter's labels: uuid (--use-old-namespace), Hostname.
     assert '"UUID", "$1", "uuid", "(.+)"' in joined
     assert '"hostname", "$1", "Hostname", "(.+)"' in joined
+
+
+def test_the_stopped_alert_reads_the_verdicts_live_states_and_matches_worlds_by_label() -> None:
+    """``stopped_rank``'s definition (``liveness.stopped_alone``): live is the verdicts'
+    ``LIVE_STATES``, the id must be held by no live rank on any exporter, and the world is
+    matched by ``world_size`` (an elastic shrink's old ids declared the old size)."""
+    rule = alert_rules()["AmpscopeRankStopped"]
+    assert rule["labels"]["severity"] == "warning"
+    expr = " ".join(rule["expr"].split())
+    live = f'ampscope_rank_state{{state=~"{"|".join(LIVE_STATES)}"}} == 1'
+    assert f"unless on (run, rank) ({live})" in expr
+    assert "and on (run, world_size)" in expr
+    assert 'ampscope_rank_state{state="stopped"} == 1' in expr

@@ -196,6 +196,7 @@ def test_ranks_count_while_their_last_report_is_within_the_window() -> None:
         "lost_rank": "critical",
         "missing_rank": "ok",
         "stalled_rank": "ok",
+        "stopped_rank": "ok",
         "rank_failed": "ok",
         "inf_hotspot": "ok",
         "nonfinite_update_applied": "ok",

@@ -12,6 +12,8 @@ from ampscope.verdicts.liveness import (
     missing_ranks,
     progress_summary,
     stalled_rank,
+    stopped_alone,
+    stopped_rank,
     whole_job,
 )
 from ampscope.verdicts.ranks import RankFacts, RankPaused, paused_of
@@ -28,6 +30,7 @@ def _facts(
     heard: float = 100.0,
     step_time: float | None = None,
     pause: RankPaused | None = None,
+    now: float = 200.0,
 ) -> RankFacts:
     return RankFacts(
         rank=rank,
@@ -37,7 +40,7 @@ def _facts(
         local_world_size=local_world_size,
         last_step=10 + rank,
         last_report_time=heard,
-        seconds_since_report=200.0 - heard,
+        seconds_since_report=now - heard,
         step_time=step_time,
         pause=pause,
     )
@@ -225,3 +228,100 @@ def test_a_pause_read_from_an_exporters_json() -> None:
     # None, an older exporter (no field) or a malformed one: no pause.
     for view in ({"pause": None}, {}, {"pause": {"reason": 3, "seconds": 1.0}}):
         assert paused_of(view) is None
+
+
+T = Thresholds()
+NOW = 1000.0
+"""The view's time in the stopped-rank tests: a stop at 600 s is 400 s old, past the
+default grace of 300 s."""
+
+
+def _job(states: dict[int, str], *, world_size: int = 8, stopped_at: float = 600.0) -> list:
+    """Ranks of a two-node job (four per node): live ones heard just now, stopped ones last
+    heard at their goodbye."""
+    return [
+        _facts(
+            rank,
+            node=f"n{rank // 4}",
+            state=state,
+            world_size=world_size,
+            heard=stopped_at if state == "stopped" else NOW - 1,
+            now=NOW,
+        )
+        for rank, state in states.items()
+    ]
+
+
+def test_a_rank_evicted_while_its_world_runs_is_a_warning_after_the_grace() -> None:
+    # Kubernetes evicts the single-GPU pod of rank 5 of a non-elastic job; the others go on.
+    ranks = _job({r: "stopped" if r == 5 else "running" for r in range(8)})
+    verdict = stopped_rank(ranks, T, judged=True)
+    assert verdict.status == "warning"
+    assert verdict.evidence == {
+        "judged": True,
+        "stopped": 1,
+        "alone": 1,
+        "share": 1 / 8,
+        "world_size": 8,
+        "ranks": [{"rank": 5, "node": "n1", "seconds_since_stop": 400.0, "last_step": 15}],
+    }
+    assert "rank 5 (node n1) stopped 400 s ago at step 15" in verdict.summary
+    assert verdict.thresholds == {"grace_s": 300.0, "critical_share": 0.25}
+    # Within the grace an elastic restart may still bring it back: ok.
+    assert stopped_rank(_job({0: "running", 5: "stopped"}, stopped_at=NOW - 300), T,
+                        judged=True).status == "ok"  # fmt: skip
+
+
+def test_the_peers_that_hang_after_the_eviction_still_count_as_live() -> None:
+    # The rest of the job hangs in its next collective: stalled, still heard, still live.
+    hung = _job({r: "stopped" if r >= 4 else "stalled" for r in range(8)})
+    verdict = stopped_rank(hung, T, judged=True)
+    assert verdict.status == "critical"  # a whole node of 8: more than a quarter
+    assert [r["rank"] for r in verdict.evidence["ranks"]] == [4, 5, 6, 7]
+
+
+def test_a_restart_whose_ids_came_back_is_silent() -> None:
+    # Every id came back (the merged view holds each rank's newest copy: running).
+    assert stopped_rank(_job(dict.fromkeys(range(8), "running")), T, judged=True).status == "ok"
+    # A view that still holds an old copy whose id a live rank holds on another node.
+    moved = [*_job(dict.fromkeys(range(8), "running")), _facts(3, node="n9", state="stopped",
+             heard=600.0, now=NOW)]  # fmt: skip
+    assert stopped_alone(moved, T) == []
+
+
+def test_an_elastic_shrink_leaves_its_old_ids_stopped_in_silence() -> None:
+    # torchrun restarts 8 ranks as 7: ranks 0..6 declare 7, old rank 7 stays stopped (8).
+    shrunk = [*_job(dict.fromkeys(range(7), "running"), world_size=7),
+              *_job({7: "stopped"}, world_size=8)]  # fmt: skip
+    verdict = stopped_rank(shrunk, T, judged=True)
+    assert verdict.status == "ok"
+    assert verdict.summary == (
+        "1 stopped rank(s), none stopped alone while its world goes on for over 300 s"
+    )
+    # An eviction in the shrunk world is one.
+    evicted = [*shrunk[:6], *_job({6: "stopped"}, world_size=7), shrunk[7]]
+    assert [f.rank for f in stopped_alone(evicted, T)] == [6]
+
+
+def test_a_whole_job_stop_leaves_no_live_rank_and_is_silent() -> None:
+    # Slurm preempts the job (or it finished, or some ranks were lost): nothing goes on.
+    for others in ("stopped", "finished", "lost", "failed"):
+        ranks = _job({r: "stopped" if r < 4 else others for r in range(8)})
+        assert stopped_rank(ranks, T, judged=True).status == "ok", others
+    assert stopped_rank([], T, judged=True).summary == "no rank stopped"
+
+
+def test_one_node_alone_does_not_judge_a_stop_it_cannot_tell_from_a_renumbering() -> None:
+    # After an elastic restart the new generation may number this node's ranks anew: its
+    # exporter holds the old ids stopped and new ids running, the old ids back elsewhere.
+    node = _job({r: "stopped" if r < 4 else "running" for r in range(8)})
+    verdict = stopped_rank(node, T, judged=False)
+    assert verdict.status == "ok"
+    assert verdict.evidence == {"judged": False, "stopped": 4, "alone": 4}
+    assert verdict.summary.startswith("not judged: 4 rank(s) here stopped over 300 s ago")
+
+
+def test_the_grace_is_a_positive_threshold() -> None:
+    assert stopped_alone(_job({0: "running", 5: "stopped"}), Thresholds(stopped_grace_s=500)) == []
+    with pytest.raises(ValueError, match="stopped_grace_s"):
+        Thresholds(stopped_grace_s=0)

@@ -17,9 +17,9 @@ def test_severity_orders_the_statuses_as_exit_statuses() -> None:
 
 def test_report_order_puts_rules_this_version_does_not_know_last() -> None:
     assert RULES[:3] == ("scale_collapse", "skip_storm", "scale_desync")
-    assert len(set(RULES)) == len(RULES) == 19
+    assert len(set(RULES)) == len(RULES) == 20
     # A rank's end comes right after the liveness rules: read before what led to it.
-    assert RULES[5:7] == ("stalled_rank", "rank_failed")
+    assert RULES[5:8] == ("stalled_rank", "stopped_rank", "rank_failed")
     assert RULES[-3:] == FP8_RULES  # listed after the rules every run reports
     given = ["newer_rule", "lost_rank", "scale_collapse", "lost_rank"]
     assert in_report_order(given) == ["scale_collapse", "lost_rank", "newer_rule"]

@@ -34,7 +34,10 @@ A rank whose series were there within the last hour and are gone now (its export
 fails, or its series went stale) is ``lost``, as the exporter's own health would call a rank
 it no longer hears (the alert ``AmpscopeNodeLost`` pages on the same condition over the
 same hour), and ``lost_rank`` names it and the exporters whose scrape fails
-(``ampscope.status.prometheus.ranks``). The thresholds are those the exporters publish
+(``ampscope.status.prometheus.ranks``). ``stopped_rank`` reads a stopped rank's stop as its
+``ampscope_last_report_timestamp_seconds`` and its world as ``ampscope_rank_info``'s
+``world_size``, of the ranks whose series are there, as ``AmpscopeRankStopped`` does. The
+thresholds are those the exporters publish
 (``ampscope_exporter_health_threshold``), the defaults where none does. Cost: one query for
 the thresholds, then fifteen instant queries run in parallel, then, only where they found
 any, a second round narrowed to the ranks concerned: the other states of the ranks not
@@ -48,7 +51,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields
 from typing import Any
@@ -285,11 +288,15 @@ def health_of(
     now: float,
     down: Sequence[str] = (),
     fp8: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
+    gone: Collection[int] = (),
 ) -> dict[str, Any]:
     """The run's ``HealthReport`` dict, each verdict by the shared rule implementation;
     ``down``: the exporters of the run whose scrape fails, named by ``lost_rank``; ``fp8``:
     the answers of the FP8 queries (``prometheus_fp8.FP8_QUERIES``), whose verdicts the
-    report holds when the run's ranks export FP8 series."""
+    report holds when the run's ranks export FP8 series; ``gone``: the ranks of ``views``
+    whose series are gone (``ranks.gone_ranks``), which ``stopped_rank`` leaves out as the
+    exporters and ``AmpscopeRankStopped`` do (a stopped rank's series go
+    ``--finished-retention`` after its goodbye)."""
 
     def window(name: str, view: Mapping[str, Any], device: str = "") -> float:
         # A second-round window that was not sent (no rank skipped: no steps) counts 0.
@@ -391,6 +398,9 @@ def health_of(
         "lost_rank": _with_down(liveness.lost_rank(facts, t).model_dump(), down),
         "missing_rank": liveness.missing_rank(facts, judged=True).model_dump(),
         "stalled_rank": lacking("stalled_rank"),
+        "stopped_rank": liveness.stopped_rank(
+            [f for f in facts if f.rank not in gone], t, judged=True
+        ).model_dump(),
         "rank_failed": failures.rank_failed(merge.failed_of(views), len(views)).model_dump(),
         "inf_hotspot": nonfinite.inf_hotspot(infs, t).model_dump(),
         "nonfinite_update_applied": lacking("nonfinite_update_applied"),
@@ -483,7 +493,8 @@ def fetch(client: PrometheusClient, run: str | None, t: Thresholds | None = None
     aligned_separate = results.get("aligned_separate", [])
     states = results["state"] + results.get("other_state", [])
     views = build_views(results["now"] + states + aligned_separate, now)
-    views.update(gone_ranks(results.get("seen", []), views, now))
+    gone_views = gone_ranks(results.get("seen", []), views, now)
+    views.update(gone_views)
     down = exporters_down(results["up"], results.get("down_seen", []))
     unwindowed = ("now", *INSTANT, "gone", "up", "seen", "down_seen", *prometheus_fp8.FP8_QUERIES)
     windowed = [name for name in (*asked, *follow) if name not in unwindowed]
@@ -495,7 +506,8 @@ def fetch(client: PrometheusClient, run: str | None, t: Thresholds | None = None
         by_run.setdefault(name, []).append(view)
 
     def health(name: str, ranks: list[dict[str, Any]]) -> dict[str, Any]:
-        return health_of(name, ranks, windows, t, now, down.get(name, ()), fp8)
+        gone = {rank for held, rank in gone_views if held == name}
+        return health_of(name, ranks, windows, t, now, down.get(name, ()), fp8, gone)
 
     if run is not None:
         if run not in by_run:

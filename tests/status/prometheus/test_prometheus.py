@@ -307,3 +307,41 @@ def test_replica_divergence_counts_the_ranks_whose_group_diverged() -> None:
     windows["replica_checks"] = per_rank(checks[:4], views)  # agreeing only: silent
     calm = {v["rule"]: v for v in prometheus.health_of(RUN, ranks, windows, t, now)["verdicts"]}
     assert calm["replica_divergence"]["status"] == "ok"
+
+
+def test_a_stopped_rank_reads_its_stop_and_world_from_the_series_there() -> None:
+    """``stopped_rank`` from Prometheus: the stop is ``ampscope_last_report_timestamp_seconds``,
+    the world ``ampscope_rank_info``'s ``world_size``; a rank whose series are gone (its
+    exporter dropped it ``--finished-retention`` after its goodbye) counts no more, as
+    ``AmpscopeRankStopped`` cannot see it."""
+    from ampscope.status import prometheus
+    from ampscope.status.prometheus.ranks import build_views
+    from ampscope.verdicts.thresholds import Thresholds
+
+    t, now = Thresholds(), 1_700_000_000.0
+    # Ranks 0 and 1 run; rank 2 was evicted 400 s ago; rank 3 too, its series gone since;
+    # rank 4 of an older, larger world (an elastic shrink from 5 to 4) stays stopped.
+    given = {0: ("running", now - 1, "4"), 1: ("stalled", now - 1, "4"),
+             2: ("stopped", now - 400, "4"), 3: ("stopped", now - 400, "4"),
+             4: ("stopped", now - 400, "5")}  # fmt: skip
+    samples = []
+    for rank, (state, heard, world) in given.items():
+        samples += [
+            _sample("ampscope_rank_info", rank, 1.0, mode="scaler", world_size=world),
+            _sample("ampscope_last_report_timestamp_seconds", rank, heard),
+            _sample("ampscope_rank_state", rank, 1.0, state=state),
+        ]
+    views = build_views(samples, now)
+    ranks = sorted(views.values(), key=lambda v: v["rank"])
+    windows = {name: {} for name in prometheus.queries(RUN, t) if name != "now"}
+
+    def stopped(gone: set[int]) -> dict[str, Any]:
+        report = prometheus.health_of(RUN, ranks, windows, t, now, gone=gone)
+        return {v["rule"]: v for v in report["verdicts"]}["stopped_rank"]
+
+    verdict = stopped({3})
+    assert verdict["status"] == "warning"
+    assert [(r["rank"], r["seconds_since_stop"]) for r in verdict["evidence"]["ranks"]] == [
+        (2, 400.0)
+    ]
+    assert stopped(set())["status"] == "critical"  # ranks 2 and 3: half the world of 4
