@@ -56,6 +56,7 @@ from ampscope.integrations._swap import (
 )
 from ampscope.rank.frontends.base import TelemetryFrontEnd
 from ampscope.rank.frontends.watch import GradWatch
+from ampscope.reporter import stop_signal
 from ampscope.reporter.schema import Policy
 
 _HOOK = "lr_scheduler_step"
@@ -118,6 +119,10 @@ class AmpscopeCallback(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        # Lightning installs its SIGTERM handler after this, chaining ampscope's, and ends
+        # the run itself (its SIGTERMException at the batch's end): ampscope's says goodbye
+        # and leaves that end to it.
+        stop_signal.leave_end_to_wrapper()
         plugin = trainer.precision_plugin
         stock = getattr(plugin, "scaler", None)
         if isinstance(stock, TelemetryFrontEnd) and stock is not self.scaler:

@@ -19,8 +19,9 @@ disposition found decides what follows ours:
 
 * ``SIG_DFL``: restored, and SIGTERM sent again to the process, which then ends as the
   launcher expects (killed by signal 15, exit status -15 as ``subprocess`` reports it,
-  143 in a shell); unless a handler installed after ours called ours (Lightning's chains
-  the handler it replaced): that handler decides, and ours returns after the goodbye;
+  143 in a shell); unless a framework whose handler, installed after ours, ends the process
+  itself said so (:func:`leave_end_to_wrapper`: Lightning's integration): called from
+  that handler, ours returns after the goodbye;
 * a Python handler (a library's, the user's): called after ours, with the same arguments;
 * ``SIG_IGN``, or a handler installed outside Python: left alone, no handler installed.
 
@@ -42,7 +43,7 @@ from typing import Any
 
 logger = logging.getLogger("ampscope")
 
-__all__ = ["HANDLER_ENV", "handler_from_env", "install", "installed"]
+__all__ = ["HANDLER_ENV", "handler_from_env", "install", "installed", "leave_end_to_wrapper"]
 
 HANDLER_ENV = "AMPSCOPE_SIGTERM_HANDLER"
 """``off`` (or ``0``, ``false``, ``none``, ``disabled``): reporters built without an explicit
@@ -59,6 +60,11 @@ class _Installed:
     """The disposition found when ours was installed (``SIG_DFL``, or a Python handler)."""
     on_stop: Callable[[int], None] | None = None
     """What the handler does first: the reporters' goodbye (``ampscope.reporter.http``)."""
+    wrapper_ends: bool = False
+    """A framework that installs its SIGTERM handler after ours, chains ours and ends the
+    process itself (Lightning: at the batch's end, after its checkpoint on the exception) said
+    so (:func:`leave_end_to_wrapper`): called from such a handler, ours does not end the
+    process by SIG_DFL."""
     saying_goodbye: bool = False
     """Set while ``on_stop`` runs: a second SIGTERM meanwhile goes straight to the previous
     disposition (a launcher that insists is not kept waiting a second time)."""
@@ -119,13 +125,20 @@ def install(on_stop: Callable[[int], None]) -> bool:
         return True
 
 
+def leave_end_to_wrapper() -> None:
+    """Say that the handler a framework installs after ours, and that calls ours, ends the
+    process itself: then ours, called from it, says goodbye and returns instead of ending the
+    process by SIGTERM's default. Lightning's does (it notes the signal and stops at the
+    batch's end, after its ``OnExceptionCheckpoint`` and teardown): its integration calls
+    this. A plain wrapper (log, then call the previous handler) relies on ours to end the
+    process as the default it replaced would have, so without this call ours does."""
+    _installed.wrapper_ends = True
+
+
 def _handle(signum: int, frame: FrameType | None) -> None:
-    # Called by a handler installed after ours (Lightning's chains the one it replaced):
-    # that handler owns SIGTERM now and decides what follows (Lightning notes it and
-    # stops at the batch's end, after its on_exception checkpoint and teardown). Ending
-    # the process here by SIG_DFL would take that away; a wrapper that wanted SIG_DFL's
-    # end would not have been installed.
-    wrapped = signal.getsignal(signal.SIGTERM) is not _handle
+    # Called by a handler installed after ours that ends the process itself (see
+    # leave_end_to_wrapper): ending it here by SIG_DFL would take its graceful stop away.
+    wrapped = signal.getsignal(signal.SIGTERM) is not _handle and _installed.wrapper_ends
     # Ours first: a chained handler may end the process (sys.exit, os._exit) or raise to
     # unwind the training loop, and the goodbye must have gone by then.
     on_stop = _installed.on_stop

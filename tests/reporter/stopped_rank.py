@@ -15,8 +15,9 @@ the interpreter) until a signal ends it. By ``MODE``, before the reporters start
 * ``thread``: the reporter is built on another thread, which cannot install a handler;
 * ``library_after``: after the first reporter, a library installs its own SIGTERM handler,
   which prints ``library handler ran``, calls the one it replaced and lets the loop end on
-  its own (as Lightning's does: its checkpoint on the exception, its teardown), exit
-  status 4; then a second reporter (rank 1) starts.
+  its own should that return (exit status 4); then a second reporter (rank 1) starts.
+* ``framework_after``: the same, the framework having said it ends the process itself
+  (``leave_end_to_wrapper``, as Lightning's integration does).
 
 Prints ``handler ours`` or ``handler <name>`` (the SIGTERM disposition once the reporters
 started) before ``ready``.
@@ -35,7 +36,7 @@ from failing_rank import record
 
 from ampscope.reporter.http import HttpReporter
 from ampscope.reporter.schema import StepRecord
-from ampscope.reporter.stop_signal import installed
+from ampscope.reporter.stop_signal import installed, leave_end_to_wrapper
 
 REPORTERS: list[HttpReporter] = []
 """Held to the end, as a scaler holds its reporter."""
@@ -88,7 +89,9 @@ def main(url: str, mode: str) -> None:
         starter = threading.Thread(target=_start, args=(0, url))
         starter.start()
         starter.join()
-    elif mode == "library_after":
+    elif mode in ("library_after", "framework_after"):
+        if mode == "framework_after":
+            leave_end_to_wrapper()
         _start(0, url)
         signal.signal(signal.SIGTERM, _library_handler(signal.getsignal(signal.SIGTERM)))
         _start(1, url)

@@ -109,7 +109,18 @@ def test_a_library_handler_installed_after_ours_is_kept_and_chains_ours() -> Non
         process.send_signal(signal.SIGTERM)
         code, output = _ends(process)
         assert "library handler ran" in output
-        # The library owns SIGTERM now: ours said goodbye and left the end to it (Lightning
+        # A plain wrapper relies on the handler it called to end the process, as SIGTERM's
+        # default would have (Lightning's integration says otherwise: see the next test).
+        assert code == -signal.SIGTERM, output
+        assert sorted(_finals(exporter)) == [(0, signal.SIGTERM), (1, signal.SIGTERM)]
+
+
+def test_a_framework_that_ends_the_process_itself_is_left_to_end_it() -> None:
+    with LoopbackExporter() as exporter, _rank(exporter, "framework_after") as (process, _):
+        process.send_signal(signal.SIGTERM)
+        code, output = _ends(process)
+        assert "library handler ran" in output
+        # The framework owns the end now: ours said goodbye and left it (Lightning
         # checkpoints on the exception it raises at the batch's end, then tears down).
         assert "graceful end after 2 final" in output
         assert code == 4, output
