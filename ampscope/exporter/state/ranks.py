@@ -241,6 +241,10 @@ class RankSnapshot:
     """Exporter clock of the rank's final heartbeat; ``None`` while it has not ended."""
     pause: HeldPause | None = None
     """The pause its heartbeats say (it stops stepping on purpose); ``None``: none."""
+    progress_seen: bool = False
+    """Whether ``last_progress`` is a step the exporter saw the rank take; ``False`` while
+    it is only the first record it heard of the rank (after the exporter restarted, say):
+    then a pause that began earlier is no leftover of an earlier step (see ``Lifecycle``)."""
     failure: RankFailure | None = None
     """What its final heartbeat said training ended on: the rank ended ``failed``;
     ``None`` while running, and for a rank that finished normally."""
@@ -465,6 +469,8 @@ class RankState:
         self._sample_interval_s = sample_interval_s
         self.last_progress = 0.0
         self.finished_at: float | None = None
+        self.progress_seen = False
+        """Whether ``last_progress`` is a step seen taken, not the first record heard."""
         self.pause: HeldPause | None = None
         """The pause its newest heartbeat said (``paused()`` on the rank), until a
         heartbeat without one or a new step."""
@@ -512,6 +518,7 @@ class RankState:
         """
         accepted = ignored = 0
         advanced = restarted = False
+        seen_before = self.newest is not None
         peak = 0.0
         for record in records:
             outcome = self._apply(record, now)
@@ -540,6 +547,7 @@ class RankState:
             self.last_progress, self.finished_at = now, None
             self.failure = self.stop_signal = None
             self.pause = None  # a new step ends a pause; the next heartbeat may say another
+            self.progress_seen = seen_before
         if advanced and self.newest is not None:
             self._sample(now, peak)
         return accepted, ignored
@@ -715,6 +723,7 @@ class RankState:
             last_progress=self.last_progress,
             finished_at=self.finished_at,
             pause=self.pause,
+            progress_seen=self.progress_seen,
             failure=self.failure,
             stop_signal=self.stop_signal,
             spike_counts=self.spikes.counts,
