@@ -224,8 +224,9 @@ def instrument(
     ``report_to`` sends to), pauses the rank (``ampscope.paused``: ``eval``,
     ``checkpoint``, ``end-of-training``) from the end of a step after which the Trainer
     evaluates, saves or stops, until the next step ends (or ``train()`` returns or raises),
-    and closes the scaler when training ends (a later ``train()`` still trains with it, as torch's scaler, without telemetry). Calling it
-    again returns the same scaler and changes nothing.
+    and closes the scaler when training ends (a later ``train()`` still trains with it, as
+    torch's scaler, without telemetry). Calling it again returns the same scaler and
+    changes nothing.
 
     Args:
         trainer: A ``transformers.Trainer`` (or subclass).
