@@ -2,7 +2,8 @@
 
 A rank that stops stepping on purpose (``paused("checkpoint")`` on the rank side) says so in
 its heartbeats; the lifecycle then allows it ``pause_limit_s`` instead of ``stall_after_s``
-without a step. The pause lasts until a heartbeat without one, or a new step.
+without a step. The pause lasts until a heartbeat without one, or a new step; the lifecycle
+ignores one that began before the rank's newest step (a leftover, ``Lifecycle.pause_of``).
 """
 
 from __future__ import annotations
