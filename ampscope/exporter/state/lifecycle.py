@@ -78,14 +78,11 @@ class Lifecycle:
 
     def pause_of(self, snap: RankSnapshot) -> HeldPause | None:
         """The rank's pause, unless it is a leftover: one that began before the rank's
-        newest step (by more than ``stale_after_s``, the slack between a step's record and
-        a heartbeat reaching the exporter) is a pause the rank never ended (an exception
-        past an integration's hooks, a ``paused()`` left open) and ignored, so that a new
-        step ends a pause. A pause said to a restarted exporter, which has seen no step
-        taken yet (``progress_seen``), is believed. O(1)."""
+        newest step (both on the rank's clock; by more than ``stale_after_s``, a slack for
+        a pause opened within a step) is a pause the rank never ended (an exception past
+        an integration's hooks, a ``paused()`` left open) and ignored, so that a new step
+        ends a pause. O(1)."""
         pause = snap.pause
-        if pause is None:
-            return None
-        if snap.progress_seen and pause.since < snap.last_progress - self.stale_after_s:
+        if pause is None or pause.began < snap.newest.time - self.stale_after_s:
             return None
         return pause

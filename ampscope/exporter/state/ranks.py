@@ -241,10 +241,6 @@ class RankSnapshot:
     """Exporter clock of the rank's final heartbeat; ``None`` while it has not ended."""
     pause: HeldPause | None = None
     """The pause its heartbeats say (it stops stepping on purpose); ``None``: none."""
-    progress_seen: bool = False
-    """Whether ``last_progress`` is a step the exporter saw the rank take; ``False`` while
-    it is only the first record it heard of the rank (after the exporter restarted, say):
-    then a pause that began earlier is no leftover of an earlier step (see ``Lifecycle``)."""
     failure: RankFailure | None = None
     """What its final heartbeat said training ended on: the rank ended ``failed``;
     ``None`` while running, and for a rank that finished normally."""
@@ -469,8 +465,6 @@ class RankState:
         self._sample_interval_s = sample_interval_s
         self.last_progress = 0.0
         self.finished_at: float | None = None
-        self.progress_seen = False
-        """Whether ``last_progress`` is a step seen taken, not the first record heard."""
         self.pause: HeldPause | None = None
         """The pause its newest heartbeat said (``paused()`` on the rank), until a
         heartbeat without one or a new step."""
@@ -518,7 +512,6 @@ class RankState:
         """
         accepted = ignored = 0
         advanced = restarted = False
-        seen_before = self.newest is not None
         peak = 0.0
         for record in records:
             outcome = self._apply(record, now)
@@ -547,7 +540,6 @@ class RankState:
             self.last_progress, self.finished_at = now, None
             self.failure = self.stop_signal = None
             self.pause = None  # a new step ends a pause; the next heartbeat may say another
-            self.progress_seen = seen_before
         if advanced and self.newest is not None:
             self._sample(now, peak)
         return accepted, ignored
@@ -584,7 +576,7 @@ class RankState:
             )
         self.last_report = max(self.last_report, now)
         self.dropped_records = max(self.dropped_records, beat.dropped_records)
-        self.pause = None if beat.final else pause_after(beat.pause, now, self.pause)
+        self.pause = None if beat.final else pause_after(beat.pause, now, beat.time, self.pause)
         if beat.final and self.finished_at is None:
             self.finished_at = now
         if beat.failure is not None:
@@ -723,7 +715,6 @@ class RankState:
             last_progress=self.last_progress,
             finished_at=self.finished_at,
             pause=self.pause,
-            progress_seen=self.progress_seen,
             failure=self.failure,
             stop_signal=self.stop_signal,
             spike_counts=self.spikes.counts,

@@ -428,17 +428,17 @@ def test_a_pause_that_began_after_the_newest_step_still_holds_the_rank() -> None
 
 
 def test_an_exporter_restarted_during_a_pause_grants_no_fresh_pause_limit() -> None:
-    # The rank paused at T0 - 7000 (its heartbeats say so); this exporter started at T0 and
-    # heard its newest step then. Its limit runs from the pause's start: stalled past
-    # T0 + 200, not T0 + 7200; running before.
+    # The rank took step 12 at T0 - 7010 and paused at T0 - 7000 (its heartbeats say so);
+    # this exporter started at T0 and heard that step then (delivered late: no leftover, as
+    # the pause began after the step on the rank's clock). Its limit runs from the pause's
+    # start: stalled past T0 + 200, not T0 + 7200; running before.
     events: list[tuple[float, list[StepRecord] | Heartbeat]] = [
-        (T0, [record(12, time=T0, total=totals(12))])
+        (T0, [record(12, time=T0 - 7010, total=totals(12))])
     ]
     for t in range(20, 801, 20):
         said = RankPause(reason="checkpoint", seconds=7000.0 + t)
         events.append((T0 + t, beat(step=12, time=T0 + t, pause=said)))
     snap = _state(events).snapshot()
-    assert not snap.progress_seen
     assert LIFE.pause_of(snap) is not None
     assert LIFE.state(snap, T0 + 100) == "running"
     assert LIFE.state(snap, T0 + 800) == "stalled"
