@@ -22,6 +22,7 @@ from typing import Any
 
 from ampscope.exporter.api.models import HealthReport
 from ampscope.exporter.state.lifecycle import Lifecycle
+from ampscope.exporter.state.pauses import HeldPause
 from ampscope.exporter.state.ranks import RankSnapshot, WindowCounts
 from ampscope.exporter.state.reruns import RerunResult
 from ampscope.exporter.state.spike_windows import SpikeKindName
@@ -189,10 +190,15 @@ def _states(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> list[st
     return [life.state(snap, now) for snap in ranks]
 
 
+def _paused(pause: HeldPause | None, now: float) -> RankPaused | None:
+    return None if pause is None else RankPaused(reason=pause.reason, seconds=pause.seconds(now))
+
+
 def facts_of(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> list[RankFacts]:
     """The neutral view of ``ranks`` at exporter time ``now`` that the liveness rules of
     ``ampscope.verdicts.liveness`` read. O(ranks)."""
     states = _states(ranks, now, t)
+    life = Lifecycle.of(t)
     return [
         RankFacts(
             rank=snap.identity.rank,
@@ -205,9 +211,7 @@ def facts_of(ranks: Sequence[RankSnapshot], now: float, t: Thresholds) -> list[R
             seconds_since_report=now - snap.last_report,
             step_time=snap.newest.time,
             seconds_since_progress=now - snap.last_progress,
-            pause=None
-            if snap.pause is None or state not in LIVE_STATES
-            else RankPaused(reason=snap.pause.reason, seconds=snap.pause.seconds(now)),
+            pause=_paused(life.pause_of(snap) if state in LIVE_STATES else None, now),
         )
         for snap, state in zip(ranks, states, strict=True)
     ]

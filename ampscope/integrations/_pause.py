@@ -3,9 +3,10 @@ purpose (an evaluation, a checkpoint save) and ends when training steps again.
 
 A library's hooks say where such work begins, rarely where it ends (the save of a
 checkpoint runs after the evaluation's last hook): an integration opens a pause at the
-first hook and ends every pause it opened at the next training step's hook, or when
-training ends. Nested: a checkpoint within an evaluation's pause says ``checkpoint``, with
-the evaluation's age (the rank took no step since).
+first hook and ends every pause it opened at the end of the next training step (after its
+collectives: under DDP the ranks that do not write a checkpoint wait there for the one that
+does), or when training ends or raises. Nested: a checkpoint within an evaluation's pause
+says ``checkpoint``, with the evaluation's age (the rank took no step since).
 """
 
 from __future__ import annotations

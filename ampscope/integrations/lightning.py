@@ -157,13 +157,14 @@ class AmpscopeCallback(pl.Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._pauses.end()
         if self._active:
             note_ids(self.scaler, batch, self._key)
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Ended at the next training batch, not at on_validation_end: ModelCheckpoint (which
-        # Lightning runs after every other callback) saves in its own on_validation_end.
+        # Ended at the end of the next training batch, not at on_validation_end:
+        # ModelCheckpoint (which Lightning runs after every other callback) saves in its own
+        # on_validation_end; and under DDP the ranks that do not write the checkpoint wait
+        # for the one that does in that batch's backward (its all-reduce).
         # Only within fit (its sanity check too): a trainer.validate() of its own steps never.
         if trainer.state.fn == "fit":
             self._pauses.open("eval")
@@ -171,8 +172,10 @@ class AmpscopeCallback(pl.Callback):
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        # Called as the checkpoint's state is gathered, before the strategy writes it.
-        self._pauses.open("checkpoint")
+        # Called as the checkpoint's state is gathered, before the strategy writes it. Only
+        # while fit runs: a trainer.save_checkpoint() after fit has no next batch to end it.
+        if trainer.state.fn == "fit" and trainer.state.status == "running":
+            self._pauses.open("checkpoint")
 
     def on_train_batch_end(
         self,
@@ -182,6 +185,7 @@ class AmpscopeCallback(pl.Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
+        self._pauses.end()
         # As LearningRateMonitor: compute only on the steps the loggers write.
         if self.scaler is None or not self._log or not self._active:
             return
@@ -199,6 +203,13 @@ class AmpscopeCallback(pl.Callback):
                 "skipped_steps": float(snapshot.skipped_steps),
             }
         pl_module.log_dict(values, on_step=True, on_epoch=False)
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        # Lightning skips teardown when fit raises: a caught exception must not leave the
+        # rank paused.
+        self._pauses.end()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._pauses.end()

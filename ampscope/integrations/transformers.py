@@ -28,7 +28,9 @@ Pauses: the Trainer has no hook before an evaluation or a save, but after a step
 ``on_step_end`` (and an epoch's ``on_epoch_end``) its flow callback has decided whether one
 follows (``control.should_evaluate``, ``should_save``, ``should_training_stop``). A second
 callback, last in line, reads that decision and opens the rank's pause there; the next
-``on_step_begin`` (or ``on_train_end``) ends it. The exporter then holds the rank running
+``on_step_end`` (or ``on_train_end``, or ``train()`` raising) ends it: the end of the next
+step, not its start, since under DDP the ranks that do not write a checkpoint wait for the
+one that does in that step's backward (its all-reduce). The exporter then holds the rank running
 through a long evaluation or checkpoint save up to its ``pause_limit_s``.
 """
 
@@ -133,7 +135,7 @@ class AmpscopeTrainerCallback(TrainerCallback):
 
 class AmpscopePauseCallback(TrainerCallback):
     """Pauses the rank (``ampscope.paused``) while the Trainer evaluates, saves a
-    checkpoint, or finishes training after its last step, until the next step begins.
+    checkpoint, or finishes training after its last step, until the next step ends.
 
     Added by :func:`instrument` last in line: ``on_step_end`` and ``on_epoch_end`` then see
     what the Trainer's flow callback decided (``control.should_evaluate``,
@@ -161,6 +163,8 @@ class AmpscopePauseCallback(TrainerCallback):
         control: TrainerControl,
         **kwargs: Any,
     ) -> None:
+        # The step after a pause ended here: its collectives waited for every rank.
+        self.pauses.end()
         self._pause_for(control)
 
     def on_epoch_end(
@@ -189,15 +193,6 @@ class AmpscopePauseCallback(TrainerCallback):
         **kwargs: Any,
     ) -> None:
         self.pauses.done("checkpoint")
-
-    def on_step_begin(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        **kwargs: Any,
-    ) -> None:
-        self.pauses.end()
 
     def on_train_end(
         self,
@@ -228,10 +223,10 @@ def instrument(
     ``loss_scale`` and ``skipped_steps`` to every training log (so they reach whatever
     ``report_to`` sends to), pauses the rank (``ampscope.paused``: ``eval``,
     ``checkpoint``, ``end-of-training``) from the end of a step after which the Trainer
-    evaluates, saves or stops, until the next step begins, and closes the scaler when
-    training ends (a later
-    ``train()`` still trains with it, as torch's scaler, without telemetry). Calling it
-    again returns the same scaler and changes nothing.
+    evaluates, saves or stops, until the next step ends (or ``train()`` returns or raises),
+    and closes the scaler when training ends (a later ``train()`` still trains with it, as
+    torch's scaler, without telemetry). Calling it again returns the same scaler and
+    changes nothing.
 
     Args:
         trainer: A ``transformers.Trainer`` (or subclass).
@@ -271,10 +266,26 @@ def instrument(
         # First in line, so that the report_to callbacks log what on_log adds.
         trainer.callback_handler.callbacks.insert(0, AmpscopeTrainerCallback(trainer, scaler))
         # Last in line: it reads what the flow callback decided about this step.
-        trainer.callback_handler.callbacks.append(AmpscopePauseCallback())
+        pauses = AmpscopePauseCallback()
+        trainer.callback_handler.callbacks.append(pauses)
+        trainer.train = _ending_pauses(trainer.train, pauses)
         if key is not None:
             _note_ids_in_steps(trainer, scaler, key)
     return scaler
+
+
+def _ending_pauses(train: Callable[..., Any], pauses: AmpscopePauseCallback) -> Callable[..., Any]:
+    """``train`` that ends the pauses its callbacks opened however it ends: the Trainer
+    calls no callback when an evaluation or a save raises, and a caller that catches the
+    exception must not be left with its rank paused."""
+
+    def training(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return train(*args, **kwargs)
+        finally:
+            pauses.pauses.end()
+
+    return training
 
 
 def _note_ids_in_steps(trainer: Trainer, scaler: TelemetryFrontEnd, key: str) -> None:

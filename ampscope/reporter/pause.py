@@ -4,7 +4,8 @@ after training. The training loop says so (``with scaler.paused("checkpoint"):``
 heartbeats carry its reason and age, and the exporter holds the rank ``running`` for up to
 its ``pause_limit_s`` (2 h by default) instead of its ``stall_after_s`` (10 min) before it
 calls it ``stalled``. A real hang still stalls: one whose every rank sits in a collective
-says no pause, and a pause left open is only a longer limit.
+says no pause, and a pause left open ends, on the exporter's side, with the rank's next
+step (one that began before its newest step is a leftover the exporter ignores).
 
 The pauses are the process's (the rank's), not one front-end's: a scaler and a watch of one
 rank, or an integration's hook and the user's own ``with`` block, pause the same rank.

@@ -177,8 +177,8 @@ class Pipeline:
         self.newest_time: float | None = None
         self.failure: failure.Noted | None = None
         self.pause_refused = False
-        """The exporter refused a heartbeat that said a pause (it predates pauses): the
-        next ones go without."""
+        """The exporter refused a heartbeat that said a pause and took it without one (it
+        predates pauses): the next ones go without."""
         self.closed_by: int | None = None
         """``threading.get_ident()`` of the thread that began the close."""
         self.stop_signal: int | None = None
@@ -388,16 +388,21 @@ class Pipeline:
     def _post_taken(self, beat: Heartbeat) -> PostResult | None:
         """POST ``beat``, then, while the exporter answers 422, again without the newest of
         ``_NEWER_FIELDS`` it still carries; ``None`` when out of time. Costs one POST per
-        such field at most besides the first. Logs what the exporter refused."""
+        such field at most besides the first. A field is noted refused (a pause: left out
+        from then on) only when the heartbeat without it was taken. Logs what the exporter
+        refused."""
         result = self._post_heartbeat(beat)
         for name in _NEWER_FIELDS:
             if result is None or result.status != 422:
                 break
             if getattr(beat, name) is None:
                 continue
-            self._note_field_refused(name)
             beat = beat.model_copy(update={name: None})
             result = self._post_heartbeat(beat)
+            if result is not None and result.outcome is Outcome.DELIVERED:
+                # Taken without it: that field was what the exporter refused. A 422 again
+                # says nothing of it (the heartbeat is refused for another reason too).
+                self._note_field_refused(name)
         if result is None:
             return None
         if result.outcome is Outcome.REJECTED and result.refused:

@@ -456,6 +456,10 @@ def test_lightning_pauses_the_rank_around_validation_and_checkpoint_saves(tmp_pa
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=0.05)
 
+    class BatchEnd(pl.Callback):  # type: ignore[misc]
+        def on_train_batch_end(self, *args: Any) -> None:
+            note("batch-end")  # after AmpscopeCallback's, before ModelCheckpoint's save
+
     class SpyingIO(TorchCheckpointIO):  # type: ignore[misc]
         def save_checkpoint(self, checkpoint: Any, path: Any, storage_options: Any = None) -> None:
             note("write")  # the file itself, which can take many minutes for a large model
@@ -471,6 +475,7 @@ def test_lightning_pauses_the_rank_around_validation_and_checkpoint_saves(tmp_pa
         logger=False,
         callbacks=[
             AmpscopeCallback(reporter=None),
+            BatchEnd(),
             ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=5, save_top_k=-1),
         ],
         enable_progress_bar=False,
@@ -480,6 +485,84 @@ def test_lightning_pauses_the_rank_around_validation_and_checkpoint_saves(tmp_pa
     loader = torch.utils.data.DataLoader(data, batch_size=None)
     trainer.fit(Module(), loader, loader)
     reasons = {where: {reason for w, reason in seen if w == where} for where, _ in seen}
-    assert reasons == {"train": {None}, "validate": {"eval"}, "write": {"checkpoint"}}
+    # A batch after a validation or a save is still paused until it ends (under DDP it
+    # waits in its backward for the rank that writes); every batch's end ends the pause.
+    assert reasons == {
+        "train": {None, "eval", "checkpoint"},
+        "validate": {"eval"},
+        "write": {"checkpoint"},
+        "batch-end": {None},
+    }
+    assert [reason for where, reason in seen if where == "train"][:2] == ["eval", None]
     assert sum(where == "write" for where, _ in seen) >= 2
     assert pause.current() is None  # fit ended every pause it opened
+
+
+def _fit_quietly(tmp_path: Any, module: Any, **options: Any) -> Any:
+    import lightning.pytorch as pl
+    import torch
+
+    from ampscope.integrations.lightning import AmpscopeCallback
+
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        plugins=[lightning_plugin()],
+        max_steps=STEPS,
+        logger=False,
+        callbacks=[AmpscopeCallback(reporter=None)],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+        **options,
+    )
+    data = torch.stack([batch(0, step) for step in range(STEPS)])
+    loader = torch.utils.data.DataLoader(data, batch_size=None)
+    trainer.fit(module, loader, loader)
+    return trainer
+
+
+class _Module:
+    """A LightningModule class whose validation raises when ``fail`` (built lazily: the
+    import of lightning is the test's)."""
+
+    @staticmethod
+    def build(*, fail: bool) -> Any:
+        import lightning.pytorch as pl
+        import torch
+
+        class Module(pl.LightningModule):
+            def __init__(self) -> None:
+                super().__init__()
+                self.net = Net()
+
+            def training_step(self, x: torch.Tensor, batch_idx: int) -> torch.Tensor:
+                return self.net(x).square().mean()  # type: ignore[no-any-return]
+
+            def validation_step(self, x: torch.Tensor, batch_idx: int) -> None:
+                if fail and not self.trainer.sanity_checking:
+                    raise RuntimeError("a metric's bug")
+
+            def configure_optimizers(self) -> torch.optim.Optimizer:
+                return torch.optim.SGD(self.parameters(), lr=0.05)
+
+        return Module()
+
+
+def test_lightning_pause_ends_when_validation_raises_and_is_caught(tmp_path: Any) -> None:
+    from ampscope.reporter import pause
+
+    with pytest.raises(RuntimeError, match="a metric's bug"):
+        _fit_quietly(tmp_path, _Module.build(fail=True), val_check_interval=2)
+    # Lightning skips the callbacks' teardown on this path; on_exception ends the pause.
+    assert pause.current() is None
+
+
+def test_lightning_pause_not_opened_by_a_save_checkpoint_after_fit(tmp_path: Any) -> None:
+    from ampscope.reporter import pause
+
+    trainer = _fit_quietly(tmp_path, _Module.build(fail=False), limit_val_batches=1)
+    assert pause.current() is None
+    trainer.save_checkpoint(tmp_path / "final.ckpt")
+    # No next batch would end it: the rank would say paused for the rest of the process.
+    assert pause.current() is None

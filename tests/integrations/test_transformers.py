@@ -276,6 +276,51 @@ def test_trainer_pauses_the_rank_while_it_evaluates_and_saves(tmp_path: Path) ->
     trainer.train()
     reasons = {where: {reason for w, reason in seen if w == where} for where, _ in seen}
     # Steps 2, 4 and 6 evaluate, 3 and 6 save (6 after evaluating): each said what it did.
-    assert reasons == {"train": {None}, "eval": {"eval"}, "write": {"checkpoint"}}
+    assert reasons == {
+        "train": {None, "eval", "checkpoint"},
+        "eval": {"eval"},
+        "write": {"checkpoint"},
+    }
+    # The step after one is still paused until it ends: under DDP it waits in its backward
+    # for the rank that wrote the checkpoint.
+    trained = [reason for where, reason in seen if where == "train"]
+    assert trained == [None, None, "eval", "checkpoint", "eval", None]
     assert sum(where == "write" for where, _ in seen) == 2
     assert pause.current() is None  # the end of training ended every pause
+
+
+@pytest.mark.usefixtures("fresh_accelerate")
+def test_trainer_ends_its_pause_when_an_evaluation_raises(tmp_path: Path) -> None:
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    from ampscope.integrations.transformers import instrument
+    from ampscope.reporter import pause
+
+    class FailingEval(Net):
+        def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
+            if not self.training:
+                raise RuntimeError("a metric's bug")
+            return super().forward(x, labels)
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=True,
+        max_steps=4,
+        per_device_train_batch_size=2,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_strategy="no",
+        optim="sgd",
+        report_to=[],
+        disable_tqdm=True,
+    )
+    trainer = Trainer(
+        model=FailingEval(), args=args, train_dataset=Dataset(8), eval_dataset=Dataset(4)
+    )
+    assert instrument(trainer, reporter=None) is not None
+    with pytest.raises(RuntimeError, match="a metric's bug"):
+        trainer.train()
+    # The Trainer called no callback after the evaluation raised; the caller caught it.
+    assert pause.current() is None

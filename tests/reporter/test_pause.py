@@ -180,4 +180,27 @@ def test_a_heartbeat_saying_both_goes_without_what_the_exporter_refuses(
     assert sent[0] == {"pause", "stop_signal"}
     assert sent[-1] == {"pause", "stop_signal"} - unknown  # the one taken
     assert len(sent) == 1 + len(unknown)
-    assert reporter._pipeline.pause_refused is ("pause" in unknown)
+    # Noted refused only when the heartbeat without the pause was taken: refused again
+    # (for its stop_signal too), the pause is not known to be the cause, so it is tried again.
+    assert reporter._pipeline.pause_refused is (unknown == {"pause"})
+
+
+def test_a_pause_is_not_given_up_when_the_heartbeat_is_refused_without_it() -> None:
+    # The exporter refuses every heartbeat for something else (here its step): the retry
+    # without the pause is refused too, so the pause was not the cause and later heartbeats
+    # still say it.
+    with LoopbackExporter() as exporter:
+        exporter.heartbeat_interval_s = 0.05
+        reporter = HttpReporter(exporter.url, **FAST)
+        try:
+            reporter.emit(make_record(1))
+            assert reporter.flush(timeout=DEADLOCK_GUARD_S)
+            exporter.unknown_heartbeat_fields = {"step"}
+            with ampscope.paused("checkpoint"):
+                assert exporter.wait_until(lambda: exporter.events.count("refused") >= 4)
+                assert not reporter._pipeline.pause_refused
+                bodies = list(exporter.heartbeat_bodies)
+        finally:
+            reporter.close(timeout=DEADLOCK_GUARD_S)
+    said = [json.loads(body).get("pause") for body in bodies]
+    assert sum(1 for p in said if p is not None) >= 2  # said again after a refused retry

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ampscope.exporter.state.pauses import HeldPause
 from ampscope.exporter.state.ranks import RankSnapshot
 from ampscope.verdicts.ranks import RankStateName
 from ampscope.verdicts.thresholds import Thresholds
@@ -24,7 +25,8 @@ class Lifecycle:
         stale_after_s: Nothing heard (records or heartbeats) for this long: lost.
         stall_after_s: Heard from, but no new step for this long: stalled.
         pause_limit_s: The same for a rank whose heartbeats say it paused on purpose
-            (``paused("checkpoint")``); the larger of it and ``stall_after_s`` applies.
+            (``paused("checkpoint")``), counted from the earlier of its last step and the
+            pause's start; the larger of it and ``stall_after_s`` applies.
     """
 
     stale_after_s: float
@@ -63,9 +65,24 @@ class Lifecycle:
             return "stopped" if snap.stop_signal is not None else "finished"
         if not snap.reported_within(now, self.stale_after_s):
             return "lost"
-        limit = self.stall_after_s
-        if snap.pause is not None:
-            limit = max(limit, self.pause_limit_s)
-        if now - snap.last_progress > limit:
+        idle = now - snap.last_progress
+        if idle <= self.stall_after_s:
+            return "running"
+        pause = self.pause_of(snap)
+        if pause is None:
             return "stalled"
-        return "running"
+        # From the pause's own start when that is earlier: an exporter that restarted during
+        # a pause heard its first step late, and grants no fresh pause_limit_s.
+        since = min(snap.last_progress, pause.since)
+        return "stalled" if now - since > self.pause_limit_s else "running"
+
+    def pause_of(self, snap: RankSnapshot) -> HeldPause | None:
+        """The rank's pause, unless it is a leftover: one that began before the rank's
+        newest step (both on the rank's clock; by more than ``stale_after_s``, a slack for
+        a pause opened within a step) is a pause the rank never ended (an exception past
+        an integration's hooks, a ``paused()`` left open) and ignored, so that a new step
+        ends a pause. O(1)."""
+        pause = snap.pause
+        if pause is None or pause.began < snap.newest.time - self.stale_after_s:
+            return None
+        return pause

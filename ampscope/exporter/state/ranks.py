@@ -576,7 +576,7 @@ class RankState:
             )
         self.last_report = max(self.last_report, now)
         self.dropped_records = max(self.dropped_records, beat.dropped_records)
-        self.pause = None if beat.final else pause_after(beat.pause, now, self.pause)
+        self.pause = None if beat.final else pause_after(beat.pause, now, beat.time, self.pause)
         if beat.final and self.finished_at is None:
             self.finished_at = now
         if beat.failure is not None:

@@ -398,3 +398,47 @@ def test_a_final_record_and_silence_win_over_a_pause() -> None:
     snap = _checkpointing().snapshot()
     assert snap.pause is not None
     assert LIFE.state(snap, T0 + 700 + 61) == "lost"
+
+
+def test_a_pause_the_rank_never_ended_is_ignored_once_it_steps_again() -> None:
+    # A pause opened at T0 + 1 and never ended (an exception past an integration's hooks);
+    # the rank steps on at T0 + 100 and T0 + 200, then hangs, its heartbeats still saying
+    # the old pause: a new step ended it, so the hang stalls after stall_after_s.
+    events: list[tuple[float, list[StepRecord] | Heartbeat]] = [
+        (T0, [record(12, time=T0, total=totals(12))]),
+        (T0 + 100, [record(13, time=T0 + 100, total=totals(13))]),
+        (T0 + 200, [record(14, time=T0 + 200, total=totals(14))]),
+    ]
+    for t in range(220, 901, 20):
+        said = RankPause(reason="eval", seconds=t - 1.0)
+        events.append((T0 + t, beat(step=14, time=T0 + t, pause=said)))
+    snap = _state(events).snapshot()
+    assert snap.pause is not None  # held as said; the lifecycle reads it as a leftover
+    assert LIFE.pause_of(snap) is None
+    assert LIFE.state(snap, T0 + 900) == "stalled"
+    v = _verdict([snap], "stalled_rank", T0 + 900)
+    assert v["status"] == "warning"
+
+
+def test_a_pause_that_began_after_the_newest_step_still_holds_the_rank() -> None:
+    # The leftover rule spares a pause opened after the step (within the slack too).
+    snap = _checkpointing(until=900).snapshot()
+    assert LIFE.pause_of(snap) is not None
+    assert LIFE.state(snap, T0 + 900) == "running"
+
+
+def test_an_exporter_restarted_during_a_pause_grants_no_fresh_pause_limit() -> None:
+    # The rank took step 12 at T0 - 7010 and paused at T0 - 7000 (its heartbeats say so);
+    # this exporter started at T0 and heard that step then (delivered late: no leftover, as
+    # the pause began after the step on the rank's clock). Its limit runs from the pause's
+    # start: stalled past T0 + 200, not T0 + 7200; running before.
+    events: list[tuple[float, list[StepRecord] | Heartbeat]] = [
+        (T0, [record(12, time=T0 - 7010, total=totals(12))])
+    ]
+    for t in range(20, 801, 20):
+        said = RankPause(reason="checkpoint", seconds=7000.0 + t)
+        events.append((T0 + t, beat(step=12, time=T0 + t, pause=said)))
+    snap = _state(events).snapshot()
+    assert LIFE.pause_of(snap) is not None
+    assert LIFE.state(snap, T0 + 100) == "running"
+    assert LIFE.state(snap, T0 + 800) == "stalled"

@@ -49,8 +49,9 @@ def _replica_checks(snap: RankSnapshot) -> ReplicaChecksView | None:
 def _view(snap: RankSnapshot, now: float, settings: Settings) -> RankView:
     record, who = snap.newest, snap.identity
     age = now - snap.last_report
-    state = settings.lifecycle().state(snap, now)
-    live = snap.pause is not None and state in LIVE_STATES
+    lifecycle = settings.lifecycle()
+    state = lifecycle.state(snap, now)
+    pause = lifecycle.pause_of(snap) if state in LIVE_STATES else None
     return RankView(
         run=who.run,
         node=who.node,
@@ -70,9 +71,7 @@ def _view(snap: RankSnapshot, now: float, settings: Settings) -> RankView:
         dropped_records=snap.dropped_records,
         up=snap.reported_within(now, settings.stale_after_s),
         state=state,
-        pause=PauseView(reason=snap.pause.reason, seconds=snap.pause.seconds(now))
-        if live and snap.pause is not None
-        else None,
+        pause=None if pause is None else PauseView(reason=pause.reason, seconds=pause.seconds(now)),
         failure=snap.failure if snap.finished_at is not None else None,
         stop_signal=snap.stop_signal if snap.finished_at is not None else None,
         last_report_time=snap.last_report,
