@@ -498,7 +498,7 @@ def test_lightning_pauses_the_rank_around_validation_and_checkpoint_saves(tmp_pa
     assert pause.current() is None  # fit ended every pause it opened
 
 
-def _fit_quietly(tmp_path: Any, module: Any, **options: Any) -> Any:
+def _fit_quietly(tmp_path: Any, module: Any, callback: Any = None, **options: Any) -> Any:
     import lightning.pytorch as pl
     import torch
 
@@ -509,7 +509,7 @@ def _fit_quietly(tmp_path: Any, module: Any, **options: Any) -> Any:
         plugins=[lightning_plugin()],
         max_steps=STEPS,
         logger=False,
-        callbacks=[AmpscopeCallback(reporter=None)],
+        callbacks=[callback or AmpscopeCallback(reporter=None)],
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=False,
@@ -550,12 +550,17 @@ class _Module:
 
 
 def test_lightning_pause_ends_when_validation_raises_and_is_caught(tmp_path: Any) -> None:
+    from ampscope.integrations.lightning import AmpscopeCallback
     from ampscope.reporter import pause
 
+    callback = AmpscopeCallback(reporter=None)
     with pytest.raises(RuntimeError, match="a metric's bug"):
-        _fit_quietly(tmp_path, _Module.build(fail=True), val_check_interval=2)
+        _fit_quietly(tmp_path, _Module.build(fail=True), callback, val_check_interval=2)
     # Lightning skips the callbacks' teardown on this path; on_exception ends the pause.
     assert pause.current() is None
+    # Nor did the teardown close the front-end: the caller would, as here (its thread).
+    assert callback.scaler is not None
+    callback.scaler.close()
 
 
 def test_lightning_pause_not_opened_by_a_save_checkpoint_after_fit(tmp_path: Any) -> None:

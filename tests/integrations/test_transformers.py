@@ -319,8 +319,10 @@ def test_trainer_ends_its_pause_when_an_evaluation_raises(tmp_path: Path) -> Non
     trainer = Trainer(
         model=FailingEval(), args=args, train_dataset=Dataset(8), eval_dataset=Dataset(4)
     )
-    assert instrument(trainer, reporter=None) is not None
+    front = instrument(trainer, reporter=None)
+    assert front is not None
     with pytest.raises(RuntimeError, match="a metric's bug"):
         trainer.train()
     # The Trainer called no callback after the evaluation raised; the caller caught it.
     assert pause.current() is None
+    front.close()  # no on_train_end closed it: the caller does (its thread)
