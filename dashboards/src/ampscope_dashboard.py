@@ -528,6 +528,26 @@ def ranks() -> list[Panel]:
             width=12,
             height=6,
         ),
+        label_table(
+            48,
+            "Paused ranks",
+            "Ranks whose heartbeats say they stopped stepping on purpose (a checkpoint save, "
+            "an evaluation: paused() on the rank side, or an integration's evaluation and "
+            "save), with the reason and the seconds since the pause began, from "
+            "ampscope_rank_pause_start_timestamp_seconds. A paused rank's step stays flat and "
+            "it reads running until the exporter's --pause-limit (2 h by default), then "
+            "stalled (alert AmpscopeRankStalled); a rank past its limit stays listed here.",
+            Query(
+                f"round(time() - {per_rank('ampscope_rank_pause_start_timestamp_seconds')})",
+                instant=True,
+                table=True,
+            ),
+            columns=["run", "node", "rank", "local_rank", "reason", "Value"],
+            hidden=["Time", "__name__", "instance", "job"],
+            renamed={"Value": "paused for (s)"},
+            width=12,
+            height=6,
+        ),
     ]
 
 

@@ -359,6 +359,7 @@ def label_table(
     hidden: list[str],
     width: int,
     height: int,
+    renamed: dict[str, str] | None = None,
 ) -> table.Panel:
     """A table of the label sets ``query`` returns, one row per series, sorted by ``columns[0]``.
 
@@ -371,6 +372,7 @@ def label_table(
         hidden: The columns left out (the sample's time and value, Prometheus' own labels).
         width: Columns, of 24.
         height: Grid rows.
+        renamed: Headers for columns shown under another name (the sample's ``Value``).
 
     Returns:
         The panel builder.
@@ -380,7 +382,7 @@ def label_table(
         options={
             "excludeByName": dict.fromkeys(hidden, True),
             "indexByName": {name: index for index, name in enumerate(columns)},
-            "renameByName": {},
+            "renameByName": renamed or {},
         },
     )
     return (

@@ -162,6 +162,16 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         "state",
     ),
     _rank(
+        "ampscope_rank_pause_start_timestamp_seconds",
+        "gauge",
+        "While a running or stalled rank's heartbeats say it stopped stepping on purpose "
+        '(paused("checkpoint") on the rank side, or an integration\'s evaluation or save): '
+        "Unix time, on the exporter's clock, at which the pause began; absent otherwise. The "
+        "rank stays running until the exporter's pause limit (2 h by default), then stalls; "
+        "time() minus this is how long it has been paused.",
+        "reason",
+    ),
+    _rank(
         "ampscope_rank_failure_info",
         "gauge",
         "1 while the rank is failed, absent otherwise: the class of the exception its training "

@@ -24,7 +24,7 @@ from ampscope.exporter.state.spike_windows import SPIKE_KINDS
 from ampscope.exporter.state.store import Store
 from ampscope.reporter.fault_rule import DEVICE_FAULT_KINDS, FAULT_KINDS
 from ampscope.verdicts import aligned
-from ampscope.verdicts.ranks import STATES, is_scaler
+from ampscope.verdicts.ranks import LIVE_STATES, STATES, is_scaler
 from ampscope.verdicts.thresholds import Thresholds
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,12 @@ UNRENDERABLE = (ArithmeticError, ValueError, TypeError)
 """What ``rank_rows`` raises for a rank whose data cannot be rendered."""
 
 TIME_DEPENDENT = frozenset(
-    {"ampscope_rank_up", "ampscope_rank_state", "ampscope_rank_failure_info"}
+    {
+        "ampscope_rank_up",
+        "ampscope_rank_state",
+        "ampscope_rank_pause_start_timestamp_seconds",
+        "ampscope_rank_failure_info",
+    }
 )
 """Per-rank families whose values move with the clock or a heartbeat alone (``time_rows``)."""
 
@@ -169,6 +174,16 @@ class StoreCollector(Collector):
             ("ampscope_rank_up", labels, float(up)),
             *(("ampscope_rank_state", [*labels, name], float(name == current)) for name in STATES),
         ]
+        # A heartbeat alone starts or ends a pause, so it is rendered with the state.
+        pause = self._lifecycle.pause_of(snap) if current in LIVE_STATES else None
+        if pause is not None:
+            rows.append(
+                (
+                    "ampscope_rank_pause_start_timestamp_seconds",
+                    [*labels, pause.reason],
+                    pause.since,
+                )
+            )
         failure = snap.failure
         if current == "failed" and failure is not None:
             origin = (

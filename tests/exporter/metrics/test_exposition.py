@@ -7,8 +7,10 @@ import gzip
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from ampscope.exporter.api.routes.metrics import accepts_gzip
+from ampscope.reporter.schema import Heartbeat, Identity, RankPause
 from exporter.conftest import MakeClient
 from exporter.factory import T0, body, record, stats, totals, watch
 
@@ -82,6 +84,42 @@ def test_bytes_equal_the_collectors_through_changes(make_client: MakeClient) -> 
     _post(client, record(20, run="run-b", rank=1, scale=123456789.0), dropped=2)
     clock.advance(61)  # every rank is down now
     _post(client, record(21, run="run-b", rank=1, scale=1e-7))  # ...but this one
+    assert _scrape(client) == _reference(client)
+
+
+def test_a_pause_is_rendered_per_scrape_as_the_collector_does(make_client: MakeClient) -> None:
+    # A heartbeat alone starts or ends a pause: no new record, so no cached line may hold it.
+    client, clock = make_client()
+    for rank in range(2):
+        _post(client, record(5, rank=rank, time=T0))
+    before = _scrape(client)
+    clock.advance(30)
+    beat = Heartbeat(
+        schema_version=1,
+        identity=Identity(run="run-a", node="node0", rank=1, local_rank=1, world_size=2),
+        time=T0 + 30,
+        step=5,
+        final=False,
+        dropped_records=0,
+        pause=RankPause(reason="checkpoint", seconds=20.0),
+    )
+    response = client.post("/api/v1/heartbeat", content=beat.model_dump_json().encode())
+    assert response.status_code == 200, response.text
+    text = _scrape(client)
+    assert text == _reference(client)
+    (family,) = [
+        f
+        for f in text_string_to_metric_families(text.decode())
+        if f.name == "ampscope_rank_pause_start_timestamp_seconds"
+    ]
+    assert [(s.labels["rank"], s.labels["reason"], s.value) for s in family.samples] == [
+        ("1", "checkpoint", T0 + 10.0)
+    ]
+    assert b"ampscope_rank_pause_start_timestamp_seconds{" not in before
+    ended = beat.model_copy(update={"pause": None, "time": T0 + 40})
+    response = client.post("/api/v1/heartbeat", content=ended.model_dump_json().encode())
+    assert response.status_code == 200, response.text
+    assert b"ampscope_rank_pause_start_timestamp_seconds{" not in _scrape(client)
     assert _scrape(client) == _reference(client)
 
 

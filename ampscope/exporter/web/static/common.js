@@ -70,11 +70,13 @@ const ampscope = {
     return rank.up ? "up" : "stale";
   },
 
-  /** A live rank that says it paused on purpose: "paused (checkpoint) for 700 s"; "" otherwise. */
+  /** A live rank that says it paused on purpose: "paused (checkpoint) for 700 s", and for a
+   * stalled one (past the exporter's --pause-limit) ", past the pause limit"; "" otherwise. */
   pauseText(rank) {
     const pause = rank.pause;
     if (!pause || typeof pause.reason !== "string") return "";
-    return `paused (${pause.reason}) for ${Math.round(pause.seconds)} s`;
+    const text = `paused (${pause.reason}) for ${Math.round(pause.seconds)} s`;
+    return rank.state === "stalled" ? `${text}, past the pause limit` : text;
   },
 
   /** What a failed rank's training ended on, in words: "NonFiniteGradientsError at step 5"

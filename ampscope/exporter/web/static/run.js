@@ -296,7 +296,9 @@
         a.el("span", { cls: `state ${state}`, text: state,
                         title: a.failureText(rank) || a.stopText(rank) }));
       const paused = a.pauseText(rank);
-      if (paused) stateCell.appendChild(a.el("span", { cls: "state paused", text: paused }));
+      // Past its limit the pause no longer holds the rank: the chip takes the stall's colour.
+      const chip = state === "stalled" ? "state paused over" : "state paused";
+      if (paused) stateCell.appendChild(a.el("span", { cls: chip, text: paused }));
       a.cell(tr, rank.step, "num");
       a.cell(tr, a.modeText(rank), "mode").title = a.setupText([rank]);
       // A watch's records say scale 1 and no backoffs or growths: that is no loss scale.

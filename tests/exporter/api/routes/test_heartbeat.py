@@ -17,6 +17,7 @@ from ampscope.reporter.schema import (
     Heartbeat,
     Identity,
     RankFailure,
+    RankPause,
 )
 from exporter.conftest import MakeClient
 from exporter.factory import T0, body, record
@@ -35,6 +36,7 @@ def _beat(
     world_size: int = 2,
     failure: RankFailure | None = None,
     stop_signal: int | None = None,
+    pause: RankPause | None = None,
 ) -> bytes:
     local = rank if local_rank is None else local_rank
     return (
@@ -49,6 +51,7 @@ def _beat(
             dropped_records=0,
             failure=failure,
             stop_signal=stop_signal,
+            pause=pause,
         )
         .model_dump_json()
         .encode()
@@ -63,6 +66,16 @@ def _states(client: TestClient) -> dict[str, dict[str, float]]:
             for sample in family.samples:
                 out.setdefault(sample.labels["rank"], {})[sample.labels["state"]] = sample.value
     return out
+
+
+def _pauses(client: TestClient) -> dict[tuple[str, str], float]:
+    """{(rank, reason): pause start} of ampscope_rank_pause_start_timestamp_seconds."""
+    return {
+        (sample.labels["rank"], sample.labels["reason"]): sample.value
+        for family in text_string_to_metric_families(client.get("/metrics").text)
+        if family.name == "ampscope_rank_pause_start_timestamp_seconds"
+        for sample in family.samples
+    }
 
 
 def _rejected(client: TestClient, reason: str) -> float:
@@ -118,6 +131,47 @@ def test_heartbeats_move_a_rank_through_every_state(make_client: MakeClient) -> 
     }
     report = client.get("/api/v1/runs/run-a/health").json()
     assert (report["status"], report["state"]) == ("ok", "finished")
+
+
+def test_a_pause_shows_on_metrics_while_the_rank_holds_it(make_client: MakeClient) -> None:
+    # Prometheus and the dashboard would otherwise see a running rank whose step stays flat.
+    client, clock = make_client(stale_after_s=60, stall_after_s=120, pause_limit_s=600)
+    assert client.post("/api/v1/ingest", content=body(record(1, time=T0))).status_code == 200
+    assert _pauses(client) == {}
+    clock.advance(50)
+    save = RankPause(reason="checkpoint", seconds=40.0)
+    assert client.post(URL, content=_beat(time=T0 + 50, pause=save)).json()["applied"] is True
+    began = clock() - 40.0
+    assert _pauses(client) == {("0", "checkpoint"): began}
+    # Past stall_after_s, still paused: running, and the series says why.
+    for t in range(100, 601, 50):
+        clock.advance(50)
+        later = RankPause(reason="checkpoint", seconds=t - 10.0)
+        assert client.post(URL, content=_beat(time=T0 + t, pause=later)).status_code == 200
+    assert (_state(client), _pauses(client)) == ("running", {("0", "checkpoint"): began})
+    # Past pause_limit_s: stalled, and the pause still shown beside it.
+    clock.advance(50)
+    late = RankPause(reason="checkpoint", seconds=640.0)
+    assert client.post(URL, content=_beat(time=T0 + 650, pause=late)).status_code == 200
+    assert (_state(client), _pauses(client)) == ("stalled", {("0", "checkpoint"): began})
+    # The save returned: a heartbeat without a pause ends it.
+    clock.advance(10)
+    assert client.post(URL, content=_beat(time=T0 + 660)).status_code == 200
+    assert _pauses(client) == {}
+    # A pause the rank never ended (it began before a newer step, on the rank's clock) is a
+    # leftover: not shown, as the lifecycle ignores it.
+    clock.advance(10)
+    step = body(record(2, time=T0 + 670))
+    assert client.post("/api/v1/ingest", content=step).status_code == 200
+    old = RankPause(reason="eval", seconds=600.0)
+    assert client.post(URL, content=_beat(step=2, time=T0 + 680, pause=old)).status_code == 200
+    assert (_state(client), _pauses(client)) == ("running", {})
+    # A paused rank's goodbye: no pause on a finished rank.
+    fresh = RankPause(reason="checkpoint", seconds=1.0)
+    assert client.post(URL, content=_beat(step=2, time=T0 + 690, pause=fresh)).status_code == 200
+    assert set(_pauses(client)) == {("0", "checkpoint")}
+    assert client.post(URL, content=_beat(step=2, time=T0 + 691, final=True)).status_code == 200
+    assert (_state(client), _pauses(client)) == ("finished", {})
 
 
 def test_heartbeat_of_an_unknown_rank_creates_nothing(client: TestClient) -> None:
