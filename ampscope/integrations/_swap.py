@@ -72,12 +72,14 @@ def make_watch(watch: WatchConfig, scaler_options: dict[str, Any]) -> GradWatch:
 def twin(stock: Any, scaler_options: dict[str, Any]) -> TelemetryMixin | None:
     """ampscope's scaler in place of ``stock``, trained exactly like it.
 
-    Returns ``stock`` itself when it already is ampscope's (so instrumenting twice
-    changes nothing), ``None`` when ``stock`` is no torch scaler ampscope subclasses
+    Returns ``stock`` itself when it already is ampscope's and open (so instrumenting
+    twice changes nothing), ``None`` when ``stock`` is no torch scaler ampscope subclasses
     (then the caller leaves it alone). The twin takes over ``stock``'s state via
-    ``state_dict()``, so a swap after training started keeps the scale and tracker.
+    ``state_dict()``, so a swap after training started keeps the scale and tracker; so
+    does the twin of ampscope's scaler once closed (a new fit or ``train()`` after the
+    last one ended or raised: a new front-end, the same scaling).
     """
-    if isinstance(stock, TelemetryMixin):
+    if isinstance(stock, TelemetryMixin) and not stock.telemetry.closed:
         return stock
     if not isinstance(stock, torch.amp.GradScaler):
         return None

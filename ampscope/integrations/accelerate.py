@@ -125,8 +125,7 @@ def instrument_accelerator(
 ) -> TelemetryFrontEnd | None:
     """:func:`instrument` for an accelerator of ``library`` (Accelerate or a Trainer)."""
     if attacher_of(accelerator) is not None:
-        current = getattr(accelerator, _DEEPSPEED, None) or accelerator.scaler
-        return current if isinstance(current, TelemetryFrontEnd) else None
+        return _live(accelerator)
     attacher = Attacher(track_origin)
     setattr(accelerator, _STATE, attacher)
     if _on_deepspeed(accelerator):
@@ -146,7 +145,7 @@ def instrument_accelerator(
         logger.warning(NO_SCALER.format(library=library, why=why, cpu_fallback="fp32"))
         return None
     swap_into(accelerator, ours)
-    _clip_through(accelerator, ours)
+    _clip_through(accelerator)
     for model in accelerator._models:
         if not isinstance(model, nn.Module):
             continue
@@ -159,18 +158,19 @@ def instrument_accelerator(
                 type(model).__name__,
             )
         attacher.attach(ours, model, names_only=hidden)
-    _attach_on_prepare(accelerator, ours, attacher)
+    _attach_on_prepare(accelerator)
     return ours
 
 
-def _clip_through(accelerator: Accelerator, front: TelemetryFrontEnd) -> None:
+def _clip_through(accelerator: Accelerator) -> None:
     """Route ``accelerator.clip_grad_norm_`` (the ``Trainer`` calls it with
     ``max_grad_norm``, 1.0 by default) through the front-end's ``clip_grad_norm_``: the
     same clip as Accelerate's, bit for bit, whose one pass also gives the records' gradient
     norms, so ampscope runs no norm pass of its own. Where Accelerate clips otherwise
     (FSDP's own clip, DeepSpeed, XLA, DTensor gradients, whose norms it combines per mesh)
     its own method runs unchanged. An instance attribute shadows the method for this
-    accelerator only."""
+    accelerator only; it clips through whichever front-end ``accelerator.scaler`` holds
+    (:func:`renew` may have put a new one there)."""
     from accelerate.utils import DistributedType
 
     from ampscope.rank.frontends.watch import GradWatch
@@ -182,10 +182,13 @@ def _clip_through(accelerator: Accelerator, front: TelemetryFrontEnd) -> None:
     @functools.wraps(original)
     def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
         params = list(parameters)
+        front = accelerator.scaler
         if (
             # A micro-batch of an accumulation (bf16/fp32 loops may clip on every one):
             # the gradients are not whole yet, and no update() follows to end a check.
-            not accelerator.sync_gradients or accelerator.distributed_type in own_clip
+            not accelerator.sync_gradients
+            or accelerator.distributed_type in own_clip
+            or not isinstance(front, TelemetryFrontEnd)
         ):
             return original(params, max_norm, norm_type)
         plan = _clip_plan(plans, params, accelerator._optimizers)
@@ -267,7 +270,7 @@ def _observe_deepspeed(
     wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
     if wrapped is not None:
         attacher.attach(monitor, wrapped.engine)
-    _attach_on_prepare(accelerator, monitor, attacher)
+    _attach_on_prepare(accelerator)
     return monitor
 
 
@@ -328,29 +331,76 @@ def _is_wrapped(model: nn.Module) -> bool:
     return isinstance(model, (DDP, FSDP, FSDPModule))
 
 
-def _attach_on_prepare(
-    accelerator: Accelerator, scaler: TelemetryFrontEnd, attacher: Attacher
-) -> None:
+def _attach_on_prepare(accelerator: Accelerator) -> None:
     """Wrap this accelerator's ``prepare``/``prepare_model`` to attach what they return.
 
     Accelerate has no hook for "a model was prepared"; an instance attribute shadows the
-    method for this accelerator only, and calls it unchanged.
+    method for this accelerator only, and calls it unchanged. It attaches the front-end
+    the accelerator holds when it returns (:func:`renew` may have put a new one there).
     """
     for name in ("prepare", "prepare_model"):
-        setattr(accelerator, name, _attaching(getattr(accelerator, name), scaler, attacher))
+        setattr(accelerator, name, _attaching(getattr(accelerator, name), accelerator))
 
 
-def _attaching(
-    original: Callable[..., Any], scaler: TelemetryFrontEnd, attacher: Attacher
-) -> Callable[..., Any]:
+def _live(accelerator: Accelerator) -> TelemetryFrontEnd | None:
+    """The front-end an instrumented accelerator holds now: the DeepSpeed monitor, or the
+    scaler or watch in ``accelerator.scaler``."""
+    current = getattr(accelerator, _DEEPSPEED, None) or accelerator.scaler
+    return current if isinstance(current, TelemetryFrontEnd) else None
+
+
+def _attaching(original: Callable[..., Any], accelerator: Accelerator) -> Callable[..., Any]:
     @functools.wraps(original)
     def prepared(*args: Any, **kwargs: Any) -> Any:
         result = original(*args, **kwargs)
         if kwargs.get("evaluation_mode"):
             return result  # prepared for inference only: no gradients to watch
+        scaler, attacher = _live(accelerator), attacher_of(accelerator)
+        if scaler is None or attacher is None:
+            return result
         for obj in result if isinstance(result, tuple) else (result,):
             if isinstance(obj, nn.Module):
                 attacher.attach(scaler, obj)
         return result
 
     return prepared
+
+
+def renew(
+    accelerator: Accelerator, watch: WatchConfig, scaler_options: dict[str, Any]
+) -> TelemetryFrontEnd | None:
+    """A new front-end in place of the instrumented accelerator's closed one, for a new
+    run of training (the Trainer's ``train()`` again, after the last one ended or raised):
+    the twin of the closed scaler (its scaling state too) or a new watch, swapped in
+    wherever the old one was; it is attached to the models the next ``prepare()`` returns
+    (the Trainer's ``on_train_begin`` attaches ``model_wrapped`` too). Its records make the
+    rank running again on the exporter (a new process's records, as a restart's). Costs a
+    scaler construction.
+
+    Returns:
+        The new front-end; ``None`` when there is nothing to renew (the front-end is open,
+        the accelerator is not instrumented, or a DeepSpeed monitor, one per engine).
+    """
+    from ampscope.rank.frontends.watch import GradWatch
+
+    attacher = attacher_of(accelerator)
+    closed = accelerator.scaler
+    if (
+        attacher is None
+        or getattr(accelerator, _DEEPSPEED, None) is not None
+        or not isinstance(closed, TelemetryFrontEnd)
+        or not closed.telemetry.closed
+    ):
+        return None
+    fresh: TelemetryFrontEnd | None = (
+        make_watch(watch, scaler_options)
+        if isinstance(closed, GradWatch)
+        else twin(closed, scaler_options)
+    )
+    if fresh is None:
+        return None
+    swap_into(accelerator, fresh)
+    # A new attacher: the models the closed front-end was attached to are attached anew,
+    # when the next prepare() returns them or the Trainer begins training.
+    setattr(accelerator, _STATE, Attacher(attacher.track_origin))
+    return fresh

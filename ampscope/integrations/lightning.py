@@ -5,7 +5,10 @@ Lightning keeps the loss scaler in its precision plugin: ``MixedPrecision.scaler
 a ``ShardedGradScaler``). The callback swaps it in ``setup`` (before the strategy wraps
 the model and before a checkpoint restores the scaler's state), attaches in
 ``on_fit_start`` (``trainer.strategy.model`` is wrapped by then), logs through the
-LightningModule like Lightning's ``LearningRateMonitor``, and closes in ``teardown``.
+LightningModule like Lightning's ``LearningRateMonitor``, and closes in ``teardown``, or,
+when ``fit`` raises (Lightning then skips ``teardown``), in ``on_exception``, which ends
+the rank ``failed`` with the exception as a ``with`` block over the front-end would. A
+later ``fit`` of the same trainer (a retry) trains with a new front-end.
 
 With ``precision="bf16-mixed"`` the ``MixedPrecision`` plugin has no scaler (nor has
 ``FSDPPrecision`` outside fp16); the callback gives it a :class:`~ampscope.GradWatch`, and
@@ -129,6 +132,14 @@ class AmpscopeCallback(pl.Callback):
             # Another AmpscopeCallback swapped it: that one attaches, logs and closes.
             self.scaler, self._active = stock, False
             return
+        if isinstance(stock, TelemetryFrontEnd) and stock.telemetry.closed:
+            # This trainer's fit again (a retry after an exception, or more epochs): ours,
+            # closed when the last fit ended or raised. The new fit gets a new front-end (a
+            # scaler is twinned anew below, state and all; a watch is built anew), attached
+            # anew: its records make the rank running again on the exporter.
+            self._attacher = Attacher(self._attacher.track_origin)
+            if isinstance(stock, GradWatch):
+                stock = None
         ours: TelemetryFrontEnd | None = twin(stock, self._options) if stock is not None else None
         if ours is None and stock is None and _watchable(plugin):
             why = f"{type(plugin).__name__}(precision={plugin.precision!r})"
@@ -207,19 +218,35 @@ class AmpscopeCallback(pl.Callback):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        # Lightning skips teardown when fit raises: a caught exception must not leave the
-        # rank paused.
+        # Lightning skips teardown when fit raises, and the caller may catch the exception
+        # and go on (a retry, a sweep, a notebook): end the pauses and the fit here, so that
+        # the rank ends failed with the exception rather than reading running, then
+        # stalled. Lightning's graceful SIGTERM stop (its SIGTERMException, a SystemExit
+        # without a status) is a normal end: the rank reads stopped, as the handler said.
+        # KeyboardInterrupt fails the rank, as in a `with` block (Lightning then exits 1).
         self._pauses.end()
+        if trainer.state.fn == "fit":
+            self._end_fit(trainer, pl_module, exception)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._pauses.end()
-        if stage == "fit" and self.scaler is not None and self._active:
-            if _HOOK in vars(pl_module):
-                delattr(pl_module, _HOOK)  # the class's hook again
-            plugin = trainer.precision_plugin
-            if _CLIP in vars(plugin):
-                delattr(plugin, _CLIP)  # the class's clip again
-            self.scaler.close()
+        if stage == "fit":
+            self._end_fit(trainer, pl_module, None)
+
+    def _end_fit(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException | None
+    ) -> None:
+        """Undo this fit's wraps and close the front-end: the rank ends finished, or
+        failed on ``exception`` (:meth:`~ampscope.reporter.failure.ClosedByWith.close_after`).
+        Once per fit: a later hook finds the front-end closed."""
+        if self.scaler is None or not self._active or self.scaler.telemetry.closed:
+            return
+        if _HOOK in vars(pl_module):
+            delattr(pl_module, _HOOK)  # the class's hook again
+        plugin = trainer.precision_plugin
+        if _CLIP in vars(plugin):
+            delattr(plugin, _CLIP)  # the class's clip again
+        self.scaler.close_after(exception)
 
 
 _CLIP = "clip_grad_by_norm"

@@ -25,8 +25,11 @@ optimizer. Where it hooks into one step of ``Trainer._fit_epoch``:
   update, goes through ``watch.step(optim)`` (an instance attribute for the length of
   ``fit``): ``skip`` does not step, ``raise`` raises on every rank;
 * ``post_train_batch``: ``watch.update()``, one record per step;
+* ``on_error``: ``fit()`` raised; the exception is kept for ``close``;
 * ``close`` (always, also after an error): the watch closes, the optimizer's, the
-  scheduler's and the train module's own methods come back.
+  scheduler's and the train module's own methods come back. After an error the rank ends
+  ``failed`` with the exception, as a ``with`` block over the watch would end it, also
+  when the caller catches it and goes on; a later ``fit()`` builds a new watch.
 
 OLMo-core's schedulers are functions of ``trainer.global_step`` (or of the tokens seen),
 which advance on a skipped step; under ``skip`` the callback holds them: it hands the
@@ -116,6 +119,7 @@ class AmpscopeCallback(Callback):
         self._clip: _KeptClip | None = None
         self._spike_window: tuple[Any, Any] = (None, None)
         self._watch_state: dict[str, Any] | None = None  # from a checkpoint
+        self._error: BaseException | None = None  # what fit() raised (on_error), for close
 
     # -- OLMo-core's Callback API --------------------------------------------------------
 
@@ -214,7 +218,12 @@ class AmpscopeCallback(Callback):
                 merge_strategy=MetricMergeStrategy.latest,
             )
 
+    def on_error(self, exc: BaseException) -> None:
+        # close() follows (OLMo-core's ungraceful shutdown): it ends the rank on this.
+        self._error = exc
+
     def close(self) -> None:
+        error, self._error = self._error, None
         if self._stepper is not None:
             self._stepper.remove()
             self._stepper = None
@@ -228,7 +237,7 @@ class AmpscopeCallback(Callback):
         if scheduler is not None and _SET_LR in vars(scheduler):
             delattr(scheduler, _SET_LR)  # the class's method again
         if self.watch is not None:
-            self.watch.close()
+            self.watch.close_after(error)
         self._attached = False
 
     # -- internals -----------------------------------------------------------------------

@@ -59,7 +59,8 @@ from ampscope.integrations._batch import (
 )
 from ampscope.integrations._pause import OpenPauses
 from ampscope.integrations._swap import check_options, check_policy
-from ampscope.integrations.accelerate import attacher_of, instrument_accelerator
+from ampscope.integrations.accelerate import attacher_of, instrument_accelerator, renew
+from ampscope.rank.config import WatchConfig
 from ampscope.rank.frontends.base import TelemetryFrontEnd
 from ampscope.rank.frontends.watch import GradWatch
 from ampscope.reporter.schema import Policy
@@ -71,7 +72,8 @@ logger = logging.getLogger("ampscope")
 
 
 class AmpscopeTrainerCallback(TrainerCallback):
-    """Attaches the scaler on ``on_train_begin``, logs it, closes it on ``on_train_end``.
+    """Attaches the scaler on ``on_train_begin``, logs it, closes it on ``on_train_end``
+    (``train()`` raising closes it with the exception: :func:`instrument`'s wrap).
 
     Added by :func:`instrument`; not meant to be constructed by hand.
     """
@@ -224,9 +226,12 @@ def instrument(
     ``report_to`` sends to), pauses the rank (``ampscope.paused``: ``eval``,
     ``checkpoint``, ``end-of-training``) from the end of a step after which the Trainer
     evaluates, saves or stops, until the next step ends (or ``train()`` returns or raises),
-    and closes the scaler when training ends (a later ``train()`` still trains with it, as
-    torch's scaler, without telemetry). Calling it again returns the same scaler and
-    changes nothing.
+    and closes the scaler when training ends, or when ``train()`` raises, with the
+    exception: the rank ends ``failed`` with it, as a ``with`` block over the scaler would
+    end it. A later ``train()`` (a retry) trains with a new scaler (the closed one's
+    scaling state) or watch, found in ``trainer.accelerator.scaler``; with ``deepspeed=``
+    the monitor is one per engine and a later ``train()`` records nothing. Calling it again returns
+    the same scaler and changes nothing.
 
     Args:
         trainer: A ``transformers.Trainer`` (or subclass).
@@ -264,31 +269,49 @@ def instrument(
     )
     if scaler is not None:
         # First in line, so that the report_to callbacks log what on_log adds.
-        trainer.callback_handler.callbacks.insert(0, AmpscopeTrainerCallback(trainer, scaler))
+        ours = AmpscopeTrainerCallback(trainer, scaler)
+        trainer.callback_handler.callbacks.insert(0, ours)
         # Last in line: it reads what the flow callback decided about this step.
         pauses = AmpscopePauseCallback()
         trainer.callback_handler.callbacks.append(pauses)
-        trainer.train = _ending_pauses(trainer.train, pauses)
+        trainer.train = _training(trainer.train, trainer, ours, pauses, (watch, scaler_options))
         if key is not None:
-            _note_ids_in_steps(trainer, scaler, key)
+            _note_ids_in_steps(trainer, ours, key)
     return scaler
 
 
-def _ending_pauses(train: Callable[..., Any], pauses: AmpscopePauseCallback) -> Callable[..., Any]:
-    """``train`` that ends the pauses its callbacks opened however it ends: the Trainer
-    calls no callback when an evaluation or a save raises, and a caller that catches the
-    exception must not be left with its rank paused."""
+def _training(
+    train: Callable[..., Any],
+    trainer: Trainer,
+    ours: AmpscopeTrainerCallback,
+    pauses: AmpscopePauseCallback,
+    renewal: tuple[WatchConfig, dict[str, Any]],
+) -> Callable[..., Any]:
+    """``train`` that ends as a ``with`` block over the front-end would: on an exception
+    (the Trainer calls no ``on_train_end`` then, and the caller may catch it and go on) the
+    front-end closes with it, so the rank ends ``failed`` with the exception, not running
+    and then stalled. The pauses its callbacks opened end however it ends (the Trainer calls
+    no callback when an evaluation or a save raises). A ``train()`` after the front-end
+    closed (a retry, a second run) trains with a new one, built with ``renewal`` (the
+    watch's policy and the telemetry options; :func:`~ampscope.integrations.accelerate.renew`)."""
 
     def training(*args: Any, **kwargs: Any) -> Any:
+        fresh = renew(trainer.accelerator, *renewal)
+        if fresh is not None:
+            ours.scaler = fresh
         try:
             return train(*args, **kwargs)
+        except BaseException as exc:
+            pauses.pauses.end()
+            ours.scaler.close_after(exc)
+            raise
         finally:
             pauses.pauses.end()
 
     return training
 
 
-def _note_ids_in_steps(trainer: Trainer, scaler: TelemetryFrontEnd, key: str) -> None:
+def _note_ids_in_steps(trainer: Trainer, ours: AmpscopeTrainerCallback, key: str) -> None:
     """Note the ids of every training micro-batch that holds ``key``; keep the column
     through the Trainer's column removal and out of the model's inputs."""
     try:
@@ -315,22 +338,23 @@ def _note_ids_in_steps(trainer: Trainer, scaler: TelemetryFrontEnd, key: str) ->
         )
     if callable(trainer.data_collator):
         trainer.data_collator = IdsAsList(trainer.data_collator, key)
-    trainer.training_step = _stepping(trainer.training_step, scaler, key, model_takes_it)
+    trainer.training_step = _stepping(trainer.training_step, ours, key, model_takes_it)
     trainer.prediction_step = _stepping(trainer.prediction_step, None, key, model_takes_it)
 
 
 def _stepping(
     step: Callable[..., Any],
-    scaler: TelemetryFrontEnd | None,
+    ours: AmpscopeTrainerCallback | None,
     key: str,
     model_takes_it: bool,
 ) -> Callable[..., Any]:
-    """``step(model, inputs, ...)`` that notes the ids of ``inputs`` (unless ``scaler`` is
-    ``None``) and hands on ``inputs`` without them unless the model's forward takes them."""
+    """``step(model, inputs, ...)`` that notes the ids of ``inputs`` for the front-end
+    ``ours`` holds now (none when ``ours`` is ``None``) and hands on ``inputs`` without
+    them unless the model's forward takes them."""
 
     def stepped(model: Any, inputs: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
         if carries_ids(inputs, key):
-            note_ids(scaler, inputs, key)
+            note_ids(None if ours is None else ours.scaler, inputs, key)
             if not model_takes_it:
                 inputs = without_key(inputs, key)
         return step(model, inputs, *args, **kwargs)

@@ -11,7 +11,10 @@ exception in four places (``seen_by``):
   ours, through what the interpreter keeps of it (``sys.last_exc``) at exit;
 * ``thread``: another thread's uncaught exception, through ``threading.excepthook``
   (training run in a thread);
-* ``with``: the exit of a ``with`` block over a front-end or an ``HttpReporter``.
+* ``with``: the exit of a ``with`` block over a front-end or an ``HttpReporter``, or of
+  the training call an integration closes its front-end after (Lightning's ``fit``, the
+  Hugging Face Trainer's ``train``, OLMo-core's ``fit``), which ends the same way
+  (:meth:`ClosedByWith.close_after`).
 
 Only the newest noted exception counts. One noted by the watch, a thread or a ``with`` block
 is void once the rank reports a step taken after it (a later record's ``time``): training
@@ -313,6 +316,17 @@ class ClosedByWith:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        self.close_after(exc)
+
+    def close_after(self, exc: BaseException | None) -> None:
+        """Close as leaving a ``with`` block on ``exc`` does (``None``: a normal end).
+
+        For an integration whose library calls it back when training raises (Lightning's
+        ``on_exception``, OLMo-core's ``on_error``) or whose training call it wraps (the
+        Trainer's ``train``): the rank ends ``failed`` with ``exc``, told as a ``with``
+        block tells it, unless it is a normal end (:func:`ends_normally`). Never raises
+        from the noting; the exception itself is the caller's to re-raise.
+        """
         if exc is not None and not ends_normally(exc):
             note(exc, "with")
         self.close()

@@ -29,6 +29,37 @@ def exporter_ranks(
     raise AssertionError(f"exporter did not get every step of {run}: {ranks}")
 
 
+def ranks_read(
+    url: str, run: str, state: str, world_size: int = 1, timeout: float = DEADLOCK_GUARD_S
+) -> list[Any]:
+    """The exporter's view of ``run``'s ranks, by rank, once every one reads ``state``."""
+    end = time.monotonic() + timeout
+    ranks: list[Any] = []
+    while time.monotonic() < end:
+        try:
+            with urllib.request.urlopen(f"{url}/api/v1/runs/{run}/ranks", timeout=5) as r:
+                ranks = json.loads(r.read())
+        except OSError:
+            ranks = []
+        if len(ranks) == world_size and all(rank["state"] == state for rank in ranks):
+            return sorted(ranks, key=lambda rank: rank["rank"])
+        time.sleep(0.1)
+    raise AssertionError(f"{run}'s ranks never all read {state}: {ranks}")
+
+
+def check_failed_with(view: Any, exception: str, message: str) -> None:
+    """``view`` (a failed rank's) carries the exception its training call raised, told as
+    a ``with`` block over the front-end tells it."""
+    failure = view["failure"]
+    assert failure is not None, view
+    assert (failure["kind"], failure["exception"], failure["message"]) == (
+        "exception",
+        exception,
+        message,
+    )
+    assert failure["seen_by"] == "with"
+
+
 def expected_skips() -> list[bool]:
     return [step in INJECT_STEPS for step in range(STEPS)]
 
@@ -60,6 +91,9 @@ def check_exporter(url: str, run: str, results: list[dict[str, Any]]) -> None:
         assert view["totals"]["skipped_steps"] == len(INJECT_STEPS)
         origin = sum(view["totals"]["found_inf_origin"].values())
         assert origin == sum(ours["origin"])
+    # Training ended normally: every rank says finished, no failure.
+    ended = ranks_read(url, run, "finished", len(results))
+    assert [view["failure"] for view in ended] == [None] * len(results)
 
 
 def check_watch(

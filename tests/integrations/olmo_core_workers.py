@@ -91,11 +91,13 @@ def olmo_run(
     device: str = "cpu",
     inject_rank: int = INJECT_RANK,
     late_bookkeeping_rank: int | None = None,
+    bad_batch_at: int | None = None,
 ) -> dict[str, Any]:
     """One ``Trainer.fit()``; ``policy=None``: without ampscope. ``device``: ``"cuda"`` for
     the GPU machine's one-rank NCCL run (tests/integrations/test_gpu_frameworks.py).
     ``late_bookkeeping_rank``: that rank checks the reduced metrics a step late, as a
-    loaded machine can make it (:func:`check_metrics_late`)."""
+    loaded machine can make it (:func:`check_metrics_late`). ``bad_batch_at``: the forward
+    of that ``global_step`` raises ``RuntimeError("a bad batch")`` (a data error)."""
     from olmo_core.config import DType
     from olmo_core.distributed.parallel import DataParallelType
     from olmo_core.nn.transformer import TransformerConfig
@@ -147,6 +149,8 @@ def olmo_run(
     def poison(module: torch.nn.Module, args: Any, output: torch.Tensor) -> None:
         # Before FSDP's reduce-scatter: only this rank's own gradient holds the NaN.
         step = built[0].global_step if built else 0  # 0: the trainer's dry-run batch
+        if step and step == bad_batch_at:
+            raise RuntimeError("a bad batch")
         if inject and rank == inject_rank and step == INJECT_STEP:
             output.register_hook(lambda grad: grad * float("nan"))
 
@@ -230,6 +234,13 @@ def olmo_worker(rank: int, world_size: int, run_id: str, work_dir: str) -> dict[
         "skip": olmo_run(rank, world_size, "skip", run_id, work_dir, inject=True),
         "raise": olmo_run(rank, world_size, "raise", run_id, work_dir, inject=True),
     }
+
+
+def bad_batch_worker(rank: int, world_size: int, run_id: str, work_dir: str) -> dict[str, Any]:
+    """A run whose batch at ``INJECT_STEP`` raises a data error, which the worker catches."""
+    return olmo_run(
+        rank, world_size, "observe", run_id, work_dir, inject=False, bad_batch_at=INJECT_STEP
+    )
 
 
 def check_metrics_late(trainer: Any) -> None:

@@ -14,7 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from checks import check_exporter, check_origin, check_same_training, check_watch
+from checks import (
+    check_exporter,
+    check_failed_with,
+    check_origin,
+    check_same_training,
+    check_watch,
+    ranks_read,
+)
 from support import DEADLOCK_GUARD_S, need_module, run_distributed
 from watch_workers import lightning_worker as lightning_watch_worker
 from workers import INJECT_STEPS, STEPS, Net, batch, lightning_plugin, lightning_worker, poison
@@ -498,13 +505,12 @@ def test_lightning_pauses_the_rank_around_validation_and_checkpoint_saves(tmp_pa
     assert pause.current() is None  # fit ended every pause it opened
 
 
-def _fit_quietly(tmp_path: Any, module: Any, callback: Any = None, **options: Any) -> Any:
+def _quiet_trainer(tmp_path: Any, callback: Any = None, **options: Any) -> Any:
     import lightning.pytorch as pl
-    import torch
 
     from ampscope.integrations.lightning import AmpscopeCallback
 
-    trainer = pl.Trainer(
+    return pl.Trainer(
         accelerator="cpu",
         plugins=[lightning_plugin()],
         max_steps=STEPS,
@@ -516,18 +522,28 @@ def _fit_quietly(tmp_path: Any, module: Any, callback: Any = None, **options: An
         default_root_dir=tmp_path,
         **options,
     )
+
+
+def _loader() -> Any:
+    import torch
+
     data = torch.stack([batch(0, step) for step in range(STEPS)])
-    loader = torch.utils.data.DataLoader(data, batch_size=None)
-    trainer.fit(module, loader, loader)
+    return torch.utils.data.DataLoader(data, batch_size=None)
+
+
+def _fit_quietly(tmp_path: Any, module: Any, callback: Any = None, **options: Any) -> Any:
+    trainer = _quiet_trainer(tmp_path, callback, **options)
+    trainer.fit(module, _loader(), _loader())
     return trainer
 
 
 class _Module:
-    """A LightningModule class whose validation raises when ``fail`` (built lazily: the
-    import of lightning is the test's)."""
+    """A LightningModule class whose validation raises when ``fail``, and whose training
+    step raises at batch ``raise_at`` (built lazily: the import of lightning is the
+    test's)."""
 
     @staticmethod
-    def build(*, fail: bool) -> Any:
+    def build(*, fail: bool, raise_at: int | None = None) -> Any:
         import lightning.pytorch as pl
         import torch
 
@@ -535,8 +551,11 @@ class _Module:
             def __init__(self) -> None:
                 super().__init__()
                 self.net = Net()
+                self.raise_at = raise_at
 
             def training_step(self, x: torch.Tensor, batch_idx: int) -> torch.Tensor:
+                if batch_idx == self.raise_at:
+                    raise RuntimeError("a bad batch")
                 return self.net(x).square().mean()  # type: ignore[no-any-return]
 
             def validation_step(self, x: torch.Tensor, batch_idx: int) -> None:
@@ -556,11 +575,46 @@ def test_lightning_pause_ends_when_validation_raises_and_is_caught(tmp_path: Any
     callback = AmpscopeCallback(reporter=None)
     with pytest.raises(RuntimeError, match="a metric's bug"):
         _fit_quietly(tmp_path, _Module.build(fail=True), callback, val_check_interval=2)
-    # Lightning skips the callbacks' teardown on this path; on_exception ends the pause.
+    # Lightning skips the callbacks' teardown on this path; on_exception ends the pause,
+    # and closes the front-end (its telemetry thread too).
     assert pause.current() is None
-    # Nor did the teardown close the front-end: the caller would, as here (its thread).
     assert callback.scaler is not None
-    callback.scaler.close()
+    assert callback.scaler.telemetry.closed
+
+
+def test_lightning_fit_that_raises_ends_the_rank_failed_and_a_retry_trains_on(
+    report_to: str, tmp_path: Any
+) -> None:
+    from ampscope.integrations.lightning import AmpscopeCallback
+    from ampscope.reporter import failure
+
+    failure.forget()
+    callback = AmpscopeCallback(run_id="pl-raises")
+    trainer = _quiet_trainer(tmp_path, callback)
+    module = _Module.build(fail=False, raise_at=3)
+    with pytest.raises(RuntimeError, match="a bad batch"):
+        trainer.fit(module, _loader())
+    # Caught, as a retry wrapper or a notebook does: the rank ended failed, with the
+    # exception, not running and then stalled (Lightning skipped the callbacks' teardown).
+    failed = callback.scaler
+    assert failed is not None
+    [view] = ranks_read(report_to, "pl-raises", "failed")
+    check_failed_with(view, "RuntimeError", "a bad batch")
+    assert view["step"] == 3  # the three steps taken before the bad batch
+
+    # The retry: the same trainer fits again, with a new scaler (the old one's scale),
+    # whose records make the rank running again; it ends normally: finished.
+    module.raise_at = None
+    trainer.fit(module, _loader())
+    retried = callback.scaler
+    assert retried is not None
+    assert retried is not failed
+    assert trainer.precision_plugin.scaler is retried
+    assert retried.telemetry.closed
+    [view] = ranks_read(report_to, "pl-raises", "finished")
+    assert view["failure"] is None
+    assert view["step"] == retried.telemetry.history()[-1].step > 0
+    failure.forget()
 
 
 def test_lightning_pause_not_opened_by_a_save_checkpoint_after_fit(tmp_path: Any) -> None:

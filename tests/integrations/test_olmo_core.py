@@ -8,8 +8,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from checks import exporter_ranks
-from olmo_core_workers import INJECT_RANK, INJECT_STEP, STEPS, olmo_worker, skip_step_worker
+from checks import check_failed_with, exporter_ranks, ranks_read
+from olmo_core_workers import (
+    INJECT_RANK,
+    INJECT_STEP,
+    STEPS,
+    bad_batch_worker,
+    olmo_worker,
+    skip_step_worker,
+)
 from support import need_module, run_distributed
 
 need_module("olmo_core")
@@ -152,6 +159,21 @@ def test_olmo_core_skip_step_optimizer(tmp_path: Path) -> None:
     for (rank0, rank1), theirs in compared:
         assert rank0 != rank1
         assert math.isclose((rank0 + rank1) / 2, theirs, rel_tol=1e-5)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(TIMEOUT_S + 60)
+def test_olmo_core_fit_that_raises_ends_the_rank_failed(report_to: str, tmp_path: Path) -> None:
+    # A data error out of fit(), caught by the caller: OLMo-core calls on_error, then
+    # close; the rank ends failed with the exception, not finished (a missed fault).
+    [result] = run_distributed(
+        bad_batch_worker, 1, args=("olmo-bad", str(tmp_path)), timeout=TIMEOUT_S
+    )
+    assert result["error"] == "RuntimeError: a bad batch"
+    assert result["closed"]
+    [view] = ranks_read(report_to, "olmo-bad-observe", "failed")
+    check_failed_with(view, "RuntimeError", "a bad batch")
+    assert view["step"] == INJECT_STEP - 1
 
 
 def test_options_are_checked_where_given() -> None:

@@ -7,7 +7,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from checks import check_exporter, check_origin, check_same_training, check_watch
+from checks import (
+    check_exporter,
+    check_failed_with,
+    check_origin,
+    check_same_training,
+    check_watch,
+    ranks_read,
+)
 from support import need_module, run_distributed
 from watch_workers import trainer_worker as trainer_watch_worker
 from workers import INJECT_STEPS, STEPS, Dataset, Net, trainer_worker
@@ -325,4 +332,62 @@ def test_trainer_ends_its_pause_when_an_evaluation_raises(tmp_path: Path) -> Non
         trainer.train()
     # The Trainer called no callback after the evaluation raised; the caller caught it.
     assert pause.current() is None
-    front.close()  # no on_train_end closed it: the caller does (its thread)
+    assert front.telemetry.closed  # no on_train_end closed it: train() raising did
+
+
+@pytest.mark.usefixtures("fresh_accelerate")
+def test_trainer_train_that_raises_ends_the_rank_failed_and_a_retry_trains_on(
+    report_to: str, tmp_path: Path
+) -> None:
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    from ampscope.integrations.transformers import instrument
+    from ampscope.reporter import failure
+
+    class BadBatch(Net):
+        raise_at: int | None = 3  # training forwards done before the bad one
+
+        def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
+            if self.training and self.raise_at is not None:
+                if self.raise_at == 0:
+                    raise ValueError("a sample with no tokens")
+                self.raise_at -= 1
+            return super().forward(x, labels)
+
+    failure.forget()
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=True,
+        max_steps=6,
+        per_device_train_batch_size=2,
+        save_strategy="no",
+        optim="sgd",
+        report_to=[],
+        disable_tqdm=True,
+    )
+    model = BadBatch()
+    trainer = Trainer(model=model, args=args, train_dataset=Dataset(12))
+    watch = instrument(trainer, run_id="hf-raises")
+    assert watch is not None
+    with pytest.raises(ValueError, match="a sample with no tokens"):
+        trainer.train()
+    # Caught, as a retry wrapper or a sweep does: the rank ended failed, with the exception,
+    # not running and then stalled (the Trainer called no on_train_end).
+    [view] = ranks_read(report_to, "hf-raises", "failed")
+    check_failed_with(view, "ValueError", "a sample with no tokens")
+    assert view["step"] == 3
+
+    # The retry: train() again, with a new watch (the closed one's in its place would
+    # record nothing), whose records make the rank running again; it ends finished.
+    model.raise_at = None
+    trainer.train()
+    retried = trainer.accelerator.scaler
+    assert retried is not watch
+    assert type(retried) is type(watch)
+    assert retried.telemetry.closed
+    [view] = ranks_read(report_to, "hf-raises", "finished")
+    assert view["failure"] is None
+    assert view["step"] == retried.telemetry.history()[-1].step == 6
+    failure.forget()
