@@ -149,9 +149,9 @@ def test_every_dashboard_and_alert_expression_returns_data(
         if not evaluate(substitute(expr))
     ]
     # These panels are empty by design here, and must be: the demo's ranks all end normally
-    # (a "Failed ranks" row would be a rank that failed) and never pause, no DCGM-exporter runs beside it,
-    # the demo's models hold no FP8 (torchao Float8Linear) layers, so no rank exports the FP8
-    # row's series (tests/exporter/fp8 and tests/rank/fp8 cover those).
+    # (a "Failed ranks" row would be a rank that failed) and never pause, no DCGM-exporter
+    # runs beside it, the demo's models hold no FP8 (torchao Float8Linear) layers, so no rank
+    # exports the FP8 row's series (tests/exporter/fp8 and tests/rank/fp8 cover those).
     expected_empty = {
         "Failed ranks",
         # No demo rank pauses (paused("checkpoint")); tests/exporter/api/routes/
