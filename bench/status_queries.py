@@ -14,10 +14,18 @@ tree in turn, ``--rounds`` times:
   meanwhile (``/proc``): CPU seconds say what the answer costs where other work on the host
   stretches every wall time.
 
+With ``--each``, then, for each tree: every first-round query alone (the median of
+``--rounds``: wall time, VictoriaMetrics' CPU seconds, series and bytes returned), most
+costly first, and the first round without the query of every rank's gauges (``now``), in
+parallel: what an answer that does not read every rank's every gauge still costs the store
+(#39 item 6); then the same round with ``summary_reads`` (each timed alone too) in place of
+``now``, ``state`` and ``peak``: the cheapest reads a summary of the run and the ranks that
+stand out would need. The load average is printed at the start and the end.
+
 Not the command's start-up (that is ``bench.at_scale``'s whole-command figure). Compare
 trees within one call: other work on the host shows in every wall time.
 
-    python -m bench.status_queries --tree /path/to/main --tree . --data /tmp/vm
+    python -m bench.status_queries --tree /path/to/main --tree . --data /tmp/vm [--each]
 """
 
 from __future__ import annotations
@@ -77,6 +85,47 @@ def tree_answer(tree: Path, url: str, at: float) -> tuple[float, float]:
     return float(wall), float(cpu)
 
 
+def _labelled(expr: str, of: str) -> str:
+    # `or` matches on labels: two aggregations by (run) need a label apart to both come back.
+    return f'label_replace({expr}, "of", "{of}", "", "")'
+
+
+def summary_reads(run: str) -> dict[str, str]:
+    """The cheapest form of each read a summarised answer needs instead of every rank's
+    every gauge (``now``), state (``state``) and window peak (``peak``): the rank ids and
+    setup (one family), the newest rank (its world size is the run's), the ranks not running
+    or not up, the failed ranks, the step and scale ranges, the aligned scales' distinct
+    values and their counts (``scale_desync`` from them, the odd ranks named in a second
+    round), and the ranks whose scale is below the floor or fell from the window's peak by
+    nearly ``collapse_factor`` (a superset of ``scale_collapse``'s: the margin covers the
+    rounding of PromQL's division against the rule's). Measured only: no tree sends them,
+    and they are this tree's (the default thresholds), whichever ``--tree`` is timed."""
+    from ampscope.status.prometheus.health import peak_query
+    from ampscope.verdicts.thresholds import Thresholds
+
+    t = Thresholds()
+    sel = f"run={json.dumps(run)}"
+    ranks = "run, node, rank, local_rank"
+    step, scale = f"ampscope_last_step{{{sel}}}", f"ampscope_loss_scale{{{sel}}}"
+    return {
+        "ranks": f"ampscope_rank_info{{{sel}}}",
+        "newest": f"topk by (run) (1, ampscope_last_report_timestamp_seconds{{{sel}}})",
+        "not_running": f'ampscope_rank_state{{state="running",{sel}}} != 1',
+        "not_up": f"ampscope_rank_up{{{sel}}} != 1",
+        "failed": f"ampscope_rank_failure_info{{{sel}}} == 1",
+        "step_range": _labelled(f"max by (run) ({step})", "max")
+        + " or "
+        + _labelled(f"min by (run) ({step})", "min"),
+        "scale_range": _labelled(f"max by (run) ({scale})", "max")
+        + " or "
+        + _labelled(f"min by (run) ({scale})", "min"),
+        "aligned_values": 'count_values by (run) ("packed", '
+        f"ampscope_loss_scale_aligned_packed{{{sel}}})",
+        "collapse_candidates": f"(({peak_query(sel, t.collapse_window_s)}) / on ({ranks}) "
+        f"{scale} >= {t.collapse_factor * 0.999:g}) or {scale} < {t.scale_floor:g}",
+    }
+
+
 def _cpu_seconds(pid: int) -> float:
     """User and system CPU seconds of process ``pid`` so far (Linux ``/proc``)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -91,12 +140,70 @@ def _query(url: str, promql: str, at: float) -> tuple[float, int, int]:
     return time.perf_counter() - started, len(json.loads(body)["data"]["result"]), len(body)
 
 
+def _parallel(url: str, queries: dict[str, str], at: float) -> dict[str, tuple[float, int, int]]:
+    """Every query of ``queries`` sent at once, as the command sends its first round."""
+    with ThreadPoolExecutor(max_workers=len(queries)) as pool:
+        answers = pool.map(lambda q: _query(url, q, at), queries.values())
+        return dict(zip(queries, answers, strict=True))
+
+
+def _median_round(
+    url: str, pid: int, queries: dict[str, str], at: float, rounds: int
+) -> tuple[float, float, list[float]]:
+    """(median wall, median store CPU, every wall) of ``queries`` sent at once."""
+    runs = []
+    for _ in range(rounds):
+        store, started = _cpu_seconds(pid), time.perf_counter()
+        _parallel(url, queries, at)
+        runs.append((time.perf_counter() - started, _cpu_seconds(pid) - store))
+    wall, cpu = (statistics.median(column) for column in zip(*runs, strict=True))
+    return wall, cpu, [round(r[0], 2) for r in runs]
+
+
+def each_query(
+    url: str, pid: int, tree: str, queries: dict[str, str], at: float, rounds: int
+) -> None:
+    """Print each query of ``queries`` and of ``summary_reads`` alone, the round without
+    ``now``, and the round with the summary reads in its place (``--each``)."""
+    summary = summary_reads(RUN)
+    costs = []
+    for name, promql in {**queries, **{f"summary {n}": q for n, q in summary.items()}}.items():
+        runs = []
+        for _ in range(rounds):
+            store = _cpu_seconds(pid)
+            wall, series, size = _query(url, promql, at)
+            runs.append((wall, _cpu_seconds(pid) - store, series, size))
+        wall, cpu = (statistics.median(column) for column in list(zip(*runs, strict=True))[:2])
+        costs.append((cpu, wall, name, runs[0][2], runs[0][3]))
+    for cpu, wall, name, series, size in sorted(costs, reverse=True):
+        print(
+            f"each {tree} {name}: {wall:.3f} s, store CPU {cpu:.2f} s, "
+            f"{series:,} series, {size:,} bytes"
+        )
+    rest = {name: promql for name, promql in queries.items() if name != "now"}
+    wall, cpu, walls = _median_round(url, pid, rest, at, rounds)
+    print(
+        f"without now {tree}: first round without every rank's gauges {wall:.2f} s "
+        f"(of {walls}), store CPU {cpu:.2f} s"
+    )
+    for replaced in ("state", "peak"):  # read by "not_running" and "collapse_candidates"
+        rest.pop(replaced, None)
+    wall, cpu, walls = _median_round(url, pid, {**rest, **summary}, at, rounds)
+    print(
+        f"summary round {tree}: the summary reads in place of now, state and peak {wall:.2f} s "
+        f"(of {walls}), store CPU {cpu:.2f} s"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.status_queries", description=__doc__)
     parser.add_argument("--nodes", type=int, default=1024, help="nodes of 8 ranks")
     parser.add_argument("--tree", type=Path, action="append", help="source trees (default .)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--data", type=Path, help="VictoriaMetrics data; loaded when new")
+    parser.add_argument(
+        "--each", action="store_true", help="also time each first-round query alone"
+    )
     args = parser.parse_args(argv)
     path = shutil.which(VICTORIA_METRICS)
     if path is None:
@@ -116,19 +223,13 @@ def main(argv: list[str] | None = None) -> int:
         params = urllib.parse.urlencode({"query": probe, "time": f"{time.time():.3f}"})
         with urllib.request.urlopen(f"{url}/api/v1/query?{params}", timeout=600) as response:
             at = float(json.load(response)["data"]["result"][0]["value"][1])
+        print(f"load average {os.getloadavg()[0]:.1f} at the start")
         walls: dict[str, list[float]] = {}
         answers_at: dict[str, list[tuple[float, float, float]]] = {}
         for round_ in range(args.rounds):
             for tree, queries in trees.items():
                 started = time.perf_counter()
-                with ThreadPoolExecutor(max_workers=len(queries)) as pool:
-                    answers = dict(
-                        zip(
-                            queries,
-                            pool.map(lambda q: _query(url, q, at), queries.values()),
-                            strict=True,
-                        )
-                    )
+                answers = _parallel(url, queries, at)
                 wall = time.perf_counter() - started
                 walls.setdefault(tree, []).append(wall)
                 slowest = sorted(((a[0], name, a[1]) for name, a in answers.items()), reverse=True)
@@ -155,6 +256,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"{tree}: answer median {wall:.2f} s, command CPU {cpu:.2f} s, "
                 f"store CPU {store:.2f} s"
             )
+        if args.each:
+            for tree, queries in trees.items():
+                each_query(url, server.pid, tree, queries, at, args.rounds)
+        print(f"load average {os.getloadavg()[0]:.1f} at the end")
     return 0
 
 
