@@ -1,9 +1,10 @@
 """``python -m bench.status_queries``: the queries of ``ampscope status --prometheus`` at
 1,024 nodes x 8 ranks, as sent by one or more source trees, on the same data.
 
-Loads :class:`~bench.simulated_job.SimulatedJob` into VictoriaMetrics (or reuses a data
-directory a previous call loaded: ``--data``), then, at the job's newest scrape, for each
-tree in turn, ``--rounds`` times:
+Loads :class:`~bench.simulated_job.SimulatedJob` into VictoriaMetrics, or into Prometheus
+with ``--store prometheus`` (backfilled with ``promtool``: ``bench.prometheus_tsdb``), or
+reuses a data directory a previous call loaded (``--data``), then, at the job's newest
+scrape, for each tree in turn, ``--rounds`` times:
 
 * sends the tree's first round of queries (``ampscope.status.prometheus.queries``) all at
   once, in parallel, as the command does; prints the round's wall time, the series and bytes
@@ -26,6 +27,7 @@ Not the command's start-up (that is ``bench.at_scale``'s whole-command figure). 
 trees within one call: other work on the host shows in every wall time.
 
     python -m bench.status_queries --tree /path/to/main --tree . --data /tmp/vm [--each]
+    python -m bench.status_queries --store prometheus --data /tmp/prom --each
 """
 
 from __future__ import annotations
@@ -40,10 +42,13 @@ import sys
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
-from bench.servers import VICTORIA_METRICS, victoria_metrics
+from bench.prometheus_tsdb import BLOCKS, backfill, newest_scrape
+from bench.servers import PROMETHEUS, VICTORIA_METRICS, ServerProcess, prometheus, victoria_metrics
 from bench.simulated_job import SimulatedJob
 from bench.victoria import VictoriaClient, load_job
 
@@ -195,6 +200,37 @@ def each_query(
     )
 
 
+@contextmanager
+def _store(kind: str, path: str, data: Path, nodes: int) -> Iterator[tuple[ServerProcess, float]]:
+    """(the store serving ``data``, the newest scrape's time), the job loaded into ``data``
+    first where it is new: imported into VictoriaMetrics, or backfilled for Prometheus
+    (``promtool``, which must be installed too)."""
+    fresh = not data.exists()
+    job = SimulatedJob(run=RUN, nodes=nodes)
+    if kind == PROMETHEUS:
+        if fresh:
+            promtool = shutil.which("promtool")
+            if promtool is None:
+                raise SystemExit("promtool is not installed (it comes with prometheus)")
+            loaded = backfill(job, data, promtool)
+            print(f"loaded {loaded['samples']:,} samples in {loaded['seconds']:.0f} s")
+        with prometheus(path, data / BLOCKS) as server:
+            yield server, newest_scrape(data)
+        return
+    with victoria_metrics(path, data) as server:
+        if fresh:
+            client = VictoriaClient(server.host, server.port)
+            loaded = load_job(job, client)
+            client.close()
+            print(f"loaded {loaded['samples']:,} samples in {loaded['seconds']:.0f} s")
+        # The newest scrape: every query is sent at it, however long ago it was loaded.
+        probe = "max(tlast_over_time(ampscope_last_step[30d]))"
+        params = urllib.parse.urlencode({"query": probe, "time": f"{time.time():.3f}"})
+        url = f"http://{server.host}:{server.port}"
+        with urllib.request.urlopen(f"{url}/api/v1/query?{params}", timeout=600) as response:
+            yield server, float(json.load(response)["data"]["result"][0]["value"][1])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.status_queries", description=__doc__)
     parser.add_argument("--nodes", type=int, default=1024, help="nodes of 8 ranks")
@@ -204,25 +240,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--each", action="store_true", help="also time each first-round query alone"
     )
+    parser.add_argument(
+        "--store",
+        choices=(VICTORIA_METRICS, PROMETHEUS),
+        default=VICTORIA_METRICS,
+        help="the store the job is loaded into and read from",
+    )
     args = parser.parse_args(argv)
-    path = shutil.which(VICTORIA_METRICS)
+    path = shutil.which(args.store)
     if path is None:
-        raise SystemExit("victoria-metrics is not installed (scripts/setup.sh test installs it)")
+        raise SystemExit(f"{args.store} is not installed (scripts/setup.sh test installs it)")
     trees = {str(t): tree_queries(t.resolve()) for t in args.tree or [Path(".")]}
-    data = args.data or Path(f"/tmp/ampscope-status-queries-{args.nodes}")
-    fresh = not data.exists()
-    with victoria_metrics(path, data) as server:
+    data = args.data or Path(f"/tmp/ampscope-status-queries-{args.store}-{args.nodes}")
+    with _store(args.store, path, data, args.nodes) as (server, at):
         url = f"http://{server.host}:{server.port}"
-        if fresh:
-            client = VictoriaClient(server.host, server.port)
-            loaded = load_job(SimulatedJob(run=RUN, nodes=args.nodes), client)
-            client.close()
-            print(f"loaded {loaded['samples']:,} samples in {loaded['seconds']:.0f} s")
-        # The newest scrape: every query is sent at it, however long ago it was loaded.
-        probe = "max(tlast_over_time(ampscope_last_step[30d]))"
-        params = urllib.parse.urlencode({"query": probe, "time": f"{time.time():.3f}"})
-        with urllib.request.urlopen(f"{url}/api/v1/query?{params}", timeout=600) as response:
-            at = float(json.load(response)["data"]["result"][0]["value"][1])
         print(f"load average {os.getloadavg()[0]:.1f} at the start")
         walls: dict[str, list[float]] = {}
         answers_at: dict[str, list[tuple[float, float, float]]] = {}
