@@ -1,6 +1,7 @@
-"""The servers under load: ``ampscope serve`` and Prometheus Pushgateway as subprocesses.
+"""The servers under load: ``ampscope serve`` and Prometheus Pushgateway as subprocesses;
+the stores the at-scale benchmarks read (VictoriaMetrics, Prometheus).
 
-Both listen on a free loopback port and are stopped (SIGTERM, then SIGKILL) when the
+Each listens on a free loopback port and are stopped (SIGTERM, then SIGKILL) when the
 ``with`` block ends. Start-up costs about a second for the exporter (Python imports) and
 less for the Pushgateway.
 """
@@ -20,6 +21,7 @@ from types import TracebackType
 
 PUSHGATEWAY = "prometheus-pushgateway"
 VICTORIA_METRICS = "victoria-metrics"
+PROMETHEUS = "prometheus"
 
 
 def free_port() -> int:
@@ -178,4 +180,24 @@ def victoria_metrics(path: str, data_dir: Path, *extra_args: str) -> ServerProce
             *extra_args,
         ],
         ready_path="/health",
+    )
+
+
+def prometheus(path: str, tsdb: Path) -> ServerProcess:
+    """Prometheus on a free loopback port serving the blocks under ``tsdb`` (backfilled:
+    ``bench.prometheus_tsdb``), scraping nothing; its config is written beside ``tsdb``.
+    Retention is ten years, so a data directory reused weeks later still holds the job."""
+    config = tsdb.parent / "prometheus.yml"
+    config.write_text("global:\n  scrape_interval: 15s\nscrape_configs: []\n")
+    return ServerProcess(
+        name="prometheus",
+        argv=[
+            path,
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tsdb}",
+            "--storage.tsdb.retention.time=3650d",
+            "--web.listen-address=127.0.0.1:{port}",
+            "--log.level=error",
+        ],
+        ready_path="/-/ready",
     )
