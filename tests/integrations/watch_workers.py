@@ -51,10 +51,13 @@ def _summary(installed: Any, model: nn.Module, scheduler: Any) -> dict[str, Any]
 
 def reset_accelerate() -> None:
     # One process trains several Accelerators with different precisions; Accelerate
-    # keeps a process-wide state that refuses a second precision unless reset.
-    from accelerate.state import AcceleratorState
+    # keeps a process-wide state that refuses a second precision unless reset. Its
+    # gradient state is a second one: a Trainer's run left behind (its data loader's end,
+    # whether gradients sync) decides what a later Accelerator's accumulate() syncs.
+    from accelerate.state import AcceleratorState, GradientState
 
     AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
 
 
 def _decaying(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
