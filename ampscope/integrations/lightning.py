@@ -158,6 +158,7 @@ class AmpscopeCallback(pl.Callback):
         plugin.scaler = ours
         self.scaler, self._active = ours, True
         _clip_through(plugin, ours)
+        _pause_on_saves(trainer, self._pauses)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.scaler is not None and self._active:
@@ -246,10 +247,41 @@ class AmpscopeCallback(pl.Callback):
         plugin = trainer.precision_plugin
         if _CLIP in vars(plugin):
             delattr(plugin, _CLIP)  # the class's clip again
+        _unwrap_saves(trainer)
         self.scaler.close_after(exception)
 
 
 _CLIP = "clip_grad_by_norm"
+_SAVE = "save_checkpoint"
+
+
+def _pause_on_saves(trainer: pl.Trainer, pauses: OpenPauses) -> None:
+    """Pause for every checkpoint saved while fit runs, for this fit only: ``ModelCheckpoint``
+    and a user's ``trainer.save_checkpoint()`` in a hook both go through the trainer's
+    ``save_checkpoint``, the weights-only saves too, which call no callback's
+    ``on_save_checkpoint``. From before the state's gather (a sharded gather under FSDP) to
+    the end of the next training batch, as the callback's other pauses."""
+    save = trainer.save_checkpoint
+
+    def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
+        if trainer.state.fn == "fit" and trainer.state.status == "running":
+            pauses.open("checkpoint")
+        return save(*args, **kwargs)
+
+    # What to put back: the trainer's own attribute, where someone set one, else the class's.
+    save_checkpoint._ampscope_replaced = vars(trainer).get(_SAVE)  # type: ignore[attr-defined]
+    setattr(trainer, _SAVE, save_checkpoint)
+
+
+def _unwrap_saves(trainer: pl.Trainer) -> None:
+    """Undo ``_pause_on_saves``, leaving a trainer it did not wrap as it is."""
+    wrap = vars(trainer).get(_SAVE)
+    if wrap is None or not hasattr(wrap, "_ampscope_replaced"):
+        return
+    if wrap._ampscope_replaced is None:
+        delattr(trainer, _SAVE)
+    else:
+        setattr(trainer, _SAVE, wrap._ampscope_replaced)
 
 
 def _clip_through(plugin: Any, front: TelemetryFrontEnd) -> None:

@@ -115,8 +115,11 @@ def test_fsdp_precision_gets_the_sharded_scaler() -> None:
     stock = ShardedGradScaler("cpu", init_scale=8.0, growth_interval=5)
     plugin.scaler = stock
 
-    class FakeTrainer:  # setup() only reads the precision plugin
+    class FakeTrainer:  # setup() reads the precision plugin and wraps the save
         precision_plugin = plugin
+
+        def save_checkpoint(self, *args: Any) -> None:
+            raise AssertionError("not called here")
 
     callback = AmpscopeCallback(reporter=None)
     callback.setup(FakeTrainer(), None, "fit")  # type: ignore[arg-type]
@@ -137,8 +140,11 @@ def test_fsdp_precision_in_bf16_gets_a_watch() -> None:
 
     plugin = FSDPPrecision("bf16-mixed")
 
-    class FakeTrainer:  # setup() only reads the precision plugin
+    class FakeTrainer:  # setup() reads the precision plugin and wraps the save
         precision_plugin = plugin
+
+        def save_checkpoint(self, *args: Any) -> None:
+            raise AssertionError("not called here")
 
     callback = AmpscopeCallback(policy="skip", max_consecutive_skips=3, reporter=None)
     callback.setup(FakeTrainer(), None, "fit")  # type: ignore[arg-type]
@@ -433,7 +439,12 @@ def _pythonpath() -> str:
     return root if not inherited else f"{root}{os.pathsep}{inherited}"
 
 
-def test_lightning_pauses_the_rank_around_validation_and_checkpoint_saves(tmp_path: Any) -> None:
+@pytest.mark.parametrize("weights_only", [False, True], ids=["full", "weights-only"])
+def test_lightning_pauses_the_rank_around_validation_and_checkpoint_saves(
+    tmp_path: Any, weights_only: bool
+) -> None:
+    # A weights-only save calls no callback's on_save_checkpoint: the trainer's
+    # save_checkpoint says it.
     import lightning.pytorch as pl
     import torch
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -483,7 +494,12 @@ def test_lightning_pauses_the_rank_around_validation_and_checkpoint_saves(tmp_pa
         callbacks=[
             AmpscopeCallback(reporter=None),
             BatchEnd(),
-            ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=5, save_top_k=-1),
+            ModelCheckpoint(
+                dirpath=tmp_path,
+                every_n_train_steps=5,
+                save_top_k=-1,
+                save_weights_only=weights_only,
+            ),
         ],
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -503,6 +519,7 @@ def test_lightning_pauses_the_rank_around_validation_and_checkpoint_saves(tmp_pa
     assert [reason for where, reason in seen if where == "train"][:2] == ["eval", None]
     assert sum(where == "write" for where, _ in seen) >= 2
     assert pause.current() is None  # fit ended every pause it opened
+    assert "save_checkpoint" not in vars(trainer)  # and undid its wrap of the trainer's save
 
 
 def _quiet_trainer(tmp_path: Any, callback: Any = None, **options: Any) -> Any:
