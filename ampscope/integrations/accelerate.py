@@ -361,9 +361,22 @@ def _attaching(original: Callable[..., Any], accelerator: Accelerator) -> Callab
         for obj in result if isinstance(result, tuple) else (result,):
             if isinstance(obj, nn.Module):
                 attacher.attach(scaler, obj)
+            else:
+                _hand_live_scaler(obj, scaler)
         return result
 
     return prepared
+
+
+def _hand_live_scaler(obj: Any, scaler: TelemetryFrontEnd) -> None:
+    """An optimizer prepared again (``prepare`` hands an ``AcceleratedOptimizer`` back as it
+    is) that still steps through a closed front-end of this accelerator's gets the live one:
+    after ``free_memory()`` the accelerator no longer lists it, so :func:`renew`'s swap missed
+    it, and a step through the old scaler after a backward through the new one fails
+    (``unscale_()`` already called) or records nothing."""
+    held = getattr(obj, "scaler", None)
+    if isinstance(held, TelemetryFrontEnd) and held is not scaler and held.telemetry.closed:
+        obj.scaler = scaler
 
 
 def renew(

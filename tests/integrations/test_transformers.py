@@ -17,7 +17,7 @@ from checks import (
 )
 from support import need_module, run_distributed
 from watch_workers import trainer_worker as trainer_watch_worker
-from workers import INJECT_STEPS, STEPS, Dataset, Net, trainer_worker
+from workers import INJECT_STEPS, STEPS, Dataset, Net, as_on_gpu, trainer_worker
 
 need_module("transformers")
 
@@ -336,8 +336,9 @@ def test_trainer_ends_its_pause_when_an_evaluation_raises(tmp_path: Path) -> Non
 
 
 @pytest.mark.usefixtures("fresh_accelerate")
+@pytest.mark.parametrize("fp16", [False, True], ids=["bf16-watch", "fp16-scaler"])
 def test_trainer_train_that_raises_ends_the_rank_failed_and_a_retry_trains_on(
-    report_to: str, tmp_path: Path
+    report_to: str, tmp_path: Path, fp16: bool
 ) -> None:
     import torch
     from transformers import Trainer, TrainingArguments
@@ -359,7 +360,8 @@ def test_trainer_train_that_raises_ends_the_rank_failed_and_a_retry_trains_on(
     args = TrainingArguments(
         output_dir=str(tmp_path),
         use_cpu=True,
-        bf16=True,
+        bf16=not fp16,
+        fp16=fp16,
         max_steps=6,
         per_device_train_batch_size=2,
         save_strategy="no",
@@ -369,25 +371,31 @@ def test_trainer_train_that_raises_ends_the_rank_failed_and_a_retry_trains_on(
     )
     model = BadBatch()
     trainer = Trainer(model=model, args=args, train_dataset=Dataset(12))
-    watch = instrument(trainer, run_id="hf-raises")
+    if fp16:
+        as_on_gpu(trainer.accelerator)
+    run = f"hf-raises-{'fp16' if fp16 else 'bf16'}"
+    watch = instrument(trainer, run_id=run)
     assert watch is not None
     with pytest.raises(ValueError, match="a sample with no tokens"):
         trainer.train()
     # Caught, as a retry wrapper or a sweep does: the rank ended failed, with the exception,
     # not running and then stalled (the Trainer called no on_train_end).
-    [view] = ranks_read(report_to, "hf-raises", "failed")
+    [view] = ranks_read(report_to, run, "failed")
     check_failed_with(view, "ValueError", "a sample with no tokens")
     assert view["step"] == 3
 
-    # The retry: train() again, with a new watch (the closed one's in its place would
-    # record nothing), whose records make the rank running again; it ends finished.
+    # The retry: train() again, with a new front-end (the closed one's in its place would
+    # record nothing), whose records make the rank running again; it ends finished. A
+    # notebook or a sweep frees the accelerator's memory between the two, which unlists the
+    # prepared optimizer: it still steps through the front-end the retry trains with.
     model.raise_at = None
+    trainer.accelerator.free_memory()
     trainer.train()
     retried = trainer.accelerator.scaler
     assert retried is not watch
     assert type(retried) is type(watch)
     assert retried.telemetry.closed
-    [view] = ranks_read(report_to, "hf-raises", "finished")
+    [view] = ranks_read(report_to, run, "finished")
     assert view["failure"] is None
     assert view["step"] == retried.telemetry.history()[-1].step == 6
     failure.forget()
