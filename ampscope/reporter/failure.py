@@ -289,14 +289,22 @@ def _at_exit() -> None:
 _Closing = TypeVar("_Closing", bound="ClosedByWith")
 
 
+STOPPED_ON_PURPOSE = frozenset({("optuna.exceptions", "TrialPruned")})
+"""(module, class) of exceptions a library raises to end training on purpose: Optuna's
+pruner stops an unpromising trial of a sweep with ``TrialPruned`` (its Lightning callback
+raises it out of ``fit``). Named, not imported: the library need not be installed."""
+
+
 def ends_normally(exc: BaseException) -> bool:
     """Whether leaving a ``with`` block on ``exc`` is a normal end: ``sys.exit()`` or
     ``sys.exit(0)`` (a requeue or preemption handler saves its checkpoint and leaves so),
-    or a generator closed. ``sys.exit`` with another status is the process saying it
-    failed."""
+    a generator closed, or a sweep's pruner stopping a trial (``STOPPED_ON_PURPOSE``, or a
+    subclass). ``sys.exit`` with another status is the process saying it failed."""
     if isinstance(exc, GeneratorExit):
         return True
-    return isinstance(exc, SystemExit) and exc.code in (None, 0)
+    if isinstance(exc, SystemExit):
+        return exc.code in (None, 0)
+    return any((k.__module__, k.__qualname__) in STOPPED_ON_PURPOSE for k in type(exc).__mro__)
 
 
 class ClosedByWith:

@@ -169,6 +169,47 @@ def test_sys_exit_in_a_with_block_fails_the_rank_only_on_a_failing_status(
         failure.forget()
 
 
+class TrialPruned(Exception):
+    """Optuna's exception (optuna.exceptions.TrialPruned), by the name ampscope knows it by:
+    Optuna is not a dependency."""
+
+
+TrialPruned.__module__ = "optuna.exceptions"
+
+
+class PrunedHere(TrialPruned):
+    """A library's own subclass of it (a pruning callback's)."""
+
+
+@pytest.mark.parametrize(
+    ("exc", "failed"),
+    [
+        (TrialPruned("trial 3 pruned at step 40"), False),
+        (PrunedHere(), False),
+        (KeyError("TrialPruned"), True),
+    ],
+    ids=["pruned", "subclass", "another"],
+)
+def test_a_sweep_pruning_its_trial_ends_the_rank_finished(exc: Exception, failed: bool) -> None:
+    # Optuna's pruner stops most trials of a sweep this way: each must not page
+    # AmpscopeRankFailed.
+    with LoopbackExporter() as exporter:
+        failure.forget()
+
+        def one_step_then_raise() -> None:
+            with HttpReporter(exporter.url, **FAST) as rep:
+                rep.emit(make_record(1))
+                assert rep.flush(timeout=DEADLOCK_GUARD_S)
+                raise exc
+
+        with pytest.raises(type(exc)):
+            one_step_then_raise()
+        final = exporter.heartbeats[-1]
+        assert final.final
+        assert (final.failure is not None) == failed
+        failure.forget()
+
+
 def _run(exporter: LoopbackExporter, mode: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AMPSCOPE_")}
     return subprocess.run(
