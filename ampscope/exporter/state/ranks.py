@@ -75,8 +75,8 @@ from ampscope.verdicts.ranks import is_scaler
 PER_RANK_SERIES = 14
 """Per-rank label sets of every rank besides devices and parameters: info, last step, last
 report time, up, steps, skipped, non-finite updates applied, reporter drops, and the six
-``ampscope_rank_state`` states (a failed rank adds ``ampscope_rank_failure_info``:
-``RankState.series``)."""
+``ampscope_rank_state`` states (a failed rank adds ``ampscope_rank_failure_info``, a paused
+one its pause: ``RankState.series``)."""
 SCALER_SERIES = 4
 """A scaler rank's scale, growth tracker, backoffs and growths (a watch has no scale)."""
 WEATHER_SERIES = 1
@@ -480,12 +480,14 @@ class RankState:
 
     def series(self) -> int:
         """Label sets the collector exposes for this rank: its newest record's, the failure
-        info of a failed rank, its exported FP8 series and its non-zero rerun counters.
-        Contract: the rank holds a record. O(devices)."""
+        info of a failed rank, the pause of a paused one (counted while held: a leftover the
+        collector leaves out counts too, one per rank at most), its exported FP8 series and
+        its non-zero rerun counters. Contract: the rank holds a record. O(devices)."""
         assert self.newest is not None
         reruns = sum(count > 0 for count in self.reruns.counts)
         reruns += sum(count > 0 for count in self.replicas.counts)
-        return series_of(self.newest) + (self.failure is not None) + self.fp8.exposed() + reruns
+        said = (self.failure is not None) + (self.pause is not None)
+        return series_of(self.newest) + said + self.fp8.exposed() + reruns
 
     def newest_after(self, records: list[StepRecord], now: float) -> StepRecord:
         """See the module's ``newest_after``: this rank's newest record after ``records``."""

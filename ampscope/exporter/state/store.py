@@ -396,7 +396,7 @@ class Store:
                 applied = state.heartbeat(beat, now)
             except IdentityConflict as exc:
                 raise BatchRefused(409, "identity_conflict", str(exc)) from None
-            # A failure adds its info series; never refused for the limit (one per rank).
+            # A failure or a pause adds its series; never refused for the limit (one per rank).
             self._series += state.series() - before
             return applied
 

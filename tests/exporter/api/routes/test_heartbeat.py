@@ -10,6 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from support import DEADLOCK_GUARD_S
 
 from ampscope.exporter.api.routes.heartbeat import MAX_HEARTBEAT_BYTES
+from ampscope.exporter.metrics.catalogue import RANK_LABELS
 from ampscope.reporter.schema import (
     MAX_FAILURE_MESSAGE,
     MAX_FAILURE_ORIGIN_RANKS,
@@ -78,6 +79,18 @@ def _pauses(client: TestClient) -> dict[tuple[str, str], float]:
     }
 
 
+def _tracked_and_exposed(client: TestClient) -> tuple[float, int]:
+    """ampscope_exporter_tracked_series and the per-rank samples of the same scrape."""
+    tracked, exposed = -1.0, 0
+    for family in text_string_to_metric_families(client.get("/metrics").text):
+        for sample in family.samples:
+            if sample.name == "ampscope_exporter_tracked_series":
+                tracked = sample.value
+            elif set(RANK_LABELS) <= set(sample.labels):
+                exposed += 1
+    return tracked, exposed
+
+
 def _rejected(client: TestClient, reason: str) -> float:
     for family in text_string_to_metric_families(client.get("/metrics").text):
         if family.name == "ampscope_exporter_ingest_rejections":
@@ -143,6 +156,8 @@ def test_a_pause_shows_on_metrics_while_the_rank_holds_it(make_client: MakeClien
     assert client.post(URL, content=_beat(time=T0 + 50, pause=save)).json()["applied"] is True
     began = clock() - 40.0
     assert _pauses(client) == {("0", "checkpoint"): began}
+    tracked, exposed = _tracked_and_exposed(client)
+    assert tracked == exposed  # the limit on series counts the pause's
     # Past stall_after_s, still paused: running, and the series says why.
     for t in range(100, 601, 50):
         clock.advance(50)
@@ -158,6 +173,8 @@ def test_a_pause_shows_on_metrics_while_the_rank_holds_it(make_client: MakeClien
     clock.advance(10)
     assert client.post(URL, content=_beat(time=T0 + 660)).status_code == 200
     assert _pauses(client) == {}
+    tracked, exposed = _tracked_and_exposed(client)
+    assert tracked == exposed
     # A pause the rank never ended (it began before a newer step, on the rank's clock) is a
     # leftover: not shown, as the lifecycle ignores it.
     clock.advance(10)
