@@ -315,6 +315,12 @@ class ClosedByWith:
     def close(self, timeout: float = 1.0) -> None:
         raise NotImplementedError
 
+    @property
+    def closed_already(self) -> bool:
+        """Whether ``close`` ran: its final heartbeat went out, and an exception seen after
+        it is not the rank's to report (the process's hooks still see one that ends it)."""
+        return False
+
     def __enter__(self: _Closing) -> _Closing:
         return self
 
@@ -335,6 +341,9 @@ class ClosedByWith:
         block tells it, unless it is a normal end (:func:`ends_normally`). Never raises
         from the noting; the exception itself is the caller's to re-raise.
         """
+        if self.closed_already:
+            # Noted now, it would be a later front-end's or reporter's to end on.
+            return
         if exc is not None and not ends_normally(exc):
             note(exc, "with")
         self.close()

@@ -190,6 +190,10 @@ class HttpReporter(failure.ClosedByWith):
             return False
         return self._pipeline.flush(timeout)
 
+    @property
+    def closed_already(self) -> bool:
+        return self._closed
+
     def close(self, timeout: float = 1.0) -> None:
         """Flush, retrying until ``timeout`` seconds have passed, send the final heartbeat
         that marks the rank finished on the exporter, then stop the thread.

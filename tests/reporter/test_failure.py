@@ -210,6 +210,38 @@ def test_a_sweep_pruning_its_trial_ends_the_rank_finished(exc: Exception, failed
         failure.forget()
 
 
+def test_an_exception_after_the_rank_closed_is_not_kept_for_a_later_one() -> None:
+    # The Trainer closes its front-end at on_train_end, and an exception may still leave
+    # train() after it (a sweep's pruner, a callback's own): the rank said finished, and a
+    # later front-end in the process must not end on that exception.
+    import ampscope
+
+    with LoopbackExporter() as exporter:
+        failure.forget()
+        watch = ampscope.GradWatch("observe", reporter=None)
+
+        def closed_then_raise() -> None:
+            with watch, HttpReporter(exporter.url, **FAST) as rep:
+                rep.emit(make_record(1))
+                assert rep.flush(timeout=DEADLOCK_GUARD_S)
+                rep.close(DEADLOCK_GUARD_S)
+                watch.close()
+                raise RuntimeError("after the end")
+
+        with pytest.raises(RuntimeError):
+            closed_then_raise()
+        assert exporter.heartbeats[-1].failure is None
+        assert failure.noted() is None
+        # Not closed yet: the block's exit ends the rank failed, as before.
+        watch = ampscope.GradWatch("observe", reporter=None)
+        with pytest.raises(RuntimeError), watch:
+            raise RuntimeError("during training")
+        noted = failure.noted()
+        assert noted is not None
+        assert noted.failure(1).message == "during training"
+        failure.forget()
+
+
 def _run(exporter: LoopbackExporter, mode: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AMPSCOPE_")}
     return subprocess.run(

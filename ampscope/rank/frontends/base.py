@@ -133,6 +133,10 @@ class TelemetryFrontEnd(failure.ClosedByWith):
         return self._ampscope_telemetry
 
     @property
+    def closed_already(self) -> bool:
+        return self._ampscope_telemetry.closed
+
+    @property
     def last_rerun(self) -> RerunOutcome | None:
         """What the newest rerun found on this rank (``None`` before any): set by
         ``step(..., rerun=closure)`` on a flagged iteration."""
