@@ -6,7 +6,10 @@ the exporter to each rank's reported history (the ``loss_spike`` and ``grad_norm
 verdicts and ``ampscope_spikes_total``). The default is OLMo-core's rule: more than 6 sigma above
 the mean of the preceding 100 iterations once at least 20 are known; on top of it a ratio
 guard, at least 3 times the window's median, so that a window with almost no variance (a plateau)
-does not turn every ripple into a spike.
+does not turn every ripple into a spike. A ratio says something only of a series that stays at or
+above 0 (a cross-entropy loss, a gradient norm): a window holding a negative value or whose median
+is 0 (a negative log-likelihood, an RL objective, a loss centred on 0; a gradient norm of 0 while
+every layer is frozen) judges nothing, where the guard would let every ripple through.
 
 Only the standard library is imported. ``SpikeWindow.observe`` is O(1) (amortised) on a value
 below ratio times the window's minimum, which it keeps as values come and go: most values of a
@@ -109,18 +112,22 @@ class SpikeWindow:
 
     def threshold(self) -> float:
         """The least value :meth:`observe` would judge a spike now: ``inf`` while fewer than
-        ``min_window`` values are known. O(window log window) (the median).
+        ``min_window`` values are known, or while the window holds a negative value or its
+        median is 0 (no ratio to judge by). O(window log window) (the median).
 
         A rank's front-end compares its loss and gradient norm against it on the device,
         to rerun a spike iteration (``rerun=closure``) without reading either on the host.
         """
         values = self._values
-        if len(values) < self.rule.min_window:
+        if len(values) < self.rule.min_window or self._minima[0][1] < 0:
+            return math.inf
+        median = statistics.median(values)
+        if median <= 0:
             return math.inf
         mean, stdev = _spread(values)
         # value > sigma bound (strictly) and value >= ratio bound: the least such value.
         above_sigmas = math.nextafter(self._sigma_bound(mean, stdev), math.inf)
-        return max(above_sigmas, self._ratio_bound(statistics.median(values)))
+        return max(above_sigmas, self._ratio_bound(median))
 
     def _sigma_bound(self, mean: float, stdev: float) -> float:
         """A spike stands strictly above this."""
@@ -133,6 +140,8 @@ class SpikeWindow:
     def _judge(self, value: float) -> Spike | None:
         if len(self._values) < self.rule.min_window:
             return None
+        if self._minima[0][1] < 0:
+            return None  # no ratio to a baseline that goes below 0
         values = self._values
         # The window's minimum is at most its median: below ratio x minimum, the value
         # fails the ratio guard, which settles most values of a steady series.
@@ -142,7 +151,7 @@ class SpikeWindow:
         if value <= self._sigma_bound(mean, stdev):
             return None
         median = statistics.median(self._values)
-        if value < self._ratio_bound(median):
+        if median <= 0 or value < self._ratio_bound(median):
             return None
         return Spike(value=value, mean=mean, stdev=stdev, median=median)
 

@@ -69,6 +69,33 @@ def test_a_lasting_change_of_level_stops_firing() -> None:
     assert fired[-1] < 100
 
 
+@pytest.mark.parametrize("level", [-2.0, 0.0])
+def test_a_series_that_is_not_positive_judges_nothing(level: float) -> None:
+    # A negative log-likelihood or an RL objective: 3x a median at or below 0 is no guard,
+    # and 1% of outlier batches 8 sigma up fired as spikes (and reruns). The same series
+    # lifted above 0 is judged by the rule as always.
+    rng = random.Random(7)
+    series = [
+        level + (8 * 0.1 if rng.random() < 0.01 else rng.gauss(0.0, 0.1)) for _ in range(3000)
+    ]
+    below, lifted = SpikeWindow(), SpikeWindow()
+    assert [v for v in series if below.observe(v)] == []
+    assert below.threshold() == math.inf
+    assert [v for v in series if lifted.observe(v + 2.0 - level)] == []  # 8 sigma < 3x
+    # A planted spike far above a positive baseline still fires; below 0, nothing does.
+    assert lifted.observe(40.0) is not None
+    assert below.observe(40.0) is None
+
+
+def test_a_gradient_norm_of_zero_while_frozen_is_no_baseline() -> None:
+    # Every layer frozen for the first steps (norm 0), then unfrozen: not a spike.
+    window = SpikeWindow()
+    for _ in range(50):
+        assert window.observe(0.0) is None
+    assert window.threshold() == math.inf
+    assert window.observe(1.0) is None
+
+
 @pytest.mark.parametrize(
     "bad",
     [
@@ -86,7 +113,8 @@ def test_impossible_thresholds_are_refused(bad: dict[str, float]) -> None:
 
 def test_the_minimum_shortcut_judges_as_the_full_rule() -> None:
     """Values below ratio x the window's minimum are rejected without the full test; the
-    verdicts must be those of the rule itself, for positive, mixed and negative series."""
+    verdicts must be those of the rule itself, for positive, mixed and negative series (the
+    last two judge nothing: no ratio to a baseline below 0)."""
     rule = SpikeRule(window=30, min_window=5)
     for level, noise in ((2.0, 0.2), (0.0, 1.0), (-10.0, 0.5)):
         rng = random.Random(level)
@@ -105,12 +133,14 @@ def test_the_minimum_shortcut_judges_as_the_full_rule() -> None:
                     if len(recent) % 2
                     else sum(sorted(recent)[len(recent) // 2 - 1 : len(recent) // 2 + 1]) / 2
                 )
-                if value > mean + rule.sigmas * stdev and value >= rule.ratio * median:
+                positive = min(recent) >= 0 and median > 0
+                if positive and value > mean + rule.sigmas * stdev and value >= rule.ratio * median:
                     expected = value
             assert (spike.value if spike else None) == expected, (level, value)
             fired += spike is not None
             history.append(value)
-        assert fired >= 1, f"the planted spikes of level {level} must fire"
+        if level > 0:
+            assert fired >= 1, f"the planted spikes of level {level} must fire"
 
 
 def test_a_value_at_exactly_ratio_times_a_flat_windows_level_is_a_spike() -> None:
@@ -138,6 +168,10 @@ def test_the_threshold_is_the_least_value_observe_calls_a_spike() -> None:
             limit = window.threshold()
             if len(window) < rule.min_window:
                 assert limit == math.inf
+                continue
+            if limit == math.inf:
+                assert level <= 0, "only a window without a positive baseline judges nothing"
+                assert window._judge(1e300) is None
                 continue
             assert window._judge(limit) is not None, (level, limit)
             assert window._judge(math.nextafter(limit, -math.inf)) is None, (level, limit)
