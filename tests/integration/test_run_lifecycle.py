@@ -290,6 +290,14 @@ def test_a_rank_paused_on_purpose_past_the_stall_limit_runs_and_pages_nobody(
             "the rules were not evaluated after the scrape",
         )
         assert stack.alerts("lc-ckpt") == []
+        # ampscope status over Prometheus says it as the exporter does: the rank, running,
+        # and what it pauses for (ampscope_rank_pause_start_timestamp_seconds).
+        result = _status("lc-ckpt", "--prometheus", stack.prometheus, "--json")
+        assert result.returncode == 0, result.stdout + result.stderr
+        answer = json.loads(result.stdout)
+        (rank,) = answer["ranks"]
+        assert (rank["state"], rank["pause"]["reason"]) == ("running", "checkpoint")
+        assert rank["pause"]["seconds"] > 2 * STALL_AFTER
         assert process.stdin is not None
         process.stdin.write("\n")
         process.stdin.close()

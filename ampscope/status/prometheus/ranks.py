@@ -33,6 +33,7 @@ GAUGES = (
     "ampscope_last_report_timestamp_seconds",
     "ampscope_rank_up",
     "ampscope_rank_failure_info",
+    "ampscope_rank_pause_start_timestamp_seconds",
     "ampscope_steps_total",
     "ampscope_skipped_steps_total",
     "ampscope_scale_backoffs_total",
@@ -264,7 +265,7 @@ def _view(info: Mapping[str, str]) -> dict[str, Any]:
         "dropped_records": 0,
         "up": False,
         "state": "lost",
-        "pause": None,  # heartbeats say a pause; Prometheus sees the state only
+        "pause": None,  # ampscope_rank_pause_start_timestamp_seconds, where the exporter has it
         "failure": None,
         "stop_signal": None,  # no series holds it: a stopped rank's state says enough
         "last_report_time": 0.0,
@@ -354,6 +355,12 @@ def build_views(samples: list[dict[str, Any]], now: float) -> dict[tuple[str, in
                 if origin == "no"
                 else None,
                 "seen_by": None,
+            }
+        elif name == "ampscope_rank_pause_start_timestamp_seconds":
+            # As the exporter's API says it: the reason, and the seconds since it began.
+            view["pause"] = {
+                "reason": labels.get("reason", "pause"),
+                "seconds": max(0.0, now - value),
             }
         elif name == "ampscope_last_report_timestamp_seconds":
             view["last_report_time"] = value
