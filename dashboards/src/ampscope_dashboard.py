@@ -342,12 +342,11 @@ def skipped_steps() -> list[Panel]:
     steps = _rate(per_rank("ampscope_steps_total"))
     # As the alert counts: without the weather, never below 0 (a reporter whose weather rose
     # more than its skips); every skip of a reporter without the count; each count by what
-    # the series had at the interval's start (a gap draws no old skip).
-    grown_skipped = _grown(per_rank("ampscope_skipped_steps_total"))
-    counted = (
-        f"(clamp_min({grown_skipped} - {_grown(weather_family)}, 0)"
-        f" or ({grown_skipped} unless on ({RANK_ON}) {weather_family}))"
-    )
+    # the series had at the interval's start (a gap draws no old skip). The skips' window is
+    # read once: a reporter without the count subtracts 0 (its skips * 0), as the rule does.
+    skipped_family = per_rank("ampscope_skipped_steps_total")
+    none = f"({skipped_family} * 0 unless on ({RANK_ON}) {weather_family})"
+    counted = f"clamp_min({_grown(skipped_family)} - ({_grown(weather_family)} or {none}), 0)"
     grown_steps = _grown(per_rank("ampscope_steps_total"))
     return [
         series(

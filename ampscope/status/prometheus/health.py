@@ -204,13 +204,22 @@ def counted_query(family: str, weather: str, sel: str, window_s: float) -> str:
     ``skip_storm`` and ``inf_hotspot``, never below 0 (a record's weather is at most its
     total, but one whose weather rose more than its total since the last is accepted); a
     rank whose reporter predates the weather count (no ``WEATHER_MARK``) counts all of it,
-    as before."""
+    as before.
+
+    Reads ``family``'s window once: an old reporter's series subtract 0 (``family * 0``, its
+    newest sample only), where ``clamp_min(counted - weather, 0) or (counted unless on (...)
+    mark)`` read it in both branches, and VictoriaMetrics read the window twice (about a
+    sixth more of its CPU at 8,192 ranks: docs/performance.md, "Whole job at scale"). The
+    same series and values: ``or`` keeps a weather series where one matches, so a rank with
+    the mark subtracts its weather, device by device; one without subtracts 0 from a growth
+    that is never negative (the window holds the newest sample), which ``clamp_min`` leaves
+    as it is; a rank with the mark and no weather series of that label set has nothing to
+    subtract and is absent, in both forms."""
     counted = grown_within(f"{family}{{{sel}}}", window_s)
+    weather_grown = grown_within(f"{weather}{{{sel}}}", window_s)
     ranks = "run, node, rank, local_rank"
-    return (
-        f"(clamp_min({counted} - {grown_within(f'{weather}{{{sel}}}', window_s)}, 0) or "
-        f"({counted} unless on ({ranks}) {WEATHER_MARK}{{{sel}}}))"
-    )
+    none = f"({family}{{{sel}}} * 0 unless on ({ranks}) {WEATHER_MARK}{{{sel}}})"
+    return f"clamp_min({counted} - ({weather_grown} or {none}), 0)"
 
 
 def steps_query(sel: str, window_s: float) -> str:
