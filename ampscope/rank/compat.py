@@ -528,6 +528,14 @@ def param_group_reduce_scatter_size(group: object) -> int:
     return int(mesh_info.shard_mesh_size)
 
 
+def param_group_data_parallel_ranks(group: object) -> frozenset[int]:
+    """The global ranks of an FSDP2 parameter group's data-parallel mesh (``mesh_info.mesh``,
+    no accessor): its shard dimension, or HSDP's replicate x shard mesh whole; never the
+    tensor-parallel dimensions (torch extracts the data-parallel submesh)."""
+    mesh = group.mesh_info.mesh  # type: ignore[attr-defined]
+    return frozenset(int(rank) for rank in mesh.mesh.flatten().tolist())
+
+
 def fully_shard_predivide_factor(
     group: object, reduce_scatter_group: Any, dtype: torch.dtype, device_type: str
 ) -> float:
