@@ -180,8 +180,6 @@ class OriginBoard:
         self._norms: dict[int, dict[OriginGroup | None, dict[int, float]]] = {}
         self._flagged: dict[int, set[int]] = {}
         self._order: list[int] = []  # a min-heap of the held steps
-        self._members: dict[OriginGroup, set[int]] = {}
-        """The ranks heard here naming each group: the ones that can report its steps."""
 
     def observe(
         self,
@@ -203,9 +201,10 @@ class OriginBoard:
                 like an outlier.
             group: The rank's origin group (``Setup.origin_group``); ``None``: it names
                 none, and is compared with the other ranks that name none. With a group,
-                ``ranks`` is further bounded by the group's size and by its members heard
-                here (a group spread over nodes has only some of them on this one); a
-                group of one is never compared.
+                ``ranks`` is further bounded by the group's size: a group of one is never
+                compared, one of two is judged once both reported. (A group spread over
+                nodes with fewer than three of its members on this one is not judged here:
+                the exporter cannot tell how many of them can report.)
 
         Returns:
             The ranks of the group newly found outliers at ``step`` (each (rank, step)
@@ -214,9 +213,7 @@ class OriginBoard:
         if norm is None:
             return []
         if group is not None:
-            members = self._members.setdefault(group, set())
-            members.add(rank)
-            ranks = min(ranks, group.size, len(members))
+            ranks = min(ranks, group.size)
         by_group = self._norms.get(step)
         if by_group is None:
             if len(self._order) >= self._capacity:
@@ -260,8 +257,6 @@ class OriginBoard:
                 self._flagged.pop(step, None)
         for flagged in self._flagged.values():
             flagged.discard(rank)
-        for members in self._members.values():
-            members.discard(rank)
         if len(self._order) != len(self._norms):
             self._order = list(self._norms)
             heapq.heapify(self._order)
