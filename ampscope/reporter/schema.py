@@ -212,7 +212,9 @@ class Setup(_Model):
     grad_dtype: Label | None = None
     """dtype of the gradients checked (``float16``, ``bfloat16``, ``float32``); ``None``
     when unknown."""
-    origin_group: OriginGroup | None = None
+    # Left out of the JSON when None, so a rank without origin tracking sends (and the API
+    # shows) the setup it always did, which an exporter that predates the field still takes.
+    origin_group: OriginGroup | None = Field(default=None, exclude_if=lambda group: group is None)
     """With origin tracking, the data-parallel group whose collective the origin hooks sit
     in: the exporter compares a rank's origin norm with this group's only. ``None`` without
     origin tracking, and from reporters that predate the field (compared with every rank
