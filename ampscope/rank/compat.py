@@ -18,6 +18,7 @@ warning once per process when running on a torch that breaks one.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import functools
 import hashlib
 import inspect
@@ -528,6 +529,14 @@ def param_group_reduce_scatter_size(group: object) -> int:
     return int(mesh_info.shard_mesh_size)
 
 
+def param_group_data_parallel_ranks(group: object) -> frozenset[int]:
+    """The global ranks of an FSDP2 parameter group's data-parallel mesh (``mesh_info.mesh``,
+    no accessor): its shard dimension, or HSDP's replicate x shard mesh whole; never the
+    tensor-parallel dimensions (torch extracts the data-parallel submesh)."""
+    mesh = group.mesh_info.mesh  # type: ignore[attr-defined]
+    return frozenset(int(rank) for rank in mesh.mesh.flatten().tolist())
+
+
 def fully_shard_predivide_factor(
     group: object, reduce_scatter_group: Any, dtype: torch.dtype, device_type: str
 ) -> float:
@@ -870,6 +879,8 @@ def _check_collectives() -> list[str]:
             problems.append(f"FSDP2 ReduceScatter comm no longer has {method}")
     if "shard_mesh_size" not in inspect.getsource(FSDPMeshInfo):
         problems.append("FSDPMeshInfo no longer has shard_mesh_size")
+    if "mesh" not in {field.name for field in dataclasses.fields(FSDPMeshInfo)}:
+        problems.append("FSDPMeshInfo no longer keeps its data-parallel mesh as mesh")
     ddp_init = inspect.getsource(DDP.__init__) + inspect.getsource(DDP.register_comm_hook)
     for attr in ("_comm_hooks", "_use_python_reducer"):
         if attr not in ddp_init and attr not in inspect.getsource(DDP):

@@ -183,6 +183,20 @@ class OptimizerDetail(_Model):
     """Took torch's ``_step_supports_amp_scaling`` path (the optimizer skips itself)."""
 
 
+class OriginGroup(_Model):
+    """The ranks whose origin norms (``grad_norm_origin``) are comparable with this rank's:
+    those that hold the same parameters, the replicas of its data-parallel group (the DDP
+    or FSDP1 process group, an FSDP2 data-parallel mesh, HSDP's replicate x shard mesh
+    whole). A pipeline stage's or a tensor-parallel shard's norm covers other parameters
+    than another stage's or shard's, so ranks of two groups are never compared."""
+
+    first: Annotated[int, Field(ge=0, lt=1_000_000)]
+    """The group's lowest global rank: data-parallel groups partition the ranks, so it names
+    the group."""
+    size: Annotated[int, Field(ge=1, le=1_000_000)]
+    """Ranks in the group, on every node (1: no replica, nothing to compare with)."""
+
+
 class Setup(_Model):
     """What a rank runs; the same in every record of a rank.
 
@@ -198,6 +212,13 @@ class Setup(_Model):
     grad_dtype: Label | None = None
     """dtype of the gradients checked (``float16``, ``bfloat16``, ``float32``); ``None``
     when unknown."""
+    # Left out of the JSON when None, so a rank without origin tracking sends (and the API
+    # shows) the setup it always did, which an exporter that predates the field still takes.
+    origin_group: OriginGroup | None = Field(default=None, exclude_if=lambda group: group is None)
+    """With origin tracking, the data-parallel group whose collective the origin hooks sit
+    in: the exporter compares a rank's origin norm with this group's only. ``None`` without
+    origin tracking, and from reporters that predate the field (compared with every rank
+    of the node that does not say either)."""
 
 
 class NonfiniteApplied(_Model):
@@ -547,6 +568,18 @@ class StepRecord(_Model):
     """On a non-finite iteration (inf/NaN gradients or loss, on this rank or after the
     reduction): the fault rule's decision; ``None`` on clean iterations and from reporters
     that predate the rule."""
+
+    @model_validator(mode="after")
+    def _rank_in_its_origin_group(self) -> StepRecord:
+        # The exporter keys its origin comparison on the group: a group that cannot hold the
+        # rank (or is larger than the job) is a reporter bug, not a group to compare within.
+        group, who = self.setup.origin_group, self.identity
+        if group is not None and (group.first > who.rank or group.size > who.world_size):
+            raise ValueError(
+                f"origin_group (first {group.first}, size {group.size}) cannot hold rank "
+                f"{who.rank} of a world of {who.world_size}"
+            )
+        return self
 
 
 class IngestBatch(_Model):

@@ -146,7 +146,8 @@ def grad_norm_spike(ranks: Sequence[SpikeFacts], t: Thresholds) -> Verdict:
 
 def origin_outlier(ranks: Sequence[SpikeFacts], t: Thresholds) -> Verdict:
     """Warning while a rank's own (pre-reduction) gradient norm stood ``origin_outlier_factor``
-    times above the median of the other ranks at the same step within the window: "rank R's
+    times above the median of the other ranks of its origin group (its data-parallel
+    replicas; the exporter's board compares no others) at the same step within the window: "rank R's
     own gradients were xN the median of the other ranks at step S". A rank that repeats
     across spikes points at its GPU or its data shard."""
     say = rule_verdicts("origin_outlier", t)

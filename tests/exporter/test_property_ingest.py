@@ -41,7 +41,9 @@ from ampscope.reporter.schema import (
     IngestBatch,
     NonfiniteParam,
     OptimizerDetail,
+    OriginGroup,
     RankTotals,
+    Setup,
     StepRecord,
 )
 from exporter.factory import FakeClock
@@ -178,6 +180,18 @@ optimizers = st.lists(
 
 
 @st.composite
+def setups(draw: st.DrawFn, identity: Identity) -> Setup:
+    """A setup naming no origin group (an older reporter) or any group that holds the rank."""
+    if draw(st.booleans()):
+        return Setup()
+    group = OriginGroup(
+        first=draw(st.integers(0, identity.rank)),
+        size=draw(st.integers(1, identity.world_size)),
+    )
+    return Setup(mode="watch", policy="skip", origin_group=group)
+
+
+@st.composite
 def batches(draw: st.DrawFn) -> IngestBatch:
     identity = Identity(
         run=draw(run_ids),
@@ -202,6 +216,7 @@ def batches(draw: st.DrawFn) -> IngestBatch:
             optimizers=draw(optimizers),
             nonfinite_params=draw(params),
             totals=draw(totals()),
+            setup=draw(setups(identity)),
         )
         for _ in range(draw(st.integers(1, 3)))
     ]

@@ -106,7 +106,14 @@ def check_watch(
     first = min(INJECT_STEPS)
     for run, policy in ((observe, "observe"), (skip, "skip")):
         assert run["installed"] == "GradWatch"
-        assert run["setup"] == {"mode": "watch", "policy": policy, "grad_dtype": "float32"}
+        # Several ranks: origin tracked (the default), over the DDP group of all of them.
+        group = {"origin_group": {"first": 0, "size": world_size}} if world_size > 1 else {}
+        assert run["setup"] == {
+            "mode": "watch",
+            "policy": policy,
+            "grad_dtype": "float32",
+            **group,
+        }
         assert run["event"] == ["none"]
         assert run["nonfinite"][first] == [param]
     # observe: the same bits, NaN weights included, and every update applied.

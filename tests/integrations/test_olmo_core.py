@@ -36,12 +36,19 @@ def _metric(run: dict[str, Any], name: str) -> list[float]:
     return [run["metrics"][step][name] for step in range(1, STEPS + 1)]
 
 
-def _check_observe(stock: dict[str, Any], observe: dict[str, Any]) -> None:
+def _check_observe(stock: dict[str, Any], observe: dict[str, Any], world_size: int = 1) -> None:
     assert stock["error"] is None
     assert observe["error"] is None
     assert observe["bits"] == stock["bits"]  # bit for bit, bf16 parameters
     assert stock["optimizer_steps"] == observe["optimizer_steps"] == [STEPS]
-    assert observe["setup"] == {"mode": "watch", "policy": "observe", "grad_dtype": "float32"}
+    # Several ranks: origin tracked, over the data-parallel group of all of them.
+    group = {"origin_group": {"first": 0, "size": world_size}} if world_size > 1 else {}
+    assert observe["setup"] == {
+        "mode": "watch",
+        "policy": "observe",
+        "grad_dtype": "float32",
+        **group,
+    }
     assert observe["skipped"] == observe["found"] == observe["origin"] == [False] * STEPS
     # The norm of the gradients before OLMo-core clipped them: its own "total grad norm".
     logged = _metric(observe, "optim/total grad norm")
@@ -69,7 +76,7 @@ def _check_norms(run: dict[str, Any]) -> None:
 def test_olmo_core_two_ranks(report_to: str, tmp_path: Path) -> None:
     results = run_distributed(olmo_worker, 2, args=("olmo", str(tmp_path)), timeout=TIMEOUT_S)
     for result in results:
-        _check_observe(result["stock"], result["observe"])
+        _check_observe(result["stock"], result["observe"], world_size=2)
     # Each rank's record holds its own CE loss; OLMo-core logs their mean.
     logged_loss = _metric(results[0]["observe"], "train/CE loss")
     per_rank = zip(*(r["observe"]["loss"] for r in results), strict=True)

@@ -46,7 +46,12 @@ def test_torchtitan_two_ranks(report_to: str, tmp_path: Path) -> None:
         assert observe["bits"] == stock["bits"]
         assert observe["logged"] == stock["logged"]
         assert observe["optimizer_steps"] == stock["optimizer_steps"] == [STEPS]
-        assert observe["setup"] == {"mode": "watch", "policy": "observe", "grad_dtype": "float32"}
+        assert observe["setup"] == {
+            "mode": "watch",
+            "policy": "observe",
+            "grad_dtype": "float32",
+            "origin_group": {"first": 0, "size": 2},  # origin tracked: FSDP2 over both ranks
+        }
         assert observe["skipped"] == observe["found"] == [False] * STEPS
         # The norm before torchtitan clipped the gradients: its own logged grad norm.
         pairs = zip(observe["grad_norm"], _logged(stock, "grad_norm"), strict=True)

@@ -6,11 +6,15 @@ their counts, which ``ampscope_spikes_total`` exposes and the health rules read.
 
 ``OriginBoard`` compares the ``grad_norm_origin`` of the ranks one exporter holds at equal
 steps: a ring of the run's most recent steps, each with the norm of every rank that
-reported it. A rank whose own gradients stand ``factor`` times above the median of the
-other ranks at that step is an origin outlier. The comparison is made again whenever
-another rank's record of the step arrives (ranks report at their own pace), and each
-(rank, step) counts once. One exporter sees one node's ranks: across nodes, nothing
-compares origin norms step by step (docs/exporter.md, "Spikes").
+reported it. Only ranks of one origin group (the replicas of a data-parallel group, which
+hold the same parameters; ``Setup.origin_group``) are compared: a pipeline stage's norm
+covers other parameters than the next stage's. Ranks that name no group (reporters that
+predate it) are compared with each other, as one group. A rank whose own gradients stand
+``factor`` times above the median of the other ranks of its group at that step is an
+origin outlier. The comparison is made again whenever another rank's record of the step
+arrives (ranks report at their own pace), and each (rank, step) counts once. One exporter
+sees one node's ranks: across nodes, nothing compares origin norms step by step
+(docs/exporter.md, "Spikes").
 
 Not thread-safe: the store calls everything under its lock. Every method is O(1) or
 O(ranks at one step x log of it) unless noted.
@@ -23,7 +27,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
-from ampscope.reporter.schema import StepRecord
+from ampscope.reporter.schema import OriginGroup, StepRecord
 from ampscope.reporter.spike_rule import SpikeRule, SpikeWindow
 
 SpikeKindName = Literal["loss", "grad_norm", "origin_outlier"]
@@ -162,7 +166,7 @@ class Outlier:
 
 
 class OriginBoard:
-    """The ``grad_norm_origin`` of a run's ranks at its most recent steps.
+    """The ``grad_norm_origin`` of a run's ranks at its most recent steps, by origin group.
 
     Args:
         factor: An outlier's norm is at least this many times the median of the others.
@@ -172,12 +176,20 @@ class OriginBoard:
     def __init__(self, factor: float, steps: int = ORIGIN_STEPS) -> None:
         self._factor = factor
         self._capacity = steps
-        self._norms: dict[int, dict[int, float]] = {}
+        # step -> origin group (None: ranks that name none) -> rank -> norm
+        self._norms: dict[int, dict[OriginGroup | None, dict[int, float]]] = {}
         self._flagged: dict[int, set[int]] = {}
         self._order: list[int] = []  # a min-heap of the held steps
 
-    def observe(self, rank: int, step: int, norm: float | None, ranks: int = 2) -> list[Outlier]:
-        """Add ``rank``'s norm at ``step`` and compare the ranks held at that step.
+    def observe(
+        self,
+        rank: int,
+        step: int,
+        norm: float | None,
+        ranks: int = 2,
+        group: OriginGroup | None = None,
+    ) -> list[Outlier]:
+        """Add ``rank``'s norm at ``step`` and compare it with its group's at that step.
 
         Args:
             rank: The rank reporting.
@@ -187,23 +199,35 @@ class OriginBoard:
                 step is judged once ``min(3, ranks)`` of them reported it, so that with
                 three or more ranks one unusually low rank cannot make a normal one look
                 like an outlier.
+            group: The rank's origin group (``Setup.origin_group``); ``None``: it names
+                none, and is compared with the other ranks that name none. With a group,
+                ``ranks`` is further bounded by the group's size: a group of one is never
+                compared, one of two is judged once both reported. (A group spread over
+                nodes with fewer than three of its members on this one is not judged here:
+                the exporter cannot tell how many of them can report.)
 
         Returns:
-            The ranks newly found outliers at ``step`` (each (rank, step) once).
-            O(ranks at the step x log of it).
+            The ranks of the group newly found outliers at ``step`` (each (rank, step)
+            once). O(ranks at the step x log of it).
         """
         if norm is None:
             return []
-        at = self._norms.get(step)
-        if at is None:
+        if group is not None:
+            ranks = min(ranks, group.size)
+        by_group = self._norms.get(step)
+        if by_group is None:
             if len(self._order) >= self._capacity:
                 if step < self._order[0]:
                     return []  # older than every step held: its peers are gone
                 oldest = heapq.heappop(self._order)
                 del self._norms[oldest]
                 self._flagged.pop(oldest, None)
-            at = self._norms[step] = {}
+            by_group = self._norms[step] = {}
             heapq.heappush(self._order, step)
+        for other_group, held in by_group.items():
+            if other_group != group:
+                held.pop(rank, None)  # the rank restarted into another group
+        at = by_group.setdefault(group, {})
         at[rank] = norm
         if len(at) < max(2, min(3, ranks)):
             return []
@@ -223,9 +247,12 @@ class OriginBoard:
         """Drop ``rank``'s norms (it restarted or was pruned), and the steps no rank holds
         any more: a job resumed from an older checkpoint reports steps below them, which a
         full board of empty steps would refuse. O(steps held)."""
-        for step, at in list(self._norms.items()):
-            at.pop(rank, None)
-            if not at:
+        for step, by_group in list(self._norms.items()):
+            for group, at in list(by_group.items()):
+                at.pop(rank, None)
+                if not at:
+                    del by_group[group]
+            if not by_group:
                 del self._norms[step]
                 self._flagged.pop(step, None)
         for flagged in self._flagged.values():

@@ -291,7 +291,9 @@ class Store:
             stats = record.stats
             if stats is None:
                 continue
-            for outlier in board.observe(rank, record.step, stats.grad_norm_origin, _peers(record)):
+            origin = stats.grad_norm_origin
+            group = record.setup.origin_group
+            for outlier in board.observe(rank, record.step, origin, _peers(record), group):
                 self._ledgers[run_id].flag(outlier.rank, outlier.step, "origin_outlier")
                 held = ranks[outlier.rank]
                 own = record if outlier.rank == rank else held.record_at(outlier.step)

@@ -22,7 +22,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ampscope.rank import compat
 from ampscope.rank.capture.layout import OptimizerSlot
-from ampscope.reporter.schema import Policy, RankMode, Setup
+from ampscope.reporter.schema import OriginGroup, Policy, RankMode, Setup
 
 
 def _counter(calls: list[int]) -> Callable[[Any, Any, Any], None]:
@@ -130,6 +130,7 @@ class CaptureRegistry:
         self._slots: dict[SlotKey, OptimizerSlot] = {}
         self._device_names: dict[tuple[torch.device, ...], tuple[str, ...]] = {}
         self._setups: dict[frozenset[str], Setup] = {}
+        self._origin_group: OriginGroup | None = None
 
     def info(self, optimizer: torch.optim.Optimizer) -> OptimizerInfo:
         """The optimizer's facts (index, fused, DTensor, dtypes, place), registered on first
@@ -181,11 +182,20 @@ class CaptureRegistry:
             names = self._device_names[key] = tuple(str(d) for d in key)
         return names
 
+    def set_origin_group(self, group: OriginGroup | None) -> None:
+        """Name ``group`` in every later step's setup (origin tracking attached)."""
+        if group != self._origin_group:
+            self._origin_group = group
+            self._setups.clear()
+
     def setup(self, dtypes: frozenset[str]) -> Setup:
         """The setup of a step whose gradients have ``dtypes``; one per combination."""
         setup = self._setups.get(dtypes)
         if setup is None:
             setup = self._setups[dtypes] = Setup(
-                mode=self._mode, policy=self._policy, grad_dtype=grad_dtype(dtypes)
+                mode=self._mode,
+                policy=self._policy,
+                grad_dtype=grad_dtype(dtypes),
+                origin_group=self._origin_group,
             )
         return setup

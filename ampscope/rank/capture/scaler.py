@@ -78,6 +78,11 @@ class StepCapture:
         self._scale_at: tuple[torch.Tensor, int] | None = None
         """Device transport: where that capture's scale after update() sits on the host."""
 
+    @property
+    def registry(self) -> CaptureRegistry:
+        """The optimizers and shared record parts (the front-end names the origin group)."""
+        return self._registry
+
     def flags_on_host(self, found_per_device: FoundInf) -> bool:
         """Whether this iteration's found-inf flags are host memory, read without a sync:
         the host transport (a CPU scaler), or, before the first update() decides it, every

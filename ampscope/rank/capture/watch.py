@@ -127,6 +127,11 @@ class WatchCapture:
         so never read."""
         self._constants: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
+    @property
+    def registry(self) -> CaptureRegistry:
+        """The optimizers and shared record parts (the front-end names the origin group)."""
+        return self._registry
+
     def clean_from_norms(
         self, norms: tuple[torch.Tensor, ...] | torch.Tensor, device: torch.device
     ) -> dict[torch.device, torch.Tensor] | None:

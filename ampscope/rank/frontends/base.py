@@ -209,11 +209,14 @@ class TelemetryFrontEnd(failure.ClosedByWith):
                 stats.reduce = None if group is None else sum_over(group)
         if track_origin and self._ampscope_capture is not None:
             from ampscope.rank.gradients.origin import OriginFlags
-            from ampscope.rank.gradients.origin_hooks import install_origin_hooks
+            from ampscope.rank.gradients.origin_hooks import install_origin_hooks, origin_group
 
             if self._ampscope_origin is None:
                 self._ampscope_origin = OriginFlags(norms=self._ampscope_stats is not None)
             self._ampscope_origin_handles.append(install_origin_hooks(model, self._ampscope_origin))
+            self._ampscope_capture.registry.set_origin_group(
+                origin_group(self._ampscope_origin_handles)
+            )
 
     def note_batch(self, ids: Any) -> None:
         """Note this rank's sample or batch ids for the current iteration.

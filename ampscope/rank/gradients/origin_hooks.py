@@ -27,10 +27,12 @@ from ampscope.rank.compat import (
     fsdp_default_hooks,
     fully_shard_param_groups,
     fully_shard_predivide_factor,
+    param_group_data_parallel_ranks,
     param_group_reduce_scatter,
     param_group_reduce_scatter_size,
 )
 from ampscope.rank.gradients.origin import OriginFlags
+from ampscope.reporter.schema import OriginGroup
 
 
 def find_ddp(model: torch.nn.Module) -> DDP | None:
@@ -269,8 +271,11 @@ class OriginReduceScatter(ReduceScatter):
         return factor
 
 
-def install_fully_shard(modules: list[FSDPModule], flags: OriginFlags) -> Callable[[], None]:
-    """Wrap the reduce-scatter of every FSDP2 module; returns the undo."""
+def install_fully_shard(
+    modules: list[FSDPModule], flags: OriginFlags
+) -> tuple[Callable[[], None], frozenset[int]]:
+    """Wrap the reduce-scatter of every FSDP2 module; returns the undo and the ranks that
+    share every module's data-parallel mesh with this one (see :class:`OriginHandle`)."""
     previous: list[tuple[FSDPModule, ReduceScatter, object]] = []
     for module in modules:
         groups = fully_shard_param_groups(module)
@@ -304,7 +309,10 @@ def install_fully_shard(modules: list[FSDPModule], flags: OriginFlags) -> Callab
         for module, inner, _ in previous:
             module.set_custom_reduce_scatter(inner)
 
-    return undo
+    # The norm sums every module's gradients: ranks whose norms cover the same parameters
+    # share all the meshes (experts sharded over another mesh than the dense layers).
+    ranks = frozenset.intersection(*(param_group_data_parallel_ranks(g) for _, _, g in previous))
+    return undo, ranks
 
 
 class OriginHandle:
@@ -313,10 +321,15 @@ class OriginHandle:
     Attributes:
         kind: ``"ddp"``, ``"fsdp"`` (FSDP1 ``FullyShardedDataParallel``) or
             ``"fully_shard"`` (FSDP2).
+        ranks: The global ranks whose origin norms are comparable with this rank's: those
+            holding the same parameters, its data-parallel replicas (the DDP or FSDP1
+            process group; the FSDP2 data-parallel mesh, HSDP's replicate x shard mesh
+            whole, since the norm is of the unsharded gradient). This rank included.
     """
 
-    def __init__(self, kind: str, undo: Callable[[], None]) -> None:
+    def __init__(self, kind: str, undo: Callable[[], None], ranks: frozenset[int]) -> None:
         self.kind = kind
+        self.ranks = ranks
         self._undo: Callable[[], None] | None = undo
 
     @property
@@ -383,14 +396,33 @@ def install_origin_hooks(model: torch.nn.Module, flags: OriginFlags) -> OriginHa
             "one data-parallel wrapper per model"
         )
     if ddp is not None:
-        return OriginHandle("ddp", install_ddp(ddp, flags))
+        return OriginHandle("ddp", install_ddp(ddp, flags), _group_ranks(ddp.process_group))
     if fsdp1 is not None:
-        return OriginHandle("fsdp", install_fsdp1(fsdp1, flags))
+        return OriginHandle("fsdp", install_fsdp1(fsdp1, flags), _group_ranks(fsdp1.process_group))
     if fully_shard:
-        return OriginHandle("fully_shard", install_fully_shard(fully_shard, flags))
+        return OriginHandle("fully_shard", *install_fully_shard(fully_shard, flags))
     raise TypeError(
         f"{type(model).__name__} runs no gradient collective, so there is no pre-reduction "
         "gradient to check: origin tracking needs DistributedDataParallel, "
         "FullyShardedDataParallel or fully_shard. Without data parallelism the local "
         "found-inf already is the origin; attach with track_origin=False."
     )
+
+
+def _group_ranks(group: dist.ProcessGroup | None) -> frozenset[int]:
+    """The global ranks of a wrapper's process group (``None``: the default group)."""
+    return frozenset(dist.get_process_group_ranks(group or dist.group.WORLD))
+
+
+def origin_group(handles: Sequence[OriginHandle]) -> OriginGroup | None:
+    """The origin group a scaler's records name (``Setup.origin_group``): the ranks every
+    active handle's model shares with this rank, so that each of them holds the same
+    parameters (one scaler's origin norm sums all its attached models'). ``None`` without an
+    active handle."""
+    active = [handle.ranks for handle in handles if handle.active]
+    if not active:
+        return None
+    ranks = frozenset.intersection(*active)
+    if not ranks:  # models of disjoint groups: no rank holds all of this one's parameters
+        return None
+    return OriginGroup(first=min(ranks), size=len(ranks))

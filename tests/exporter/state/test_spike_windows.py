@@ -10,7 +10,7 @@ from ampscope.exporter.health import evaluate
 from ampscope.exporter.state.ranks import RankSnapshot, RankState
 from ampscope.exporter.state.spike_windows import OriginBoard, SpikeCounts
 from ampscope.exporter.state.store import Store, StoreLimits
-from ampscope.reporter.schema import RankFailure, StepRecord
+from ampscope.reporter.schema import OriginGroup, RankFailure, Setup, StepRecord
 from ampscope.verdicts.thresholds import Thresholds
 from exporter.factory import T0, batch, record, stats, totals
 
@@ -186,6 +186,49 @@ def test_a_job_resumed_from_an_older_checkpoint_is_compared_again() -> None:
     assert (hit.rank, hit.step, hit.median, hit.compared) == (3, 101, 1.0, 3)
 
 
+def test_the_origin_board_compares_only_ranks_of_one_origin_group() -> None:
+    """Pipeline stages (groups of one) whose norms differ x20 are never compared; two
+    data-parallel replicas are; ranks that name no group (older reporters) are compared
+    with each other as before, and never with grouped ones."""
+    board = OriginBoard(factor=10.0)
+    stages = [OriginGroup(first=r, size=1) for r in range(4)]
+    for step in range(1, 21):
+        for rank, norm in enumerate([0.09, 0.08, 0.14, 1.8]):
+            assert board.observe(rank, step, norm, ranks=4, group=stages[rank]) == []
+    # Two stages of two replicas each: only the replica of the head stage stands out.
+    pair_a, pair_b = OriginGroup(first=0, size=2), OriginGroup(first=2, size=2)
+    assert board.observe(0, 30, 0.1, ranks=4, group=pair_a) == []
+    assert board.observe(1, 30, 0.1, ranks=4, group=pair_a) == []
+    assert board.observe(2, 30, 2.0, ranks=4, group=pair_b) == []  # x20 another group's
+    (hit,) = board.observe(3, 30, 40.0, ranks=4, group=pair_b)
+    assert (hit.rank, hit.step, hit.median, hit.compared) == (3, 30, 2.0, 1)
+    # A group of three judges a step once three of its members reported it.
+    trio = OriginGroup(first=0, size=3)
+    assert board.observe(0, 40, 0.01, ranks=4, group=trio) == []
+    assert board.observe(1, 40, 1.0, ranks=4, group=trio) == []
+    assert board.observe(2, 40, 1.1, ranks=4, group=trio) == []
+    # A group spread over nodes, two of its eight members here: the exporter cannot tell
+    # how many more report here, so it waits for three (no early judgement of two).
+    wide = OriginGroup(first=0, size=8)
+    assert board.observe(0, 50, 1.0, ranks=4, group=wide) == []
+    assert board.observe(4, 50, 12.0, ranks=4, group=wide) == []
+    (hit,) = board.observe(5, 50, 1.2, ranks=4, group=wide)
+    assert (hit.rank, hit.compared) == (4, 2)
+    # Older reporters: no group, compared with each other only.
+    assert board.observe(0, 60, 1.0) == []
+    assert board.observe(1, 60, 30.0, group=OriginGroup(first=1, size=1)) == []
+    (hit,) = board.observe(2, 60, 30.0)
+    assert (hit.rank, hit.median, hit.compared) == (2, 1.0, 1)
+
+
+def test_a_rank_forgotten_leaves_its_group() -> None:
+    board = OriginBoard(factor=10.0)
+    pair = OriginGroup(first=0, size=2)
+    board.observe(0, 1, 1.0, group=pair)
+    board.forget(0)
+    assert board.observe(1, 1, 50.0, group=pair) == []  # rank 0's norm is gone
+
+
 def _store() -> Store:
     return Store(
         StoreLimits(
@@ -233,6 +276,39 @@ def test_the_store_names_the_origin_outlier_once() -> None:
     )
     assert v["evidence"]["ranks"][0]["ratio"] == pytest.approx(ratio)
     assert v["thresholds"] == {"factor": 10.0, "window_s": 600.0}
+
+
+def test_pipeline_stages_are_not_origin_outliers_but_a_replica_is() -> None:
+    """Four ranks, two pipeline stages of two data-parallel replicas: the head stage's own
+    norms are x20 the first stage's at every step (its parameters differ), and rank 3's
+    are x20 its replica's at step 45. Only (45, rank 3) is an outlier and a suspect batch."""
+    store = _store()
+    for rank in range(4):
+        group = OriginGroup(first=0 if rank < 2 else 2, size=2)
+        records = [
+            record(
+                s,
+                rank=rank,
+                world_size=4,
+                local_world_size=4,
+                setup=Setup(mode="watch", policy="skip", origin_group=group),
+                stats=stats(
+                    2.0,
+                    grad_norm=1.0,
+                    origin=(0.1 if rank < 2 else 2.0) * (20 if (rank, s) == (3, 45) else 1),
+                ),
+            )
+            for s in range(1, 61)
+        ]
+        store.ingest(batch(*records), T0)
+    ranks = store.ranks("run-a")
+    assert ranks is not None
+    assert [snap.spike_counts.origin_outlier for snap in ranks] == [0, 0, 0, 1]
+    (event,) = ranks[3].spikes
+    assert (event.step, event.value, event.median, event.compared) == (45, 40.0, 2.0, 1)
+    suspects = store.suspect_batches("run-a")
+    assert suspects is not None
+    assert [(s["step"], s["rank"], s["reasons"]) for s in suspects] == [(45, 3, ["origin_outlier"])]
 
 
 def test_a_rank_that_repeats_is_named_with_its_count() -> None:

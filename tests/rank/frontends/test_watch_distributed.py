@@ -58,10 +58,12 @@ def test_observe_is_bit_identical_without_a_collective(
         first = next(i for i, r in enumerate(records) if r["found_inf_global"])
         assert applied["step"] == first + 1
         assert records[-1]["totals"]["nonfinite_applied"] == STEPS - first
+        # With origin tracking the setup names the data-parallel group: both ranks.
         assert records[-1]["setup"] == {
             "mode": "watch",
             "policy": "observe",
             "grad_dtype": GRAD_DTYPE[setup],
+            **({"origin_group": {"first": 0, "size": 2}} if TRACKED[setup] else {}),
         }
         if TRACKED[setup]:
             # The reduction spreads rank 1's inf to every rank's gradients in that step;
