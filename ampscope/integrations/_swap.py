@@ -63,6 +63,26 @@ def check_policy(policy: Policy, max_consecutive_skips: int | None = None) -> Wa
     return WatchConfig(policy=policy, max_consecutive_skips=max_consecutive_skips)
 
 
+def warn_if_sinks_reused(scaler_options: dict[str, Any], library: str) -> None:
+    """Say, when a new front-end replaces a closed one (a retry of training in the process),
+    that reporter or sink objects in the options were closed with it: a closed reporter
+    drops the new front-end's records, so the rank keeps its last state on the exporter."""
+    reporter = scaler_options.get("reporter", "auto")
+    objects = list(scaler_options.get("sinks", ()))
+    if reporter is not None and reporter != "auto":
+        objects.insert(0, reporter)
+    if objects:
+        names = ", ".join(type(sink).__name__ for sink in objects)
+        logger.warning(
+            "ampscope: %s trains again with a new front-end, but the reporter or sinks "
+            "passed in its options (%s) were closed with the last one and record nothing "
+            "more; pass the exporter's URL (AMPSCOPE_URL) instead of a reporter object "
+            "where training retries in its process",
+            library,
+            names,
+        )
+
+
 def make_watch(watch: WatchConfig, scaler_options: dict[str, Any]) -> GradWatch:
     """A :class:`GradWatch` with the user's telemetry options (scale clamps left out)."""
     options = {k: v for k, v in scaler_options.items() if k not in SCALE_CLAMPS}

@@ -44,6 +44,7 @@ from ampscope.integrations._swap import (
     is_distributed,
     make_watch,
     twin,
+    warn_if_sinks_reused,
 )
 from ampscope.rank.config import WatchConfig
 from ampscope.rank.frontends.base import TelemetryFrontEnd
@@ -412,6 +413,7 @@ def renew(
     )
     if fresh is None:
         return None
+    warn_if_sinks_reused(scaler_options, "Accelerate's accelerator")
     swap_into(accelerator, fresh)
     # A new attacher: the models the closed front-end was attached to are attached anew,
     # when the next prepare() returns them or the Trainer begins training.

@@ -37,6 +37,7 @@ batch is not changed: ``training_step`` receives it whole.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 try:
@@ -56,6 +57,7 @@ from ampscope.integrations._swap import (
     check_policy,
     make_watch,
     twin,
+    warn_if_sinks_reused,
 )
 from ampscope.rank.frontends.base import TelemetryFrontEnd
 from ampscope.rank.frontends.watch import GradWatch
@@ -118,6 +120,7 @@ class AmpscopeCallback(pl.Callback):
         self._warned = False
         self._active = True
         self._pauses = OpenPauses()
+        self._save_wrap: tuple[Callable[..., Any], Any] | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -138,6 +141,7 @@ class AmpscopeCallback(pl.Callback):
             # scaler is twinned anew below, state and all; a watch is built anew), attached
             # anew: its records make the rank running again on the exporter.
             self._attacher = Attacher(self._attacher.track_origin)
+            warn_if_sinks_reused(self._options, "Lightning's fit")
             if isinstance(stock, GradWatch):
                 stock = None
         ours: TelemetryFrontEnd | None = twin(stock, self._options) if stock is not None else None
@@ -158,7 +162,7 @@ class AmpscopeCallback(pl.Callback):
         plugin.scaler = ours
         self.scaler, self._active = ours, True
         _clip_through(plugin, ours)
-        _pause_on_saves(trainer, self._pauses)
+        self._pause_on_saves(trainer)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.scaler is not None and self._active:
@@ -240,6 +244,7 @@ class AmpscopeCallback(pl.Callback):
         """Undo this fit's wraps and close the front-end: the rank ends finished, or
         failed on ``exception`` (:meth:`~ampscope.reporter.failure.ClosedByWith.close_after`).
         Once per fit: a later hook finds the front-end closed."""
+        self._unwrap_saves(trainer)
         if self.scaler is None or not self._active or self.scaler.telemetry.closed:
             return
         if _HOOK in vars(pl_module):
@@ -247,41 +252,43 @@ class AmpscopeCallback(pl.Callback):
         plugin = trainer.precision_plugin
         if _CLIP in vars(plugin):
             delattr(plugin, _CLIP)  # the class's clip again
-        _unwrap_saves(trainer)
         self.scaler.close_after(exception)
+
+    def _pause_on_saves(self, trainer: pl.Trainer) -> None:
+        """Pause for every checkpoint saved while this callback's fit runs: ``ModelCheckpoint``
+        and a user's ``trainer.save_checkpoint()`` in a hook both go through the trainer's
+        ``save_checkpoint``, the weights-only saves too, which call no callback's
+        ``on_save_checkpoint``. From before the state's gather (a sharded gather under FSDP)
+        to the end of the next training batch, as the callback's other pauses. The wrap is
+        this fit's: undone at its end, and inert once its front-end closed (should a user's
+        own wrap, installed over it, keep it in place)."""
+        save = trainer.save_checkpoint
+        front = self.scaler
+
+        def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
+            live = front is not None and not front.telemetry.closed
+            if live and trainer.state.fn == "fit" and trainer.state.status == "running":
+                self._pauses.open("checkpoint")
+            return save(*args, **kwargs)
+
+        # What to put back: the trainer's own attribute, where someone set one, else the
+        # class's; the wrap is told by identity (a user's functools.wraps copies attributes).
+        self._save_wrap = (save_checkpoint, vars(trainer).get(_SAVE))
+        setattr(trainer, _SAVE, save_checkpoint)
+
+    def _unwrap_saves(self, trainer: pl.Trainer) -> None:
+        """Undo ``_pause_on_saves``; a wrap installed over it since is left in place."""
+        wrap, self._save_wrap = self._save_wrap, None
+        if wrap is None or vars(trainer).get(_SAVE) is not wrap[0]:
+            return
+        if wrap[1] is None:
+            delattr(trainer, _SAVE)
+        else:
+            setattr(trainer, _SAVE, wrap[1])
 
 
 _CLIP = "clip_grad_by_norm"
 _SAVE = "save_checkpoint"
-
-
-def _pause_on_saves(trainer: pl.Trainer, pauses: OpenPauses) -> None:
-    """Pause for every checkpoint saved while fit runs, for this fit only: ``ModelCheckpoint``
-    and a user's ``trainer.save_checkpoint()`` in a hook both go through the trainer's
-    ``save_checkpoint``, the weights-only saves too, which call no callback's
-    ``on_save_checkpoint``. From before the state's gather (a sharded gather under FSDP) to
-    the end of the next training batch, as the callback's other pauses."""
-    save = trainer.save_checkpoint
-
-    def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
-        if trainer.state.fn == "fit" and trainer.state.status == "running":
-            pauses.open("checkpoint")
-        return save(*args, **kwargs)
-
-    # What to put back: the trainer's own attribute, where someone set one, else the class's.
-    save_checkpoint._ampscope_replaced = vars(trainer).get(_SAVE)  # type: ignore[attr-defined]
-    setattr(trainer, _SAVE, save_checkpoint)
-
-
-def _unwrap_saves(trainer: pl.Trainer) -> None:
-    """Undo ``_pause_on_saves``, leaving a trainer it did not wrap as it is."""
-    wrap = vars(trainer).get(_SAVE)
-    if wrap is None or not hasattr(wrap, "_ampscope_replaced"):
-        return
-    if wrap._ampscope_replaced is None:
-        delattr(trainer, _SAVE)
-    else:
-        setattr(trainer, _SAVE, wrap._ampscope_replaced)
 
 
 def _clip_through(plugin: Any, front: TelemetryFrontEnd) -> None:

@@ -192,14 +192,6 @@ class Pipeline:
         with self.cond:
             if self.closing:
                 self.dropped += 1
-                # Said once: a closed reporter handed to a new front-end (an integration's
-                # retry of fit or train() with the same reporter object) sends nothing more.
-                self.log_once(
-                    "closed",
-                    logging.WARNING,
-                    "ampscope reporter: records emitted after close() are dropped (this "
-                    "reporter sent its final heartbeat); give a new front-end a new reporter",
-                )
                 return
             self.waiting.append((self.next_seq, record))
             self.next_seq += 1

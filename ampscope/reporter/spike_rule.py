@@ -6,10 +6,12 @@ the exporter to each rank's reported history (the ``loss_spike`` and ``grad_norm
 verdicts and ``ampscope_spikes_total``). The default is OLMo-core's rule: more than 6 sigma above
 the mean of the preceding 100 iterations once at least 20 are known; on top of it a ratio
 guard, at least 3 times the window's median, so that a window with almost no variance (a plateau)
-does not turn every ripple into a spike. A ratio says something only of a series that stays at or
-above 0 (a cross-entropy loss, a gradient norm): a window holding a negative value or whose median
-is 0 (a negative log-likelihood, an RL objective, a loss centred on 0; a gradient norm of 0 while
-every layer is frozen) judges nothing, where the guard would let every ripple through.
+does not turn every ripple into a spike. A ratio says something only of a series that stays
+above 0 (a cross-entropy loss, a gradient norm): a window whose median is 0 or below, or more than
+a tenth of whose values are negative (``NEGATIVE_SHARE``: a negative log-likelihood, an RL
+objective, a loss centred on 0; a gradient norm of 0 while every layer is frozen), judges
+nothing, where the guard would let every ripple through. A few negative values (a dip of a
+positive loss, an entropy bonus summed in now and then) leave the rule as it is.
 
 Only the standard library is imported. ``SpikeWindow.observe`` is O(1) (amortised) on a value
 below ratio times the window's minimum, which it keeps as values come and go: most values of a
@@ -23,6 +25,9 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
+
+NEGATIVE_SHARE = 0.1
+"""The largest share of a window's values below 0 with which it is still judged."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,6 +83,8 @@ class SpikeWindow:
         value instead of a pass over the window."""
         self._count = 0
         """Values kept so far (the index of the next one)."""
+        self._negatives = 0
+        """Values below 0 in the window."""
 
     def __len__(self) -> int:
         return len(self._values)
@@ -101,6 +108,10 @@ class SpikeWindow:
             spike = None
         else:
             spike = self._judge(value)
+        if len(values) == values.maxlen and values[0] < 0:
+            self._negatives -= 1  # leaves the window with this append
+        if value < 0:
+            self._negatives += 1
         values.append(value)
         while minima and minima[-1][1] >= value:
             minima.pop()
@@ -112,14 +123,15 @@ class SpikeWindow:
 
     def threshold(self) -> float:
         """The least value :meth:`observe` would judge a spike now: ``inf`` while fewer than
-        ``min_window`` values are known, or while the window holds a negative value or its
-        median is 0 (no ratio to judge by). O(window log window) (the median).
+        ``min_window`` values are known, or while its median is 0 or below or more than
+        ``NEGATIVE_SHARE`` of it is negative (no ratio to judge by). O(window log window) (the
+        median).
 
         A rank's front-end compares its loss and gradient norm against it on the device,
         to rerun a spike iteration (``rerun=closure``) without reading either on the host.
         """
         values = self._values
-        if len(values) < self.rule.min_window or self._minima[0][1] < 0:
+        if len(values) < self.rule.min_window or not self._judges_by_ratio():
             return math.inf
         median = statistics.median(values)
         if median <= 0:
@@ -128,6 +140,11 @@ class SpikeWindow:
         # value > sigma bound (strictly) and value >= ratio bound: the least such value.
         above_sigmas = math.nextafter(self._sigma_bound(mean, stdev), math.inf)
         return max(above_sigmas, self._ratio_bound(median))
+
+    def _judges_by_ratio(self) -> bool:
+        """Whether few enough of the window's values are negative for a ratio to its median
+        to say something (the median itself is checked where it is computed). O(1)."""
+        return self._negatives <= NEGATIVE_SHARE * len(self._values)
 
     def _sigma_bound(self, mean: float, stdev: float) -> float:
         """A spike stands strictly above this."""
@@ -140,8 +157,8 @@ class SpikeWindow:
     def _judge(self, value: float) -> Spike | None:
         if len(self._values) < self.rule.min_window:
             return None
-        if self._minima[0][1] < 0:
-            return None  # no ratio to a baseline that goes below 0
+        if not self._judges_by_ratio():
+            return None
         values = self._values
         # The window's minimum is at most its median: below ratio x minimum, the value
         # fails the ratio guard, which settles most values of a steady series.

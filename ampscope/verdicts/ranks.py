@@ -122,5 +122,5 @@ class RankFacts(RankRef):
     seconds_since_progress: float | None = None
     """Since its step last advanced, where the source holds it (the exporter's store)."""
     pause: RankPaused | None = None
-    """The pause a live rank says, where the source holds it (an exporter's store or JSON;
-    not Prometheus); ``None``: not paused."""
+    """The pause a live rank says (an exporter's store or JSON, or Prometheus'
+    ``ampscope_rank_pause_start_timestamp_seconds``); ``None``: not paused."""

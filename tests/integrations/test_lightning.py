@@ -644,3 +644,63 @@ def test_lightning_pause_not_opened_by_a_save_checkpoint_after_fit(tmp_path: Any
     trainer.save_checkpoint(tmp_path / "final.ckpt")
     # No next batch would end it: the rank would say paused for the rest of the process.
     assert pause.current() is None
+
+
+def test_lightning_keeps_a_users_save_wrap_and_its_own_ends_with_its_fit(tmp_path: Any) -> None:
+    # A user wraps the trainer's save during fit (an upload after each save), over the
+    # callback's wrap, with functools.wraps (which copies a function's attributes): the
+    # user's wrap stays after fit, and the callback's, left inside it, opens no pause once
+    # its fit ended, so the next fit's pauses end at its batches as before.
+    import functools
+
+    import lightning.pytorch as pl
+
+    from ampscope.reporter import pause
+
+    uploads: list[str] = []
+
+    class Upload(pl.Callback):  # type: ignore[misc]
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            if "save_checkpoint" in vars(trainer) and not uploads:
+                inner = trainer.save_checkpoint
+
+                @functools.wraps(inner)
+                def save_checkpoint(path: Any, *args: Any, **kwargs: Any) -> Any:
+                    result = inner(path, *args, **kwargs)
+                    uploads.append(str(path))
+                    return result
+
+                trainer.save_checkpoint = save_checkpoint
+
+    trainer = _quiet_trainer(tmp_path, limit_val_batches=1)
+    trainer.callbacks.append(Upload())
+    module = _Module.build(fail=False)
+    trainer.fit(module, _loader(), _loader())
+    wrap = vars(trainer).get("save_checkpoint")
+    assert wrap is not None  # the user's
+    trainer.save_checkpoint(tmp_path / "after.ckpt")
+    assert uploads == [str(tmp_path / "after.ckpt")]
+    assert pause.current() is None
+    # The same trainer fits again under a new callback, saving in a hook, through the
+    # user's wrap and the first fit's: that one opens no pause (nothing of its own would end
+    # it), the new callback's ends with the batch.
+    from ampscope.integrations.lightning import AmpscopeCallback
+
+    seen: list[str | None] = []
+
+    class SaveEveryBatch(pl.Callback):  # type: ignore[misc]
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            trainer.save_checkpoint(tmp_path / "step.ckpt")
+            now = pause.current()
+            seen.append(None if now is None else now.reason)
+
+        def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
+            now = pause.current()
+            seen.append(None if now is None else now.reason)
+
+    trainer.callbacks[:] = [AmpscopeCallback(reporter=None), SaveEveryBatch()]
+    trainer.fit_loop.epoch_loop.max_steps = 2 * STEPS
+    trainer.fit(module, _loader(), _loader())
+    assert "checkpoint" in seen
+    assert len(uploads) > 1
+    assert pause.current() is None

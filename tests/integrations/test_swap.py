@@ -10,7 +10,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as Torc
 from workers import INJECT_STEPS, STEPS, Net, batch, poison
 
 import ampscope
-from ampscope.integrations._swap import check_options, twin
+from ampscope.integrations._swap import check_options, twin, warn_if_sinks_reused
 
 
 def _train(scaler: Any, model: Net, optimizer: Any, steps: range, swap_at: int | None) -> Any:
@@ -74,3 +74,24 @@ def test_the_replica_check_travels_with_the_integrations_options() -> None:
     assert swapped is not None
     assert swapped._ampscope_config.replica_check_every == 7
     swapped.close()
+
+
+def test_a_retry_says_when_reporter_or_sink_objects_were_closed_with_the_last_run(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from ampscope.reporter.http import HttpReporter
+    from ampscope.reporter.sinks import CallbackSink
+
+    # Options a retry can rebuild from say nothing.
+    for options in ({}, {"reporter": "auto"}, {"reporter": None, "run_id": "r"}):
+        warn_if_sinks_reused(options, "Lightning's fit")
+    assert caplog.records == []
+    reporter = HttpReporter("http://127.0.0.1:9")
+    try:
+        options = {"reporter": reporter, "sinks": [CallbackSink(lambda record: None)]}
+        warn_if_sinks_reused(options, "Lightning's fit")
+    finally:
+        reporter.close(0)
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert "Lightning's fit trains again" in said
+    assert "(HttpReporter, CallbackSink)" in said

@@ -250,11 +250,9 @@ def test_emit_never_raises_and_bad_records_are_dropped(exporter, caplog):
     assert exporter.steps() == [1, 2]
     assert (reporter.sent, reporter.dropped) == (2, 2)
     reporter.close(1)
-    reporter.emit(make_record(3))  # after close: dropped, not raised, and said once
-    reporter.emit(make_record(4))
-    assert reporter.dropped == 4
+    reporter.emit(make_record(3))  # after close: dropped, not raised
+    assert reporter.dropped == 3
     assert sum("cannot encode" in r.getMessage() for r in caplog.records) == 1
-    assert sum("emitted after close()" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_garbage_collected_reporter_stops_its_thread(exporter):
