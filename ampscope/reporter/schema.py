@@ -102,9 +102,7 @@ class Identity(_Model):
     """Who produced a record."""
 
     run: RunId
-    """Run id: AMPSCOPE_RUN_ID, else TORCHELASTIC_RUN_ID, else generated and shared by all ranks;
-    ``<run>.2`` for a second front-end open at once in the process
-    (``ampscope.rank.telemetry.live_runs``)."""
+    """Run id: AMPSCOPE_RUN_ID, else TORCHELASTIC_RUN_ID, else generated and shared by all ranks."""
     node: Label
     """Host name of the rank's machine."""
     rank: Annotated[int, Field(ge=0, lt=1_000_000)]

@@ -631,8 +631,6 @@ def test_lightning_fit_that_raises_ends_the_rank_failed_and_a_retry_trains_on(
     [view] = ranks_read(report_to, "pl-raises", "finished")
     assert view["failure"] is None
     assert view["step"] == retried.telemetry.history()[-1].step > 0
-    # The failed scaler closed before the retry's was built: the retry keeps the run id.
-    assert retried.telemetry.history()[-1].identity.run == "pl-raises"
     failure.forget()
 
 

@@ -25,7 +25,6 @@ from ampscope.rank.frontends.rerun import Checks, Closure, Rerun, RerunOutcome, 
 from ampscope.rank.gradients.clip import clip_grad_norm_with_norms, clippable
 from ampscope.rank.gradients.names import ParamNames
 from ampscope.rank.gradients.stats import GradStats, SquareSumReduce, TakenStats
-from ampscope.rank.telemetry import live_runs
 from ampscope.rank.telemetry.identity import resolve_identity
 from ampscope.rank.telemetry.outputs import build_sinks
 from ampscope.rank.telemetry.pipeline import Telemetry
@@ -560,21 +559,10 @@ class TelemetryFrontEnd(failure.ClosedByWith):
 
     def _ampscope_identity_now(self) -> Identity:
         """The identity, resolved by the first call: a collective every rank reaches in
-        its first update() (it may broadcast the run id from rank 0). Its run id is then
-        claimed for this front-end while it is open (``<run>.2`` when another open one of
-        this process holds it: :mod:`ampscope.rank.telemetry.live_runs`)."""
+        its first update() (it may broadcast the run id from rank 0)."""
         identity = self._ampscope_identity
         if identity is None:
             identity = self._ampscope_identity = self._ampscope_resolve_identity()
-            # Another open front-end of this process may hold the run id: this one then
-            # reports under its own (live_runs), never mixed into the other's series.
-            try:
-                run = live_runs.claim(self, identity.run)
-            except Exception:
-                self._ampscope_failed()
-                run = identity.run
-            if run != identity.run:
-                identity = self._ampscope_identity = identity.model_copy(update={"run": run})
         return identity
 
     def _ampscope_resolve_identity(self) -> Identity:
