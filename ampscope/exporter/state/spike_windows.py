@@ -180,6 +180,9 @@ class OriginBoard:
         self._norms: dict[int, dict[OriginGroup | None, dict[int, float]]] = {}
         self._flagged: dict[int, set[int]] = {}
         self._order: list[int] = []  # a min-heap of the held steps
+        # origin group -> rank -> the first step it reported here: the group's members this
+        # exporter holds (a group spread over nodes has only some of them on this one).
+        self._members: dict[OriginGroup, dict[int, int]] = {}
 
     def observe(
         self,
@@ -201,10 +204,11 @@ class OriginBoard:
                 like an outlier.
             group: The rank's origin group (``Setup.origin_group``); ``None``: it names
                 none, and is compared with the other ranks that name none. With a group,
-                ``ranks`` is further bounded by the group's size: a group of one is never
-                compared, one of two is judged once both reported. (A group spread over
-                nodes with fewer than three of its members on this one is not judged here:
-                the exporter cannot tell how many of them can report.)
+                ``ranks`` is further bounded by the group's size and by its members this
+                exporter heard at earlier steps (a group spread over nodes has only some of
+                them here): a group of one, or with one member here, is never compared;
+                with two, a step is judged once both reported; a group's first step here is
+                not judged (its members are not known yet).
 
         Returns:
             The ranks of the group newly found outliers at ``step`` (each (rank, step)
@@ -213,7 +217,13 @@ class OriginBoard:
         if norm is None:
             return []
         if group is not None:
-            ranks = min(ranks, group.size)
+            members = self._members.setdefault(group, {})
+            first = members.setdefault(rank, step)
+            if first > step:
+                members[rank] = step  # a late record of an earlier step
+            # Judged against the members known before this step; a norm is kept either way,
+            # for the members that report the step later.
+            ranks = min(ranks, group.size, sum(1 for seen in members.values() if seen < step))
         by_group = self._norms.get(step)
         if by_group is None:
             if len(self._order) >= self._capacity:
@@ -229,8 +239,8 @@ class OriginBoard:
                 held.pop(rank, None)  # the rank restarted into another group
         at = by_group.setdefault(group, {})
         at[rank] = norm
-        if len(at) < max(2, min(3, ranks)):
-            return []
+        if ranks < 2 or len(at) < min(3, ranks):
+            return []  # no peer known here yet, or not enough of them reported the step
         flagged = self._flagged.setdefault(step, set())
         ordered = sorted(at.values())
         found = []
@@ -257,6 +267,8 @@ class OriginBoard:
                 self._flagged.pop(step, None)
         for flagged in self._flagged.values():
             flagged.discard(rank)
+        for members in self._members.values():
+            members.pop(rank, None)
         if len(self._order) != len(self._norms):
             self._order = list(self._norms)
             heapq.heapify(self._order)

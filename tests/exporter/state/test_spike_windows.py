@@ -195,8 +195,11 @@ def test_the_origin_board_compares_only_ranks_of_one_origin_group() -> None:
     for step in range(1, 21):
         for rank, norm in enumerate([0.09, 0.08, 0.14, 1.8]):
             assert board.observe(rank, step, norm, ranks=4, group=stages[rank]) == []
-    # Two stages of two replicas each: only the replica of the head stage stands out.
+    # Two stages of two replicas each: only the replica of the head stage stands out. (A
+    # group's first step here only tells the exporter its members: not judged.)
     pair_a, pair_b = OriginGroup(first=0, size=2), OriginGroup(first=2, size=2)
+    for rank, norm in enumerate([0.1, 0.1, 2.0, 40.0]):
+        assert board.observe(rank, 29, norm, ranks=4, group=[pair_a, pair_b][rank // 2]) == []
     assert board.observe(0, 30, 0.1, ranks=4, group=pair_a) == []
     assert board.observe(1, 30, 0.1, ranks=4, group=pair_a) == []
     assert board.observe(2, 30, 2.0, ranks=4, group=pair_b) == []  # x20 another group's
@@ -204,16 +207,29 @@ def test_the_origin_board_compares_only_ranks_of_one_origin_group() -> None:
     assert (hit.rank, hit.step, hit.median, hit.compared) == (3, 30, 2.0, 1)
     # A group of three judges a step once three of its members reported it.
     trio = OriginGroup(first=0, size=3)
+    for rank in range(3):
+        assert board.observe(rank, 39, 1.0, ranks=4, group=trio) == []
     assert board.observe(0, 40, 0.01, ranks=4, group=trio) == []
     assert board.observe(1, 40, 1.0, ranks=4, group=trio) == []
     assert board.observe(2, 40, 1.1, ranks=4, group=trio) == []
-    # A group spread over nodes, two of its eight members here: the exporter cannot tell
-    # how many more report here, so it waits for three (no early judgement of two).
+    # A group spread over nodes, three of its eight members here: once known, a step waits
+    # for the three (no early judgement of two).
     wide = OriginGroup(first=0, size=8)
+    for rank in (0, 4, 5):
+        assert board.observe(rank, 49, 1.0, ranks=4, group=wide) == []
     assert board.observe(0, 50, 1.0, ranks=4, group=wide) == []
     assert board.observe(4, 50, 12.0, ranks=4, group=wide) == []
     (hit,) = board.observe(5, 50, 1.2, ranks=4, group=wide)
     assert (hit.rank, hit.compared) == (4, 2)
+    # Two of a group's four members on this node (the others on another): judged as a pair,
+    # once both are known here; a group with one member here never is.
+    split, alone = OriginGroup(first=8, size=4), OriginGroup(first=12, size=4)
+    for step, norms in ((70, (1.0, 1.0, 1.0)), (71, (1.0, 30.0, 0.01))):
+        assert board.observe(8, step, norms[0], ranks=4, group=split) == []
+        found = board.observe(9, step, norms[1], ranks=4, group=split)
+        assert board.observe(12, step, norms[2], ranks=4, group=alone) == []
+    (hit,) = found
+    assert (hit.rank, hit.step, hit.compared) == (9, 71, 1)
     # Older reporters: no group, compared with each other only.
     assert board.observe(0, 60, 1.0) == []
     assert board.observe(1, 60, 30.0, group=OriginGroup(first=1, size=1)) == []
