@@ -21,14 +21,12 @@ import statistics
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from support import DEADLOCK_GUARD_S, free_port, run_distributed, wait_until
+from support import DEADLOCK_GUARD_S, run_distributed, wait_until
 
-from ampscope.demo.exporter import ExporterProcess
 from ampscope.verdicts.rollup import from_history
 
 pytestmark = pytest.mark.distributed
@@ -124,16 +122,6 @@ def _spike_counts(url: str, run: str) -> dict[tuple[str, str], float]:
             if sample.name == "ampscope_spikes_total" and sample.labels["run"] == run:
                 counts[(sample.labels["rank"], sample.labels["kind"])] = sample.value
     return counts
-
-
-@pytest.fixture(scope="module")
-def exporter() -> Iterator[str]:
-    process = ExporterProcess(free_port())
-    process.start()
-    try:
-        yield process.url
-    finally:
-        process.stop()
 
 
 def _at_step(url: str, run: str, step: int) -> bool:

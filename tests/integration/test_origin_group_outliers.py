@@ -14,13 +14,10 @@ from __future__ import annotations
 import json
 import threading
 import urllib.request
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from support import DEADLOCK_GUARD_S, free_port, run_distributed, wait_until
-
-from ampscope.demo.exporter import ExporterProcess
+from support import DEADLOCK_GUARD_S, run_distributed, wait_until
 
 pytestmark = pytest.mark.distributed
 
@@ -68,16 +65,6 @@ def _rank(rank: int, world_size: int, url: str) -> None:
 def _get(url: str) -> Any:
     with urllib.request.urlopen(url, timeout=DEADLOCK_GUARD_S) as response:
         return json.loads(response.read())
-
-
-@pytest.fixture(scope="module")
-def exporter() -> Iterator[str]:
-    process = ExporterProcess(free_port())
-    process.start()
-    try:
-        yield process.url
-    finally:
-        process.stop()
 
 
 def _finished(url: str) -> bool:

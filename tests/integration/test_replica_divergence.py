@@ -25,14 +25,11 @@ from __future__ import annotations
 
 import sys
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from support import DEADLOCK_GUARD_S, free_port, get_json, run_distributed, wait_until
-
-from ampscope.demo.exporter import ExporterProcess
+from support import DEADLOCK_GUARD_S, get_json, run_distributed, wait_until
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "status"))
 from status_cli import run_status
@@ -140,16 +137,6 @@ def _rank(rank: int, world_size: int, url: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     scenarios = ("ddp-watch", "ddp-scaler", "ddp-adam", "hsdp", "fsdp1-hybrid", "clean")
     return {s: _run(rank, s, url) for s in scenarios}
-
-
-@pytest.fixture(scope="module")
-def exporter() -> Iterator[str]:
-    process = ExporterProcess(free_port())
-    process.start()
-    try:
-        yield process.url
-    finally:
-        process.stop()
 
 
 def _finished(url: str, run: str, steps: int) -> bool:

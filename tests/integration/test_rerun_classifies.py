@@ -21,14 +21,11 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from support import DEADLOCK_GUARD_S, free_port, get_json, run_distributed, wait_until
-
-from ampscope.demo.exporter import ExporterProcess
+from support import DEADLOCK_GUARD_S, get_json, run_distributed, wait_until
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "status"))
 from status_cli import run_status
@@ -199,16 +196,6 @@ def _rank(rank: int, world_size: int, setup: str, url: str) -> dict[str, Any]:
     if setup == "ddp":
         out["clean_calls"] = _clean(rank, url)
     return out
-
-
-@pytest.fixture(scope="module")
-def exporter() -> Iterator[str]:
-    process = ExporterProcess(free_port())
-    process.start()
-    try:
-        yield process.url
-    finally:
-        process.stop()
 
 
 def _finished(url: str, run: str, steps: int) -> bool:

@@ -14,13 +14,10 @@ import json
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from support import DEADLOCK_GUARD_S, free_port, run_distributed
-
-from ampscope.demo.exporter import ExporterProcess
+from support import DEADLOCK_GUARD_S, run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -62,16 +59,6 @@ def _rank(rank: int, world_size: int, url: str, run: str, bad: tuple[int, ...]) 
 def _get(url: str) -> Any:
     with urllib.request.urlopen(url, timeout=DEADLOCK_GUARD_S) as response:
         return json.load(response)
-
-
-@pytest.fixture(scope="module")
-def exporter() -> Iterator[str]:
-    process = ExporterProcess(free_port())
-    process.start()
-    try:
-        yield process.url
-    finally:
-        process.stop()
 
 
 @pytest.mark.parametrize(("run", "bad"), [("skips", BAD_STEPS), ("clean", ())])

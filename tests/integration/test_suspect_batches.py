@@ -15,14 +15,11 @@ import json
 import sys
 import threading
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from support import DEADLOCK_GUARD_S, free_port, run_distributed, wait_until
-
-from ampscope.demo.exporter import ExporterProcess
+from support import DEADLOCK_GUARD_S, run_distributed, wait_until
 
 # ``ampscope status`` run as a user runs it, shared with the status tests.
 sys.path.insert(0, str(Path(__file__).parents[1] / "status"))
@@ -81,16 +78,6 @@ def _rank(rank: int, world_size: int, url: str) -> None:
 def _get(url: str) -> Any:
     with urllib.request.urlopen(url, timeout=DEADLOCK_GUARD_S) as response:
         return json.loads(response.read())
-
-
-@pytest.fixture(scope="module")
-def exporter() -> Iterator[str]:
-    process = ExporterProcess(free_port())
-    process.start()
-    try:
-        yield process.url
-    finally:
-        process.stop()
 
 
 def _finished(url: str) -> bool:
