@@ -36,8 +36,10 @@ _EXPORTER_SIDE = {
     "ampscope_rank_up",
     "ampscope_rank_state",
     "ampscope_last_report_timestamp_seconds",
-    # Read from a failed rank's final heartbeat, not from its records.
+    # Read from a failed rank's final heartbeat and a paused rank's heartbeats, not from its
+    # records.
     "ampscope_rank_failure_info",
+    "ampscope_rank_pause_start_timestamp_seconds",
     # The exporter's judgement of each rank's history (and of its ranks against each other).
     "ampscope_spikes_total",
     # Counted from records that carry a rerun and exposed once non-zero: a simulated rank,
