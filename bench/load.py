@@ -87,20 +87,34 @@ def push_concurrently(
         make_request: Builds a rank's next request (and advances its state).
         prebuild: Build all bodies before the clock starts (memory: every body at once).
         timeout: Socket timeout of each request, in seconds.
+
+    Raises:
+        Whatever ``make_request`` raised while the bodies were prebuilt: the start barrier is
+        broken for every pusher, so none waits for the one that failed.
     """
     barrier = threading.Barrier(len(ranks) + 1)
     latencies: list[list[float]] = [[] for _ in ranks]
     sent = [0 for _ in ranks]
     errors: list[str] = []
+    failures: list[BaseException] = []
     lock = threading.Lock()
 
     def pusher(index: int) -> None:
         rank = ranks[index]
-        bodies = [make_request(rank) for _ in range(requests_per_rank)] if prebuild else []
+        try:
+            bodies = [make_request(rank) for _ in range(requests_per_rank)] if prebuild else []
+        except BaseException as exc:
+            with lock:
+                failures.append(exc)
+            barrier.abort()  # the others, and the clock, would wait for this one forever
+            return
         conn = http.client.HTTPConnection(host, port, timeout=timeout)
         mine = latencies[index]
         try:
-            barrier.wait()
+            try:
+                barrier.wait()
+            except threading.BrokenBarrierError:
+                return  # another pusher failed to build its bodies
             for i in range(requests_per_rank):
                 method, path, body, ctype = bodies[i] if prebuild else make_request(rank)
                 start = time.perf_counter()
@@ -125,7 +139,12 @@ def push_concurrently(
     threads = [threading.Thread(target=pusher, args=(i,), daemon=True) for i in range(len(ranks))]
     for thread in threads:
         thread.start()
-    barrier.wait()
+    try:
+        barrier.wait()
+    except threading.BrokenBarrierError:
+        for thread in threads:
+            thread.join()
+        raise failures[0] from None
     start = time.perf_counter()
     for thread in threads:
         thread.join()
