@@ -3,48 +3,59 @@
 from __future__ import annotations
 
 import json
-import time
 import urllib.request
+from collections.abc import Callable
 from typing import Any
 
-from support import DEADLOCK_GUARD_S
+from support import DEADLOCK_GUARD_S, wait_until
 from workers import INJECT_STEPS, STEPS, Net, inject_rank
+
+
+def _ranks_once(
+    url: str, run: str, world_size: int, holds: Callable[[Any], bool], what: str, timeout: float
+) -> list[Any]:
+    """``run``'s ranks at the exporter, by rank, once there are ``world_size`` of them and
+    ``holds`` holds for each (``what`` names the wait when it fails: a hang guard)."""
+    seen: list[Any] = []
+
+    def ready() -> bool:
+        try:
+            with urllib.request.urlopen(f"{url}/api/v1/runs/{run}/ranks", timeout=5) as r:
+                seen[:] = json.loads(r.read())
+        except OSError:
+            seen[:] = []
+        return len(seen) == world_size and all(holds(rank) for rank in seen)
+
+    wait_until(ready, what, timeout)
+    return sorted(seen, key=lambda rank: rank["rank"])
 
 
 def exporter_ranks(
     url: str, run: str, world_size: int, timeout: float = DEADLOCK_GUARD_S, steps: int = STEPS
 ) -> list[Any]:
     """The exporter's view of ``run``'s ranks once all have reported ``steps`` steps."""
-    end = time.monotonic() + timeout
-    ranks: list[Any] = []
-    while time.monotonic() < end:
-        try:
-            with urllib.request.urlopen(f"{url}/api/v1/runs/{run}/ranks", timeout=5) as r:
-                ranks = json.loads(r.read())
-        except OSError:
-            ranks = []
-        if len(ranks) == world_size and all(rank["step"] == steps for rank in ranks):
-            return sorted(ranks, key=lambda rank: rank["rank"])
-        time.sleep(0.1)
-    raise AssertionError(f"exporter did not get every step of {run}: {ranks}")
+    return _ranks_once(
+        url,
+        run,
+        world_size,
+        lambda rank: rank["step"] == steps,
+        f"exporter did not get every step of {run}",
+        timeout,
+    )
 
 
 def ranks_read(
     url: str, run: str, state: str, world_size: int = 1, timeout: float = DEADLOCK_GUARD_S
 ) -> list[Any]:
     """The exporter's view of ``run``'s ranks, by rank, once every one reads ``state``."""
-    end = time.monotonic() + timeout
-    ranks: list[Any] = []
-    while time.monotonic() < end:
-        try:
-            with urllib.request.urlopen(f"{url}/api/v1/runs/{run}/ranks", timeout=5) as r:
-                ranks = json.loads(r.read())
-        except OSError:
-            ranks = []
-        if len(ranks) == world_size and all(rank["state"] == state for rank in ranks):
-            return sorted(ranks, key=lambda rank: rank["rank"])
-        time.sleep(0.1)
-    raise AssertionError(f"{run}'s ranks never all read {state}: {ranks}")
+    return _ranks_once(
+        url,
+        run,
+        world_size,
+        lambda rank: rank["state"] == state,
+        f"{run}'s ranks never all read {state}",
+        timeout,
+    )
 
 
 def check_failed_with(view: Any, exception: str, message: str) -> None:
